@@ -1,0 +1,553 @@
+// grade.cpp — see grade.h.
+#include "grade.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "intake.h"
+#include "k2c/todo.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace k2c::grader {
+namespace {
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string first_lines(const std::string& text, int n, std::size_t max_chars = 600) {
+  std::istringstream in(text);
+  std::string line, out;
+  for (int i = 0; i < n && std::getline(in, line); ++i) out += (i ? "\n" : "") + line;
+  if (out.size() > max_chars) out = out.substr(0, max_chars) + " ...";
+  return out;
+}
+
+// The first compiler errors of a failed build, or its last lines if none look like errors.
+std::string compiler_errors(const std::string& log) {
+  std::istringstream in(log);
+  std::string line, out;
+  int kept = 0;
+  while (std::getline(in, line) && kept < 12)
+    if (line.find("error") != std::string::npos || line.find("Error") != std::string::npos) {
+      out += (kept++ ? "\n" : "") + line;
+    }
+  if (!out.empty()) return out;
+  std::vector<std::string> lines;
+  std::istringstream all(log);
+  while (std::getline(all, line)) lines.push_back(line);
+  for (std::size_t i = lines.size() > 15 ? lines.size() - 15 : 0; i < lines.size(); ++i)
+    out += lines[i] + "\n";
+  return out;
+}
+
+// A line the test program prints before ending itself on a sticky CUDA error.
+std::string fatal_line(const std::string& log) {
+  const auto at = log.find("K2C_FATAL:");
+  if (at == std::string::npos) return "";
+  return log.substr(at + 10, log.find('\n', at) - at - 10);
+}
+
+double number_property(const json& t, const char* key, bool* ok) {
+  auto it = t.find(key);
+  if (it == t.end()) {
+    *ok = false;
+    return 0;
+  }
+  try {
+    if (it->is_number()) return it->get<double>();
+    if (it->is_string()) return std::stod(it->get<std::string>());
+  } catch (...) {
+  }
+  *ok = false;
+  return 0;
+}
+
+std::string string_property(const json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+// Properties recorded outside any test (the device, the seed) appear at the top level of
+// GoogleTest's JSON report or on the test suites, depending on the GoogleTest version.
+std::string global_property(const json& report, const char* key) {
+  std::string v = string_property(report, key);
+  if (!v.empty() || !report.contains("testsuites")) return v;
+  for (const json& s : report["testsuites"])
+    if (!(v = string_property(s, key)).empty()) return v;
+  return v;
+}
+
+}  // namespace
+
+double GradeReport::points() const {
+  double s = 0;
+  for (const auto& m : modules) s += m.points;
+  return s;
+}
+double GradeReport::max_points() const {
+  double s = 0;
+  for (const auto& m : modules) s += m.max_points;
+  return s;
+}
+
+ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
+                              const std::string& gtest_json, const std::string& impl,
+                              double timeout_s) {
+  ModuleOutcome m;
+  m.id = spec.id;
+  m.title = spec.title;
+  m.max_points = spec.points();
+  m.log = run.output;
+  m.seconds = run.seconds;
+  auto zero = [&](const std::string& status, const std::string& detail) {
+    m.status = status;
+    m.detail = detail;
+    m.points = 0;
+    for (TestOutcome& t : m.tests) t.points = 0;
+    return m;
+  };
+
+  // Process-level failures first: none of them leaves a report we could trust.
+  if (!run.started) return zero("crashed", "could not start the test program: " + run.output);
+  if (run.timed_out) return zero("timed out", describe_exit(run, timeout_s));
+  if (const std::string f = fatal_line(run.output); !f.empty()) return zero("crashed", f);
+  if (run.signal > 0) return zero("crashed", describe_exit(run, timeout_s));
+  if (gtest_json.empty())
+    return zero("no report", "the test program ended (" + describe_exit(run, timeout_s) +
+                                 ") without writing its report: an early exit() or a crash");
+  json report;
+  try {
+    report = json::parse(gtest_json);
+  } catch (const std::exception& e) {
+    return zero("no report", std::string("unreadable test report: ") + e.what());
+  }
+  // GoogleTest exits with 1 when a test failed; anything else (a sanitizer's error code, an
+  // exit() from inside the code under test) is not a normal end.
+  if (run.exit_code != 0 && run.exit_code != 1)
+    return zero("crashed", "abnormal " + describe_exit(run, timeout_s) +
+                               (run.exit_code == 86 ? " (compute-sanitizer found errors)" : ""));
+
+  std::map<std::string, const json*> seen;
+  if (report.contains("testsuites"))
+    for (const json& suite : report["testsuites"])
+      if (suite.contains("testsuite"))
+        for (const json& t : suite["testsuite"])
+          seen[string_property(suite, "name") + "." + string_property(t, "name")] = &t;
+
+  int passed = 0, failed = 0, not_implemented = 0, skipped = 0;
+  std::string skip_reason = global_property(report, "k2c_gpu_reason");
+  for (const TestSpec& ts : spec.tests) {
+    TestOutcome t;
+    t.name = ts.name;
+    t.max_points = ts.points;
+    auto it = seen.find(ts.name);
+    if (it == seen.end()) {
+      t.status = "did not run";
+      m.tests.push_back(t);
+      return zero("incomplete", "test " + ts.name + " did not report");
+    }
+    const json& j = *it->second;
+    const std::string result = string_property(j, "result");
+    const std::string run_status = string_property(j, "status");
+    std::string failure;
+    if (j.contains("failures"))
+      for (const json& f : j["failures"]) failure += string_property(f, "failure") + "\n";
+
+    if (run_status == "NOTRUN" || result == "SUPPRESSED") {
+      t.status = "did not run";
+      m.tests.push_back(t);
+      return zero("incomplete", "test " + ts.name + " was filtered out or disabled");
+    }
+    if (result == "SKIPPED") {
+      t.status = "skipped";
+      t.message = skip_reason.empty() ? "skipped" : "no CUDA device: " + skip_reason;
+      ++skipped;
+    } else if (!failure.empty()) {
+      const auto marker = failure.find(kNotImplementedMarker);
+      if (marker != std::string::npos) {
+        t.status = "not implemented";
+        t.message = first_lines(failure.substr(marker + std::string(kNotImplementedMarker).size() + 1), 1);
+        ++not_implemented;
+      } else {
+        t.status = "failed";
+        t.message = first_lines(failure, 6);
+        ++failed;
+      }
+    } else if (result == "COMPLETED") {
+      t.status = "passed";
+      t.points = ts.points;
+      ++passed;
+    } else {
+      t.status = "failed";
+      t.message = "unknown result '" + result + "'";
+      ++failed;
+    }
+
+    if (ts.perf && j.contains("k2c_achieved")) {
+      bool ok = true;
+      PerfOutcome p;
+      p.achieved = number_property(j, "k2c_achieved", &ok);
+      p.ceiling = number_property(j, "k2c_ceiling", &ok);
+      p.unit = ts.perf->unit;
+      p.ceiling_name = ts.perf->ceiling;
+      p.required = impl == "solutions" ? ts.perf->goal : ts.perf->threshold;
+      if (!ok || !(p.ceiling > 0) || !std::isfinite(p.achieved))
+        return zero("invalid", ts.name + ": unreadable performance figures");
+      // Recomputed here from the raw figures: the test's own verdict is not taken on trust.
+      p.ratio = p.achieved / p.ceiling;
+      t.perf = p;
+      if (p.ratio > ts.perf->max_ratio) {
+        m.tests.push_back(t);
+        std::ostringstream os;
+        os << ts.name << ": impossible performance figure, " << std::setprecision(3) << p.ratio
+           << "x " << p.ceiling_name << " (physical limit " << ts.perf->max_ratio << "x)";
+        return zero("invalid", os.str());
+      }
+      if (t.status == "passed" && p.ratio < p.required) {
+        t.status = "failed";
+        t.points = 0;
+        t.message = "below the bar";
+      }
+    } else if (ts.perf && t.status == "passed") {
+      t.status = "failed";  // a perf test that passed without reporting figures proves nothing
+      t.points = 0;
+      t.message = "no performance figures reported";
+      ++failed;
+      --passed;
+    }
+    m.points += t.points;
+    m.tests.push_back(t);
+  }
+
+  if (passed == static_cast<int>(spec.tests.size()))
+    m.status = "ok";
+  else if (skipped == static_cast<int>(spec.tests.size()))
+    m.status = "skipped";
+  else if (not_implemented > 0 && failed == 0 && passed == 0)
+    m.status = "not implemented yet";
+  else if (passed > 0)
+    m.status = "partial";
+  else
+    m.status = "failed";
+  if (m.status != "ok") {
+    if (skipped > 0) m.detail = std::to_string(skipped) + " skipped (no CUDA device: " + skip_reason + ")";
+    if (not_implemented > 0)
+      m.detail += (m.detail.empty() ? "" : "; ") + std::to_string(not_implemented) + " not implemented yet";
+  }
+  return m;
+}
+
+json find_reference(const std::string& dir, const std::string& gpu, std::string* file) {
+  std::error_code ec;
+  if (gpu.empty() || gpu == "none" || !fs::is_directory(dir, ec)) return json::object();
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".json") continue;
+    try {
+      json j = json::parse(read_file(e.path()));
+      if (j.value("gpu", "") == gpu) {
+        if (file) *file = e.path().string();
+        return j;
+      }
+    } catch (...) {
+      // a broken reference file only loses its column, never the grade
+    }
+  }
+  return json::object();
+}
+
+GradeReport grade(const GradeOptions& o, std::ostream& progress) {
+  const Rubric rubric = load_rubric(o.rubric_path);
+  std::vector<const ModuleSpec*> selected;
+  if (o.modules.empty())
+    for (const ModuleSpec& m : rubric.modules) selected.push_back(&m);
+  for (const std::string& key : o.modules) {
+    const ModuleSpec* m = rubric.find(key);
+    if (m == nullptr) {
+      std::string known;
+      for (const ModuleSpec& k : rubric.modules) known += " " + k.id;
+      throw std::runtime_error("unknown module '" + key + "'; the rubric has:" + known);
+    }
+    if (std::find(selected.begin(), selected.end(), m) == selected.end()) selected.push_back(m);
+  }
+
+  GradeReport report;
+  report.impl = o.impl;
+  report.seed = o.seed;
+  report.sanitize = o.sanitize;
+
+  std::string source_root = o.root;
+  std::optional<Intake> intake;
+  if (!o.submission_dir.empty()) {
+    intake = take_submission(rubric, selected, o.submission_dir, o.root,
+                             (fs::path(o.build_dir) / "staged").string());
+    source_root = intake->staged_root;
+    for (const IntakeFile& f : intake->files)
+      progress << "submission: " << f.path << ": "
+               << (!f.problem.empty() ? f.problem
+                                      : f.source.empty() ? "absent (the stub is graded)"
+                                                         : "taken from " + f.source)
+               << "\n";
+    for (const std::string& f : intake->ignored)
+      progress << "submission: " << f << ": ignored (not a file the rubric names)\n";
+  }
+  const fs::path build = intake ? fs::path(o.build_dir) / "build" : fs::path(o.build_dir);
+  const int jobs = o.jobs > 0 ? o.jobs : std::max(1u, std::thread::hardware_concurrency());
+
+  progress << "configuring " << build.string() << " (" << o.impl << ") ...\n" << std::flush;
+  std::vector<std::string> configure = {"cmake", "-S", source_root, "-B", build.string(),
+                                        "-DK2C_IMPL=" + o.impl};
+  if (!o.generator.empty() && !fs::exists(build / "CMakeCache.txt"))
+    configure.insert(configure.end(), {"-G", o.generator});
+  const ProcessResult conf = run_process(configure, {.timeout_s = 900});
+  json build_info = json::object();
+  if (conf.exit_code == 0) {
+    try {
+      build_info = json::parse(read_file(build / "k2c_build_info.json"));
+    } catch (...) {
+    }
+  }
+
+  for (std::size_t i = 0; i < selected.size(); ++i) {
+    const ModuleSpec& spec = *selected[i];
+    const std::string tag = "[" + std::to_string(i + 1) + "/" + std::to_string(selected.size()) + "] " + spec.id;
+    ModuleOutcome m;
+    m.id = spec.id;
+    m.title = spec.title;
+    m.max_points = spec.points();
+    auto finish = [&](ModuleOutcome out) {
+      progress << tag << ": " << out.status;
+      if (out.status != "ok") progress << (out.detail.empty() ? "" : " — " + first_lines(out.detail, 1, 160));
+      progress << " (" << out.points << "/" << out.max_points << ")\n" << std::flush;
+      report.modules.push_back(std::move(out));
+    };
+
+    if (intake && !intake->problem_for(spec).empty()) {
+      m.status = "refused";
+      m.detail = "submission " + intake->problem_for(spec);
+      finish(m);
+      continue;
+    }
+    if (conf.exit_code != 0) {
+      m.status = "build failed";
+      m.detail = "CMake configure failed:\n" + compiler_errors(conf.output);
+      m.log = conf.output;
+      finish(m);
+      continue;
+    }
+    const auto& built = build_info.value("modules", json::array());
+    if (std::find(built.begin(), built.end(), spec.id) == built.end()) {
+      m.status = "skipped";
+      m.detail = build_info.value("cuda", false) ? "not declared in the build (autograder/CMakeLists.txt)"
+                                                 : "this build has no CUDA toolkit (nvcc not found)";
+      finish(m);
+      continue;
+    }
+
+    progress << tag << ": building ...\n" << std::flush;
+    const ProcessResult b = run_process(
+        {"cmake", "--build", build.string(), "--target", "k2c_test_" + spec.id, "-j", std::to_string(jobs)},
+        {.timeout_s = 1800});
+    if (b.exit_code != 0) {
+      m.status = "build failed";
+      m.detail = compiler_errors(b.output);
+      m.log = b.output;
+      finish(m);
+      continue;
+    }
+
+    const double timeout = o.timeout_s > 0 ? o.timeout_s : spec.timeout_s;
+    const fs::path json_path = build / "reports" / (spec.id + ".json");
+    fs::create_directories(json_path.parent_path());
+    fs::remove(json_path);
+    std::vector<std::string> cmd;
+    if (o.sanitize && spec.kind == "gpu")
+      cmd = {"compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20"};
+    cmd.push_back((build / "bin" / ("k2c_test_" + spec.id)).string());
+    cmd.push_back("--gtest_output=json:" + json_path.string());
+    progress << tag << ": running (time limit " << timeout << " s) ...\n" << std::flush;
+    const ProcessResult r = run_process(
+        cmd, {.env = {{"K2C_SEED", std::to_string(o.seed)},
+                      {"K2C_RUBRIC", fs::absolute(o.rubric_path).string()},
+                      {"K2C_SANITIZE", o.sanitize ? "1" : "0"}},
+              .timeout_s = timeout});
+    const std::string gtest_json = fs::exists(json_path) ? read_file(json_path) : "";
+    m = evaluate_module(spec, r, gtest_json, o.impl, timeout);
+
+    if (!gtest_json.empty()) {
+      try {
+        const json j = json::parse(gtest_json);
+        const std::string gpu = global_property(j, "k2c_gpu");
+        if (!gpu.empty()) report.gpu = gpu;
+        if (gpu == "none") report.gpu_reason = global_property(j, "k2c_gpu_reason");
+        const std::string rt = global_property(j, "k2c_cuda_runtime");
+        if (!rt.empty()) report.cuda_runtime = rt;
+      } catch (...) {
+      }
+    }
+    finish(m);
+  }
+
+  // Reference figures for this GPU, and the ceilings this run measured.
+  const json ref = find_reference(o.reference_dir, report.gpu, &report.reference_file);
+  for (ModuleOutcome& m : report.modules)
+    for (TestOutcome& t : m.tests) {
+      if (!t.perf) continue;
+      report.ceilings[t.perf->ceiling_name] = {t.perf->ceiling, t.perf->unit};
+      const json* r = nullptr;
+      if (ref.contains("modules") && ref["modules"].contains(m.id) && ref["modules"][m.id].contains(t.name))
+        r = &ref["modules"][m.id][t.name];
+      if (r && r->contains("ratio") && (*r)["ratio"].is_number()) t.perf->reference_ratio = (*r)["ratio"].get<double>();
+    }
+  return report;
+}
+
+// ===================================================================== presentation ==========
+
+// Verdicts that void a whole module, shown instead of per-test results.
+static const std::set<std::string> kModuleLevel = {"crashed", "timed out",    "no report", "incomplete",
+                                                   "invalid", "build failed", "refused"};
+
+static std::string fmt(double v, int precision = 3) {
+  std::ostringstream os;
+  os << std::setprecision(precision) << v;
+  return os.str();
+}
+
+void print_table(const GradeReport& r, std::ostream& out) {
+  out << "\nKernels to Clusters — grade of " << r.impl << ", seed " << r.seed << ", device "
+      << (r.gpu == "none" ? "none (" + (r.gpu_reason.empty() ? std::string("no CUDA device") : r.gpu_reason) + ")" : r.gpu)
+      << (r.sanitize ? ", under compute-sanitizer" : "") << "\n\n";
+  out << std::left << std::setw(22) << "module" << std::setw(26) << "correctness"
+      << std::setw(52) << "performance: achieved / required / reference" << "points\n";
+  out << std::string(110, '-') << "\n";
+  for (const ModuleOutcome& m : r.modules) {
+    int correct = 0, total = 0;
+    std::vector<std::string> perf_lines;
+    for (const TestOutcome& t : m.tests) {
+      if (t.perf || t.name.find("Perf.") != std::string::npos) {
+        std::string line = t.name.substr(0, t.name.find('.')) + ": ";
+        if (t.perf) {
+          line += fmt(t.perf->ratio) + " / " + fmt(t.perf->required) + " / " +
+                  (t.perf->reference_ratio ? fmt(*t.perf->reference_ratio) : "-") + " of " +
+                  t.perf->ceiling_name;
+        } else {
+          line += t.status;
+        }
+        perf_lines.push_back(line);
+      } else {
+        ++total;
+        correct += t.status == "passed";
+      }
+    }
+    // Module-level verdicts replace the count; otherwise "k/n passed", with what was skipped.
+    int skipped = 0;
+    for (const TestOutcome& t : m.tests) skipped += t.status == "skipped" && !t.perf && t.name.find("Perf.") == std::string::npos;
+    std::string corr = std::to_string(correct) + "/" + std::to_string(total) + " passed";
+    if (skipped > 0) corr += ", " + std::to_string(skipped) + " skipped";
+    if (m.status == "not implemented yet" || kModuleLevel.count(m.status) || m.tests.empty()) corr = m.status;
+    if (perf_lines.empty()) perf_lines.push_back("-");
+    for (std::size_t i = 0; i < perf_lines.size(); ++i) {
+      out << std::left << std::setw(22) << (i == 0 ? m.id : "") << std::setw(26)
+          << (i == 0 ? corr : "") << std::setw(52) << perf_lines[i];
+      if (i == 0) out << fmt(m.points, 4) << "/" << fmt(m.max_points, 4);
+      out << "\n";
+    }
+    if (!m.detail.empty()) {
+      std::istringstream d(m.detail);
+      std::string line;
+      for (int k = 0; k < 8 && std::getline(d, line); ++k) out << "    " << line << "\n";
+    }
+    for (const TestOutcome& t : m.tests)
+      if ((t.status == "failed" || t.status == "not implemented") && m.status != "not implemented yet")
+        out << "    " << t.name << ": " << t.status << (t.message.empty() ? "" : ": " + first_lines(t.message, 2, 300)) << "\n";
+  }
+  out << std::string(110, '-') << "\n";
+  out << std::left << std::setw(100) << "total" << fmt(r.points(), 5) << "/" << fmt(r.max_points(), 5) << "\n";
+  if (!r.ceilings.empty()) {
+    out << "ceilings measured in this run:";
+    for (const auto& [name, v] : r.ceilings) out << "  " << name << " " << fmt(v.first, 4) << " " << v.second;
+    out << "\n";
+  }
+  out << (r.reference_file.empty() ? "reference: no reference timings for this GPU in autograder/reference/\n"
+                                   : "reference: " + r.reference_file + "\n");
+}
+
+json to_json(const GradeReport& r) {
+  json j = {{"impl", r.impl}, {"seed", r.seed}, {"gpu", r.gpu}, {"gpu_reason", r.gpu_reason},
+            {"cuda_runtime", r.cuda_runtime}, {"sanitize", r.sanitize},
+            {"reference_file", r.reference_file}, {"points", r.points()},
+            {"max_points", r.max_points()}, {"modules", json::array()}, {"ceilings", json::object()}};
+  for (const auto& [name, v] : r.ceilings) j["ceilings"][name] = {{"value", v.first}, {"unit", v.second}};
+  for (const ModuleOutcome& m : r.modules) {
+    json jm = {{"id", m.id}, {"title", m.title}, {"status", m.status}, {"detail", m.detail},
+               {"points", m.points}, {"max_points", m.max_points}, {"seconds", m.seconds},
+               {"log", m.log}, {"tests", json::array()}};
+    for (const TestOutcome& t : m.tests) {
+      json jt = {{"name", t.name}, {"status", t.status}, {"message", t.message},
+                 {"points", t.points}, {"max_points", t.max_points}};
+      if (t.perf)
+        jt["perf"] = {{"achieved", t.perf->achieved}, {"ceiling", t.perf->ceiling},
+                      {"ratio", t.perf->ratio}, {"required", t.perf->required},
+                      {"unit", t.perf->unit}, {"ceiling_name", t.perf->ceiling_name},
+                      {"reference_ratio", t.perf->reference_ratio ? json(*t.perf->reference_ratio) : json(nullptr)}};
+      jm["tests"].push_back(jt);
+    }
+    j["modules"].push_back(jm);
+  }
+  return j;
+}
+
+json to_gradescope(const GradeReport& r) {
+  json j = {{"score", r.points()}, {"tests", json::array()}};
+  std::ostringstream table;
+  print_table(r, table);
+  j["output"] = table.str();
+  for (const ModuleOutcome& m : r.modules) {
+    // A module-level failure (crash, timeout, build error, ...) is one entry with the reason;
+    // otherwise one entry per test.
+    if (kModuleLevel.count(m.status) || m.tests.empty()) {
+      j["tests"].push_back({{"name", m.id + ": " + m.status}, {"score", 0}, {"max_score", m.max_points},
+                            {"output", m.detail}});
+      continue;
+    }
+    for (const TestOutcome& t : m.tests) {
+      std::string output = t.status + (t.message.empty() ? "" : ": " + t.message);
+      if (t.perf)
+        output += "\nachieved " + fmt(t.perf->achieved, 4) + " " + t.perf->unit + " = " +
+                  fmt(t.perf->ratio) + " of " + t.perf->ceiling_name + " (required " + fmt(t.perf->required) + ")";
+      j["tests"].push_back({{"name", m.id + " / " + t.name}, {"score", t.points},
+                            {"max_score", t.max_points}, {"output", output}});
+    }
+  }
+  return j;
+}
+
+json to_reference(const GradeReport& r, const std::string& toolkit) {
+  std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  json j = {{"gpu", r.gpu}, {"date", date}, {"toolkit", toolkit}, {"cuda_runtime", r.cuda_runtime},
+            {"seed", r.seed}, {"impl", r.impl}, {"ceilings", json::object()}, {"modules", json::object()}};
+  for (const auto& [name, v] : r.ceilings) j["ceilings"][name] = {{"value", v.first}, {"unit", v.second}};
+  for (const ModuleOutcome& m : r.modules)
+    for (const TestOutcome& t : m.tests)
+      if (t.perf)
+        j["modules"][m.id][t.name] = {{"achieved", t.perf->achieved}, {"unit", t.perf->unit},
+                                      {"ceiling", t.perf->ceiling}, {"ceiling_name", t.perf->ceiling_name},
+                                      {"ratio", t.perf->ratio}, {"passed", t.status == "passed"}};
+  return j;
+}
+
+}  // namespace k2c::grader

@@ -1,0 +1,96 @@
+// grade.h — the grading engine behind `k2c grade`.
+//
+// For each selected module: build its test program (a compile error is that module's failure,
+// with the compiler's first errors), run it as a child process with a time limit, read its
+// GoogleTest JSON report, and award the rubric's points. Everything that can go wrong in a
+// module — crash, hang, sticky CUDA error, early exit, missing tests, an impossible figure —
+// costs that module its points and nothing else. evaluate_module is a pure function of the
+// child's exit and report, so it is tested without any GPU.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "k2c/rubric.h"
+#include "process.h"
+
+namespace k2c::grader {
+
+struct GradeOptions {
+  std::string root;           // course sources
+  std::string build_dir;      // default: <root>/build/<impl>
+  std::string impl = "assignments";
+  std::string rubric_path;    // default: <root>/autograder/rubric.json
+  std::string reference_dir;  // default: <root>/autograder/reference
+  std::vector<std::string> modules;  // ids or numbers; empty: all
+  std::uint64_t seed = 0;
+  double timeout_s = 0;       // > 0 overrides the rubric's per-module limit
+  bool sanitize = false;
+  std::string submission_dir;
+  std::string generator;      // CMake generator for a first configure ("" = CMake's default)
+  int jobs = 0;
+};
+
+struct PerfOutcome {
+  double achieved = 0, ceiling = 0, ratio = 0, required = 0;
+  std::optional<double> reference_ratio;  // the reference solution's ratio on this GPU
+  std::string unit, ceiling_name;
+};
+
+struct TestOutcome {
+  std::string name;
+  double points = 0, max_points = 0;
+  std::string status;   // passed | failed | not implemented | skipped | did not run
+  std::string message;  // first lines of the failure, or the skip reason
+  std::optional<PerfOutcome> perf;
+};
+
+struct ModuleOutcome {
+  std::string id, title;
+  std::string status;   // ok | partial | failed | not implemented yet | skipped | build failed
+                        // | crashed | timed out | no report | incomplete | invalid | refused
+  std::string detail;   // one-line reason for a status that costs the module its points
+  double points = 0, max_points = 0;
+  std::vector<TestOutcome> tests;
+  std::string log;      // captured output (bounded), for the JSON report
+  double seconds = 0;
+};
+
+struct GradeReport {
+  std::string impl;
+  std::uint64_t seed = 0;
+  std::string gpu = "none";
+  std::string gpu_reason;
+  std::string cuda_runtime;
+  std::string reference_file;  // the reference timings shown, "" if none matches the GPU
+  bool sanitize = false;
+  std::vector<ModuleOutcome> modules;
+  std::map<std::string, std::pair<double, std::string>> ceilings;  // name -> (value, unit)
+  double points() const;
+  double max_points() const;
+};
+
+// Grades the selected modules; progress goes to `progress`. Throws on errors of the grader's
+// own input (bad rubric, unknown module, unusable submission directory).
+GradeReport grade(const GradeOptions& options, std::ostream& progress);
+
+// The verdict for one module from its child's exit and its GoogleTest JSON (empty if absent).
+ModuleOutcome evaluate_module(const ModuleSpec& module, const ProcessResult& run,
+                              const std::string& gtest_json, const std::string& impl,
+                              double timeout_s);
+
+// Reference ratios: <dir>/*.json whose "gpu" equals the device name. Empty object if none.
+nlohmann::json find_reference(const std::string& dir, const std::string& gpu, std::string* file);
+
+void print_table(const GradeReport& report, std::ostream& out);
+nlohmann::json to_json(const GradeReport& report);
+nlohmann::json to_gradescope(const GradeReport& report);
+nlohmann::json to_reference(const GradeReport& report, const std::string& toolkit);
+
+}  // namespace k2c::grader

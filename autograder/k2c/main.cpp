@@ -1,0 +1,220 @@
+// main.cpp — the k2c command line: grade, info, ceilings, bench, handout.
+//
+//   k2c grade [--impl assignments|solutions] [--modules 00,01] [--submission DIR] [--seed N]
+//             [--timeout S] [--sanitize] [--json FILE] [--gradescope FILE] [--write-reference FILE]
+//   k2c info                 devices, toolkit, and what can be graded here
+//   k2c ceilings [--json F]  the ceilings every threshold is measured against, on this GPU
+//   k2c bench [--filter RE]  every module's Google Benchmark sweep, JSON under build/bench/
+//   k2c handout OUT          a student tree without solutions/ that builds and grades
+//
+// Exit status: 0 when grading ran (whatever the score), 2 for errors in the grader's own input
+// (a malformed rubric, an unknown module, a bad submission directory), 1 for other failures.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "grade.h"
+#include "k2c/rubric.h"
+#include "process.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace k2c::grader;
+
+namespace {
+
+fs::path self_dir() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::current_path() : exe.parent_path();
+}
+
+bool on_path(const std::string& program) {
+  const ProcessResult r = run_process({"sh", "-c", "command -v " + program}, {.timeout_s = 10});
+  return r.exit_code == 0;
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+void write_json(const std::string& path, const json& j) {
+  if (path.empty()) return;
+  if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path());
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+// The probe is a small CUDA program built beside k2c; the grader itself never touches the GPU.
+json run_probe(bool ceilings, std::string* error) {
+  const fs::path probe = self_dir() / "k2c_probe";
+  if (!fs::exists(probe)) {
+    *error = "k2c_probe was not built (no CUDA toolkit in this build)";
+    return json();
+  }
+  std::vector<std::string> cmd = {probe.string()};
+  if (ceilings) cmd.push_back("--ceilings");
+  const ProcessResult r = run_process(cmd, {.timeout_s = 600});
+  try {
+    if (r.exit_code == 0) return json::parse(r.output);
+  } catch (...) {
+  }
+  *error = "k2c_probe failed (" + describe_exit(r, 600) + "): " + first_line(r.output);
+  return json();
+}
+
+void copy_handout(const fs::path& root, const fs::path& out) {
+  std::error_code ec;
+  if (fs::exists(out) && !fs::is_empty(out, ec))
+    throw std::runtime_error("handout: " + out.string() + " exists and is not empty");
+  fs::create_directories(out);
+  const fs::path out_abs = fs::weakly_canonical(out);
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (name == ".git" || name == "build" || name == "solutions" || name == "out") continue;
+    if (fs::weakly_canonical(e.path()) == out_abs) continue;
+    fs::copy(e.path(), out / name, fs::copy_options::recursive | fs::copy_options::copy_symlinks);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"k2c — the Kernels to Clusters grader"};
+  app.require_subcommand(1);
+  std::string root = K2C_SOURCE_DIR;
+  app.add_option("--root", root, "course source tree")->check(CLI::ExistingDirectory);
+
+  // ---- grade
+  GradeOptions g;
+  std::string modules_csv, json_out, gradescope_out, reference_out;
+  std::uint64_t seed = 0;
+  auto* grade_cmd = app.add_subcommand("grade", "build and grade modules");
+  grade_cmd->add_option("--impl", g.impl, "tree to grade")->check(CLI::IsMember({"assignments", "solutions"}));
+  grade_cmd->add_option("--modules", modules_csv, "comma-separated ids or numbers (default: all)");
+  grade_cmd->add_option("--submission", g.submission_dir, "grade a student's files from DIR")->check(CLI::ExistingDirectory);
+  auto* seed_opt = grade_cmd->add_option("--seed", seed, "seed for random shapes and inputs (default: random)");
+  grade_cmd->add_option("--timeout", g.timeout_s, "per-module time limit in seconds (default: rubric)");
+  grade_cmd->add_flag("--sanitize", g.sanitize, "run GPU tests under compute-sanitizer memcheck (no timing)");
+  grade_cmd->add_option("--json", json_out, "write the full report as JSON");
+  grade_cmd->add_option("--gradescope", gradescope_out, "write Gradescope's results.json");
+  grade_cmd->add_option("--write-reference", reference_out, "write this run's figures as reference timings");
+  grade_cmd->add_option("--build-dir", g.build_dir, "build tree (default: <root>/build/<impl>)");
+  grade_cmd->add_option("--rubric", g.rubric_path, "rubric (default: <root>/autograder/rubric.json)");
+  grade_cmd->add_option("--generator", g.generator, "CMake generator for a new build tree");
+  grade_cmd->add_option("-j,--jobs", g.jobs, "parallel build jobs");
+
+  auto* info_cmd = app.add_subcommand("info", "devices, toolkit, and what can be graded here");
+  std::string ceilings_json;
+  auto* ceilings_cmd = app.add_subcommand("ceilings", "measure copy bandwidth, fp32 peak, cuBLAS rates");
+  ceilings_cmd->add_option("--json", ceilings_json, "also write them as JSON");
+  std::string bench_filter = ".", bench_dir;
+  auto* bench_cmd = app.add_subcommand("bench", "run every module's benchmark sweep");
+  bench_cmd->add_option("--filter", bench_filter, "Google Benchmark filter regex");
+  bench_cmd->add_option("--out", bench_dir, "directory for the JSON results (default: <build>/bench)");
+  bench_cmd->add_option("--build-dir", g.build_dir, "build tree holding the benchmarks");
+  std::string handout_dir;
+  auto* handout_cmd = app.add_subcommand("handout", "write a student tree without solutions/");
+  handout_cmd->add_option("out", handout_dir, "destination directory")->required();
+
+  CLI11_PARSE(app, argc, argv);
+  root = fs::absolute(root).string();
+  if (g.build_dir.empty()) g.build_dir = (fs::path(root) / "build" / g.impl).string();
+  g.build_dir = fs::absolute(g.build_dir).string();
+
+  try {
+    if (*grade_cmd) {
+      g.root = root;
+      if (g.rubric_path.empty()) g.rubric_path = (fs::path(root) / "autograder" / "rubric.json").string();
+      g.reference_dir = (fs::path(root) / "autograder" / "reference").string();
+      std::stringstream csv(modules_csv);
+      for (std::string m; std::getline(csv, m, ',');)
+        if (!m.empty()) g.modules.push_back(m);
+      g.seed = *seed_opt ? seed : std::random_device{}() % 1000000;
+      const GradeReport report = grade(g, std::cerr);
+      print_table(report, std::cout);
+      write_json(json_out, to_json(report));
+      write_json(gradescope_out, to_gradescope(report));
+      if (!reference_out.empty()) {
+        const ProcessResult nvcc = run_process({"nvcc", "--version"}, {.timeout_s = 30});
+        std::string toolkit = nvcc.exit_code == 0 ? nvcc.output.substr(nvcc.output.rfind("Build")) : "";
+        write_json(reference_out, to_reference(report, first_line(toolkit)));
+      }
+      return 0;
+    }
+    if (*info_cmd) {
+      std::cout << "course root:   " << root << "\n";
+      std::cout << "nvcc:          " << (on_path("nvcc") ? "found" : "not found: GPU modules cannot be built") << "\n";
+      std::cout << "mpirun:        " << (on_path("mpirun") ? "found" : "not found") << "\n";
+      std::cout << "sanitizer:     " << (on_path("compute-sanitizer") ? "compute-sanitizer found" : "compute-sanitizer not found (--sanitize unavailable)") << "\n";
+      std::string err;
+      const json probe = run_probe(false, &err);
+      if (probe.is_null())
+        std::cout << "device:        unknown (" << err << ")\n";
+      else if (!probe["device"].value("present", false))
+        std::cout << "device:        none (" << probe["device"].value("reason", "") << ")\n";
+      else
+        std::cout << "device:        " << probe["device"]["name"].get<std::string>() << ", sm_"
+                  << probe["device"]["cc"].get<std::string>() << ", " << probe["device"]["sms"] << " SMs\n";
+      const bool gpu = !probe.is_null() && probe["device"].value("present", false);
+      const k2c::Rubric rubric = k2c::load_rubric((fs::path(root) / "autograder" / "rubric.json").string());
+      std::cout << "modules:\n";
+      for (const auto& m : rubric.modules)
+        std::cout << "  " << m.id << "  " << m.points() << " points, " << m.kind << ": "
+                  << (m.kind == "cpu" || gpu ? "fully gradable here" : "GPU tests will be skipped here") << "\n";
+      return 0;
+    }
+    if (*ceilings_cmd) {
+      std::string err;
+      const json probe = run_probe(true, &err);
+      if (probe.is_null()) throw std::runtime_error(err);
+      std::cout << probe.dump(2) << "\n";
+      write_json(ceilings_json, probe);
+      return 0;
+    }
+    if (*bench_cmd) {
+      const fs::path bin = fs::path(g.build_dir) / "bin";
+      const fs::path out = bench_dir.empty() ? fs::path(g.build_dir) / "bench" : fs::path(bench_dir);
+      fs::create_directories(out);
+      int ran = 0;
+      std::vector<fs::path> programs;
+      if (fs::is_directory(bin))
+        for (const auto& e : fs::directory_iterator(bin))
+          if (e.path().filename().string().rfind("k2c_bench_", 0) == 0) programs.push_back(e.path());
+      std::sort(programs.begin(), programs.end());
+      for (const fs::path& p : programs) {
+        const std::string name = p.filename().string().substr(10);
+        std::cerr << "bench " << name << " ...\n";
+        const ProcessResult r = run_process(
+            {p.string(), "--benchmark_filter=" + bench_filter, "--benchmark_out_format=json",
+             "--benchmark_out=" + (out / (name + ".json")).string()},
+            {.timeout_s = 1800});
+        std::cout << r.output;
+        if (r.exit_code != 0) std::cerr << "bench " << name << ": " << describe_exit(r, 1800) << "\n";
+        ++ran;
+      }
+      if (ran == 0) throw std::runtime_error("no benchmark programs in " + bin.string() + " (build first; Google Benchmark and CUDA are needed)");
+      std::cerr << "results: " << out.string() << "\n";
+      return 0;
+    }
+    if (*handout_cmd) {
+      copy_handout(root, handout_dir);
+      std::cout << "handout written to " << handout_dir << " (without solutions/)\n";
+      return 0;
+    }
+  } catch (const k2c::RubricError& e) {
+    std::cerr << "k2c: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "k2c: " << e.what() << "\n";
+    const std::string what = e.what();
+    return what.rfind("unknown module", 0) == 0 || what.rfind("submission", 0) == 0 ? 2 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,133 @@
+// process.cpp — see process.h. POSIX only (fork, pipes, process groups).
+#include "process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+namespace k2c::grader {
+namespace {
+
+// Keeps the first `head` and the last `tail` bytes of a stream.
+class BoundedCapture {
+ public:
+  BoundedCapture(std::size_t head, std::size_t tail) : head_cap_(head), tail_cap_(tail) {}
+  void add(const char* data, std::size_t n) {
+    total_ += n;
+    const std::size_t to_head = std::min(n, head_cap_ - head_.size());
+    head_.append(data, to_head);
+    data += to_head;
+    n -= to_head;
+    if (n == 0) return;
+    tail_.append(data, n);
+    if (tail_.size() > 2 * tail_cap_) tail_.erase(0, tail_.size() - tail_cap_);
+  }
+  std::string text() const {
+    std::string tail = tail_.size() > tail_cap_ ? tail_.substr(tail_.size() - tail_cap_) : tail_;
+    const std::size_t omitted = total_ - head_.size() - tail.size();
+    if (omitted == 0) return head_ + tail;
+    return head_ + "\n[... " + std::to_string(omitted) + " bytes omitted ...]\n" + tail;
+  }
+  std::size_t total() const { return total_; }
+
+ private:
+  std::size_t head_cap_, tail_cap_, total_ = 0;
+  std::string head_, tail_;
+};
+
+}  // namespace
+
+ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& o) {
+  ProcessResult r;
+  const auto t0 = std::chrono::steady_clock::now();
+  int fds[2];
+  if (argv.empty() || pipe(fds) != 0) {
+    r.output = "cannot start: " + std::string(argv.empty() ? "empty command" : std::strerror(errno));
+    return r;
+  }
+  const pid_t pid = fork();
+  if (pid < 0) {
+    r.output = "cannot fork: " + std::string(std::strerror(errno));
+    close(fds[0]);
+    close(fds[1]);
+    return r;
+  }
+  if (pid == 0) {  // child: own process group, output into the pipe, then exec
+    setpgid(0, 0);
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    const int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    if (!o.cwd.empty() && chdir(o.cwd.c_str()) != 0) _exit(127);
+    for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    const std::string msg = "cannot execute " + argv[0] + ": " + std::strerror(errno) + "\n";
+    (void)!write(STDERR_FILENO, msg.data(), msg.size());
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also from the parent, so the group exists before we might signal it
+  close(fds[1]);
+  fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  r.started = true;
+
+  BoundedCapture capture(o.keep_head, o.keep_tail);
+  const auto deadline = t0 + std::chrono::duration<double>(o.timeout_s);
+  int status = 0;
+  bool exited = false, eof = false;
+  char buf[65536];
+  // Read until the child has exited and the pipe is drained; a grandchild that keeps the pipe
+  // open cannot hold us past the deadline, and is killed with the group at the end.
+  while (!(exited && eof)) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      r.timed_out = !exited;
+      break;
+    }
+    const int wait_ms = exited ? 100 : 50;
+    pollfd p{fds[0], POLLIN, 0};
+    const int ready = eof ? 0 : poll(&p, 1, wait_ms);
+    if (ready > 0) {
+      const ssize_t n = read(fds[0], buf, sizeof buf);
+      if (n > 0)
+        capture.add(buf, static_cast<std::size_t>(n));
+      else if (n == 0 || (errno != EAGAIN && errno != EINTR))
+        eof = true;
+    } else if (eof) {
+      usleep(20000);
+    }
+    if (!exited && waitpid(pid, &status, WNOHANG) == pid) exited = true;
+    if (exited && !eof && ready == 0) eof = true;  // exited and nothing more within the poll
+  }
+  kill(-pid, SIGKILL);  // the group: stray grandchildren included
+  if (!exited) waitpid(pid, &status, 0);
+  close(fds[0]);
+
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.output = capture.text();
+  r.output_bytes = capture.total();
+  if (r.timed_out) return r;
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
+  return r;
+}
+
+std::string describe_exit(const ProcessResult& r, double timeout_s) {
+  if (!r.started) return r.output;
+  if (r.timed_out) return "timed out after " + std::to_string(static_cast<int>(timeout_s)) + " s";
+  if (r.signal > 0)
+    return "killed by signal " + std::to_string(r.signal) + " (" + strsignal(r.signal) + ")";
+  return "exit code " + std::to_string(r.exit_code);
+}
+
+}  // namespace k2c::grader

@@ -1,0 +1,39 @@
+// process.h — running a child program with a time limit and bounded output capture.
+//
+// The grader never trusts a test program: it may crash, hang, spawn children, or print
+// gigabytes. run_process puts the child in its own process group (so a timeout kills the whole
+// group), merges stdout and stderr into one pipe, and keeps only the first and last bytes of
+// what was printed, so memory stays bounded whatever the child does.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace k2c::grader {
+
+struct ProcessResult {
+  bool started = false;     // false: exec failed (output says why)
+  bool timed_out = false;
+  int exit_code = -1;       // valid when the child exited normally
+  int signal = 0;           // > 0 when the child was killed by a signal
+  std::string output;       // head + "[... N bytes omitted ...]" + tail
+  std::size_t output_bytes = 0;  // total printed
+  double seconds = 0;
+};
+
+struct ProcessOptions {
+  std::vector<std::pair<std::string, std::string>> env;  // added to the current environment
+  std::string cwd;                                        // empty: inherit
+  double timeout_s = 600;
+  std::size_t keep_head = 16 * 1024;
+  std::size_t keep_tail = 48 * 1024;
+};
+
+ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& options);
+
+// "exit code 3", "killed by signal 11 (Segmentation fault)", "timed out after 30 s", ...
+std::string describe_exit(const ProcessResult& r, double timeout_s);
+
+}  // namespace k2c::grader

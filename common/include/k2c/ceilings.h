@@ -1,0 +1,22 @@
+// k2c/ceilings.h — the ceilings performance is measured against, measured on the GPU at hand.
+//
+// Every performance threshold of the course is a fraction of one of these, measured in the same
+// process as the code under test, so a threshold means the same on an A100, an RTX 4090 or an
+// H200. Each function allocates its own buffers, fills them with random data (never zeros: a
+// GEMM on zeros runs faster than on real data), and times with time_gpu.
+#pragma once
+
+#include <cstddef>
+
+namespace k2c {
+
+// Device-to-device cudaMemcpy, in bytes per second counting bytes read plus bytes written.
+double copy_bandwidth(std::size_t bytes_per_buffer = std::size_t{1} << 30);
+
+// cuBLAS SGEMM (fp32, no TF32) at M = N = K = n, in FLOP/s.
+double sgemm_rate(int n = 4096);
+
+// cuBLAS GEMM with bf16 inputs and fp32 accumulation at M = N = K = n, in FLOP/s.
+double bf16_gemm_rate(int n = 4096);
+
+}  // namespace k2c

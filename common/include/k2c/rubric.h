@@ -1,0 +1,63 @@
+// k2c/rubric.h — autograder/rubric.json: modules, tests, points and performance thresholds.
+//
+// The rubric is data, read at run time by the grader and by the tests themselves, so instructors
+// retune points and thresholds without recompiling. Every threshold is a fraction of a ceiling
+// measured in the same run (see k2c/ceilings.h), never an absolute time.
+//
+// A malformed rubric throws RubricError whose message names the offending field, e.g.
+//   rubric.json: modules[1].tests[3].perf.threshold: expected a number in (0, max_ratio]
+#pragma once
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace k2c {
+
+class RubricError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct PerfSpec {
+  std::string ceiling;     // the ceiling the ratio is taken against, e.g. "memcpy_d2d"
+  std::string unit;        // unit of the achieved figure, e.g. "GB/s", "TFLOP/s"
+  double threshold = 0;    // student bar: full points at ratio >= threshold
+  double goal = 0;         // what the reference solution must reach (>= threshold)
+  double max_ratio = 0;    // a ratio above this is physically impossible: the result is invalid
+};
+
+struct TestSpec {
+  std::string name;        // GoogleTest "Suite.Name"
+  double points = 0;
+  std::optional<PerfSpec> perf;
+};
+
+struct ModuleSpec {
+  std::string id;          // "NN_snake_name", the same in lectures/, assignments/, solutions/
+  std::string title;
+  std::string kind;        // "gpu" (needs a CUDA toolkit to build) or "cpu"
+  int timeout_s = 0;
+  std::vector<std::string> files;  // student files, relative to the repository root
+  std::vector<TestSpec> tests;
+
+  double points() const;
+  std::string number() const { return id.substr(0, 2); }
+  const TestSpec* find_test(std::string_view name) const;
+};
+
+struct Rubric {
+  int version = 0;
+  std::size_t max_file_bytes = 0;  // submission intake: largest accepted student file
+  std::vector<ModuleSpec> modules;
+
+  // By full id ("01_naive_matmul") or by number ("01", "1").
+  const ModuleSpec* find(std::string_view key) const;
+};
+
+Rubric parse_rubric(const std::string& text, const std::string& origin = "rubric.json");
+Rubric load_rubric(const std::string& path);
+
+}  // namespace k2c

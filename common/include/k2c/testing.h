@@ -1,0 +1,85 @@
+// k2c/testing.h — what every module's GoogleTest program shares.
+//
+// - K2C_REQUIRE_GPU(): skip (reported as skipped, never as passed) when no CUDA device exists.
+// - seed(): the run's seed (K2C_SEED, set by `k2c grade --seed`; fixed by default so plain
+//   ctest runs are reproducible). Tests draw shapes and data from it.
+// - K2C_EXPECT_IMPLEMENTED(call): the Contract.Implemented probe (see below).
+// - expect_perf(achieved, ceiling): the one place a performance figure is judged. It records
+//   the figure for the grader (GoogleTest properties in the JSON report) and fails the test
+//   below the rubric's bar or above its physical limit.
+// The test program's main (common/src/test_main.cpp) fills in the module id, the tree being
+// tested and the rubric path, and aborts the process on a sticky CUDA error.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "k2c/check.h"
+#include "k2c/rubric.h"
+#include "k2c/todo.h"
+
+namespace k2c::testing {
+
+struct Context {
+  std::string module_id;  // "01_naive_matmul"
+  std::string impl;       // "assignments" or "solutions"
+  std::string rubric_path;
+  std::uint64_t seed = 0;
+};
+const Context& context();
+void set_context(Context c);
+
+inline std::uint64_t seed() { return context().seed; }
+// A seed for one purpose inside one test, so tests and purposes draw independent data.
+std::uint64_t seed_for(const std::string& purpose);
+
+bool gpu_available();
+std::string gpu_unavailable_reason();
+bool sanitizing();  // K2C_SANITIZE=1: running under compute-sanitizer, timings meaningless
+
+// The rubric entry of the running test; fails the test (and returns nullptr) when absent.
+const TestSpec* current_test_spec();
+
+// The bar the running test must clear: the rubric's goal for the reference solutions, its
+// threshold for student code.
+double required_ratio(const PerfSpec& p);
+
+// Records achieved / ceiling for the grader and returns failure when the ratio is below the
+// bar or above max_ratio. Units as in the rubric entry (the caller converts).
+::testing::AssertionResult check_perf(double achieved, double ceiling, const std::string& detail = "");
+
+}  // namespace k2c::testing
+
+#define K2C_REQUIRE_GPU()                                                                 \
+  do {                                                                                    \
+    if (!::k2c::testing::gpu_available())                                                 \
+      GTEST_SKIP() << "no CUDA device: " << ::k2c::testing::gpu_unavailable_reason();     \
+  } while (0)
+
+// Performance tests skip under compute-sanitizer, which slows kernels by orders of magnitude.
+#define K2C_REQUIRE_TIMING()                                                              \
+  do {                                                                                    \
+    K2C_REQUIRE_GPU();                                                                    \
+    if (::k2c::testing::sanitizing()) GTEST_SKIP() << "timing skipped under the sanitizer"; \
+  } while (0)
+
+// For a module's Contract.Implemented test, which tells "not implemented yet" apart from
+// "implemented" even on a machine without a GPU: `call` runs the student function (on dummy,
+// never dereferenced pointers when there is no device). A stub throws k2c::NotImplemented and
+// the test fails with the grader's marker; real code fails to reach a device and throws
+// k2c::Error, which counts as implemented.
+#define K2C_EXPECT_IMPLEMENTED(call)                                                  \
+  do {                                                                                \
+    try {                                                                             \
+      call;                                                                           \
+    } catch (const ::k2c::NotImplemented& e) {                                        \
+      FAIL() << e.what();                                                             \
+    } catch (const ::k2c::Error&) {                                                   \
+      if (::k2c::testing::gpu_available()) throw;                                     \
+    }                                                                                 \
+  } while (0)
+
+#define K2C_EXPECT_PERF(achieved, ceiling, detail) \
+  EXPECT_TRUE(::k2c::testing::check_perf((achieved), (ceiling), (detail)))

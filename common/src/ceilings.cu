@@ -1,0 +1,80 @@
+// ceilings.cu — see k2c/ceilings.h.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k2c/buffer.h"
+#include "k2c/ceilings.h"
+#include "k2c/check.h"
+#include "k2c/nvtx.h"
+#include "k2c/random.h"
+#include "k2c/timing.h"
+
+namespace k2c {
+
+double copy_bandwidth(std::size_t bytes_per_buffer) {
+  K2C_NVTX_RANGE("ceiling: cudaMemcpy D2D");
+  DeviceBuffer<char> src(bytes_per_buffer), dst(bytes_per_buffer);
+  K2C_CUDA_CHECK(cudaMemset(src.data(), 0x5A, src.bytes()));
+  const Timing t = time_gpu([&] {
+    K2C_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice));
+  });
+  return 2.0 * static_cast<double>(bytes_per_buffer) / (t.median_ms * 1e-3);
+}
+
+namespace {
+
+struct CublasHandle {
+  cublasHandle_t h{};
+  CublasHandle() { K2C_CUBLAS_CHECK(cublasCreate(&h)); }
+  ~CublasHandle() { cublasDestroy(h); }
+};
+
+__global__ void to_bf16_kernel(const float* in, __nv_bfloat16* out, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = __float2bfloat16(in[i]);
+}
+
+}  // namespace
+
+double sgemm_rate(int n) {
+  K2C_NVTX_RANGE("ceiling: cuBLAS SGEMM");
+  const std::size_t nn = static_cast<std::size_t>(n) * n;
+  DeviceBuffer<float> a(nn), b(nn), c(nn);
+  fill_uniform_device(a.data(), nn, 1);
+  fill_uniform_device(b.data(), nn, 2);
+  fill_uniform_device(c.data(), nn, 3);
+  CublasHandle blas;
+  // The default math mode keeps SGEMM in plain fp32 (TF32 tensor cores need an explicit opt-in),
+  // so this is the rate an fp32 kernel competes with.
+  K2C_CUBLAS_CHECK(cublasSetMathMode(blas.h, CUBLAS_DEFAULT_MATH));
+  const float alpha = 1.0f, beta = 0.5f;
+  const Timing t = time_gpu([&] {
+    K2C_CUBLAS_CHECK(cublasSgemm(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, b.data(), n,
+                                 a.data(), n, &beta, c.data(), n));
+  });
+  return 2.0 * n * static_cast<double>(n) * n / (t.median_ms * 1e-3);
+}
+
+double bf16_gemm_rate(int n) {
+  K2C_NVTX_RANGE("ceiling: cuBLAS bf16 GEMM");
+  const std::size_t nn = static_cast<std::size_t>(n) * n;
+  DeviceBuffer<float> tmp(nn);
+  DeviceBuffer<__nv_bfloat16> a(nn), b(nn), c(nn);
+  fill_uniform_device(tmp.data(), nn, 4);
+  to_bf16_kernel<<<1024, 256>>>(tmp.data(), a.data(), nn);
+  fill_uniform_device(tmp.data(), nn, 5);
+  to_bf16_kernel<<<1024, 256>>>(tmp.data(), b.data(), nn);
+  K2C_CUDA_CHECK_LAUNCH();
+  CublasHandle blas;
+  const float alpha = 1.0f, beta = 0.0f;
+  const Timing t = time_gpu([&] {
+    K2C_CUBLAS_CHECK(cublasGemmEx(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, b.data(),
+                                  CUDA_R_16BF, n, a.data(), CUDA_R_16BF, n, &beta, c.data(),
+                                  CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  });
+  return 2.0 * n * static_cast<double>(n) * n / (t.median_ms * 1e-3);
+}
+
+}  // namespace k2c

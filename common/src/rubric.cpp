@@ -1,0 +1,178 @@
+// rubric.cpp — see k2c/rubric.h. Validation is strict: a typo in a rubric must stop grading
+// with a message naming the field, not silently award or withhold points.
+#include "k2c/rubric.h"
+
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace k2c {
+namespace {
+
+using nlohmann::json;
+
+class Reader {
+ public:
+  explicit Reader(std::string origin) : origin_(std::move(origin)) {}
+
+  [[noreturn]] void error(const std::string& path, const std::string& what) const {
+    throw RubricError(origin_ + ": " + path + ": " + what);
+  }
+  const json& field(const json& obj, const std::string& path, const char* key) const {
+    if (!obj.is_object()) error(path, "expected an object");
+    auto it = obj.find(key);
+    if (it == obj.end()) error(path + "." + key, "missing");
+    return *it;
+  }
+  std::string string(const json& obj, const std::string& path, const char* key) const {
+    const json& v = field(obj, path, key);
+    if (!v.is_string() || v.get<std::string>().empty())
+      error(path + "." + key, "expected a non-empty string");
+    return v.get<std::string>();
+  }
+  double number(const json& obj, const std::string& path, const char* key) const {
+    const json& v = field(obj, path, key);
+    if (!v.is_number()) error(path + "." + key, "expected a number");
+    return v.get<double>();
+  }
+  void only_keys(const json& obj, const std::string& path,
+                 std::initializer_list<const char*> keys) const {
+    for (auto it = obj.begin(); it != obj.end(); ++it) {
+      bool known = false;
+      for (const char* k : keys) known = known || it.key() == k;
+      if (!known) error(path + "." + it.key(), "unknown field");
+    }
+  }
+
+ private:
+  std::string origin_;
+};
+
+PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
+  rd.only_keys(j, path, {"ceiling", "unit", "threshold", "goal", "max_ratio"});
+  PerfSpec p;
+  p.ceiling = rd.string(j, path, "ceiling");
+  p.unit = rd.string(j, path, "unit");
+  p.max_ratio = rd.number(j, path, "max_ratio");
+  p.threshold = rd.number(j, path, "threshold");
+  p.goal = rd.number(j, path, "goal");
+  if (!(p.max_ratio > 0)) rd.error(path + ".max_ratio", "expected a number > 0");
+  if (!(p.threshold > 0 && p.threshold <= p.max_ratio))
+    rd.error(path + ".threshold", "expected a number in (0, max_ratio]");
+  if (!(p.goal >= p.threshold && p.goal <= p.max_ratio))
+    rd.error(path + ".goal", "expected a number in [threshold, max_ratio]");
+  return p;
+}
+
+TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
+  rd.only_keys(j, path, {"name", "points", "perf"});
+  TestSpec t;
+  t.name = rd.string(j, path, "name");
+  static const std::regex kName("[A-Za-z][A-Za-z0-9_]*\\.[A-Za-z][A-Za-z0-9_/]*");
+  if (!std::regex_match(t.name, kName)) rd.error(path + ".name", "expected \"Suite.Name\"");
+  t.points = rd.number(j, path, "points");
+  if (!(t.points >= 0)) rd.error(path + ".points", "expected a number >= 0");
+  if (j.contains("perf")) t.perf = read_perf(rd, j["perf"], path + ".perf");
+  return t;
+}
+
+ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path) {
+  rd.only_keys(j, path, {"id", "title", "kind", "timeout_s", "files", "tests"});
+  ModuleSpec m;
+  m.id = rd.string(j, path, "id");
+  static const std::regex kId("[0-9]{2}_[a-z0-9_]+");
+  if (!std::regex_match(m.id, kId)) rd.error(path + ".id", "expected \"NN_snake_name\"");
+  m.title = rd.string(j, path, "title");
+  m.kind = rd.string(j, path, "kind");
+  if (m.kind != "gpu" && m.kind != "cpu") rd.error(path + ".kind", "expected \"gpu\" or \"cpu\"");
+  const double timeout = rd.number(j, path, "timeout_s");
+  if (!(timeout >= 1 && timeout <= 86400)) rd.error(path + ".timeout_s", "expected 1..86400");
+  m.timeout_s = static_cast<int>(timeout);
+
+  const json& files = rd.field(j, path, "files");
+  if (!files.is_array()) rd.error(path + ".files", "expected an array of paths");
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const std::string fp = path + ".files[" + std::to_string(i) + "]";
+    if (!files[i].is_string()) rd.error(fp, "expected a string");
+    const std::string f = files[i].get<std::string>();
+    if (f.empty() || f.front() == '/' || f.find("..") != std::string::npos)
+      rd.error(fp, "expected a relative path inside the repository");
+    m.files.push_back(f);
+  }
+
+  const json& tests = rd.field(j, path, "tests");
+  if (!tests.is_array() || tests.empty()) rd.error(path + ".tests", "expected a non-empty array");
+  std::set<std::string> seen;
+  for (std::size_t i = 0; i < tests.size(); ++i) {
+    const std::string tp = path + ".tests[" + std::to_string(i) + "]";
+    m.tests.push_back(read_test(rd, tests[i], tp));
+    if (!seen.insert(m.tests.back().name).second) rd.error(tp + ".name", "duplicate test");
+  }
+  return m;
+}
+
+}  // namespace
+
+double ModuleSpec::points() const {
+  double sum = 0;
+  for (const TestSpec& t : tests) sum += t.points;
+  return sum;
+}
+
+const TestSpec* ModuleSpec::find_test(std::string_view name) const {
+  for (const TestSpec& t : tests)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+const ModuleSpec* Rubric::find(std::string_view key) const {
+  for (const ModuleSpec& m : modules) {
+    if (m.id == key || m.number() == key) return &m;
+    if (key.size() == 1 && m.number() == "0" + std::string(key)) return &m;
+  }
+  return nullptr;
+}
+
+Rubric parse_rubric(const std::string& text, const std::string& origin) {
+  const Reader rd(origin);
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw RubricError(origin + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) rd.error("(top level)", "expected an object");
+  rd.only_keys(j, "(top level)", {"$comment", "version", "max_file_bytes", "modules"});
+  Rubric r;
+  const double version = rd.number(j, "(top level)", "version");
+  if (version != 1) rd.error("version", "unsupported version (this grader reads version 1)");
+  r.version = 1;
+  const double max_bytes = rd.number(j, "(top level)", "max_file_bytes");
+  if (!(max_bytes >= 1)) rd.error("max_file_bytes", "expected a number >= 1");
+  r.max_file_bytes = static_cast<std::size_t>(max_bytes);
+
+  const json& modules = rd.field(j, "(top level)", "modules");
+  if (!modules.is_array()) rd.error("modules", "expected an array");
+  std::set<std::string> ids, numbers;
+  for (std::size_t i = 0; i < modules.size(); ++i) {
+    const std::string mp = "modules[" + std::to_string(i) + "]";
+    r.modules.push_back(read_module(rd, modules[i], mp));
+    if (!ids.insert(r.modules.back().id).second) rd.error(mp + ".id", "duplicate module");
+    if (!numbers.insert(r.modules.back().number()).second)
+      rd.error(mp + ".id", "duplicate module number");
+  }
+  return r;
+}
+
+Rubric load_rubric(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw RubricError(path + ": cannot open the rubric file");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_rubric(text.str(), path);
+}
+
+}  // namespace k2c

@@ -1,0 +1,86 @@
+// test_main.cpp — the main() of every module's test program (compiled into each one, with
+// K2C_MODULE_ID, K2C_IMPL_NAME and K2C_RUBRIC_DEFAULT defined by k2c_add_module).
+//
+// Besides running GoogleTest it
+//   - fixes the context the tests read (module, tree, rubric, seed from K2C_SEED),
+//   - records the seed and the device in the JSON report for the grader,
+//   - ends the process after a test that left a sticky CUDA error (an illegal address, say):
+//     every later test would fail for a reason that is not theirs, so the module is reported
+//     as crashed with the cause instead.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "k2c/testing.h"
+#if K2C_HAS_CUDA
+#include <cuda_runtime.h>
+
+#include "k2c/device.h"
+#endif
+
+namespace {
+
+class DeviceEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    using ::testing::Test;
+    const auto& c = k2c::testing::context();
+    Test::RecordProperty("k2c_module", c.module_id);
+    Test::RecordProperty("k2c_impl", c.impl);
+    Test::RecordProperty("k2c_seed", std::to_string(c.seed));
+#if K2C_HAS_CUDA
+    const k2c::DeviceInfo& d = k2c::device_info();
+    Test::RecordProperty("k2c_gpu", d.present ? d.name : std::string("none"));
+    if (!d.present) Test::RecordProperty("k2c_gpu_reason", d.reason);
+    Test::RecordProperty("k2c_cuda_runtime", std::to_string(d.runtime_version));
+    std::printf("[ k2c      ] module %s (%s), seed %llu, device: %s\n", c.module_id.c_str(),
+                c.impl.c_str(), static_cast<unsigned long long>(c.seed),
+                d.present ? d.name.c_str() : ("none (" + d.reason + ")").c_str());
+#else
+    Test::RecordProperty("k2c_gpu", "none");
+    Test::RecordProperty("k2c_gpu_reason", "built without a CUDA toolkit");
+#endif
+  }
+};
+
+#if K2C_HAS_CUDA
+class StickyErrorListener : public ::testing::EmptyTestEventListener {
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (!k2c::device_info().present) return;
+    const cudaError_t first = cudaDeviceSynchronize();
+    cudaGetLastError();
+    const cudaError_t again = cudaDeviceSynchronize();
+    if (again != cudaSuccess) {
+      std::fprintf(stderr, "K2C_FATAL: sticky CUDA error after %s.%s: %s\n",
+                   info.test_suite_name(), info.name(), cudaGetErrorString(again));
+      std::fflush(nullptr);
+      std::_Exit(3);
+    }
+    if (first != cudaSuccess)
+      std::fprintf(stderr, "[ k2c      ] warning: %s.%s left an unchecked CUDA error: %s\n",
+                   info.test_suite_name(), info.name(), cudaGetErrorString(first));
+  }
+};
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  k2c::testing::Context c;
+  c.module_id = K2C_MODULE_ID;
+  c.impl = K2C_IMPL_NAME;
+  const char* rubric = std::getenv("K2C_RUBRIC");
+  c.rubric_path = rubric && *rubric ? rubric : K2C_RUBRIC_DEFAULT;
+  const char* seed = std::getenv("K2C_SEED");
+  c.seed = seed && *seed ? std::strtoull(seed, nullptr, 10) : 20261129ull;
+  k2c::testing::set_context(c);
+
+  ::testing::AddGlobalTestEnvironment(new DeviceEnvironment);
+#if K2C_HAS_CUDA
+  ::testing::UnitTest::GetInstance()->listeners().Append(new StickyErrorListener);
+#endif
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,105 @@
+// testing.cpp — see k2c/testing.h.
+#include "k2c/testing.h"
+
+#include <cstdlib>
+#include <sstream>
+
+#include "k2c/random.h"
+#if K2C_HAS_CUDA
+#include "k2c/device.h"
+#endif
+
+namespace k2c::testing {
+
+static Context& mutable_context() {
+  static Context c;
+  return c;
+}
+const Context& context() { return mutable_context(); }
+void set_context(Context c) { mutable_context() = std::move(c); }
+
+std::uint64_t seed_for(const std::string& purpose) {
+  std::uint64_t h = mix64(context().seed);
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string key = info ? std::string(info->test_suite_name()) + "." + info->name() : "";
+  key += "/" + purpose;
+  for (unsigned char c : key) h = mix64(h ^ c);
+  return h;
+}
+
+bool gpu_available() {
+#if K2C_HAS_CUDA
+  return device_info().present;
+#else
+  return false;
+#endif
+}
+
+std::string gpu_unavailable_reason() {
+#if K2C_HAS_CUDA
+  return device_info().reason;
+#else
+  return "built without a CUDA toolkit";
+#endif
+}
+
+bool sanitizing() {
+  const char* s = std::getenv("K2C_SANITIZE");
+  return s != nullptr && std::string(s) == "1";
+}
+
+const TestSpec* current_test_spec() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string name = std::string(info->test_suite_name()) + "." + info->name();
+  try {
+    static const Rubric rubric = load_rubric(context().rubric_path);
+    const ModuleSpec* m = rubric.find(context().module_id);
+    const TestSpec* t = m ? m->find_test(name) : nullptr;
+    if (t == nullptr)
+      ADD_FAILURE() << "no rubric entry for " << context().module_id << " / " << name << " in "
+                    << context().rubric_path;
+    return t;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+    return nullptr;
+  }
+}
+
+double required_ratio(const PerfSpec& p) {
+  return context().impl == "solutions" ? p.goal : p.threshold;
+}
+
+::testing::AssertionResult check_perf(double achieved, double ceiling, const std::string& detail) {
+  const TestSpec* spec = current_test_spec();
+  if (spec == nullptr || !spec->perf)
+    return ::testing::AssertionFailure() << "the rubric gives this test no perf entry";
+  const PerfSpec& p = *spec->perf;
+  const double ratio = ceiling > 0 ? achieved / ceiling : 0;
+  const double bar = required_ratio(p);
+  using ::testing::Test;
+  Test::RecordProperty("k2c_achieved", std::to_string(achieved));
+  Test::RecordProperty("k2c_ceiling", std::to_string(ceiling));
+  Test::RecordProperty("k2c_ceiling_name", p.ceiling);
+  Test::RecordProperty("k2c_unit", p.unit);
+  Test::RecordProperty("k2c_ratio", std::to_string(ratio));
+  Test::RecordProperty("k2c_required", std::to_string(bar));
+  if (!detail.empty()) Test::RecordProperty("k2c_detail", detail);
+
+  std::ostringstream os;
+  os.precision(4);
+  os << achieved << " " << p.unit << " = " << ratio << " of " << p.ceiling << " (" << ceiling
+     << " " << p.unit << " measured in this run); required " << bar << " ("
+     << (context().impl == "solutions" ? "reference goal" : "student bar") << ")";
+  if (!detail.empty()) os << "; " << detail;
+  std::printf("[ k2c perf ] %s\n", os.str().c_str());
+  if (!(ceiling > 0) || !(achieved > 0))
+    return ::testing::AssertionFailure() << "no valid measurement: " << os.str();
+  if (ratio > p.max_ratio)
+    return ::testing::AssertionFailure()
+           << "impossible result, above the physical limit of " << p.max_ratio
+           << " × the ceiling: " << os.str();
+  if (ratio < bar) return ::testing::AssertionFailure() << "too slow: " << os.str();
+  return ::testing::AssertionSuccess() << os.str();
+}
+
+}  // namespace k2c::testing
