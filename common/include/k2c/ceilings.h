@@ -19,4 +19,9 @@ double sgemm_rate(int n = 4096);
 // cuBLAS GEMM with bf16 inputs and fp32 accumulation at M = N = K = n, in FLOP/s.
 double bf16_gemm_rate(int n = 4096);
 
+// The vendor library as "version 0" of the SGEMM ladder: cuBLAS SGEMM on row-major operands,
+// C = alpha*A*B + beta*C, asynchronous on the default stream (one handle per process).
+void cublas_sgemm(int M, int N, int K, float alpha, const float* A, const float* B, float beta,
+                  float* C);
+
 }  // namespace k2c

@@ -1,0 +1,57 @@
+// k2c/bench.h — Google Benchmark glue for GPU work.
+//
+// Benchmarks are named BM_<module>_<op>/<variant>/<size> and use manual time: every iteration
+// is timed with CUDA events around the work alone, after an L2 flush (k2c::time_gpu with one
+// repeat), so Google Benchmark's statistics (and its GB/s or FLOP/s counters, which are rates
+// over the manual time) describe the GPU, not the host.
+#pragma once
+
+#include <cstdio>
+#include <functional>
+#include <string>
+
+#include <benchmark/benchmark.h>
+
+#include "k2c/device.h"
+#include "k2c/timing.h"
+
+namespace k2c::bench {
+
+// Times `work` once per benchmark iteration; `flops` and `bytes` per call become counters.
+inline void run(benchmark::State& state, const std::function<void()>& work, double flops,
+                double bytes) {
+  work();  // warm-up: module load, first touch
+  for (auto _ : state)
+    state.SetIterationTime(time_gpu(work, {.warmup = 0, .repeats = 1}).median_ms * 1e-3);
+  if (flops > 0)
+    state.counters["TFLOP/s"] =
+        benchmark::Counter(flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+  if (bytes > 0)
+    state.counters["GB/s"] =
+        benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+inline benchmark::internal::Benchmark* add(const std::string& name,
+                                           std::function<void(benchmark::State&)> fn) {
+  return benchmark::RegisterBenchmark(name.c_str(), std::move(fn))
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
+// main() of a benchmark program: registers through `register_all`, then runs. Without a GPU it
+// says so and exits with 0, registering nothing.
+inline int main(int argc, char** argv, const std::function<void()>& register_all) {
+  benchmark::Initialize(&argc, argv);
+  const DeviceInfo& d = device_info();
+  if (!d.present) {
+    std::printf("no CUDA device (%s): nothing to benchmark\n", d.reason.c_str());
+    return 0;
+  }
+  benchmark::AddCustomContext("gpu", d.name);
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+}  // namespace k2c::bench

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# tools/gpu-check.sh — everything a kernel change must pass on a GPU machine, in one go:
+# build the reference solutions for the local GPU, run the whole test suite, grade the
+# solutions (writing the reference-timings file), grade once more under compute-sanitizer,
+# measure the ceilings and run the benchmark sweeps.
+#
+#   OUT=/tmp/k2c-gpu tools/gpu-check.sh [ARCH]      ARCH defaults to 90 (H100 / H200)
+#
+# Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
+# ceilings.json, bench/*.json. The script prints a short summary last.
+set -uo pipefail
+ARCH=${1:-90}
+OUT=${OUT:-/tmp/k2c-gpu}
+BUILD=${K2C_GPU_BUILD:-/tmp/k2c-gpu-build}
+SEED=${K2C_SEED:-$RANDOM}
+mkdir -p "$OUT/bench"
+export NCCL_NVLS_ENABLE=0
+LOG="$OUT/log.txt"
+: > "$LOG"
+step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
+
+step "device"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv >> "$LOG" 2>&1
+nvcc --version | tail -2 >> "$LOG"
+
+step "configure + build (sm_$ARCH)"
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+cmake -S . -B "$BUILD" "${gen[@]}" -DK2C_IMPL=solutions -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >> "$LOG" 2>&1 &&
+  cmake --build "$BUILD" -j "$(nproc)" >> "$LOG" 2>&1 || { echo "BUILD FAILED"; tail -40 "$LOG"; exit 1; }
+
+step "ctest"
+ctest --test-dir "$BUILD" --output-on-failure >> "$LOG" 2>&1; echo "ctest exit $?" | tee -a "$LOG"
+
+step "grade solutions (seed $SEED)"
+"$BUILD/bin/k2c" grade --impl solutions --build-dir "$BUILD" --seed "$SEED" \
+  --json "$OUT/grade.json" --write-reference "$OUT/reference.json" > "$OUT/grade.txt" 2>> "$LOG"
+cat "$OUT/grade.txt" >> "$LOG"
+
+step "grade solutions under compute-sanitizer"
+"$BUILD/bin/k2c" grade --impl solutions --build-dir "$BUILD" --seed "$SEED" --sanitize \
+  --timeout 1200 >> "$LOG" 2>&1
+
+step "ceilings"
+"$BUILD/bin/k2c" ceilings --json "$OUT/ceilings.json" >> "$LOG" 2>&1
+
+step "benchmarks"
+"$BUILD/bin/k2c" bench --build-dir "$BUILD" --out "$OUT/bench" >> "$LOG" 2>&1
+
+step "done"
+grep -E "^\[ k2c perf \]" "$LOG" | sort -u
+cat "$OUT/grade.txt"
+grep -E "tests passed|tests failed|ctest exit" "$LOG"
