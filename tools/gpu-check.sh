@@ -28,13 +28,20 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S . -B "$BUILD" "${gen[@]}" -DK2C_IMPL=solutions -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >> "$LOG" 2>&1 &&
   cmake --build "$BUILD" -j "$(nproc)" >> "$LOG" 2>&1 || { echo "BUILD FAILED"; tail -40 "$LOG"; exit 1; }
 
+status=0
 step "ctest"
-ctest --test-dir "$BUILD" --output-on-failure >> "$LOG" 2>&1; echo "ctest exit $?" | tee -a "$LOG"
+ctest --test-dir "$BUILD" --output-on-failure >> "$LOG" 2>&1 || status=1
 
 step "grade solutions (seed $SEED)"
 "$BUILD/bin/k2c" grade --impl solutions --build-dir "$BUILD" --seed "$SEED" \
   --json "$OUT/grade.json" --write-reference "$OUT/reference.json" > "$OUT/grade.txt" 2>> "$LOG"
 cat "$OUT/grade.txt" >> "$LOG"
+# Full marks or the check fails: the reference solutions must meet every goal.
+python3 - "$OUT/grade.json" <<'PY' || status=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+sys.exit(0 if r["points"] == r["max_points"] else 1)
+PY
 
 step "grade solutions under compute-sanitizer"
 "$BUILD/bin/k2c" grade --impl solutions --build-dir "$BUILD" --seed "$SEED" --sanitize \
@@ -48,5 +55,8 @@ step "benchmarks"
 
 step "done"
 grep -E "^\[ k2c perf \]" "$LOG" | sort -u
+grep -E "compute-sanitizer ERROR SUMMARY" "$LOG"
 cat "$OUT/grade.txt"
-grep -E "tests passed|tests failed|ctest exit" "$LOG"
+grep -E "tests passed|tests failed" "$LOG"
+echo "gpu-check: $([ $status = 0 ] && echo PASS || echo FAIL)"
+exit $status

@@ -172,7 +172,12 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
     }
     if (result == "SKIPPED") {
       t.status = "skipped";
-      t.message = skip_reason.empty() ? "skipped" : "no CUDA device: " + skip_reason;
+      // Newer GoogleTest versions report the GTEST_SKIP message; older ones only the fact.
+      std::string why;
+      if (j.contains("skipped") && j["skipped"].is_array() && !j["skipped"].empty())
+        why = first_lines(string_property(j["skipped"][0], "message"), 1);
+      if (why.empty()) why = skip_reason.empty() ? "skipped" : "no CUDA device: " + skip_reason;
+      t.message = why;
       ++skipped;
     } else if (!failure.empty()) {
       const auto marker = failure.find(kNotImplementedMarker);
@@ -219,6 +224,8 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
         t.status = "failed";
         t.points = 0;
         t.message = "below the bar";
+        --passed;
+        ++failed;
       }
     } else if (ts.perf && t.status == "passed") {
       t.status = "failed";  // a perf test that passed without reporting figures proves nothing
@@ -242,7 +249,12 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
   else
     m.status = "failed";
   if (m.status != "ok") {
-    if (skipped > 0) m.detail = std::to_string(skipped) + " skipped (no CUDA device: " + skip_reason + ")";
+    if (skipped > 0) {
+      std::string why;
+      for (const TestOutcome& t : m.tests)
+        if (t.status == "skipped") why = t.message;
+      m.detail = std::to_string(skipped) + " skipped (" + why + ")";
+    }
     if (not_implemented > 0)
       m.detail += (m.detail.empty() ? "" : "; ") + std::to_string(not_implemented) + " not implemented yet";
   }
@@ -384,6 +396,12 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
               .timeout_s = timeout});
     const std::string gtest_json = fs::exists(json_path) ? read_file(json_path) : "";
     m = evaluate_module(spec, r, gtest_json, o.impl, timeout);
+    if (o.sanitize) {  // the sanitizer's own verdict, for the record
+      const auto at = r.output.rfind("ERROR SUMMARY:");
+      if (at != std::string::npos)
+        m.detail += (m.detail.empty() ? "" : "; ") + std::string("compute-sanitizer ") +
+                    r.output.substr(at, r.output.find('\n', at) - at);
+    }
 
     if (!gtest_json.empty()) {
       try {
