@@ -173,8 +173,8 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
     if (result == "SKIPPED") {
       t.status = "skipped";
       // Newer GoogleTest versions report the GTEST_SKIP message; older ones only the fact.
-      std::string why;
-      if (j.contains("skipped") && j["skipped"].is_array() && !j["skipped"].empty())
+      std::string why = string_property(j, "k2c_skip");
+      if (why.empty() && j.contains("skipped") && j["skipped"].is_array() && !j["skipped"].empty())
         why = first_lines(string_property(j["skipped"][0], "message"), 1);
       if (why.empty()) why = skip_reason.empty() ? "skipped" : "no CUDA device: " + skip_reason;
       t.message = why;

@@ -143,8 +143,11 @@ int main(int argc, char** argv) {
       write_json(gradescope_out, to_gradescope(report));
       if (!reference_out.empty()) {
         const ProcessResult nvcc = run_process({"nvcc", "--version"}, {.timeout_s = 30});
-        std::string toolkit = nvcc.exit_code == 0 ? nvcc.output.substr(nvcc.output.rfind("Build")) : "";
-        write_json(reference_out, to_reference(report, first_line(toolkit)));
+        // "Cuda compilation tools, release 13.0, V13.0.88" -> "CUDA release 13.0, V13.0.88"
+        const auto at = nvcc.output.find("release ");
+        const std::string toolkit =
+            nvcc.exit_code == 0 && at != std::string::npos ? "CUDA " + first_line(nvcc.output.substr(at)) : "";
+        write_json(reference_out, to_reference(report, toolkit));
       }
       return 0;
     }

@@ -52,17 +52,26 @@ double required_ratio(const PerfSpec& p);
 
 }  // namespace k2c::testing
 
-#define K2C_REQUIRE_GPU()                                                                 \
-  do {                                                                                    \
-    if (!::k2c::testing::gpu_available())                                                 \
-      GTEST_SKIP() << "no CUDA device: " << ::k2c::testing::gpu_unavailable_reason();     \
+// Skips record their reason as the property k2c_skip too: older GoogleTest versions leave the
+// GTEST_SKIP message out of the JSON report, and the grader shows the reason.
+#define K2C_SKIP(reason)                                                 \
+  do {                                                                   \
+    const std::string k2c_why_ = (reason);                               \
+    ::testing::Test::RecordProperty("k2c_skip", k2c_why_);               \
+    GTEST_SKIP() << k2c_why_;                                            \
+  } while (0)
+
+#define K2C_REQUIRE_GPU()                                                                      \
+  do {                                                                                         \
+    if (!::k2c::testing::gpu_available())                                                      \
+      K2C_SKIP("no CUDA device: " + ::k2c::testing::gpu_unavailable_reason());                 \
   } while (0)
 
 // Performance tests skip under compute-sanitizer, which slows kernels by orders of magnitude.
 #define K2C_REQUIRE_TIMING()                                                              \
   do {                                                                                    \
     K2C_REQUIRE_GPU();                                                                    \
-    if (::k2c::testing::sanitizing()) GTEST_SKIP() << "timing skipped under the sanitizer"; \
+    if (::k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer"); \
   } while (0)
 
 // For a module's Contract.Implemented test, which tells "not implemented yet" apart from
