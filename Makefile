@@ -6,7 +6,8 @@
 #   make build   [IMPL=...]         configure and build build/<IMPL> (assignments by default)
 #   make test                       the project's own test suite (CPU; GPU tests skip without a GPU)
 #   make grade   [IMPL=...] [MODULES=00,01] [SEED=n] [ARGS="--json r.json ..."]
-#   make bench   [IMPL=...]         every module's benchmark sweep (needs a GPU)
+#   make bench   [IMPL=...]         every module's benchmark sweep and the SGEMM ladder plot (GPU)
+#   make tune    [IMPL=...]         choose module 04's tile configuration for this GPU
 #   make handout OUT=dir            a student tree without solutions/
 #   make clean
 IMPL    ?= assignments
@@ -20,7 +21,7 @@ GENERATOR := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 DEB_PACKAGES := cmake g++ ninja-build libgtest-dev libbenchmark-dev libcli11-dev \
                 nlohmann-json3-dev libopenmpi-dev openmpi-bin python3-matplotlib
 
-.PHONY: deps configure build test grade bench handout clean
+.PHONY: deps configure build test grade bench tune handout clean
 
 deps:
 	@missing=""; \
@@ -58,6 +59,13 @@ grade: configure
 
 bench: build
 	$(BUILD)/bin/k2c bench --build-dir $(BUILD)
+	@py=python3; $$py -c "import matplotlib" 2>/dev/null || { test -x /usr/bin/python3 && py=/usr/bin/python3; }; \
+	$$py tools/plot_ladder.py $(BUILD)/bench --png $(BUILD)/bench/sgemm_ladder.png --readme /dev/null || true
+
+# Time every tile configuration of module 04 on this GPU and record the fastest for matmul().
+tune: build
+	$(BUILD)/bin/k2c_tune_04_register_tiled_matmul --out $(IMPL)/04_register_tiled_matmul/tuned_config.h
+	cmake --build $(BUILD) -j $(JOBS)
 
 handout: configure
 	@test -n "$(OUT)" || { echo "usage: make handout OUT=dir"; exit 2; }

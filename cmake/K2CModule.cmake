@@ -7,7 +7,8 @@
 #                      to link instead of passing on borrowed speed;
 #   k2c_test_NN_name   autograder/NN_name/test_name.cu + the shared test main, a GoogleTest
 #                      program; CTest tests discovered at test time, labelled moduleNN and KIND;
-#   k2c_bench_NN_name  autograder/NN_name/bench_name.cu, a Google Benchmark program (if present).
+#   k2c_bench_NN_name  autograder/NN_name/bench_name.cu, a Google Benchmark program (if present);
+#   k2c_tune_NN_name   autograder/NN_name/tune_name.cu, a tuner (if present).
 # Each module is its own set of targets, so the grader builds them one at a time and a compile
 # error in one module never blocks another.
 function(k2c_add_module id)
@@ -40,6 +41,12 @@ function(k2c_add_module id)
   target_link_libraries(k2c_test_${id} PRIVATE k2c_impl_${id} k2c_testing)
   gtest_discover_tests(k2c_test_${id} DISCOVERY_MODE PRE_TEST
                        PROPERTIES LABELS "module${num};${arg_KIND}")
+
+  # A tuner, for modules whose implementation offers configurations to choose from.
+  if(EXISTS ${root}/autograder/${id}/tune_${name}.cu)
+    add_executable(k2c_tune_${id} ${root}/autograder/${id}/tune_${name}.cu)
+    target_link_libraries(k2c_tune_${id} PRIVATE k2c_impl_${id} k2c_cuda k2c_core)
+  endif()
 
   if(benchmark_FOUND AND EXISTS ${root}/autograder/${id}/bench_${name}.cu)
     add_executable(k2c_bench_${id} ${root}/autograder/${id}/bench_${name}.cu)

@@ -7,13 +7,13 @@
 #   OUT=/tmp/k2c-gpu tools/gpu-check.sh [ARCH]      ARCH defaults to 90 (H100 / H200)
 #
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
-# ceilings.json, bench/*.json. The script prints a short summary last.
+# tuned_config.h, sgemm_ladder.png, bench.tar.gz (Google Benchmark JSON per module). The script prints a short summary last.
 set -uo pipefail
 ARCH=${1:-90}
 OUT=${OUT:-/tmp/k2c-gpu}
 BUILD=${K2C_GPU_BUILD:-/tmp/k2c-gpu-build}
 SEED=${K2C_SEED:-$RANDOM}
-mkdir -p "$OUT/bench"
+mkdir -p "$OUT" /tmp/k2c-bench
 export NCCL_NVLS_ENABLE=0
 LOG="$OUT/log.txt"
 : > "$LOG"
@@ -28,14 +28,24 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S . -B "$BUILD" "${gen[@]}" -DK2C_IMPL=solutions -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >> "$LOG" 2>&1 &&
   cmake --build "$BUILD" -j "$(nproc)" >> "$LOG" 2>&1 || { echo "BUILD FAILED"; tail -40 "$LOG"; exit 1; }
 
+# Module 04's tile configuration, chosen on this GPU (K2C_TUNE=0 skips): written into the
+# solutions tree and kept in $OUT so it can be committed.
+if [ "${K2C_TUNE:-1}" = 1 ]; then
+  step "tune module 04"
+  "$BUILD/bin/k2c_tune_04_register_tiled_matmul" --out solutions/04_register_tiled_matmul/tuned_config.h \
+    2>&1 | tee -a "$LOG" | tail -3
+  cp solutions/04_register_tiled_matmul/tuned_config.h "$OUT/"
+  cmake --build "$BUILD" -j "$(nproc)" >> "$LOG" 2>&1 || { echo "REBUILD FAILED"; exit 1; }
+fi
+
 status=0
 step "ctest"
 ctest --test-dir "$BUILD" --output-on-failure >> "$LOG" 2>&1 || status=1
 
 step "grade solutions (seed $SEED)"
 "$BUILD/bin/k2c" grade --impl solutions --build-dir "$BUILD" --seed "$SEED" \
-  --json "$OUT/grade.json" --write-reference "$OUT/reference.json" > "$OUT/grade.txt" 2>> "$LOG"
-cat "$OUT/grade.txt" >> "$LOG"
+  --json "$OUT/grade.json" --write-reference "$OUT/reference.json" > /tmp/k2c-grade.txt 2>> "$LOG"
+cat /tmp/k2c-grade.txt >> "$LOG"
 # Full marks or the check fails: the reference solutions must meet every goal.
 python3 - "$OUT/grade.json" <<'PY' || status=1
 import json, sys
@@ -48,15 +58,19 @@ step "grade solutions under compute-sanitizer"
   --timeout 1200 >> "$LOG" 2>&1
 
 step "ceilings"
-"$BUILD/bin/k2c" ceilings --json "$OUT/ceilings.json" >> "$LOG" 2>&1
+"$BUILD/bin/k2c" ceilings >> "$LOG" 2>&1
 
 step "benchmarks"
-"$BUILD/bin/k2c" bench --build-dir "$BUILD" --out "$OUT/bench" >> "$LOG" 2>&1
+"$BUILD/bin/k2c" bench --build-dir "$BUILD" --out /tmp/k2c-bench >> "$LOG" 2>&1
+tar -czf "$OUT/bench.tar.gz" -C /tmp/k2c-bench .
+
+step "ladder plot"
+python3 tools/plot_ladder.py /tmp/k2c-bench --png "$OUT/sgemm_ladder.png" --readme /dev/null >> "$LOG" 2>&1
 
 step "done"
 grep -E "^\[ k2c perf \]" "$LOG" | sort -u
 grep -E "compute-sanitizer ERROR SUMMARY" "$LOG"
-cat "$OUT/grade.txt"
+cat /tmp/k2c-grade.txt
 grep -E "tests passed|tests failed" "$LOG"
 echo "gpu-check: $([ $status = 0 ] && echo PASS || echo FAIL)"
 exit $status

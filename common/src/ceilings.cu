@@ -67,6 +67,37 @@ void cublas_sgemm(int M, int N, int K, float alpha, const float* A, const float*
                                &beta, C, N));
 }
 
+__global__ void naive_sgemm_kernel(int M, int N, int K, float alpha, const float* A,
+                                   const float* B, float beta, float* C) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  const int col = blockIdx.y * blockDim.y + threadIdx.y;
+  if (row >= M || col >= N) return;
+  float acc = 0.0f;
+  for (int k = 0; k < K; ++k)
+    acc += A[static_cast<std::size_t>(row) * K + k] * B[static_cast<std::size_t>(k) * N + col];
+  const std::size_t i = static_cast<std::size_t>(row) * N + col;
+  C[i] = beta == 0.0f ? alpha * acc : alpha * acc + beta * C[i];
+}
+
+void naive_sgemm(int M, int N, int K, float alpha, const float* A, const float* B, float beta,
+                 float* C) {
+  if (M == 0 || N == 0) return;
+  const dim3 block(32, 32), grid((M + 31) / 32, (N + 31) / 32);
+  naive_sgemm_kernel<<<grid, block>>>(M, N, K, alpha, A, B, beta, C);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+double naive_sgemm_rate(int n) {
+  K2C_NVTX_RANGE("ceiling: naive SGEMM");
+  const std::size_t nn = static_cast<std::size_t>(n) * n;
+  DeviceBuffer<float> a(nn), b(nn), c(nn);
+  fill_uniform_device(a.data(), nn, 6);
+  fill_uniform_device(b.data(), nn, 7);
+  const Timing t = time_gpu([&] { naive_sgemm(n, n, n, 1.0f, a.data(), b.data(), 0.0f, c.data()); },
+                            {.warmup = 1, .repeats = 5});
+  return 2.0 * n * static_cast<double>(n) * n / (t.median_ms * 1e-3);
+}
+
 double bf16_gemm_rate(int n) {
   K2C_NVTX_RANGE("ceiling: cuBLAS bf16 GEMM");
   const std::size_t nn = static_cast<std::size_t>(n) * n;

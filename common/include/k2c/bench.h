@@ -9,10 +9,13 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <benchmark/benchmark.h>
 
+#include "k2c/buffer.h"
 #include "k2c/device.h"
+#include "k2c/random.h"
 #include "k2c/timing.h"
 
 namespace k2c::bench {
@@ -36,6 +39,26 @@ inline benchmark::internal::Benchmark* add(const std::string& name,
   return benchmark::RegisterBenchmark(name.c_str(), std::move(fn))
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
+}
+
+// The SGEMM ladder's sweep (modules 01–04): BM_<module>_sgemm/<variant>/<n> for square sizes
+// from 128 to 8192, powers of two and their neighbours, random inputs, beta = 0. `gemm` is
+// called as gemm(n, A, B, C) on device buffers.
+inline const std::vector<int> kSgemmSizes = {128, 256, 500, 512, 1000, 1024, 2000, 2048, 4000, 4096, 8192};
+
+inline void sgemm_sweep(const std::string& module, const std::string& variant,
+                        const std::function<void(int, const float*, const float*, float*)>& gemm) {
+  for (int n : kSgemmSizes) {
+    add("BM_" + module + "_sgemm/" + variant + "/" + std::to_string(n),
+        [n, gemm](benchmark::State& state) {
+          const std::size_t nn = static_cast<std::size_t>(n) * n;
+          DeviceBuffer<float> a(nn), b(nn), c(nn);
+          fill_uniform_device(a.data(), nn, 1);
+          fill_uniform_device(b.data(), nn, 2);
+          run(state, [&] { gemm(n, a.data(), b.data(), c.data()); }, 2.0 * n * static_cast<double>(n) * n, 0);
+        })
+        ->Iterations(n >= 4000 ? 3 : 10);
+  }
 }
 
 // main() of a benchmark program: registers through `register_all`, then runs. Without a GPU it

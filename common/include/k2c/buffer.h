@@ -21,7 +21,7 @@ class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(std::size_t n) : n_(n) {
-    if (n_ > 0) K2C_CUDA_CHECK(cudaMalloc(&ptr_, bytes()));
+    if (n_ > 0) K2C_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr_), bytes()));
   }
   explicit DeviceBuffer(std::span<const T> host) : DeviceBuffer(host.size()) { upload(host); }
   ~DeviceBuffer() {

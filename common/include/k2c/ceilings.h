@@ -24,4 +24,10 @@ double bf16_gemm_rate(int n = 4096);
 void cublas_sgemm(int M, int N, int K, float alpha, const float* A, const float* B, float beta,
                   float* C);
 
+// Module 01's naive SGEMM (one thread per output, threadIdx.x walking down rows), kept here as a
+// trusted baseline: module 02's goal is a multiple of its rate, and a handout has no solutions/.
+void naive_sgemm(int M, int N, int K, float alpha, const float* A, const float* B, float beta,
+                 float* C);
+double naive_sgemm_rate(int n = 4096);
+
 }  // namespace k2c

@@ -1,0 +1,130 @@
+// assignments/04_register_tiled_matmul/register_tiled_matmul.cu — module 04: your implementation
+// (contract: register_tiled_matmul.h). Read lectures/04_register_tiled_matmul.md first.
+//
+// What is given: the Tile template (tile sizes as template parameters, with the static_asserts
+// that reject impossible combinations at compile time), the list of configurations the tuner
+// chooses from, and the dispatch from a configuration index to its launcher.
+// What you write: matmul_kernel (2-D register blocking, float4 loads, A transposed in shared
+// memory, warp tiling; double buffering once the rest works) and launch().
+#include <array>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include "k2c/check.h"
+#include "k2c/gemm_args.h"
+#include "k2c/todo.h"
+#include "register_tiled_matmul.h"
+#include "tuned_config.h"
+
+namespace k2c::register_tiled_matmul {
+
+// ============================================================== tile configuration =========
+
+template <int BM, int BN, int BK, int WM, int WN, int WNITER, int TM, int TN, int THREADS>
+struct Tile {
+  static constexpr int kBM = BM, kBN = BN, kBK = BK, kWM = WM, kWN = WN, kWNIter = WNITER,
+                       kTM = TM, kTN = TN, kThreads = THREADS;
+  static constexpr int kWarps = THREADS / 32;
+  static constexpr int kWMIter = (WM * WN) / (32 * TM * TN * WNITER);  // row slices per warp
+  static constexpr int kWSubM = WM / (kWMIter > 0 ? kWMIter : 1), kWSubN = WN / WNITER;
+  static constexpr int kLdA = BM + 4;  // padded row of the transposed A tile (16-byte aligned)
+  static constexpr int kLoadsA = BM * BK / 4 / THREADS;  // float4 loads per thread per tile
+  static constexpr int kLoadsB = BK * BN / 4 / THREADS;
+  static constexpr std::size_t kSmemBytes = 2 * BK * (kLdA + BN) * sizeof(float);
+
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps, at most 1024 threads");
+  static_assert(BM % WM == 0 && BN % WN == 0, "warp tiles tile the block tile");
+  static_assert((BM / WM) * (BN / WN) == kWarps, "one warp tile per warp");
+  static_assert(kWMIter >= 1 && (WM * WN) % (32 * TM * TN * WNITER) == 0,
+                "a warp tile splits into whole per-thread slices");
+  static_assert(WM % kWMIter == 0 && WN % WNITER == 0, "slices tile the warp tile");
+  static_assert((kWSubM / TM) * (kWSubN / TN) == 32 && kWSubM % TM == 0 && kWSubN % TN == 0,
+                "the 32 threads of a warp cover one slice exactly");
+  static_assert(TM % 4 == 0 && TN % 4 == 0, "fragments are read as float4");
+  static_assert(BK % 4 == 0 && BN % 4 == 0, "tiles are loaded as float4");
+  static_assert((BM * BK / 4) % THREADS == 0 && (BK * BN / 4) % THREADS == 0,
+                "every thread loads the same whole number of float4s");
+  static_assert(kSmemBytes <= 227 * 1024, "two buffers fit in a block's shared memory");
+
+  static TileConfig config() { return {BM, BN, BK, WM, WN, WNITER, TM, TN, THREADS}; }
+};
+
+// The configurations the tuner chooses from. Add a line to try another; the static_asserts
+// above reject it at compile time if the kernel could not run it.
+using Configs = std::tuple<
+    Tile<128, 128, 16, 64, 64, 4, 8, 4, 128>,   // 128 outputs per thread, 4 warps
+    Tile<128, 128, 8, 64, 32, 2, 8, 4, 256>,    // 64 outputs per thread, 8 warps
+    Tile<128, 256, 16, 64, 64, 4, 8, 4, 256>,   // 128 outputs per thread, 8 warps, wide tile
+    Tile<256, 128, 16, 64, 64, 4, 8, 4, 256>,   // the same, tall
+    Tile<64, 128, 16, 32, 64, 2, 4, 4, 128>,    // 64 outputs per thread, small tile
+    Tile<128, 128, 16, 32, 64, 2, 8, 4, 256>,   // 64 outputs per thread, BK 16
+    Tile<128, 128, 16, 64, 32, 2, 8, 4, 256>,   // like 1 with BK 16
+    Tile<128, 256, 8, 64, 64, 4, 8, 4, 256>>;   // like 2 with BK 8
+
+constexpr int kGroupM = 8;  // tile rows per group in the block order
+
+// ========================================================================== kernel =========
+
+// template <class T, bool kVec>
+// __global__ void __launch_bounds__(T::kThreads) matmul_kernel(int M, int N, int K, float alpha,
+//     const float* __restrict__ A, const float* __restrict__ B, float beta, float* __restrict__ C);
+
+// ======================================================================== launchers =========
+
+template <class T>
+void launch(int M, int N, int K, float alpha, const float* A, const float* B, float beta, float* C,
+            cudaStream_t stream) {
+  (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)B, (void)beta, (void)C, (void)stream;
+  K2C_TODO("launch: run matmul_kernel<T, vec> with T::kThreads threads and T::kSmemBytes of "
+           "dynamic shared memory (cudaFuncSetAttribute above 48 KiB)");
+}
+
+using Launcher = void (*)(int, int, int, float, const float*, const float*, float, float*,
+                          cudaStream_t);
+
+template <std::size_t... I>
+constexpr auto make_launchers(std::index_sequence<I...>) {
+  return std::array<Launcher, sizeof...(I)>{&launch<std::tuple_element_t<I, Configs>>...};
+}
+template <std::size_t... I>
+auto make_configs(std::index_sequence<I...>) {
+  return std::array<TileConfig, sizeof...(I)>{std::tuple_element_t<I, Configs>::config()...};
+}
+constexpr auto kIndices = std::make_index_sequence<std::tuple_size_v<Configs>>{};
+constexpr auto kLaunchers = make_launchers(kIndices);
+static_assert(kTunedConfig >= 0 && kTunedConfig < static_cast<int>(kLaunchers.size()),
+              "tuned_config.h names a configuration that does not exist");
+
+std::string TileConfig::name() const {
+  return std::to_string(bm) + "x" + std::to_string(bn) + "x" + std::to_string(bk) + " w" +
+         std::to_string(wm) + "x" + std::to_string(wn) + "x" + std::to_string(wniter) + " t" +
+         std::to_string(tm) + "x" + std::to_string(tn) + " " + std::to_string(threads) + "thr";
+}
+
+int config_count() { return static_cast<int>(kLaunchers.size()); }
+
+TileConfig config(int index) {
+  K2C_CHECK(index >= 0 && index < config_count(),
+            "config: index " << index << " outside [0, " << config_count() << ")");
+  return make_configs(kIndices)[index];
+}
+
+void matmul_config(int index, int M, int N, int K, float alpha, const float* A, const float* B,
+                   float beta, float* C, cudaStream_t stream) {
+  K2C_CHECK(index >= 0 && index < config_count(),
+            "matmul_config: index " << index << " outside [0, " << config_count() << ")");
+  check_gemm_args(M, N, K, A, B, beta, C);
+  if (M == 0 || N == 0) return;
+  kLaunchers[index](M, N, K, alpha, A, B, beta, C, stream);
+}
+
+void matmul(int M, int N, int K, float alpha, const float* A, const float* B, float beta, float* C,
+            cudaStream_t stream) {
+  matmul_config(kTunedConfig, M, N, K, alpha, A, B, beta, C, stream);
+}
+
+}  // namespace k2c::register_tiled_matmul

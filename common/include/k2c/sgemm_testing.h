@@ -1,0 +1,42 @@
+// k2c/sgemm_testing.h — the tests every SGEMM module (01–04) shares.
+//
+// All of them implement one contract, C = alpha*A*B + beta*C in fp32, row-major, any M, N, K
+// (see assignments/01_naive_matmul/naive_matmul.h), so they are checked the same way:
+//   check_case     one shape against the double-precision CPU reference, every element; random
+//                  C (an unwritten element keeps its old value, far outside the tolerance), or
+//                  a C poisoned with NaN when beta == 0 (which must not read C);
+//   fixed_cases    awkward shapes: 1×1×1, primes, tails on every side, tall and flat;
+//   random_cases   shapes drawn from the run's seed;
+//   measure_rate   FLOP/s at a size, after spot-checking that run's output at random positions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+namespace k2c::sgemm_testing {
+
+using SgemmFn = void (*)(int M, int N, int K, float alpha, const float* A, const float* B,
+                         float beta, float* C, cudaStream_t stream);
+
+struct Case {
+  int M, N, K;
+  float alpha, beta;
+};
+
+std::string describe(const Case& c);
+std::vector<Case> fixed_cases();
+std::vector<Case> beta_zero_cases();
+std::vector<Case> random_cases(std::uint64_t seed, int count, int max_dim);
+
+// Adds a GoogleTest failure (with the first mismatches) when fn gets `c` wrong.
+void check_case(SgemmFn fn, const Case& c);
+
+// Times fn at M×N×K (median of `repeats` after warm-up, L2 flushed) and returns FLOP/s. First
+// checks the output of one run at 512 random positions; a wrong result fails the test and
+// returns 0.
+double measure_rate(SgemmFn fn, int M, int N, int K, int repeats);
+
+}  // namespace k2c::sgemm_testing
