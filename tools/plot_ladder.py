@@ -44,7 +44,10 @@ try:
         xs = sorted(rates[v])
         ax.plot(xs, [rates[v][n] for n in xs], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(n) for n in sizes], rotation=45)
+    ax.set_yscale("log")  # the rungs span two orders of magnitude
+    ticks = [n for n in sizes if n & (n - 1) == 0]  # label the powers of two only
+    ax.set_xticks(ticks, [str(n) for n in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("M = N = K")
     ax.set_ylabel("TFLOP/s (fp32)")
     ax.set_title(f"SGEMM ladder on {gpu}")
@@ -59,7 +62,7 @@ except ImportError:
 
 cublas = rates.get("cublas", {})
 head = "| n | " + " | ".join(label for _, label in variants) + " | 4 / cuBLAS |"
-rows = [f"SGEMM ladder on {gpu}, TFLOP/s (Google Benchmark, median-free manual CUDA-event time, L2 flushed per run):",
+rows = [f"SGEMM ladder on {gpu}, TFLOP/s (Google Benchmark: CUDA-event time of each run after an L2 flush, mean of 3 to 10 runs):",
         "", head, "|" + "---|" * (len(variants) + 2)]
 for n in sizes:
     cells = [f"{rates[v][n]:.2f}" if n in rates[v] else "" for v, _ in variants]

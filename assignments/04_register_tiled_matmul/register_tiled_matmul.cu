@@ -63,7 +63,8 @@ using Configs = std::tuple<
     Tile<64, 128, 16, 32, 64, 2, 4, 4, 128>,    // 64 outputs per thread, small tile
     Tile<128, 128, 16, 32, 64, 2, 8, 4, 256>,   // 64 outputs per thread, BK 16
     Tile<128, 128, 16, 64, 32, 2, 8, 4, 256>,   // like 1 with BK 16
-    Tile<128, 256, 8, 64, 64, 4, 8, 4, 256>>;   // like 2 with BK 8
+    Tile<128, 256, 8, 64, 64, 4, 8, 4, 256>,    // like 2 with BK 8
+    Tile<64, 64, 16, 32, 32, 1, 4, 4, 128>>;    // 32 outputs per thread: many blocks for small C
 
 constexpr int kGroupM = 8;  // tile rows per group in the block order
 
@@ -96,7 +97,8 @@ auto make_configs(std::index_sequence<I...>) {
 }
 constexpr auto kIndices = std::make_index_sequence<std::tuple_size_v<Configs>>{};
 constexpr auto kLaunchers = make_launchers(kIndices);
-static_assert(kTunedConfig >= 0 && kTunedConfig < static_cast<int>(kLaunchers.size()),
+static_assert(kTunedConfig >= 0 && kTunedConfig < static_cast<int>(kLaunchers.size()) &&
+                  kTunedConfigSmall >= 0 && kTunedConfigSmall < static_cast<int>(kLaunchers.size()),
               "tuned_config.h names a configuration that does not exist");
 
 std::string TileConfig::name() const {
@@ -122,9 +124,13 @@ void matmul_config(int index, int M, int N, int K, float alpha, const float* A, 
   kLaunchers[index](M, N, K, alpha, A, B, beta, C, stream);
 }
 
+// Big tiles win when there are enough of them to fill the GPU; a small C (a 1024² C is only 32
+// tiles of 128×256 for 132 SMs) needs smaller tiles. The tuner picks one configuration for each
+// regime and the output-size boundary between them.
 void matmul(int M, int N, int K, float alpha, const float* A, const float* B, float beta, float* C,
             cudaStream_t stream) {
-  matmul_config(kTunedConfig, M, N, K, alpha, A, B, beta, C, stream);
+  const bool small = static_cast<long>(M) * N <= kSmallOutputs;
+  matmul_config(small ? kTunedConfigSmall : kTunedConfig, M, N, K, alpha, A, B, beta, C, stream);
 }
 
 }  // namespace k2c::register_tiled_matmul

@@ -447,15 +447,16 @@ void print_table(const GradeReport& r, std::ostream& out) {
   out << "\nKernels to Clusters — grade of " << r.impl << ", seed " << r.seed << ", device "
       << (r.gpu == "none" ? "none (" + (r.gpu_reason.empty() ? std::string("no CUDA device") : r.gpu_reason) + ")" : r.gpu)
       << (r.sanitize ? ", under compute-sanitizer" : "") << "\n\n";
-  out << std::left << std::setw(22) << "module" << std::setw(26) << "correctness"
-      << std::setw(52) << "performance: achieved / required / reference" << "points\n";
-  out << std::string(110, '-') << "\n";
+  out << std::left << std::setw(26) << "module" << std::setw(24) << "correctness"
+      << std::setw(66) << "performance: achieved / required / reference (ratio to ceiling)"
+      << "points\n";
+  out << std::string(126, '-') << "\n";
   for (const ModuleOutcome& m : r.modules) {
     int correct = 0, total = 0;
     std::vector<std::string> perf_lines;
     for (const TestOutcome& t : m.tests) {
       if (t.perf || t.name.find("Perf.") != std::string::npos) {
-        std::string line = t.name.substr(0, t.name.find('.')) + ": ";
+        std::string line = t.name + ": ";
         if (t.perf) {
           line += fmt(t.perf->ratio) + " / " + fmt(t.perf->required) + " / " +
                   (t.perf->reference_ratio ? fmt(*t.perf->reference_ratio) : "-") + " of " +
@@ -477,8 +478,8 @@ void print_table(const GradeReport& r, std::ostream& out) {
     if (m.status == "not implemented yet" || kModuleLevel.count(m.status) || m.tests.empty()) corr = m.status;
     if (perf_lines.empty()) perf_lines.push_back("-");
     for (std::size_t i = 0; i < perf_lines.size(); ++i) {
-      out << std::left << std::setw(22) << (i == 0 ? m.id : "") << std::setw(26)
-          << (i == 0 ? corr : "") << std::setw(52) << perf_lines[i];
+      out << std::left << std::setw(26) << (i == 0 ? m.id : "") << std::setw(24)
+          << (i == 0 ? corr : "") << std::setw(66) << perf_lines[i];
       if (i == 0) out << fmt(m.points, 4) << "/" << fmt(m.max_points, 4);
       out << "\n";
     }
@@ -491,8 +492,8 @@ void print_table(const GradeReport& r, std::ostream& out) {
       if ((t.status == "failed" || t.status == "not implemented") && m.status != "not implemented yet")
         out << "    " << t.name << ": " << t.status << (t.message.empty() ? "" : ": " + first_lines(t.message, 2, 300)) << "\n";
   }
-  out << std::string(110, '-') << "\n";
-  out << std::left << std::setw(100) << "total" << fmt(r.points(), 5) << "/" << fmt(r.max_points(), 5) << "\n";
+  out << std::string(126, '-') << "\n";
+  out << std::left << std::setw(116) << "total" << fmt(r.points(), 5) << "/" << fmt(r.max_points(), 5) << "\n";
   if (!r.ceilings.empty()) {
     out << "ceilings measured in this run:";
     for (const auto& [name, v] : r.ceilings) out << "  " << name << " " << fmt(v.first, 4) << " " << v.second;
