@@ -1,4 +1,5 @@
-# K2CModule.cmake — k2c_add_module(NN_name KIND gpu|cpu): one call declares a whole module.
+# K2CModule.cmake — k2c_add_module(NN_name KIND gpu|cpu|mpi [RANKS 1 2 ...]): one call declares
+# a whole module.
 #
 # For module NN_name it builds
 #   k2c_impl_NN_name   the implementation, from ${K2C_IMPL}/NN_name/name.cu, as a SHARED library
@@ -12,35 +13,67 @@
 # Each module is its own set of targets, so the grader builds them one at a time and a compile
 # error in one module never blocks another.
 function(k2c_add_module id)
-  cmake_parse_arguments(arg "" "KIND" "" ${ARGN})
+  cmake_parse_arguments(arg "" "KIND" "RANKS" ${ARGN})
   if(NOT id MATCHES "^([0-9][0-9])_([a-z0-9_]+)$")
     message(FATAL_ERROR "k2c_add_module: '${id}' is not NN_snake_name")
   endif()
   set(num ${CMAKE_MATCH_1})
   set(name ${CMAKE_MATCH_2})
-  if(NOT arg_KIND MATCHES "^(gpu|cpu)$")
-    message(FATAL_ERROR "k2c_add_module(${id}): KIND must be gpu or cpu")
+  if(NOT arg_KIND MATCHES "^(gpu|cpu|mpi)$")
+    message(FATAL_ERROR "k2c_add_module(${id}): KIND must be gpu, cpu or mpi")
   endif()
   if(arg_KIND STREQUAL "gpu" AND NOT K2C_HAS_CUDA)
     message(STATUS "k2c: module ${id} needs CUDA: skipped")
     return()
   endif()
+  if(arg_KIND STREQUAL "mpi" AND NOT (K2C_HAS_MPI AND K2C_MPIEXEC))
+    message(STATUS "k2c: module ${id} needs MPI and mpirun: skipped")
+    return()
+  endif()
 
   set(root ${PROJECT_SOURCE_DIR})
   set_property(GLOBAL APPEND PROPERTY K2C_MODULES ${id})
-  add_library(k2c_impl_${id} SHARED ${K2C_IMPL_DIR}/${id}/${name}.cu)
+  # Device code in .cu, plain C++ (the distributed modules' algorithms) in .cpp.
+  set(impl_src ${K2C_IMPL_DIR}/${id}/${name}.cu)
+  if(NOT EXISTS ${impl_src})
+    set(impl_src ${K2C_IMPL_DIR}/${id}/${name}.cpp)
+  endif()
+  set(test_src ${root}/autograder/${id}/test_${name}.cu)
+  if(NOT EXISTS ${test_src})
+    set(test_src ${root}/autograder/${id}/test_${name}.cpp)
+  endif()
+  add_library(k2c_impl_${id} SHARED ${impl_src})
   target_include_directories(k2c_impl_${id} PUBLIC ${root}/assignments/${id})
-  target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers CUDA::cudart)
+  target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers)
+  if(arg_KIND STREQUAL "gpu")
+    target_link_libraries(k2c_impl_${id} PUBLIC CUDA::cudart)
+  endif()
   target_link_options(k2c_impl_${id} PRIVATE "LINKER:--no-undefined")
 
-  add_executable(k2c_test_${id} ${root}/autograder/${id}/test_${name}.cu
-                                ${root}/common/src/test_main.cpp)
+  if(arg_KIND STREQUAL "mpi")
+    set(test_main ${root}/common/src/dist/test_main.cpp)
+  else()
+    set(test_main ${root}/common/src/test_main.cpp)
+  endif()
+  add_executable(k2c_test_${id} ${test_src} ${test_main})
   target_compile_definitions(k2c_test_${id} PRIVATE
     K2C_MODULE_ID="${id}" K2C_IMPL_NAME="${K2C_IMPL}"
     K2C_RUBRIC_DEFAULT="${root}/autograder/rubric.json")
   target_link_libraries(k2c_test_${id} PRIVATE k2c_impl_${id} k2c_testing)
-  gtest_discover_tests(k2c_test_${id} DISCOVERY_MODE PRE_TEST
-                       PROPERTIES LABELS "module${num};${arg_KIND}")
+  if(arg_KIND STREQUAL "mpi")
+    # One CTest test per rank count, each running the whole program under mpirun on the MPI
+    # backend (CI has no GPU; the NCCL runs happen through the grader on GPU machines).
+    target_link_libraries(k2c_test_${id} PRIVATE k2c_dist)
+    foreach(n IN LISTS arg_RANKS)
+      add_test(NAME ${id}.np${n}
+               COMMAND ${K2C_MPIEXEC} -np ${n} --oversubscribe $<TARGET_FILE:k2c_test_${id}>)
+      set_tests_properties(${id}.np${n} PROPERTIES LABELS "module${num};mpi" TIMEOUT 600
+        ENVIRONMENT "K2C_BACKEND=mpi;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;K2C_DIST_TIMEOUT=60")
+    endforeach()
+  else()
+    gtest_discover_tests(k2c_test_${id} DISCOVERY_MODE PRE_TEST
+                         PROPERTIES LABELS "module${num};${arg_KIND}")
+  endif()
 
   # A tuner, for modules whose implementation offers configurations to choose from.
   if(EXISTS ${root}/autograder/${id}/tune_${name}.cu)

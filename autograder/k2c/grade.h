@@ -85,6 +85,12 @@ ModuleOutcome evaluate_module(const ModuleSpec& module, const ProcessResult& run
                               const std::string& gtest_json, const std::string& impl,
                               double timeout_s);
 
+// A distributed module's verdict from its runs (label, verdict of that run), in rubric order:
+// a run that crashed, hung or lost its report voids the module; a test fails if it failed in any
+// run and passes if it passed in one and was skipped (e.g. no GPUs for the NCCL run) elsewhere.
+ModuleOutcome combine_runs(const ModuleSpec& spec,
+                           const std::vector<std::pair<std::string, ModuleOutcome>>& runs);
+
 // Reference ratios: <dir>/*.json whose "gpu" equals the device name. Empty object if none.
 nlohmann::json find_reference(const std::string& dir, const std::string& gpu, std::string* file);
 

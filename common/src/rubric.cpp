@@ -80,14 +80,33 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
 }
 
 ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"id", "title", "kind", "timeout_s", "files", "tests"});
+  rd.only_keys(j, path, {"id", "title", "kind", "timeout_s", "runs", "files", "tests"});
   ModuleSpec m;
   m.id = rd.string(j, path, "id");
   static const std::regex kId("[0-9]{2}_[a-z0-9_]+");
   if (!std::regex_match(m.id, kId)) rd.error(path + ".id", "expected \"NN_snake_name\"");
   m.title = rd.string(j, path, "title");
   m.kind = rd.string(j, path, "kind");
-  if (m.kind != "gpu" && m.kind != "cpu") rd.error(path + ".kind", "expected \"gpu\" or \"cpu\"");
+  if (m.kind != "gpu" && m.kind != "cpu" && m.kind != "mpi")
+    rd.error(path + ".kind", "expected \"gpu\", \"cpu\" or \"mpi\"");
+  if (m.kind == "mpi") {
+    const json& runs = rd.field(j, path, "runs");
+    if (!runs.is_array() || runs.empty()) rd.error(path + ".runs", "expected a non-empty array");
+    for (std::size_t i = 0; i < runs.size(); ++i) {
+      const std::string rp = path + ".runs[" + std::to_string(i) + "]";
+      rd.only_keys(runs[i], rp, {"backend", "ranks"});
+      RunSpec r;
+      r.backend = rd.string(runs[i], rp, "backend");
+      if (r.backend != "mpi" && r.backend != "nccl") rd.error(rp + ".backend", "expected \"mpi\" or \"nccl\"");
+      const double ranks = rd.number(runs[i], rp, "ranks");
+      if (!(ranks >= 1 && ranks <= 1024 && ranks == static_cast<int>(ranks)))
+        rd.error(rp + ".ranks", "expected an integer in 1..1024");
+      r.ranks = static_cast<int>(ranks);
+      m.runs.push_back(r);
+    }
+  } else if (j.contains("runs")) {
+    rd.error(path + ".runs", "only modules of kind \"mpi\" have runs");
+  }
   const double timeout = rd.number(j, path, "timeout_s");
   if (!(timeout >= 1 && timeout <= 86400)) rd.error(path + ".timeout_s", "expected 1..86400");
   m.timeout_s = static_cast<int>(timeout);

@@ -35,10 +35,19 @@ struct TestSpec {
   std::optional<PerfSpec> perf;
 };
 
+// One launch of a distributed module's test program: `ranks` processes under mpirun, on a backend.
+struct RunSpec {
+  std::string backend;  // "mpi" or "nccl"
+  int ranks = 1;
+  std::string label() const { return backend + " x" + std::to_string(ranks); }
+};
+
 struct ModuleSpec {
   std::string id;          // "NN_snake_name", the same in lectures/, assignments/, solutions/
   std::string title;
-  std::string kind;        // "gpu" (needs a CUDA toolkit to build) or "cpu"
+  std::string kind;        // "gpu" (needs a CUDA toolkit to build), "cpu", or "mpi" (run under
+                           // mpirun once per entry of `runs`)
+  std::vector<RunSpec> runs;  // mpi modules only
   int timeout_s = 0;
   std::vector<std::string> files;  // student files, relative to the repository root
   std::vector<TestSpec> tests;

@@ -1,0 +1,41 @@
+// assignments/11_collectives/collectives.h — the contract of module 11 (do not edit).
+//
+// Collectives by hand: reduce-scatter, all-gather and all-reduce on a ring, written with nothing
+// but a PointToPoint (k2c/dist/communicator.h): send, recv, send_recv, and local copy and
+// reduce. The same code runs on CPU ranks (MPI backend, host buffers) and on GPUs (NCCL backend,
+// device buffers); buffers come from p2p.alloc(). The library collectives are not reachable
+// from here, by design.
+//
+// Blocks: `count` elements are cut into size() blocks as evenly as possible, the first
+// count % size() one element longer (k2c::dist::block_of). Rank r owns block r.
+// Calls may return before the work is done (NCCL queues it); p2p.synchronize() waits.
+// Every rank calls with the same count, type and op.
+//
+// Tests: autograder/11_collectives/test_collectives.cpp. Lecture: lectures/11_collectives.md.
+#pragma once
+
+#include <cstddef>
+
+#include "k2c/dist/communicator.h"
+
+namespace k2c::collectives {
+
+using dist::DType;
+using dist::PointToPoint;
+using dist::ReduceOp;
+
+// out (block_of(count, size, rank).size elements) = block rank() of the element-wise reduction
+// of every rank's `data` (count elements). data is not modified.
+void ring_reduce_scatter(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
+                         ReduceOp op);
+
+// out (count elements) = every rank's block, in rank order; `in` holds this rank's block
+// (block_of(count, size, rank).size elements).
+void ring_all_gather(PointToPoint& p2p, const void* in, void* out, std::size_t count, DType t);
+
+// out (count elements) = the element-wise reduction of every rank's `data`: a ring
+// reduce-scatter followed by a ring all-gather. out may equal data (in place).
+void ring_all_reduce(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
+                     ReduceOp op);
+
+}  // namespace k2c::collectives

@@ -1,0 +1,149 @@
+// k2c/dist/communicator.h — one communication interface, two backends.
+//
+// Ranks are processes started by mpirun. A Communicator connects a group of them and offers the
+// collectives of torch.distributed / NCCL on one of two backends chosen at run time:
+//   Backend::nccl  buffers are device pointers; work is queued on the communicator's stream
+//   Backend::mpi   buffers are host pointers; calls complete before they return
+// so the same algorithm runs on CPU ranks (a laptop, CI) and on GPUs. Buffers always come from
+// the communicator's own alloc(), which knows which kind of memory its backend needs.
+//
+// PointToPoint is the part of the interface that hand-written collectives (module 11) may use:
+// send / recv, the deadlock-free exchange of a ring step, and local element-wise work.
+//
+// Every call that waits on other ranks waits at most timeout_s (K2C_DIST_TIMEOUT, default 120 s)
+// and then throws k2c::dist::Timeout naming the operation, instead of hanging.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace k2c::dist {
+
+enum class Backend { mpi, nccl };
+enum class DType { f32, f64, i32 };
+enum class ReduceOp { sum, max };
+
+// Inline (like block_of below) so that a student library using them links nothing else.
+inline std::size_t dtype_size(DType t) { return t == DType::f64 ? 8 : 4; }
+std::string to_string(Backend b);
+std::string to_string(DType t);
+std::string to_string(ReduceOp op);
+
+class Timeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Block b of n when `count` elements are split as evenly as possible: the first count % n blocks
+// hold one element more. Used wherever a buffer is cut into one piece per rank.
+struct Block {
+  std::size_t offset, size;
+};
+inline Block block_of(std::size_t count, int n, int b) {
+  const std::size_t base = count / n, extra = count % n, ub = static_cast<std::size_t>(b);
+  return {ub * base + (ub < extra ? ub : extra), base + (ub < extra ? 1 : 0)};
+}
+
+class PointToPoint {
+ public:
+  virtual ~PointToPoint() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual Backend backend() const = 0;
+
+  // Sends `count` elements to `peer` / receives them from `peer`. A send must meet a recv of the
+  // same count and type on the peer. Two ranks that both send first may deadlock (large
+  // messages are not buffered): use send_recv for exchanges.
+  virtual void send(const void* buf, std::size_t count, DType t, int peer) = 0;
+  virtual void recv(void* buf, std::size_t count, DType t, int peer) = 0;
+  // One step of a ring: send to `dst` and receive from `src` at the same time.
+  virtual void send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                         std::size_t recv_count, int src, DType t) = 0;
+
+  // Local work on this backend's memory (device kernels for NCCL, host loops for MPI), ordered
+  // with the communication calls.
+  virtual void* alloc(std::size_t bytes) = 0;
+  virtual void free(void* p) = 0;
+  virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
+  // out[i] = op(a[i], b[i]) for i < count; out may be a or b.
+  virtual void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
+                            ReduceOp op) = 0;
+  // Waits until every call issued so far has completed (a no-op for MPI).
+  virtual void synchronize() = 0;
+};
+
+class Communicator : public PointToPoint {
+ public:
+  // Library collectives. Counts are elements. reduce_scatter: every rank gives count·size()
+  // elements and receives block rank() of `count`; all_gather: every rank gives `count` and
+  // receives count·size(), rank r's part at offset r·count.
+  virtual void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
+  virtual void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
+  virtual void all_gather(const void* send, void* recv, std::size_t count, DType t) = 0;
+  virtual void broadcast(void* buf, std::size_t count, DType t, int root) = 0;
+  virtual void reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) = 0;
+  // all_to_all: `count` elements to and from every rank, ordered by rank. all_to_all_v: per-peer
+  // counts and offsets (elements) on both sides; every rank must know what it will receive.
+  virtual void all_to_all(const void* send, void* recv, std::size_t count, DType t) = 0;
+  virtual void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                            const std::vector<std::size_t>& send_offsets, void* recv,
+                            const std::vector<std::size_t>& recv_counts,
+                            const std::vector<std::size_t>& recv_offsets, DType t) = 0;
+  virtual void barrier() = 0;
+  // Ranks with the same color form a new communicator, ordered by key (then by rank).
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // Host <-> backend memory, for tests and set-up code.
+  virtual void to_backend(void* dst, const void* host_src, std::size_t bytes) = 0;
+  virtual void to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
+};
+
+// A PointToPoint that forwards to a Communicator and exposes nothing else: what hand-written
+// collectives receive, so the library collectives are out of their reach (no cast gets there).
+class PointToPointView final : public PointToPoint {
+ public:
+  explicit PointToPointView(Communicator& c) : c_(c) {}
+  int rank() const override { return c_.rank(); }
+  int size() const override { return c_.size(); }
+  Backend backend() const override { return c_.backend(); }
+  void send(const void* buf, std::size_t count, DType t, int peer) override { c_.send(buf, count, t, peer); }
+  void recv(void* buf, std::size_t count, DType t, int peer) override { c_.recv(buf, count, t, peer); }
+  void send_recv(const void* sb, std::size_t sc, int dst, void* rb, std::size_t rc, int src, DType t) override {
+    c_.send_recv(sb, sc, dst, rb, rc, src, t);
+  }
+  void* alloc(std::size_t bytes) override { return c_.alloc(bytes); }
+  void free(void* p) override { c_.free(p); }
+  void copy(void* dst, const void* src, std::size_t bytes) override { c_.copy(dst, src, bytes); }
+  void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t, ReduceOp op) override {
+    c_.reduce_local(out, a, b, count, t, op);
+  }
+  void synchronize() override { c_.synchronize(); }
+
+ private:
+  Communicator& c_;
+};
+
+// A buffer in a communicator's memory, freed with it.
+class Buffer {
+ public:
+  Buffer(PointToPoint& c, std::size_t bytes) : c_(&c), p_(bytes ? c.alloc(bytes) : nullptr), bytes_(bytes) {}
+  ~Buffer() {
+    if (p_) c_->free(p_);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void* get() const { return p_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(p_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  PointToPoint* c_;
+  void* p_;
+  std::size_t bytes_;
+};
+
+}  // namespace k2c::dist

@@ -1,0 +1,56 @@
+// mpi_communicator.h — the MPI backend's class (private to common/src/dist).
+#pragma once
+
+#include <mpi.h>
+
+#include <vector>
+
+#include "k2c/dist/communicator.h"
+
+namespace k2c::dist {
+
+double dist_timeout_s();  // K2C_DIST_TIMEOUT, default 120 s
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, bool owned);
+  ~MpiCommunicator() override;
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Backend backend() const override { return Backend::mpi; }
+  MPI_Comm comm() const { return comm_; }
+
+  void send(const void* buf, std::size_t count, DType t, int peer) override;
+  void recv(void* buf, std::size_t count, DType t, int peer) override;
+  void send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                 std::size_t recv_count, int src, DType t) override;
+  void* alloc(std::size_t bytes) override;
+  void free(void* p) override;
+  void copy(void* dst, const void* src, std::size_t bytes) override;
+  void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
+                    ReduceOp op) override;
+  void synchronize() override {}
+
+  void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
+  void all_gather(const void* send, void* recv, std::size_t count, DType t) override;
+  void broadcast(void* buf, std::size_t count, DType t, int root) override;
+  void reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) override;
+  void all_to_all(const void* send, void* recv, std::size_t count, DType t) override;
+  void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                    const std::vector<std::size_t>& send_offsets, void* recv,
+                    const std::vector<std::size_t>& recv_counts,
+                    const std::vector<std::size_t>& recv_offsets, DType t) override;
+  void barrier() override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
+  void to_backend(void* dst, const void* host_src, std::size_t bytes) override;
+  void to_host(void* host_dst, const void* src, std::size_t bytes) override;
+
+ private:
+  void wait(std::vector<MPI_Request>& reqs, const char* what);
+  MPI_Comm comm_;
+  bool owned_;
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace k2c::dist

@@ -1,0 +1,204 @@
+// nccl_communicator.cu — the NCCL backend: device buffers, work queued on the communicator's
+// stream, completion (and its time limit) checked in synchronize().
+//
+// NCCL reports a peer that never arrives by never completing: cudaStreamSynchronize would wait
+// for ever. synchronize() therefore polls the stream and ncclCommGetAsyncError against a
+// deadline, and on expiry aborts the communicator and throws Timeout.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <thread>
+
+#include "k2c/check.h"
+#include "mpi_communicator.h"
+#include "nccl_communicator.h"
+
+namespace k2c::dist {
+namespace {
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::i32: return ncclInt32;
+  }
+  return ncclFloat32;
+}
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::sum ? ncclSum : ncclMax; }
+
+// One element per thread over a grid that covers the array (module 00's lesson for streams).
+template <class T>
+__global__ void reduce_kernel(T* out, const T* a, const T* b, std::size_t n, bool sum) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = sum ? a[i] + b[i] : (a[i] < b[i] ? b[i] : a[i]);
+}
+
+template <class T>
+void launch_reduce(void* out, const void* a, const void* b, std::size_t n, ReduceOp op, cudaStream_t s) {
+  const std::size_t blocks = std::min<std::size_t>((n + 255) / 256, std::size_t{1} << 20);
+  reduce_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, s>>>(
+      static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n, op == ReduceOp::sum);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device) : comm_(comm), device_(device) {
+  K2C_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+  K2C_NCCL_CHECK(ncclCommCount(comm_, &size_));
+  K2C_CUDA_CHECK(cudaSetDevice(device_));
+  K2C_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (!aborted_) ncclCommDestroy(comm_);
+  cudaStreamDestroy(stream_);
+}
+
+void NcclCommunicator::synchronize() {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(dist_timeout_s());
+  for (;;) {
+    const cudaError_t q = cudaStreamQuery(stream_);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) K2C_CUDA_CHECK(q);
+    ncclResult_t async = ncclSuccess;
+    K2C_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+    if (async != ncclSuccess) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+      K2C_NCCL_CHECK(async);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+      throw Timeout("rank " + std::to_string(rank_) + ": NCCL work did not complete within " +
+                    std::to_string(static_cast<int>(dist_timeout_s())) + " s (K2C_DIST_TIMEOUT)");
+    }
+    std::this_thread::yield();
+  }
+}
+
+void NcclCommunicator::send(const void* buf, std::size_t count, DType t, int peer) {
+  K2C_NCCL_CHECK(ncclSend(buf, count, nccl_type(t), peer, comm_, stream_));
+}
+void NcclCommunicator::recv(void* buf, std::size_t count, DType t, int peer) {
+  K2C_NCCL_CHECK(ncclRecv(buf, count, nccl_type(t), peer, comm_, stream_));
+}
+void NcclCommunicator::send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                                 std::size_t recv_count, int src, DType t) {
+  // One group: both directions progress together, so two ranks exchanging cannot deadlock.
+  // Empty blocks (count < ranks) are skipped on both sides alike: block sizes are agreed.
+  K2C_NCCL_CHECK(ncclGroupStart());
+  if (send_count) K2C_NCCL_CHECK(ncclSend(send_buf, send_count, nccl_type(t), dst, comm_, stream_));
+  if (recv_count) K2C_NCCL_CHECK(ncclRecv(recv_buf, recv_count, nccl_type(t), src, comm_, stream_));
+  K2C_NCCL_CHECK(ncclGroupEnd());
+}
+
+void* NcclCommunicator::alloc(std::size_t bytes) {
+  void* p = nullptr;
+  K2C_CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+  return p;
+}
+void NcclCommunicator::free(void* p) {
+  cudaStreamSynchronize(stream_);  // the memory may still be in use by queued work
+  cudaFree(p);
+}
+void NcclCommunicator::copy(void* dst, const void* src, std::size_t bytes) {
+  if (bytes) K2C_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+}
+void NcclCommunicator::reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
+                                    ReduceOp op) {
+  if (count == 0) return;
+  switch (t) {
+    case DType::f32: launch_reduce<float>(out, a, b, count, op, stream_); break;
+    case DType::f64: launch_reduce<double>(out, a, b, count, op, stream_); break;
+    case DType::i32: launch_reduce<int>(out, a, b, count, op, stream_); break;
+  }
+}
+
+void NcclCommunicator::all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+  K2C_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream_));
+}
+void NcclCommunicator::reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+  K2C_NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream_));
+}
+void NcclCommunicator::all_gather(const void* send, void* recv, std::size_t count, DType t) {
+  K2C_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(t), comm_, stream_));
+}
+void NcclCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
+  K2C_NCCL_CHECK(ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream_));
+}
+void NcclCommunicator::reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) {
+  K2C_NCCL_CHECK(ncclReduce(send, recv, count, nccl_type(t), nccl_op(op), root, comm_, stream_));
+}
+void NcclCommunicator::all_to_all(const void* send, void* recv, std::size_t count, DType t) {
+  const std::size_t bytes = count * dtype_size(t);
+  K2C_NCCL_CHECK(ncclGroupStart());
+  for (int p = 0; p < size_; ++p) {
+    K2C_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + p * bytes, count, nccl_type(t), p, comm_, stream_));
+    K2C_NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + p * bytes, count, nccl_type(t), p, comm_, stream_));
+  }
+  K2C_NCCL_CHECK(ncclGroupEnd());
+}
+void NcclCommunicator::all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                                    const std::vector<std::size_t>& send_offsets, void* recv,
+                                    const std::vector<std::size_t>& recv_counts,
+                                    const std::vector<std::size_t>& recv_offsets, DType t) {
+  const std::size_t n = static_cast<std::size_t>(size_), es = dtype_size(t);
+  K2C_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
+                recv_offsets.size() == n,
+            "all_to_all_v: counts and offsets need one entry per rank (" << n << ")");
+  K2C_NCCL_CHECK(ncclGroupStart());
+  for (int p = 0; p < size_; ++p) {
+    if (send_counts[p])
+      K2C_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + send_offsets[p] * es, send_counts[p],
+                              nccl_type(t), p, comm_, stream_));
+    if (recv_counts[p])
+      K2C_NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + recv_offsets[p] * es, recv_counts[p],
+                              nccl_type(t), p, comm_, stream_));
+  }
+  K2C_NCCL_CHECK(ncclGroupEnd());
+}
+
+void NcclCommunicator::barrier() {
+  Buffer one(*this, sizeof(int));
+  K2C_CUDA_CHECK(cudaMemsetAsync(one.get(), 0, sizeof(int), stream_));
+  all_reduce(one.get(), one.get(), 1, DType::i32, ReduceOp::sum);
+  synchronize();
+}
+
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
+  ncclComm_t sub = nullptr;
+  K2C_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
+  return std::make_unique<NcclCommunicator>(sub, device_);
+}
+
+void NcclCommunicator::to_backend(void* dst, const void* host_src, std::size_t bytes) {
+  if (bytes) K2C_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+  synchronize();
+}
+void NcclCommunicator::to_host(void* host_dst, const void* src, std::size_t bytes) {
+  if (bytes) K2C_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  synchronize();
+}
+
+std::unique_ptr<Communicator> make_nccl_world(MPI_Comm world, int local_rank) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off on shared machines
+  int devices = 0;
+  K2C_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  const int device = local_rank % devices;
+  K2C_CUDA_CHECK(cudaSetDevice(device));
+  int rank = 0, size = 1;
+  K2C_MPI_CHECK(MPI_Comm_rank(world, &rank));
+  K2C_MPI_CHECK(MPI_Comm_size(world, &size));
+  ncclUniqueId id;
+  if (rank == 0) K2C_NCCL_CHECK(ncclGetUniqueId(&id));
+  K2C_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, world));
+  ncclComm_t comm = nullptr;
+  K2C_NCCL_CHECK(ncclCommInitRank(&comm, size, id, rank));
+  return std::make_unique<NcclCommunicator>(comm, device);
+}
+
+}  // namespace k2c::dist

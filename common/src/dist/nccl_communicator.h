@@ -1,0 +1,60 @@
+// nccl_communicator.h — the NCCL backend's class (private to common/src/dist).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <memory>
+
+#include "k2c/dist/communicator.h"
+
+namespace k2c::dist {
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int device);
+  ~NcclCommunicator() override;
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Backend backend() const override { return Backend::nccl; }
+  cudaStream_t stream() const { return stream_; }
+
+  void send(const void* buf, std::size_t count, DType t, int peer) override;
+  void recv(void* buf, std::size_t count, DType t, int peer) override;
+  void send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                 std::size_t recv_count, int src, DType t) override;
+  void* alloc(std::size_t bytes) override;
+  void free(void* p) override;
+  void copy(void* dst, const void* src, std::size_t bytes) override;
+  void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
+                    ReduceOp op) override;
+  void synchronize() override;
+
+  void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
+  void all_gather(const void* send, void* recv, std::size_t count, DType t) override;
+  void broadcast(void* buf, std::size_t count, DType t, int root) override;
+  void reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) override;
+  void all_to_all(const void* send, void* recv, std::size_t count, DType t) override;
+  void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                    const std::vector<std::size_t>& send_offsets, void* recv,
+                    const std::vector<std::size_t>& recv_counts,
+                    const std::vector<std::size_t>& recv_offsets, DType t) override;
+  void barrier() override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
+  void to_backend(void* dst, const void* host_src, std::size_t bytes) override;
+  void to_host(void* host_dst, const void* src, std::size_t bytes) override;
+
+ private:
+  ncclComm_t comm_;
+  int device_;
+  int rank_ = 0, size_ = 1;
+  cudaStream_t stream_{};
+  bool aborted_ = false;
+};
+
+// Rank 0 makes the unique id, MPI broadcasts it, every rank joins on its local GPU.
+std::unique_ptr<Communicator> make_nccl_world(MPI_Comm world, int local_rank);
+
+}  // namespace k2c::dist

@@ -1,0 +1,94 @@
+// test_main.cpp (dist) — the main() of every distributed module's test program, run as
+// `mpirun -np N program`. Compiled into each test program with K2C_MODULE_ID, K2C_IMPL_NAME and
+// K2C_RUBRIC_DEFAULT, like common/src/test_main.cpp.
+#include <mpi.h>
+
+#include <cstdlib>
+#include <memory>
+
+#include <gtest/gtest.h>
+
+#include "k2c/dist/runtime.h"
+#include "k2c/dist/testing.h"
+#include "k2c/testing.h"
+
+namespace k2c::dist::testing {
+
+// Ranks other than 0 print only their failures, prefixed with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "rank %d: %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.message());
+  }
+
+ private:
+  int rank_;
+};
+
+static Runtime* g_runtime = nullptr;
+static std::string g_skip_reason;  // set when this run cannot use the backend it was given
+Communicator& world() { return g_runtime->world(); }
+
+void DistTest::SetUp() {
+  if (!g_skip_reason.empty()) K2C_SKIP(g_skip_reason);
+}
+
+void DistTest::TearDown() {
+  int failed = HasFailure() ? 1 : 0, any = 0;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (any && !failed) ADD_FAILURE() << "failed on another rank (see that rank's output)";
+}
+
+}  // namespace k2c::dist::testing
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  try {
+    // A NCCL run on a machine that cannot give every rank a GPU: run on MPI and skip every test
+    // with the reason, so the report says why rather than nothing.
+    const char* backend = std::getenv("K2C_BACKEND");
+    if (backend && std::string(backend) == "nccl") {
+      MPI_Init(&argc, &argv);
+      if (!k2c::dist::nccl_available()) {
+        k2c::dist::testing::g_skip_reason = "the NCCL run needs one GPU per rank, which this machine does not have";
+        setenv("K2C_BACKEND", "mpi", 1);
+      }
+    }
+    k2c::dist::Runtime runtime(&argc, &argv);
+    k2c::dist::testing::g_runtime = &runtime;
+    k2c::dist::Communicator& w = runtime.world();
+
+    k2c::testing::Context c;
+    c.module_id = K2C_MODULE_ID;
+    c.impl = K2C_IMPL_NAME;
+    const char* rubric = std::getenv("K2C_RUBRIC");
+    c.rubric_path = rubric && *rubric ? rubric : K2C_RUBRIC_DEFAULT;
+    const char* seed = std::getenv("K2C_SEED");
+    c.seed = seed && *seed ? std::strtoull(seed, nullptr, 10) : 20261129ull;
+    k2c::testing::set_context(c);
+
+    if (w.rank() != 0) {
+      // Only rank 0 prints and writes the report; failures reach it through DistTest::TearDown,
+      // and a rank's own failure messages still go to stderr below.
+      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+      delete listeners.Release(listeners.default_result_printer());
+      delete listeners.Release(listeners.default_xml_generator());  // the JSON report writer too
+      listeners.Append(new k2c::dist::testing::RankFailurePrinter(w.rank()));
+    } else {
+      std::printf("[ k2c      ] module %s (%s), %d rank(s), backend %s, seed %llu\n",
+                  c.module_id.c_str(), c.impl.c_str(), w.size(),
+                  k2c::dist::to_string(w.backend()).c_str(), static_cast<unsigned long long>(c.seed));
+      ::testing::Test::RecordProperty("k2c_module", c.module_id);
+      ::testing::Test::RecordProperty("k2c_ranks", std::to_string(w.size()));
+      ::testing::Test::RecordProperty("k2c_backend", k2c::dist::to_string(w.backend()));
+    }
+    const int rc = RUN_ALL_TESTS();
+    k2c::dist::testing::g_runtime = nullptr;
+    return rc;
+  } catch (const std::exception& e) {
+    k2c::dist::abort_job(e.what());
+  }
+}
