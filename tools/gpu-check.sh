@@ -7,7 +7,8 @@
 #   OUT=/tmp/k2c-gpu tools/gpu-check.sh [ARCH]      ARCH defaults to 90 (H100 / H200)
 #
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
-# tuned_config.h, sgemm_ladder.png, bench.tar.gz (Google Benchmark JSON per module). The script prints a short summary last.
+# tuned_config.h, sgemm_ladder.png, bench.tar.gz (Google Benchmark JSON per module), and on
+# machines with 2+ GPUs collectives.json (module 11's sweep on NCCL). The script prints a short summary last.
 set -uo pipefail
 ARCH=${1:-90}
 OUT=${OUT:-/tmp/k2c-gpu}
@@ -63,6 +64,12 @@ step "ceilings"
 step "benchmarks"
 "$BUILD/bin/k2c" bench --build-dir "$BUILD" --out /tmp/k2c-bench >> "$LOG" 2>&1
 tar -czf "$OUT/bench.tar.gz" -C /tmp/k2c-bench .
+
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  step "collectives sweep on 2 GPUs (NCCL)"
+  K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np 2 --build-dir "$BUILD" -b 1M -e 4G -f 2 -n 20 -w 5 -c 1 \
+    -o "$OUT/collectives.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce" | tail -6
+fi
 
 step "ladder plot"
 python3 tools/plot_ladder.py /tmp/k2c-bench --png "$OUT/sgemm_ladder.png" --readme /dev/null >> "$LOG" 2>&1

@@ -5,11 +5,15 @@
 //   k2c info                 devices, toolkit, and what can be graded here
 //   k2c ceilings [--json F]  the ceilings every threshold is measured against, on this GPU
 //   k2c bench [--filter RE]  every module's Google Benchmark sweep, JSON under build/bench/
+//   k2c collectives [-np N] [-b -e -f -n -w -c -o]   module 11's nccl-tests-style sweep
 //   k2c handout OUT          a student tree without solutions/ that builds and grades
 //
 // Exit status: 0 when grading ran (whatever the score), 2 for errors in the grader's own input
 // (a malformed rubric, an unknown module, a bad submission directory), 1 for other failures.
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -119,6 +123,12 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--filter", bench_filter, "Google Benchmark filter regex");
   bench_cmd->add_option("--out", bench_dir, "directory for the JSON results (default: <build>/bench)");
   bench_cmd->add_option("--build-dir", g.build_dir, "build tree holding the benchmarks");
+  int coll_ranks = 2;
+  auto* coll_cmd = app.add_subcommand("collectives",
+      "module 11's nccl-tests-style sweep: k2c collectives [-np N] [-b 1M -e 1G -f 2 -n 20 -w 5 -c 1 -o out.json]");
+  coll_cmd->add_option("-p,--np", coll_ranks, "number of ranks (one GPU each for NCCL)");
+  coll_cmd->add_option("--build-dir", g.build_dir, "build tree holding k2c_collectives");
+  coll_cmd->allow_extras();
   std::string handout_dir;
   auto* handout_cmd = app.add_subcommand("handout", "write a student tree without solutions/");
   handout_cmd->add_option("out", handout_dir, "destination directory")->required();
@@ -205,6 +215,23 @@ int main(int argc, char** argv) {
       if (ran == 0) throw std::runtime_error("no benchmark programs in " + bin.string() + " (build first; Google Benchmark and CUDA are needed)");
       std::cerr << "results: " << out.string() << "\n";
       return 0;
+    }
+    if (*coll_cmd) {
+      // Replace this process with mpirun, so the sweep's output streams as it runs.
+      const fs::path program = fs::path(g.build_dir) / "bin" / "k2c_collectives";
+      const fs::path beside = self_dir() / "k2c_collectives";
+      const fs::path bin = fs::exists(program) ? program : beside;
+      if (!fs::exists(bin)) throw std::runtime_error("k2c_collectives is not built (it needs MPI)");
+      std::vector<std::string> args = {"mpirun", "-np", std::to_string(coll_ranks), "--oversubscribe", bin.string()};
+      for (const std::string& e : coll_cmd->remaining()) args.push_back(e);
+      setenv("NCCL_NVLS_ENABLE", "0", 1);
+      setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+      setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+      std::vector<char*> argv_c;
+      for (std::string& a : args) argv_c.push_back(a.data());
+      argv_c.push_back(nullptr);
+      execvp("mpirun", argv_c.data());
+      throw std::runtime_error("cannot run mpirun: " + std::string(std::strerror(errno)));
     }
     if (*handout_cmd) {
       copy_handout(root, handout_dir);

@@ -92,12 +92,14 @@ void abort_job(const std::string& message) {
 }
 
 int run(int argc, char** argv, const std::function<void(Communicator&)>& body) {
+  std::unique_ptr<Runtime> rt;  // outlives the catch: abort while MPI is still up, not finalised
   try {
-    Runtime rt(&argc, &argv);
-    body(rt.world());
+    rt = std::make_unique<Runtime>(&argc, &argv);
+    body(rt->world());
   } catch (const std::exception& e) {
     abort_job(e.what());
   }
+  rt.reset();
   return 0;
 }
 
