@@ -129,7 +129,7 @@ void matmul_config(int index, int M, int N, int K, float alpha, const float* A, 
 // regime and the output-size boundary between them.
 void matmul(int M, int N, int K, float alpha, const float* A, const float* B, float beta, float* C,
             cudaStream_t stream) {
-  const bool small = static_cast<long>(M) * N <= kSmallOutputs;
+  const bool small = static_cast<long>(M) * N < kSmallOutputs;
   matmul_config(small ? kTunedConfigSmall : kTunedConfig, M, N, K, alpha, A, B, beta, C, stream);
 }
 

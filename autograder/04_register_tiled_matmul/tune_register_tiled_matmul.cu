@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
         << "#pragma once\nnamespace k2c::register_tiled_matmul {\n"
         << "inline constexpr int kTunedConfig = " << large.index << ";       // large outputs\n"
         << "inline constexpr int kTunedConfigSmall = " << small.index
-        << ";  // outputs of at most kSmallOutputs elements\n"
+        << ";  // outputs of fewer than kSmallOutputs elements\n"
         << "inline constexpr long kSmallOutputs = " << boundary << "L * " << boundary << ";\n"
         << "}  // namespace k2c::register_tiled_matmul\n";
       if (!f) throw std::runtime_error("cannot write " + out);
