@@ -18,7 +18,8 @@
 //
 // Details that matter for speed: the first reduce-scatter step sends straight from `data` and
 // reduces data + received into `out` (out = a + b), so no full copy of the input is ever made;
-// the all-gather receives straight into `out`. Each element is reduced exactly once, by the rank
+// the all-gather receives straight into `out`; temporary space comes from p2p.scratch(), reused
+// across calls, because a cudaMalloc of a 512 MiB receive block on every call costs real time. Each element is reduced exactly once, by the rank
 // that receives it, in a fixed order, so every rank ends with bit-identical results.
 #include "collectives.h"
 
@@ -36,24 +37,27 @@ char* at(void* base, std::size_t elements, DType t) {
   return static_cast<char*>(base) + elements * dist::dtype_size(t);
 }
 
-// Reduce-scatter into the blocks of `work` (count elements): on return block rank() of `work`
-// is fully reduced. Block b of `work` is only read after it was written, except at step 0, where
-// the outgoing block comes from `data` itself.
-void reduce_scatter_in(PointToPoint& p2p, const void* data, void* work, std::size_t count, DType t,
-                       ReduceOp op) {
-  const int n = p2p.size(), r = p2p.rank();
-  const int right = mod(r + 1, n), left = mod(r - 1, n);
+std::size_t largest_block(std::size_t count, int n) {
   std::size_t largest = 0;
   for (int b = 0; b < n; ++b) largest = std::max(largest, dist::block_of(count, n, b).size);
-  dist::Buffer incoming(p2p, largest * dist::dtype_size(t));
+  return largest;
+}
+
+// Reduce-scatter into the blocks of `work` (count elements), receiving into `incoming` (one
+// block): on return block rank() of `work` is fully reduced. Block b of `work` is only read
+// after it was written, except at step 0, where the outgoing block comes from `data` itself.
+void reduce_scatter_in(PointToPoint& p2p, const void* data, void* work, void* incoming,
+                       std::size_t count, DType t, ReduceOp op) {
+  const int n = p2p.size(), r = p2p.rank();
+  const int right = mod(r + 1, n), left = mod(r - 1, n);
 
   for (int s = 0; s < n - 1; ++s) {
     const dist::Block out_b = dist::block_of(count, n, mod(r - s - 1, n));
     const dist::Block in_b = dist::block_of(count, n, mod(r - s - 2, n));
     const void* src = s == 0 ? at(data, out_b.offset, t) : at(work, out_b.offset, t);
-    p2p.send_recv(src, out_b.size, right, incoming.get(), in_b.size, left, t);
+    p2p.send_recv(src, out_b.size, right, incoming, in_b.size, left, t);
     // work[in_b] = data[in_b] (op) incoming: this rank's contribution joins the partial result.
-    p2p.reduce_local(at(work, in_b.offset, t), at(data, in_b.offset, t), incoming.get(), in_b.size, t, op);
+    p2p.reduce_local(at(work, in_b.offset, t), at(data, in_b.offset, t), incoming, in_b.size, t, op);
   }
 }
 
@@ -77,9 +81,10 @@ void ring_reduce_scatter(PointToPoint& p2p, const void* data, void* out, std::si
     p2p.copy(out, data, count * dist::dtype_size(t));
     return;
   }
-  dist::Buffer work(p2p, count * dist::dtype_size(t));
-  reduce_scatter_in(p2p, data, work.get(), count, t, op);
-  p2p.copy(out, at(work.get(), mine.offset, t), mine.size * dist::dtype_size(t));
+  // One scratch request for the partial sums (count elements) and the receive block after them.
+  void* work = p2p.scratch((count + largest_block(count, p2p.size())) * dist::dtype_size(t));
+  reduce_scatter_in(p2p, data, work, at(work, count, t), count, t, op);
+  p2p.copy(out, at(work, mine.offset, t), mine.size * dist::dtype_size(t));
 }
 
 void ring_all_gather(PointToPoint& p2p, const void* in, void* out, std::size_t count, DType t) {
@@ -94,7 +99,8 @@ void ring_all_reduce(PointToPoint& p2p, const void* data, void* out, std::size_t
     if (out != data) p2p.copy(out, data, count * dist::dtype_size(t));
     return;
   }
-  reduce_scatter_in(p2p, data, out, count, t, op);
+  void* incoming = p2p.scratch(largest_block(count, p2p.size()) * dist::dtype_size(t));
+  reduce_scatter_in(p2p, data, out, incoming, count, t, op);
   all_gather_in(p2p, out, count, t);
 }
 

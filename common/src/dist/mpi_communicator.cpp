@@ -101,6 +101,10 @@ void* MpiCommunicator::alloc(std::size_t bytes) {
   return p;
 }
 void MpiCommunicator::free(void* p) { std::free(p); }
+void* MpiCommunicator::scratch(std::size_t bytes) {
+  if (scratch_.size() < bytes) scratch_.resize(bytes);
+  return scratch_.data();
+}
 void MpiCommunicator::copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes) std::memmove(dst, src, bytes);
 }

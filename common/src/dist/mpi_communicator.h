@@ -26,6 +26,7 @@ class MpiCommunicator final : public Communicator {
                  std::size_t recv_count, int src, DType t) override;
   void* alloc(std::size_t bytes) override;
   void free(void* p) override;
+  void* scratch(std::size_t bytes) override;
   void copy(void* dst, const void* src, std::size_t bytes) override;
   void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
                     ReduceOp op) override;
@@ -50,6 +51,7 @@ class MpiCommunicator final : public Communicator {
   void wait(std::vector<MPI_Request>& reqs, const char* what);
   MPI_Comm comm_;
   bool owned_;
+  std::vector<char> scratch_;
   int rank_ = 0, size_ = 1;
 };
 

@@ -53,6 +53,7 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device) : comm_(comm), d
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  if (scratch_) free(scratch_);
   if (!aborted_) ncclCommDestroy(comm_);
   cudaStreamDestroy(stream_);
 }
@@ -105,6 +106,15 @@ void NcclCommunicator::free(void* p) {
   cudaStreamSynchronize(stream_);  // the memory may still be in use by queued work
   cudaFree(p);
 }
+void* NcclCommunicator::scratch(std::size_t bytes) {
+  if (bytes > scratch_bytes_) {
+    if (scratch_) free(scratch_);  // waits for queued work that may still use it
+    scratch_ = alloc(bytes);
+    scratch_bytes_ = bytes;
+  }
+  return scratch_;
+}
+
 void NcclCommunicator::copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes) K2C_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
 }

@@ -26,6 +26,7 @@ class NcclCommunicator final : public Communicator {
                  std::size_t recv_count, int src, DType t) override;
   void* alloc(std::size_t bytes) override;
   void free(void* p) override;
+  void* scratch(std::size_t bytes) override;
   void copy(void* dst, const void* src, std::size_t bytes) override;
   void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
                     ReduceOp op) override;
@@ -52,6 +53,8 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   cudaStream_t stream_{};
   bool aborted_ = false;
+  void* scratch_ = nullptr;
+  std::size_t scratch_bytes_ = 0;
 };
 
 // Rank 0 makes the unique id, MPI broadcasts it, every rank joins on its local GPU.

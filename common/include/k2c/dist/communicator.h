@@ -67,6 +67,11 @@ class PointToPoint {
   // with the communication calls.
   virtual void* alloc(std::size_t bytes) = 0;
   virtual void free(void* p) = 0;
+  // A work buffer owned by the communicator, at least `bytes` long, reused from call to call
+  // (grown when too small, never shrunk): an algorithm that needs temporary space every call
+  // takes it from here instead of paying for an allocation each time (cudaMalloc of hundreds
+  // of MiB costs as much as moving them). Valid until the next scratch() call; contents undefined.
+  virtual void* scratch(std::size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
   // out[i] = op(a[i], b[i]) for i < count; out may be a or b.
   virtual void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
@@ -116,6 +121,7 @@ class PointToPointView final : public PointToPoint {
   }
   void* alloc(std::size_t bytes) override { return c_.alloc(bytes); }
   void free(void* p) override { c_.free(p); }
+  void* scratch(std::size_t bytes) override { return c_.scratch(bytes); }
   void copy(void* dst, const void* src, std::size_t bytes) override { c_.copy(dst, src, bytes); }
   void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t, ReduceOp op) override {
     c_.reduce_local(out, a, b, count, t, op);
