@@ -48,7 +48,12 @@ function(k2c_add_module id)
   if(arg_KIND STREQUAL "gpu")
     target_link_libraries(k2c_impl_${id} PUBLIC CUDA::cudart)
   endif()
-  target_link_options(k2c_impl_${id} PRIVATE "LINKER:--no-undefined")
+  # Export the contract's namespace and nothing else: a student library that defines, say,
+  # cublasSgemm_v2 or cudaEventElapsedTime cannot interpose them on the harness that measures it.
+  set(exports ${CMAKE_BINARY_DIR}/exports/${id}.map)
+  file(WRITE ${exports} "{ global: extern \"C++\" { k2c::${name}::*; }; local: *; };\n")
+  target_link_options(k2c_impl_${id} PRIVATE "LINKER:--no-undefined" "LINKER:--version-script=${exports}")
+  set_property(TARGET k2c_impl_${id} APPEND PROPERTY LINK_DEPENDS ${exports})
 
   if(arg_KIND STREQUAL "mpi")
     set(test_main ${root}/common/src/dist/test_main.cpp)
@@ -67,8 +72,10 @@ function(k2c_add_module id)
     foreach(n IN LISTS arg_RANKS)
       add_test(NAME ${id}.np${n}
                COMMAND ${K2C_MPIEXEC} -np ${n} --oversubscribe $<TARGET_FILE:k2c_test_${id}>)
+      # One MPI job at a time (RESOURCE_LOCK): ranks busy-poll, and a small CI machine
+      # oversubscribed by parallel jobs would crawl towards the deadlines.
       set_tests_properties(${id}.np${n} PROPERTIES LABELS "module${num};mpi" TIMEOUT 600
-        ENVIRONMENT "K2C_BACKEND=mpi;OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;K2C_DIST_TIMEOUT=60")
+        RESOURCE_LOCK mpi ENVIRONMENT "${K2C_MPI_TEST_ENV}")
     endforeach()
   else()
     gtest_discover_tests(k2c_test_${id} DISCOVERY_MODE PRE_TEST

@@ -6,6 +6,7 @@
 // compiles but computes garbage cannot be tuned into use. Speed of matmul() (the tuned
 // configuration) against cuBLAS SGEMM measured in the same run: graded at 4096³, recorded at
 // 1024, 2048, 4000 and 8192.
+#include <functional>
 #include <string>
 
 #include <gtest/gtest.h>

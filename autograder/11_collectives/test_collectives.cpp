@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -232,6 +233,18 @@ TEST_F(CollectivesPerf, AllReduceVsNccl) {
   const double lib_ms = time([&] { w.all_reduce(a.get(), b.get(), count, DType::f32, ReduceOp::sum); });
   const double ring_ms = time([&] { col::ring_all_reduce(p2p, a.get(), b.get(), count, DType::f32, ReduceOp::sum); });
   const int n = w.size();
+  // The ring's timed output, at fresh positions: the sum of every rank's input.
+  std::vector<float> result(count);
+  w.to_host(result.data(), b.get(), bytes);
+  std::mt19937_64 fresh(std::random_device{}());
+  std::size_t wrong = 0;
+  for (int s = 0; s < 1024; ++s) {
+    const std::size_t i = fresh() % count;
+    double sum = 0;
+    for (int r = 0; r < n; ++r) sum += k2c::uniform_at(7 + r, i, -1.0f, 1.0f);
+    wrong += !(std::abs(result[i] - sum) <= 1e-5 * n);
+  }
+  EXPECT_EQ(wrong, 0u) << "the timed ring all-reduce's output is wrong";
   const double factor = 2.0 * (n - 1) / n;  // all-reduce's bus bandwidth factor
   const double ring_busbw = bytes / (ring_ms * 1e-3) * factor / 1e9, lib_busbw = bytes / (lib_ms * 1e-3) * factor / 1e9;
   if (w.rank() == 0)

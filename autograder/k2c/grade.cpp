@@ -208,8 +208,15 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
       p.unit = ts.perf->unit;
       p.ceiling_name = ts.perf->ceiling;
       p.required = impl == "solutions" ? ts.perf->goal : ts.perf->threshold;
-      if (!ok || !(p.ceiling > 0) || !std::isfinite(p.achieved))
-        return zero("invalid", ts.name + ": unreadable performance figures");
+      if (!ok || !(p.ceiling > 0) || !std::isfinite(p.achieved)) {
+        // A failed measurement costs this test, not the module's correctness points.
+        if (t.status == "passed") --passed, ++failed;
+        t.status = "failed";
+        t.points = 0;
+        t.message = "no valid performance figures";
+        m.tests.push_back(t);
+        continue;
+      }
       // Recomputed here from the raw figures: the test's own verdict is not taken on trust.
       p.ratio = p.achieved / p.ceiling;
       t.perf = p;
@@ -238,11 +245,15 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
     m.tests.push_back(t);
   }
 
+  // Tests worth no points (e.g. Contract.Implemented, a listing check) do not make a stub
+  // "partial": what counts is whether anything that earns points passed.
+  int passed_for_points = 0;
+  for (const TestOutcome& t : m.tests) passed_for_points += t.status == "passed" && t.max_points > 0;
   if (passed == static_cast<int>(spec.tests.size()))
     m.status = "ok";
   else if (skipped == static_cast<int>(spec.tests.size()))
     m.status = "skipped";
-  else if (not_implemented > 0 && failed == 0 && passed == 0)
+  else if (not_implemented > 0 && failed == 0 && passed_for_points == 0)
     m.status = "not implemented yet";
   else if (passed > 0)
     m.status = "partial";

@@ -16,16 +16,18 @@ std::string Intake::problem_for(const ModuleSpec& m) const {
   return "";
 }
 
-// A copy of the course without what a grading run must not see or need.
-static void copy_course(const fs::path& root, const fs::path& dest) {
+void copy_course(const std::string& root, const std::string& dest) {
   static const std::set<std::string> kSkip = {".git", "build", "solutions", "out"};
-  fs::create_directories(dest);
+  const fs::path to = fs::weakly_canonical(fs::absolute(dest));
+  fs::create_directories(to);
   for (const auto& entry : fs::directory_iterator(root)) {
     const std::string name = entry.path().filename().string();
     if (kSkip.count(name)) continue;
-    if (fs::equivalent(entry.path(), dest)) continue;
-    fs::copy(entry.path(), dest / name,
-             fs::copy_options::recursive | fs::copy_options::copy_symlinks);
+    // Never copy a folder that holds the destination: it would copy into itself.
+    const fs::path from = fs::weakly_canonical(entry.path());
+    const auto rel = to.lexically_relative(from);
+    if (!rel.empty() && *rel.begin() != "..") continue;
+    fs::copy(entry.path(), to / name, fs::copy_options::recursive | fs::copy_options::copy_symlinks);
   }
 }
 
@@ -39,7 +41,7 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
   Intake in;
   const fs::path stage = fs::absolute(stage_dir);
   fs::remove_all(stage);
-  copy_course(course_root, stage);
+  copy_course(course_root, stage.string());
   in.staged_root = stage.string();
 
   std::set<std::string> wanted_rel, wanted_base;

@@ -29,6 +29,10 @@ struct Intake {
   std::string problem_for(const ModuleSpec& m) const;
 };
 
+// Copies the course at `root` to `dest` without .git, build/, solutions/ and out/ (and without
+// any folder that contains `dest`): the staging tree of a submission, and a student handout.
+void copy_course(const std::string& root, const std::string& dest);
+
 // Looks for each file at DIR/<rubric path>, then at DIR/<basename> (Gradescope uploads are
 // flat). Copies `course_root` (minus .git, build/, solutions/) to `stage_dir` first.
 Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*>& modules,

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "grade.h"
+#include "intake.h"
 #include "k2c/rubric.h"
 #include "process.h"
 
@@ -77,19 +78,21 @@ void copy_handout(const fs::path& root, const fs::path& out) {
   std::error_code ec;
   if (fs::exists(out) && !fs::is_empty(out, ec))
     throw std::runtime_error("handout: " + out.string() + " exists and is not empty");
-  fs::create_directories(out);
-  const fs::path out_abs = fs::weakly_canonical(out);
-  for (const auto& e : fs::directory_iterator(root)) {
-    const std::string name = e.path().filename().string();
-    if (name == ".git" || name == "build" || name == "solutions" || name == "out") continue;
-    if (fs::weakly_canonical(e.path()) == out_abs) continue;
-    fs::copy(e.path(), out / name, fs::copy_options::recursive | fs::copy_options::copy_symlinks);
-  }
+  copy_course(root.string(), out.string());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // `-np N`, as mpirun and nccl-tests users type it, is `--np N` to CLI11 (single-dash options
+  // are one letter there).
+  std::vector<std::string> arg_store(argv, argv + argc);
+  for (std::string& a : arg_store)
+    if (a == "-np") a = "--np";
+  std::vector<char*> arg_ptrs;
+  for (std::string& a : arg_store) arg_ptrs.push_back(a.data());
+  argv = arg_ptrs.data();
+
   CLI::App app{"k2c — the Kernels to Clusters grader"};
   app.require_subcommand(1);
   std::string root = K2C_SOURCE_DIR;
@@ -126,7 +129,7 @@ int main(int argc, char** argv) {
   int coll_ranks = 2;
   auto* coll_cmd = app.add_subcommand("collectives",
       "module 11's nccl-tests-style sweep: k2c collectives [-np N] [-b 1M -e 1G -f 2 -n 20 -w 5 -c 1 -o out.json]");
-  coll_cmd->add_option("-p,--np", coll_ranks, "number of ranks (one GPU each for NCCL)");
+  coll_cmd->add_option("--np", coll_ranks, "number of ranks (one GPU each for NCCL); -np also works");
   coll_cmd->add_option("--build-dir", g.build_dir, "build tree holding k2c_collectives");
   coll_cmd->allow_extras();
   std::string handout_dir;

@@ -1,6 +1,6 @@
 // dist_failure.cpp — a two-rank program that fails on purpose, for dist_failure_test.sh.
 //   throw: rank 1 throws between two ring steps while rank 0 waits in the second one.
-//   hang:  rank 1 stops answering; rank 0's wait must end at K2C_DIST_TIMEOUT.
+//   hang:  rank 1 stops answering; rank 0's wait must end the job at K2C_DIST_TIMEOUT.
 // Either way the whole job must end, with the failing rank's message, well within the limit.
 #include <chrono>
 #include <cstring>

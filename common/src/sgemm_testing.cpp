@@ -94,6 +94,21 @@ double measure_rate(SgemmFn fn, int M, int N, int K, int repeats) {
   // beta = 0 while timing, so every repeat computes the same thing.
   const Timing t = time_gpu([&] { fn(M, N, K, alpha, dA.data(), dB.data(), 0.0f, dC.data(), nullptr); },
                             {.warmup = 2, .repeats = repeats});
+
+  // And the timed runs must have computed it: fresh positions that nothing could have predicted.
+  const std::vector<float> timed = dC.download();
+  std::mt19937_64 fresh(std::random_device{}());
+  where.clear(), got.clear(), want.clear();
+  const std::vector<float> no_c;
+  for (int s = 0; s < 256; ++s) {
+    const int r = static_cast<int>(fresh() % M), col = static_cast<int>(fresh() % N);
+    where.push_back(static_cast<std::size_t>(r) * N + col);
+    got.push_back(timed[where.back()]);
+    want.push_back(ref::gemm_at(N, K, alpha, A, B, 0.0, no_c, r, col));
+  }
+  const auto timed_report = compare_sampled(got, want, where, gemm_tolerance(K, alpha, 0), N);
+  EXPECT_TRUE(timed_report.ok) << "the timed runs' output is wrong: " << timed_report.summary();
+  if (!timed_report.ok) return 0;
   return 2.0 * M * static_cast<double>(N) * K / (t.median_ms * 1e-3);
 }
 

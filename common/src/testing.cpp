@@ -77,12 +77,18 @@ double required_ratio(const PerfSpec& p) {
   const double ratio = ceiling > 0 ? achieved / ceiling : 0;
   const double bar = required_ratio(p);
   using ::testing::Test;
-  Test::RecordProperty("k2c_achieved", std::to_string(achieved));
-  Test::RecordProperty("k2c_ceiling", std::to_string(ceiling));
+  auto exact = [](double v) {  // all 17 digits: small figures must not round to 0
+    std::ostringstream os;
+    os.precision(17);
+    os << v;
+    return os.str();
+  };
+  Test::RecordProperty("k2c_achieved", exact(achieved));
+  Test::RecordProperty("k2c_ceiling", exact(ceiling));
   Test::RecordProperty("k2c_ceiling_name", p.ceiling);
   Test::RecordProperty("k2c_unit", p.unit);
-  Test::RecordProperty("k2c_ratio", std::to_string(ratio));
-  Test::RecordProperty("k2c_required", std::to_string(bar));
+  Test::RecordProperty("k2c_ratio", exact(ratio));
+  Test::RecordProperty("k2c_required", exact(bar));
   if (!detail.empty()) Test::RecordProperty("k2c_detail", detail);
 
   std::ostringstream os;

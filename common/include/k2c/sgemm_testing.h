@@ -34,9 +34,10 @@ std::vector<Case> random_cases(std::uint64_t seed, int count, int max_dim);
 // Adds a GoogleTest failure (with the first mismatches) when fn gets `c` wrong.
 void check_case(SgemmFn fn, const Case& c);
 
-// Times fn at M×N×K (median of `repeats` after warm-up, L2 flushed) and returns FLOP/s. First
-// checks the output of one run at 512 random positions; a wrong result fails the test and
-// returns 0.
+// Times fn at M×N×K (median of `repeats` after warm-up, L2 flushed) and returns FLOP/s. Checks
+// the output of one run with beta != 0 at 512 seeded positions before timing, and the output of
+// the timed runs (beta == 0) at 256 positions drawn afresh after them; a wrong result fails the
+// test and returns 0.
 double measure_rate(SgemmFn fn, int M, int N, int K, int repeats);
 
 }  // namespace k2c::sgemm_testing

@@ -1,7 +1,7 @@
 // mpi_communicator.cpp — the MPI backend: host buffers, every call complete when it returns.
 //
 // Every operation is issued non-blocking and completed by polling with a deadline, so a peer
-// that never answers produces a Timeout naming the operation rather than a hung job.
+// that never answers ends the job with a message naming the operation rather than a hang.
 #include <mpi.h>
 
 #include <chrono>
@@ -12,6 +12,7 @@
 
 #include "k2c/check.h"
 #include "k2c/dist/communicator.h"
+#include "k2c/dist/runtime.h"
 #include "mpi_communicator.h"
 
 namespace k2c::dist {
@@ -68,9 +69,11 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& reqs, const char* what) {
     int done = 0;
     K2C_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE));
     if (done) return;
+    // A late message could still land in memory that is freed or reused after we give up, so
+    // a timeout is not recoverable: the whole job ends, with the reason.
     if (std::chrono::steady_clock::now() > deadline)
-      throw Timeout(std::string("rank ") + std::to_string(rank_) + ": " + what + " did not complete within " +
-                    std::to_string(static_cast<int>(dist_timeout_s())) + " s (K2C_DIST_TIMEOUT)");
+      abort_job(std::string(what) + " did not complete within " +
+                std::to_string(static_cast<int>(dist_timeout_s())) + " s (K2C_DIST_TIMEOUT)");
     std::this_thread::yield();
   }
 }

@@ -3,7 +3,7 @@
 //
 // NCCL reports a peer that never arrives by never completing: cudaStreamSynchronize would wait
 // for ever. synchronize() therefore polls the stream and ncclCommGetAsyncError against a
-// deadline, and on expiry aborts the communicator and throws Timeout.
+// deadline, and on expiry aborts the communicator and ends the job with the reason.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "k2c/check.h"
+#include "k2c/dist/runtime.h"
 #include "mpi_communicator.h"
 #include "nccl_communicator.h"
 
@@ -74,8 +75,8 @@ void NcclCommunicator::synchronize() {
     if (std::chrono::steady_clock::now() > deadline) {
       ncclCommAbort(comm_);
       aborted_ = true;
-      throw Timeout("rank " + std::to_string(rank_) + ": NCCL work did not complete within " +
-                    std::to_string(static_cast<int>(dist_timeout_s())) + " s (K2C_DIST_TIMEOUT)");
+      abort_job("NCCL work did not complete within " +
+                std::to_string(static_cast<int>(dist_timeout_s())) + " s (K2C_DIST_TIMEOUT)");
     }
     std::this_thread::yield();
   }

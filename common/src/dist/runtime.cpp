@@ -67,6 +67,9 @@ Runtime::Runtime(int* argc, char*** argv) {
   int initialised = 0;
   MPI_Initialized(&initialised);
   if (!initialised) K2C_MPI_CHECK(MPI_Init(argc, argv));
+  // Errors come back as codes (K2C_MPI_CHECK turns them into exceptions with the call and
+  // place) instead of MPI's default of aborting on the spot.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm node;
   K2C_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   MPI_Comm_rank(node, &local_rank_);

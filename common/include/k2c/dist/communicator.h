@@ -10,8 +10,9 @@
 // PointToPoint is the part of the interface that hand-written collectives (module 11) may use:
 // send / recv, the deadlock-free exchange of a ring step, and local element-wise work.
 //
-// Every call that waits on other ranks waits at most timeout_s (K2C_DIST_TIMEOUT, default 120 s)
-// and then throws k2c::dist::Timeout naming the operation, instead of hanging.
+// Every call that waits on other ranks waits at most K2C_DIST_TIMEOUT seconds (default 120) and
+// then ends the whole job with a message naming the operation, instead of hanging: a message
+// that arrives after we gave up could land in freed memory, so there is nothing to recover.
 #pragma once
 
 #include <cstddef>
@@ -31,11 +32,6 @@ inline std::size_t dtype_size(DType t) { return t == DType::f64 ? 8 : 4; }
 std::string to_string(Backend b);
 std::string to_string(DType t);
 std::string to_string(ReduceOp op);
-
-class Timeout : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 // Block b of n when `count` elements are split as evenly as possible: the first count % n blocks
 // hold one element more. Used wherever a buffer is cut into one piece per rank.

@@ -19,11 +19,6 @@
 
 namespace k2c::dist {
 
-struct Options {
-  Backend backend = Backend::mpi;
-  bool backend_given = false;  // false: choose as described above
-};
-
 // Backend from K2C_BACKEND, else the default for this machine (needs MPI initialised).
 Backend choose_backend();
 bool nccl_available();  // the build has NCCL and every rank sees a GPU
