@@ -130,6 +130,31 @@ TEST(Verdict, ProcessFailures) {
   EXPECT_NE(m.detail.find("illegal address"), std::string::npos);
 }
 
+TEST(Verdict, CombinedRunsOfADistributedModule) {
+  const k2c::ModuleSpec spec = two_test_module();
+  const std::string good = gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")");
+  std::string skipped = gtest_report("SKIPPED", "");
+  skipped.replace(skipped.find("\"COMPLETED\""), 11, "\"SKIPPED\"");
+  const auto ok = evaluate_module(spec, exited(0), good, "solutions", 9);
+  const auto skip = evaluate_module(spec, exited(0), skipped, "solutions", 9);
+  // Passed on one run, skipped on another (no GPUs for the NCCL run): full points.
+  auto m = k2c::grader::combine_runs(spec, {{"mpi x2", ok}, {"nccl x2", skip}});
+  EXPECT_EQ(m.status, "ok");
+  EXPECT_EQ(m.points, 10);
+  // Failed on one run: that test earns nothing, whatever the others say.
+  const auto bad = evaluate_module(spec, exited(1), gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")", "wrong sum"), "solutions", 9);
+  m = k2c::grader::combine_runs(spec, {{"mpi x1", ok}, {"mpi x3", bad}});
+  EXPECT_EQ(m.points, 4);
+  EXPECT_NE(m.tests[0].message.find("mpi x3"), std::string::npos);
+  // A crash in any run voids the module, named.
+  ProcessResult segv = exited(-1);
+  segv.signal = 11;
+  m = k2c::grader::combine_runs(spec, {{"mpi x1", ok}, {"mpi x4", evaluate_module(spec, segv, "", "solutions", 9)}});
+  EXPECT_EQ(m.status, "crashed");
+  EXPECT_EQ(m.points, 0);
+  EXPECT_NE(m.detail.find("mpi x4"), std::string::npos);
+}
+
 // ---------------------------------------------------------------------------- processes ---
 
 TEST(Process, TimeoutKillsTheGroupAndOutputIsBounded) {

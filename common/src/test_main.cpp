@@ -69,13 +69,8 @@ class StickyErrorListener : public ::testing::EmptyTestEventListener {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  k2c::testing::Context c;
-  c.module_id = K2C_MODULE_ID;
-  c.impl = K2C_IMPL_NAME;
-  const char* rubric = std::getenv("K2C_RUBRIC");
-  c.rubric_path = rubric && *rubric ? rubric : K2C_RUBRIC_DEFAULT;
-  const char* seed = std::getenv("K2C_SEED");
-  c.seed = seed && *seed ? std::strtoull(seed, nullptr, 10) : 20261129ull;
+  const k2c::testing::Context c =
+      k2c::testing::context_from_env(K2C_MODULE_ID, K2C_IMPL_NAME, K2C_RUBRIC_DEFAULT);
   k2c::testing::set_context(c);
 
   ::testing::AddGlobalTestEnvironment(new DeviceEnvironment);

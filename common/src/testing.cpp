@@ -18,6 +18,17 @@ static Context& mutable_context() {
 const Context& context() { return mutable_context(); }
 void set_context(Context c) { mutable_context() = std::move(c); }
 
+Context context_from_env(const char* module_id, const char* impl, const char* default_rubric) {
+  Context c;
+  c.module_id = module_id;
+  c.impl = impl;
+  const char* rubric = std::getenv("K2C_RUBRIC");
+  c.rubric_path = rubric && *rubric ? rubric : default_rubric;
+  const char* seed = std::getenv("K2C_SEED");
+  c.seed = seed && *seed ? std::strtoull(seed, nullptr, 10) : 20261129ull;
+  return c;
+}
+
 std::uint64_t seed_for(const std::string& purpose) {
   std::uint64_t h = mix64(context().seed);
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

@@ -30,6 +30,9 @@ struct Context {
 };
 const Context& context();
 void set_context(Context c);
+// The context of a test program: its module and tree, the rubric (K2C_RUBRIC, else the given
+// default) and the seed (K2C_SEED, else a fixed one so plain ctest runs are reproducible).
+Context context_from_env(const char* module_id, const char* impl, const char* default_rubric);
 
 inline std::uint64_t seed() { return context().seed; }
 // A seed for one purpose inside one test, so tests and purposes draw independent data.
