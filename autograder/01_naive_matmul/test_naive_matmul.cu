@@ -18,13 +18,7 @@ namespace st = k2c::sgemm_testing;
 constexpr st::SgemmFn kMatmul = k2c::naive_matmul::matmul;
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) {
-  const bool gpu = k2c::testing::gpu_available();
-  k2c::DeviceBuffer<float> a(gpu ? 1 : 0), b(gpu ? 1 : 0), c(gpu ? 1 : 0);
-  float* dummy = reinterpret_cast<float*>(256);  // never dereferenced: no device to launch on
-  K2C_EXPECT_IMPLEMENTED(kMatmul(1, 1, 1, 1.0f, gpu ? a.data() : dummy, gpu ? b.data() : dummy,
-                                 0.0f, gpu ? c.data() : dummy, nullptr));
-}
+TEST(Contract, Implemented) { st::check_implemented(kMatmul); }
 
 TEST(NaiveMatmul, FixedShapes) {
   K2C_REQUIRE_GPU();

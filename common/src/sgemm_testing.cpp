@@ -40,6 +40,14 @@ std::vector<Case> random_cases(std::uint64_t seed, int count, int max_dim) {
   return cases;
 }
 
+void check_implemented(SgemmFn fn) {
+  const bool gpu = testing::gpu_available();
+  DeviceBuffer<float> a(gpu ? 4 : 0), b(gpu ? 4 : 0), c(gpu ? 4 : 0);
+  float* dummy = reinterpret_cast<float*>(256);  // never dereferenced: no device to launch on
+  K2C_EXPECT_IMPLEMENTED(fn(1, 1, 1, 1.0f, gpu ? a.data() : dummy, gpu ? b.data() : dummy, 0.0f,
+                            gpu ? c.data() : dummy, nullptr));
+}
+
 void check_case(SgemmFn fn, const Case& c) {
   SCOPED_TRACE(describe(c));
   const std::string tag = describe(c);

@@ -31,6 +31,10 @@ std::vector<Case> fixed_cases();
 std::vector<Case> beta_zero_cases();
 std::vector<Case> random_cases(std::uint64_t seed, int count, int max_dim);
 
+// The body of each SGEMM module's Contract.Implemented test: calls fn on a 1×1×1 problem (dummy,
+// never dereferenced pointers when there is no GPU); fails with the grader's marker for a stub.
+void check_implemented(SgemmFn fn);
+
 // Adds a GoogleTest failure (with the first mismatches) when fn gets `c` wrong.
 void check_case(SgemmFn fn, const Case& c);
 
