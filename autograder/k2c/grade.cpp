@@ -89,6 +89,25 @@ std::string global_property(const json& report, const char* key) {
   return v;
 }
 
+// A module's status from its tests' verdicts. Tests worth no points (Contract.Implemented, a
+// listing check) do not make a stub "partial": what counts is whether anything that earns
+// points passed.
+std::string module_status(const std::vector<TestOutcome>& tests) {
+  int passed = 0, passed_for_points = 0, failed = 0, not_implemented = 0, skipped = 0;
+  for (const TestOutcome& t : tests) {
+    passed += t.status == "passed";
+    passed_for_points += t.status == "passed" && t.max_points > 0;
+    failed += t.status == "failed";
+    not_implemented += t.status == "not implemented";
+    skipped += t.status == "skipped";
+  }
+  const int total = static_cast<int>(tests.size());
+  if (passed == total) return "ok";
+  if (skipped == total) return "skipped";
+  if (not_implemented > 0 && failed == 0 && passed_for_points == 0) return "not implemented yet";
+  return passed > 0 ? "partial" : "failed";
+}
+
 }  // namespace
 
 double GradeReport::points() const {
@@ -245,20 +264,7 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
     m.tests.push_back(t);
   }
 
-  // Tests worth no points (e.g. Contract.Implemented, a listing check) do not make a stub
-  // "partial": what counts is whether anything that earns points passed.
-  int passed_for_points = 0;
-  for (const TestOutcome& t : m.tests) passed_for_points += t.status == "passed" && t.max_points > 0;
-  if (passed == static_cast<int>(spec.tests.size()))
-    m.status = "ok";
-  else if (skipped == static_cast<int>(spec.tests.size()))
-    m.status = "skipped";
-  else if (not_implemented > 0 && failed == 0 && passed_for_points == 0)
-    m.status = "not implemented yet";
-  else if (passed > 0)
-    m.status = "partial";
-  else
-    m.status = "failed";
+  m.status = module_status(m.tests);
   if (m.status != "ok") {
     if (skipped > 0) {
       std::string why;
@@ -316,16 +322,7 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
     m.points += t.points;
     m.tests.push_back(t);
   }
-  int passed = 0, failed = 0, ni = 0, skipped = 0;
-  for (const TestOutcome& t : m.tests) {
-    passed += t.status == "passed";
-    failed += t.status == "failed";
-    ni += t.status == "not implemented";
-    skipped += t.status == "skipped";
-  }
-  const int total = static_cast<int>(m.tests.size());
-  m.status = passed == total ? "ok" : skipped == total ? "skipped"
-           : ni > 0 && failed == 0 && passed == 0 ? "not implemented yet" : passed > 0 ? "partial" : "failed";
+  m.status = module_status(m.tests);
   for (const auto& [label, r] : runs)
     if (r.status == "skipped") skipped_runs.push_back(label);
   std::string runs_text;
