@@ -1,0 +1,48 @@
+// dist_grid.cpp — the process grid on 4 ranks (run by CTest under mpirun -np 4, MPI backend):
+// every shape that multiplies to 4 gives groups of the right sizes whose members agree on the
+// coordinates they share, and a shape of the wrong size is refused with a clear message.
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "k2c/dist/grid.h"
+#include "k2c/dist/runtime.h"
+
+namespace kd = k2c::dist;
+
+static void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("grid check failed: " + what);
+}
+
+int main(int argc, char** argv) {
+  return kd::run(argc, argv, [](kd::Communicator& w) {
+    require(w.size() == 4, "run me on 4 ranks");
+    const std::vector<kd::GridShape> shapes = {{.dp = 2, .tp = 2}, {.dp = 4}, {.pp = 2, .ep = 2},
+                                               {.cp = 2, .tp = 2}, {.tp = 4}};
+    const kd::Axis axes[] = {kd::Axis::dp, kd::Axis::pp, kd::Axis::ep, kd::Axis::cp, kd::Axis::tp};
+    for (const kd::GridShape& shape : shapes) {
+      kd::ProcessGrid grid(w, shape);
+      for (kd::Axis a : axes) {
+        kd::Communicator& g = grid.group(a);
+        require(g.size() == shape.extent(a), grid.describe() + ": group size");
+        require(g.rank() == grid.coord(a), grid.describe() + ": rank in group = coordinate");
+        // Members of a group share every other coordinate: the sum of a coordinate over the
+        // group is size × coordinate for every other axis.
+        for (kd::Axis b : axes) {
+          if (b == a) continue;
+          int mine = grid.coord(b), sum = 0;
+          g.all_reduce(&mine, &sum, 1, kd::DType::i32, kd::ReduceOp::sum);
+          require(sum == g.size() * grid.coord(b), grid.describe() + ": group spans other coordinates");
+        }
+      }
+    }
+    bool refused = false;
+    try {
+      kd::ProcessGrid bad(w, {.dp = 3});
+    } catch (const std::invalid_argument& e) {
+      refused = std::string(e.what()).find("the job has 4") != std::string::npos;
+    }
+    require(refused, "a 3-rank grid on 4 ranks must be refused with the counts");
+    if (w.rank() == 0) std::printf("process grid: 5 shapes on 4 ranks OK\n");
+  });
+}
