@@ -110,6 +110,101 @@ TEST(Reference, FmaChainsFollowTheContract) {
   EXPECT_EQ(out[0], 1.625 + 1.6875);
 }
 
+TEST(Reference, SoftmaxIsStableAndNormalised) {
+  const std::vector<float> x = {1, 2, 3, 10000, 10001, 9999, -5, -5, -5};  // row 2 would overflow exp
+  const auto y = k2c::ref::softmax_rows(x, 3, 3);
+  for (int r = 0; r < 3; ++r) {
+    double sum = 0;
+    for (int c = 0; c < 3; ++c) {
+      ASSERT_TRUE(std::isfinite(y[r * 3 + c]));
+      sum += y[r * 3 + c];
+    }
+    EXPECT_NEAR(sum, 1.0, 1e-15);
+  }
+  const double e = std::exp(1.0);
+  EXPECT_NEAR(y[0], 1 / (1 + e + e * e), 1e-15);
+  // Shift invariance: row 2 is row 1 + 9999, reordered as (middle, largest, smallest).
+  EXPECT_NEAR(y[1], y[3], 1e-15);
+  EXPECT_NEAR(y[2], y[4], 1e-15);
+  EXPECT_NEAR(y[0], y[5], 1e-15);
+  EXPECT_NEAR(y[6], 1.0 / 3, 1e-15);
+}
+
+namespace {
+// Values on a 2^-10 grid, so that x ± 2^-7 is exact in fp32 for the finite differences below.
+std::vector<float> grid_values(std::size_t n, std::uint64_t seed) {
+  std::vector<float> v(n);
+  k2c::fill_uniform(v, seed);
+  for (float& x : v) x = std::round(x * 1024.0f) / 1024.0f;
+  return v;
+}
+}  // namespace
+
+TEST(Reference, RmsNormBackwardMatchesFiniteDifferences) {
+  const int rows = 3, cols = 8;
+  const double eps = 1e-5, h = 1.0 / 128;
+  std::vector<float> x = grid_values(rows * cols, 1), gamma = grid_values(cols, 2),
+                     w = grid_values(rows * cols, 3);
+  // L = Σ w·y, so dL/dy = w.
+  auto loss = [&](const std::vector<float>& xs, const std::vector<float>& gs) {
+    const auto f = k2c::ref::rmsnorm_forward(xs, gs, rows, cols, eps);
+    double l = 0;
+    for (std::size_t i = 0; i < f.y.size(); ++i) l += w[i] * f.y[i];
+    return l;
+  };
+  const auto b = k2c::ref::rmsnorm_backward(x, gamma, w, rows, cols, eps);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float keep = x[i];
+    x[i] = keep + static_cast<float>(h);
+    const double up = loss(x, gamma);
+    x[i] = keep - static_cast<float>(h);
+    const double down = loss(x, gamma);
+    x[i] = keep;
+    EXPECT_NEAR(b.dx[i], (up - down) / (2 * h), 2e-3) << "dx[" << i << "]";
+  }
+  for (int c = 0; c < cols; ++c) {
+    const float keep = gamma[c];
+    gamma[c] = keep + static_cast<float>(h);
+    const double up = loss(x, gamma);
+    gamma[c] = keep - static_cast<float>(h);
+    const double down = loss(x, gamma);
+    gamma[c] = keep;
+    EXPECT_NEAR(b.dgamma[c], (up - down) / (2 * h), 1e-9) << "dgamma[" << c << "]";  // y is linear in gamma
+  }
+  // Forward: with gamma = 1 each output row has mean square 1 (up to eps).
+  const auto f = k2c::ref::rmsnorm_forward(x, std::vector<float>(cols, 1.0f), rows, cols, 0.0);
+  double ms = 0;
+  for (int c = 0; c < cols; ++c) ms += f.y[c] * f.y[c] / cols;
+  EXPECT_NEAR(ms, 1.0, 1e-12);
+}
+
+TEST(Reference, RopeRotatesByRelativePosition) {
+  const int tokens = 5, heads = 2, d = 8;
+  const std::vector<float> q = grid_values(tokens * heads * d, 4), k = grid_values(tokens * heads * d, 5);
+  for (auto layout : {k2c::ref::RopeLayout::interleaved, k2c::ref::RopeLayout::half_split}) {
+    // The inverse (the backward pass) undoes the rotation, which preserves norms.
+    const auto fwd = k2c::ref::rope(q, tokens, heads, d, 7, 10000.0, layout, false);
+    const std::vector<float> fwd_f(fwd.begin(), fwd.end());
+    const auto back = k2c::ref::rope(fwd_f, tokens, heads, d, 7, 10000.0, layout, true);
+    double nq = 0, nf = 0;
+    for (std::size_t i = 0; i < q.size(); ++i) {
+      EXPECT_NEAR(back[i], q[i], 1e-6);
+      nq += static_cast<double>(q[i]) * q[i];
+      nf += fwd[i] * fwd[i];
+    }
+    EXPECT_NEAR(nq, nf, 1e-9 * nq);
+    // <rope(q, m), rope(k, n)> depends on m − n only: shifting both positions by 100 keeps it.
+    auto score = [&](long offset) {
+      const auto rq = k2c::ref::rope(q, tokens, heads, d, offset, 10000.0, layout, false);
+      const auto rk = k2c::ref::rope(k, tokens, heads, d, offset + 3, 10000.0, layout, false);
+      double s = 0;
+      for (int i = 0; i < d; ++i) s += rq[i] * rk[(2 * heads) * d + i];  // q token 0 · k token 2, head 0
+      return s;
+    };
+    EXPECT_NEAR(score(0), score(100), 1e-9);
+  }
+}
+
 // -------------------------------------------------------------------------------- random ---
 
 TEST(Random, DeterministicAndInRange) {

@@ -25,4 +25,35 @@ double gemm_at(int N, int K, double alpha, std::span<const float> A, std::span<c
 std::vector<double> fma_chains(std::span<const float> in, int iters, int chains, float step,
                                float mul, float add);
 
+// ---- memory-bound operators of modules 06–08 (inputs as float, bf16 values widened exactly) ----
+
+// Row softmax of a rows × cols row-major matrix, computed stably (the row maximum subtracted).
+std::vector<double> softmax_rows(std::span<const float> x, int rows, int cols);
+
+// RMSNorm, y = x / rms(x) · gamma with rms(x) = sqrt(mean(x²) + eps), per row of length cols.
+struct RmsNormForward {
+  std::vector<double> y;     // rows × cols
+  std::vector<double> rstd;  // rows: 1 / rms(x), what the backward pass reuses
+};
+RmsNormForward rmsnorm_forward(std::span<const float> x, std::span<const float> gamma, int rows,
+                               int cols, double eps);
+
+// Gradients of RMSNorm for upstream dy: with r = rstd of the row and n = cols,
+//   dx_i = r·gamma_i·dy_i − x_i · r³/n · Σ_j dy_j·gamma_j·x_j,   dgamma_i = Σ_rows dy_i·x_i·r.
+struct RmsNormBackward {
+  std::vector<double> dx;      // rows × cols
+  std::vector<double> dgamma;  // cols
+};
+RmsNormBackward rmsnorm_backward(std::span<const float> x, std::span<const float> gamma,
+                                 std::span<const float> dy, int rows, int cols, double eps);
+
+// Rotary position embedding of x laid out [tokens][heads][head_dim] (head_dim even): the pair
+// (a, b) of dimension-pair k at position p = position_offset + token is rotated by the angle
+// p · base^(−2k/head_dim). Pairs are (2k, 2k+1) when interleaved (the complex form), or
+// (k, k + head_dim/2) when half-split. inverse = true rotates by the opposite angle, which is
+// also the backward pass (a rotation's transpose is its inverse).
+enum class RopeLayout { interleaved, half_split };
+std::vector<double> rope(std::span<const float> x, int tokens, int heads, int head_dim,
+                         long position_offset, double base, RopeLayout layout, bool inverse);
+
 }  // namespace k2c::ref
