@@ -300,7 +300,6 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
     }
   // Per test: failed in any run fails; otherwise not implemented; otherwise passed if it passed
   // somewhere (and was skipped elsewhere); skipped only if skipped everywhere.
-  std::vector<std::string> skipped_runs;
   for (std::size_t i = 0; i < spec.tests.size(); ++i) {
     TestOutcome t = runs.front().second.tests[i];
     bool any_pass = false, any_fail = false, any_ni = false;
@@ -323,8 +322,6 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
     m.tests.push_back(t);
   }
   m.status = module_status(m.tests);
-  for (const auto& [label, r] : runs)
-    if (r.status == "skipped") skipped_runs.push_back(label);
   std::string runs_text;
   for (const auto& [label, r] : runs) runs_text += (runs_text.empty() ? "" : ", ") + label + ": " + r.status;
   m.detail = "runs: " + runs_text;
