@@ -1,8 +1,8 @@
 // assignments/11_collectives/collectives.h — the contract of module 11 (do not edit).
 //
 // Collectives by hand: reduce-scatter, all-gather and all-reduce on a ring, written with nothing
-// but a PointToPoint (k2c/dist/communicator.h): send, recv, send_recv, and local copy and
-// reduce. The same code runs on CPU ranks (MPI backend, host buffers) and on GPUs (NCCL backend,
+// but a PointToPoint (k2c/dist/communicator.h): send, recv, send_recv (or its two halves,
+// start_send_recv and wait), and local copy and reduce. The same code runs on CPU ranks (MPI backend, host buffers) and on GPUs (NCCL backend,
 // device buffers); buffers come from p2p.alloc(). The library collectives are not reachable
 // from here, by design.
 //
@@ -10,6 +10,10 @@
 // count % size() one element longer (k2c::dist::block_of). Rank r owns block r.
 // Calls may return before the work is done (NCCL queues it); p2p.synchronize() waits.
 // Every rank calls with the same count, type and op.
+//
+// Exchanges started with start_send_recv run alongside the local work issued after them (on
+// NCCL, on a second stream), which lets a reduction overlap the next transfer. Wait on every
+// ticket you take before returning: then whatever the caller issues next sees your result.
 //
 // Tests: autograder/11_collectives/test_collectives.cpp. Lecture: lectures/11_collectives.md.
 #pragma once

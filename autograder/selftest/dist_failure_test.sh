@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # dist_failure_test.sh PROGRAM MPIRUN — a rank that throws, or one that hangs, ends the whole
-# job with a clear message within the time limit (no hang, no silent success).
+# job with a clear message within the time limit (no hang, no silent success), and so does an
+# exchange started without a wait, when synchronize() completes it.
 set -uo pipefail
 prog=$1
 mpirun=$2
@@ -17,3 +18,4 @@ check() {  # mode, expected message
 }
 check throw "rank 1: planted failure in the middle of a ring"
 check hang "rank 0: send_recv did not complete within 3 s"
+check hang_open "rank 0: send_recv did not complete within 3 s"

@@ -1,4 +1,5 @@
-// mpi_communicator.cpp — the MPI backend: host buffers, every call complete when it returns.
+// mpi_communicator.cpp — the MPI backend: host buffers, every call complete when it returns,
+// except start_send_recv, whose requests are kept until wait() (or synchronize()) completes them.
 //
 // Every operation is issued non-blocking and completed by polling with a deadline, so a peer
 // that never answers ends the job with a message naming the operation rather than a hang.
@@ -8,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <thread>
 
 #include "k2c/check.h"
@@ -54,16 +56,31 @@ double dist_timeout_s() {
   return v > 0 ? v : 120.0;
 }
 
+std::string closed_ticket_message(Ticket ticket, std::uint64_t next_id) {
+  if (ticket.id == 0 || ticket.id >= next_id)
+    return "wait: ticket " + std::to_string(ticket.id) + " was never issued by this communicator";
+  return "wait: ticket " + std::to_string(ticket.id) +
+         " is no longer open: it was waited on before, or synchronize() closed it";
+}
+
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
   K2C_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   K2C_MPI_CHECK(MPI_Comm_size(comm_, &size_));
 }
 
 MpiCommunicator::~MpiCommunicator() {
+  // An exchange nobody waited on still writes into its receive buffer: finish it before the
+  // communicator (and, soon after, the buffers) go away. A destructor cannot throw, so an MPI
+  // error here ends the job with its message rather than vanishing.
+  try {
+    synchronize();
+  } catch (const std::exception& e) {
+    abort_job(std::string("closing a communicator with open exchanges: ") + e.what());
+  }
   if (owned_) MPI_Comm_free(&comm_);
 }
 
-void MpiCommunicator::wait(std::vector<MPI_Request>& reqs, const char* what) {
+void MpiCommunicator::complete(std::vector<MPI_Request>& reqs, const char* what) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(dist_timeout_s());
   for (;;) {
     int done = 0;
@@ -81,21 +98,43 @@ void MpiCommunicator::wait(std::vector<MPI_Request>& reqs, const char* what) {
 void MpiCommunicator::send(const void* buf, std::size_t count, DType t, int peer) {
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Isend(buf, mpi_count(count, "send"), mpi_type(t), peer, 0, comm_, &r[0]));
-  wait(r, "send");
+  complete(r, "send");
 }
 
 void MpiCommunicator::recv(void* buf, std::size_t count, DType t, int peer) {
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Irecv(buf, mpi_count(count, "recv"), mpi_type(t), peer, 0, comm_, &r[0]));
-  wait(r, "recv");
+  complete(r, "recv");
 }
 
-void MpiCommunicator::send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
-                                std::size_t recv_count, int src, DType t) {
-  std::vector<MPI_Request> r(2);
+// Several exchanges may be open at once between the same pair of ranks with the same tag: MPI
+// matches messages between two ranks in the order they were posted, so exchange k on one side
+// meets exchange k on the other as long as every rank starts them in the same order.
+Ticket MpiCommunicator::start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                                        std::size_t recv_count, int src, DType t) {
+  std::vector<MPI_Request> r(2, MPI_REQUEST_NULL);
   K2C_MPI_CHECK(MPI_Irecv(recv_buf, mpi_count(recv_count, "send_recv"), mpi_type(t), src, 0, comm_, &r[0]));
   K2C_MPI_CHECK(MPI_Isend(send_buf, mpi_count(send_count, "send_recv"), mpi_type(t), dst, 0, comm_, &r[1]));
-  wait(r, "send_recv");
+  const Ticket ticket{next_ticket_++};
+  open_.emplace(ticket.id, std::move(r));
+  return ticket;
+}
+
+void MpiCommunicator::wait(Ticket ticket) {
+  const auto it = open_.find(ticket.id);
+  if (it == open_.end()) throw std::logic_error(closed_ticket_message(ticket, next_ticket_));
+  std::vector<MPI_Request> r = std::move(it->second);
+  open_.erase(it);
+  complete(r, "send_recv");
+}
+
+void MpiCommunicator::complete_open_tickets() {
+  for (auto& [id, r] : open_) complete(r, "send_recv");
+}
+
+void MpiCommunicator::synchronize() {
+  complete_open_tickets();
+  open_.clear();
 }
 
 void* MpiCommunicator::alloc(std::size_t bytes) {
@@ -103,9 +142,16 @@ void* MpiCommunicator::alloc(std::size_t bytes) {
   if (!p) throw std::bad_alloc();
   return p;
 }
-void MpiCommunicator::free(void* p) { std::free(p); }
+// An open exchange may still receive into, or send from, the memory being released.
+void MpiCommunicator::free(void* p) {
+  complete_open_tickets();
+  std::free(p);
+}
 void* MpiCommunicator::scratch(std::size_t bytes) {
-  if (scratch_.size() < bytes) scratch_.resize(bytes);
+  if (scratch_.size() < bytes) {
+    complete_open_tickets();  // resizing moves the buffer
+    scratch_.resize(bytes);
+  }
   return scratch_.data();
 }
 void MpiCommunicator::copy(void* dst, const void* src, std::size_t bytes) {
@@ -125,27 +171,27 @@ void MpiCommunicator::all_reduce(const void* send, void* recv, std::size_t count
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, mpi_count(count, "all_reduce"),
                                mpi_type(t), mpi_op(op), comm_, &r[0]));
-  wait(r, "all_reduce");
+  complete(r, "all_reduce");
 }
 
 void MpiCommunicator::reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, mpi_count(count, "reduce_scatter"), mpi_type(t),
                                           mpi_op(op), comm_, &r[0]));
-  wait(r, "reduce_scatter");
+  complete(r, "reduce_scatter");
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count, DType t) {
   std::vector<MPI_Request> r(1);
   const int n = mpi_count(count, "all_gather");
   K2C_MPI_CHECK(MPI_Iallgather(send, n, mpi_type(t), recv, n, mpi_type(t), comm_, &r[0]));
-  wait(r, "all_gather");
+  complete(r, "all_gather");
 }
 
 void MpiCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Ibcast(buf, mpi_count(count, "broadcast"), mpi_type(t), root, comm_, &r[0]));
-  wait(r, "broadcast");
+  complete(r, "broadcast");
 }
 
 void MpiCommunicator::reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) {
@@ -153,14 +199,14 @@ void MpiCommunicator::reduce(const void* send, void* recv, std::size_t count, DT
   const bool in_place = rank_ == root && send == recv;
   K2C_MPI_CHECK(MPI_Ireduce(in_place ? MPI_IN_PLACE : send, recv, mpi_count(count, "reduce"), mpi_type(t),
                             mpi_op(op), root, comm_, &r[0]));
-  wait(r, "reduce");
+  complete(r, "reduce");
 }
 
 void MpiCommunicator::all_to_all(const void* send, void* recv, std::size_t count, DType t) {
   std::vector<MPI_Request> r(1);
   const int n = mpi_count(count, "all_to_all");
   K2C_MPI_CHECK(MPI_Ialltoall(send, n, mpi_type(t), recv, n, mpi_type(t), comm_, &r[0]));
-  wait(r, "all_to_all");
+  complete(r, "all_to_all");
 }
 
 void MpiCommunicator::all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
@@ -181,13 +227,13 @@ void MpiCommunicator::all_to_all_v(const void* send, const std::vector<std::size
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Ialltoallv(send, sc.data(), so.data(), mpi_type(t), recv, rc.data(), ro.data(),
                                mpi_type(t), comm_, &r[0]));
-  wait(r, "all_to_all_v");
+  complete(r, "all_to_all_v");
 }
 
 void MpiCommunicator::barrier() {
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Ibarrier(comm_, &r[0]));
-  wait(r, "barrier");
+  complete(r, "barrier");
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {

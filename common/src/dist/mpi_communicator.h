@@ -3,6 +3,9 @@
 
 #include <mpi.h>
 
+#include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "k2c/dist/communicator.h"
@@ -10,6 +13,8 @@
 namespace k2c::dist {
 
 double dist_timeout_s();  // K2C_DIST_TIMEOUT, default 120 s
+// The message of a wait() on a ticket that is not open: shared by both backends.
+std::string closed_ticket_message(Ticket ticket, std::uint64_t next_id);
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -22,15 +27,16 @@ class MpiCommunicator final : public Communicator {
 
   void send(const void* buf, std::size_t count, DType t, int peer) override;
   void recv(void* buf, std::size_t count, DType t, int peer) override;
-  void send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
-                 std::size_t recv_count, int src, DType t) override;
+  Ticket start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                         std::size_t recv_count, int src, DType t) override;
+  void wait(Ticket ticket) override;
   void* alloc(std::size_t bytes) override;
   void free(void* p) override;
   void* scratch(std::size_t bytes) override;
   void copy(void* dst, const void* src, std::size_t bytes) override;
   void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
                     ReduceOp op) override;
-  void synchronize() override {}
+  void synchronize() override;
 
   void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
@@ -48,8 +54,13 @@ class MpiCommunicator final : public Communicator {
   void to_host(void* host_dst, const void* src, std::size_t bytes) override;
 
  private:
-  void wait(std::vector<MPI_Request>& reqs, const char* what);
+  void complete(std::vector<MPI_Request>& reqs, const char* what);
+  void complete_open_tickets();  // completes every open exchange; the tickets stay open
   MPI_Comm comm_;
+  // Started exchanges not yet waited on: ticket id -> its receive and send requests. Completed
+  // requests become MPI_REQUEST_NULL, so completing an entry twice costs nothing.
+  std::map<std::uint64_t, std::vector<MPI_Request>> open_;
+  std::uint64_t next_ticket_ = 1;
   bool owned_;
   std::vector<char> scratch_;
   int rank_ = 0, size_ = 1;

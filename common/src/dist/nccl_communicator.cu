@@ -1,5 +1,16 @@
 // nccl_communicator.cu — the NCCL backend: device buffers, work queued on the communicator's
-// stream, completion (and its time limit) checked in synchronize().
+// two streams, completion (and its time limit) checked in synchronize().
+//
+// Two streams, so that a reduction can run while the next chunk is on the wire. Local work
+// (copy, reduce_local, host transfers) goes on `stream_`; started exchanges go on
+// `comm_stream_`. The rules of communicator.h become events between them:
+//   start_send_recv  comm stream waits for the local work so far, then the exchange, then an
+//                    event of its own (the ticket);
+//   wait(ticket)     local stream waits for that event;
+//   everything else that talks to other ranks (collectives, send, recv) goes on the local
+//                    stream after it waited for the comm stream: ordered after everything.
+// Every NCCL operation is therefore ordered after the one issued before it, so the GPU runs
+// them in the order every rank issued them, as NCCL requires.
 //
 // NCCL reports a peer that never arrives by never completing: cudaStreamSynchronize would wait
 // for ever. synchronize() therefore polls the stream and ncclCommGetAsyncError against a
@@ -8,6 +19,7 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <stdexcept>
 #include <thread>
 
 #include "k2c/check.h"
@@ -51,20 +63,56 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device) : comm_(comm), d
   K2C_NCCL_CHECK(ncclCommCount(comm_, &size_));
   K2C_CUDA_CHECK(cudaSetDevice(device_));
   K2C_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  // The comm stream gets the highest priority: when a reduction's thousands of blocks are
+  // queued, the block scheduler places the transfer kernel's blocks first as SMs free up, so
+  // the link is not left idle behind a kernel that could wait.
+  int least = 0, greatest = 0;
+  K2C_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  K2C_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, greatest));
+  K2C_CUDA_CHECK(cudaEventCreateWithFlags(&local_mark_, cudaEventDisableTiming));
+  K2C_CUDA_CHECK(cudaEventCreateWithFlags(&comm_mark_, cudaEventDisableTiming));
 }
 
 NcclCommunicator::~NcclCommunicator() {
   if (scratch_) free(scratch_);
-  if (!aborted_) ncclCommDestroy(comm_);
+  if (!aborted_) {
+    // Exchanges nobody waited on finish here, before their buffers can go away.
+    cudaStreamSynchronize(comm_stream_);
+    cudaStreamSynchronize(stream_);
+    ncclCommDestroy(comm_);
+  }
+  for (auto& [id, e] : open_) cudaEventDestroy(e);
+  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+  cudaEventDestroy(local_mark_);
+  cudaEventDestroy(comm_mark_);
+  cudaStreamDestroy(comm_stream_);
   cudaStreamDestroy(stream_);
 }
 
+void NcclCommunicator::comm_after_local() {
+  K2C_CUDA_CHECK(cudaEventRecord(local_mark_, stream_));
+  K2C_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, local_mark_, 0));
+}
+void NcclCommunicator::local_after_comm() {
+  K2C_CUDA_CHECK(cudaEventRecord(comm_mark_, comm_stream_));
+  K2C_CUDA_CHECK(cudaStreamWaitEvent(stream_, comm_mark_, 0));
+}
+
 void NcclCommunicator::synchronize() {
+  drain();
+  for (auto& [id, e] : open_) spare_events_.push_back(e);
+  open_.clear();
+}
+
+void NcclCommunicator::drain() {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(dist_timeout_s());
   for (;;) {
-    const cudaError_t q = cudaStreamQuery(stream_);
-    if (q == cudaSuccess) return;
-    if (q != cudaErrorNotReady) K2C_CUDA_CHECK(q);
+    // Done when both streams are idle; nothing new is queued while this thread polls.
+    const cudaError_t qc = cudaStreamQuery(comm_stream_);
+    const cudaError_t ql = cudaStreamQuery(stream_);
+    if (qc == cudaSuccess && ql == cudaSuccess) return;
+    if (qc != cudaSuccess && qc != cudaErrorNotReady) K2C_CUDA_CHECK(qc);
+    if (ql != cudaSuccess && ql != cudaErrorNotReady) K2C_CUDA_CHECK(ql);
     ncclResult_t async = ncclSuccess;
     K2C_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
     if (async != ncclSuccess) {
@@ -83,19 +131,44 @@ void NcclCommunicator::synchronize() {
 }
 
 void NcclCommunicator::send(const void* buf, std::size_t count, DType t, int peer) {
+  local_after_comm();
   K2C_NCCL_CHECK(ncclSend(buf, count, nccl_type(t), peer, comm_, stream_));
 }
 void NcclCommunicator::recv(void* buf, std::size_t count, DType t, int peer) {
+  local_after_comm();
   K2C_NCCL_CHECK(ncclRecv(buf, count, nccl_type(t), peer, comm_, stream_));
 }
-void NcclCommunicator::send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
-                                 std::size_t recv_count, int src, DType t) {
+
+Ticket NcclCommunicator::start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                                         std::size_t recv_count, int src, DType t) {
+  // Local work issued so far may have produced send_buf or still read recv_buf: wait for it.
+  comm_after_local();
   // One group: both directions progress together, so two ranks exchanging cannot deadlock.
   // Empty blocks (count < ranks) are skipped on both sides alike: block sizes are agreed.
   K2C_NCCL_CHECK(ncclGroupStart());
-  if (send_count) K2C_NCCL_CHECK(ncclSend(send_buf, send_count, nccl_type(t), dst, comm_, stream_));
-  if (recv_count) K2C_NCCL_CHECK(ncclRecv(recv_buf, recv_count, nccl_type(t), src, comm_, stream_));
+  if (send_count) K2C_NCCL_CHECK(ncclSend(send_buf, send_count, nccl_type(t), dst, comm_, comm_stream_));
+  if (recv_count) K2C_NCCL_CHECK(ncclRecv(recv_buf, recv_count, nccl_type(t), src, comm_, comm_stream_));
   K2C_NCCL_CHECK(ncclGroupEnd());
+  cudaEvent_t done = nullptr;
+  if (spare_events_.empty()) {
+    K2C_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  } else {
+    done = spare_events_.back();
+    spare_events_.pop_back();
+  }
+  K2C_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
+  const Ticket ticket{next_ticket_++};
+  open_.emplace(ticket.id, done);
+  return ticket;
+}
+
+void NcclCommunicator::wait(Ticket ticket) {
+  const auto it = open_.find(ticket.id);
+  if (it == open_.end()) throw std::logic_error(closed_ticket_message(ticket, next_ticket_));
+  // The wait is queued with the event's current record, so the event is free for reuse at once.
+  K2C_CUDA_CHECK(cudaStreamWaitEvent(stream_, it->second, 0));
+  spare_events_.push_back(it->second);
+  open_.erase(it);
 }
 
 void* NcclCommunicator::alloc(std::size_t bytes) {
@@ -104,7 +177,9 @@ void* NcclCommunicator::alloc(std::size_t bytes) {
   return p;
 }
 void NcclCommunicator::free(void* p) {
-  cudaStreamSynchronize(stream_);  // the memory may still be in use by queued work
+  // The memory may still be in use by queued work on either stream.
+  cudaStreamSynchronize(comm_stream_);
+  cudaStreamSynchronize(stream_);
   cudaFree(p);
 }
 void* NcclCommunicator::scratch(std::size_t bytes) {
@@ -130,22 +205,28 @@ void NcclCommunicator::reduce_local(void* out, const void* a, const void* b, std
 }
 
 void NcclCommunicator::all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+  local_after_comm();
   K2C_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream_));
 }
 void NcclCommunicator::reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+  local_after_comm();
   K2C_NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream_));
 }
 void NcclCommunicator::all_gather(const void* send, void* recv, std::size_t count, DType t) {
+  local_after_comm();
   K2C_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(t), comm_, stream_));
 }
 void NcclCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
+  local_after_comm();
   K2C_NCCL_CHECK(ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream_));
 }
 void NcclCommunicator::reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) {
+  local_after_comm();
   K2C_NCCL_CHECK(ncclReduce(send, recv, count, nccl_type(t), nccl_op(op), root, comm_, stream_));
 }
 void NcclCommunicator::all_to_all(const void* send, void* recv, std::size_t count, DType t) {
   const std::size_t bytes = count * dtype_size(t);
+  local_after_comm();
   K2C_NCCL_CHECK(ncclGroupStart());
   for (int p = 0; p < size_; ++p) {
     K2C_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + p * bytes, count, nccl_type(t), p, comm_, stream_));
@@ -161,6 +242,7 @@ void NcclCommunicator::all_to_all_v(const void* send, const std::vector<std::siz
   K2C_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
                 recv_offsets.size() == n,
             "all_to_all_v: counts and offsets need one entry per rank (" << n << ")");
+  local_after_comm();
   K2C_NCCL_CHECK(ncclGroupStart());
   for (int p = 0; p < size_; ++p) {
     if (send_counts[p])
@@ -177,7 +259,7 @@ void NcclCommunicator::barrier() {
   Buffer one(*this, sizeof(int));
   K2C_CUDA_CHECK(cudaMemsetAsync(one.get(), 0, sizeof(int), stream_));
   all_reduce(one.get(), one.get(), 1, DType::i32, ReduceOp::sum);
-  synchronize();
+  drain();  // open tickets stay open: only synchronize() and wait() close them
 }
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
@@ -186,13 +268,16 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
   return std::make_unique<NcclCommunicator>(sub, device_);
 }
 
+// Set-up code: ordered after everything, exchanges included, and complete on return.
 void NcclCommunicator::to_backend(void* dst, const void* host_src, std::size_t bytes) {
+  local_after_comm();
   if (bytes) K2C_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
-  synchronize();
+  drain();
 }
 void NcclCommunicator::to_host(void* host_dst, const void* src, std::size_t bytes) {
+  local_after_comm();
   if (bytes) K2C_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-  synchronize();
+  drain();
 }
 
 std::unique_ptr<Communicator> make_nccl_world(MPI_Comm world, int local_rank) {

@@ -5,7 +5,10 @@
 #include <mpi.h>
 #include <nccl.h>
 
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <vector>
 
 #include "k2c/dist/communicator.h"
 
@@ -18,12 +21,14 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Backend backend() const override { return Backend::nccl; }
+  // The stream of local work, and of everything that is ordered with all calls before it.
   cudaStream_t stream() const { return stream_; }
 
   void send(const void* buf, std::size_t count, DType t, int peer) override;
   void recv(void* buf, std::size_t count, DType t, int peer) override;
-  void send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
-                 std::size_t recv_count, int src, DType t) override;
+  Ticket start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                         std::size_t recv_count, int src, DType t) override;
+  void wait(Ticket ticket) override;
   void* alloc(std::size_t bytes) override;
   void free(void* p) override;
   void* scratch(std::size_t bytes) override;
@@ -51,7 +56,20 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_;
   int device_;
   int rank_ = 0, size_ = 1;
-  cudaStream_t stream_{};
+  void comm_after_local();  // the comm stream waits for the local work issued so far
+  void local_after_comm();  // the local stream waits for the exchanges issued so far
+  void drain();             // both streams idle, within the deadline; tickets stay open
+  cudaStream_t stream_{};       // local work: copy, reduce_local, host transfers, collectives
+  cudaStream_t comm_stream_{};  // started exchanges
+  // One event per direction suffices for the stream-to-stream waits: cudaStreamWaitEvent takes
+  // the event's state when it is called, so re-recording it later changes nothing queued.
+  cudaEvent_t local_mark_{}, comm_mark_{};
+  // Each open ticket holds an event recorded after its exchange; a waited ticket's event goes
+  // back to the spares: events are created while more tickets are open than ever before, and
+  // reused after that (no allocation per call in steady state).
+  std::map<std::uint64_t, cudaEvent_t> open_;
+  std::vector<cudaEvent_t> spare_events_;
+  std::uint64_t next_ticket_ = 1;
   bool aborted_ = false;
   void* scratch_ = nullptr;
   std::size_t scratch_bytes_ = 0;

@@ -2,13 +2,16 @@
 //
 // Ranks are processes started by mpirun. A Communicator connects a group of them and offers the
 // collectives of torch.distributed / NCCL on one of two backends chosen at run time:
-//   Backend::nccl  buffers are device pointers; work is queued on the communicator's stream
-//   Backend::mpi   buffers are host pointers; calls complete before they return
+//   Backend::nccl  buffers are device pointers; work is queued on the communicator's two
+//                  streams, one for local work and one for exchanges (see PointToPoint)
+//   Backend::mpi   buffers are host pointers; calls complete before they return, except a
+//                  started exchange, which completes in wait()
 // so the same algorithm runs on CPU ranks (a laptop, CI) and on GPUs. Buffers always come from
 // the communicator's own alloc(), which knows which kind of memory its backend needs.
 //
 // PointToPoint is the part of the interface that hand-written collectives (module 11) may use:
-// send / recv, the deadlock-free exchange of a ring step, and local element-wise work.
+// send / recv, the deadlock-free exchange of a ring step (blocking, or started now and waited
+// for later), and local element-wise work.
 //
 // Every call that waits on other ranks waits at most K2C_DIST_TIMEOUT seconds (default 120) and
 // then ends the whole job with a message naming the operation, instead of hanging: a message
@@ -16,6 +19,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -43,6 +47,12 @@ inline Block block_of(std::size_t count, int n, int b) {
   return {ub * base + (ub < extra ? ub : extra), base + (ub < extra ? 1 : 0)};
 }
 
+// The handle of an exchange started by start_send_recv. A plain value: copy it freely, but
+// wait() on it once. Ids count up from 1 per communicator; 0 is never issued.
+struct Ticket {
+  std::uint64_t id = 0;
+};
+
 class PointToPoint {
  public:
   virtual ~PointToPoint() = default;
@@ -52,27 +62,57 @@ class PointToPoint {
 
   // Sends `count` elements to `peer` / receives them from `peer`. A send must meet a recv of the
   // same count and type on the peer. Two ranks that both send first may deadlock (large
-  // messages are not buffered): use send_recv for exchanges.
+  // messages are not buffered): use send_recv for exchanges. Like the library collectives,
+  // send and recv are ordered after everything issued before them, exchanges included.
   virtual void send(const void* buf, std::size_t count, DType t, int peer) = 0;
   virtual void recv(void* buf, std::size_t count, DType t, int peer) = 0;
-  // One step of a ring: send to `dst` and receive from `src` at the same time.
-  virtual void send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
-                         std::size_t recv_count, int src, DType t) = 0;
+
+  // One step of a ring: send to `dst` and receive from `src` at the same time, in two halves.
+  //
+  // start_send_recv starts the exchange and returns a ticket at once. The exchange is ordered
+  // after all local work issued before it (it sends what that work wrote, and receives into
+  // memory that work no longer reads) and after every exchange already waited on. Local work
+  // issued later, and other exchanges started later, may run alongside it: that is the point,
+  // the reduction of one chunk overlapping the transfer of the next. So until wait(ticket),
+  // leave its buffers alone, as with MPI_Isend / MPI_Irecv: no local work that reads recv_buf
+  // or writes either buffer, and no other exchange that sends from recv_buf or receives into
+  // either buffer (to forward what an exchange received, wait on it first).
+  //
+  // wait(ticket) orders all calls issued after it after the exchange: they may read the
+  // received data and overwrite the sent buffer. On MPI it returns when the exchange is
+  // complete; on NCCL it only queues the dependency (no host wait). Wait on each ticket exactly
+  // once: a second wait, or a ticket this communicator never issued, throws std::logic_error.
+  // synchronize() completes the exchanges nobody waited on and closes their tickets.
+  // Every rank must start the same exchanges in the same order, as with send_recv.
+  virtual Ticket start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                                 std::size_t recv_count, int src, DType t) = 0;
+  virtual void wait(Ticket ticket) = 0;
+  // The blocking exchange: start, then wait.
+  void send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
+                 std::size_t recv_count, int src, DType t) {
+    wait(start_send_recv(send_buf, send_count, dst, recv_buf, recv_count, src, t));
+  }
 
   // Local work on this backend's memory (device kernels for NCCL, host loops for MPI), ordered
-  // with the communication calls.
+  // among itself and after the communication calls as the rules above say. On NCCL, local work
+  // and exchanges run on two streams; the library collectives, send, recv, barrier and split
+  // are ordered after everything issued before them, and everything issued after them waits
+  // for them.
   virtual void* alloc(std::size_t bytes) = 0;
+  // Waits for every exchange still in flight first (it may use the memory); tickets stay open.
   virtual void free(void* p) = 0;
   // A work buffer owned by the communicator, at least `bytes` long, reused from call to call
   // (grown when too small, never shrunk): an algorithm that needs temporary space every call
   // takes it from here instead of paying for an allocation each time (cudaMalloc of hundreds
   // of MiB costs as much as moving them). Valid until the next scratch() call; contents undefined.
+  // Growing it frees the old buffer, so it waits as free() does.
   virtual void* scratch(std::size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
   // out[i] = op(a[i], b[i]) for i < count; out may be a or b.
   virtual void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
                             ReduceOp op) = 0;
-  // Waits until every call issued so far has completed (a no-op for MPI).
+  // Waits until every call issued so far has completed, on both streams for NCCL (with the
+  // K2C_DIST_TIMEOUT deadline), and closes every ticket not yet waited on.
   virtual void synchronize() = 0;
 };
 
@@ -112,9 +152,11 @@ class PointToPointView final : public PointToPoint {
   Backend backend() const override { return c_.backend(); }
   void send(const void* buf, std::size_t count, DType t, int peer) override { c_.send(buf, count, t, peer); }
   void recv(void* buf, std::size_t count, DType t, int peer) override { c_.recv(buf, count, t, peer); }
-  void send_recv(const void* sb, std::size_t sc, int dst, void* rb, std::size_t rc, int src, DType t) override {
-    c_.send_recv(sb, sc, dst, rb, rc, src, t);
+  Ticket start_send_recv(const void* sb, std::size_t sc, int dst, void* rb, std::size_t rc, int src,
+                         DType t) override {
+    return c_.start_send_recv(sb, sc, dst, rb, rc, src, t);
   }
+  void wait(Ticket ticket) override { c_.wait(ticket); }
   void* alloc(std::size_t bytes) override { return c_.alloc(bytes); }
   void free(void* p) override { c_.free(p); }
   void* scratch(std::size_t bytes) override { return c_.scratch(bytes); }

@@ -1,0 +1,51 @@
+// assignments/07_rmsnorm/rmsnorm.h — the contract of module 07 (do not edit).
+//
+// RMSNorm, the normalisation of Llama-style transformers, forward and backward, bf16 storage and
+// fp32 arithmetic. For every row h of a rows × cols row-major matrix and a weight vector gamma:
+//
+//   rstd = 1 / sqrt(mean_j(h_j²) + eps)          y_j = h_j · rstd · gamma_j
+//
+// Unlike LayerNorm there is no mean to subtract and no bias: one reduction per row instead of
+// two, and one saved number per row (rstd) for the backward pass.
+//
+// Tests: autograder/07_rmsnorm/test_rmsnorm.cu. Lecture: lectures/07_rmsnorm.md.
+#pragma once
+
+#include <cstddef>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+namespace k2c::rmsnorm {
+
+using bf16 = __nv_bfloat16;
+
+// Forward, on `stream`, asynchronously. All pointers are device pointers; rows, cols >= 0
+// (nothing happens when either is 0); eps > 0.
+//   x        rows × cols   the input
+//   residual rows × cols   optional (nullptr: none). When given, the layer normalises
+//                          h = x + residual, rounded to bf16, and also writes that h to
+//                          residual_out (the pre-norm transformer's "fused add + norm": the sum
+//                          is the next block's residual stream)
+//   gamma    cols          the weight
+//   y        rows × cols   the output
+//   residual_out rows × cols  required exactly when residual is given (else ignored); may not
+//                          alias x or residual
+//   rstd     rows          fp32, 1 / rms of each row of h: what backward() needs
+// Throws std::invalid_argument for negative sizes, eps <= 0, or a missing pointer.
+void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
+             float* rstd, int rows, int cols, float eps, cudaStream_t stream = nullptr);
+
+// Backward of y = h · rstd · gamma for upstream gradient dy, given the h that forward normalised
+// (x, or residual_out when the add was fused) and the rstd it saved:
+//   dx_j      = rstd · (gamma_j · dy_j − h_j · rstd² · mean_k(dy_k · gamma_k · h_k))   bf16
+//   dgamma_j  = sum over rows of dy_j · h_j · rstd                                  fp32
+// dgamma sums over all rows; it is written (not accumulated into), so rows == 0 gives zeros. `workspace` is device memory
+// of at least backward_workspace_bytes(rows, cols) bytes, for the partial sums of dgamma (the
+// rows are shared out over many blocks, and each block's partial sums must meet somewhere
+// without thousands of atomics on the same cols addresses).
+std::size_t backward_workspace_bytes(int rows, int cols);
+void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,
+              float* dgamma, void* workspace, int rows, int cols, cudaStream_t stream = nullptr);
+
+}  // namespace k2c::rmsnorm

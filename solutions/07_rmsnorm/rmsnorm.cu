@@ -1,0 +1,366 @@
+// solutions/07_rmsnorm/rmsnorm.cu — reference solution of module 07 (contract: rmsnorm.h).
+//
+// Both passes are memory-bound. Bytes per element (bf16):
+//   forward   read h, write y                                     4 B  (8 B with the fused add:
+//             read x and residual, write residual_out and y)
+//   backward  read h and dy, write dx                             6 B
+// gamma, rstd and dgamma are one row or one column: noise next to rows × cols. So each pass must
+// touch its matrices exactly once, at copy speed, and the design follows module 06's fast softmax:
+// a row lives in registers between its reduction and its output (k2c/rows.cuh).
+//
+// Forward: one reduction per row (the sum of squares), then y = h · rstd · gamma. gamma is read by
+// every row, but 8 KiB of it stays in L1/L2; rstd is one float per row.
+//
+// Backward: with r = rstd and n = cols, differentiating y_j = h_j · r · g_j gives
+//   dx_j = r · g_j · dy_j − h_j · r³/n · Σ_k dy_k · g_k · h_k
+// (the second term is the path through r, which depends on every h_k): one more row reduction,
+// then a pointwise formula. dgamma_j = Σ_rows dy_j · h_j · r is a reduction over rows, the
+// transpose of everything else. Adding each row's contribution with atomicAdd into dgamma[j]
+// would have all 16384 rows hammer the same 4096 addresses. Instead the grid is persistent
+// (as many blocks as fit on the GPU at once, each looping over rows): a thread always handles the
+// same columns, so it accumulates its columns' dgamma in registers across all its rows, and each
+// row-group writes one partial row at the end. A second small kernel sums the partial rows per
+// column: ~P × cols floats (P ≈ a few hundred), a few MB against the hundreds of MB of the main
+// pass, with no atomics at all and a fixed summation order (bit-identical from run to run).
+//
+// Rows too long for registers (over 32768 bf16 per row) take loop kernels that read the row
+// twice; the second read of a row of 64 KiB or more mostly comes from L2.
+#include <algorithm>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k2c/check.h"
+#include "k2c/rows.cuh"
+#include "rmsnorm.h"
+
+namespace k2c::rmsnorm {
+namespace {
+
+using namespace k2c::rows;
+
+constexpr int kVecBf16 = kVec<bf16>;  // 8 bf16 in 16 bytes
+// Floats of a row per thread: the forward keeps one array of them, the backward three (h, dy and
+// the running dgamma), so it gets half as many per array.
+constexpr int kForwardValues = 32;
+constexpr int kBackwardValues = 16;
+
+// ----------------------------------------------------------------------------- forward ---
+// h = x (+ residual, rounded to bf16 exactly as it is stored in residual_out, so the backward pass
+// sees the same h the forward normalised).
+template <int VEC, bool kResidual>
+__device__ __forceinline__ void load_h(const bf16* x, const bf16* residual, bf16* residual_out,
+                                       std::size_t at, float (&h)[VEC]) {
+  load<bf16, VEC>(x + at, h);
+  if constexpr (kResidual) {
+    float r[VEC];
+    load<bf16, VEC>(residual + at, r);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) h[i] = __bfloat162float(__float2bfloat16(h[i] + r[i]));
+    store<bf16, VEC>(residual_out + at, h);
+  }
+}
+
+template <int VEC, int ITERS, bool kResidual>
+__global__ __launch_bounds__(1024) void forward_kernel(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                               const bf16* __restrict__ gamma, bf16* __restrict__ y,
+                               bf16* __restrict__ residual_out, float* __restrict__ rstd, int rows,
+                               int cols, float eps) {
+  __shared__ RowScratch scratch;
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;
+  const bool live = row < rows;  // idle rows of the last block still join the reduction
+  const std::size_t base = static_cast<std::size_t>(row) * cols;
+
+  float h[ITERS][VEC];
+  float squares = 0.0f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * VEC;
+    if (live && c < cols) {
+      load_h<VEC, kResidual>(x, residual, residual_out, base + c, h[it]);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) squares += h[it][i] * h[it][i];
+    }
+  }
+  const float r = rsqrtf(row_all(squares, Sum{}, scratch) / cols + eps);
+  if (live && threadIdx.x == 0) rstd[row] = r;
+
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * VEC;
+    if (live && c < cols) {
+      float g[VEC];
+      load<bf16, VEC>(gamma + c, g);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) h[it][i] *= r * g[i];
+      store<bf16, VEC>(y + base + c, h[it]);
+    }
+  }
+}
+
+// One block of 1024 threads per row, the row read twice: for rows that do not fit in registers.
+// With the fused add, the second pass reads back residual_out, which this same thread wrote.
+template <int VEC, bool kResidual>
+__global__ __launch_bounds__(1024) void forward_loop_kernel(const bf16* __restrict__ x, const bf16* __restrict__ residual,
+                                    const bf16* __restrict__ gamma, bf16* __restrict__ y,
+                                    bf16* residual_out, float* __restrict__ rstd, int cols,
+                                    float eps) {
+  __shared__ RowScratch scratch;
+  const std::size_t base = static_cast<std::size_t>(blockIdx.x) * cols;
+  float squares = 0.0f;
+  for (int c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+    float h[VEC];
+    load_h<VEC, kResidual>(x, residual, residual_out, base + c, h);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) squares += h[i] * h[i];
+  }
+  const float r = rsqrtf(row_all(squares, Sum{}, scratch) / cols + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+  const bf16* h_src = kResidual ? residual_out : x;
+  for (int c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+    float h[VEC], g[VEC];
+    load<bf16, VEC>(h_src + base + c, h);
+    load<bf16, VEC>(gamma + c, g);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) h[i] *= r * g[i];
+    store<bf16, VEC>(y + base + c, h);
+  }
+}
+
+template <int VEC, bool kResidual>
+void forward_with(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
+                  float* rstd, int rows, int cols, float eps, cudaStream_t stream) {
+  const RowPlan plan = plan_row(cols, VEC, kForwardValues);
+  if (!plan.fits) {
+    forward_loop_kernel<VEC, kResidual><<<rows, 1024, 0, stream>>>(x, residual, gamma, y, residual_out,
+                                                                   rstd, cols, eps);
+    return;
+  }
+  with_iters<kForwardValues / VEC>(plan.iters, [&](auto iters) {
+    forward_kernel<VEC, iters(), kResidual><<<plan.blocks(rows), plan.block(), 0, stream>>>(
+        x, residual, gamma, y, residual_out, rstd, rows, cols, eps);
+  });
+}
+
+template <int VEC>
+void forward_vec(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
+                 float* rstd, int rows, int cols, float eps, cudaStream_t stream) {
+  if (residual)
+    forward_with<VEC, true>(x, residual, gamma, y, residual_out, rstd, rows, cols, eps, stream);
+  else
+    forward_with<VEC, false>(x, residual, gamma, y, residual_out, rstd, rows, cols, eps, stream);
+}
+
+// ---------------------------------------------------------------------------- backward ---
+// The persistent grid has at most partials_for(rows, cols) row-groups, so the workspace size
+// depends on the shape only (not on the GPU). The cap is ~4 M floats of partial sums (16 MiB):
+// 1024 partial rows at 4096 columns, but short rows may have many more groups (128 columns: all
+// of them), which they need, since a GPU holds hundreds of 1-warp row-groups at once.
+constexpr long kMaxPartialFloats = long{1} << 22;
+
+// Rounded up to whole blocks: a block of several 1-warp rows owns all its row-groups' partial rows
+// (zeros for those that got no row), even when there are fewer rows than that.
+int partials_for(int rows, int cols) {
+  const long by_size = std::max<long>(256, kMaxPartialFloats / std::max(cols, 1));
+  const long groups = std::min<long>(rows, by_size);
+  return static_cast<int>((groups + kMaxRowsPerBlock - 1) / kMaxRowsPerBlock * kMaxRowsPerBlock);
+}
+
+template <int VEC, int ITERS>
+__global__ __launch_bounds__(1024) void backward_kernel(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
+                                const bf16* __restrict__ dy, const float* __restrict__ rstd,
+                                bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols) {
+  __shared__ RowScratch scratch;
+  float dg[ITERS][VEC] = {};
+  // Every row-group of the block runs the same number of iterations (the loop is over the block's
+  // first row), so all threads reach row_all's barriers together.
+  for (int first = blockIdx.x * blockDim.y; first < rows; first += gridDim.x * blockDim.y) {
+    const int row = first + threadIdx.y;
+    const bool live = row < rows;
+    const std::size_t base = static_cast<std::size_t>(row) * cols;
+    const float r = live ? rstd[row] : 0.0f;
+    float hv[ITERS][VEC], gdy[ITERS][VEC];  // h, and gamma · dy
+    float dot = 0.0f;                       // Σ dy·gamma·h over the row
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols) {
+        float d[VEC], g[VEC];
+        load<bf16, VEC>(h + base + c, hv[it]);
+        load<bf16, VEC>(dy + base + c, d);
+        load<bf16, VEC>(gamma + c, g);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          gdy[it][i] = g[i] * d[i];
+          dot += gdy[it][i] * hv[it][i];
+          dg[it][i] += d[i] * hv[it][i] * r;
+        }
+      }
+    }
+    const float k = r * r * r * row_all(dot, Sum{}, scratch) / cols;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) gdy[it][i] = r * gdy[it][i] - k * hv[it][i];
+        store<bf16, VEC>(dx + base + c, gdy[it]);
+      }
+    }
+  }
+  // One partial row per row-group, zeros included (a group that got no rows still owns its row).
+  float* mine = partial + static_cast<std::size_t>(blockIdx.x * blockDim.y + threadIdx.y) * cols;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * VEC;
+    if (c < cols)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) mine[c + i] = dg[it][i];
+  }
+}
+
+// Long rows: one 1024-thread block per row-group, the row read twice, and the partial row of
+// dgamma kept in the workspace itself (each thread adds into its own columns only: no races).
+template <int VEC>
+__global__ __launch_bounds__(1024) void backward_loop_kernel(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
+                                     const bf16* __restrict__ dy, const float* __restrict__ rstd,
+                                     bf16* __restrict__ dx, float* __restrict__ partial, int rows,
+                                     int cols) {
+  __shared__ RowScratch scratch;
+  float* mine = partial + static_cast<std::size_t>(blockIdx.x) * cols;
+  for (int c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC)  // the columns this thread owns
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) mine[c + i] = 0.0f;
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const std::size_t base = static_cast<std::size_t>(row) * cols;
+    const float r = rstd[row];
+    float dot = 0.0f;
+    for (int c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+      float hv[VEC], d[VEC], g[VEC];
+      load<bf16, VEC>(h + base + c, hv);
+      load<bf16, VEC>(dy + base + c, d);
+      load<bf16, VEC>(gamma + c, g);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        dot += g[i] * d[i] * hv[i];
+        mine[c + i] += d[i] * hv[i] * r;
+      }
+    }
+    const float k = r * r * r * row_all(dot, Sum{}, scratch) / cols;
+    for (int c = threadIdx.x * VEC; c < cols; c += blockDim.x * VEC) {
+      float hv[VEC], d[VEC], g[VEC];
+      load<bf16, VEC>(h + base + c, hv);
+      load<bf16, VEC>(dy + base + c, d);
+      load<bf16, VEC>(gamma + c, g);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) d[i] = r * g[i] * d[i] - k * hv[i];
+      store<bf16, VEC>(dx + base + c, d);
+    }
+  }
+}
+
+// dgamma[c] = Σ_p partial[p][c]. A block covers 32 columns with 32 × 32 threads: a warp reads 32
+// consecutive floats of one partial row (one 128-byte line), the 32 warps split the P rows, and the
+// 32 sums of a column meet in shared memory. Few loads per thread and many blocks: this pass is
+// latency-bound (a few MB), and a version with 8 warps per block took ~20 µs for 1024 partial rows
+// of 4096 on an H200. The order is fixed, so the result is deterministic.
+constexpr int kSumWarps = 32;
+__global__ __launch_bounds__(32 * kSumWarps) void sum_partials_kernel(const float* __restrict__ partial,
+                                                                      float* __restrict__ dgamma, int partials,
+                                                                      int cols) {
+  __shared__ float sums[kSumWarps][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols)
+#pragma unroll 4
+    for (int p = threadIdx.y; p < partials; p += kSumWarps) s += partial[static_cast<std::size_t>(p) * cols + c];
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+#pragma unroll
+    for (int y = 1; y < kSumWarps; ++y) s += sums[y][threadIdx.x];
+    dgamma[c] = s;
+  }
+}
+
+// As many row-groups as fit on the GPU at once (all blocks resident, each looping over rows),
+// capped by partials_for().
+template <class Kernel>
+unsigned persistent_blocks(Kernel kernel, dim3 block, int rows, int cols) {
+  int device = 0, sms = 0, per_sm = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block.x * block.y, 0));
+  const int groups = std::min(partials_for(rows, cols), std::max(1, per_sm) * sms * static_cast<int>(block.y));
+  return static_cast<unsigned>((groups + block.y - 1) / block.y);
+}
+
+template <int VEC>
+void backward_vec(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,
+                  float* dgamma, float* partial, int rows, int cols, cudaStream_t stream) {
+  const RowPlan plan = plan_row(cols, VEC, kBackwardValues);
+  int partials = 0;
+  if (!plan.fits) {
+    const unsigned blocks = persistent_blocks(backward_loop_kernel<VEC>, dim3(1024), rows, cols);
+    backward_loop_kernel<VEC><<<blocks, 1024, 0, stream>>>(h, gamma, dy, rstd, dx, partial, rows, cols);
+    partials = static_cast<int>(blocks);
+  } else {
+    with_iters<kBackwardValues / VEC>(plan.iters, [&](auto iters) {
+      const auto kernel = backward_kernel<VEC, iters()>;
+      const unsigned blocks = persistent_blocks(kernel, plan.block(), rows, cols);
+      kernel<<<blocks, plan.block(), 0, stream>>>(h, gamma, dy, rstd, dx, partial, rows, cols);
+      partials = static_cast<int>(blocks * plan.block().y);
+    });
+  }
+  K2C_CUDA_CHECK_LAUNCH();
+  sum_partials_kernel<<<(cols + 31) / 32, dim3(32, kSumWarps), 0, stream>>>(partial, dgamma, partials, cols);
+}
+
+bool vectorizable(int cols, std::initializer_list<const void*> pointers) {
+  if (cols % kVecBf16 != 0) return false;
+  for (const void* p : pointers)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
+}  // namespace
+
+void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
+             float* rstd, int rows, int cols, float eps, cudaStream_t stream) {
+  K2C_CHECK(rows >= 0 && cols >= 0, "rmsnorm forward: negative size " << rows << " x " << cols);
+  K2C_CHECK(eps > 0, "rmsnorm forward: eps must be > 0, got " << eps);
+  if (rows == 0 || cols == 0) return;
+  K2C_CHECK(x && gamma && y && rstd && (residual == nullptr || residual_out != nullptr),
+            "rmsnorm forward: missing pointer (x, gamma, y and rstd are required, and residual_out "
+            "when residual is given)");
+  if (vectorizable(cols, {x, residual, gamma, y, residual_out}))
+    forward_vec<kVecBf16>(x, residual, gamma, y, residual_out, rstd, rows, cols, eps, stream);
+  else
+    forward_vec<1>(x, residual, gamma, y, residual_out, rstd, rows, cols, eps, stream);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+std::size_t backward_workspace_bytes(int rows, int cols) {
+  K2C_CHECK(rows >= 0 && cols >= 0, "rmsnorm backward_workspace_bytes: negative size " << rows << " x " << cols);
+  return static_cast<std::size_t>(partials_for(rows, cols)) * cols * sizeof(float);
+}
+
+void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,
+              float* dgamma, void* workspace, int rows, int cols, cudaStream_t stream) {
+  K2C_CHECK(rows >= 0 && cols >= 0, "rmsnorm backward: negative size " << rows << " x " << cols);
+  if (cols == 0) return;
+  K2C_CHECK(dgamma != nullptr, "rmsnorm backward: missing pointer dgamma");
+  if (rows == 0) {  // a sum over no rows
+    K2C_CUDA_CHECK(cudaMemsetAsync(dgamma, 0, cols * sizeof(float), stream));
+    return;
+  }
+  K2C_CHECK(h && gamma && dy && rstd && dx && workspace, "rmsnorm backward: missing pointer");
+  float* partial = static_cast<float*>(workspace);
+  if (vectorizable(cols, {h, gamma, dy, dx}))
+    backward_vec<kVecBf16>(h, gamma, dy, rstd, dx, dgamma, partial, rows, cols, stream);
+  else
+    backward_vec<1>(h, gamma, dy, rstd, dx, dgamma, partial, rows, cols, stream);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace k2c::rmsnorm

@@ -1,0 +1,486 @@
+// tools/experiments/bandwidth.cu — launch-configuration sweep for the memory-bound kernels of
+// modules 06–08 at the graded shape (16384 × 4096 bf16). Each TU-internal kernel of the reference
+// solutions is included directly and launched with block shapes and grids the solutions do not
+// pick themselves, beside cudaMemcpy of the same bytes. Build and run on a GPU machine:
+//   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/06_softmax \
+//     -Iassignments/07_rmsnorm -Iassignments/08_rope tools/experiments/bandwidth.cu -o /tmp/bw && /tmp/bw
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include "../../solutions/06_softmax/softmax.cu"
+#include "../../solutions/07_rmsnorm/rmsnorm.cu"
+#include "../../solutions/08_rope/rope.cu"
+
+using bf16 = __nv_bfloat16;
+
+static float* g_flush = nullptr;
+static const size_t kFlush = size_t{256} << 20;
+
+double time_ms(const std::function<void()>& f, int reps = 30) {
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<float> t;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < reps; ++i) {
+    cudaMemsetAsync(g_flush, i, kFlush);
+    cudaEventRecord(a);
+    f();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) { printf("CUDA error %s\n", cudaGetErrorString(e)); exit(1); }
+  return t[t.size() / 2];
+}
+
+void report(const char* what, double bytes, double ms, double ceiling) {
+  const double gbs = bytes / (ms * 1e-3) / 1e9;
+  printf("%-48s %8.4f ms %7.0f GB/s  %.3f of 1GiB memcpy\n", what, ms, gbs, gbs / ceiling);
+}
+
+// A persistent variant of the softmax register kernel: grid-stride over row groups.
+template <int VEC, int ITERS>
+__global__ __launch_bounds__(1024) void softmax_persistent(const bf16* __restrict__ x, bf16* __restrict__ y, int rows, int cols) {
+  using namespace k2c::rows;
+  __shared__ RowScratch scratch;
+  for (int first = blockIdx.x * blockDim.y; first < rows; first += gridDim.x * blockDim.y) {
+    const int row = first + threadIdx.y;
+    const bool live = row < rows;
+    const bf16* xr = x + static_cast<size_t>(row) * cols;
+    bf16* yr = y + static_cast<size_t>(row) * cols;
+    float v[ITERS][VEC];
+    float m = Max::identity;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols) {
+        load<bf16, VEC>(xr + c, v[it]);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) m = fmaxf(m, v[it][i]);
+      }
+    }
+    m = row_all(m, Max{}, scratch);
+    float s = 0;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) { v[it][i] = __expf(v[it][i] - m); s += v[it][i]; }
+    }
+    s = row_all(s, Sum{}, scratch);
+    const float inv = 1.0f / s;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * VEC;
+      if (live && c < cols) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[it][i] *= inv;
+        store<bf16, VEC>(yr + c, v[it]);
+      }
+    }
+  }
+}
+
+// Streaming-hint variant: loads ld.global.cs? no: L1 no-allocate loads and evict-first stores.
+template <int VEC, int ITERS>
+__global__ __launch_bounds__(1024) void softmax_hints(const bf16* __restrict__ x, bf16* __restrict__ y, int rows, int cols) {
+  using namespace k2c::rows;
+  __shared__ RowScratch scratch;
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;
+  const bool live = row < rows;
+  const bf16* xr = x + static_cast<size_t>(row) * cols;
+  bf16* yr = y + static_cast<size_t>(row) * cols;
+  float v[ITERS][VEC];
+  float m = Max::identity;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * VEC;
+    if (live && c < cols) {
+      const int4 raw = __ldlu(reinterpret_cast<const int4*>(xr + c));
+      const bf16* e = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) { v[it][i] = __bfloat162float(e[i]); m = fmaxf(m, v[it][i]); }
+    }
+  }
+  m = row_all(m, Max{}, scratch);
+  float s = 0;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * VEC;
+    if (live && c < cols)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) { v[it][i] = __expf(v[it][i] - m); s += v[it][i]; }
+  }
+  s = row_all(s, Sum{}, scratch);
+  const float inv = 1.0f / s;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * VEC;
+    if (live && c < cols) {
+      int4 raw;
+      bf16* e = reinterpret_cast<bf16*>(&raw);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) e[i] = __float2bfloat16(v[it][i] * inv);
+      __stcs(reinterpret_cast<int4*>(yr + c), raw);
+    }
+  }
+}
+
+
+// Persistent + prefetch: the next row's raw bytes are loaded before the current row is reduced.
+template <int ITERS>
+__global__ __launch_bounds__(256) void softmax_pf(const bf16* __restrict__ x, bf16* __restrict__ y, int rows, int cols) {
+  using namespace k2c::rows;
+  __shared__ RowScratch scratch;
+  const int stride = gridDim.x * blockDim.y;
+  int row = blockIdx.x * blockDim.y + threadIdx.y;
+  int4 cur[ITERS], nxt[ITERS];
+  auto fetch = [&](int r, int4 (&dst)[ITERS]) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      if (r < rows && c < cols) dst[it] = *reinterpret_cast<const int4*>(x + size_t(r) * cols + c);
+    }
+  };
+  fetch(row, cur);
+  for (int first = blockIdx.x * blockDim.y; first < rows; first += stride, row += stride) {
+    fetch(row + stride, nxt);
+    const bool live = row < rows;
+    float v[ITERS][8];
+    float m = Max::identity;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      const bf16* e = reinterpret_cast<const bf16*>(&cur[it]);
+      if (live && c < cols)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { v[it][i] = __bfloat162float(e[i]); m = fmaxf(m, v[it][i]); }
+    }
+    m = row_all(m, Max{}, scratch);
+    float s = 0;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      if (live && c < cols)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { v[it][i] = __expf(v[it][i] - m); s += v[it][i]; }
+    }
+    s = row_all(s, Sum{}, scratch);
+    const float inv = 1.0f / s;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      if (live && c < cols) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[it][i] *= inv;
+        store<bf16, 8>(y + size_t(row) * cols + c, v[it]);
+      }
+      cur[it] = nxt[it];
+    }
+  }
+}
+
+// Softmax with one reduction: per-thread (max, sum) merged across the row in one pass.
+template <int ITERS>
+__global__ __launch_bounds__(256) void softmax_pair(const bf16* __restrict__ x, bf16* __restrict__ y, int rows, int cols) {
+  __shared__ float2 sh[32];
+  const int row = blockIdx.x;
+  const bf16* xr = x + size_t(row) * cols;
+  float v[ITERS][8];
+  float m = -INFINITY;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * 8;
+    if (c < cols) {
+      k2c::rows::load<bf16, 8>(xr + c, v[it]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, v[it][i]);
+    }
+  }
+  float s = 0;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * 8;
+    if (c < cols)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { v[it][i] = __expf(v[it][i] - m); s += v[it][i]; }
+  }
+  // merge (m, s) pairs
+  float M = m, S = s;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(~0u, M, o), s2 = __shfl_xor_sync(~0u, S, o);
+    const float mm = fmaxf(M, m2);
+    S = S * __expf(M - mm) + s2 * __expf(m2 - mm);
+    M = mm;
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (lane == 0) sh[warp] = make_float2(M, S);
+  __syncthreads();
+  float2 p = lane < warps ? sh[lane] : make_float2(-INFINITY, 0.f);
+  M = p.x; S = p.y;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(~0u, M, o), s2 = __shfl_xor_sync(~0u, S, o);
+    const float mm = fmaxf(M, m2);
+    S = (M == -INFINITY ? 0.f : S * __expf(M - mm)) + (m2 == -INFINITY ? 0.f : s2 * __expf(m2 - mm));
+    M = mm;
+  }
+  const float scale = __expf(m - M) / S;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * 8;
+    if (c < cols) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[it][i] *= scale;
+      k2c::rows::store<bf16, 8>(y + size_t(row) * cols + c, v[it]);
+    }
+  }
+}
+
+// RMSNorm forward, persistent + prefetch.
+template <int ITERS>
+__global__ __launch_bounds__(256) void rms_fwd_pf(const bf16* __restrict__ x, const bf16* __restrict__ gamma, bf16* __restrict__ y, float* rstd, int rows, int cols, float eps) {
+  using namespace k2c::rows;
+  __shared__ RowScratch scratch;
+  const int stride = gridDim.x;
+  int row = blockIdx.x;
+  int4 cur[ITERS], nxt[ITERS];
+  auto fetch = [&](int r, int4 (&dst)[ITERS]) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      if (r < rows && c < cols) dst[it] = *reinterpret_cast<const int4*>(x + size_t(r) * cols + c);
+    }
+  };
+  fetch(row, cur);
+  for (; row < rows; row += stride) {
+    fetch(row + stride, nxt);
+    float h[ITERS][8], sq = 0;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const bf16* e = reinterpret_cast<const bf16*>(&cur[it]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { h[it][i] = __bfloat162float(e[i]); sq += h[it][i] * h[it][i]; }
+    }
+    const float r = rsqrtf(row_all(sq, Sum{}, scratch) / cols + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      float g[8];
+      load<bf16, 8>(gamma + c, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) h[it][i] *= r * g[i];
+      store<bf16, 8>(y + size_t(row) * cols + c, h[it]);
+      cur[it] = nxt[it];
+    }
+  }
+}
+
+// RMSNorm backward, persistent + prefetch of h and dy (raw), dgamma partials in registers.
+template <int ITERS>
+__global__ __launch_bounds__(256) void rms_bwd_pf(const bf16* __restrict__ h, const bf16* __restrict__ gamma, const bf16* __restrict__ dy,
+                                                  const float* __restrict__ rstd, bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols) {
+  using namespace k2c::rows;
+  __shared__ RowScratch scratch;
+  const int stride = gridDim.x;
+  int row = blockIdx.x;
+  int4 ch[ITERS], cd[ITERS], nh[ITERS], nd[ITERS];
+  float dg[ITERS][8] = {};
+  auto fetch = [&](int r, int4 (&dh)[ITERS], int4 (&dd)[ITERS]) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      if (r < rows) {
+        dh[it] = *reinterpret_cast<const int4*>(h + size_t(r) * cols + c);
+        dd[it] = *reinterpret_cast<const int4*>(dy + size_t(r) * cols + c);
+      }
+    }
+  };
+  fetch(row, ch, cd);
+  for (; row < rows; row += stride) {
+    fetch(row + stride, nh, nd);
+    const float r = rstd[row];
+    float hv[ITERS][8], gd[ITERS][8], dot = 0;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+      float g[8];
+      load<bf16, 8>(gamma + c, g);
+      const bf16* eh = reinterpret_cast<const bf16*>(&ch[it]);
+      const bf16* ed = reinterpret_cast<const bf16*>(&cd[it]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        hv[it][i] = __bfloat162float(eh[i]);
+        const float d = __bfloat162float(ed[i]);
+        gd[it][i] = g[i] * d;
+        dot += gd[it][i] * hv[it][i];
+        dg[it][i] += d * hv[it][i] * r;
+      }
+    }
+    const float k = r * r * r * row_all(dot, Sum{}, scratch) / cols;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = (it * blockDim.x + threadIdx.x) * 8;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gd[it][i] = r * gd[it][i] - k * hv[it][i];
+      store<bf16, 8>(dx + size_t(row) * cols + c, gd[it]);
+      ch[it] = nh[it];
+      cd[it] = nd[it];
+    }
+  }
+  float* mine = partial + size_t(blockIdx.x) * cols;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mine[c + i] = dg[it][i];
+  }
+}
+
+int resident(const void* kernel, int threads) {
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+  return per_sm;
+}
+
+int main() {
+  cudaMalloc(&g_flush, kFlush);
+  const int rows = 16384, cols = 4096;
+  const size_t n = size_t(rows) * cols;
+  bf16 *x, *y, *z, *w;
+  cudaMalloc(&x, n * 2);
+  cudaMalloc(&y, n * 2);
+  cudaMalloc(&z, n * 2);
+  cudaMalloc(&w, n * 2);
+  cudaMemset(x, 0x3c, n * 2);
+  cudaMemset(z, 0x3c, n * 2);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+
+  char *big1, *big2;
+  cudaMalloc(&big1, size_t(1) << 30);
+  cudaMalloc(&big2, size_t(1) << 30);
+  const double ceiling = 2.0 * (1 << 30) / (time_ms([&] { cudaMemcpyAsync(big2, big1, size_t(1) << 30, cudaMemcpyDeviceToDevice); }) * 1e-3) / 1e9;
+  printf("memcpy 1 GiB: %.0f GB/s\n", ceiling);
+  const double two = 2.0 * n * 2, three = 3.0 * n * 2;
+  report("memcpy 128 MiB", two, time_ms([&] { cudaMemcpyAsync(y, x, n * 2, cudaMemcpyDeviceToDevice); }), ceiling);
+  report("memcpy 256 MiB", 2 * two, time_ms([&] { cudaMemcpyAsync(big2, big1, n * 4, cudaMemcpyDeviceToDevice); }), ceiling);
+
+  using namespace k2c::rows;
+  // ---- softmax
+  auto sm_reg = [&](int threads, auto iters) {
+    const dim3 block(threads, threads >= 128 ? 1 : 128 / threads);
+    char name[96];
+    snprintf(name, sizeof name, "softmax registers t%d it%d", threads, int(iters()));
+    report(name, two, time_ms([&] {
+      k2c::softmax::registers_kernel<bf16, 8, iters()><<<(rows + block.y - 1) / block.y, block>>>(x, y, rows, cols);
+    }), ceiling);
+  };
+  sm_reg(256, std::integral_constant<int, 2>{});
+  report("softmax pair t256 it2", two, time_ms([&] { softmax_pair<2><<<rows, 256>>>(x, y, rows, cols); }), ceiling);
+  report("softmax pair t128 it4", two, time_ms([&] { softmax_pair<4><<<rows, 128>>>(x, y, rows, cols); }), ceiling);
+  {
+    const int occ2 = resident((const void*)softmax_pf<2>, 256), occ4 = resident((const void*)softmax_pf<4>, 128);
+    printf("softmax_pf occupancy: t256 %d, t128 %d\n", occ2, occ4);
+    for (int g : {sms * occ2, 1024, 512, 2048}) {
+      char name[96];
+      snprintf(name, sizeof name, "softmax pf t256 it2 groups %d", g);
+      report(name, two, time_ms([&] { softmax_pf<2><<<g, 256>>>(x, y, rows, cols); }), ceiling);
+    }
+    for (int g : {sms * occ4, 1024, 2048}) {
+      char name[96];
+      snprintf(name, sizeof name, "softmax pf t128 it4 groups %d", g);
+      report(name, two, time_ms([&] { softmax_pf<4><<<g, 128>>>(x, y, rows, cols); }), ceiling);
+    }
+  }
+
+  // ---- rmsnorm
+  bf16* gamma;
+  float *rstd, *dgamma, *partial;
+  cudaMalloc(&gamma, cols * 2);
+  cudaMemset(gamma, 0x3c, cols * 2);
+  cudaMalloc(&rstd, rows * 4);
+  cudaMalloc(&dgamma, cols * 4);
+  cudaMalloc(&partial, size_t(4096) * cols * 4);
+  cudaMemset(rstd, 0, rows * 4);
+  report("rmsnorm fwd registers t256 it2", two, time_ms([&] {
+    k2c::rmsnorm::forward_kernel<8, 2, false><<<rows, 256>>>(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-5f);
+  }), ceiling);
+  {
+    const int occ = resident((const void*)rms_fwd_pf<2>, 256);
+    printf("rms_fwd_pf occupancy t256: %d\n", occ);
+    for (int g : {sms * occ, 1024, 512}) {
+      char name[96];
+      snprintf(name, sizeof name, "rmsnorm fwd pf t256 it2 groups %d", g);
+      report(name, two, time_ms([&] { rms_fwd_pf<2><<<g, 256>>>(x, gamma, y, rstd, rows, cols, 1e-5f); }), ceiling);
+    }
+    const int occb = resident((const void*)rms_bwd_pf<2>, 256);
+    const int occb4 = resident((const void*)rms_bwd_pf<4>, 128);
+    printf("rms_bwd_pf occupancy t256: %d t128: %d\n", occb, occb4);
+    for (int g : {sms * occb, 1024, 512, 2048}) {
+      char name[96];
+      snprintf(name, sizeof name, "rmsnorm bwd pf t256 it2 groups %d", g);
+      report(name, three, time_ms([&] {
+        rms_bwd_pf<2><<<g, 256>>>(x, gamma, z, rstd, w, partial, rows, cols);
+        k2c::rmsnorm::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, k2c::rmsnorm::kSumWarps)>>>(partial, dgamma, g, cols);
+      }), ceiling);
+    }
+    for (int g : {sms * occb4, 1024, 2048}) {
+      char name[96];
+      snprintf(name, sizeof name, "rmsnorm bwd pf t128 it4 groups %d", g);
+      report(name, three, time_ms([&] {
+        rms_bwd_pf<4><<<g, 128>>>(x, gamma, z, rstd, w, partial, rows, cols);
+        k2c::rmsnorm::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, k2c::rmsnorm::kSumWarps)>>>(partial, dgamma, g, cols);
+      }), ceiling);
+    }
+  }
+
+  // ---- rope: q 16384 x 32 x 128, k 16384 x 8 x 128, half-split, table and on the fly
+  {
+    using namespace k2c::rope;
+    const long tokens = 16384;
+    const size_t nq = tokens * 32 * 128, nk = tokens * 8 * 128;
+    bf16 *q, *k, *qo, *ko;
+    cudaMalloc(&q, nq * 2); cudaMalloc(&k, nk * 2); cudaMalloc(&qo, nq * 2); cudaMalloc(&ko, nk * 2);
+    cudaMemset(q, 0x3c, nq * 2); cudaMemset(k, 0x3c, nk * 2);
+    float2* cache;
+    cudaMalloc(&cache, 4096 * 64 * 8);
+    build_cache(cache, 4096, 128, 10000.0, nullptr);
+    const double bytes = 2.0 * (nq + nk) * 2;
+    report("memcpy rope bytes", bytes, time_ms([&] { cudaMemcpyAsync(qo, q, nq * 2, cudaMemcpyDeviceToDevice); cudaMemcpyAsync(ko, k, nk * 2, cudaMemcpyDeviceToDevice); }), ceiling);
+    for (int threads : {256}) {
+      for (bool table : {true, false}) {
+        char name[96];
+        snprintf(name, sizeof name, "rope half8 t%d %s", threads, table ? "table" : "fly");
+        const long units = tokens * 8;
+        report(name, bytes, time_ms([&] {
+          k2c::rope::rope_kernel<Layout::half_split, 8><<<(units + threads - 1) / threads, threads>>>(
+              q, k, qo, ko, tokens, 4096, 32, 8, 128, 0, 1.0f, table ? cache : nullptr, std::log2(10000.0));
+        }), ceiling);
+      }
+      char name[96];
+      snprintf(name, sizeof name, "rope half4 t%d table", threads);
+      const long units = tokens * 16;
+      report(name, bytes, time_ms([&] {
+        k2c::rope::rope_kernel<Layout::half_split, 4><<<(units + threads - 1) / threads, threads>>>(
+            q, k, qo, ko, tokens, 4096, 32, 8, 128, 0, 1.0f, cache, std::log2(10000.0));
+      }), ceiling);
+      snprintf(name, sizeof name, "rope inter4 t%d table", threads);
+      report(name, bytes, time_ms([&] {
+        k2c::rope::rope_kernel<Layout::interleaved, 4><<<(units + threads - 1) / threads, threads>>>(
+            q, k, qo, ko, tokens, 4096, 32, 8, 128, 0, 1.0f, cache, std::log2(10000.0));
+      }), ceiling);
+    }
+  }
+  return 0;
+}
