@@ -24,8 +24,8 @@ static void register_all() {
     for (sm::Version v : sm::kVersions) {
       k2c::bench::add(std::string("BM_softmax/") + sm::name(v) + "/" + std::to_string(cols),
                       [=](benchmark::State& state) {
-                        auto x = k2c::to_device<k2c::bf16>(k2c::random_values<k2c::bf16>(n, 1, -8.0f, 8.0f));
-                        k2c::DeviceBuffer<k2c::bf16> y(n);
+                        k2c::DeviceBuffer<k2c::bf16> x(n), y(n);
+                        k2c::fill_uniform_device(x.data(), n, 1, -8.0f, 8.0f);
                         k2c::bench::run(state, [&] { sm::softmax(v, x.data(), y.data(), rows, cols); }, 0, bytes);
                       });
     }

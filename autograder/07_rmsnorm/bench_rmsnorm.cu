@@ -27,10 +27,10 @@ static void register_all() {
     for (bool fused : {false, true}) {
       k2c::bench::add(std::string("BM_rmsnorm/") + (fused ? "forward_residual" : "forward") + suffix,
                       [=](benchmark::State& state) {
-                        auto x = k2c::to_device<bf16>(k2c::random_values<bf16>(n, 1, -2.0f, 2.0f));
-                        auto res = k2c::to_device<bf16>(k2c::random_values<bf16>(n, 2, -2.0f, 2.0f));
-                        auto g = k2c::to_device<bf16>(k2c::random_values<bf16>(cols, 3, 0.5f, 1.5f));
-                        k2c::DeviceBuffer<bf16> y(n), sum(n);
+                        k2c::DeviceBuffer<bf16> x(n), res(n), g(cols), y(n), sum(n);
+                        k2c::fill_uniform_device(x.data(), n, 1, -2.0f, 2.0f);
+                        k2c::fill_uniform_device(res.data(), n, 2, -2.0f, 2.0f);
+                        k2c::fill_uniform_device(g.data(), cols, 3, 0.5f, 1.5f);
                         k2c::DeviceBuffer<float> rstd(rows);
                         k2c::bench::run(state, [&] {
                           rn::forward(x.data(), fused ? res.data() : nullptr, g.data(), y.data(),
@@ -39,10 +39,10 @@ static void register_all() {
                       });
     }
     k2c::bench::add("BM_rmsnorm/backward" + suffix, [=](benchmark::State& state) {
-      auto h = k2c::to_device<bf16>(k2c::random_values<bf16>(n, 1, -2.0f, 2.0f));
-      auto dy = k2c::to_device<bf16>(k2c::random_values<bf16>(n, 2, -1.0f, 1.0f));
-      auto g = k2c::to_device<bf16>(k2c::random_values<bf16>(cols, 3, 0.5f, 1.5f));
-      k2c::DeviceBuffer<bf16> dx(n);
+      k2c::DeviceBuffer<bf16> h(n), dy(n), g(cols), dx(n);
+      k2c::fill_uniform_device(h.data(), n, 1, -2.0f, 2.0f);
+      k2c::fill_uniform_device(dy.data(), n, 2, -1.0f, 1.0f);
+      k2c::fill_uniform_device(g.data(), cols, 3, 0.5f, 1.5f);
       k2c::DeviceBuffer<float> rstd(rows), dgamma(cols);
       k2c::DeviceBuffer<char> workspace(rn::backward_workspace_bytes(rows, cols));
       k2c::DeviceBuffer<bf16> y(n);

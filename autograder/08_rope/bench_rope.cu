@@ -30,9 +30,9 @@ static void register_all() {
         const std::string name = std::string(layout == rp::Layout::interleaved ? "interleaved" : "half_split") +
                                  (use_cache ? "_table" : "_on_the_fly");
         k2c::bench::add("BM_rope/" + name + suffix, [=](benchmark::State& state) {
-          auto q = k2c::to_device<bf16>(k2c::random_values<bf16>(nq, 1));
-          auto k = k2c::to_device<bf16>(k2c::random_values<bf16>(nk, 2));
-          k2c::DeviceBuffer<bf16> q_out(nq), k_out(nk);
+          k2c::DeviceBuffer<bf16> q(nq), k(nk), q_out(nq), k_out(nk);
+          k2c::fill_uniform_device(q.data(), nq, 1);
+          k2c::fill_uniform_device(k.data(), nk, 2);
           k2c::DeviceBuffer<float2> cache(static_cast<std::size_t>(s.seq) * (d / 2));
           rp::build_cache(cache.data(), s.seq, d, 10000.0);
           k2c::bench::run(state, [&] {

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "k2c/check.h"
@@ -63,18 +64,26 @@ std::string gpu_slug(const std::string& name) {
   return s;
 }
 
-__global__ void fill_uniform_kernel(float* out, std::size_t n, std::uint64_t seed, float lo,
-                                    float hi) {
+template <class T>
+__global__ void fill_uniform_kernel(T* out, std::size_t n, std::uint64_t seed, float lo, float hi) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = uniform_at(seed, i, lo, hi);
+    out[i] = static_cast<T>(uniform_at(seed, i, lo, hi));
+}
+
+template <class T>
+static void fill_uniform_device_as(T* out, std::size_t n, std::uint64_t seed, float lo, float hi) {
+  if (n == 0) return;
+  const int blocks = static_cast<int>(std::min<std::size_t>((n + 255) / 256, 4096));
+  fill_uniform_kernel<T><<<blocks, 256>>>(out, n, seed, lo, hi);
+  K2C_CUDA_CHECK_LAUNCH();
 }
 
 void fill_uniform_device(float* out, std::size_t n, std::uint64_t seed, float lo, float hi) {
-  if (n == 0) return;
-  const int blocks = static_cast<int>(std::min<std::size_t>((n + 255) / 256, 4096));
-  fill_uniform_kernel<<<blocks, 256>>>(out, n, seed, lo, hi);
-  K2C_CUDA_CHECK_LAUNCH();
+  fill_uniform_device_as(out, n, seed, lo, hi);
+}
+void fill_uniform_device(__nv_bfloat16* out, std::size_t n, std::uint64_t seed, float lo, float hi) {
+  fill_uniform_device_as(out, n, seed, lo, hi);
 }
 
 }  // namespace k2c

@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <span>
 
+// Declared, not included: this header also serves code built without the CUDA toolkit.
+struct __nv_bfloat16;
+
 #if defined(__CUDACC__)
 #define K2C_HD __host__ __device__
 #else
@@ -35,8 +38,11 @@ inline void fill_uniform(std::span<float> out, std::uint64_t seed, float lo = -1
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = uniform_at(seed, i, lo, hi);
 }
 
-// Fills device memory with the same values fill_uniform would give (k2c_cuda; async on stream 0).
+// Fills device memory with the same values fill_uniform would give (k2c_cuda; async on stream 0);
+// the bf16 overload stores them rounded to nearest (benchmark inputs, made without a host copy).
 void fill_uniform_device(float* out, std::size_t n, std::uint64_t seed, float lo = -1.0f,
+                         float hi = 1.0f);
+void fill_uniform_device(__nv_bfloat16* out, std::size_t n, std::uint64_t seed, float lo = -1.0f,
                          float hi = 1.0f);
 
 }  // namespace k2c
