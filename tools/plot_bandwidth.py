@@ -65,7 +65,7 @@ except ImportError:
     raise SystemExit("matplotlib not installed: table only")
 
 present = [m for m in MODULES if m[0] in results]
-fig, axes = plt.subplots(len(present), 1, figsize=(9, 3.6 * len(present)), squeeze=False)
+fig, axes = plt.subplots(len(present), 1, figsize=(11, 3.6 * len(present)), squeeze=False)
 for ax, (module, title, xlabel) in zip(axes[:, 0], present):
     variants = results[module]
     names = [v for v in variants if v != "copy"]
@@ -84,7 +84,7 @@ for ax, (module, title, xlabel) in zip(axes[:, 0], present):
     ax.set_ylabel("GB/s (read + written)")
     ax.set_title(f"{title} on {gpu}")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncol=3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
 fig.tight_layout()
 pathlib.Path(args.png).parent.mkdir(parents=True, exist_ok=True)
 fig.savefig(args.png, dpi=110)
