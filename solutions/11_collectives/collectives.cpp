@@ -16,19 +16,24 @@
 // with α the per-message latency and B the link bandwidth: bandwidth-optimal, latency linear in
 // n (trees win for small messages; NCCL switches).
 //
-// The pipeline: the one idea this version adds. Done block by block, the reduction sits on the
-// critical path: a step's reduce waits for its whole transfer, and the next transfer waits for
-// the reduce. On 2 H200s over NVLink one 512 MiB exchange takes about 1.77 ms (~303 GB/s) and
-// the reduce of 512 MiB about 0.4 ms: of the 1.77 + 0.4 + 1.77 ≈ 3.9 ms of a 1 GiB all-reduce,
-// 0.4 ms is a reduce during which the link is idle. So every block is cut into `chunks` pieces
-// and the exchanges are started ahead (start_send_recv): the exchange of chunk c+1 is on the
-// wire while chunk c is reduced, on the other stream. The reduce of a chunk (~0.4 ms / chunks)
-// is shorter than the transfer of one (~1.77 ms / chunks), so it hides entirely. In the
-// all-reduce the all-gather of a chunk starts as soon as its last reduce is issued, so even the
-// last reduce overlaps a transfer (the all-gather of the chunk before it), and the link never
-// waits: what is left is 2 × 1.77 ms of transfers plus a per-exchange start-up cost, which is
-// why chunks stay large (at least kMinChunkBytes, at most kMaxChunks per block). Small buffers
-// get one chunk: there latency dominates, and more messages only add more of it.
+// The pipeline. Done block by block, the reduction sits on the critical path: a step's reduce
+// waits for its whole transfer, and the next transfer waits for the reduce. So every block can be
+// cut into `chunks` pieces with the exchanges started ahead (start_send_recv): the exchange of
+// chunk c+1 is on the wire while chunk c is reduced, on the other stream, and in the all-reduce
+// the all-gather of a chunk starts as soon as its last reduce is issued.
+//
+// What it buys depends on what one exchange costs, and that was measured, not assumed. On 2 H200s
+// over NVLink (1 GiB fp32 all-reduce, ring / NCCL bus bandwidth, one session):
+//   at most 1 chunk per block (no pipeline)       0.92
+//   at most 2 (chunks of 256 MiB)                 0.89
+//   at most 4 (128 MiB)                           0.86
+//   at most 8 (64 MiB)                            0.79
+// and at 2 GiB: 0.91 with 1 chunk, 1.00 with 2 chunks of 512 MiB. Each exchange pays a start-up
+// cost (a 64 MiB exchange ran at ~230 GB/s where a 512 MiB one ran at ~300), so below a few
+// hundred MiB a chunk costs more in start-up than its share of the reduction (~0.4 ms for all
+// 512 MiB, i.e. under 10% of the all-reduce) saves. Hence chunks of at least kMinChunkBytes =
+// 512 MiB: a 1 GiB all-reduce on 2 ranks runs unpipelined, 2 GiB in two chunks, 4 GiB in four.
+// On a slower link, or with a costlier reduction, the balance moves towards smaller chunks.
 //
 // The order of issue, one rank, item j = (step j / chunks, chunk j % chunks), step-major:
 //   start(0); for j: start(j+1) if its data is ready; wait(j); reduce(j); [all-gather of the
@@ -55,16 +60,17 @@
 namespace k2c::collectives {
 namespace {
 
-// Chunks of at least this many bytes: one exchange of a few MiB already runs near the link's
-// rate, a smaller one mostly pays its start-up latency. (The self-test overrides it to force
-// many chunks on small inputs.)
+// Chunks of at least this many bytes: the measurements at the top of the file. (The self-test
+// overrides it to force many chunks on small inputs, so the pipelined path stays tested.)
 #ifndef K2C_RING_MIN_CHUNK_BYTES
-#define K2C_RING_MIN_CHUNK_BYTES (std::size_t{4} << 20)
+#define K2C_RING_MIN_CHUNK_BYTES (std::size_t{512} << 20)
 #endif
 constexpr std::size_t kMinChunkBytes = K2C_RING_MIN_CHUNK_BYTES;
-// Two chunks already hide the reduction; a few more keep the pipeline's fill and drain short
-// without paying many start-up latencies.
-constexpr std::size_t kMaxChunks = 8;
+// At most this many per block: each one more adds a start-up cost.
+#ifndef K2C_RING_MAX_CHUNKS
+#define K2C_RING_MAX_CHUNKS 8
+#endif
+constexpr std::size_t kMaxChunks = K2C_RING_MAX_CHUNKS;
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 

@@ -347,6 +347,184 @@ __global__ __launch_bounds__(256) void rms_bwd_pf(const bf16* __restrict__ h, co
   }
 }
 
+
+// ---- cp.async pipelines: rows streamed into a shared-memory ring STAGES deep; each thread copies
+// and later reads back only its own 16-byte pieces, so no barrier is needed around the ring.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <int ITERS, int STAGES>
+__global__ __launch_bounds__(256) void softmax_cpa(const bf16* __restrict__ x, bf16* __restrict__ y, int rows, int cols) {
+  using namespace k2c::rows;
+  extern __shared__ int4 ring[];
+  __shared__ RowScratch scratch;
+  const int vecs = cols / 8, stride = gridDim.x;
+  auto issue = [&](int r, int stage) {
+    if (r < rows)
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = it * blockDim.x + threadIdx.x;
+        cp_async16(&ring[stage * vecs + c], x + size_t(r) * cols + size_t(c) * 8);
+      }
+    cp_commit();
+  };
+  int row = blockIdx.x;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(row + s * stride, s);
+  for (int k = 0; row < rows; ++k, row += stride) {
+    issue(row + (STAGES - 1) * stride, (k + STAGES - 1) % STAGES);
+    cp_wait<STAGES - 1>();
+    const int stage = k % STAGES;
+    float v[ITERS][8];
+    float m = Max::identity;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * blockDim.x + threadIdx.x;
+      const int4 raw = ring[stage * vecs + c];
+      const bf16* e = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { v[it][i] = __bfloat162float(e[i]); m = fmaxf(m, v[it][i]); }
+    }
+    m = row_all(m, Max{}, scratch);
+    float s = 0;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { v[it][i] = __expf(v[it][i] - m); s += v[it][i]; }
+    s = row_all(s, Sum{}, scratch);
+    const float inv = 1.0f / s;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * blockDim.x + threadIdx.x;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[it][i] *= inv;
+      store<bf16, 8>(y + size_t(row) * cols + size_t(c) * 8, v[it]);
+    }
+  }
+  cp_wait<0>();
+}
+
+template <int ITERS, int STAGES>
+__global__ __launch_bounds__(256) void rms_fwd_cpa(const bf16* __restrict__ x, const bf16* __restrict__ gamma, bf16* __restrict__ y, float* rstd, int rows, int cols, float eps) {
+  using namespace k2c::rows;
+  extern __shared__ int4 ring[];
+  __shared__ RowScratch scratch;
+  const int vecs = cols / 8, stride = gridDim.x;
+  auto issue = [&](int r, int stage) {
+    if (r < rows)
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = it * blockDim.x + threadIdx.x;
+        cp_async16(&ring[stage * vecs + c], x + size_t(r) * cols + size_t(c) * 8);
+      }
+    cp_commit();
+  };
+  int row = blockIdx.x;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(row + s * stride, s);
+  for (int k = 0; row < rows; ++k, row += stride) {
+    issue(row + (STAGES - 1) * stride, (k + STAGES - 1) % STAGES);
+    cp_wait<STAGES - 1>();
+    const int stage = k % STAGES;
+    float h[ITERS][8], sq = 0;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int4 raw = ring[stage * vecs + it * blockDim.x + threadIdx.x];
+      const bf16* e = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { h[it][i] = __bfloat162float(e[i]); sq += h[it][i] * h[it][i]; }
+    }
+    const float r = rsqrtf(row_all(sq, Sum{}, scratch) / cols + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * blockDim.x + threadIdx.x;
+      float g[8];
+      load<bf16, 8>(gamma + size_t(c) * 8, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) h[it][i] *= r * g[i];
+      store<bf16, 8>(y + size_t(row) * cols + size_t(c) * 8, h[it]);
+    }
+  }
+  cp_wait<0>();
+}
+
+template <int ITERS, int STAGES>
+__global__ __launch_bounds__(256) void rms_bwd_cpa(const bf16* __restrict__ h, const bf16* __restrict__ gamma, const bf16* __restrict__ dy,
+                                                   const float* __restrict__ rstd, bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols) {
+  using namespace k2c::rows;
+  extern __shared__ int4 ring[];  // [STAGES][2][vecs]
+  __shared__ RowScratch scratch;
+  const int vecs = cols / 8, stride = gridDim.x;
+  auto issue = [&](int r, int stage) {
+    if (r < rows)
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = it * blockDim.x + threadIdx.x;
+        cp_async16(&ring[(stage * 2) * vecs + c], h + size_t(r) * cols + size_t(c) * 8);
+        cp_async16(&ring[(stage * 2 + 1) * vecs + c], dy + size_t(r) * cols + size_t(c) * 8);
+      }
+    cp_commit();
+  };
+  float dg[ITERS][8] = {};
+  int row = blockIdx.x;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(row + s * stride, s);
+  for (int k = 0; row < rows; ++k, row += stride) {
+    issue(row + (STAGES - 1) * stride, (k + STAGES - 1) % STAGES);
+    cp_wait<STAGES - 1>();
+    const int stage = k % STAGES;
+    const float r = rstd[row];
+    float hv[ITERS][8], gd[ITERS][8], dot = 0;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * blockDim.x + threadIdx.x;
+      const int4 rh = ring[(stage * 2) * vecs + c], rd = ring[(stage * 2 + 1) * vecs + c];
+      const bf16* eh = reinterpret_cast<const bf16*>(&rh);
+      const bf16* ed = reinterpret_cast<const bf16*>(&rd);
+      float g[8];
+      load<bf16, 8>(gamma + size_t(c) * 8, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        hv[it][i] = __bfloat162float(eh[i]);
+        const float d = __bfloat162float(ed[i]);
+        gd[it][i] = g[i] * d;
+        dot += gd[it][i] * hv[it][i];
+        dg[it][i] += d * hv[it][i] * r;
+      }
+    }
+    const float kk = r * r * r * row_all(dot, Sum{}, scratch) / cols;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * blockDim.x + threadIdx.x;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gd[it][i] = r * gd[it][i] - kk * hv[it][i];
+      store<bf16, 8>(dx + size_t(row) * cols + size_t(c) * 8, gd[it]);
+    }
+  }
+  cp_wait<0>();
+  float* mine = partial + size_t(blockIdx.x) * cols;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * blockDim.x + threadIdx.x) * 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mine[c + i] = dg[it][i];
+  }
+}
+
+template <class K>
+int resident_smem(K kernel, int threads, size_t smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  return per_sm;
+}
+
 int resident(const void* kernel, int threads) {
   int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
@@ -387,21 +565,19 @@ int main() {
     }), ceiling);
   };
   sm_reg(256, std::integral_constant<int, 2>{});
-  report("softmax pair t256 it2", two, time_ms([&] { softmax_pair<2><<<rows, 256>>>(x, y, rows, cols); }), ceiling);
-  report("softmax pair t128 it4", two, time_ms([&] { softmax_pair<4><<<rows, 128>>>(x, y, rows, cols); }), ceiling);
   {
-    const int occ2 = resident((const void*)softmax_pf<2>, 256), occ4 = resident((const void*)softmax_pf<4>, 128);
-    printf("softmax_pf occupancy: t256 %d, t128 %d\n", occ2, occ4);
-    for (int g : {sms * occ2, 1024, 512, 2048}) {
-      char name[96];
-      snprintf(name, sizeof name, "softmax pf t256 it2 groups %d", g);
-      report(name, two, time_ms([&] { softmax_pf<2><<<g, 256>>>(x, y, rows, cols); }), ceiling);
-    }
-    for (int g : {sms * occ4, 1024, 2048}) {
-      char name[96];
-      snprintf(name, sizeof name, "softmax pf t128 it4 groups %d", g);
-      report(name, two, time_ms([&] { softmax_pf<4><<<g, 128>>>(x, y, rows, cols); }), ceiling);
-    }
+    auto run_cpa = [&](auto stages) {
+      const size_t smem = size_t(stages()) * cols * 2;
+      const int occ = resident_smem(softmax_cpa<2, stages()>, 256, smem);
+      for (int mult : {1, 2}) {
+        char name[96];
+        snprintf(name, sizeof name, "softmax cp.async t256 stages %d groups %d", int(stages()), sms * occ * mult);
+        report(name, two, time_ms([&] { softmax_cpa<2, stages()><<<sms * occ * mult, 256, smem>>>(x, y, rows, cols); }), ceiling);
+      }
+    };
+    run_cpa(std::integral_constant<int, 2>{});
+    run_cpa(std::integral_constant<int, 3>{});
+    run_cpa(std::integral_constant<int, 4>{});
   }
 
   // ---- rmsnorm
@@ -417,32 +593,32 @@ int main() {
     k2c::rmsnorm::forward_kernel<8, 2, false><<<rows, 256>>>(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-5f);
   }), ceiling);
   {
-    const int occ = resident((const void*)rms_fwd_pf<2>, 256);
-    printf("rms_fwd_pf occupancy t256: %d\n", occ);
-    for (int g : {sms * occ, 1024, 512}) {
+    auto fwd_cpa = [&](auto stages) {
+      const size_t smem = size_t(stages()) * cols * 2;
+      const int occ = resident_smem(rms_fwd_cpa<2, stages()>, 256, smem);
       char name[96];
-      snprintf(name, sizeof name, "rmsnorm fwd pf t256 it2 groups %d", g);
-      report(name, two, time_ms([&] { rms_fwd_pf<2><<<g, 256>>>(x, gamma, y, rstd, rows, cols, 1e-5f); }), ceiling);
-    }
-    const int occb = resident((const void*)rms_bwd_pf<2>, 256);
-    const int occb4 = resident((const void*)rms_bwd_pf<4>, 128);
-    printf("rms_bwd_pf occupancy t256: %d t128: %d\n", occb, occb4);
-    for (int g : {sms * occb, 1024, 512, 2048}) {
+      snprintf(name, sizeof name, "rmsnorm fwd cp.async stages %d groups %d", int(stages()), sms * occ);
+      report(name, two, time_ms([&] { rms_fwd_cpa<2, stages()><<<sms * occ, 256, smem>>>(x, gamma, y, rstd, rows, cols, 1e-5f); }), ceiling);
+    };
+    fwd_cpa(std::integral_constant<int, 2>{});
+    fwd_cpa(std::integral_constant<int, 3>{});
+    fwd_cpa(std::integral_constant<int, 4>{});
+    report("rmsnorm bwd solution (registers, persistent)", three, time_ms([&] {
+      k2c::rmsnorm::backward(x, gamma, z, rstd, w, dgamma, partial, rows, cols, nullptr);
+    }), ceiling);
+    auto bwd_cpa = [&](auto stages) {
+      const size_t smem = size_t(stages()) * 2 * cols * 2;
+      const int occ = resident_smem(rms_bwd_cpa<2, stages()>, 256, smem);
       char name[96];
-      snprintf(name, sizeof name, "rmsnorm bwd pf t256 it2 groups %d", g);
+      snprintf(name, sizeof name, "rmsnorm bwd cp.async stages %d groups %d", int(stages()), sms * occ);
       report(name, three, time_ms([&] {
-        rms_bwd_pf<2><<<g, 256>>>(x, gamma, z, rstd, w, partial, rows, cols);
-        k2c::rmsnorm::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, k2c::rmsnorm::kSumWarps)>>>(partial, dgamma, g, cols);
+        rms_bwd_cpa<2, stages()><<<sms * occ, 256, smem>>>(x, gamma, z, rstd, w, partial, rows, cols);
+        k2c::rmsnorm::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, k2c::rmsnorm::kSumWarps)>>>(partial, dgamma, sms * occ, cols);
       }), ceiling);
-    }
-    for (int g : {sms * occb4, 1024, 2048}) {
-      char name[96];
-      snprintf(name, sizeof name, "rmsnorm bwd pf t128 it4 groups %d", g);
-      report(name, three, time_ms([&] {
-        rms_bwd_pf<4><<<g, 128>>>(x, gamma, z, rstd, w, partial, rows, cols);
-        k2c::rmsnorm::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, k2c::rmsnorm::kSumWarps)>>>(partial, dgamma, g, cols);
-      }), ceiling);
-    }
+    };
+    bwd_cpa(std::integral_constant<int, 2>{});
+    bwd_cpa(std::integral_constant<int, 3>{});
+    bwd_cpa(std::integral_constant<int, 4>{});
   }
 
   // ---- rope: q 16384 x 32 x 128, k 16384 x 8 x 128, half-split, table and on the fly
