@@ -1,7 +1,11 @@
-// tools/experiments/bandwidth.cu — launch-configuration sweep for the memory-bound kernels of
-// modules 06–08 at the graded shape (16384 × 4096 bf16). Each TU-internal kernel of the reference
-// solutions is included directly and launched with block shapes and grids the solutions do not
-// pick themselves, beside cudaMemcpy of the same bytes. Build and run on a GPU machine:
+// tools/experiments/bandwidth.cu — launch-configuration and design sweep for the memory-bound
+// kernels of modules 06–08 at the graded shape (16384 × 4096 bf16). The reference solutions are
+// included directly, so their TU-internal kernels can be launched with block shapes and grids the
+// solutions do not pick themselves, beside cudaMemcpy of the same bytes. Also here, the designs
+// that were measured and not adopted: a persistent grid with register prefetch of the next row
+// (softmax_pf, rms_*_pf), a single (max, sum) pair reduction (softmax_pair), streaming cache hints
+// (softmax_hints), and rows streamed through a shared-memory ring with cp.async (*_cpa). Lecture
+// 06 section 7.3 and its last exercise quote what they measured. Build and run on a GPU machine:
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/06_softmax \
 //     -Iassignments/07_rmsnorm -Iassignments/08_rope tools/experiments/bandwidth.cu -o /tmp/bw && /tmp/bw
 #include <algorithm>
@@ -89,7 +93,7 @@ __global__ __launch_bounds__(1024) void softmax_persistent(const bf16* __restric
   }
 }
 
-// Streaming-hint variant: loads ld.global.cs? no: L1 no-allocate loads and evict-first stores.
+// Streaming-hint variant: last-use loads (__ldlu) and evict-first stores (__stcs).
 template <int VEC, int ITERS>
 __global__ __launch_bounds__(1024) void softmax_hints(const bf16* __restrict__ x, bf16* __restrict__ y, int rows, int cols) {
   using namespace k2c::rows;
