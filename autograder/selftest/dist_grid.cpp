@@ -1,6 +1,7 @@
-// dist_grid.cpp — the process grid on 4 ranks (run by CTest under mpirun -np 4, MPI backend):
-// every shape that multiplies to 4 gives groups of the right sizes whose members agree on the
-// coordinates they share, and a shape of the wrong size is refused with a clear message.
+// dist_grid.cpp — the process grid on 4 or 8 ranks (run by CTest under mpirun -np 4 and -np 8,
+// MPI backend): every listed shape that multiplies to the job's size gives groups of the right
+// sizes whose members agree on the coordinates they share, and a shape of the wrong size is
+// refused with a clear message.
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -16,9 +17,13 @@ static void require(bool ok, const std::string& what) {
 
 int main(int argc, char** argv) {
   return kd::run(argc, argv, [](kd::Communicator& w) {
-    require(w.size() == 4, "run me on 4 ranks");
-    const std::vector<kd::GridShape> shapes = {{.dp = 2, .tp = 2}, {.dp = 4}, {.pp = 2, .ep = 2},
-                                               {.cp = 2, .tp = 2}, {.tp = 4}};
+    require(w.size() == 4 || w.size() == 8, "run me on 4 or 8 ranks");
+    const std::vector<kd::GridShape> shapes =
+        w.size() == 4 ? std::vector<kd::GridShape>{{.dp = 2, .tp = 2}, {.dp = 4}, {.pp = 2, .ep = 2},
+                                                   {.cp = 2, .tp = 2}, {.tp = 4}}
+                      : std::vector<kd::GridShape>{{.dp = 2, .pp = 2, .tp = 2}, {.dp = 8},
+                                                   {.pp = 2, .ep = 2, .tp = 2}, {.dp = 4, .cp = 2},
+                                                   {.ep = 8}, {.dp = 2, .ep = 4}};
     const kd::Axis axes[] = {kd::Axis::dp, kd::Axis::pp, kd::Axis::ep, kd::Axis::cp, kd::Axis::tp};
     for (const kd::GridShape& shape : shapes) {
       kd::ProcessGrid grid(w, shape);
@@ -40,9 +45,9 @@ int main(int argc, char** argv) {
     try {
       kd::ProcessGrid bad(w, {.dp = 3});
     } catch (const std::invalid_argument& e) {
-      refused = std::string(e.what()).find("the job has 4") != std::string::npos;
+      refused = std::string(e.what()).find("the job has " + std::to_string(w.size())) != std::string::npos;
     }
-    require(refused, "a 3-rank grid on 4 ranks must be refused with the counts");
-    if (w.rank() == 0) std::printf("process grid: 5 shapes on 4 ranks OK\n");
+    require(refused, "a 3-rank grid must be refused with the counts");
+    if (w.rank() == 0) std::printf("process grid: %zu shapes on %d ranks OK\n", shapes.size(), w.size());
   });
 }
