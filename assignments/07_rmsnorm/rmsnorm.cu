@@ -2,6 +2,8 @@
 //
 // Read lectures/07_rmsnorm.md first. k2c/rows.cuh holds the course's row-kernel building blocks
 // (vector loads, row reductions, register plans) from module 06: use them or write your own.
+#include <cstdint>
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,6 +20,8 @@ void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf
   if (rows == 0 || cols == 0) return;
   K2C_CHECK(x && gamma && y && rstd && (residual == nullptr || residual_out != nullptr),
             "rmsnorm forward: missing pointer");
+  K2C_CHECK(residual == nullptr || (residual_out != x && residual_out != residual),
+            "rmsnorm forward: residual_out may not alias x or residual");
   (void)stream;
   K2C_TODO("rmsnorm forward: one row per warp or block, sum of squares reduced, then scale");
 }
@@ -31,8 +35,11 @@ std::size_t backward_workspace_bytes(int rows, int cols) {
 void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,
               float* dgamma, void* workspace, int rows, int cols, cudaStream_t stream) {
   K2C_CHECK(rows >= 0 && cols >= 0, "rmsnorm backward: negative size " << rows << " x " << cols);
-  if (cols == 0) return;  // rows == 0 still owes dgamma = 0
-  K2C_CHECK(h && gamma && dy && rstd && dx && dgamma && workspace, "rmsnorm backward: missing pointer");
+  if (cols == 0) return;
+  K2C_CHECK(dgamma != nullptr, "rmsnorm backward: missing pointer dgamma");
+  if (rows == 0) K2C_TODO("rmsnorm backward: a sum over no rows, dgamma = 0");
+  K2C_CHECK(h && gamma && dy && rstd && dx && workspace, "rmsnorm backward: missing pointer");
+  K2C_CHECK(reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0, "rmsnorm backward: workspace not 16-byte aligned");
   (void)stream;
   K2C_TODO("rmsnorm backward: dx row by row, dgamma as per-block partial sums, then one more reduction");
 }

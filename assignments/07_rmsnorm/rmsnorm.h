@@ -32,7 +32,8 @@ using bf16 = __nv_bfloat16;
 //   residual_out rows × cols  required exactly when residual is given (else ignored); may not
 //                          alias x or residual
 //   rstd     rows          fp32, 1 / rms of each row of h: what backward() needs
-// Throws std::invalid_argument for negative sizes, eps <= 0, or a missing pointer.
+// Throws std::invalid_argument for negative sizes, eps <= 0, a missing pointer, or residual_out
+// aliasing x or residual, or sizes over 2^31 - 8193.
 void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
              float* rstd, int rows, int cols, float eps, cudaStream_t stream = nullptr);
 
@@ -40,10 +41,13 @@ void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf
 // (x, or residual_out when the add was fused) and the rstd it saved:
 //   dx_j      = rstd · (gamma_j · dy_j − h_j · rstd² · mean_k(dy_k · gamma_k · h_k))   bf16
 //   dgamma_j  = sum over rows of dy_j · h_j · rstd                                  fp32
-// dgamma sums over all rows; it is written (not accumulated into), so rows == 0 gives zeros. `workspace` is device memory
-// of at least backward_workspace_bytes(rows, cols) bytes, for the partial sums of dgamma (the
-// rows are shared out over many blocks, and each block's partial sums must meet somewhere
-// without thousands of atomics on the same cols addresses).
+// dgamma sums over all rows; it is written (not accumulated into), so rows == 0 gives zeros (and
+// then only dgamma is used: the other pointers may be null). `workspace` is device memory of at
+// least backward_workspace_bytes(rows, cols) bytes, 16-byte aligned (as cudaMalloc returns), for
+// the partial sums of dgamma: the rows are shared out over many blocks, and each block's partial
+// sums must meet somewhere without thousands of atomics on the same cols addresses.
+// Throws std::invalid_argument for negative sizes, sizes over 2^31 - 8193, a missing pointer or a
+// misaligned workspace.
 std::size_t backward_workspace_bytes(int rows, int cols);
 void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,
               float* dgamma, void* workspace, int rows, int cols, cudaStream_t stream = nullptr);

@@ -44,7 +44,9 @@ void build_cache(float2* cache, int positions, int head_dim, double base, cudaSt
 // Rotates q into q_out and k into k_out (device pointers; q_out may equal q and k_out may equal k:
 // in place). Token s of every sequence is at position position_offset + s (an offset lets a
 // sequence-parallel rank or a decoding step start mid-sequence).
-//   cache == nullptr   cos and sin computed on the fly in fp32 from base
+//   cache == nullptr   cos and sin computed on the fly from base, the angle p·theta_k as
+//                      accurate as the table's (an angle rounded to fp32 is off by up to
+//                      p · 2^-24 radians, which the tests catch at long positions)
 //   otherwise          read from a table made by build_cache with the same head_dim and base;
 //                      cache_positions is its length, and position_offset + seq must not exceed it
 // Shapes: every count >= 1 except batch and seq (>= 0: nothing to do), head_dim even, q_heads a

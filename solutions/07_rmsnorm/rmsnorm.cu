@@ -26,6 +26,7 @@
 // Rows too long for registers (over 32768 bf16 per row) take loop kernels that read the row
 // twice; the second read of a row of 64 KiB or more mostly comes from L2.
 #include <algorithm>
+#include <limits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -40,6 +41,9 @@ namespace {
 using namespace k2c::rows;
 
 constexpr int kVecBf16 = kVec<bf16>;  // 8 bf16 in 16 bytes
+// Row and column indices are int: the last block's overhang rows and a column loop's last step
+// must not wrap around.
+constexpr int kMaxSize = std::numeric_limits<int>::max() - 8192;
 // Floats of a row per thread: the forward keeps one array of them, the backward three (h, dy and
 // the running dgamma), so it gets half as many per array.
 constexpr int kForwardValues = 32;
@@ -153,9 +157,10 @@ void forward_vec(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y
 
 // ---------------------------------------------------------------------------- backward ---
 // The persistent grid has at most partials_for(rows, cols) row-groups, so the workspace size
-// depends on the shape only (not on the GPU). The cap is ~4 M floats of partial sums (16 MiB):
-// 1024 partial rows at 4096 columns, but short rows may have many more groups (128 columns: all
-// of them), which they need, since a GPU holds hundreds of 1-warp row-groups at once.
+// depends on the shape only (not on the GPU): min(rows, max(256, 2^22 / cols)) partial rows, so
+// at most max(2^22, 256 · cols) floats (16 MiB up to 16384 columns). That is 1024 partial rows at
+// 4096 columns, while short rows may have many more groups (128 columns: up to 32768), which they
+// need, since a GPU holds hundreds of 1-warp row-groups at once.
 constexpr long kMaxPartialFloats = long{1} << 22;
 
 // Rounded up to whole blocks: a block of several 1-warp rows owns all its row-groups' partial rows
@@ -333,6 +338,9 @@ void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf
   K2C_CHECK(x && gamma && y && rstd && (residual == nullptr || residual_out != nullptr),
             "rmsnorm forward: missing pointer (x, gamma, y and rstd are required, and residual_out "
             "when residual is given)");
+  K2C_CHECK(residual == nullptr || (residual_out != x && residual_out != residual),
+            "rmsnorm forward: residual_out may not alias x or residual");
+  K2C_CHECK(rows <= kMaxSize && cols <= kMaxSize, "rmsnorm forward: at most " << kMaxSize << " rows and columns");
   if (vectorizable(cols, {x, residual, gamma, y, residual_out}))
     forward_vec<kVecBf16>(x, residual, gamma, y, residual_out, rstd, rows, cols, eps, stream);
   else
@@ -355,6 +363,8 @@ void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rst
     return;
   }
   K2C_CHECK(h && gamma && dy && rstd && dx && workspace, "rmsnorm backward: missing pointer");
+  K2C_CHECK(aligned16(workspace), "rmsnorm backward: workspace not 16-byte aligned");
+  K2C_CHECK(rows <= kMaxSize && cols <= kMaxSize, "rmsnorm backward: at most " << kMaxSize << " rows and columns");
   float* partial = static_cast<float*>(workspace);
   if (vectorizable(cols, {h, gamma, dy, dx}))
     backward_vec<kVecBf16>(h, gamma, dy, rstd, dx, dgamma, partial, rows, cols, stream);

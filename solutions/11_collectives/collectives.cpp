@@ -23,7 +23,7 @@
 // the all-gather of a chunk starts as soon as its last reduce is issued.
 //
 // What it buys depends on what one exchange costs, and that was measured, not assumed. On 2 H200s
-// over NVLink (1 GiB fp32 all-reduce, ring / NCCL bus bandwidth, one session):
+// over NVLink (1 GiB fp32 all-reduce, ring / NCCL bus bandwidth, measured back to back):
 //   at most 1 chunk per block (no pipeline)       0.92
 //   at most 2 (chunks of 256 MiB)                 0.89
 //   at most 4 (128 MiB)                           0.86
