@@ -205,6 +205,98 @@ TEST(Reference, RopeRotatesByRelativePosition) {
   }
 }
 
+TEST(Reference, AttentionBackwardMatchesFiniteDifferences) {
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    // Two query heads sharing one kv head, more keys than queries (the causal mask is then a
+    // staircase ending at the last key), head_dim 4.
+    const k2c::ref::AttentionShape s{.batch = 1, .heads = 2, .kv_heads = 1, .q_len = 3, .kv_len = 5,
+                                     .head_dim = 4, .causal = causal, .scale = 0.5};
+    std::vector<float> q = grid_values(2 * 3 * 4, 11), k = grid_values(5 * 4, 12), v = grid_values(5 * 4, 13);
+    const std::vector<float> w = grid_values(2 * 3 * 4, 14);  // L = Σ w·O, so dL/dO = w
+    auto loss = [&] {
+      const auto f = k2c::ref::attention_forward(q, k, v, s);
+      double l = 0;
+      for (std::size_t i = 0; i < f.o.size(); ++i) l += w[i] * f.o[i];
+      return l;
+    };
+    const auto g = k2c::ref::attention_backward(q, k, v, w, s);
+    const double h = 1.0 / 128;
+    auto check = [&](std::vector<float>& x, const std::vector<double>& dx, const char* name) {
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        const float keep = x[i];
+        x[i] = keep + static_cast<float>(h);
+        const double up = loss();
+        x[i] = keep - static_cast<float>(h);
+        const double down = loss();
+        x[i] = keep;
+        EXPECT_NEAR(dx[i], (up - down) / (2 * h), 2e-4) << name << "[" << i << "]";
+      }
+    };
+    check(q, g.dq, "dq");
+    check(k, g.dk, "dk");
+    check(v, g.dv, "dv");
+  }
+}
+
+TEST(Reference, AttentionGroupedQueryEqualsReplicatedHeads) {
+  // Four query heads over two kv heads equal four heads over their own copies of the kv heads.
+  const int H = 4, Hkv = 2, Nq = 3, Nk = 6, d = 3;
+  const k2c::ref::AttentionShape gqa{.batch = 1, .heads = H, .kv_heads = Hkv, .q_len = Nq, .kv_len = Nk,
+                                     .head_dim = d, .causal = true, .scale = 0.7};
+  k2c::ref::AttentionShape mha = gqa;
+  mha.kv_heads = H;
+  const std::vector<float> q = grid_values(H * Nq * d, 21), k = grid_values(Hkv * Nk * d, 22),
+                           v = grid_values(Hkv * Nk * d, 23), dout = grid_values(H * Nq * d, 24);
+  std::vector<float> k4, v4;
+  for (int h = 0; h < H; ++h) {
+    const std::size_t at = static_cast<std::size_t>(h / (H / Hkv)) * Nk * d;
+    k4.insert(k4.end(), k.begin() + at, k.begin() + at + Nk * d);
+    v4.insert(v4.end(), v.begin() + at, v.begin() + at + Nk * d);
+  }
+  const auto a = k2c::ref::attention_forward(q, k, v, gqa), b = k2c::ref::attention_forward(q, k4, v4, mha);
+  for (std::size_t i = 0; i < a.o.size(); ++i) EXPECT_NEAR(a.o[i], b.o[i], 1e-14);
+  for (std::size_t i = 0; i < a.lse.size(); ++i) EXPECT_NEAR(a.lse[i], b.lse[i], 1e-14);
+  // The shared kv head's gradient is the sum over the query heads that read it.
+  const auto ga = k2c::ref::attention_backward(q, k, v, dout, gqa), gb = k2c::ref::attention_backward(q, k4, v4, dout, mha);
+  for (int h = 0; h < H; ++h)
+    for (int e = 0; e < Nk * d; ++e) {
+      const std::size_t shared = static_cast<std::size_t>(h / (H / Hkv)) * Nk * d + e;
+      if (h % (H / Hkv) == 0) {
+        double sum_k = 0, sum_v = 0;
+        for (int r = 0; r < H / Hkv; ++r) {
+          sum_k += gb.dk[static_cast<std::size_t>(h + r) * Nk * d + e];
+          sum_v += gb.dv[static_cast<std::size_t>(h + r) * Nk * d + e];
+        }
+        EXPECT_NEAR(ga.dk[shared], sum_k, 1e-13);
+        EXPECT_NEAR(ga.dv[shared], sum_v, 1e-13);
+      }
+    }
+}
+
+TEST(Reference, AttentionCausalMaskIsBottomRightAligned) {
+  const int d = 2;
+  // More queries than keys: query i sees keys j <= i + 2 - 4, so queries 0 and 1 see none (output 0,
+  // logsumexp +inf), query 2 sees key 0 only (its output is v[0] exactly), query 3 sees both.
+  const k2c::ref::AttentionShape s{.q_len = 4, .kv_len = 2, .head_dim = d, .causal = true, .scale = 1.0};
+  const std::vector<float> q = grid_values(4 * d, 31), k = grid_values(2 * d, 32), v = grid_values(2 * d, 33);
+  const auto f = k2c::ref::attention_forward(q, k, v, s);
+  for (int i : {0, 1}) {
+    EXPECT_EQ(f.o[i * d], 0.0);
+    EXPECT_EQ(f.o[i * d + 1], 0.0);
+    EXPECT_TRUE(std::isinf(f.lse[i]) && f.lse[i] > 0);
+  }
+  EXPECT_EQ(f.o[2 * d], v[0]);
+  EXPECT_EQ(f.o[2 * d + 1], v[1]);
+  EXPECT_NEAR(f.lse[2], static_cast<double>(q[2 * d]) * k[0] + static_cast<double>(q[2 * d + 1]) * k[1], 1e-15);
+  const double s0 = static_cast<double>(q[3 * d]) * k[0] + static_cast<double>(q[3 * d + 1]) * k[1];
+  const double s1 = static_cast<double>(q[3 * d]) * k[2] + static_cast<double>(q[3 * d + 1]) * k[3];
+  EXPECT_NEAR(f.lse[3], std::log(std::exp(s0) + std::exp(s1)), 1e-14);
+  // Nothing flows through a query that sees no key.
+  const auto g = k2c::ref::attention_backward(q, k, v, grid_values(4 * d, 34), s);
+  for (int c = 0; c < 2 * d; ++c) EXPECT_EQ(g.dq[c], 0.0);
+}
+
 // -------------------------------------------------------------------------------- random ---
 
 TEST(Random, DeterministicAndInRange) {

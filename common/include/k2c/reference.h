@@ -56,4 +56,36 @@ enum class RopeLayout { interleaved, half_split };
 std::vector<double> rope(std::span<const float> x, int tokens, int heads, int head_dim,
                          long position_offset, double base, RopeLayout layout, bool inverse);
 
+
+// ---- attention (module 09) ----------------------------------------------------------------------
+
+// Scaled dot-product attention, q [batch][heads][q_len][head_dim], k and v
+// [batch][kv_heads][kv_len][head_dim], row-major. Query head h reads kv head h / (heads /
+// kv_heads) (grouped-query attention; kv_heads divides heads). With `causal`, key j is visible
+// to query i when j <= i + kv_len - q_len: the mask is aligned to the bottom right, so the last
+// query sees every key (the FlashAttention 2 convention; the two alignments agree when the
+// lengths are equal). A query that sees no key (q_len > kv_len, causal) has output 0 and
+// logsumexp +inf.
+struct AttentionShape {
+  int batch = 1, heads = 1, kv_heads = 1, q_len = 1, kv_len = 1, head_dim = 1;
+  bool causal = false;
+  double scale = 1.0;  // usually 1 / sqrt(head_dim)
+};
+struct AttentionForward {
+  std::vector<double> o;    // [batch][heads][q_len][head_dim]
+  std::vector<double> lse;  // [batch][heads][q_len]: log of the softmax denominator, natural log,
+                            // of the scaled scores (what the backward pass recomputes P from)
+};
+AttentionForward attention_forward(std::span<const float> q, std::span<const float> k,
+                                   std::span<const float> v, const AttentionShape& shape);
+
+// Gradients of the same for upstream gradient dout (shaped like o). dk and dv are summed over the
+// query heads that share a kv head.
+struct AttentionBackward {
+  std::vector<double> dq, dk, dv;
+};
+AttentionBackward attention_backward(std::span<const float> q, std::span<const float> k,
+                                     std::span<const float> v, std::span<const float> dout,
+                                     const AttentionShape& shape);
+
 }  // namespace k2c::ref
