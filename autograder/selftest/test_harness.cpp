@@ -297,6 +297,132 @@ TEST(Reference, AttentionCausalMaskIsBottomRightAligned) {
   for (int c = 0; c < 2 * d; ++c) EXPECT_EQ(g.dq[c], 0.0);
 }
 
+TEST(Reference, RouterChoosesDeterministically) {
+  namespace r = k2c::ref;
+  // Softmax scores, top-2, a tie between experts 1 and 3: the lower index comes first.
+  const std::vector<float> z = {0.1f, 2.0f, -1.0f, 2.0f, 0.5f, 1.5f};
+  r::RouterConfig c{.experts = 6, .top_k = 2};
+  r::Routing a = r::route(z, {}, 1, c);
+  EXPECT_EQ(a.expert, (std::vector<int>{1, 3}));
+  EXPECT_NEAR(a.weight[0], a.scores[1], 1e-15);
+  double total = 0;
+  for (double s : a.scores) total += s;
+  EXPECT_NEAR(total, 1.0, 1e-14);
+  c.normalize = true;
+  c.route_scale = 2.5;
+  a = r::route(z, {}, 1, c);
+  EXPECT_NEAR(a.weight[0], 1.25, 1e-14);  // two equal scores, normalised, scaled
+  EXPECT_NEAR(a.weight[1], 1.25, 1e-14);
+  // Sigmoid scores with a bias: the bias picks expert 2, the weights ignore it.
+  const std::vector<float> flat(4, 0.0f), bias = {0.0f, 0.0f, 0.5f, 0.0f};
+  const r::Routing b = r::route(flat, bias, 1, {.experts = 4, .top_k = 1, .score = r::RouterScore::sigmoid});
+  EXPECT_EQ(b.expert[0], 2);
+  EXPECT_NEAR(b.weight[0], 1.0, 1e-15);  // sigmoid weights are normalised over the chosen
+}
+
+TEST(Reference, RouterLimitsGroups) {
+  namespace r = k2c::ref;
+  // Four groups of two. Group 0 holds the single best expert but a weak partner; groups 1 and 2
+  // have two good experts each and win the two group slots, so expert 0 is not eligible.
+  const std::vector<float> z = {3.0f, -5.0f, 1.0f, 1.0f, 0.9f, 0.9f, -1.0f, -1.0f};
+  r::RouterConfig c{.experts = 8, .top_k = 2, .score = r::RouterScore::sigmoid};
+  EXPECT_EQ(r::route(z, {}, 1, c).expert, (std::vector<int>{0, 2}));
+  c.groups = 4;
+  c.top_groups = 2;
+  EXPECT_EQ(r::route(z, {}, 1, c).expert, (std::vector<int>{2, 3}));
+  c.top_groups = 4;  // every group eligible: the plain top-k again
+  EXPECT_EQ(r::route(z, {}, 1, c).expert, (std::vector<int>{0, 2}));
+}
+
+TEST(Reference, BalanceLossGradientAndMinimum) {
+  namespace r = k2c::ref;
+  const int T = 5, E = 4, k = 2;
+  std::vector<float> z = grid_values(T * E, 41);
+  const r::Routing routing = r::route(z, {}, T, {.experts = E, .top_k = k});
+  const r::BalanceLoss l = r::balance_loss(z, routing, T, E, k, 0.01);
+  const double h = 1.0 / 128;
+  for (std::size_t i = 0; i < z.size(); ++i) {  // counts held fixed, as in training
+    const float keep = z[i];
+    z[i] = keep + static_cast<float>(h);
+    const double up = r::balance_loss(z, routing, T, E, k, 0.01).loss;
+    z[i] = keep - static_cast<float>(h);
+    const double down = r::balance_loss(z, routing, T, E, k, 0.01).loss;
+    z[i] = keep;
+    EXPECT_NEAR(l.dlogits[i], (up - down) / (2 * h), 1e-8) << "dlogits[" << i << "]";
+  }
+  // Uniform probabilities and every expert chosen equally often: the loss is exactly alpha.
+  const std::vector<float> zero(4 * 4, 0.0f);
+  r::Routing even;
+  even.expert = {0, 1, 2, 3};
+  EXPECT_NEAR(r::balance_loss(zero, even, 4, 4, 1, 0.01).loss, 0.01, 1e-15);
+}
+
+TEST(Reference, DispatchPermuteCombine) {
+  namespace r = k2c::ref;
+  const int T = 6, E = 3, H = 2;
+  const std::vector<float> x = grid_values(T * H, 51);
+  // top-1 to experts 2, 0, 2, 1, 0, 2: expert order 0: tokens 1, 4; 1: token 3; 2: tokens 0, 2, 5.
+  r::Routing routing;
+  routing.expert = {2, 0, 2, 1, 0, 2};
+  routing.weight.assign(T, 1.0);
+  r::Dispatch d = r::dispatch(routing, T, E, 1, -1);
+  EXPECT_EQ(d.counts, (std::vector<int>{2, 1, 3}));
+  EXPECT_EQ(d.offsets, (std::vector<int>{0, 2, 3, 6}));
+  EXPECT_EQ(d.source, (std::vector<int>{1, 4, 3, 0, 2, 5}));
+  EXPECT_EQ(d.dropped, 0);
+  // permute, then combine with weight 1: the identity.
+  const std::vector<double> rows = r::permute(x, H, d), back = r::combine(rows, T, H, 1, d, routing);
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_EQ(back[i], x[i]);
+  // Capacity 2: expert 2 keeps tokens 0 and 2 and drops token 5, whose output is then zero.
+  d = r::dispatch(routing, T, E, 1, 2);
+  EXPECT_EQ(d.counts, (std::vector<int>{2, 1, 2}));
+  EXPECT_EQ(d.dropped, 1);
+  EXPECT_EQ(d.slot[5], -1);
+  const std::vector<double> cut = r::combine(r::permute(x, H, d), T, H, 1, d, routing);
+  EXPECT_EQ(cut[5 * H], 0.0);
+  EXPECT_EQ(cut[5 * H + 1], 0.0);
+  // One expert takes everything; the others get no rows at all.
+  routing.expert.assign(T, 1);
+  d = r::dispatch(routing, T, E, 1, -1);
+  EXPECT_EQ(d.counts, (std::vector<int>{0, T, 0}));
+  // Top-2: each token's two rows, weighted, add up in combine.
+  r::Routing two;
+  two.expert = {0, 1, 1, 2};
+  two.weight = {0.25, 0.75, 0.5, 0.5};
+  d = r::dispatch(two, 2, E, 2, -1);
+  const std::vector<double> mixed = r::combine(r::permute(std::span(x).first(2 * H), H, d), 2, H, 2, d, two);
+  for (std::size_t i = 0; i < 2 * H; ++i) EXPECT_NEAR(mixed[i], x[i], 1e-15);
+}
+
+TEST(Reference, MoeForwardIsExpertsPlusShared) {
+  namespace r = k2c::ref;
+  const int T = 4, H = 3, F = 5, SF = 2, E = 3;
+  const std::vector<float> x = grid_values(T * H, 61), wr = grid_values(E * H, 62);
+  const std::vector<float> w1 = grid_values(E * F * H, 63), w3 = grid_values(E * F * H, 64), w2 = grid_values(E * F * H, 65);
+  const std::vector<float> s1 = grid_values(SF * H, 66), s3 = grid_values(SF * H, 67), s2 = grid_values(SF * H, 68);
+  r::MoeLayer layer{.hidden = H, .ffn = F, .shared_ffn = SF, .shared = 1,
+                    .router = {.experts = E, .top_k = 2, .normalize = true},
+                    .w_router = wr, .w1 = w1, .w3 = w3, .w2 = w2, .shared_w1 = s1, .shared_w3 = s3, .shared_w2 = s2};
+  const r::MoeForward f = r::moe_forward(x, T, layer);
+  // Token by token: Σ_j w_j · FFN_{e_j}(x_t) + FFN_shared(x_t).
+  const std::size_t per = static_cast<std::size_t>(F) * H;
+  for (int t = 0; t < T; ++t) {
+    const std::vector<double> xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+    std::vector<double> want = r::swiglu(xt, 1, H, SF, s1, s3, s2);
+    for (int j = 0; j < 2; ++j) {
+      const int e = f.routing.expert[t * 2 + j];
+      const std::vector<double> ye = r::swiglu(xt, 1, H, F, std::span(w1).subspan(e * per, per),
+                                               std::span(w3).subspan(e * per, per), std::span(w2).subspan(e * per, per));
+      for (int c = 0; c < H; ++c) want[c] += f.routing.weight[t * 2 + j] * ye[c];
+    }
+    for (int c = 0; c < H; ++c) EXPECT_NEAR(f.y[t * H + c], want[c], 1e-14) << "token " << t;
+  }
+  // SwiGLU by hand on one number: silu(2·3)·(5·3)·7 with hidden = ffn = 1.
+  const std::vector<float> a = {2.0f}, b = {5.0f}, c = {7.0f};
+  const std::vector<double> one = {3.0};
+  EXPECT_NEAR(r::swiglu(one, 1, 1, 1, a, b, c)[0], 6.0 / (1.0 + std::exp(-6.0)) * 15.0 * 7.0, 1e-12);
+}
+
 // -------------------------------------------------------------------------------- random ---
 
 TEST(Random, DeterministicAndInRange) {

@@ -88,4 +88,80 @@ AttentionBackward attention_backward(std::span<const float> q, std::span<const f
                                      std::span<const float> v, std::span<const float> dout,
                                      const AttentionShape& shape);
 
+// ---- mixture of experts (module 10) ----------------------------------------------------------------
+
+// The router: scores s = softmax(logits) or sigmoid(logits) per token ([tokens][experts]), top-k
+// chosen on s + bias (bias: per-expert, may be empty; it steers selection, never the weights).
+// Group-limited routing splits the experts into `groups` equal groups, scores a group by the sum
+// of its two best biased scores (its best one when a group has one expert), and lets only the
+// `top_groups` best groups compete. Weights are the chosen experts' unbiased scores, divided by
+// their sum when `normalize` (always with sigmoid scores), times route_scale. Ties go to the lower
+// index, for experts and for groups, so the choice is deterministic.
+enum class RouterScore { softmax, sigmoid };
+struct RouterConfig {
+  int experts = 1, top_k = 1;
+  RouterScore score = RouterScore::softmax;
+  int groups = 1, top_groups = 1;
+  bool normalize = false;
+  double route_scale = 1.0;
+};
+struct Routing {
+  std::vector<int> expert;     // [tokens][top_k], best first
+  std::vector<double> weight;  // [tokens][top_k]
+  std::vector<double> scores;  // [tokens][experts], unbiased
+};
+Routing route(std::span<const float> logits, std::span<const float> bias, int tokens,
+              const RouterConfig& config);
+
+// The Switch load-balancing loss in its top-k form, L = alpha · E / (k · T²) · Σ_i count_i ·
+// Σ_t p_ti, with p = softmax(logits) and count_i the tokens routed to expert i (constants: the
+// gradient flows through p only). Its minimum under uniform routing is alpha.
+struct BalanceLoss {
+  double loss = 0;
+  std::vector<double> dlogits;  // [tokens][experts]
+};
+BalanceLoss balance_loss(std::span<const float> logits, const Routing& routing, int tokens,
+                         int experts, int top_k, double alpha);
+
+// Token rows in expert order. Within an expert, assignments keep token order (then choice order);
+// with capacity >= 0 an expert keeps its first `capacity` assignments and the rest are dropped.
+struct Dispatch {
+  std::vector<int> counts;   // [experts]: assignments kept
+  std::vector<int> offsets;  // [experts + 1]: prefix sums of counts
+  std::vector<int> slot;     // [tokens][top_k]: row in expert order, or -1 when dropped
+  std::vector<int> source;   // [kept]: the token of each row in expert order
+  int dropped = 0;
+};
+Dispatch dispatch(const Routing& routing, int tokens, int experts, int top_k, int capacity);
+
+// x [tokens][hidden] → rows in expert order, [kept][hidden]; and back: out[t] = Σ_j weight_tj ·
+// rows[slot_tj] over the kept choices of token t.
+std::vector<double> permute(std::span<const float> x, int hidden, const Dispatch& d);
+std::vector<double> combine(std::span<const double> rows, int tokens, int hidden, int top_k,
+                            const Dispatch& d, const Routing& routing);
+
+// A SwiGLU feed-forward network on rows × hidden: y = (silu(x W1ᵀ) ∘ (x W3ᵀ)) W2ᵀ, with W1 and W3
+// [ffn][hidden] and W2 [hidden][ffn] (the layout of a linear layer's weight).
+std::vector<double> swiglu(std::span<const double> x, int rows, int hidden, int ffn,
+                           std::span<const float> w1, std::span<const float> w3,
+                           std::span<const float> w2);
+
+// The whole layer's forward pass: routed experts (weights stacked per expert, expert e's W1 at
+// e · ffn · hidden) plus `shared` shared experts that every token passes through (their weights
+// stacked the same way), added to the routed output.
+struct MoeLayer {
+  int hidden = 1, ffn = 1, shared_ffn = 1, shared = 0;
+  RouterConfig router;
+  int capacity = -1;
+  std::span<const float> w_router;  // [experts][hidden]
+  std::span<const float> bias;      // [experts] or empty
+  std::span<const float> w1, w3, w2, shared_w1, shared_w3, shared_w2;
+};
+struct MoeForward {
+  std::vector<double> y;  // [tokens][hidden]
+  Routing routing;
+  Dispatch dispatch;
+};
+MoeForward moe_forward(std::span<const float> x, int tokens, const MoeLayer& layer);
+
 }  // namespace k2c::ref
