@@ -18,6 +18,7 @@ void run(Version v, const T* x, T* y, int rows, int cols, cudaStream_t stream) {
   K2C_CHECK(rows >= 0 && cols >= 0, "softmax: negative size " << rows << " x " << cols);
   if (rows == 0 || cols == 0) return;
   K2C_CHECK(x != nullptr && y != nullptr, "softmax: null pointer for " << rows << " x " << cols);
+  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "softmax: at most " << kMaxExtent << " rows and columns");
   (void)stream;
   switch (v) {
     case Version::three_pass:

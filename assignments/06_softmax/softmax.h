@@ -23,6 +23,9 @@
 
 namespace k2c::softmax {
 
+// The largest rows or cols accepted: indices are int, with room for a block's overhang.
+inline constexpr int kMaxExtent = 2147483647 - 8192;
+
 enum class Version { three_pass, online, fast };
 inline constexpr Version kVersions[] = {Version::three_pass, Version::online, Version::fast};
 inline const char* name(Version v) {
@@ -33,7 +36,7 @@ inline const char* name(Version v) {
 // rows × cols elements that do not overlap; rows, cols >= 0 (nothing happens when either is 0);
 // any cols, including 1 and odd lengths (a row then starts at an address that is not a multiple
 // of 16 bytes). Rows of x may hold any finite values. Throws std::invalid_argument for negative
-// sizes, sizes over 2^31 - 8193, or null pointers when rows·cols > 0.
+// sizes, sizes over kMaxExtent, or null pointers when rows·cols > 0.
 void softmax(Version v, const float* x, float* y, int rows, int cols, cudaStream_t stream = nullptr);
 void softmax(Version v, const __nv_bfloat16* x, __nv_bfloat16* y, int rows, int cols,
              cudaStream_t stream = nullptr);

@@ -22,6 +22,7 @@ void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf
             "rmsnorm forward: missing pointer");
   K2C_CHECK(residual == nullptr || (residual_out != x && residual_out != residual),
             "rmsnorm forward: residual_out may not alias x or residual");
+  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "rmsnorm forward: at most " << kMaxExtent << " rows and columns");
   (void)stream;
   K2C_TODO("rmsnorm forward: one row per warp or block, sum of squares reduced, then scale");
 }
@@ -40,6 +41,7 @@ void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rst
   if (rows == 0) K2C_TODO("rmsnorm backward: a sum over no rows, dgamma = 0");
   K2C_CHECK(h && gamma && dy && rstd && dx && workspace, "rmsnorm backward: missing pointer");
   K2C_CHECK(reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0, "rmsnorm backward: workspace not 16-byte aligned");
+  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "rmsnorm backward: at most " << kMaxExtent << " rows and columns");
   (void)stream;
   K2C_TODO("rmsnorm backward: dx row by row, dgamma as per-block partial sums, then one more reduction");
 }

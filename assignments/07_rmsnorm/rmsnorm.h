@@ -20,6 +20,9 @@ namespace k2c::rmsnorm {
 
 using bf16 = __nv_bfloat16;
 
+// The largest rows or cols accepted: indices are int, with room for a block's overhang.
+inline constexpr int kMaxExtent = 2147483647 - 8192;
+
 // Forward, on `stream`, asynchronously. All pointers are device pointers; rows, cols >= 0
 // (nothing happens when either is 0); eps > 0.
 //   x        rows × cols   the input
@@ -33,7 +36,7 @@ using bf16 = __nv_bfloat16;
 //                          alias x or residual
 //   rstd     rows          fp32, 1 / rms of each row of h: what backward() needs
 // Throws std::invalid_argument for negative sizes, eps <= 0, a missing pointer, or residual_out
-// aliasing x or residual, or sizes over 2^31 - 8193.
+// aliasing x or residual, or sizes over kMaxExtent.
 void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
              float* rstd, int rows, int cols, float eps, cudaStream_t stream = nullptr);
 
@@ -46,7 +49,7 @@ void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf
 // least backward_workspace_bytes(rows, cols) bytes, 16-byte aligned (as cudaMalloc returns), for
 // the partial sums of dgamma: the rows are shared out over many blocks, and each block's partial
 // sums must meet somewhere without thousands of atomics on the same cols addresses.
-// Throws std::invalid_argument for negative sizes, sizes over 2^31 - 8193, a missing pointer or a
+// Throws std::invalid_argument for negative sizes, sizes over kMaxExtent, a missing pointer or a
 // misaligned workspace.
 std::size_t backward_workspace_bytes(int rows, int cols);
 void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,

@@ -124,6 +124,9 @@ TEST(Softmax, ArgumentChecks) {
     EXPECT_THROW(sm::softmax(v, static_cast<const float*>(nullptr), nullptr, 4, 4), std::invalid_argument);
     sm::softmax(v, static_cast<const float*>(nullptr), nullptr, 0, 4);  // empty: a no-op
     sm::softmax(v, static_cast<const bf16*>(nullptr), nullptr, 4, 0);
+    // Too many rows for int indices: refused before any launch (the pointers are never used).
+    float* dummy = reinterpret_cast<float*>(256);
+    EXPECT_THROW(sm::softmax(v, dummy, dummy, sm::kMaxExtent + 1, 1), std::invalid_argument);
   }
 }
 

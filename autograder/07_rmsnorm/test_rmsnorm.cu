@@ -190,6 +190,12 @@ TEST(RmsNorm, ArgumentChecks) {
   EXPECT_THROW(rn::backward(none, none, none, nonef, none, nonef, nullptr, 4, -4), std::invalid_argument);
   EXPECT_THROW(rn::backward(none, none, none, nonef, none, nonef, nullptr, 4, 4), std::invalid_argument);
   rn::forward(none, none, none, none, none, nonef, 0, 4, kEps);  // empty: a no-op
+  // Too many rows for int indices, and residual_out aliasing an input: refused before any launch
+  // (the dummy pointers are never used).
+  bf16* d = reinterpret_cast<bf16*>(256);
+  float* df = reinterpret_cast<float*>(256);
+  EXPECT_THROW(rn::forward(d, nullptr, d, d, nullptr, df, rn::kMaxExtent + 1, 1, kEps), std::invalid_argument);
+  EXPECT_THROW(rn::forward(d, d + 8, d, d + 16, d, df, 4, 4, kEps), std::invalid_argument);
   rn::backward(none, none, none, nonef, none, nonef, nullptr, 4, 0);
 }
 

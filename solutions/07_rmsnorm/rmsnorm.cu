@@ -26,7 +26,6 @@
 // Rows too long for registers (over 32768 bf16 per row) take loop kernels that read the row
 // twice; the second read of a row of 64 KiB or more mostly comes from L2.
 #include <algorithm>
-#include <limits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -41,9 +40,6 @@ namespace {
 using namespace k2c::rows;
 
 constexpr int kVecBf16 = kVec<bf16>;  // 8 bf16 in 16 bytes
-// Row and column indices are int: the last block's overhang rows and a column loop's last step
-// must not wrap around.
-constexpr int kMaxSize = std::numeric_limits<int>::max() - 8192;
 // Floats of a row per thread: the forward keeps one array of them, the backward three (h, dy and
 // the running dgamma), so it gets half as many per array.
 constexpr int kForwardValues = 32;
@@ -340,7 +336,7 @@ void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf
             "when residual is given)");
   K2C_CHECK(residual == nullptr || (residual_out != x && residual_out != residual),
             "rmsnorm forward: residual_out may not alias x or residual");
-  K2C_CHECK(rows <= kMaxSize && cols <= kMaxSize, "rmsnorm forward: at most " << kMaxSize << " rows and columns");
+  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "rmsnorm forward: at most " << kMaxExtent << " rows and columns");
   if (vectorizable(cols, {x, residual, gamma, y, residual_out}))
     forward_vec<kVecBf16>(x, residual, gamma, y, residual_out, rstd, rows, cols, eps, stream);
   else
@@ -364,7 +360,7 @@ void backward(const bf16* h, const bf16* gamma, const bf16* dy, const float* rst
   }
   K2C_CHECK(h && gamma && dy && rstd && dx && workspace, "rmsnorm backward: missing pointer");
   K2C_CHECK(aligned16(workspace), "rmsnorm backward: workspace not 16-byte aligned");
-  K2C_CHECK(rows <= kMaxSize && cols <= kMaxSize, "rmsnorm backward: at most " << kMaxSize << " rows and columns");
+  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "rmsnorm backward: at most " << kMaxExtent << " rows and columns");
   float* partial = static_cast<float*>(workspace);
   if (vectorizable(cols, {h, gamma, dy, dx}))
     backward_vec<kVecBf16>(h, gamma, dy, rstd, dx, dgamma, partial, rows, cols, stream);
