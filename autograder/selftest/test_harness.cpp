@@ -423,6 +423,57 @@ TEST(Reference, MoeForwardIsExpertsPlusShared) {
   EXPECT_NEAR(r::swiglu(one, 1, 1, 1, a, b, c)[0], 6.0 / (1.0 + std::exp(-6.0)) * 15.0 * 7.0, 1e-12);
 }
 
+TEST(Reference, MoeBackwardMatchesFiniteDifferences) {
+  namespace r = k2c::ref;
+  const int T = 3, H = 3, F = 2, SF = 2, E = 4;
+  std::vector<float> x = grid_values(T * H, 71), wr = grid_values(E * H, 72), w1 = grid_values(E * F * H, 73),
+                     w3 = grid_values(E * F * H, 74), w2 = grid_values(E * F * H, 75), s1 = grid_values(SF * H, 76),
+                     s3 = grid_values(SF * H, 77), s2 = grid_values(SF * H, 78);
+  const std::vector<float> wy = grid_values(T * H, 79);  // L = Σ wy·y, so dL/dy = wy
+  for (r::RouterScore score : {r::RouterScore::softmax, r::RouterScore::sigmoid}) {
+    SCOPED_TRACE(score == r::RouterScore::softmax ? "softmax" : "sigmoid");
+    auto layer = [&] {
+      return r::MoeLayer{.hidden = H, .ffn = F, .shared_ffn = SF, .shared = 1,
+                         .router = {.experts = E, .top_k = 2, .score = score, .normalize = true, .route_scale = 1.5},
+                         .w_router = wr, .w1 = w1, .w3 = w3, .w2 = w2, .shared_w1 = s1, .shared_w3 = s3, .shared_w2 = s2};
+    };
+    const r::MoeForward base = r::moe_forward(x, T, layer());
+    const r::MoeBackward g = r::moe_backward(x, T, layer(), wy);
+    auto loss = [&](bool& same_choice) {
+      const r::MoeForward f = r::moe_forward(x, T, layer());
+      same_choice = f.routing.expert == base.routing.expert;
+      double l = 0;
+      for (std::size_t i = 0; i < f.y.size(); ++i) l += wy[i] * f.y[i];
+      return l;
+    };
+    const double h = 1.0 / 256;
+    int checked = 0;
+    auto check = [&](std::vector<float>& p, const std::vector<double>& dp, const char* name) {
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        const float keep = p[i];
+        bool same_up = false, same_down = false;
+        p[i] = keep + static_cast<float>(h);
+        const double up = loss(same_up);
+        p[i] = keep - static_cast<float>(h);
+        const double down = loss(same_down);
+        p[i] = keep;
+        if (!same_up || !same_down) continue;  // the step moved a top-k choice: no derivative here
+        ++checked;
+        EXPECT_NEAR(dp[i], (up - down) / (2 * h), 2e-4) << name << "[" << i << "]";
+      }
+    };
+    check(x, g.dx, "dx");
+    check(wr, g.dw_router, "dw_router");
+    check(w1, g.dw1, "dw1");
+    check(w3, g.dw3, "dw3");
+    check(w2, g.dw2, "dw2");
+    check(s1, g.dshared_w1, "dshared_w1");
+    check(s3, g.dshared_w3, "dshared_w3");
+    check(s2, g.dshared_w2, "dshared_w2");
+    EXPECT_GT(checked, 80) << "too many elements moved the routing to check the gradient";
+  }
+}
+
 // -------------------------------------------------------------------------------- random ---
 
 TEST(Random, DeterministicAndInRange) {

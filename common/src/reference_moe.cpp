@@ -227,4 +227,109 @@ MoeForward moe_forward(std::span<const float> x, int tokens, const MoeLayer& m) 
   return f;
 }
 
+namespace {
+
+// Backward of one SwiGLU row: x (hidden), upstream dy (hidden) scaled by `scale`; accumulates the
+// weights' gradients and returns dx. a = W1 x, b = W3 x, h = silu(a) · b, y = W2 h.
+std::vector<double> swiglu_row_backward(const double* x, const double* dy, double scale, int hidden,
+                                        int ffn, std::span<const float> w1, std::span<const float> w3,
+                                        std::span<const float> w2, double* dw1, double* dw3, double* dw2) {
+  std::vector<double> dx(hidden, 0.0);
+  for (int f = 0; f < ffn; ++f) {
+    double a = 0, b = 0, dh = 0;
+    for (int c = 0; c < hidden; ++c) {
+      a += x[c] * w1[static_cast<std::size_t>(f) * hidden + c];
+      b += x[c] * w3[static_cast<std::size_t>(f) * hidden + c];
+      dh += scale * dy[c] * w2[static_cast<std::size_t>(c) * ffn + f];
+    }
+    const double sig = 1.0 / (1.0 + std::exp(-a)), silu = a * sig;
+    for (int c = 0; c < hidden; ++c) dw2[static_cast<std::size_t>(c) * ffn + f] += scale * dy[c] * silu * b;
+    const double da = dh * b * sig * (1.0 + a * (1.0 - sig)), db = dh * silu;  // silu' = σ(1 + a(1 − σ))
+    for (int c = 0; c < hidden; ++c) {
+      dw1[static_cast<std::size_t>(f) * hidden + c] += da * x[c];
+      dw3[static_cast<std::size_t>(f) * hidden + c] += db * x[c];
+      dx[c] += da * w1[static_cast<std::size_t>(f) * hidden + c] + db * w3[static_cast<std::size_t>(f) * hidden + c];
+    }
+  }
+  return dx;
+}
+
+double dot(const double* a, const std::vector<double>& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+MoeBackward moe_backward(std::span<const float> x, int tokens, const MoeLayer& m, std::span<const float> dy) {
+  const int E = m.router.experts, H = m.hidden, k = m.router.top_k;
+  require(dy.size() == x.size(), "dy must be shaped like x");
+  const MoeForward f = moe_forward(x, tokens, m);  // routing, dispatch (and argument checks)
+  const std::size_t expert_w = static_cast<std::size_t>(m.ffn) * H, shared_w = static_cast<std::size_t>(m.shared_ffn) * H;
+  MoeBackward g;
+  g.dx.assign(x.size(), 0.0);
+  g.dw_router.assign(m.w_router.size(), 0.0);
+  g.dw1.assign(m.w1.size(), 0.0);
+  g.dw3.assign(m.w3.size(), 0.0);
+  g.dw2.assign(m.w2.size(), 0.0);
+  g.dshared_w1.assign(m.shared_w1.size(), 0.0);
+  g.dshared_w3.assign(m.shared_w3.size(), 0.0);
+  g.dshared_w2.assign(m.shared_w2.size(), 0.0);
+  const bool normalize = m.router.normalize || m.router.score == RouterScore::sigmoid;
+  for (int t = 0; t < tokens; ++t) {
+    const std::vector<double> xt(x.begin() + static_cast<std::ptrdiff_t>(t) * H, x.begin() + static_cast<std::ptrdiff_t>(t + 1) * H);
+    const std::vector<double> dyt(dy.begin() + static_cast<std::ptrdiff_t>(t) * H, dy.begin() + static_cast<std::ptrdiff_t>(t + 1) * H);
+    auto add_dx = [&](const std::vector<double>& d) {
+      for (int c = 0; c < H; ++c) g.dx[static_cast<std::size_t>(t) * H + c] += d[c];
+    };
+    // Shared experts: upstream dy as it is.
+    for (int si = 0; si < m.shared; ++si)
+      add_dx(swiglu_row_backward(xt.data(), dyt.data(), 1.0, H, m.shared_ffn, m.shared_w1.subspan(si * shared_w, shared_w),
+                                 m.shared_w3.subspan(si * shared_w, shared_w), m.shared_w2.subspan(si * shared_w, shared_w),
+                                 &g.dshared_w1[si * shared_w], &g.dshared_w3[si * shared_w], &g.dshared_w2[si * shared_w]));
+    // Routed experts: upstream w_j · dy, and dw_j = dy · FFN_e(x) for every kept choice.
+    const double* s = &f.routing.scores[static_cast<std::size_t>(t) * E];
+    std::vector<double> dw(k, 0.0);
+    for (int j = 0; j < k; ++j) {
+      const std::size_t a = static_cast<std::size_t>(t) * k + j;
+      if (f.dispatch.slot[a] < 0) continue;  // dropped: no output, no gradient
+      const int e = f.routing.expert[a];
+      const auto w1e = m.w1.subspan(e * expert_w, expert_w), w3e = m.w3.subspan(e * expert_w, expert_w),
+                 w2e = m.w2.subspan(e * expert_w, expert_w);
+      dw[j] = dot(dyt.data(), swiglu(xt, 1, H, m.ffn, w1e, w3e, w2e));
+      add_dx(swiglu_row_backward(xt.data(), dyt.data(), f.routing.weight[a], H, m.ffn, w1e, w3e, w2e,
+                                 &g.dw1[e * expert_w], &g.dw3[e * expert_w], &g.dw2[e * expert_w]));
+    }
+    // Weights → scores: w_j = R · s_ej / S, with S the chosen scores' sum when normalising (else 1).
+    std::vector<double> ds(E, 0.0);
+    double S = 1;
+    if (normalize) {
+      S = 0;
+      for (int j = 0; j < k; ++j) S += s[f.routing.expert[static_cast<std::size_t>(t) * k + j]];
+    }
+    double mix = 0;  // Σ_j dw_j · w_j / R, the part every chosen score shares when normalising
+    for (int j = 0; j < k; ++j) mix += dw[j] * s[f.routing.expert[static_cast<std::size_t>(t) * k + j]] / S;
+    for (int j = 0; j < k; ++j) {
+      const int e = f.routing.expert[static_cast<std::size_t>(t) * k + j];
+      ds[e] += m.router.route_scale / S * (dw[j] - (normalize ? mix : 0.0));
+    }
+    // Scores → logits → router weights and x.
+    std::vector<double> dz(E);
+    if (m.router.score == RouterScore::softmax) {
+      double sds = 0;
+      for (int e = 0; e < E; ++e) sds += s[e] * ds[e];
+      for (int e = 0; e < E; ++e) dz[e] = s[e] * (ds[e] - sds);
+    } else {
+      for (int e = 0; e < E; ++e) dz[e] = ds[e] * s[e] * (1.0 - s[e]);
+    }
+    for (int e = 0; e < E; ++e)
+      for (int c = 0; c < H; ++c) {
+        g.dw_router[static_cast<std::size_t>(e) * H + c] += dz[e] * xt[c];
+        g.dx[static_cast<std::size_t>(t) * H + c] += dz[e] * m.w_router[static_cast<std::size_t>(e) * H + c];
+      }
+  }
+  return g;
+}
+
 }  // namespace k2c::ref
