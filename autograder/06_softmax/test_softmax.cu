@@ -41,9 +41,7 @@ k2c::Tolerance tolerance() {
   return {1e-30, 2e-5, 1e-5};
 }
 
-struct Shape {
-  int rows, cols;
-};
+using Shape = k2c::testing::RowShape;
 
 template <class T>
 void check(sm::Version v, Shape s, float spread, const std::string& purpose) {
@@ -69,15 +67,7 @@ std::vector<Shape> fixed_shapes() {
           {2, 32776}, {3, 65537}, {1, 65536}, {2000, 7},   {1000, 128}, {9, 1000}};
 }
 
-std::vector<Shape> random_shapes() {
-  std::mt19937_64 rng(seed_for("shapes"));
-  std::vector<Shape> shapes;
-  for (int i = 0; i < 6; ++i) {
-    const int cols = 1 + static_cast<int>(rng() % 20000);
-    shapes.push_back({1 + static_cast<int>(rng() % std::max(1, 200'000 / cols)), cols});
-  }
-  return shapes;
-}
+std::vector<Shape> random_shapes() { return k2c::testing::random_row_shapes(seed_for("shapes"), 6, 20000, 200'000); }
 
 template <class T>
 void check_version(sm::Version v) {
@@ -104,9 +94,7 @@ TEST(Softmax, UnalignedPointers) {
   const int rows = 5, cols = 4096;
   const std::size_t n = static_cast<std::size_t>(rows) * cols;
   const std::vector<float> x = k2c::random_values<bf16>(n, seed_for("unaligned"), -8.0f, 8.0f);
-  std::vector<float> padded(n + 1, 0.0f);
-  std::copy(x.begin(), x.end(), padded.begin() + 1);
-  k2c::DeviceBuffer<bf16> dx = k2c::to_device<bf16>(padded), dy(n + 1);
+  k2c::DeviceBuffer<bf16> dx = k2c::to_device<bf16>(k2c::after_padding(x, 1)), dy(n + 1);
   for (sm::Version v : sm::kVersions) {
     dy.poison();
     sm::softmax(v, dx.data() + 1, dy.data() + 1, rows, cols);

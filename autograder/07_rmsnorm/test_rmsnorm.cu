@@ -41,9 +41,7 @@ constexpr k2c::Tolerance kOutTolerance{1e-4, 4.5e-3, 4e-3};
 constexpr k2c::Tolerance kRstdTolerance{0, 2e-5, 1e-5};
 k2c::Tolerance dgamma_tolerance(int rows) { return {1e-6 + 2.4e-7 * rows, 1e-5, 1e-5}; }
 
-struct Shape {
-  int rows, cols;
-};
+using Shape = k2c::testing::RowShape;
 
 std::vector<Shape> fixed_shapes() {
   // Around the register-path limits too: 16384 and 32768 elements, and one vector past each.
@@ -54,11 +52,7 @@ std::vector<Shape> fixed_shapes() {
 
 std::vector<Shape> all_shapes() {
   std::vector<Shape> shapes = fixed_shapes();
-  std::mt19937_64 rng(seed_for("shapes"));
-  for (int i = 0; i < 6; ++i) {
-    const int cols = 1 + static_cast<int>(rng() % 20000);
-    shapes.push_back({1 + static_cast<int>(rng() % std::max(1, 200'000 / cols)), cols});
-  }
+  for (Shape s : k2c::testing::random_row_shapes(seed_for("shapes"), 6, 20000, 200'000)) shapes.push_back(s);
   return shapes;
 }
 
@@ -156,12 +150,7 @@ TEST(RmsNorm, UnalignedPointers) {
   const std::vector<float> h = k2c::random_values<bf16>(n, seed_for("unaligned/h"), -2.0f, 2.0f);
   const std::vector<float> dy = k2c::random_values<bf16>(n, seed_for("unaligned/dy"), -1.0f, 1.0f);
   const std::vector<float> gamma = k2c::random_values<bf16>(cols, seed_for("unaligned/g"), 0.5f, 1.5f);
-  auto shifted = [](const std::vector<float>& v) {
-    std::vector<float> p(v.size() + 1, 0.0f);
-    std::copy(v.begin(), v.end(), p.begin() + 1);
-    return p;
-  };
-  auto dh = k2c::to_device<bf16>(shifted(h)), ddy = k2c::to_device<bf16>(shifted(dy));
+  auto dh = k2c::to_device<bf16>(k2c::after_padding(h, 1)), ddy = k2c::to_device<bf16>(k2c::after_padding(dy, 1));
   auto dg = k2c::to_device<bf16>(gamma);
   k2c::DeviceBuffer<bf16> y(n + 1), dx(n + 1);
   k2c::DeviceBuffer<float> rstd(rows), dgamma(cols);

@@ -173,12 +173,7 @@ TEST(Rope, UnalignedPointers) {
   const std::size_t nq = 2ul * 9 * 4 * 64, nk = 2ul * 9 * 2 * 64;
   const std::vector<float> q = k2c::random_values<bf16>(nq, seed_for("unaligned/q"));
   const std::vector<float> k = k2c::random_values<bf16>(nk, seed_for("unaligned/k"));
-  auto shifted = [](const std::vector<float>& v) {
-    std::vector<float> p(v.size() + 1, 0.0f);
-    std::copy(v.begin(), v.end(), p.begin() + 1);
-    return p;
-  };
-  auto dq = k2c::to_device<bf16>(shifted(q)), dk = k2c::to_device<bf16>(shifted(k));
+  auto dq = k2c::to_device<bf16>(k2c::after_padding(q, 1)), dk = k2c::to_device<bf16>(k2c::after_padding(k, 1));
   k2c::DeviceBuffer<bf16> q_out(nq + 1), k_out(nk + 1);
   for (rp::Layout layout : {rp::Layout::interleaved, rp::Layout::half_split}) {
     q_out.poison();

@@ -1,7 +1,9 @@
 // testing.cpp — see k2c/testing.h.
 #include "k2c/testing.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <random>
 #include <sstream>
 
 #include "k2c/random.h"
@@ -27,6 +29,16 @@ Context context_from_env(const char* module_id, const char* impl, const char* de
   const char* seed = std::getenv("K2C_SEED");
   c.seed = seed && *seed ? std::strtoull(seed, nullptr, 10) : 20261129ull;
   return c;
+}
+
+std::vector<RowShape> random_row_shapes(std::uint64_t seed, int count, int max_cols, int max_elements) {
+  std::mt19937_64 rng(seed);
+  std::vector<RowShape> shapes;
+  for (int i = 0; i < count; ++i) {
+    const int cols = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(max_cols));
+    shapes.push_back({1 + static_cast<int>(rng() % static_cast<std::uint64_t>(std::max(1, max_elements / cols))), cols});
+  }
+  return shapes;
 }
 
 std::uint64_t seed_for(const std::string& purpose) {

@@ -7,6 +7,7 @@
 // values: the reference then sees exactly what the kernel sees.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <type_traits>
@@ -71,6 +72,14 @@ std::vector<float> to_host(const DeviceBuffer<T>& d) {
   } else {
     return d.download();
   }
+}
+
+// The values after `by` leading zeros: uploaded, the data then starts `by` elements past an
+// allocation's (16-byte aligned) start, which is how tests hand a kernel misaligned pointers.
+inline std::vector<float> after_padding(std::span<const float> values, std::size_t by) {
+  std::vector<float> out(values.size() + by, 0.0f);
+  std::copy(values.begin(), values.end(), out.begin() + static_cast<std::ptrdiff_t>(by));
+  return out;
 }
 
 template <class T>

@@ -34,6 +34,8 @@ __device__ __forceinline__ T from_float(float v) {
 // VEC consecutive elements moved as one access (16 bytes when VEC · sizeof(T) == 16).
 template <class T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
+  static_assert(sizeof(T) * VEC <= 16 && (sizeof(T) * VEC & (sizeof(T) * VEC - 1)) == 0,
+                "one access moves a power of two of at most 16 bytes");
   T v[VEC];
 };
 template <class T, int VEC>
@@ -137,6 +139,7 @@ inline RowPlan plan_row(int cols, int vec, int max_values) {
 // kernel templated on its register count is instantiated only for the counts that can occur.
 template <int MaxIters, class F>
 void with_iters(int iters, F&& f) {
+  static_assert(MaxIters >= 1 && (MaxIters & (MaxIters - 1)) == 0, "MaxIters is a power of two");
   if constexpr (MaxIters >= 1) {
     if (iters == MaxIters) return f(std::integral_constant<int, MaxIters>{});
     if constexpr (MaxIters > 1) with_iters<MaxIters / 2>(iters, f);

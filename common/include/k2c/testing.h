@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -37,6 +38,13 @@ Context context_from_env(const char* module_id, const char* impl, const char* de
 inline std::uint64_t seed() { return context().seed; }
 // A seed for one purpose inside one test, so tests and purposes draw independent data.
 std::uint64_t seed_for(const std::string& purpose);
+
+// A rows × cols matrix shape, and `count` random ones with 1 to max_cols columns and at most about
+// max_elements elements, drawn from `seed` (tests of row-wise kernels, modules 06 and 07).
+struct RowShape {
+  int rows, cols;
+};
+std::vector<RowShape> random_row_shapes(std::uint64_t seed, int count, int max_cols, int max_elements);
 
 bool gpu_available();
 std::string gpu_unavailable_reason();
