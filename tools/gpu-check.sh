@@ -12,7 +12,8 @@
 # matching benchmarks.
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
 # tuned_config.h, sgemm_ladder.png, bandwidth.png, bench.tar.gz (Google Benchmark JSON per module), and on
-# machines with 2+ GPUs collectives.json (module 11's sweep on NCCL). The script prints a short summary last.
+# machines with 2+ GPUs collectives.json (module 11's sweep on NCCL; collectives4.json and
+# collectives8.json with 4 and 8 GPUs). The script prints a short summary last.
 set -uo pipefail
 ARCH=${1:-90}
 OUT=${OUT:-/tmp/k2c-gpu}
@@ -92,6 +93,15 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
   step "module 11 tests at 4 ranks on NCCL"
   K2C_BACKEND=nccl NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     mpirun -np 4 --oversubscribe "$BUILD/bin/k2c_test_11_collectives" 2>&1 | tee -a "$LOG" | tail -4
+fi
+
+if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
+  step "collectives sweep on 8 GPUs (NCCL)"
+  K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np 8 --build-dir "$BUILD" -b 1M -e 4G -f 4 -n 20 -w 5 -c 1 \
+    -o "$OUT/collectives8.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce|wrong" | tail -8
+  step "module 11 tests at 8 ranks on NCCL"
+  K2C_BACKEND=nccl NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    mpirun -np 8 --oversubscribe "$BUILD/bin/k2c_test_11_collectives" 2>&1 | tee -a "$LOG" | tail -4
 fi
 
 step "plots"
