@@ -1,11 +1,12 @@
-# K2CModule.cmake — k2c_add_module(NN_name KIND gpu|cpu|mpi [RANKS 1 2 ...]): one call declares
-# a whole module.
+# K2CModule.cmake — k2c_add_module(NN_name KIND gpu|cpu|mpi [RANKS 1 2 ...] [SOURCES more.cu ...]):
+# one call declares a whole module.
 #
 # For module NN_name it builds
 #   k2c_impl_NN_name   the implementation, from ${K2C_IMPL}/NN_name/name.cu, as a SHARED library
 #                      linked with --no-undefined against the CUDA runtime only: a student file
 #                      that calls cuBLAS (or anything else the module asks them to write) fails
-#                      to link instead of passing on borrowed speed;
+#                      to link instead of passing on borrowed speed; SOURCES names further files
+#                      of the same folder (a module in two parts);
 #   k2c_test_NN_name   autograder/NN_name/test_name.cu + the shared test main, a GoogleTest
 #                      program; CTest tests discovered at test time, labelled moduleNN and KIND;
 #   k2c_bench_NN_name  autograder/NN_name/bench_name.cu, a Google Benchmark program (if present);
@@ -13,7 +14,7 @@
 # Each module is its own set of targets, so the grader builds them one at a time and a compile
 # error in one module never blocks another.
 function(k2c_add_module id)
-  cmake_parse_arguments(arg "" "KIND" "RANKS" ${ARGN})
+  cmake_parse_arguments(arg "" "KIND" "RANKS;SOURCES" ${ARGN})
   if(NOT id MATCHES "^([0-9][0-9])_([a-z0-9_]+)$")
     message(FATAL_ERROR "k2c_add_module: '${id}' is not NN_snake_name")
   endif()
@@ -42,7 +43,9 @@ function(k2c_add_module id)
   if(NOT EXISTS ${test_src})
     set(test_src ${root}/autograder/${id}/test_${name}.cpp)
   endif()
-  add_library(k2c_impl_${id} SHARED ${impl_src})
+  set(extra_src ${arg_SOURCES})
+  list(TRANSFORM extra_src PREPEND ${K2C_IMPL_DIR}/${id}/)
+  add_library(k2c_impl_${id} SHARED ${impl_src} ${extra_src})
   target_include_directories(k2c_impl_${id} PUBLIC ${root}/assignments/${id})
   target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers)
   if(arg_KIND STREQUAL "gpu")

@@ -9,7 +9,8 @@
 # K2C_TUNE=0, K2C_CTEST=0, K2C_SANITIZE_RUN=0 leave out those steps (for short follow-up runs);
 # K2C_MODULES=06,07 grades those modules only (K2C_SANITIZE_MODULES likewise for the
 # compute-sanitizer run, default: the same); K2C_BENCH_FILTER=RE runs only the
-# matching benchmarks.
+# matching benchmarks; K2C_TARGETS="a b" builds only those targets (and the grader);
+# K2C_EXPERIMENT=name also builds and runs tools/experiments/name.cu.
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
 # tuned_config.h, sgemm_ladder.png, bandwidth.png, bench.tar.gz (Google Benchmark JSON per module), and on
 # machines with 2+ GPUs collectives.json (module 11's sweep on NCCL; collectives4.json and
@@ -36,7 +37,25 @@ cmake -S . -B "$BUILD" "${gen[@]}" -DK2C_IMPL=solutions -DCMAKE_CUDA_ARCHITECTUR
 # Keep going past a failing target: the grader then reports that module as not compiling, and
 # every other module is still checked.
 keep_going=(); [ ${#gen[@]} -gt 0 ] && keep_going=(-- -k 0)
-cmake --build "$BUILD" -j "$(nproc)" "${keep_going[@]}" >> "$LOG" 2>&1 || { echo "BUILD HAD ERRORS:"; grep -E "error" "$LOG" | head -20; }
+targets=(); [ -n "${K2C_TARGETS:-}" ] && targets=(--target k2c ${K2C_TARGETS})
+cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}" "${keep_going[@]}" >> "$LOG" 2>&1 || { echo "BUILD HAD ERRORS:"; grep -E "error" "$LOG" | head -20; }
+
+# Module 05 must run on the tensor cores: HMMA for Part A, HGMMA for Part B, no spills.
+lib05="$BUILD/lib/libk2c_impl_05_tensor_core_matmul.so"
+if [ -f "$lib05" ]; then
+  step "module 05 SASS"
+  cuobjdump -sass "$lib05" > /tmp/k2c-sass05.txt 2>&1
+  { grep -oE "(HGMMA|HMMA|LDSM|LDGSTS|UTMALDG|USETMAXREG|LDL|STL)[.A-Z0-9x]*" /tmp/k2c-sass05.txt | sort | uniq -c; } \
+    | tee "$OUT/sass05.txt" | tee -a "$LOG"
+fi
+
+if [ -n "${K2C_EXPERIMENT:-}" ]; then
+  step "experiment $K2C_EXPERIMENT"
+  nvcc -O3 -std=c++20 -arch=sm_${ARCH}a -Icommon/include -Iassignments/05_tensor_core_matmul \
+    -Iassignments/06_softmax -Iassignments/07_rmsnorm -Iassignments/08_rope \
+    "tools/experiments/$K2C_EXPERIMENT.cu" -lcublas -lcuda -o /tmp/k2c-experiment >> "$LOG" 2>&1 &&
+    timeout -s KILL 300 /tmp/k2c-experiment 2>&1 | tee "$OUT/experiment.txt" >> "$LOG"
+fi
 modules=(); [ -n "${K2C_MODULES:-}" ] && modules=(--modules "$K2C_MODULES")
 
 # Module 04's tile configuration, chosen on this GPU (K2C_TUNE=0 skips): written into the

@@ -46,6 +46,7 @@ struct PerfOutcome {
 struct TestOutcome {
   std::string name;
   double points = 0, max_points = 0;
+  bool bonus = false;   // its points come on top of the module's max_points
   std::string status;   // passed | failed | not implemented | skipped | did not run
   std::string message;  // first lines of the failure, or the skip reason
   std::optional<PerfOutcome> perf;

@@ -111,6 +111,29 @@ TEST(Verdict, SkippedWithoutDevice) {
   EXPECT_NE(m.tests[0].message.find("no NVIDIA driver"), std::string::npos);
 }
 
+// A bonus test adds to the points but not to max_points; left unwritten (or unable to run
+// here) it does not make the module partial.
+TEST(Verdict, BonusPoints) {
+  const auto spec = k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+    {"id": "50_demo", "title": "demo", "kind": "gpu", "timeout_s": 9, "files": [],
+     "tests": [{"name": "A.Correct", "points": 6},
+               {"name": "APerf.Rate", "points": 4, "bonus": true}]}]})").modules[0];
+  EXPECT_EQ(spec.points(), 6);
+  EXPECT_EQ(spec.bonus_points(), 4);
+  const auto full = evaluate_module(spec, exited(0), gtest_report("COMPLETED", ""), "assignments", 9);
+  EXPECT_EQ(full.status, "ok");
+  EXPECT_EQ(full.points, 10);
+  EXPECT_EQ(full.max_points, 6);
+  const std::string marker = k2c::kNotImplementedMarker;
+  std::string stub = gtest_report("COMPLETED", R"(, "failures": [{"failure": ")" + marker + R"( part B"}])");
+  const auto without = evaluate_module(spec, exited(1), stub, "assignments", 9);
+  EXPECT_EQ(without.status, "ok");
+  EXPECT_EQ(without.points, 6);
+  EXPECT_THROW(k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+    {"id": "50_demo", "title": "demo", "kind": "gpu", "timeout_s": 9, "files": [],
+     "tests": [{"name": "A.Correct", "points": 6, "bonus": "yes"}]}]})"), k2c::RubricError);
+}
+
 TEST(Verdict, ProcessFailures) {
   const k2c::ModuleSpec spec = two_test_module();
   const std::string good = gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")");

@@ -108,14 +108,19 @@ double bf16_gemm_rate(int n) {
   fill_uniform_device(tmp.data(), nn, 5);
   to_bf16_kernel<<<1024, 256>>>(tmp.data(), b.data(), nn);
   K2C_CUDA_CHECK_LAUNCH();
-  CublasHandle blas;
-  const float alpha = 1.0f, beta = 0.0f;
-  const Timing t = time_gpu([&] {
-    K2C_CUBLAS_CHECK(cublasGemmEx(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, b.data(),
-                                  CUDA_R_16BF, n, a.data(), CUDA_R_16BF, n, &beta, c.data(),
-                                  CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  });
+  const Timing t = time_gpu([&] { cublas_bf16_gemm(n, n, n, a.data(), b.data(), c.data()); });
   return 2.0 * n * static_cast<double>(n) * n / (t.median_ms * 1e-3);
+}
+
+void cublas_bf16_gemm(int M, int N, int K, const __nv_bfloat16* A, const __nv_bfloat16* B,
+                      __nv_bfloat16* C) {
+  static CublasHandle blas;
+  const float alpha = 1.0f, beta = 0.0f;
+  // Row-major C (M×N) = A·Bᵀ is column-major Cᵀ (N×M) = B·Aᵀ, where the row-major N×K B is a
+  // column-major K×N matrix (so op T) and the row-major M×K A a column-major K×M one (op N).
+  K2C_CUBLAS_CHECK(cublasGemmEx(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, B, CUDA_R_16BF,
+                                K, A, CUDA_R_16BF, K, &beta, C, CUDA_R_16BF, N,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace k2c

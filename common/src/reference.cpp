@@ -35,6 +35,33 @@ double gemm_at(int N, int K, double alpha, std::span<const float> A, std::span<c
   return alpha * acc + (beta == 0 ? 0.0 : beta * C[i]);
 }
 
+std::vector<double> gemm_abt(int M, int N, int K, std::span<const float> A,
+                             std::span<const float> B, std::vector<double>* magnitude) {
+  std::vector<double> out(static_cast<std::size_t>(M) * N);
+  if (magnitude) magnitude->assign(out.size(), 0.0);
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) {
+      double mag = 0;
+      out[static_cast<std::size_t>(r) * N + c] = gemm_abt_at(K, A, B, r, c, &mag);
+      if (magnitude) (*magnitude)[static_cast<std::size_t>(r) * N + c] = mag;
+    }
+  return out;
+}
+
+double gemm_abt_at(int K, std::span<const float> A, std::span<const float> B, int r, int c,
+                   double* magnitude) {
+  const float* a = A.data() + static_cast<std::size_t>(r) * K;
+  const float* b = B.data() + static_cast<std::size_t>(c) * K;  // rows of B are contiguous in k
+  double acc = 0, mag = 0;
+  for (int k = 0; k < K; ++k) {
+    const double p = static_cast<double>(a[k]) * b[k];
+    acc += p;
+    mag += std::abs(p);
+  }
+  if (magnitude) *magnitude = mag;
+  return acc;
+}
+
 std::vector<double> fma_chains(std::span<const float> in, int iters, int chains, float step,
                                float mul, float add) {
   std::vector<double> out(in.size());

@@ -68,13 +68,17 @@ PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
 }
 
 TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"name", "points", "perf"});
+  rd.only_keys(j, path, {"name", "points", "bonus", "perf"});
   TestSpec t;
   t.name = rd.string(j, path, "name");
   static const std::regex kName("[A-Za-z][A-Za-z0-9_]*\\.[A-Za-z][A-Za-z0-9_/]*");
   if (!std::regex_match(t.name, kName)) rd.error(path + ".name", "expected \"Suite.Name\"");
   t.points = rd.number(j, path, "points");
   if (!(t.points >= 0)) rd.error(path + ".points", "expected a number >= 0");
+  if (j.contains("bonus")) {
+    if (!j["bonus"].is_boolean()) rd.error(path + ".bonus", "expected true or false");
+    t.bonus = j["bonus"].get<bool>();
+  }
   if (j.contains("perf")) t.perf = read_perf(rd, j["perf"], path + ".perf");
   return t;
 }
@@ -137,7 +141,13 @@ ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path)
 
 double ModuleSpec::points() const {
   double sum = 0;
-  for (const TestSpec& t : tests) sum += t.points;
+  for (const TestSpec& t : tests) sum += t.bonus ? 0 : t.points;
+  return sum;
+}
+
+double ModuleSpec::bonus_points() const {
+  double sum = 0;
+  for (const TestSpec& t : tests) sum += t.bonus ? t.points : 0;
   return sum;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <benchmark/benchmark.h>
+#include <cuda_bf16.h>
 
 #include "k2c/buffer.h"
 #include "k2c/device.h"
@@ -58,6 +59,27 @@ inline void sgemm_sweep(const std::string& module, const std::string& variant,
           run(state, [&] { gemm(n, a.data(), b.data(), c.data()); }, 2.0 * n * static_cast<double>(n) * n, 0);
         })
         ->Iterations(n >= 4000 ? 3 : 10);
+  }
+}
+
+// The bf16 ladder's sweep (module 05), the same sizes: BM_<module>_bf16gemm/<variant>/<n>,
+// C = A·Bᵀ with bf16 A, B and C; gemm(n, A, B, C) on device buffers. Sizes that are not a
+// multiple of `multiple_of` are left out (Part B needs K % 8 == 0).
+inline void bf16_gemm_sweep(const std::string& module, const std::string& variant,
+                            const std::function<void(int, const __nv_bfloat16*,
+                                                     const __nv_bfloat16*, __nv_bfloat16*)>& gemm,
+                            int multiple_of = 1) {
+  for (int n : kSgemmSizes) {
+    if (n % multiple_of != 0) continue;
+    add("BM_" + module + "_bf16gemm/" + variant + "/" + std::to_string(n),
+        [n, gemm](benchmark::State& state) {
+          const std::size_t nn = static_cast<std::size_t>(n) * n;
+          DeviceBuffer<__nv_bfloat16> a(nn), b(nn), c(nn);
+          fill_uniform_device(a.data(), nn, 1);
+          fill_uniform_device(b.data(), nn, 2);
+          run(state, [&] { gemm(n, a.data(), b.data(), c.data()); }, 2.0 * n * static_cast<double>(n) * n, 0);
+        })
+        ->Iterations(n >= 4000 ? 5 : 10);
   }
 }
 

@@ -8,6 +8,8 @@
 
 #include <cstddef>
 
+struct __nv_bfloat16;
+
 namespace k2c {
 
 // Device-to-device cudaMemcpy, in bytes per second counting bytes read plus bytes written.
@@ -16,8 +18,14 @@ double copy_bandwidth(std::size_t bytes_per_buffer = std::size_t{1} << 30);
 // cuBLAS SGEMM (fp32, no TF32) at M = N = K = n, in FLOP/s.
 double sgemm_rate(int n = 4096);
 
-// cuBLAS GEMM with bf16 inputs and fp32 accumulation at M = N = K = n, in FLOP/s.
+// cuBLAS GEMM with bf16 inputs, fp32 accumulation and bf16 output at M = N = K = n, in the
+// layout of module 05 (C = A·Bᵀ, all row-major), in FLOP/s.
 double bf16_gemm_rate(int n = 4096);
+
+// Version 0 of the bf16 ladder: cuBLAS computing module 05's C = A·Bᵀ (A M×K, B N×K, C M×N, all
+// row-major bf16, fp32 accumulation), asynchronous on the default stream.
+void cublas_bf16_gemm(int M, int N, int K, const __nv_bfloat16* A, const __nv_bfloat16* B,
+                      __nv_bfloat16* C);
 
 // The vendor library as "version 0" of the SGEMM ladder: cuBLAS SGEMM on row-major operands,
 // C = alpha*A*B + beta*C, asynchronous on the default stream (one handle per process).

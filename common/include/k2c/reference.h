@@ -19,6 +19,16 @@ std::vector<double> gemm(int M, int N, int K, double alpha, std::span<const floa
 double gemm_at(int N, int K, double alpha, std::span<const float> A, std::span<const float> B,
                double beta, std::span<const float> C, int r, int c);
 
+// C = A · Bᵀ with A M×K and B N×K, both row-major (module 05's tensor-core layout). When
+// `magnitude` is given it receives Σ_k |A[r][k]·B[c][k]| per element: the scale of the rounding
+// error any floating-point summation of that element can make.
+std::vector<double> gemm_abt(int M, int N, int K, std::span<const float> A,
+                             std::span<const float> B, std::vector<double>* magnitude = nullptr);
+
+// One element (r, c) of the same, with its magnitude.
+double gemm_abt_at(int K, std::span<const float> A, std::span<const float> B, int r, int c,
+                   double* magnitude = nullptr);
+
 // Module 00's FMA-chain function (see assignments/00_roofline/roofline.h). It is defined in
 // fp32 arithmetic with fused multiply-adds, so the reference computes it in fp32 with std::fma:
 // the GPU result should agree to the last bits of the final sum.

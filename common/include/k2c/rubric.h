@@ -32,6 +32,7 @@ struct PerfSpec {
 struct TestSpec {
   std::string name;        // GoogleTest "Suite.Name"
   double points = 0;
+  bool bonus = false;      // points on top of the module's total (an advanced, optional part)
   std::optional<PerfSpec> perf;
 };
 
@@ -52,7 +53,8 @@ struct ModuleSpec {
   std::vector<std::string> files;  // student files, relative to the repository root
   std::vector<TestSpec> tests;
 
-  double points() const;
+  double points() const;        // what full marks are: the tests that are not bonus
+  double bonus_points() const;  // what the bonus tests add at most
   std::string number() const { return id.substr(0, 2); }
   const TestSpec* find_test(std::string_view name) const;
 };

@@ -1,0 +1,87 @@
+// assignments/05_tensor_core_matmul/hopper_matmul.cu — module 05, Part B (bonus): your Hopper
+// GEMM (contract: tensor_core_matmul.h). Read lectures/05_tensor_core_matmul.md section 8 first.
+//
+// This file is compiled for sm_90a when the build targets sm_90, so wgmma and setmaxnreg are
+// available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`; elsewhere that code compiles away
+// and the Part B tests skip with the reason hopper_supported() gives.
+// What is given: hopper_supported() and its probe kernel, the argument checks. The Hopper
+// instructions are wrapped in k2c/hopper.cuh (mbarriers, tma_load_2d, wgmma_m64n256k16 and its
+// shared-memory descriptor, setmaxnreg, and make_tensor_map_bf16 on the host).
+// What you write: a warp-specialised kernel (a producer warpgroup issuing TMA copies into a ring
+// of shared-memory slots guarded by full/empty mbarriers, consumer warpgroups running wgmma) and
+// its launch in matmul_hopper().
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k2c/check.h"
+#include "k2c/hopper.cuh"
+#include "k2c/tensor_core.cuh"
+#include "k2c/todo.h"
+#include "tensor_core_matmul.h"
+
+namespace k2c::tensor_core_matmul {
+namespace {
+
+// Writes 1 when the code running on this device was compiled with the sm_90a features.
+__global__ void probe_kernel(int* has_features) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *has_features = 1;
+#else
+  *has_features = 0;
+#endif
+}
+
+bool tma_addressable(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool hopper_supported(std::string* why_not) {
+  auto fail = [&](std::string why) {
+    if (why_not) *why_not = std::move(why);
+    return false;
+  };
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return fail("no CUDA device");
+  }
+  if (prop.major != 9 || prop.minor != 0)
+    return fail("wgmma needs an sm_90 GPU (H100/H200); this is sm_" + std::to_string(prop.major) +
+                std::to_string(prop.minor));
+  int* flag = nullptr;
+  int has = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return fail("cudaMalloc failed");
+  probe_kernel<<<1, 1>>>(flag);
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t copied = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost);
+  cudaFree(flag);
+  if (launched != cudaSuccess || copied != cudaSuccess)
+    return fail(std::string("this build has no code for the GPU: ") + cudaGetErrorString(launched));
+  if (!has)
+    return fail("this build was compiled for sm_90, not sm_90a (configure with "
+                "CMAKE_CUDA_ARCHITECTURES=90 so the module is built for 90a)");
+  return true;
+}
+
+void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, cudaStream_t stream) {
+  K2C_CHECK(M >= 0 && N >= 0 && K >= 0,
+            "GEMM sizes must be >= 0, got M=" << M << " N=" << N << " K=" << K);
+  if (M == 0 || N == 0) return;
+  K2C_CHECK(C != nullptr, "C is null for a " << M << "x" << N << " output");
+  K2C_CHECK(K == 0 || (A != nullptr && B != nullptr),
+            "A or B is null for M=" << M << " N=" << N << " K=" << K);
+  K2C_CHECK(K % 8 == 0, "matmul_hopper needs K % 8 == 0 (TMA rows start on 16 bytes), got K="
+                            << K << "; use matmul()");
+  K2C_CHECK(K == 0 || (tma_addressable(A) && tma_addressable(B)),
+            "matmul_hopper needs 16-byte aligned A and B (TMA); use matmul()");
+  (void)stream;
+  K2C_TODO("Part B: describe A and B with make_tensor_map_bf16 and launch your wgmma kernel");
+}
+
+}  // namespace k2c::tensor_core_matmul

@@ -1,0 +1,184 @@
+// k2c/hopper.cuh — Hopper's (sm_90) asynchronous machinery, one inline-PTX wrapper each, and the
+// host call that describes a tensor to the TMA unit.
+//
+//   mbarrier   a 64-bit shared-memory barrier with a phase bit and a transaction count: the TMA
+//              unit "arrives" on it by bytes, threads by arrivals; a phase completes when both
+//              reach zero, and waiting means watching the phase bit flip;
+//   TMA        cp.async.bulk.tensor: one thread asks for a whole tile, the copy engine fetches
+//              it (zero-filling outside the tensor) and signals an mbarrier when it has landed;
+//   wgmma      warpgroup MMA: 4 warps issue one asynchronous m64nNk16 whose operands are read
+//              from shared memory through 64-bit descriptors;
+//   setmaxnreg moves registers between warpgroups: producers give theirs to the consumers.
+//
+// wgmma and setmaxnreg exist only in the sm_90a feature set: code that uses them must be guarded
+// by __CUDA_ARCH_FEAT_SM90_ALL and compiled for sm_90a (CMake CUDA_ARCHITECTURES 90a).
+// Uncalled inline device functions are never emitted, so including this header is always safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
+#include <cuda_runtime_api.h>
+
+#include "k2c/check.h"
+
+namespace k2c::hopper {
+
+// ------------------------------------------------------------------ mbarrier -----------------
+
+__device__ __forceinline__ void mbarrier_init(std::uint32_t bar, std::uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+
+// Makes the initialised barriers visible to the other threads and to the async (TMA) proxy;
+// follow it with a __syncthreads() before anyone uses them.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// One arrival that also tells the barrier to expect `bytes` more from the copy engine.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// Spins until the phase with parity `parity` has completed. A fresh barrier is in phase 0, and
+// the phase "before" it (parity 1) counts as completed: a producer waiting for empty slots
+// starts at parity 1 and passes at once.
+__device__ __forceinline__ void mbarrier_wait(std::uint32_t bar, std::uint32_t parity) {
+  std::uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// ------------------------------------------------------------------ TMA ----------------------
+
+// Tile (x, y) of the tensor `map` describes (x the contiguous dimension, in elements) into shared
+// memory at `dst`, completing `bytes` (the box size, counted even where it is zero-filled) on
+// the mbarrier `bar`.
+__device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap* map,
+                                            std::uint32_t bar, int x, int y) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(bar), "r"(x), "r"(y)
+      : "memory");
+}
+
+// ------------------------------------------------------------------ wgmma --------------------
+
+// Orders this warpgroup's register writes (e.g. zeroed accumulators) before the next wgmma.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most N committed wgmma groups are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// The descriptor of a K-major operand tile laid out by TMA with 128-byte swizzling: rows of 64
+// bf16 (128 bytes), 8-row groups 1024 bytes apart (the stride byte offset), the 16-byte chunks
+// of row r XOR-permuted by r % 8. The tile must start on a 1024-byte boundary; the k-th 16-wide
+// slice of the row starts 32·k bytes further (the hardware applies the XOR to the final address).
+__device__ __forceinline__ std::uint64_t smem_desc_128b(std::uint32_t addr) {
+  constexpr std::uint64_t kLeadingOffset = 16 >> 4;   // unused by swizzled K-major layouts
+  constexpr std::uint64_t kStrideOffset = 1024 >> 4;  // from one 8-row group to the next
+  constexpr std::uint64_t kSwizzle128B = 1;
+  return ((addr & 0x3FFFF) >> 4) | (kLeadingOffset << 16) | (kStrideOffset << 32) |
+         (kSwizzle128B << 62);
+}
+
+// d(64×256, fp32) = A(64×16) · B(256×16)ᵀ + (accumulate ? d : 0), both bf16 from shared memory:
+// starting a tile with accumulate = 0 saves zeroing 128 registers. Thread t of warp w of
+// the warpgroup holds, for n-block j (8 columns): d[4j], d[4j+1] at row 16w + t/4, columns
+// 8j + 2(t%4) and +1; d[4j+2], d[4j+3] eight rows lower.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t a_desc,
+                                                 std::uint64_t b_desc, int accumulate) {
+#define K2C_D8(i)                                                                        \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+  // scale-d is a predicate (p: accumulate into d); scale-a, scale-b = 1 and no transposes.
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48),
+        K2C_D8(56), K2C_D8(64), K2C_D8(72), K2C_D8(80), K2C_D8(88), K2C_D8(96), K2C_D8(104),
+        K2C_D8(112), K2C_D8(120)
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+#undef K2C_D8
+}
+
+// ------------------------------------------------------------------ registers ----------------
+
+// Executed by all warps of a warpgroup: lowers (dec) or raises (inc) its per-thread register cap.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// ------------------------------------------------------------------ host ---------------------
+
+// A 2-D row-major bf16 tensor (rows × cols, cols contiguous) described for TMA: boxes of
+// box_rows × box_cols, 128-byte swizzled, zero-filled outside the tensor. TMA needs a 16-byte
+// aligned base and a row pitch that is a multiple of 16 bytes (cols % 8 == 0).
+inline CUtensorMap make_tensor_map_bf16(const void* base, int rows, int cols, int box_rows,
+                                        int box_cols) {
+  using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  // The runtime hands out the driver's entry point, so the library links against cudart only.
+  static EncodeFn encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    K2C_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                    cudaEnableDefault, &found));
+    K2C_CHECK(fn != nullptr && found == cudaDriverEntryPointSuccess,
+              "the CUDA driver has no cuTensorMapEncodeTiled (needs a CUDA 12 driver)");
+    return reinterpret_cast<EncodeFn>(fn);
+  }();
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t pitch[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t unit_strides[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
+                            dims, pitch, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  K2C_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error " << static_cast<int>(r)
+                                   << ") for a " << rows << "x" << cols << " tensor, box "
+                                   << box_rows << "x" << box_cols);
+  return map;
+}
+
+}  // namespace k2c::hopper

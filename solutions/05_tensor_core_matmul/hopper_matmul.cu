@@ -1,0 +1,263 @@
+// solutions/05_tensor_core_matmul/hopper_matmul.cu — module 05, Part B: the reference Hopper
+// GEMM (contract: tensor_core_matmul.h; lecture: lectures/05_tensor_core_matmul.md, part B).
+//
+// C = A · Bᵀ with wgmma, TMA and mbarriers, warp-specialised and persistent:
+//   block        384 threads = 3 warpgroups. Warpgroup 0 is the producer: one thread issues TMA
+//                copies, and the group gives most of its registers away (setmaxnreg 24). Warp-
+//                groups 1 and 2 are consumers (setmaxnreg 240): each owns 64 rows of the 128×256
+//                block tile, i.e. one m64n256 accumulator of 128 fp32 registers a thread.
+//   ring         STAGES slots, each an A tile (128×64) and a B tile (256×64), 48 KiB, written by
+//                TMA with 128-byte swizzling (what the wgmma descriptors read). Slot s has two
+//                mbarriers: full[s] (the producer's expect_tx arrival + TMA's bytes) and
+//                empty[s] (one arrival from each of the 8 consumer warps when done reading).
+//   persistence  one block per SM; block b takes tiles b, b + gridDim.x, ... so the producer
+//                prefetches the next tile's slabs while the consumers still store this one.
+//   tails        TMA zero-fills reads outside A and B; the epilogue stores only inside C.
+//                TMA needs K % 8 == 0 and 16-byte aligned A and B (rows start on 16 bytes).
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k2c/check.h"
+#include "k2c/hopper.cuh"
+#include "k2c/tensor_core.cuh"
+#include "tensor_core_matmul.h"
+
+namespace k2c::tensor_core_matmul {
+namespace {
+
+namespace hp = k2c::hopper;
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+// wgmma groups left in flight across k blocks (see wgmma_kernel). Measured on an H200 at 8192³:
+// 0 → 746.8 TFLOP/s, 1 → 740.5: the second consumer warpgroup already fills the gap.
+constexpr int kPipelined = 0;
+constexpr int kConsumers = 2;                       // warpgroups that multiply
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kTileA = BM * BK * 2, kTileB = BN * BK * 2;  // bytes per slot
+constexpr int kStageBytes = kTileA + kTileB;
+// The ring, its barriers, and 1 KiB of slack to align the ring to the 1024 bytes the 128-byte
+// swizzle pattern spans.
+constexpr int kSmemBytes = STAGES * kStageBytes + 2 * STAGES * 8 + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "the ring fits in one SM's shared memory");
+static_assert(BK * 2 == 128, "a K slab row is exactly one 128-byte swizzle row");
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Tile t of the grouped raster (bands of kGroupRows block-rows): consecutive tiles, which run at
+// the same time on neighbouring SMs, share A rows and B columns in L2.
+__device__ __forceinline__ void tile_origin(int t, int tiles_m, int tiles_n, int& m0, int& n0) {
+  constexpr int kGroupRows = 16;  // block-rows per band, as in Part A
+  const int per_band = kGroupRows * tiles_n;
+  const int band = t / per_band, in_band = t % per_band;
+  const int band_rows = min(kGroupRows, tiles_m - band * kGroupRows);
+  m0 = (band * kGroupRows + in_band % band_rows) * BM;
+  n0 = (in_band / band_rows) * BN;
+}
+#endif
+
+// kInFlight: wgmma groups left running when a consumer moves to the next k block (0 or 1).
+// With 1, the tensor cores already have the next block's work queued while the previous one
+// finishes, and a slot is released one block later.
+template <int kInFlight>
+__global__ void __launch_bounds__(kThreads, 1)
+    wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                 bf16* __restrict__ C, int M, int N, int K, bool pairs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t raw = tc::smem_addr(smem_raw);
+  const std::uint32_t ring = (raw + 1023) & ~1023u;
+  const std::uint32_t bars = ring + STAGES * kStageBytes;
+  auto slot_a = [&](int s) { return ring + s * kStageBytes; };
+  auto slot_b = [&](int s) { return ring + s * kStageBytes + kTileA; };
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
+
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const int tiles = tiles_m * tiles_n, k_blocks = (K + BK - 1) / BK;
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      hp::mbarrier_init(full(s), 1);
+      hp::mbarrier_init(empty(s), kConsumers * 4);
+    }
+    hp::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer. Every warp of the group lowers its register cap (a warp that skipped it would
+    // hold the consumers' increase back), then all but one thread leave.
+    hp::setmaxnreg_dec<24>();
+    if (threadIdx.x != 0) return;
+    int it = 0;  // k blocks issued so far, over all tiles: slot it % STAGES, lap it / STAGES
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      int m0, n0;
+      tile_origin(t, tiles_m, tiles_n, m0, n0);
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % STAGES;
+        // Wait until the consumers have freed the slot in the previous lap (lap 0: at once).
+        hp::mbarrier_wait(empty(s), ((it / STAGES) & 1) ^ 1);
+        hp::mbarrier_arrive_expect_tx(full(s), kStageBytes);
+        hp::tma_load_2d(slot_a(s), &map_a, full(s), kb * BK, m0);
+        hp::tma_load_2d(slot_b(s), &map_b, full(s), kb * BK, n0);
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  hp::setmaxnreg_inc<240>();
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  float d[128];
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int m0, n0;
+    tile_origin(t, tiles_m, tiles_n, m0, n0);
+    int held = -1;  // the slot whose wgmma group may still be running
+    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+      const int s = it % STAGES;
+      hp::mbarrier_wait(full(s), (it / STAGES) & 1);
+      hp::wgmma_fence();
+      // This consumer's 64 rows of A start 64 rows (8 KiB) into the slot; each k16 step moves
+      // 32 bytes along the 128-byte row. The tile's first step overwrites the accumulators.
+      const std::uint32_t a = slot_a(s) + consumer * 64 * BK * 2, b = slot_b(s);
+#pragma unroll
+      for (int k = 0; k < BK / 16; ++k)
+        hp::wgmma_m64n256k16(d, hp::smem_desc_128b(a + 32 * k), hp::smem_desc_128b(b + 32 * k),
+                             kb > 0 || k > 0);
+      hp::wgmma_commit();
+      hp::wgmma_wait<kInFlight>();
+      // Every group but the last kInFlight has finished reading its slot: release it.
+      const int done = kInFlight == 0 ? s : held;
+      if (done >= 0 && lane == 0) hp::mbarrier_arrive(empty(done));
+      held = s;
+    }
+    hp::wgmma_wait<0>();
+    if (kInFlight > 0 && held >= 0 && lane == 0) hp::mbarrier_arrive(empty(held));
+
+    // Epilogue straight from the accumulators: rows 16·warp + g and + 8 of this consumer's 64.
+    const int g = lane / 4, q = lane % 4;
+    const int row = m0 + consumer * 64 + warp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = n0 + 8 * j + 2 * q;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row + 8 * h;
+        if (r >= M) continue;
+        bf16* p = C + static_cast<std::size_t>(r) * N + col;
+        const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+        if (pairs && col + 1 < N) {
+          *reinterpret_cast<std::uint32_t*>(p) = tc::pack_bf16x2(v0, v1);
+        } else {
+          if (col < N) p[0] = __float2bfloat16(v0);
+          if (col + 1 < N) p[1] = __float2bfloat16(v1);
+        }
+      }
+    }
+  }
+#endif
+}
+
+// Writes 1 when the code running on this device was compiled with the sm_90a features.
+__global__ void probe_kernel(int* has_features) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *has_features = 1;
+#else
+  *has_features = 0;
+#endif
+}
+
+bool tma_addressable(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool hopper_supported(std::string* why_not) {
+  auto fail = [&](std::string why) {
+    if (why_not) *why_not = std::move(why);
+    return false;
+  };
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return fail("no CUDA device");
+  }
+  if (prop.major != 9 || prop.minor != 0)
+    return fail("wgmma needs an sm_90 GPU (H100/H200); this is sm_" + std::to_string(prop.major) +
+                std::to_string(prop.minor));
+  int* flag = nullptr;
+  int has = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return fail("cudaMalloc failed");
+  probe_kernel<<<1, 1>>>(flag);
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t copied = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost);
+  cudaFree(flag);
+  if (launched != cudaSuccess || copied != cudaSuccess)
+    return fail(std::string("this build has no code for the GPU: ") + cudaGetErrorString(launched));
+  if (!has)
+    return fail("this build was compiled for sm_90, not sm_90a (configure with "
+                "CMAKE_CUDA_ARCHITECTURES=90 so the module is built for 90a)");
+  return true;
+}
+
+namespace {
+
+// The launch, for arguments matmul_hopper() has checked and K > 0.
+template <int kInFlight>
+void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
+                   cudaStream_t stream) {
+  static const int sms = [] {
+    int device = 0, count = 0;
+    K2C_CUDA_CHECK(cudaGetDevice(&device));
+    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    K2C_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<kInFlight>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    return count;
+  }();
+  // The maps are kernel parameters (__grid_constant__), so they live on the host only briefly.
+  const CUtensorMap map_a = hopper::make_tensor_map_bf16(A, M, K, BM, BK);
+  const CUtensorMap map_b = hopper::make_tensor_map_bf16(B, N, K, BN, BK);
+  const long long tiles = static_cast<long long>((M + BM - 1) / BM) * ((N + BN - 1) / BN);
+  K2C_CHECK(tiles <= 0x7fffffff, "too many tiles: " << M << "x" << N);
+  const int blocks = static_cast<int>(std::min<long long>(tiles, sms));
+  const bool pairs = N % 2 == 0 && reinterpret_cast<std::uintptr_t>(C) % 4 == 0;
+  wgmma_kernel<kInFlight><<<blocks, kThreads, kSmemBytes, stream>>>(map_a, map_b, C, M, N, K,
+                                                                    pairs);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, cudaStream_t stream) {
+  K2C_CHECK(M >= 0 && N >= 0 && K >= 0,
+            "GEMM sizes must be >= 0, got M=" << M << " N=" << N << " K=" << K);
+  if (M == 0 || N == 0) return;
+  K2C_CHECK(C != nullptr, "C is null for a " << M << "x" << N << " output");
+  K2C_CHECK(K == 0 || (A != nullptr && B != nullptr),
+            "A or B is null for M=" << M << " N=" << N << " K=" << K);
+  K2C_CHECK(K % 8 == 0, "matmul_hopper needs K % 8 == 0 (TMA rows start on 16 bytes), got K="
+                            << K << "; use matmul()");
+  K2C_CHECK(K == 0 || (tma_addressable(A) && tma_addressable(B)),
+            "matmul_hopper needs 16-byte aligned A and B (TMA); use matmul()");
+  static const bool supported = [] {
+    std::string why;
+    K2C_CHECK(hopper_supported(&why), "matmul_hopper cannot run here: " << why);
+    return true;
+  }();
+  (void)supported;
+  if (K == 0) {  // an empty sum: nothing for TMA to describe
+    K2C_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<std::size_t>(M) * N * sizeof(bf16), stream));
+    return;
+  }
+  launch_hopper<kPipelined>(M, N, K, A, B, C, stream);
+}
+
+}  // namespace k2c::tensor_core_matmul

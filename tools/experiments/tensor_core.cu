@@ -1,0 +1,117 @@
+// tools/experiments/tensor_core.cu — tile-shape sweep of module 05's Part A kernel beside
+// cuBLAS and Part B, at 4096³ and 8192³ (bf16 in and out, C = A·Bᵀ). The reference solution is
+// included directly so its TU-internal kernel can be launched with tiles it does not pick
+// itself. Lecture 05 quotes what this measured. Build and run on an H100/H200:
+//   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/05_tensor_core_matmul \
+//     tools/experiments/tensor_core.cu -lcublas -lcuda -o /tmp/tc && /tmp/tc
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include <cublas_v2.h>
+
+#include "../../solutions/05_tensor_core_matmul/hopper_matmul.cu"
+#include "../../solutions/05_tensor_core_matmul/tensor_core_matmul.cu"
+
+using bf16 = __nv_bfloat16;
+namespace tcm = k2c::tensor_core_matmul;
+
+static double median_ms(const std::function<void()>& f, int reps) {
+  for (int i = 0; i < 3; ++i) f();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a);
+    f();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+__global__ void fill(bf16* p, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    p[i] = __float2bfloat16((x & 0xffff) / 32768.0f - 1.0f);
+  }
+}
+
+template <class T>
+static void part_a(int n, const bf16* A, const bf16* B, bf16* C) {
+  tcm::launch<T, true>(n, n, n, A, B, C, true, nullptr);
+}
+
+int main() {
+  cublasHandle_t h;
+  cublasCreate(&h);
+  for (int n : {4096, 8192}) {
+    const size_t nn = size_t(n) * n;
+    bf16 *A, *B, *C;
+    cudaMalloc(&A, nn * 2);
+    cudaMalloc(&B, nn * 2);
+    cudaMalloc(&C, nn * 2);
+    fill<<<1024, 256>>>(A, nn, 1);
+    fill<<<1024, 256>>>(B, nn, 2);
+    const double flop = 2.0 * n * double(n) * n;
+    const int reps = n >= 8192 ? 20 : 40;
+    std::vector<bf16> want(nn), got(nn);
+    // Largest difference from cuBLAS's result relative to its largest element: a wrong kernel
+    // shows up as O(1), a right one as bf16 rounding (~4e-3).
+    auto difference = [&] {
+      cudaMemcpy(got.data(), C, nn * 2, cudaMemcpyDeviceToHost);
+      double diff = 0, top = 0;
+      for (size_t i = 0; i < nn; i += 7) {
+        diff = std::max(diff, std::abs(double(__bfloat162float(got[i])) - __bfloat162float(want[i])));
+        top = std::max(top, std::abs(double(__bfloat162float(want[i]))));
+      }
+      return diff / top;
+    };
+    auto report = [&](const char* name, const std::function<void()>& f, double base) {
+      cudaMemset(C, 0xFF, nn * 2);
+      const double ms = median_ms(f, reps);
+      const cudaError_t e = cudaDeviceSynchronize();
+      const double tf = flop / ms * 1e-9;
+      if (base == 0) cudaMemcpy(want.data(), C, nn * 2, cudaMemcpyDeviceToHost);
+      std::printf("n=%d %-28s %8.1f TFLOP/s  %5.3f of cuBLAS  diff %.1e %s\n", n, name, tf,
+                  base > 0 ? tf / base : 1.0, base > 0 ? difference() : 0.0,
+                  e == cudaSuccess ? "" : cudaGetErrorString(e));
+      return tf;
+    };
+    const float one = 1, zero = 0;
+    const double cublas = report("cublas", [&] {
+      cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF,
+                   n, &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }, 0);
+    using namespace k2c::tensor_core_matmul;
+    report("mma 128x256 w2x4 s3 (ref)", [&] { part_a<Tile<128, 256, 2, 4, 3>>(n, A, B, C); }, cublas);
+    report("mma 128x256 w2x4 s4", [&] { part_a<Tile<128, 256, 2, 4, 4>>(n, A, B, C); }, cublas);
+    report("mma 256x128 w4x2 s3", [&] { part_a<Tile<256, 128, 4, 2, 3>>(n, A, B, C); }, cublas);
+    report("mma 256x128 w4x2 s4", [&] { part_a<Tile<256, 128, 4, 2, 4>>(n, A, B, C); }, cublas);
+    report("mma 128x128 w2x2 s3", [&] { part_a<Tile<128, 128, 2, 2, 3>>(n, A, B, C); }, cublas);
+    report("mma 128x128 w2x2 s4", [&] { part_a<Tile<128, 128, 2, 2, 4>>(n, A, B, C); }, cublas);
+    report("mma 128x128 w2x4 s4", [&] { part_a<Tile<128, 128, 2, 4, 4>>(n, A, B, C); }, cublas);
+    report("mma 256x128 w4x4 s3", [&] { part_a<Tile<256, 128, 4, 4, 3>>(n, A, B, C); }, cublas);
+    report("mma 256x128 w4x4 s4", [&] { part_a<Tile<256, 128, 4, 4, 4>>(n, A, B, C); }, cublas);
+    report("mma 128x256 w4x4 s4", [&] { part_a<Tile<128, 256, 4, 4, 4>>(n, A, B, C); }, cublas);
+    report("mma 256x256 w4x4 s3", [&] { part_a<Tile<256, 256, 4, 4, 3>>(n, A, B, C); }, cublas);
+    if (tcm::hopper_supported()) {
+      report("wgmma, wait 0 per k block", [&] { tcm::launch_hopper<0>(n, n, n, A, B, C, nullptr); }, cublas);
+      report("wgmma, 1 group in flight", [&] { tcm::launch_hopper<1>(n, n, n, A, B, C, nullptr); }, cublas);
+    }
+    cudaFree(A);
+    cudaFree(B);
+    cudaFree(C);
+  }
+  return 0;
+}
