@@ -4,9 +4,12 @@
 // Tolerance. Inputs are drawn as bf16 values, so the CPU reference (double) sees exactly what the
 // tensor cores see, and each product a·b is exact in fp32 (8 + 8 significant bits < 24). What
 // remains is the fp32 summation of K products and, for bf16 output, one final rounding:
-//   |out - ref| <= K · 2^-23 · Σ|a·b|   (the worst case of any fp32 summation order, with a
-//                                         factor 2 for tensor cores that truncate partial sums)
-//                + 2^-8 · |ref|          (bf16 output: one rounding is at most 2^-9 relative)
+//   |out - ref| <= K · 2^-23 · Σ|a·b|   (the worst case of any fp32 summation order, γ_K ≈
+//                                         K · 2^-24, doubled for tensor cores that truncate
+//                                         partial sums)
+//                + 2^-8 · |ref|          (bf16 output: rounding to 8 significant bits is off by
+//                                         at most 2^-8 relative; the accumulation term's factor
+//                                         2 covers rounding the already-perturbed sum)
 // The bound is computed per element from the reference's Σ|a·b|. A wrong element is far outside
 // it: dropping one k term moves a sum by about |a·b| ~ 0.25, while at K = 1024 the bound is about
 // 0.03 + 0.004·|ref| for inputs in [-1, 1). NaN and unwritten (poisoned) elements always fail.
@@ -216,7 +219,8 @@ TEST(TensorCore, OddKAndUnalignedPointers) {
   K2C_REQUIRE_GPU();
   check_shapes(part_a<bf16>(), kOddK);
   check_shapes(part_a<float>(), kOddK);
-  // A, B and C one element (2 bytes; 4 for an fp32 C) past 16-byte alignment, K % 8 == 0.
+  // A, B and C 1 element (2 bytes) and 3 elements (6 bytes; 12 for the fp32 C) past 16-byte
+  // alignment, with K % 8 == 0: the element path, and C stored without pairs.
   check_shape(part_a<bf16>(), {129, 257, 72}, 1);
   check_shape(part_a<float>(), {65, 31, 136}, 3);
 }

@@ -9,9 +9,15 @@
 //   ring         STAGES slots, each an A tile (128×64) and a B tile (256×64), 48 KiB, written by
 //                TMA with 128-byte swizzling (what the wgmma descriptors read). Slot s has two
 //                mbarriers: full[s] (the producer's expect_tx arrival + TMA's bytes) and
-//                empty[s] (one arrival from each of the 8 consumer warps when done reading).
-//   persistence  one block per SM; block b takes tiles b, b + gridDim.x, ... so the producer
-//                prefetches the next tile's slabs while the consumers still store this one.
+//                empty[s] (one arrival from each consumer warp when done reading).
+//   clusters     blocks run in pairs (a cluster of 2) on vertically adjacent tiles, which need the
+//                same B tile: each block fetches half of it and TMA multicasts the half into
+//                both blocks' shared memory, so B costs each SM half the L2 traffic. A slot is
+//                then free only when the consumers of both blocks have read it: empty[s] counts
+//                16 arrivals, 8 from each block.
+//   persistence  one block per SM; each cluster takes tile pairs c, c + clusters, ... so the
+//                producer prefetches the next tile's slabs while the consumers still store this
+//                one.
 //   tails        TMA zero-fills reads outside A and B; the epilogue stores only inside C.
 //                TMA needs K % 8 == 0 and 16-byte aligned A and B (rows start on 16 bytes).
 #include <algorithm>
@@ -34,10 +40,8 @@ namespace {
 namespace hp = k2c::hopper;
 
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
-// wgmma groups left in flight across k blocks (see wgmma_kernel). Measured on an H200 at 8192³:
-// 0 → 746.8 TFLOP/s, 1 → 740.5: the second consumer warpgroup already fills the gap.
-constexpr int kPipelined = 0;
-constexpr int kConsumers = 2;                       // warpgroups that multiply
+constexpr int kCluster = 2;     // blocks per cluster sharing B tiles (see wgmma_kernel)
+constexpr int kConsumers = 2;   // warpgroups that multiply
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kTileA = BM * BK * 2, kTileB = BN * BK * 2;  // bytes per slot
 constexpr int kStageBytes = kTileA + kTileB;
@@ -48,22 +52,26 @@ static_assert(kSmemBytes <= 227 * 1024, "the ring fits in one SM's shared memory
 static_assert(BK * 2 == 128, "a K slab row is exactly one 128-byte swizzle row");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Tile t of the grouped raster (bands of kGroupRows block-rows): consecutive tiles, which run at
-// the same time on neighbouring SMs, share A rows and B columns in L2.
-__device__ __forceinline__ void tile_origin(int t, int tiles_m, int tiles_n, int& m0, int& n0) {
-  constexpr int kGroupRows = 16;  // block-rows per band, as in Part A
+// Tile t of the grouped raster over a tiles_m × tiles_n grid (bands of 16 tile-rows):
+// consecutive tiles, which run at the same time on neighbouring SMs, share A rows and B columns
+// in L2.
+__device__ __forceinline__ void tile_origin(int t, int tiles_m, int tiles_n, int& tm, int& tn) {
+  constexpr int kGroupRows = 16;
   const int per_band = kGroupRows * tiles_n;
   const int band = t / per_band, in_band = t % per_band;
   const int band_rows = min(kGroupRows, tiles_m - band * kGroupRows);
-  m0 = (band * kGroupRows + in_band % band_rows) * BM;
-  n0 = (in_band / band_rows) * BN;
+  tm = band * kGroupRows + in_band % band_rows;
+  tn = in_band / band_rows;
 }
 #endif
 
-// kInFlight: wgmma groups left running when a consumer moves to the next k block (0 or 1).
-// With 1, the tensor cores already have the next block's work queued while the previous one
-// finishes, and a slot is released one block later.
-template <int kInFlight>
+// kCluster = 1: each block loads its own A and B tiles.
+// kCluster = 2: blocks run in clusters of two that take vertically adjacent tiles (rows m0 and
+// m0 + 128, the same columns): both need the same B tile, so each block loads one half of it
+// and TMA multicasts that half into both blocks' shared memory. A slot then holds a peer's
+// data too, so it is free only when the consumers of both blocks are done with it: empty[s]
+// counts 16 arrivals, 8 local and 8 remote.
+template <int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  bf16* __restrict__ C, int M, int N, int K, bool pairs) {
@@ -77,92 +85,114 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
 
+  // The unit of work is a group of kCluster vertically adjacent tiles; this block takes the
+  // rank-th tile of each group its cluster is given.
+  const int rank = kCluster > 1 ? static_cast<int>(hp::cluster_rank()) : 0;
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  const int tiles = tiles_m * tiles_n, k_blocks = (K + BK - 1) / BK;
+  const int groups_m = (tiles_m + kCluster - 1) / kCluster;
+  const int groups = groups_m * tiles_n, k_blocks = (K + BK - 1) / BK;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       hp::mbarrier_init(full(s), 1);
-      hp::mbarrier_init(empty(s), kConsumers * 4);
+      hp::mbarrier_init(empty(s), kCluster * kConsumers * 4);
     }
     hp::fence_barrier_init();
   }
-  __syncthreads();
+  // The peer's barriers must be initialised before anyone multicasts into them or arrives on them.
+  if constexpr (kCluster > 1)
+    hp::cluster_sync();
+  else
+    __syncthreads();
 
   if (warpgroup == 0) {
     // Producer. Every warp of the group lowers its register cap (a warp that skipped it would
-    // hold the consumers' increase back), then all but one thread leave.
+    // hold the consumers' increase back); one thread issues the copies.
     hp::setmaxnreg_dec<24>();
-    if (threadIdx.x != 0) return;
-    int it = 0;  // k blocks issued so far, over all tiles: slot it % STAGES, lap it / STAGES
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      int m0, n0;
-      tile_origin(t, tiles_m, tiles_n, m0, n0);
-      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % STAGES;
-        // Wait until the consumers have freed the slot in the previous lap (lap 0: at once).
-        hp::mbarrier_wait(empty(s), ((it / STAGES) & 1) ^ 1);
-        hp::mbarrier_arrive_expect_tx(full(s), kStageBytes);
-        hp::tma_load_2d(slot_a(s), &map_a, full(s), kb * BK, m0);
-        hp::tma_load_2d(slot_b(s), &map_b, full(s), kb * BK, n0);
+    if (threadIdx.x == 0) {
+      int it = 0;  // k blocks issued so far, over all tiles: slot it % STAGES, lap it / STAGES
+      for (int g = cluster; g < groups; g += clusters) {
+        int gm, tn;
+        tile_origin(g, groups_m, tiles_n, gm, tn);
+        const int m0 = (gm * kCluster + rank) * BM, n0 = tn * BN;
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % STAGES;
+          // Wait until the consumers have freed the slot in the previous lap (lap 0: at once).
+          hp::mbarrier_wait(empty(s), ((it / STAGES) & 1) ^ 1);
+          hp::mbarrier_arrive_expect_tx(full(s), kStageBytes);  // own A + every part of B
+          hp::tma_load_2d(slot_a(s), &map_a, full(s), kb * BK, m0);
+          if constexpr (kCluster == 1) {
+            hp::tma_load_2d(slot_b(s), &map_b, full(s), kb * BK, n0);
+          } else {
+            constexpr int kPart = BN / kCluster;  // rows of B this block fetches for all
+            hp::tma_load_2d_multicast(slot_b(s) + rank * kPart * BK * 2, &map_b, full(s),
+                                      kb * BK, n0 + rank * kPart, (1u << kCluster) - 1);
+          }
+        }
       }
     }
-    return;
-  }
+  } else {
+    // Consumers.
+    hp::setmaxnreg_inc<240>();
+    const int consumer = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    float d[128];
+    int it = 0;
+    for (int g = cluster; g < groups; g += clusters) {
+      int gm, tn;
+      tile_origin(g, groups_m, tiles_n, gm, tn);
+      const int m0 = (gm * kCluster + rank) * BM, n0 = tn * BN;
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % STAGES;
+        hp::mbarrier_wait(full(s), (it / STAGES) & 1);
+        hp::wgmma_fence();
+        // This consumer's 64 rows of A start 64 rows (8 KiB) into the slot; each k16 step moves
+        // 32 bytes along the 128-byte row. The tile's first step overwrites the accumulators.
+        const std::uint32_t a = slot_a(s) + consumer * 64 * BK * 2, b = slot_b(s);
+#pragma unroll
+        for (int k = 0; k < BK / 16; ++k)
+          hp::wgmma_m64n256k16(d, hp::smem_desc_128b(a + 32 * k), hp::smem_desc_128b(b + 32 * k),
+                               kb > 0 || k > 0);
+        hp::wgmma_commit();
+        // Waiting for this block's group before taking the next measured slightly faster than
+        // keeping one group in flight (lecture section 10): the other consumer warpgroup keeps
+        // the tensor cores busy meanwhile.
+        hp::wgmma_wait<0>();
+        if (lane == 0) {
+          hp::mbarrier_arrive(empty(s));
+          for (int peer = 0; peer < kCluster; ++peer)
+            if (peer != rank) hp::mbarrier_arrive_cluster(empty(s), peer);
+        }
+      }
 
-  // Consumers.
-  hp::setmaxnreg_inc<240>();
-  const int consumer = warpgroup - 1;
-  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  float d[128];
-  int it = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    int m0, n0;
-    tile_origin(t, tiles_m, tiles_n, m0, n0);
-    int held = -1;  // the slot whose wgmma group may still be running
-    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-      const int s = it % STAGES;
-      hp::mbarrier_wait(full(s), (it / STAGES) & 1);
-      hp::wgmma_fence();
-      // This consumer's 64 rows of A start 64 rows (8 KiB) into the slot; each k16 step moves
-      // 32 bytes along the 128-byte row. The tile's first step overwrites the accumulators.
-      const std::uint32_t a = slot_a(s) + consumer * 64 * BK * 2, b = slot_b(s);
+      // Epilogue straight from the accumulators: rows 16·warp + g and + 8 of this consumer's 64
+      // (none, for a cluster's tile past the bottom of C).
+      const int g8 = lane / 4, q = lane % 4;
+      const int row = m0 + consumer * 64 + warp * 16 + g8;
 #pragma unroll
-      for (int k = 0; k < BK / 16; ++k)
-        hp::wgmma_m64n256k16(d, hp::smem_desc_128b(a + 32 * k), hp::smem_desc_128b(b + 32 * k),
-                             kb > 0 || k > 0);
-      hp::wgmma_commit();
-      hp::wgmma_wait<kInFlight>();
-      // Every group but the last kInFlight has finished reading its slot: release it.
-      const int done = kInFlight == 0 ? s : held;
-      if (done >= 0 && lane == 0) hp::mbarrier_arrive(empty(done));
-      held = s;
-    }
-    hp::wgmma_wait<0>();
-    if (kInFlight > 0 && held >= 0 && lane == 0) hp::mbarrier_arrive(empty(held));
-
-    // Epilogue straight from the accumulators: rows 16·warp + g and + 8 of this consumer's 64.
-    const int g = lane / 4, q = lane % 4;
-    const int row = m0 + consumer * 64 + warp * 16 + g;
+      for (int j = 0; j < 32; ++j) {
+        const int col = n0 + 8 * j + 2 * q;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = n0 + 8 * j + 2 * q;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row + 8 * h;
-        if (r >= M) continue;
-        bf16* p = C + static_cast<std::size_t>(r) * N + col;
-        const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-        if (pairs && col + 1 < N) {
-          *reinterpret_cast<std::uint32_t*>(p) = tc::pack_bf16x2(v0, v1);
-        } else {
-          if (col < N) p[0] = __float2bfloat16(v0);
-          if (col + 1 < N) p[1] = __float2bfloat16(v1);
+        for (int h = 0; h < 2; ++h) {
+          const int r = row + 8 * h;
+          if (r >= M) continue;
+          bf16* p = C + static_cast<std::size_t>(r) * N + col;
+          const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+          if (pairs && col + 1 < N) {
+            *reinterpret_cast<std::uint32_t*>(p) = tc::pack_bf16x2(v0, v1);
+          } else {
+            if (col < N) p[0] = __float2bfloat16(v0);
+            if (col + 1 < N) p[1] = __float2bfloat16(v1);
+          }
         }
       }
     }
   }
+  // No block of a cluster may exit while its peer can still write into its shared memory or
+  // arrive on its barriers.
+  if constexpr (kCluster > 1) hp::cluster_sync();
 #endif
 }
 
@@ -210,28 +240,43 @@ bool hopper_supported(std::string* why_not) {
 
 namespace {
 
-// The launch, for arguments matmul_hopper() has checked and K > 0.
-template <int kInFlight>
+// The launch, for arguments matmul_hopper() has checked and K > 0: as many blocks (clusters) as
+// can be resident at once, each looping over tiles.
+template <int kCluster>
 void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
                    cudaStream_t stream) {
-  static const int sms = [] {
-    int device = 0, count = 0;
+  auto* kernel = wgmma_kernel<kCluster>;
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  static const int resident = [&] {
+    K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kSmemBytes));
+    int device = 0, sms = 0, clusters = 0;
     K2C_CUDA_CHECK(cudaGetDevice(&device));
-    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    K2C_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<kInFlight>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    return count;
+    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    // Clusters must fit inside one GPC: not every SM may find a partner.
+    cudaLaunchConfig_t probe = config;
+    probe.gridDim = dim3(sms / kCluster * kCluster);
+    K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &probe));
+    K2C_CHECK(clusters > 0, "no cluster of " << kCluster << " fits on this GPU");
+    return clusters * kCluster;
   }();
-  // The maps are kernel parameters (__grid_constant__), so they live on the host only briefly.
   const CUtensorMap map_a = hopper::make_tensor_map_bf16(A, M, K, BM, BK);
-  const CUtensorMap map_b = hopper::make_tensor_map_bf16(B, N, K, BN, BK);
+  const CUtensorMap map_b = hopper::make_tensor_map_bf16(B, N, K, BN / kCluster, BK);
   const long long tiles = static_cast<long long>((M + BM - 1) / BM) * ((N + BN - 1) / BN);
   K2C_CHECK(tiles <= 0x7fffffff, "too many tiles: " << M << "x" << N);
-  const int blocks = static_cast<int>(std::min<long long>(tiles, sms));
+  const long long groups = (tiles + kCluster - 1) / kCluster;  // enough to keep every block busy
+  config.gridDim = dim3(static_cast<unsigned>(std::min<long long>(groups * kCluster, resident)));
+  config.stream = stream;
   const bool pairs = N % 2 == 0 && reinterpret_cast<std::uintptr_t>(C) % 4 == 0;
-  wgmma_kernel<kInFlight><<<blocks, kThreads, kSmemBytes, stream>>>(map_a, map_b, C, M, N, K,
-                                                                    pairs);
-  K2C_CUDA_CHECK_LAUNCH();
+  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, C, M, N, K, pairs));
 }
 
 }  // namespace
@@ -257,7 +302,7 @@ void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, c
     K2C_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<std::size_t>(M) * N * sizeof(bf16), stream));
     return;
   }
-  launch_hopper<kPipelined>(M, N, K, A, B, C, stream);
+  launch_hopper<kCluster>(M, N, K, A, B, C, stream);
 }
 
 }  // namespace k2c::tensor_core_matmul

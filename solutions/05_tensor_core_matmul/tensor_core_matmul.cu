@@ -4,9 +4,10 @@
 // C = A · Bᵀ, bf16 in, fp32 accumulation. The design, top to bottom:
 //   block tile   256×128 of C, 8 warps as 4 (along M) × 2 (along N), each warp a 64×64 tile:
 //                4 m16 × 8 n8 = 32 mma.sync per 16-wide k step, 128 fp32 accumulators a thread.
-//                A 64×64 warp tile reads 32 bytes of shared memory per 128 FLOPs of tensor-core
-//                work (4 KiB per k16 by ldmatrix), which is what shared memory can feed on Hopper;
-//                smaller warp tiles starve the tensor cores.
+//                A 64×64 warp tile loads 4 KiB by ldmatrix per 16-wide k step for 131,072 FLOPs
+//                of tensor-core work, 32 FLOPs per byte: about what shared memory (128 bytes
+//                per clock per SM) can feed at the tensor cores' rate. Smaller warp tiles starve
+//                them.
 //   k tile       64 bf16 = 128 bytes per row, so a row is one full line of the 32 banks.
 //   pipeline     STAGES shared-memory buffers filled by cp.async (global → shared with no
 //                register round trip); while the warps multiply tile k, tiles k+1 .. k+STAGES-1

@@ -47,12 +47,50 @@ __global__ void fill(bf16* p, size_t n, unsigned seed) {
   }
 }
 
+// Part B's kernel with clusters of kCluster blocks, on a grid of `blocks` blocks.
+template <int kCluster>
+static void part_b_grid(int n, const bf16* A, const bf16* B, bf16* C, int blocks) {
+  using namespace k2c::tensor_core_matmul;
+  auto* kernel = wgmma_kernel<kCluster>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  config.gridDim = dim3(blocks);
+  const CUtensorMap map_a = k2c::hopper::make_tensor_map_bf16(A, n, n, BM, BK);
+  const CUtensorMap map_b = k2c::hopper::make_tensor_map_bf16(B, n, n, BN / kCluster, BK);
+  cudaLaunchKernelEx(&config, kernel, map_a, map_b, C, n, n, n, true);
+}
+
 template <class T>
 static void part_a(int n, const bf16* A, const bf16* B, bf16* C) {
   tcm::launch<T, true>(n, n, n, A, B, C, true, nullptr);
 }
 
 int main() {
+  {
+    using namespace k2c::tensor_core_matmul;
+    cudaFuncSetAttribute(wgmma_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSmemBytes;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    config.gridDim = dim3(132);
+    int clusters = -1;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, wgmma_kernel<2>, &config);
+    std::printf("max active clusters of 2: %d (%s)\n", clusters, cudaGetErrorString(e));
+  }
   cublasHandle_t h;
   cublasCreate(&h);
   for (int n : {4096, 8192}) {
@@ -94,10 +132,10 @@ int main() {
                    n, &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }, 0);
     using namespace k2c::tensor_core_matmul;
-    report("mma 128x256 w2x4 s3 (ref)", [&] { part_a<Tile<128, 256, 2, 4, 3>>(n, A, B, C); }, cublas);
+    report("mma 128x256 w2x4 s3", [&] { part_a<Tile<128, 256, 2, 4, 3>>(n, A, B, C); }, cublas);
     report("mma 128x256 w2x4 s4", [&] { part_a<Tile<128, 256, 2, 4, 4>>(n, A, B, C); }, cublas);
     report("mma 256x128 w4x2 s3", [&] { part_a<Tile<256, 128, 4, 2, 3>>(n, A, B, C); }, cublas);
-    report("mma 256x128 w4x2 s4", [&] { part_a<Tile<256, 128, 4, 2, 4>>(n, A, B, C); }, cublas);
+    report("mma 256x128 w4x2 s4 (ref)", [&] { part_a<Tile<256, 128, 4, 2, 4>>(n, A, B, C); }, cublas);
     report("mma 128x128 w2x2 s3", [&] { part_a<Tile<128, 128, 2, 2, 3>>(n, A, B, C); }, cublas);
     report("mma 128x128 w2x2 s4", [&] { part_a<Tile<128, 128, 2, 2, 4>>(n, A, B, C); }, cublas);
     report("mma 128x128 w2x4 s4", [&] { part_a<Tile<128, 128, 2, 4, 4>>(n, A, B, C); }, cublas);
@@ -106,8 +144,15 @@ int main() {
     report("mma 128x256 w4x4 s4", [&] { part_a<Tile<128, 256, 4, 4, 4>>(n, A, B, C); }, cublas);
     report("mma 256x256 w4x4 s3", [&] { part_a<Tile<256, 256, 4, 4, 3>>(n, A, B, C); }, cublas);
     if (tcm::hopper_supported()) {
-      report("wgmma, wait 0 per k block", [&] { tcm::launch_hopper<0>(n, n, n, A, B, C, nullptr); }, cublas);
-      report("wgmma, 1 group in flight", [&] { tcm::launch_hopper<1>(n, n, n, A, B, C, nullptr); }, cublas);
+      report("wgmma, 1 block per tile", [&] { tcm::launch_hopper<1>(n, n, n, A, B, C, nullptr); }, cublas);
+      report("wgmma, clusters of 2 (ref)", [&] { tcm::launch_hopper<2>(n, n, n, A, B, C, nullptr); }, cublas);
+      for (int blocks : {128}) {
+        char name[64];
+        std::snprintf(name, sizeof name, "wgmma, clusters of 2, %d blocks", blocks);
+        report(name, [&] { part_b_grid<2>(n, A, B, C, blocks); }, cublas);
+        std::snprintf(name, sizeof name, "wgmma, no cluster, %d blocks", blocks);
+        report(name, [&] { part_b_grid<1>(n, A, B, C, blocks); }, cublas);
+      }
     }
     cudaFree(A);
     cudaFree(B);
