@@ -62,10 +62,11 @@ bool hopper_supported(std::string* why_not) {
   const cudaError_t copied = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost);
   cudaFree(flag);
   if (launched != cudaSuccess || copied != cudaSuccess)
-    return fail(std::string("this build has no code for the GPU: ") + cudaGetErrorString(launched));
+    return fail(std::string("this build has no code for the GPU: ") +
+                cudaGetErrorString(launched != cudaSuccess ? launched : copied));
   if (!has)
-    return fail("this build was compiled for sm_90, not sm_90a (configure with "
-                "CMAKE_CUDA_ARCHITECTURES=90 so the module is built for 90a)");
+    return fail("this build's code for the GPU lacks the sm_90a features (configure with "
+                "CMAKE_CUDA_ARCHITECTURES=90 or 90a: the module is then built for 90a)");
   return true;
 }
 

@@ -89,6 +89,9 @@ std::string global_property(const json& report, const char* key) {
   return v;
 }
 
+// Run verdicts that void a module's points: the run did not produce results to trust.
+const std::set<std::string> kModuleLevelFailures = {"crashed", "timed out", "no report", "incomplete", "invalid"};
+
 // A module's status from its tests' verdicts. Tests worth no points (Contract.Implemented, a
 // listing check) do not make a stub "partial": what counts is whether anything that earns
 // points passed. A bonus part left unwritten, or one this machine cannot run, does not count
@@ -336,6 +339,53 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
   return m;
 }
 
+ModuleSpec main_part(const ModuleSpec& spec) {
+  ModuleSpec out = spec;
+  std::erase_if(out.tests, [](const TestSpec& t) { return t.bonus; });
+  return out;
+}
+
+ModuleSpec bonus_part(const ModuleSpec& spec) {
+  ModuleSpec out = spec;
+  std::erase_if(out.tests, [](const TestSpec& t) { return !t.bonus; });
+  return out;
+}
+
+ModuleOutcome merge_bonus(const ModuleSpec& spec, const ModuleOutcome& main, const ModuleOutcome& bonus) {
+  if (kModuleLevelFailures.count(main.status)) {
+    ModuleOutcome m = main;
+    m.max_points = spec.points();
+    return m;
+  }
+  ModuleOutcome m = main;
+  m.max_points = spec.points();
+  m.seconds += bonus.seconds;
+  m.log += "==== bonus tests\n" + bonus.log;
+  m.points = 0;
+  m.tests.clear();
+  const bool bonus_failed = kModuleLevelFailures.count(bonus.status) > 0;
+  for (const TestSpec& ts : spec.tests) {
+    const std::vector<TestOutcome>& from = ts.bonus ? bonus.tests : main.tests;
+    auto it = std::find_if(from.begin(), from.end(), [&](const TestOutcome& t) { return t.name == ts.name; });
+    TestOutcome t;
+    if (it != from.end()) t = *it;
+    t.name = ts.name;
+    t.max_points = ts.points;
+    t.bonus = ts.bonus;
+    if (ts.bonus && bonus_failed) {
+      t.status = "failed";
+      t.points = 0;
+      t.message = "the bonus run " + bonus.status + (bonus.detail.empty() ? "" : ": " + first_lines(bonus.detail, 1, 200));
+    }
+    m.points += t.points;
+    m.tests.push_back(t);
+  }
+  m.status = module_status(m.tests);
+  if (!bonus.detail.empty())
+    m.detail += (m.detail.empty() ? "" : "; ") + std::string("bonus run: ") + bonus.detail;
+  return m;
+}
+
 json find_reference(const std::string& dir, const std::string& gpu, std::string* file) {
   std::error_code ec;
   if (gpu.empty() || gpu == "none" || !fs::is_directory(dir, ec)) return json::object();
@@ -463,18 +513,20 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     // One launch of the test program; returns its verdict and leaves its report in gtest_json.
     std::string gtest_json;
     auto run_once = [&](const std::vector<std::string>& prefix, const std::string& suffix,
-                        const std::vector<std::pair<std::string, std::string>>& extra_env) {
+                        const std::vector<std::pair<std::string, std::string>>& extra_env,
+                        const ModuleSpec& part = ModuleSpec{}, const std::string& filter = "") {
       const fs::path json_path = build / "reports" / (spec.id + suffix + ".json");
       fs::create_directories(json_path.parent_path());
       fs::remove(json_path);
       std::vector<std::string> cmd = prefix;
       cmd.push_back(program.string());
       cmd.push_back("--gtest_output=json:" + json_path.string());
+      if (!filter.empty()) cmd.push_back("--gtest_filter=" + filter);
       auto all_env = env;
       all_env.insert(all_env.end(), extra_env.begin(), extra_env.end());
       const ProcessResult r = run_process(cmd, {.env = all_env, .timeout_s = timeout});
       gtest_json = fs::exists(json_path) ? read_file(json_path) : "";
-      ModuleOutcome out = evaluate_module(spec, r, gtest_json, o.impl, timeout);
+      ModuleOutcome out = evaluate_module(part.id.empty() ? spec : part, r, gtest_json, o.impl, timeout);
       if (o.sanitize) {  // the sanitizer's own verdict, for the record
         const auto at = r.output.rfind("ERROR SUMMARY:");
         if (at != std::string::npos)
@@ -505,7 +557,17 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       if (o.sanitize && spec.kind == "gpu")
         prefix = {"compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20"};
       progress << tag << ": running (time limit " << timeout << " s) ...\n" << std::flush;
-      m = run_once(prefix, "", {});
+      if (std::any_of(spec.tests.begin(), spec.tests.end(), [](const TestSpec& t) { return t.bonus; })) {
+        const ModuleSpec main = main_part(spec), bonus = bonus_part(spec);
+        std::string bonus_names;
+        for (const TestSpec& t : bonus.tests) bonus_names += (bonus_names.empty() ? "" : ":") + t.name;
+        const ModuleOutcome main_out = run_once(prefix, "", {}, main, "-" + bonus_names);
+        progress << tag << ": running the bonus tests (time limit " << timeout << " s) ...\n" << std::flush;
+        const ModuleOutcome bonus_out = run_once(prefix, ".bonus", {}, bonus, bonus_names);
+        m = merge_bonus(spec, main_out, bonus_out);
+      } else {
+        m = run_once(prefix, "", {});
+      }
     }
 
     if (!gtest_json.empty()) {
@@ -651,8 +713,10 @@ json to_gradescope(const GradeReport& r) {
       if (t.perf)
         output += "\nachieved " + fmt(t.perf->achieved, 4) + " " + t.perf->unit + " = " +
                   fmt(t.perf->ratio) + " of " + t.perf->ceiling_name + " (required " + fmt(t.perf->required) + ")";
-      j["tests"].push_back({{"name", m.id + " / " + t.name}, {"score", t.points},
-                            {"max_score", t.max_points}, {"output", output}});
+      // Bonus points are extra credit: a score above a max_score of 0.
+      j["tests"].push_back({{"name", m.id + " / " + t.name + (t.bonus ? " (bonus)" : "")},
+                            {"score", t.points}, {"max_score", t.bonus ? 0.0 : t.max_points},
+                            {"output", output}});
     }
   }
   return j;

@@ -92,6 +92,14 @@ ModuleOutcome evaluate_module(const ModuleSpec& module, const ProcessResult& run
 ModuleOutcome combine_runs(const ModuleSpec& spec,
                            const std::vector<std::pair<std::string, ModuleOutcome>>& runs);
 
+// A module with bonus tests runs them in a second process, so that an attempted bonus part that
+// hangs or crashes costs only the bonus. The two specs split the rubric's tests; merge_bonus
+// puts the verdicts back together in rubric order: a failed main run decides the module, a
+// failed bonus run fails the bonus tests (naming why) and keeps the main run's points.
+ModuleSpec main_part(const ModuleSpec& spec);
+ModuleSpec bonus_part(const ModuleSpec& spec);
+ModuleOutcome merge_bonus(const ModuleSpec& spec, const ModuleOutcome& main, const ModuleOutcome& bonus);
+
 // Reference ratios: <dir>/*.json whose "gpu" equals the device name. Empty object if none.
 nlohmann::json find_reference(const std::string& dir, const std::string& gpu, std::string* file);
 

@@ -134,6 +134,35 @@ TEST(Verdict, BonusPoints) {
      "tests": [{"name": "A.Correct", "points": 6, "bonus": "yes"}]}]})"), k2c::RubricError);
 }
 
+// The bonus tests run in a process of their own: one that hangs fails the bonus tests only.
+TEST(Verdict, BonusRunThatHangsCostsOnlyTheBonus) {
+  const auto spec = k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+    {"id": "50_demo", "title": "demo", "kind": "gpu", "timeout_s": 9, "files": [],
+     "tests": [{"name": "A.Correct", "points": 6},
+               {"name": "APerf.Rate", "points": 4, "bonus": true}]}]})").modules[0];
+  const auto main = k2c::grader::main_part(spec), bonus = k2c::grader::bonus_part(spec);
+  ASSERT_EQ(main.tests.size(), 1u);
+  ASSERT_EQ(bonus.tests.size(), 1u);
+  const std::string report = R"({"testsuites": [{"name": "A", "testsuite": [{"name": "Correct", "status": "RUN", "result": "COMPLETED"}]},
+    {"name": "APerf", "testsuite": [{"name": "Rate", "status": "RUN", "result": "COMPLETED"}]}]})";
+  const auto main_out = evaluate_module(main, exited(0), report, "assignments", 9);
+  ProcessResult hang = exited(-1);
+  hang.timed_out = true;
+  const auto bonus_out = evaluate_module(bonus, hang, "", "assignments", 9);
+  EXPECT_EQ(bonus_out.status, "timed out");
+  const auto m = k2c::grader::merge_bonus(spec, main_out, bonus_out);
+  EXPECT_EQ(m.points, 6);
+  EXPECT_EQ(m.max_points, 6);
+  ASSERT_EQ(m.tests.size(), 2u);
+  EXPECT_EQ(m.tests[0].status, "passed");
+  EXPECT_EQ(m.tests[1].status, "failed");
+  EXPECT_NE(m.tests[1].message.find("timed out"), std::string::npos);
+  // Both runs fine: the bonus adds its points.
+  const auto both = k2c::grader::merge_bonus(spec, main_out, evaluate_module(bonus, exited(0), report, "assignments", 9));
+  EXPECT_EQ(both.points, 10);
+  EXPECT_EQ(both.status, "ok");
+}
+
 TEST(Verdict, ProcessFailures) {
   const k2c::ModuleSpec spec = two_test_module();
   const std::string good = gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")");

@@ -22,6 +22,8 @@
 //                TMA needs K % 8 == 0 and 16-byte aligned A and B (rows start on 16 bytes).
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -52,7 +54,8 @@ static_assert(kSmemBytes <= 227 * 1024, "the ring fits in one SM's shared memory
 static_assert(BK * 2 == 128, "a K slab row is exactly one 128-byte swizzle row");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Tile t of the grouped raster over a tiles_m × tiles_n grid (bands of 16 tile-rows):
+// Tile t of the grouped raster over a tiles_m × tiles_n grid (bands of 16 rows of the grid; with
+// clusters a grid row is a pair of tile rows):
 // consecutive tiles, which run at the same time on neighbouring SMs, share A rows and B columns
 // in L2.
 __device__ __forceinline__ void tile_origin(int t, int tiles_m, int tiles_n, int& tm, int& tn) {
@@ -89,9 +92,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // rank-th tile of each group its cluster is given.
   const int rank = kCluster > 1 ? static_cast<int>(hp::cluster_rank()) : 0;
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
-  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const int tiles_m = tc::ceil_div(M, BM), tiles_n = tc::ceil_div(N, BN);
   const int groups_m = (tiles_m + kCluster - 1) / kCluster;
-  const int groups = groups_m * tiles_n, k_blocks = (K + BK - 1) / BK;
+  const int groups = groups_m * tiles_n, k_blocks = tc::ceil_div(K, BK);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -231,10 +234,11 @@ bool hopper_supported(std::string* why_not) {
   const cudaError_t copied = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost);
   cudaFree(flag);
   if (launched != cudaSuccess || copied != cudaSuccess)
-    return fail(std::string("this build has no code for the GPU: ") + cudaGetErrorString(launched));
+    return fail(std::string("this build has no code for the GPU: ") +
+                cudaGetErrorString(launched != cudaSuccess ? launched : copied));
   if (!has)
-    return fail("this build was compiled for sm_90, not sm_90a (configure with "
-                "CMAKE_CUDA_ARCHITECTURES=90 so the module is built for 90a)");
+    return fail("this build's code for the GPU lacks the sm_90a features (configure with "
+                "CMAKE_CUDA_ARCHITECTURES=90 or 90a: the module is then built for 90a)");
   return true;
 }
 
@@ -255,22 +259,32 @@ void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
   config.dynamicSmemBytes = kSmemBytes;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  static const int resident = [&] {
-    K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kSmemBytes));
-    int device = 0, sms = 0, clusters = 0;
-    K2C_CUDA_CHECK(cudaGetDevice(&device));
-    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    // Clusters must fit inside one GPC: not every SM may find a partner.
-    cudaLaunchConfig_t probe = config;
-    probe.gridDim = dim3(sms / kCluster * kCluster);
-    K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &probe));
-    K2C_CHECK(clusters > 0, "no cluster of " << kCluster << " fits on this GPU");
-    return clusters * kCluster;
-  }();
+  // The opt-in is per device, and so is the number of resident clusters: asked once per device.
+  int device = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kSmemBytes));
+  static std::mutex mutex;
+  static std::map<int, int> resident_on;
+  int resident = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    int& known = resident_on[device];
+    if (known == 0) {
+      int sms = 0, clusters = 0;
+      K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      // Clusters must fit inside one GPC: not every SM may find a partner.
+      cudaLaunchConfig_t probe = config;
+      probe.gridDim = dim3(sms / kCluster * kCluster);
+      K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &probe));
+      K2C_CHECK(clusters > 0, "no cluster of " << kCluster << " fits on this GPU");
+      known = clusters * kCluster;
+    }
+    resident = known;
+  }
   const CUtensorMap map_a = hopper::make_tensor_map_bf16(A, M, K, BM, BK);
   const CUtensorMap map_b = hopper::make_tensor_map_bf16(B, N, K, BN / kCluster, BK);
-  const long long tiles = static_cast<long long>((M + BM - 1) / BM) * ((N + BN - 1) / BN);
+  const long long tiles = static_cast<long long>(tc::ceil_div(M, BM)) * tc::ceil_div(N, BN);
   K2C_CHECK(tiles <= 0x7fffffff, "too many tiles: " << M << "x" << N);
   const long long groups = (tiles + kCluster - 1) / kCluster;  // enough to keep every block busy
   config.gridDim = dim3(static_cast<unsigned>(std::min<long long>(groups * kCluster, resident)));
@@ -292,12 +306,20 @@ void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, c
                             << K << "; use matmul()");
   K2C_CHECK(K == 0 || (tma_addressable(A) && tma_addressable(B)),
             "matmul_hopper needs 16-byte aligned A and B (TMA); use matmul()");
-  static const bool supported = [] {
-    std::string why;
-    K2C_CHECK(hopper_supported(&why), "matmul_hopper cannot run here: " << why);
-    return true;
-  }();
-  (void)supported;
+  {  // asked once per device: the answer costs a kernel launch
+    static std::mutex mutex;
+    static std::map<int, std::string> why_not_on;  // "" = supported
+    int device = 0;
+    K2C_CUDA_CHECK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    auto known = why_not_on.find(device);
+    if (known == why_not_on.end()) {
+      std::string why;
+      if (hopper_supported(&why)) why.clear();
+      known = why_not_on.emplace(device, why).first;
+    }
+    K2C_CHECK(known->second.empty(), "matmul_hopper cannot run here: " << known->second);
+  }
   if (K == 0) {  // an empty sum: nothing for TMA to describe
     K2C_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<std::size_t>(M) * N * sizeof(bf16), stream));
     return;

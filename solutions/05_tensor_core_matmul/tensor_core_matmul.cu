@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int warp_m = warp / T::WARPS_N, warp_n = warp % T::WARPS_N;
 
   // Grouped raster: block b → (tile_m, tile_n), bands of kGroupRows block-rows.
-  const int tiles_m = (M + T::BM - 1) / T::BM, tiles_n = (N + T::BN - 1) / T::BN;
+  const int tiles_m = tc::ceil_div(M, T::BM), tiles_n = tc::ceil_div(N, T::BN);
   const int per_band = T::kGroupRows * tiles_n;
   const int band = blockIdx.x / per_band, in_band = blockIdx.x % per_band;
   const int band_rows = min(T::kGroupRows, tiles_m - band * T::kGroupRows);
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   };
 
   float acc[T::MT][T::NT][4] = {};
-  const int k_tiles = (K + T::BK - 1) / T::BK;
+  const int k_tiles = tc::ceil_div(K, T::BK);
 
   // Prologue: the first STAGES-1 tiles in flight, one commit group each (empty groups past the
   // end keep the wait count below uniform).
@@ -203,14 +203,11 @@ template <class T, bool kVector, class OutT>
 void launch(int M, int N, int K, const bf16* A, const bf16* B, OutT* C, bool pairs,
             cudaStream_t stream) {
   auto* kernel = mma_kernel<T, kVector, OutT>;
-  // Beyond 48 KiB of dynamic shared memory a kernel must opt in.
-  static const bool opted_in = [&] {
-    K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        T::kSmemBytes));
-    return true;
-  }();
-  (void)opted_in;
-  const long long blocks = static_cast<long long>((M + T::BM - 1) / T::BM) * ((N + T::BN - 1) / T::BN);
+  // Beyond 48 KiB of dynamic shared memory a kernel must opt in, on each device it runs on: cheap
+  // enough to repeat at every launch.
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      T::kSmemBytes));
+  const long long blocks = static_cast<long long>(tc::ceil_div(M, T::BM)) * tc::ceil_div(N, T::BN);
   K2C_CHECK(blocks <= 0x7fffffff, "too many tiles for one launch: " << M << "x" << N);
   kernel<<<static_cast<unsigned>(blocks), T::kThreads, T::kSmemBytes, stream>>>(M, N, K, A, B, C,
                                                                                  pairs);

@@ -32,7 +32,8 @@ __device__ __forceinline__ void mbarrier_init(std::uint32_t bar, std::uint32_t a
 }
 
 // Makes the initialised barriers visible to the other threads and to the async (TMA) proxy;
-// follow it with a __syncthreads() before anyone uses them.
+// follow it with a __syncthreads() before anyone uses them, or with cluster_sync() when other
+// blocks of a cluster multicast into them or arrive on them.
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -65,9 +66,9 @@ __device__ __forceinline__ void mbarrier_wait(std::uint32_t bar, std::uint32_t p
 
 // ------------------------------------------------------------------ TMA ----------------------
 
-// Tile (x, y) of the tensor `map` describes (x the contiguous dimension, in elements) into shared
-// memory at `dst`, completing `bytes` (the box size, counted even where it is zero-filled) on
-// the mbarrier `bar`.
+// The box at (x, y) of the tensor `map` describes (x the contiguous dimension, in elements) into
+// shared memory at `dst`. It completes the box's full size in bytes on the mbarrier `bar`, even
+// where the box hangs over the tensor's edge and is zero-filled.
 __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap* map,
                                             std::uint32_t bar, int x, int y) {
   asm volatile(
@@ -105,9 +106,11 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // An arrival on the mbarrier at the same offset as `bar`, in CTA `cta` of the cluster. It keeps
-// the default .release.cta ordering: what it announces (wgmma reads of this CTA's shared
-// memory, finished by wgmma_wait) needs no cluster-wide fence, and the .cluster form measured
-// about a third slower in a GEMM that arrives once per warp and k block.
+// the default .release.cta ordering, which is enough for what the GEMM announces with it: "my
+// reads of my own shared memory are over" (wgmma_wait retired them), after which the peer's TMA
+// may overwrite that memory. It is not enough to publish data this thread wrote for the peer to
+// read: that needs mbarrier.arrive.release.cluster, which measured about a third slower in a
+// GEMM that arrives once per warp and k block.
 __device__ __forceinline__ void mbarrier_arrive_cluster(std::uint32_t bar, std::uint32_t cta) {
   asm volatile(
       "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
@@ -191,6 +194,13 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 // aligned base and a row pitch that is a multiple of 16 bytes (cols % 8 == 0).
 inline CUtensorMap make_tensor_map_bf16(const void* base, int rows, int cols, int box_rows,
                                         int box_cols) {
+  K2C_CHECK(rows >= 1 && cols >= 1, "a TMA tensor needs at least one row and column, got "
+                                        << rows << " x " << cols);
+  K2C_CHECK(cols % 8 == 0, "TMA rows must start on 16 bytes: cols % 8 == 0, got " << cols);
+  K2C_CHECK(reinterpret_cast<std::uintptr_t>(base) % 16 == 0, "a TMA tensor must start on 16 bytes");
+  K2C_CHECK(box_rows >= 1 && box_rows <= 256 && box_cols >= 1 && box_cols * 2 <= 128,
+            "a 128-byte-swizzled TMA box is at most 256 rows of 64 bf16, got " << box_rows << " x "
+                                                                           << box_cols);
   using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,

@@ -14,6 +14,9 @@
 
 namespace k2c::tc {
 
+// ⌈a / b⌉ for a >= 0, without the overflow of (a + b - 1) / b for a near INT_MAX.
+__host__ __device__ constexpr int ceil_div(int a, int b) { return a / b + (a % b != 0); }
+
 // The 32-bit shared-memory address PTX's .shared instructions take.
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
@@ -25,16 +28,20 @@ __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
+               "r"(src_bytes)
+               : "memory");
 }
 
 // Closes the group of copies issued since the last commit; wait<N> blocks until at most N groups
 // are still in flight. With one group per pipeline stage, wait<STAGES-2> means "the oldest
 // stage has landed".
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// The "memory" clobbers keep the compiler from moving ordinary shared-memory reads across them.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Lane l supplies the address of row l % 8 of tile l / 8; thread t receives, in register i,
