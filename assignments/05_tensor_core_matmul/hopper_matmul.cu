@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "k2c/check.h"
+#include "k2c/gemm_args.h"
 #include "k2c/hopper.cuh"
 #include "k2c/tensor_core.cuh"
 #include "k2c/todo.h"
@@ -71,12 +72,8 @@ bool hopper_supported(std::string* why_not) {
 }
 
 void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, cudaStream_t stream) {
-  K2C_CHECK(M >= 0 && N >= 0 && K >= 0,
-            "GEMM sizes must be >= 0, got M=" << M << " N=" << N << " K=" << K);
+  check_gemm_args(M, N, K, A, B, 0.0f, C);
   if (M == 0 || N == 0) return;
-  K2C_CHECK(C != nullptr, "C is null for a " << M << "x" << N << " output");
-  K2C_CHECK(K == 0 || (A != nullptr && B != nullptr),
-            "A or B is null for M=" << M << " N=" << N << " K=" << K);
   K2C_CHECK(K % 8 == 0, "matmul_hopper needs K % 8 == 0 (TMA rows start on 16 bytes), got K="
                             << K << "; use matmul()");
   K2C_CHECK(K == 0 || (tma_addressable(A) && tma_addressable(B)),

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "k2c/check.h"
+#include "k2c/gemm_args.h"
 #include "k2c/tensor_core.cuh"
 #include "k2c/todo.h"
 #include "tensor_core_matmul.h"
@@ -72,12 +73,8 @@ bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 
 
 template <class OutT>
 void run(int M, int N, int K, const bf16* A, const bf16* B, OutT* C, cudaStream_t stream) {
-  K2C_CHECK(M >= 0 && N >= 0 && K >= 0,
-            "GEMM sizes must be >= 0, got M=" << M << " N=" << N << " K=" << K);
+  check_gemm_args(M, N, K, A, B, 0.0f, C);
   if (M == 0 || N == 0) return;
-  K2C_CHECK(C != nullptr, "C is null for a " << M << "x" << N << " output");
-  K2C_CHECK(K == 0 || (A != nullptr && B != nullptr),
-            "A or B is null for M=" << M << " N=" << N << " K=" << K);
   const bool vector = K % 8 == 0 && aligned16(A) && aligned16(B);
   const bool pairs = N % 2 == 0 && reinterpret_cast<std::uintptr_t>(C) % (2 * sizeof(OutT)) == 0;
   launch(M, N, K, A, B, C, vector, pairs, stream);

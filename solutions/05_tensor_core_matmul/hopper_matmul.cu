@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include "k2c/check.h"
+#include "k2c/gemm_args.h"
 #include "k2c/hopper.cuh"
 #include "k2c/tensor_core.cuh"
 #include "tensor_core_matmul.h"
@@ -96,6 +97,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int groups_m = (tiles_m + kCluster - 1) / kCluster;
   const int groups = groups_m * tiles_n, k_blocks = tc::ceil_div(K, BK);
   const int warpgroup = threadIdx.x / 128;
+  // Group g's tile for this block: its rank-th tile row, the group's column.
+  auto origin = [&](int g, int& m0, int& n0) {
+    int gm, tn;
+    tile_origin(g, groups_m, tiles_n, gm, tn);
+    m0 = (gm * kCluster + rank) * BM;
+    n0 = tn * BN;
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -117,9 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       int it = 0;  // k blocks issued so far, over all tiles: slot it % STAGES, lap it / STAGES
       for (int g = cluster; g < groups; g += clusters) {
-        int gm, tn;
-        tile_origin(g, groups_m, tiles_n, gm, tn);
-        const int m0 = (gm * kCluster + rank) * BM, n0 = tn * BN;
+        int m0, n0;
+        origin(g, m0, n0);
         for (int kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = it % STAGES;
           // Wait until the consumers have freed the slot in the previous lap (lap 0: at once).
@@ -144,9 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float d[128];
     int it = 0;
     for (int g = cluster; g < groups; g += clusters) {
-      int gm, tn;
-      tile_origin(g, groups_m, tiles_n, gm, tn);
-      const int m0 = (gm * kCluster + rank) * BM, n0 = tn * BN;
+      int m0, n0;
+      origin(g, m0, n0);
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % STAGES;
         hp::mbarrier_wait(full(s), (it / STAGES) & 1);
@@ -296,12 +302,8 @@ void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
 }  // namespace
 
 void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, cudaStream_t stream) {
-  K2C_CHECK(M >= 0 && N >= 0 && K >= 0,
-            "GEMM sizes must be >= 0, got M=" << M << " N=" << N << " K=" << K);
+  check_gemm_args(M, N, K, A, B, 0.0f, C);
   if (M == 0 || N == 0) return;
-  K2C_CHECK(C != nullptr, "C is null for a " << M << "x" << N << " output");
-  K2C_CHECK(K == 0 || (A != nullptr && B != nullptr),
-            "A or B is null for M=" << M << " N=" << N << " K=" << K);
   K2C_CHECK(K % 8 == 0, "matmul_hopper needs K % 8 == 0 (TMA rows start on 16 bytes), got K="
                             << K << "; use matmul()");
   K2C_CHECK(K == 0 || (tma_addressable(A) && tma_addressable(B)),

@@ -47,50 +47,12 @@ __global__ void fill(bf16* p, size_t n, unsigned seed) {
   }
 }
 
-// Part B's kernel with clusters of kCluster blocks, on a grid of `blocks` blocks.
-template <int kCluster>
-static void part_b_grid(int n, const bf16* A, const bf16* B, bf16* C, int blocks) {
-  using namespace k2c::tensor_core_matmul;
-  auto* kernel = wgmma_kernel<kCluster>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  config.gridDim = dim3(blocks);
-  const CUtensorMap map_a = k2c::hopper::make_tensor_map_bf16(A, n, n, BM, BK);
-  const CUtensorMap map_b = k2c::hopper::make_tensor_map_bf16(B, n, n, BN / kCluster, BK);
-  cudaLaunchKernelEx(&config, kernel, map_a, map_b, C, n, n, n, true);
-}
-
 template <class T>
 static void part_a(int n, const bf16* A, const bf16* B, bf16* C) {
   tcm::launch<T, true>(n, n, n, A, B, C, true, nullptr);
 }
 
 int main() {
-  {
-    using namespace k2c::tensor_core_matmul;
-    cudaFuncSetAttribute(wgmma_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    config.gridDim = dim3(132);
-    int clusters = -1;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, wgmma_kernel<2>, &config);
-    std::printf("max active clusters of 2: %d (%s)\n", clusters, cudaGetErrorString(e));
-  }
   cublasHandle_t h;
   cublasCreate(&h);
   for (int n : {4096, 8192}) {
@@ -146,13 +108,6 @@ int main() {
     if (tcm::hopper_supported()) {
       report("wgmma, 1 block per tile", [&] { tcm::launch_hopper<1>(n, n, n, A, B, C, nullptr); }, cublas);
       report("wgmma, clusters of 2 (ref)", [&] { tcm::launch_hopper<2>(n, n, n, A, B, C, nullptr); }, cublas);
-      for (int blocks : {128}) {
-        char name[64];
-        std::snprintf(name, sizeof name, "wgmma, clusters of 2, %d blocks", blocks);
-        report(name, [&] { part_b_grid<2>(n, A, B, C, blocks); }, cublas);
-        std::snprintf(name, sizeof name, "wgmma, no cluster, %d blocks", blocks);
-        report(name, [&] { part_b_grid<1>(n, A, B, C, blocks); }, cublas);
-      }
     }
     cudaFree(A);
     cudaFree(B);
