@@ -225,9 +225,9 @@ __global__ __launch_bounds__(1024) void backward_kernel(const bf16* __restrict__
 // k = r³/n · Σ dy·g·h. The second splits the matrix into column slices × row-groups: a block
 // owns a slice of columns and a set of rows, keeps its slice of gamma and of the dgamma partial
 // sums in registers across all its rows, and writes one partial row slice at the end. The rows
-// are read twice (6 + 4 bytes per element instead of 6), but every pass streams at full width:
-// the earlier design, a block per row that added into its dgamma partial row in global memory at
-// every row, ran at 0.13 of a copy at 65536 columns.
+// are read twice (6 + 4 bytes per element instead of 6), but every pass streams at full width.
+// A block per row, adding into its dgamma partial row in global memory at every row, measured
+// 0.12 of a copy at 65536 columns; this design 0.47.
 constexpr int kLongGroups = 64;     // row-groups of the long-row path: its partial rows
 constexpr int kSliceThreads = 256;  // a slice is kSliceThreads · kSliceVectors vectors wide
 constexpr int kSliceVectors = 2;
