@@ -100,28 +100,21 @@ step "benchmarks"
 "$BUILD/bin/k2c" bench --build-dir "$BUILD" --out /tmp/k2c-bench --filter "${K2C_BENCH_FILTER:-.}" >> "$LOG" 2>&1
 tar -czf "$OUT/bench.tar.gz" -C /tmp/k2c-bench .
 
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+gpus=$(nvidia-smi -L | wc -l)
+if [ "$gpus" -ge 2 ]; then
   step "collectives sweep on 2 GPUs (NCCL)"
   K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np 2 --build-dir "$BUILD" -b 1M -e 4G -f 2 -n 20 -w 5 -c 1 \
     -o "$OUT/collectives.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce" | tail -6
 fi
-if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
-  step "collectives sweep on 4 GPUs (NCCL)"
-  K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np 4 --build-dir "$BUILD" -b 1M -e 4G -f 4 -n 20 -w 5 -c 1 \
-    -o "$OUT/collectives4.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce|wrong" | tail -8
-  step "module 11 tests at 4 ranks on NCCL"
+for n in 4 8; do
+  [ "$gpus" -ge "$n" ] || continue
+  step "collectives sweep on $n GPUs (NCCL)"
+  K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np "$n" --build-dir "$BUILD" -b 1M -e 4G -f 4 -n 20 -w 5 -c 1 \
+    -o "$OUT/collectives$n.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce|wrong" | tail -8
+  step "module 11 tests at $n ranks on NCCL"
   K2C_BACKEND=nccl NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    mpirun -np 4 --oversubscribe "$BUILD/bin/k2c_test_11_collectives" 2>&1 | tee -a "$LOG" | tail -4
-fi
-
-if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
-  step "collectives sweep on 8 GPUs (NCCL)"
-  K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np 8 --build-dir "$BUILD" -b 1M -e 4G -f 4 -n 20 -w 5 -c 1 \
-    -o "$OUT/collectives8.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce|wrong" | tail -8
-  step "module 11 tests at 8 ranks on NCCL"
-  K2C_BACKEND=nccl NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    mpirun -np 8 --oversubscribe "$BUILD/bin/k2c_test_11_collectives" 2>&1 | tee -a "$LOG" | tail -4
-fi
+    mpirun -np "$n" --oversubscribe "$BUILD/bin/k2c_test_11_collectives" 2>&1 | tee -a "$LOG" | tail -4
+done
 
 step "plots"
 python3 tools/plot_ladder.py /tmp/k2c-bench --png "$OUT/sgemm_ladder.png" --readme /dev/null >> "$LOG" 2>&1

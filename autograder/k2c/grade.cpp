@@ -299,8 +299,7 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
   }
   // A run that voids its module voids it here too, named.
   for (const auto& [label, r] : runs)
-    if (r.status == "crashed" || r.status == "timed out" || r.status == "no report" ||
-        r.status == "incomplete" || r.status == "invalid") {
+    if (kModuleLevelFailures.count(r.status)) {
       m.status = r.status;
       m.detail = label + ": " + r.detail;
       m.tests = r.tests;
@@ -514,7 +513,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     std::string gtest_json;
     auto run_once = [&](const std::vector<std::string>& prefix, const std::string& suffix,
                         const std::vector<std::pair<std::string, std::string>>& extra_env,
-                        const ModuleSpec& part = ModuleSpec{}, const std::string& filter = "") {
+                        const ModuleSpec& part, const std::string& filter) {
       const fs::path json_path = build / "reports" / (spec.id + suffix + ".json");
       fs::create_directories(json_path.parent_path());
       fs::remove(json_path);
@@ -526,7 +525,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       all_env.insert(all_env.end(), extra_env.begin(), extra_env.end());
       const ProcessResult r = run_process(cmd, {.env = all_env, .timeout_s = timeout});
       gtest_json = fs::exists(json_path) ? read_file(json_path) : "";
-      ModuleOutcome out = evaluate_module(part.id.empty() ? spec : part, r, gtest_json, o.impl, timeout);
+      ModuleOutcome out = evaluate_module(part, r, gtest_json, o.impl, timeout);
       if (o.sanitize) {  // the sanitizer's own verdict, for the record
         const auto at = r.output.rfind("ERROR SUMMARY:");
         if (at != std::string::npos)
@@ -549,7 +548,8 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
                                     {"OMPI_ALLOW_RUN_AS_ROOT", "1"},
                                     {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
                                     {"NCCL_NVLS_ENABLE", "0"},
-                                    {"K2C_DIST_TIMEOUT", std::to_string(std::max(10, static_cast<int>(timeout / 3)))}}));
+                                    {"K2C_DIST_TIMEOUT", std::to_string(std::max(10, static_cast<int>(timeout / 3)))}},
+                                   spec, ""));
       }
       m = combine_runs(spec, runs);
     } else {
@@ -566,7 +566,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
         const ModuleOutcome bonus_out = run_once(prefix, ".bonus", {}, bonus, bonus_names);
         m = merge_bonus(spec, main_out, bonus_out);
       } else {
-        m = run_once(prefix, "", {});
+        m = run_once(prefix, "", {}, spec, "");
       }
     }
 

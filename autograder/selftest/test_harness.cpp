@@ -138,6 +138,18 @@ std::vector<float> grid_values(std::size_t n, std::uint64_t seed) {
   for (float& x : v) x = std::round(x * 1024.0f) / 1024.0f;
   return v;
 }
+
+// The central difference (f(x + h·e_i) − f(x − h·e_i)) / 2h of f() in x[i], x[i] restored after.
+template <class F>
+double central_difference(std::vector<float>& x, std::size_t i, double h, F f) {
+  const float keep = x[i];
+  x[i] = keep + static_cast<float>(h);
+  const double up = f();
+  x[i] = keep - static_cast<float>(h);
+  const double down = f();
+  x[i] = keep;
+  return (up - down) / (2 * h);
+}
 }  // namespace
 
 TEST(Reference, RmsNormBackwardMatchesFiniteDifferences) {
@@ -153,24 +165,11 @@ TEST(Reference, RmsNormBackwardMatchesFiniteDifferences) {
     return l;
   };
   const auto b = k2c::ref::rmsnorm_backward(x, gamma, w, rows, cols, eps);
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const float keep = x[i];
-    x[i] = keep + static_cast<float>(h);
-    const double up = loss(x, gamma);
-    x[i] = keep - static_cast<float>(h);
-    const double down = loss(x, gamma);
-    x[i] = keep;
-    EXPECT_NEAR(b.dx[i], (up - down) / (2 * h), 2e-3) << "dx[" << i << "]";
-  }
-  for (int c = 0; c < cols; ++c) {
-    const float keep = gamma[c];
-    gamma[c] = keep + static_cast<float>(h);
-    const double up = loss(x, gamma);
-    gamma[c] = keep - static_cast<float>(h);
-    const double down = loss(x, gamma);
-    gamma[c] = keep;
-    EXPECT_NEAR(b.dgamma[c], (up - down) / (2 * h), 1e-9) << "dgamma[" << c << "]";  // y is linear in gamma
-  }
+  const auto at_x_gamma = [&] { return loss(x, gamma); };
+  for (std::size_t i = 0; i < x.size(); ++i)
+    EXPECT_NEAR(b.dx[i], central_difference(x, i, h, at_x_gamma), 2e-3) << "dx[" << i << "]";
+  for (std::size_t c = 0; c < gamma.size(); ++c)  // y is linear in gamma
+    EXPECT_NEAR(b.dgamma[c], central_difference(gamma, c, h, at_x_gamma), 1e-9) << "dgamma[" << c << "]";
   // Forward: with gamma = 1 each output row has mean square 1 (up to eps).
   const auto f = k2c::ref::rmsnorm_forward(x, std::vector<float>(cols, 1.0f), rows, cols, 0.0);
   double ms = 0;
@@ -223,15 +222,8 @@ TEST(Reference, AttentionBackwardMatchesFiniteDifferences) {
     const auto g = k2c::ref::attention_backward(q, k, v, w, s);
     const double h = 1.0 / 128;
     auto check = [&](std::vector<float>& x, const std::vector<double>& dx, const char* name) {
-      for (std::size_t i = 0; i < x.size(); ++i) {
-        const float keep = x[i];
-        x[i] = keep + static_cast<float>(h);
-        const double up = loss();
-        x[i] = keep - static_cast<float>(h);
-        const double down = loss();
-        x[i] = keep;
-        EXPECT_NEAR(dx[i], (up - down) / (2 * h), 2e-4) << name << "[" << i << "]";
-      }
+      for (std::size_t i = 0; i < x.size(); ++i)
+        EXPECT_NEAR(dx[i], central_difference(x, i, h, loss), 2e-4) << name << "[" << i << "]";
     };
     check(q, g.dq, "dq");
     check(k, g.dk, "dk");
@@ -341,15 +333,9 @@ TEST(Reference, BalanceLossGradientAndMinimum) {
   const r::Routing routing = r::route(z, {}, T, {.experts = E, .top_k = k});
   const r::BalanceLoss l = r::balance_loss(z, routing, T, E, k, 0.01);
   const double h = 1.0 / 128;
-  for (std::size_t i = 0; i < z.size(); ++i) {  // counts held fixed, as in training
-    const float keep = z[i];
-    z[i] = keep + static_cast<float>(h);
-    const double up = r::balance_loss(z, routing, T, E, k, 0.01).loss;
-    z[i] = keep - static_cast<float>(h);
-    const double down = r::balance_loss(z, routing, T, E, k, 0.01).loss;
-    z[i] = keep;
-    EXPECT_NEAR(l.dlogits[i], (up - down) / (2 * h), 1e-8) << "dlogits[" << i << "]";
-  }
+  const auto at_z = [&] { return r::balance_loss(z, routing, T, E, k, 0.01).loss; };
+  for (std::size_t i = 0; i < z.size(); ++i)  // counts held fixed, as in training
+    EXPECT_NEAR(l.dlogits[i], central_difference(z, i, h, at_z), 1e-8) << "dlogits[" << i << "]";
   // Uniform probabilities and every expert chosen equally often: the loss is exactly alpha.
   const std::vector<float> zero(4 * 4, 0.0f);
   r::Routing even;
