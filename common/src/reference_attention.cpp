@@ -68,7 +68,8 @@ AttentionForward attention_forward(std::span<const float> q, std::span<const flo
   check(s, q.size(), k.size(), v.size());
   const int d = s.head_dim;
   AttentionForward out{std::vector<double>(q.size(), 0.0),
-                       std::vector<double>(static_cast<std::size_t>(s.batch) * s.heads * s.q_len)};
+                       std::vector<double>(static_cast<std::size_t>(s.batch) * s.heads * s.q_len),
+                       std::vector<double>(q.size(), 0.0)};
   std::vector<double> p(s.kv_len);
   for (int b = 0; b < s.batch; ++b)
     for (int h = 0; h < s.heads; ++h) {
@@ -76,8 +77,13 @@ AttentionForward attention_forward(std::span<const float> q, std::span<const flo
       for (int i = 0; i < s.q_len; ++i) {
         out.lse[sl.row + i] = probabilities(s, q, k, sl, i, p);
         double* o = &out.o[sl.q + static_cast<std::size_t>(i) * d];
+        double* mag = &out.o_magnitude[sl.q + static_cast<std::size_t>(i) * d];
         for (int j = 0; j < visible_keys(s, i); ++j)
-          for (int c = 0; c < d; ++c) o[c] += p[j] * v[sl.kv + static_cast<std::size_t>(j) * d + c];
+          for (int c = 0; c < d; ++c) {
+            const double vj = v[sl.kv + static_cast<std::size_t>(j) * d + c];
+            o[c] += p[j] * vj;
+            mag[c] += p[j] * std::abs(vj);
+          }
       }
     }
   return out;
@@ -90,7 +96,8 @@ AttentionBackward attention_backward(std::span<const float> q, std::span<const f
   if (dout.size() != q.size()) throw std::invalid_argument("attention reference: dout must be shaped like q");
   const int d = s.head_dim;
   AttentionBackward g{std::vector<double>(q.size(), 0.0), std::vector<double>(k.size(), 0.0),
-                      std::vector<double>(v.size(), 0.0)};
+                      std::vector<double>(v.size(), 0.0), std::vector<double>(q.size(), 0.0),
+                      std::vector<double>(k.size(), 0.0), std::vector<double>(v.size(), 0.0)};
   std::vector<double> p(s.kv_len), o(d);
   for (int b = 0; b < s.batch; ++b)
     for (int h = 0; h < s.heads; ++h) {
@@ -103,23 +110,108 @@ AttentionBackward attention_backward(std::span<const float> q, std::span<const f
         std::fill(o.begin(), o.end(), 0.0);
         for (int j = 0; j < n; ++j)
           for (int c = 0; c < d; ++c) o[c] += p[j] * v[sl.kv + static_cast<std::size_t>(j) * d + c];
-        double D = 0;
-        for (int c = 0; c < d; ++c) D += dor[c] * o[c];
+        double D = 0, e = 0;
+        for (int c = 0; c < d; ++c) {
+          D += dor[c] * o[c];
+          e += std::abs(dor[c] * o[c]);
+        }
+        const std::size_t qi = sl.q + static_cast<std::size_t>(i) * d;
         for (int j = 0; j < n; ++j) {
           const std::size_t kj = sl.kv + static_cast<std::size_t>(j) * d;
           double dpj = 0;
           for (int c = 0; c < d; ++c) {
             g.dv[kj + c] += p[j] * dor[c];
+            g.dv_magnitude[kj + c] += p[j] * std::abs(dor[c]);
             dpj += static_cast<double>(dor[c]) * v[kj + c];
           }
-          const double ds = p[j] * (dpj - D);
+          const double ds = p[j] * (dpj - D), ds_mag = std::abs(ds) + p[j] * e;
           for (int c = 0; c < d; ++c) {
-            g.dq[sl.q + static_cast<std::size_t>(i) * d + c] += s.scale * ds * k[kj + c];
-            g.dk[kj + c] += s.scale * ds * q[sl.q + static_cast<std::size_t>(i) * d + c];
+            g.dq[qi + c] += s.scale * ds * k[kj + c];
+            g.dk[kj + c] += s.scale * ds * q[qi + c];
+            g.dq_magnitude[qi + c] += s.scale * ds_mag * std::abs(k[kj + c]);
+            g.dk_magnitude[kj + c] += s.scale * ds_mag * std::abs(q[qi + c]);
           }
         }
       }
     }
+  return g;
+}
+
+namespace {
+
+// What both spot checks need for one (query i of head h, key j) pair: P_ij from the given lse,
+// and dS_ij = P_ij·(dP_ij − D_i) with D_i = Σ dO_i ∘ O_i from the given o. Returns false when the
+// key is hidden from the query.
+struct PairTerms {
+  double p, ds, ds_magnitude;
+};
+bool pair_terms(std::span<const float> q, std::span<const float> k, std::span<const float> v,
+                std::span<const float> o, std::span<const float> dout, std::span<const float> lse,
+                const AttentionShape& s, const Slice& sl, int i, int j, PairTerms& t) {
+  if (j >= visible_keys(s, i)) return false;
+  const int d = s.head_dim;
+  const std::size_t qi = sl.q + static_cast<std::size_t>(i) * d, kj = sl.kv + static_cast<std::size_t>(j) * d;
+  double dot = 0, dp = 0, D = 0, e = 0;
+  for (int c = 0; c < d; ++c) {
+    dot += static_cast<double>(q[qi + c]) * k[kj + c];
+    dp += static_cast<double>(dout[qi + c]) * v[kj + c];
+    D += static_cast<double>(dout[qi + c]) * o[qi + c];
+    e += std::abs(static_cast<double>(dout[qi + c]) * o[qi + c]);
+  }
+  t.p = std::exp(s.scale * dot - lse[sl.row + i]);
+  t.ds = t.p * (dp - D);
+  t.ds_magnitude = std::abs(t.ds) + t.p * e;
+  return true;
+}
+
+AttentionRowGradient zero_rows(int d) {
+  const std::vector<double> z(d, 0.0);
+  return {z, z, z, z, z, z};
+}
+
+}  // namespace
+
+AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::span<const float> k,
+                                               std::span<const float> v, std::span<const float> o,
+                                               std::span<const float> dout, std::span<const float> lse,
+                                               const AttentionShape& s, int batch, int kv_head, int key) {
+  check(s, q.size(), k.size(), v.size());
+  const int d = s.head_dim, group = s.heads / s.kv_heads;
+  AttentionRowGradient g = zero_rows(d);
+  for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+    const Slice sl = slice(s, batch, h);
+    for (int i = 0; i < s.q_len; ++i) {
+      PairTerms t;
+      if (!pair_terms(q, k, v, o, dout, lse, s, sl, i, key, t)) continue;
+      const std::size_t qi = sl.q + static_cast<std::size_t>(i) * d;
+      for (int c = 0; c < d; ++c) {
+        g.dv[c] += t.p * dout[qi + c];
+        g.dv_magnitude[c] += t.p * std::abs(dout[qi + c]);
+        g.dk[c] += s.scale * t.ds * q[qi + c];
+        g.dk_magnitude[c] += s.scale * t.ds_magnitude * std::abs(q[qi + c]);
+      }
+    }
+  }
+  return g;
+}
+
+AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::span<const float> k,
+                                                 std::span<const float> v, std::span<const float> o,
+                                                 std::span<const float> dout, std::span<const float> lse,
+                                                 const AttentionShape& s, int batch, int head, int query) {
+  check(s, q.size(), k.size(), v.size());
+  const int d = s.head_dim;
+  AttentionRowGradient g = zero_rows(d);
+  const Slice sl = slice(s, batch, head);
+  for (int j = 0; j < s.kv_len; ++j) {
+    PairTerms t;
+    if (!pair_terms(q, k, v, o, dout, lse, s, sl, query, j, t)) continue;
+    const std::size_t kj = sl.kv + static_cast<std::size_t>(j) * d;
+    for (int c = 0; c < d; ++c) {
+      g.dq[c] += s.scale * t.ds * k[kj + c];
+      g.dq_magnitude[c] += s.scale * t.ds_magnitude * std::abs(k[kj + c]);
+    }
+  }
   return g;
 }
 

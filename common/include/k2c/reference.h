@@ -81,22 +81,47 @@ struct AttentionShape {
   bool causal = false;
   double scale = 1.0;  // usually 1 / sqrt(head_dim)
 };
+// The *_magnitude tensors (shaped like the output they go with) are the sums of absolute terms
+// that a bf16 rounding of each intermediate scales into an error bound, as gemm_abt's magnitude
+// does for a GEMM. Forward: Σ_j P_ij·|V_jc| (a relative error ε in every P_ij moves O_ic by at
+// most ε times that).
 struct AttentionForward {
   std::vector<double> o;    // [batch][heads][q_len][head_dim]
   std::vector<double> lse;  // [batch][heads][q_len]: log of the softmax denominator, natural log,
                             // of the scaled scores (what the backward pass recomputes P from)
+  std::vector<double> o_magnitude;
 };
 AttentionForward attention_forward(std::span<const float> q, std::span<const float> k,
                                    std::span<const float> v, const AttentionShape& shape);
 
 // Gradients of the same for upstream gradient dout (shaped like o). dk and dv are summed over the
 // query heads that share a kv head.
+// Magnitudes, with e_i = Σ_c |dO_ic|·|O_ic| (what an ε relative error in O moves D_i by):
+//   dv: Σ_i P_ij·|dO_ic|     dk: scale·Σ_i |Q_ic|·(|dS_ij| + P_ij·e_i)     dq: scale·Σ_j |K_jc|·(|dS_ij| + P_ij·e_i)
 struct AttentionBackward {
   std::vector<double> dq, dk, dv;
+  std::vector<double> dq_magnitude, dk_magnitude, dv_magnitude;
 };
 AttentionBackward attention_backward(std::span<const float> q, std::span<const float> k,
                                      std::span<const float> v, std::span<const float> dout,
                                      const AttentionShape& shape);
+
+// Spot checks at sizes where the whole backward pass is too slow on a CPU: the gradients of one
+// key row (dk and dv of key `key` of kv head `kv_head`, summed over its query heads) or of one
+// query row (dq of query `query` of head `head`), given the o and lse the pass receives. Each
+// returns head_dim values and their magnitudes as defined above.
+struct AttentionRowGradient {
+  std::vector<double> dk, dv, dq;
+  std::vector<double> dk_magnitude, dv_magnitude, dq_magnitude;
+};
+AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::span<const float> k,
+                                               std::span<const float> v, std::span<const float> o,
+                                               std::span<const float> dout, std::span<const float> lse,
+                                               const AttentionShape& shape, int batch, int kv_head, int key);
+AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::span<const float> k,
+                                                 std::span<const float> v, std::span<const float> o,
+                                                 std::span<const float> dout, std::span<const float> lse,
+                                                 const AttentionShape& shape, int batch, int head, int query);
 
 // ---- mixture of experts (module 10) ----------------------------------------------------------------
 

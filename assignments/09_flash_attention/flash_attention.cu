@@ -1,0 +1,64 @@
+// assignments/09_flash_attention/flash_attention.cu — module 09: your implementation (contract:
+// flash_attention.h).
+//
+// Read lectures/09_flash_attention.md first. Suggested order: naive_forward (task 1), forward
+// (task 2), backward (task 3). k2c/tensor_core.cuh holds module 05's wrappers for cp.async,
+// ldmatrix and mma.sync: include it and build on them.
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "flash_attention.h"
+#include "k2c/check.h"
+#include "k2c/todo.h"
+
+namespace k2c::flash_attention {
+
+std::size_t naive_workspace_bytes(const Shape& s) {
+  check_shape(s, "flash_attention naive_workspace_bytes");
+  return static_cast<std::size_t>(s.batch) * s.heads * s.q_len * s.kv_len * sizeof(float);
+}
+
+void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                   void* workspace, cudaStream_t stream) {
+  check_shape(s, "flash_attention naive_forward");
+  if (s.batch == 0 || s.heads == 0 || s.q_len == 0) return;
+  check_pointers("flash_attention naive_forward", {q, o, lse});
+  if (s.kv_len > 0) check_pointers("flash_attention naive_forward", {k, v, workspace});
+  (void)stream;
+  K2C_TODO("naive_forward: S = scale·Q Kᵀ into the workspace (−inf where masked), softmax each row "
+           "in place and write lse, then O = P V");
+}
+
+void forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+             cudaStream_t stream) {
+  check_shape(s, "flash_attention forward");
+  if (s.batch == 0 || s.heads == 0 || s.q_len == 0) return;
+  check_pointers("flash_attention forward", {q, o, lse});
+  if (s.kv_len > 0) check_pointers("flash_attention forward", {k, v});
+  (void)stream;
+  K2C_TODO("forward: a block per query tile, K and V tiles streamed through shared memory, the "
+           "online softmax in registers, O and lse written once");
+}
+
+std::size_t backward_workspace_bytes(const Shape& s) {
+  check_shape(s, "flash_attention backward_workspace_bytes");
+  K2C_TODO("backward_workspace_bytes: room for D = rowsum(dout ∘ o) and an fp32 dq");
+}
+
+void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+              const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+              cudaStream_t stream) {
+  check_shape(s, "flash_attention backward");
+  if (s.batch == 0 || s.heads == 0 || s.q_len == 0) {
+    K2C_TODO("backward with no queries: dk and dv (when kv_len > 0) must still be written, as zeros");
+  }
+  check_pointers("flash_attention backward", {q, o, dout, lse, dq, workspace});
+  if (s.kv_len > 0) check_pointers("flash_attention backward", {k, v, dk, dv});
+  (void)stream;
+  K2C_TODO("backward: D = rowsum(dout ∘ o), then a block per key tile recomputing P from lse, "
+           "dK and dV in registers, dQ added into fp32; then dq = bf16(scale · that)");
+}
+
+}  // namespace k2c::flash_attention

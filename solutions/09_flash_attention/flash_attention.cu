@@ -1,0 +1,778 @@
+// solutions/09_flash_attention/flash_attention.cu — module 09, the reference (contract:
+// flash_attention.h). Read lectures/09_flash_attention.md first; the sections named below are
+// the lecture's.
+//
+// Three things live here:
+//   forward()        FlashAttention 2's forward pass on mma.sync: a block owns 128 query rows,
+//                    streams K and V tiles through double-buffered shared memory, keeps the
+//                    running max, sum and output in registers and writes O and logsumexp once.
+//   backward()       recomputation: a block owns 128 keys, walks every query block (of every query
+//                    head of its GQA group) that can see them, rebuilds P from the saved
+//                    logsumexp, keeps dK and dV in registers and adds dQ into an fp32 buffer.
+//   naive_forward()  S and P written to global memory, for contrast.
+//
+// Fragment layouts, ldmatrix and cp.async are lecture 05's (k2c/tensor_core.cuh): read its
+// section on the mma.sync fragments before the index arithmetic below.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "flash_attention.h"
+#include "k2c/check.h"
+#include "k2c/tensor_core.cuh"
+
+namespace k2c::flash_attention {
+namespace {
+
+using tc::ceil_div;
+using tc::cp_async_16;
+using tc::ldmatrix_x4;
+using tc::ldmatrix_x4_trans;
+using tc::mma_bf16_16816;
+using tc::pack_bf16x2;
+using tc::smem_addr;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x in one MUFU.EX2 instruction (2 ulp; exp2(-inf) = 0, which the masks rely on).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- shared-memory tiles ---------------------------------------------------------------------
+//
+// A tile is `rows` rows of W bf16 (W = 64 or 128: 128 or 256 bytes), stored as 16-byte chunks
+// with chunk c of row r at position c ^ (r % 8). ldmatrix reads one chunk column of 8 rows at a
+// time; the XOR spreads those 8 chunks over all 32 banks, so every ldmatrix and every cp.async
+// store is conflict-free (lecture 05, the swizzle section).
+template <int W>
+__device__ __forceinline__ std::uint32_t swizzled(std::uint32_t tile, int row, int chunk) {
+  static_assert(W % 64 == 0, "a row must hold at least 8 chunks for the XOR to stay inside it");
+  return tile + row * (W * 2) + ((chunk ^ (row & 7)) << 4);
+}
+
+// Copies rows [0, ROWS) of a W-wide bf16 tile starting at `src`; rows >= valid_rows are zero
+// filled. All THREADS threads of the block take part; src must point at a real row.
+template <int ROWS, int W, int THREADS>
+__device__ __forceinline__ void load_tile(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
+  constexpr int kChunks = W / 8;
+  static_assert(ROWS * kChunks % THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool ok = r < valid_rows;
+    cp_async_16(swizzled<W>(tile, r, c), ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
+  }
+}
+
+// The A fragment (16 rows × 16 columns) at (row0, col0) of a row-major tile, by one ldmatrix.x4.
+template <int W>
+__device__ __forceinline__ void load_a(std::uint32_t (&a)[4], std::uint32_t tile, int row0, int col0, int lane) {
+  ldmatrix_x4(a, swizzled<W>(tile, row0 + (lane & 15), col0 / 8 + (lane >> 4)));
+}
+
+// Two B fragments (k16 × n8 each, n-tiles n0 and n0 + 8) when the tile stores B transposed, rows
+// = n and columns = k (K in Q·Kᵀ: keys × head_dim). b[0..1] is n-tile n0, b[2..3] n-tile n0 + 8.
+template <int W>
+__device__ __forceinline__ void load_b_nk(std::uint32_t (&b)[4], std::uint32_t tile, int n0, int k0, int lane) {
+  ldmatrix_x4(b, swizzled<W>(tile, n0 + (lane & 7) + ((lane >> 4) << 3), k0 / 8 + ((lane >> 3) & 1)));
+}
+
+// The same when the tile stores B as it is, rows = k and columns = n (V in P·V: keys × head_dim):
+// the .trans load turns each 8×8 piece around on the way.
+template <int W>
+__device__ __forceinline__ void load_b_kn(std::uint32_t (&b)[4], std::uint32_t tile, int k0, int n0, int lane) {
+  ldmatrix_x4_trans(b, swizzled<W>(tile, k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 / 8 + (lane >> 4)));
+}
+
+// Accumulator → operand. The fp32 accumulators of two neighbouring n8 tiles (columns 16k..16k+15
+// of a 16-row strip) hold, per thread, exactly the elements that the A fragment of k step k
+// needs: rounding them to bf16 pairs is all it takes to feed P (or dS) straight back into the
+// tensor cores, without a trip through shared memory (lecture, section 4).
+__device__ __forceinline__ void accumulators_to_a(std::uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16x2(lo[0], lo[1]);
+  a[1] = pack_bf16x2(lo[2], lo[3]);
+  a[2] = pack_bf16x2(hi[0], hi[1]);
+  a[3] = pack_bf16x2(hi[2], hi[3]);
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  const std::uint32_t b[2] = {b0, b1};
+  mma_bf16_16816(d, a, b);
+}
+
+// Where thread `lane` sits in an accumulator: rows lane/4 and lane/4 + 8, columns 2·(lane%4) + {0, 1}.
+__device__ __forceinline__ int acc_row(int lane, int half) { return (lane >> 2) + 8 * half; }
+__device__ __forceinline__ int acc_col(int lane) { return 2 * (lane & 3); }
+
+// Key j is visible to query i (causal, bottom-right aligned) when j <= i + offset, where
+// offset = kv_len - q_len.
+struct Mask {
+  int kv_len;
+  int offset;
+  bool causal;
+  __device__ __forceinline__ bool hidden(int query, int key) const {
+    return key >= kv_len || (causal && key > query + offset);
+  }
+};
+
+struct Params {
+  const bf16 *q, *k, *v, *o, *dout;
+  bf16 *out, *dq, *dk, *dv;
+  const float* lse_in;
+  float *lse_out, *dot, *dq_accum;
+  int heads, kv_heads, group, q_len, kv_len;
+  float scale, scale_log2;
+  bool causal;
+  // Row offsets of head (b, h) in q-shaped and of kv head (b, g) in kv-shaped tensors.
+  __device__ std::size_t q_rows(int b, int h) const { return (static_cast<std::size_t>(b) * heads + h) * q_len; }
+  __device__ std::size_t kv_rows(int b, int g) const { return (static_cast<std::size_t>(b) * kv_heads + g) * kv_len; }
+};
+
+// ---- forward ----------------------------------------------------------------------------------
+
+// 4 warps, 128 query rows per block: each warp owns 32 rows (two 16-row strips), so the row max
+// and sum never leave a warp ("split-Q", lecture section 5). K and V tiles of BN = 64 keys are
+// double buffered. Shared memory: Q 128·D + 2·2·64·D bf16 = 96 KiB at D = 128 (two blocks per
+// SM), 48 KiB at D = 64. Registers bound the tile: the output alone is 32·D/32 = D fp32 values per
+// thread, the scores 32·BN/32 = BN more.
+template <int D>
+struct ForwardTile {
+  static constexpr int kRows = 128, kWarps = 4, kThreads = 32 * kWarps, kStrips = 2;
+  static constexpr int kKeys = 64;
+  static constexpr int kSmemBytes = (kRows + 4 * kKeys) * D * 2;
+};
+
+template <int D>
+__global__ void __launch_bounds__(ForwardTile<D>::kThreads, 2) forward_kernel(Params p) {
+  using T = ForwardTile<D>;
+  constexpr int BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const std::uint32_t sQ = smem_addr(smem);
+  auto sK = [&](int stage) { return sQ + (BM + stage * BN) * D * 2; };
+  auto sV = [&](int stage) { return sQ + (BM + 2 * BN + stage * BN) * D * 2; };
+
+  // Heaviest blocks first: under a causal mask the last query blocks see the most keys, and
+  // starting them early keeps them from forming the tail of the grid.
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+
+  const bf16* q = p.q + (p.q_rows(b, h) + m0) * D;
+  const bf16* k = p.k + p.kv_rows(b, g) * D;
+  const bf16* v = p.v + p.kv_rows(b, g) * D;
+
+  // Keys [0, n_end) matter: the block's last row, m0 + BM - 1, sees keys up to m0 + BM - 1 + offset.
+  const int n_end = p.causal ? max(0, min(p.kv_len, m0 + BM + mask.offset)) : p.kv_len;
+  const int n_blocks = ceil_div(n_end, BN);
+
+  auto load_kv = [&](int j) {
+    const int n0 = j * BN;
+    load_tile<BN, D, T::kThreads>(sK(j & 1), k + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+    load_tile<BN, D, T::kThreads>(sV(j & 1), v + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+  };
+  load_tile<BM, D, T::kThreads>(sQ, q, p.q_len - m0, tid);
+  if (n_blocks > 0) load_kv(0);
+  tc::cp_async_commit();
+
+  float o[T::kStrips][DT][4] = {};
+  float row_max[T::kStrips][2], row_sum[T::kStrips][2] = {};  // max in raw score units
+#pragma unroll
+  for (int s = 0; s < T::kStrips; ++s) row_max[s][0] = row_max[s][1] = -INFINITY;
+
+  for (int j = 0; j < n_blocks; ++j) {
+    const int n0 = j * BN;
+    // Prefetch the next K/V tile into the other buffer, then wait for this one. One commit per
+    // iteration, even an empty one, keeps "wait until one group is left" exact.
+    if (j + 1 < n_blocks) load_kv(j + 1);
+    tc::cp_async_commit();
+    tc::cp_async_wait<1>();
+    __syncthreads();
+
+    // S = Q Kᵀ for the warp's 32 rows × BN keys, fp32.
+    float s[T::kStrips][NT][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D; kk += 16) {
+      std::uint32_t a[T::kStrips][4];
+#pragma unroll
+      for (int st = 0; st < T::kStrips; ++st) load_a<D>(a[st], sQ, warp * 32 + st * 16, kk, lane);
+#pragma unroll
+      for (int nt = 0; nt < NT; nt += 2) {
+        std::uint32_t bk[4];
+        load_b_nk<D>(bk, sK(j & 1), nt * 8, kk, lane);
+#pragma unroll
+        for (int st = 0; st < T::kStrips; ++st) {
+          mma(s[st][nt], a[st], bk[0], bk[1]);
+          mma(s[st][nt + 1], a[st], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Only tiles that cross the kv tail or the diagonal pay for the mask.
+    if (n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset)) {
+#pragma unroll
+      for (int st = 0; st < T::kStrips; ++st)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = m0 + warp * 32 + st * 16 + acc_row(lane, e / 2);
+            if (mask.hidden(row, n0 + nt * 8 + acc_col(lane) + e % 2)) s[st][nt][e] = -INFINITY;
+          }
+    }
+
+    // Online softmax (lecture section 3): new running max, rescale what came before by
+    // 2^((old − new)·scale·log2 e), exponentiate this tile with one FFMA + EX2 per score.
+#pragma unroll
+    for (int st = 0; st < T::kStrips; ++st)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = row_max[st][half];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[st][nt][2 * half], s[st][nt][2 * half + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a row
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps max −inf; using 0 instead keeps
+        // −inf − (−inf) = NaN out of the exponent, and its terms are all 0 either way.
+        const float base = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
+        const float rescale = fast_exp2(row_max[st][half] * p.scale_log2 - base);
+        row_max[st][half] = mx;
+        float sum = 0;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[st][nt][e] = fast_exp2(fmaf(s[st][nt][e], p.scale_log2, -base));
+            sum += s[st][nt][e];
+          }
+        row_sum[st][half] = row_sum[st][half] * rescale + sum;  // this thread's columns only
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[st][dt][2 * half] *= rescale;
+          o[st][dt][2 * half + 1] *= rescale;
+        }
+      }
+
+    // O += P V: P from registers (bf16), V by transposing ldmatrix.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      std::uint32_t a[T::kStrips][4];
+#pragma unroll
+      for (int st = 0; st < T::kStrips; ++st) accumulators_to_a(a[st], s[st][2 * kk], s[st][2 * kk + 1]);
+#pragma unroll
+      for (int dt = 0; dt < DT; dt += 2) {
+        std::uint32_t bv[4];
+        load_b_kn<D>(bv, sV(j & 1), kk * 16, dt * 8, lane);
+#pragma unroll
+        for (int st = 0; st < T::kStrips; ++st) {
+          mma(o[st][dt], a[st], bv[0], bv[1]);
+          mma(o[st][dt + 1], a[st], bv[2], bv[3]);
+        }
+      }
+    }
+    __syncthreads();  // everyone is done with buffer j & 1 before iteration j + 1 refills it
+  }
+  tc::cp_async_wait<0>();
+
+  // Divide by the row sum once, at the end, and save lse = scale·max + ln(sum).
+#pragma unroll
+  for (int st = 0; st < T::kStrips; ++st)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[st][half];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = m0 + warp * 32 + st * 16 + acc_row(lane, half);
+      if (row >= p.q_len) continue;
+      const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+      const std::size_t r = p.q_rows(b, h) + row;
+      auto* out = reinterpret_cast<std::uint32_t*>(p.out + r * D + acc_col(lane));
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        out[dt * 4] = pack_bf16x2(o[st][dt][2 * half] * inv, o[st][dt][2 * half + 1] * inv);
+      if ((lane & 3) == 0) p.lse_out[r] = sum > 0 ? row_max[st][half] * p.scale + logf(sum) : INFINITY;
+    }
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+// D_i = Σ_d dO_id · O_id, one warp per row (the softmax gradient's row term, lecture section 7).
+template <int D>
+__global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, std::size_t rows) {
+  const std::size_t row = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  float acc = 0;
+  if (lane < D / 8) {
+    const uint4 a = reinterpret_cast<const uint4*>(dout + row * D)[lane];
+    const uint4 c = reinterpret_cast<const uint4*>(o + row * D)[lane];
+    const auto* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const auto* y = reinterpret_cast<const __nv_bfloat162*>(&c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
+      acc += fx.x * fy.x + fx.y * fy.y;
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) dot[row] = acc;
+}
+
+// dq = bf16(scale · dq_accum), four elements per thread.
+__global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, std::size_t quads) {
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const float4 a = accum[i];
+    dq[i] = make_uint2(pack_bf16x2(a.x * scale, a.y * scale), pack_bf16x2(a.z * scale, a.w * scale));
+  }
+}
+
+// 8 warps, 128 keys per block (16 per warp), query blocks of 64. Everything is computed
+// transposed, keys as rows: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ. Then Pᵀ and dSᵀ sit in registers in the
+// layout of an A operand for dV += Pᵀ dO and dK += dSᵀ Q, and each warp's dK and dV rows never
+// leave it. Only dQ = dS K needs the other orientation: dSᵀ goes to shared memory once, and each
+// warp computes a 16 × D/2 slice of dQ and adds it into the fp32 accumulator in global memory.
+// Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16, plus lse and D:
+// 145 KiB at D = 128, one block per SM; 81 KiB at D = 64.
+template <int D>
+struct BackwardTile {
+  static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;
+  static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kKeys * kRows) * 2 + 4 * kRows * 4;
+};
+
+// Adds an fp32 pair into global memory: one vector reduction on sm_90, two scalar ones before.
+__device__ __forceinline__ void add_pair(float* dst, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
+template <int D>
+__global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1) backward_kernel(Params p) {
+  using T = BackwardTile<D>;
+  constexpr int BN = T::kKeys, BM = T::kRows, QT = BM / 8, DT = D / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const std::uint32_t sK = smem_addr(smem), sV = sK + BN * D * 2;
+  auto sQ = [&](int stage) { return sV + BN * D * 2 + stage * BM * D * 2; };
+  auto sdO = [&](int stage) { return sV + BN * D * 2 + (2 + stage) * BM * D * 2; };
+  const std::uint32_t sdS = sV + BN * D * 2 + 4 * BM * D * 2;  // dSᵀ: BN rows of BM
+  float* s_lse = reinterpret_cast<float*>(smem + (2 * BN * D + 4 * BM * D + BN * BM) * 2);  // [2][BM], ·log2 e
+  float* s_dot = s_lse + 2 * BM;                                                           // [2][BM]
+
+  const int n0 = blockIdx.x * BN, g = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+  const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
+
+  // The query blocks that see any key of this block: under the causal mask, query i sees key n0
+  // from i = n0 − offset on. Every query head of the GQA group walks the same range.
+  const int first_query = p.causal ? max(0, n0 - mask.offset) : 0;
+  const int m_first = first_query / BM;
+  const int per_head = first_query < p.q_len ? ceil_div(p.q_len, BM) - m_first : 0;
+  const int steps = p.group * per_head;
+
+  load_tile<BN, D, T::kThreads>(sK, p.k + kv_row0 * D, p.kv_len - n0, tid);
+  load_tile<BN, D, T::kThreads>(sV, p.v + kv_row0 * D, p.kv_len - n0, tid);
+
+  // Step t covers query head g·group + t / per_head, rows m0 = (m_first + t % per_head)·BM.
+  auto step_rows = [&](int t, int& m0) {
+    m0 = (m_first + t % per_head) * BM;
+    return p.q_rows(b, g * p.group + t / per_head);
+  };
+  // Issues the copies of step t's Q and dO tiles, and returns its lse and D values (row tid)
+  // through registers: they are stored after this step's math, so their latency is hidden.
+  float next_lse = 0, next_dot = 0;
+  auto fetch = [&](int t) {
+    int m0;
+    const std::size_t r = step_rows(t, m0);
+    load_tile<BM, D, T::kThreads>(sQ(t & 1), p.q + (r + m0) * D, p.q_len - m0, tid);
+    load_tile<BM, D, T::kThreads>(sdO(t & 1), p.dout + (r + m0) * D, p.q_len - m0, tid);
+    if (tid < BM) {
+      const bool ok = m0 + tid < p.q_len;  // rows past the end: lse = +inf makes their P zero
+      next_lse = ok ? p.lse_in[r + m0 + tid] * kLog2e : INFINITY;
+      next_dot = ok ? p.dot[r + m0 + tid] : 0.0f;
+    }
+  };
+  auto store_rows = [&](int t) {
+    if (tid < BM) {
+      s_lse[(t & 1) * BM + tid] = next_lse;
+      s_dot[(t & 1) * BM + tid] = next_dot;
+    }
+  };
+
+  float dk[DT][4] = {}, dv[DT][4] = {};
+  const int key_row = warp * 16;  // this warp's 16 keys inside the block
+  if (steps > 0) {
+    fetch(0);
+    store_rows(0);
+  }
+  tc::cp_async_commit();
+
+  for (int t = 0; t < steps; ++t) {
+    int m0;
+    const std::size_t q_row0 = step_rows(t, m0);
+    if (t + 1 < steps) fetch(t + 1);
+    tc::cp_async_commit();
+    tc::cp_async_wait<1>();
+    __syncthreads();
+    const float* lse2 = s_lse + (t & 1) * BM;
+    const float* dot = s_dot + (t & 1) * BM;
+
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: the warp's 16 keys × BM queries each.
+    float sT[QT][4] = {}, dpT[QT][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D; kk += 16) {
+      std::uint32_t ak[4], av[4];
+      load_a<D>(ak, sK, key_row, kk, lane);
+      load_a<D>(av, sV, key_row, kk, lane);
+#pragma unroll
+      for (int qt = 0; qt < QT; qt += 2) {
+        std::uint32_t bq[4], bo[4];
+        load_b_nk<D>(bq, sQ(t & 1), qt * 8, kk, lane);
+        load_b_nk<D>(bo, sdO(t & 1), qt * 8, kk, lane);
+        mma(sT[qt], ak, bq[0], bq[1]);
+        mma(sT[qt + 1], ak, bq[2], bq[3]);
+        mma(dpT[qt], av, bo[0], bo[1]);
+        mma(dpT[qt + 1], av, bo[2], bo[3]);
+      }
+    }
+
+    // Pᵀ = exp(scale·Sᵀ − lse) recomputed (zero where masked), then dSᵀ = Pᵀ ∘ (dPᵀ − D).
+    const bool masked = n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset);
+#pragma unroll
+    for (int qt = 0; qt < QT; ++qt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + key_row + acc_row(lane, e / 2), col = qt * 8 + acc_col(lane) + e % 2;
+        float pr = fast_exp2(fmaf(sT[qt][e], p.scale_log2, -lse2[col]));
+        if (masked && mask.hidden(m0 + col, key)) pr = 0.0f;
+        sT[qt][e] = pr;
+        dpT[qt][e] = pr * (dpT[qt][e] - dot[col]);
+      }
+
+    // dV += Pᵀ dO and dK += dSᵀ Q, A operands straight from registers (k = the BM queries).
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      std::uint32_t ap[4], ads[4];
+      accumulators_to_a(ap, sT[2 * kk], sT[2 * kk + 1]);
+      accumulators_to_a(ads, dpT[2 * kk], dpT[2 * kk + 1]);
+#pragma unroll
+      for (int dt = 0; dt < DT; dt += 2) {
+        std::uint32_t bo[4], bq[4];
+        load_b_kn<D>(bo, sdO(t & 1), kk * 16, dt * 8, lane);
+        load_b_kn<D>(bq, sQ(t & 1), kk * 16, dt * 8, lane);
+        mma(dv[dt], ap, bo[0], bo[1]);
+        mma(dv[dt + 1], ap, bo[2], bo[3]);
+        mma(dk[dt], ads, bq[0], bq[1]);
+        mma(dk[dt + 1], ads, bq[2], bq[3]);
+      }
+    }
+
+    // dSᵀ to shared memory (bf16, the same swizzle with BM-wide rows) for dQ.
+#pragma unroll
+    for (int qt = 0; qt < QT; ++qt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = key_row + acc_row(lane, half);
+        const std::uint32_t at = swizzled<BM>(sdS, row, qt) + acc_col(lane) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pack_bf16x2(dpT[qt][2 * half], dpT[qt][2 * half + 1])));
+      }
+    store_rows(t + 1);  // next step's lse and D; its buffer was last read in step t − 1
+    __syncthreads();
+
+    // dQ (BM × D) += dS K: warp w takes rows 16·(w % 4) and columns (w / 4)·D/2, k = the BN keys.
+    // dS is stored transposed, so its A fragments come from the transposing ldmatrix.
+    {
+      const int qrow = (warp & 3) * 16, dcol = (warp >> 2) * (D / 2);
+      float dq[DT / 2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < BN; kk += 16) {
+        std::uint32_t a[4];
+        ldmatrix_x4_trans(a, swizzled<BM>(sdS, kk + (lane & 7) + ((lane >> 4) << 3), qrow / 8 + ((lane >> 3) & 1)));
+#pragma unroll
+        for (int dt = 0; dt < DT / 2; dt += 2) {
+          std::uint32_t bk[4];
+          load_b_kn<D>(bk, sK, kk, dcol + dt * 8, lane);
+          mma(dq[dt], a, bk[0], bk[1]);
+          mma(dq[dt + 1], a, bk[2], bk[3]);
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + qrow + acc_row(lane, half);
+        if (row >= p.q_len) continue;
+        float* dst = p.dq_accum + (q_row0 + row) * D + dcol + acc_col(lane);
+#pragma unroll
+        for (int dt = 0; dt < DT / 2; ++dt) add_pair(dst + dt * 8, dq[dt][2 * half], dq[dt][2 * half + 1]);
+      }
+    }
+    __syncthreads();  // dSᵀ and this step's Q/dO buffer are free again
+  }
+  tc::cp_async_wait<0>();
+
+  // dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO, the warp's 16 rows, bf16.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = n0 + key_row + acc_row(lane, half);
+    if (key >= p.kv_len) continue;
+    auto* k_out = reinterpret_cast<std::uint32_t*>(p.dk + (p.kv_rows(b, g) + key) * D + acc_col(lane));
+    auto* v_out = reinterpret_cast<std::uint32_t*>(p.dv + (p.kv_rows(b, g) + key) * D + acc_col(lane));
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      k_out[dt * 4] = pack_bf16x2(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+      v_out[dt * 4] = pack_bf16x2(dv[dt][2 * half], dv[dt][2 * half + 1]);
+    }
+  }
+}
+
+// ---- naive attention ----------------------------------------------------------------------------
+
+// S = scale · Q Kᵀ (−inf where masked), fp32, one 32 × 32 tile per block through shared memory.
+template <int D>
+__global__ void naive_scores_kernel(Params p, float* S) {
+  __shared__ float sq[32][D + 1], sk[32][D + 1];
+  const int h = blockIdx.z % p.heads, b = blockIdx.z / p.heads, g = h / p.group;
+  const int i0 = blockIdx.y * 32, j0 = blockIdx.x * 32, tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  for (int e = threadIdx.x; e < 32 * D; e += blockDim.x) {
+    const int r = e / D, c = e % D;
+    sq[r][c] = i0 + r < p.q_len ? __bfloat162float(p.q[(p.q_rows(b, h) + i0 + r) * D + c]) : 0.0f;
+    sk[r][c] = j0 + r < p.kv_len ? __bfloat162float(p.k[(p.kv_rows(b, g) + j0 + r) * D + c]) : 0.0f;
+  }
+  __syncthreads();
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+  for (int r = ty; r < 32; r += blockDim.x / 32) {
+    const int i = i0 + r, j = j0 + tx;
+    if (i >= p.q_len || j >= p.kv_len) continue;
+    float acc = 0;
+    for (int c = 0; c < D; ++c) acc += sq[r][c] * sk[tx][c];
+    S[(p.q_rows(b, h) + i) * p.kv_len + j] = mask.hidden(i, j) ? -INFINITY : acc * p.scale;
+  }
+}
+
+// Row softmax in place (S becomes P) and lse, one block per row.
+__global__ void naive_softmax_kernel(float* S, float* lse, int kv_len) {
+  __shared__ float partial[32];
+  float* row = S + static_cast<std::size_t>(blockIdx.x) * kv_len;
+  auto block_reduce = [&](float x, bool is_max) {
+    for (int m = 16; m > 0; m /= 2) {
+      const float y = __shfl_xor_sync(0xffffffffu, x, m);
+      x = is_max ? fmaxf(x, y) : x + y;
+    }
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = is_max ? -INFINITY : 0.0f;
+    for (int w = 0; w < blockDim.x / 32; ++w) x = is_max ? fmaxf(x, partial[w]) : x + partial[w];
+    __syncthreads();
+    return x;
+  };
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < kv_len; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  mx = block_reduce(mx, true);
+  const float base = mx == -INFINITY ? 0.0f : mx;
+  float sum = 0;
+  for (int j = threadIdx.x; j < kv_len; j += blockDim.x) sum += expf(row[j] - base);
+  sum = block_reduce(sum, false);
+  const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+  for (int j = threadIdx.x; j < kv_len; j += blockDim.x) row[j] = expf(row[j] - base) * inv;
+  if (threadIdx.x == 0) lse[blockIdx.x] = sum > 0 ? base + logf(sum) : INFINITY;
+}
+
+// O = P V, 16 query rows × D per block, P and V tiles of 32 keys through shared memory.
+template <int D>
+__global__ void naive_pv_kernel(Params p, const float* P) {
+  __shared__ float sp[16][33], sv[32][D];
+  const int h = blockIdx.y % p.heads, b = blockIdx.y / p.heads, g = h / p.group;
+  const int i0 = blockIdx.x * 16;
+  constexpr int kPerThread = 16 * D / 128;  // 128 threads; thread t: column t % D, rows t / D + ...
+  float acc[kPerThread] = {};
+  const int c = threadIdx.x % D, r0 = threadIdx.x / D, rstep = 128 / D;
+  for (int j0 = 0; j0 < p.kv_len; j0 += 32) {
+    for (int e = threadIdx.x; e < 16 * 32; e += 128) {
+      const int r = e / 32, j = e % 32;
+      sp[r][j] = i0 + r < p.q_len && j0 + j < p.kv_len ? P[(p.q_rows(b, h) + i0 + r) * p.kv_len + j0 + j] : 0.0f;
+    }
+    for (int e = threadIdx.x; e < 32 * D; e += 128) {
+      const int j = e / D, d = e % D;
+      sv[j][d] = j0 + j < p.kv_len ? __bfloat162float(p.v[(p.kv_rows(b, g) + j0 + j) * D + d]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int x = 0; x < kPerThread; ++x)
+      for (int j = 0; j < 32; ++j) acc[x] += sp[r0 + x * rstep][j] * sv[j][c];
+    __syncthreads();
+  }
+#pragma unroll
+  for (int x = 0; x < kPerThread; ++x) {
+    const int i = i0 + r0 + x * rstep;
+    if (i < p.q_len) p.out[(p.q_rows(b, h) + i) * D + c] = __float2bfloat16(acc[x]);
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+Params make_params(const Shape& s) {
+  Params p{};
+  p.heads = s.heads;
+  p.kv_heads = s.kv_heads;
+  p.group = s.heads / s.kv_heads;
+  p.q_len = s.q_len;
+  p.kv_len = s.kv_len;
+  p.scale = s.scale;
+  p.scale_log2 = s.scale * kLog2e;
+  p.causal = s.causal;
+  return p;
+}
+
+bool has_work(const Shape& s) { return s.batch > 0 && s.heads > 0 && s.q_len > 0; }
+
+void check_grid(const Shape& s, const char* who) {
+  K2C_CHECK(s.heads <= 65535 && s.batch <= 65535, who << ": heads and batch must be at most 65535 (grid limits)");
+}
+
+template <class Kernel>
+void set_smem(Kernel kernel, int bytes) {
+  // Once per kernel: the attribute is a property of the function, not of a launch.
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <int D>
+void launch_forward(const Params& p, const Shape& s, cudaStream_t stream) {
+  using T = ForwardTile<D>;
+  static const bool ready = (set_smem(forward_kernel<D>, T::kSmemBytes), true);
+  (void)ready;
+  const dim3 grid(ceil_div(s.q_len, T::kRows), s.heads, s.batch);
+  forward_kernel<D><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+template <int D>
+void launch_backward(const Params& p, const Shape& s, cudaStream_t stream) {
+  using T = BackwardTile<D>;
+  static const bool ready = (set_smem(backward_kernel<D>, T::kSmemBytes), true);
+  (void)ready;
+  const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len;
+  dot_kernel<D><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p.dout, p.o, p.dot, rows);
+  K2C_CUDA_CHECK_LAUNCH();
+  K2C_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, rows * D * sizeof(float), stream));
+  const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
+  if (grid.x > 0) {
+    backward_kernel<D><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+  const std::size_t quads = rows * D / 4;
+  dq_convert_kernel<<<static_cast<unsigned>(std::min<std::size_t>((quads + 255) / 256, 132 * 16)), 256, 0, stream>>>(
+      reinterpret_cast<const float4*>(p.dq_accum), reinterpret_cast<uint2*>(p.dq), p.scale, quads);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+template <int D>
+void launch_naive(const Params& p, const Shape& s, float* S, cudaStream_t stream) {
+  const long long heads = static_cast<long long>(s.batch) * s.heads;
+  K2C_CHECK(heads <= 65535, "naive_forward: batch · heads must be at most 65535 (grid limits)");
+  if (s.kv_len > 0) {
+    naive_scores_kernel<D><<<dim3(ceil_div(s.kv_len, 32), ceil_div(s.q_len, 32), heads), 256, 0, stream>>>(p, S);
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+  const std::size_t rows = static_cast<std::size_t>(heads) * s.q_len;
+  K2C_CHECK(rows <= 0x7fffffffULL, "naive_forward: too many rows for one grid");
+  naive_softmax_kernel<<<static_cast<unsigned>(rows), 256, 0, stream>>>(S, p.lse_out, s.kv_len);
+  K2C_CUDA_CHECK_LAUNCH();
+  naive_pv_kernel<D><<<dim3(ceil_div(s.q_len, 16), heads), 128, 0, stream>>>(p, S);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+// Rows of fp32 D, then the fp32 dq accumulator, 16-byte aligned.
+std::size_t dot_floats(const Shape& s) {
+  return (static_cast<std::size_t>(s.batch) * s.heads * s.q_len + 3) / 4 * 4;
+}
+
+}  // namespace
+
+void forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+             cudaStream_t stream) {
+  check_shape(s, "flash_attention forward");
+  if (!has_work(s)) return;
+  check_pointers("flash_attention forward", {q, o, lse});
+  if (s.kv_len > 0) check_pointers("flash_attention forward", {k, v});
+  check_grid(s, "flash_attention forward");
+  Params p = make_params(s);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = o;
+  p.lse_out = lse;
+  if (s.head_dim == 64) launch_forward<64>(p, s, stream);
+  else launch_forward<128>(p, s, stream);
+}
+
+std::size_t backward_workspace_bytes(const Shape& s) {
+  check_shape(s, "flash_attention backward_workspace_bytes");
+  return (dot_floats(s) + static_cast<std::size_t>(s.batch) * s.heads * s.q_len * s.head_dim) * sizeof(float);
+}
+
+void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+              const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+              cudaStream_t stream) {
+  check_shape(s, "flash_attention backward");
+  const bool writes_kv = s.batch > 0 && s.kv_heads > 0 && s.kv_len > 0;
+  if (!has_work(s)) {
+    // No query at all: dk and dv are still defined, and zero.
+    if (writes_kv) {
+      check_pointers("flash_attention backward", {dk, dv});
+      const std::size_t bytes = static_cast<std::size_t>(s.batch) * s.kv_heads * s.kv_len * s.head_dim * 2;
+      K2C_CUDA_CHECK(cudaMemsetAsync(dk, 0, bytes, stream));
+      K2C_CUDA_CHECK(cudaMemsetAsync(dv, 0, bytes, stream));
+    }
+    return;
+  }
+  check_pointers("flash_attention backward", {q, o, dout, lse, dq, workspace});
+  if (s.kv_len > 0) check_pointers("flash_attention backward", {k, v, dk, dv});
+  check_grid(s, "flash_attention backward");
+  Params p = make_params(s);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.dout = dout;
+  p.lse_in = lse;
+  p.dq = dq;
+  p.dk = dk;
+  p.dv = dv;
+  p.dot = static_cast<float*>(workspace);
+  p.dq_accum = p.dot + dot_floats(s);
+  if (s.head_dim == 64) launch_backward<64>(p, s, stream);
+  else launch_backward<128>(p, s, stream);
+}
+
+std::size_t naive_workspace_bytes(const Shape& s) {
+  check_shape(s, "flash_attention naive_workspace_bytes");
+  return static_cast<std::size_t>(s.batch) * s.heads * s.q_len * s.kv_len * sizeof(float);
+}
+
+void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                   void* workspace, cudaStream_t stream) {
+  check_shape(s, "flash_attention naive_forward");
+  if (!has_work(s)) return;
+  check_pointers("flash_attention naive_forward", {q, o, lse});
+  if (s.kv_len > 0) check_pointers("flash_attention naive_forward", {k, v, workspace});
+  Params p = make_params(s);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = o;
+  p.lse_out = lse;
+  if (s.head_dim == 64) launch_naive<64>(p, s, static_cast<float*>(workspace), stream);
+  else launch_naive<128>(p, s, static_cast<float*>(workspace), stream);
+}
+
+}  // namespace k2c::flash_attention
