@@ -12,7 +12,8 @@
 # matching benchmarks; K2C_TARGETS="a b" builds only those targets (and the grader);
 # K2C_EXPERIMENT=name also builds and runs tools/experiments/name.cu.
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
-# tuned_config.h, sgemm_ladder.png, bandwidth.png, bench.tar.gz (Google Benchmark JSON per module), and on
+# tuned_config.h, sgemm_ladder.png, bandwidth.png, attention.png (with torch_attention.json where
+# PyTorch is installed), bench.tar.gz (Google Benchmark JSON per module), and on
 # machines with 2+ GPUs collectives.json (module 11's sweep on NCCL; collectives4.json and
 # collectives8.json with 4 and 8 GPUs). The script prints a short summary last.
 set -uo pipefail
@@ -52,7 +53,7 @@ fi
 if [ -n "${K2C_EXPERIMENT:-}" ]; then
   step "experiment $K2C_EXPERIMENT"
   nvcc -O3 -std=c++20 -arch=sm_${ARCH}a -Icommon/include -Iassignments/05_tensor_core_matmul \
-    -Iassignments/06_softmax -Iassignments/07_rmsnorm -Iassignments/08_rope \
+    -Iassignments/06_softmax -Iassignments/07_rmsnorm -Iassignments/08_rope -Iassignments/09_flash_attention \
     "tools/experiments/$K2C_EXPERIMENT.cu" -lcublas -lcuda -o /tmp/k2c-experiment >> "$LOG" 2>&1 &&
     timeout -s KILL 300 /tmp/k2c-experiment 2>&1 | tee "$OUT/experiment.txt" >> "$LOG"
 fi
@@ -119,6 +120,9 @@ done
 step "plots"
 python3 tools/plot_ladder.py /tmp/k2c-bench --png "$OUT/sgemm_ladder.png" --readme /dev/null >> "$LOG" 2>&1
 python3 tools/plot_bandwidth.py /tmp/k2c-bench --png "$OUT/bandwidth.png" >> "$LOG" 2>&1
+# PyTorch's attention backends beside module 09, where PyTorch is installed (it says so if not).
+python3 tools/compare_torch.py --out "$OUT/torch_attention.json" >> "$LOG" 2>&1
+python3 tools/plot_attention.py /tmp/k2c-bench --png "$OUT/attention.png" --torch "$OUT/torch_attention.json" >> "$LOG" 2>&1
 
 step "done"
 grep -E "^\[ k2c perf \]" "$LOG" | sort -u

@@ -4,7 +4,7 @@
 // This file is compiled for sm_90a when the build targets sm_90, so wgmma and setmaxnreg are
 // available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`; elsewhere that code compiles away
 // and the Part B tests skip with the reason hopper_supported() gives.
-// What is given: hopper_supported() and its probe kernel, the argument checks. The Hopper
+// What is given: hopper_supported() (k2c/hopper.cuh probes the device), the argument checks. The Hopper
 // instructions are wrapped in k2c/hopper.cuh (mbarriers, tma_load_2d, wgmma_m64n256k16 and its
 // shared-memory descriptor, setmaxnreg, and make_tensor_map_bf16 on the host).
 // What you write: a warp-specialised kernel (a producer warpgroup issuing TMA copies into a ring
@@ -28,48 +28,11 @@
 namespace k2c::tensor_core_matmul {
 namespace {
 
-// Writes 1 when the code running on this device was compiled with the sm_90a features.
-__global__ void probe_kernel(int* has_features) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  *has_features = 1;
-#else
-  *has_features = 0;
-#endif
-}
-
 bool tma_addressable(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-bool hopper_supported(std::string* why_not) {
-  auto fail = [&](std::string why) {
-    if (why_not) *why_not = std::move(why);
-    return false;
-  };
-  int device = 0;
-  cudaDeviceProp prop{};
-  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-    cudaGetLastError();
-    return fail("no CUDA device");
-  }
-  if (prop.major != 9 || prop.minor != 0)
-    return fail("wgmma needs an sm_90 GPU (H100/H200); this is sm_" + std::to_string(prop.major) +
-                std::to_string(prop.minor));
-  int* flag = nullptr;
-  int has = 0;
-  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return fail("cudaMalloc failed");
-  probe_kernel<<<1, 1>>>(flag);
-  const cudaError_t launched = cudaGetLastError();
-  const cudaError_t copied = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost);
-  cudaFree(flag);
-  if (launched != cudaSuccess || copied != cudaSuccess)
-    return fail(std::string("this build has no code for the GPU: ") +
-                cudaGetErrorString(launched != cudaSuccess ? launched : copied));
-  if (!has)
-    return fail("this build's code for the GPU lacks the sm_90a features (configure with "
-                "CMAKE_CUDA_ARCHITECTURES=90 or 90a: the module is then built for 90a)");
-  return true;
-}
+bool hopper_supported(std::string* why_not) { return k2c::hopper::sm90a_supported(why_not); }
 
 void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, cudaStream_t stream) {
   check_gemm_args(M, N, K, A, B, 0.0f, C);

@@ -2,15 +2,17 @@
 // flash_attention.h).
 //
 // Read lectures/09_flash_attention.md first. Suggested order: naive_forward (task 1), forward
-// (task 2), backward (task 3). k2c/tensor_core.cuh holds module 05's wrappers for cp.async,
+// (task 2), backward (task 3), and for bonus points forward_hopper (Part B). k2c/tensor_core.cuh holds module 05's wrappers for cp.async,
 // ldmatrix and mma.sync: include it and build on them.
 #include <cstdint>
+#include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "flash_attention.h"
 #include "k2c/check.h"
+#include "k2c/hopper.cuh"
 #include "k2c/todo.h"
 
 namespace k2c::flash_attention {
@@ -40,6 +42,24 @@ void forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* 
   (void)stream;
   K2C_TODO("forward: a block per query tile, K and V tiles streamed through shared memory, the "
            "online softmax in registers, O and lse written once");
+}
+
+// Part B (bonus). This file is compiled for sm_90a where the build targets sm_90: wgmma is then
+// available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` (k2c/hopper.cuh wraps the wgmma
+// shapes attention needs, their shared-memory descriptors and the proxy fence). Given:
+// hopper_supported() and the checks of forward_hopper().
+bool hopper_supported(std::string* why_not) { return k2c::hopper::sm90a_supported(why_not); }
+
+void forward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                    cudaStream_t stream) {
+  check_shape(s, "flash_attention forward_hopper");
+  if (s.batch == 0 || s.heads == 0 || s.q_len == 0) return;
+  check_pointers("flash_attention forward_hopper", {q, o, lse});
+  if (s.kv_len > 0) check_pointers("flash_attention forward_hopper", {k, v});
+  k2c::hopper::require_sm90a("flash_attention forward_hopper");
+  (void)stream;
+  K2C_TODO("forward_hopper: a warpgroup per 64 query rows, S = Q Kᵀ and O += P V on wgmma with Q, K "
+           "and V in 128-byte-swizzled shared memory");
 }
 
 std::size_t backward_workspace_bytes(const Shape& s) {

@@ -114,11 +114,11 @@ double bound(double ref, double magnitude) { return 1.25 * std::ldexp(magnitude 
   return ::testing::AssertionFailure() << "lse: " << count << " of " << got.size() << " wrong:" << bad.str();
 }
 
-enum class Path { flash, naive };
+enum class Path { flash, naive, hopper };
 
 // One forward call on one shape, outputs poisoned, every element checked.
 void check_forward(const Shape& s, Path path = Path::flash) {
-  SCOPED_TRACE(describe(s) + (path == Path::naive ? " (naive)" : ""));
+  SCOPED_TRACE(describe(s) + (path == Path::naive ? " (naive)" : path == Path::hopper ? " (Hopper)" : ""));
   const Inputs in = make_inputs(s, describe(s));
   auto dq = k2c::to_device<bf16>(in.q), dk = k2c::to_device<bf16>(in.k), dv = k2c::to_device<bf16>(in.v);
   k2c::DeviceBuffer<bf16> o(q_elems(s));
@@ -127,6 +127,8 @@ void check_forward(const Shape& s, Path path = Path::flash) {
   lse.poison();
   if (path == Path::flash) {
     fa::forward(s, dq.data(), dk.data(), dv.data(), o.data(), lse.data());
+  } else if (path == Path::hopper) {
+    fa::forward_hopper(s, dq.data(), dk.data(), dv.data(), o.data(), lse.data());
   } else {
     k2c::DeviceBuffer<float> work(fa::naive_workspace_bytes(s) / sizeof(float));
     work.poison();
@@ -299,7 +301,7 @@ bool spot_check_backward(const Problem& p, std::uint64_t seed, const char* what)
   return ok;
 }
 
-enum class Pass { forward, backward, naive };
+enum class Pass { forward, backward, naive, hopper };
 
 // Rate in FLOP/s: one checked run, then the timed runs (median, L2 flushed), checked again at
 // fresh random rows. The backward pass runs on the o and lse of this module's own forward pass.
@@ -312,6 +314,7 @@ double measure(Pass pass, const Shape& s, int repeats) {
   auto run = [&] {
     switch (pass) {
       case Pass::forward: fa::forward(s, p.q.data(), p.k.data(), p.v.data(), p.o.data(), p.lse.data()); break;
+      case Pass::hopper: fa::forward_hopper(s, p.q.data(), p.k.data(), p.v.data(), p.o.data(), p.lse.data()); break;
       case Pass::naive:
         fa::naive_forward(s, p.q.data(), p.k.data(), p.v.data(), p.o.data(), p.lse.data(), p.work.data());
         break;
@@ -345,7 +348,10 @@ double measure(Pass pass, const Shape& s, int repeats) {
 void expect_rate(Pass pass, const Shape& s, int repeats) {
   const double ceiling = k2c::bf16_gemm_rate(4096);
   const double achieved = measure(pass, s, repeats);
-  const char* name = pass == Pass::forward ? "forward" : pass == Pass::backward ? "backward" : "naive forward";
+  const char* name = pass == Pass::forward    ? "forward"
+                     : pass == Pass::backward ? "backward"
+                     : pass == Pass::hopper   ? "wgmma forward"
+                                              : "naive forward";
   K2C_EXPECT_PERF(achieved / 1e12, ceiling / 1e12,
                   std::string(name) + " at " + describe(s) + " vs cuBLAS bf16 at 4096^3, " + std::to_string(repeats) +
                       " runs");
@@ -465,4 +471,33 @@ TEST(BackwardPerf, NonCausal128) {
 TEST(NaivePerf, Causal128) {
   K2C_REQUIRE_TIMING();
   expect_rate(Pass::naive, perf_shape(128, true), 3);
+}
+
+// ---- Part B (bonus): wgmma, skipped with the reason where it cannot run ----------------------
+
+#define REQUIRE_HOPPER()                                                   \
+  do {                                                                     \
+    K2C_REQUIRE_GPU();                                                     \
+    std::string why_;                                                      \
+    if (!fa::hopper_supported(&why_)) K2C_SKIP("Part B: " + why_);         \
+  } while (0)
+
+TEST(Hopper, Forward) {
+  REQUIRE_HOPPER();
+  for (const Shape& s : length_shapes()) check_forward(s, Path::hopper);
+  for (const Shape& s : unequal_shapes()) check_forward(s, Path::hopper);
+  for (const Shape& s : grouped_shapes()) check_forward(s, Path::hopper);
+  for (const Shape& s : random_shapes(seed_for("hopper shapes"), 6)) check_forward(s, Path::hopper);
+}
+
+TEST(HopperPerf, Causal128) {
+  K2C_REQUIRE_TIMING();
+  REQUIRE_HOPPER();
+  expect_rate(Pass::hopper, perf_shape(128, true), 20);
+}
+
+TEST(HopperPerf, NonCausal128) {
+  K2C_REQUIRE_TIMING();
+  REQUIRE_HOPPER();
+  expect_rate(Pass::hopper, perf_shape(128, false), 10);
 }

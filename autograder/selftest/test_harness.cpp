@@ -289,6 +289,41 @@ TEST(Reference, AttentionCausalMaskIsBottomRightAligned) {
   for (int c = 0; c < 2 * d; ++c) EXPECT_EQ(g.dq[c], 0.0);
 }
 
+TEST(Reference, AttentionRowGradientsMatchTheFullBackward) {
+  // The spot-check helpers, given the exact o and lse, give the full backward pass's rows; the
+  // magnitudes bound each gradient's size (|x| <= its magnitude), and scale with the data.
+  const k2c::ref::AttentionShape s{.batch = 2, .heads = 4, .kv_heads = 2, .q_len = 5, .kv_len = 7,
+                                   .head_dim = 3, .causal = true, .scale = 0.6};
+  const std::vector<float> q = grid_values(2 * 4 * 5 * 3, 41), k = grid_values(2 * 2 * 7 * 3, 42),
+                           v = grid_values(2 * 2 * 7 * 3, 43), dout = grid_values(2 * 4 * 5 * 3, 44);
+  const auto f = k2c::ref::attention_forward(q, k, v, s);
+  const auto g = k2c::ref::attention_backward(q, k, v, dout, s);
+  const std::vector<float> o(f.o.begin(), f.o.end()), lse(f.lse.begin(), f.lse.end());
+  for (std::size_t i = 0; i < f.o.size(); ++i) EXPECT_LE(std::abs(f.o[i]), f.o_magnitude[i] + 1e-15);
+  for (int b = 0; b < 2; ++b)
+    for (int kvh = 0; kvh < 2; ++kvh)
+      for (int j = 0; j < 7; ++j) {
+        const auto r = k2c::ref::attention_key_gradient_at(q, k, v, o, dout, lse, s, b, kvh, j);
+        const std::size_t at = ((static_cast<std::size_t>(b) * 2 + kvh) * 7 + j) * 3;
+        for (int c = 0; c < 3; ++c) {
+          EXPECT_NEAR(r.dk[c], g.dk[at + c], 1e-6);  // o and lse pass through float
+          EXPECT_NEAR(r.dv[c], g.dv[at + c], 1e-6);
+          EXPECT_LE(std::abs(g.dk[at + c]), g.dk_magnitude[at + c] + 1e-15);
+          EXPECT_LE(std::abs(g.dv[at + c]), g.dv_magnitude[at + c] + 1e-15);
+        }
+      }
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 4; ++h)
+      for (int i = 0; i < 5; ++i) {
+        const auto r = k2c::ref::attention_query_gradient_at(q, k, v, o, dout, lse, s, b, h, i);
+        const std::size_t at = ((static_cast<std::size_t>(b) * 4 + h) * 5 + i) * 3;
+        for (int c = 0; c < 3; ++c) {
+          EXPECT_NEAR(r.dq[c], g.dq[at + c], 1e-6);
+          EXPECT_LE(std::abs(g.dq[at + c]), g.dq_magnitude[at + c] + 1e-15);
+        }
+      }
+}
+
 TEST(Reference, RouterChoosesDeterministically) {
   namespace r = k2c::ref;
   // Softmax scores, top-2, a tie between experts 1 and 3: the lower index comes first.

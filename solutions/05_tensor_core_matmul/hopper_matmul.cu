@@ -205,48 +205,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// Writes 1 when the code running on this device was compiled with the sm_90a features.
-__global__ void probe_kernel(int* has_features) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  *has_features = 1;
-#else
-  *has_features = 0;
-#endif
-}
-
 bool tma_addressable(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-bool hopper_supported(std::string* why_not) {
-  auto fail = [&](std::string why) {
-    if (why_not) *why_not = std::move(why);
-    return false;
-  };
-  int device = 0;
-  cudaDeviceProp prop{};
-  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-    cudaGetLastError();
-    return fail("no CUDA device");
-  }
-  if (prop.major != 9 || prop.minor != 0)
-    return fail("wgmma needs an sm_90 GPU (H100/H200); this is sm_" + std::to_string(prop.major) +
-                std::to_string(prop.minor));
-  int* flag = nullptr;
-  int has = 0;
-  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return fail("cudaMalloc failed");
-  probe_kernel<<<1, 1>>>(flag);
-  const cudaError_t launched = cudaGetLastError();
-  const cudaError_t copied = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost);
-  cudaFree(flag);
-  if (launched != cudaSuccess || copied != cudaSuccess)
-    return fail(std::string("this build has no code for the GPU: ") +
-                cudaGetErrorString(launched != cudaSuccess ? launched : copied));
-  if (!has)
-    return fail("this build's code for the GPU lacks the sm_90a features (configure with "
-                "CMAKE_CUDA_ARCHITECTURES=90 or 90a: the module is then built for 90a)");
-  return true;
-}
+bool hopper_supported(std::string* why_not) { return hp::sm90a_supported(why_not); }
 
 namespace {
 
@@ -308,20 +271,7 @@ void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, c
                             << K << "; use matmul()");
   K2C_CHECK(K == 0 || (tma_addressable(A) && tma_addressable(B)),
             "matmul_hopper needs 16-byte aligned A and B (TMA); use matmul()");
-  {  // asked once per device: the answer costs a kernel launch
-    static std::mutex mutex;
-    static std::map<int, std::string> why_not_on;  // "" = supported
-    int device = 0;
-    K2C_CUDA_CHECK(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(mutex);
-    auto known = why_not_on.find(device);
-    if (known == why_not_on.end()) {
-      std::string why;
-      if (hopper_supported(&why)) why.clear();
-      known = why_not_on.emplace(device, why).first;
-    }
-    K2C_CHECK(known->second.empty(), "matmul_hopper cannot run here: " << known->second);
-  }
+  hp::require_sm90a("matmul_hopper");
   if (K == 0) {  // an empty sum: nothing for TMA to describe
     K2C_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<std::size_t>(M) * N * sizeof(bf16), stream));
     return;

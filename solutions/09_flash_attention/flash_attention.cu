@@ -16,12 +16,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "flash_attention.h"
 #include "k2c/check.h"
+#include "k2c/hopper.cuh"
 #include "k2c/tensor_core.cuh"
 
 namespace k2c::flash_attention {
@@ -134,6 +136,91 @@ struct Params {
   __device__ std::size_t kv_rows(int b, int g) const { return (static_cast<std::size_t>(b) * kv_heads + g) * kv_len; }
 };
 
+// ---- the forward pass's per-strip steps (shared by the mma.sync and the wgmma kernels) ----------
+//
+// A strip is 16 query rows × NT·8 keys of scores in accumulator layout (s[nt][e]: row
+// row0 + acc_row(lane, e / 2), key n0 + 8·nt + acc_col(lane) + e % 2) with its DT·8-wide output
+// rows and this thread's running max (raw score units) and partial sum for its two rows.
+
+// Hides the scores of keys past kv_len or above the causal diagonal.
+template <int NT>
+__device__ __forceinline__ void mask_strip(float (&s)[NT][4], const Mask& mask, int row0, int n0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (mask.hidden(row0 + acc_row(lane, e / 2), n0 + nt * 8 + acc_col(lane) + e % 2)) s[nt][e] = -INFINITY;
+}
+
+// Online softmax (lecture section 3): the new running max, what came before rescaled by
+// 2^((old − new)·scale·log2 e), this tile exponentiated with one FFMA + EX2 per score (s becomes
+// P, unnormalised).
+template <int NT, int DT>
+__device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float (&o)[DT][4], float (&row_max)[2],
+                                              float (&row_sum)[2], float scale_log2) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = row_max[half];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a row
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // A row that has seen only masked keys keeps max −inf; using 0 instead keeps
+    // −inf − (−inf) = NaN out of the exponent, and its terms are all 0 either way.
+    const float base = mx == -INFINITY ? 0.0f : mx * scale_log2;
+    const float rescale = fast_exp2(row_max[half] * scale_log2 - base);
+    row_max[half] = mx;
+    float sum = 0;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 2 * half; e < 2 * half + 2; ++e) {
+        s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -base));
+        sum += s[nt][e];
+      }
+    row_sum[half] = row_sum[half] * rescale + sum;  // this thread's columns only
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][2 * half] *= rescale;
+      o[dt][2 * half + 1] *= rescale;
+    }
+  }
+}
+
+// Divides the strip's output by its row sums once, at the end, writes it as bf16 and saves
+// lse = scale·max + ln(sum) (+inf for a row that saw no key).
+template <int DT>
+__device__ __forceinline__ void store_strip(const float (&o)[DT][4], const float (&row_max)[2], const float (&row_sum)[2],
+                                            Params p, std::size_t head_row0, int row0, int lane) {
+  constexpr int D = DT * 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = row0 + acc_row(lane, half);
+    if (row >= p.q_len) continue;
+    const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+    const std::size_t r = head_row0 + row;
+    auto* out = reinterpret_cast<std::uint32_t*>(p.out + r * D + acc_col(lane));
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) out[dt * 4] = pack_bf16x2(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
+    if ((lane & 3) == 0) p.lse_out[r] = sum > 0 ? row_max[half] * p.scale + logf(sum) : INFINITY;
+  }
+}
+
+// The keys [0, n_end) that rows [m0, m0 + rows) need: under the causal mask the last row,
+// m0 + rows − 1, sees keys up to m0 + rows − 1 + offset.
+__device__ __forceinline__ int keys_needed(Params p, int m0, int rows) {
+  return p.causal ? max(0, min(p.kv_len, m0 + rows + p.kv_len - p.q_len)) : p.kv_len;
+}
+
+// Whether a rows × BN tile at (m0, n0) crosses the kv tail or the diagonal: only those pay for
+// the mask.
+__device__ __forceinline__ bool tile_needs_mask(Params p, int m0, int n0, int keys) {
+  return n0 + keys > p.kv_len || (p.causal && n0 + keys - 1 > m0 + p.kv_len - p.q_len);
+}
+
 // ---- forward ----------------------------------------------------------------------------------
 
 // 4 warps, 128 query rows per block: each warp owns 32 rows (two 16-row strips), so the row max
@@ -141,17 +228,17 @@ struct Params {
 // double buffered. Shared memory: Q 128·D + 2·2·64·D bf16 = 96 KiB at D = 128 (two blocks per
 // SM), 48 KiB at D = 64. Registers bound the tile: the output alone is 32·D/32 = D fp32 values per
 // thread, the scores 32·BN/32 = BN more.
-template <int D>
+template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2>
 struct ForwardTile {
-  static constexpr int kRows = 128, kWarps = 4, kThreads = 32 * kWarps, kStrips = 2;
-  static constexpr int kKeys = 64;
+  static constexpr int D = D_, kKeys = KEYS, kWarps = WARPS, kStrips = STRIPS;
+  static constexpr int kRows = 16 * kStrips * kWarps, kThreads = 32 * kWarps;
   static constexpr int kSmemBytes = (kRows + 4 * kKeys) * D * 2;
+  static constexpr int kMinBlocks = kThreads <= 128 ? 2 : 1;  // what the register file allows
 };
 
-template <int D>
-__global__ void __launch_bounds__(ForwardTile<D>::kThreads, 2) forward_kernel(Params p) {
-  using T = ForwardTile<D>;
-  constexpr int BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8;
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Params p) {
+  constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8, WM = 16 * T::kStrips;
   extern __shared__ __align__(128) unsigned char smem[];
   const std::uint32_t sQ = smem_addr(smem);
   auto sK = [&](int stage) { return sQ + (BM + stage * BN) * D * 2; };
@@ -168,9 +255,7 @@ __global__ void __launch_bounds__(ForwardTile<D>::kThreads, 2) forward_kernel(Pa
   const bf16* k = p.k + p.kv_rows(b, g) * D;
   const bf16* v = p.v + p.kv_rows(b, g) * D;
 
-  // Keys [0, n_end) matter: the block's last row, m0 + BM - 1, sees keys up to m0 + BM - 1 + offset.
-  const int n_end = p.causal ? max(0, min(p.kv_len, m0 + BM + mask.offset)) : p.kv_len;
-  const int n_blocks = ceil_div(n_end, BN);
+  const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
 
   auto load_kv = [&](int j) {
     const int n0 = j * BN;
@@ -188,20 +273,21 @@ __global__ void __launch_bounds__(ForwardTile<D>::kThreads, 2) forward_kernel(Pa
 
   for (int j = 0; j < n_blocks; ++j) {
     const int n0 = j * BN;
-    // Prefetch the next K/V tile into the other buffer, then wait for this one. One commit per
-    // iteration, even an empty one, keeps "wait until one group is left" exact.
+    // Wait for this tile; the barrier then also tells that every warp is done with iteration
+    // j − 1, so its buffer can take the prefetch of tile j + 1, which runs under this tile's math.
+    // One barrier per iteration.
+    tc::cp_async_wait<0>();
+    __syncthreads();
     if (j + 1 < n_blocks) load_kv(j + 1);
     tc::cp_async_commit();
-    tc::cp_async_wait<1>();
-    __syncthreads();
 
     // S = Q Kᵀ for the warp's 32 rows × BN keys, fp32.
     float s[T::kStrips][NT][4] = {};
-#pragma unroll
+#pragma unroll 1
     for (int kk = 0; kk < D; kk += 16) {
       std::uint32_t a[T::kStrips][4];
 #pragma unroll
-      for (int st = 0; st < T::kStrips; ++st) load_a<D>(a[st], sQ, warp * 32 + st * 16, kk, lane);
+      for (int st = 0; st < T::kStrips; ++st) load_a<D>(a[st], sQ, warp * WM + st * 16, kk, lane);
 #pragma unroll
       for (int nt = 0; nt < NT; nt += 2) {
         std::uint32_t bk[4];
@@ -214,50 +300,12 @@ __global__ void __launch_bounds__(ForwardTile<D>::kThreads, 2) forward_kernel(Pa
       }
     }
 
-    // Only tiles that cross the kv tail or the diagonal pay for the mask.
-    if (n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset)) {
+    if (tile_needs_mask(p, m0, n0, BN)) {
 #pragma unroll
-      for (int st = 0; st < T::kStrips; ++st)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = m0 + warp * 32 + st * 16 + acc_row(lane, e / 2);
-            if (mask.hidden(row, n0 + nt * 8 + acc_col(lane) + e % 2)) s[st][nt][e] = -INFINITY;
-          }
+      for (int st = 0; st < T::kStrips; ++st) mask_strip(s[st], mask, m0 + warp * WM + st * 16, n0, lane);
     }
-
-    // Online softmax (lecture section 3): new running max, rescale what came before by
-    // 2^((old − new)·scale·log2 e), exponentiate this tile with one FFMA + EX2 per score.
 #pragma unroll
-    for (int st = 0; st < T::kStrips; ++st)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mx = row_max[st][half];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[st][nt][2 * half], s[st][nt][2 * half + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a row
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row that has seen only masked keys keeps max −inf; using 0 instead keeps
-        // −inf − (−inf) = NaN out of the exponent, and its terms are all 0 either way.
-        const float base = mx == -INFINITY ? 0.0f : mx * p.scale_log2;
-        const float rescale = fast_exp2(row_max[st][half] * p.scale_log2 - base);
-        row_max[st][half] = mx;
-        float sum = 0;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            s[st][nt][e] = fast_exp2(fmaf(s[st][nt][e], p.scale_log2, -base));
-            sum += s[st][nt][e];
-          }
-        row_sum[st][half] = row_sum[st][half] * rescale + sum;  // this thread's columns only
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          o[st][dt][2 * half] *= rescale;
-          o[st][dt][2 * half + 1] *= rescale;
-        }
-      }
+    for (int st = 0; st < T::kStrips; ++st) softmax_strip(s[st], o[st], row_max[st], row_sum[st], p.scale_log2);
 
     // O += P V: P from registers (bf16), V by transposing ldmatrix.
 #pragma unroll
@@ -276,28 +324,127 @@ __global__ void __launch_bounds__(ForwardTile<D>::kThreads, 2) forward_kernel(Pa
         }
       }
     }
-    __syncthreads();  // everyone is done with buffer j & 1 before iteration j + 1 refills it
   }
   tc::cp_async_wait<0>();
 
-  // Divide by the row sum once, at the end, and save lse = scale·max + ln(sum).
 #pragma unroll
   for (int st = 0; st < T::kStrips; ++st)
+    store_strip(o[st], row_max[st], row_sum[st], p, p.q_rows(b, h), m0 + warp * WM + st * 16, lane);
+}
+
+// ---- Part B: the forward pass on Hopper's warpgroup MMA (sm_90a) ---------------------------------
+//
+// Each warpgroup (128 threads) owns 64 query rows, two warpgroups per block share K and V tiles
+// of 64 keys, double buffered by cp.async as above. What changes is the tensor-core instruction:
+// wgmma reads Q, K and V straight from shared memory through descriptors, so the ldmatrix
+// traffic that bounds the mma.sync kernel disappears, and P goes from registers into the second
+// product as before. Tiles are laid out as wgmma's 128-byte-swizzled operands: 64-column blocks
+// of rows × 128 bytes, chunk c of row r stored at c ^ (r % 8), each block 1024-byte aligned
+// (lecture section 10). Shared memory: Q 128·D + 2·2·64·D bf16 = 96 KiB at D = 128, so two
+// blocks fit an SM and their softmax and matrix phases interleave; registers are then capped at
+// 128 per thread (2 · 256 threads), which costs a few spilled bytes at D = 128 and still
+// measured fastest (tools/experiments/flash_attention.cu: one warpgroup per block, or one block
+// per SM, were 17 % and 12 % slower; a one-warpgroup kernel that issued the next tile's Q·Kᵀ
+// before this tile's softmax, FA3's overlap, made ptxas serialise its wgmmas and ran 10 % slower
+// than the same kernel without it).
+template <int D_, int WARPGROUPS = 2, int MIN_BLOCKS = 2>
+struct HopperTile {
+  static constexpr int D = D_, kRows = 64 * WARPGROUPS, kKeys = 64;
+  static constexpr int kThreads = 128 * WARPGROUPS;
+  static constexpr int kQBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;  // Q; a K or V tile
+  static constexpr int kSmemBytes = kQBytes + 4 * kTileBytes + 1024;  // + room to align to 1 KiB
+  static constexpr int kMinBlocks = WARPGROUPS == 1 ? 2 : MIN_BLOCKS;
+};
+
+// Like load_tile, into the 128-byte-swizzled block layout.
+template <int ROWS, int W, int THREADS>
+__device__ __forceinline__ void load_tile_sw128(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
+  constexpr int kChunks = W / 8;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float sum = row_sum[st][half];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int row = m0 + warp * 32 + st * 16 + acc_row(lane, half);
-      if (row >= p.q_len) continue;
-      const float inv = sum > 0 ? 1.0f / sum : 0.0f;
-      const std::size_t r = p.q_rows(b, h) + row;
-      auto* out = reinterpret_cast<std::uint32_t*>(p.out + r * D + acc_col(lane));
+  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool ok = r < valid_rows;
+    const std::uint32_t at = tile + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4);
+    cp_async_16(at, ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_kernel(Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace hp = k2c::hopper;
+  constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+  auto sK = [&](int stage) { return sQ + T::kQBytes + 2 * stage * T::kTileBytes; };
+  auto sV = [&](int stage) { return sQ + T::kQBytes + (2 * stage + 1) * T::kTileBytes; };
+
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first, as above
+  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+  const bf16* q = p.q + (p.q_rows(b, h) + m0) * D;
+  const bf16* k = p.k + p.kv_rows(b, g) * D;
+  const bf16* v = p.v + p.kv_rows(b, g) * D;
+  const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
+  const std::uint32_t q_rows = sQ + wg * 64 * 128;  // this warpgroup's 64 rows in each column block
+
+  auto load_kv = [&](int j) {
+    const int n0 = j * BN;
+    load_tile_sw128<BN, D, T::kThreads>(sK(j & 1), k + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+    load_tile_sw128<BN, D, T::kThreads>(sV(j & 1), v + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+  };
+  load_tile_sw128<BM, D, T::kThreads>(sQ, q, p.q_len - m0, tid);
+  if (n_blocks > 0) load_kv(0);
+  tc::cp_async_commit();
+
+  // This warp's 16 rows of the warpgroup's 64, in the accumulator layout of mma.sync strips.
+  float o[DT][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {};
+  for (int j = 0; j < n_blocks; ++j) {
+    const int n0 = j * BN;
+    tc::cp_async_wait<0>();
+    hp::fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+    __syncthreads();
+    if (j + 1 < n_blocks) load_kv(j + 1);
+    tc::cp_async_commit();
+
+    // S = Q Kᵀ: D/16 steps of k16, each 32 bytes further along the 128-byte rows of a block.
+    float s[NT][4];
+    hp::wgmma_fence();
 #pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-        out[dt * 4] = pack_bf16x2(o[st][dt][2 * half] * inv, o[st][dt][2 * half + 1] * inv);
-      if ((lane & 3) == 0) p.lse_out[r] = sum > 0 ? row_max[st][half] * p.scale + logf(sum) : INFINITY;
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const std::uint32_t along = (kk % 4) * 32;
+      hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[NT * 4]>(s),
+                             hp::smem_desc_128b(q_rows + (kk / 4) * BM * 128 + along),
+                             hp::smem_desc_128b(sK(j & 1) + (kk / 4) * BN * 128 + along), kk > 0);
     }
+    hp::wgmma_commit();
+    hp::wgmma_wait<0>();
+
+    if (tile_needs_mask(p, m0, n0, BN)) mask_strip(s, mask, m0 + warp * 16, n0, lane);  // warp w: rows 16w..
+    softmax_strip(s, o, row_max, row_sum, p.scale_log2);
+
+    // O += P V: P as register A fragments, V read MN-major (keys are k, head_dim is n). Step kk
+    // starts 16 rows down V's first 64-column block; the second block is a tile's half away.
+    std::uint32_t a[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a(a[kk], s[2 * kk], s[2 * kk + 1]);
+    hp::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const std::uint64_t desc = hp::smem_desc_128b_mn(sV(j & 1) + kk * 16 * 128, BN * 128);
+      if constexpr (D == 128) hp::wgmma_m64n128k16_rs_tb(reinterpret_cast<float(&)[DT * 4]>(o), a[kk], desc);
+      else hp::wgmma_m64n64k16_rs_tb(reinterpret_cast<float(&)[DT * 4]>(o), a[kk], desc);
+    }
+    hp::wgmma_commit();
+    hp::wgmma_wait<0>();  // before the next iteration's prefetch overwrites this V
+  }
+  tc::cp_async_wait<0>();
+  store_strip(o, row_max, row_sum, p, p.q_rows(b, h), m0 + warp * 16, lane);
+#else
+  (void)p;  // compiled without sm_90a: forward_hopper() refuses to launch (hopper_supported)
+#endif
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -341,8 +488,9 @@ __global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, s
 // warp computes a 16 × D/2 slice of dQ and adds it into the fp32 accumulator in global memory.
 // Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16, plus lse and D:
 // 145 KiB at D = 128, one block per SM; 81 KiB at D = 64.
-template <int D>
+template <int D_, int CHUNKS>
 struct BackwardTile {
+  static constexpr int D = D_, kChunks = CHUNKS;
   static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;
   static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kKeys * kRows) * 2 + 4 * kRows * 4;
 };
@@ -357,10 +505,9 @@ __device__ __forceinline__ void add_pair(float* dst, float x, float y) {
 #endif
 }
 
-template <int D>
-__global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1) backward_kernel(Params p) {
-  using T = BackwardTile<D>;
-  constexpr int BN = T::kKeys, BM = T::kRows, QT = BM / 8, DT = D / 8;
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
+  constexpr int D = T::D, BN = T::kKeys, BM = T::kRows, QT = BM / 8, DT = D / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const std::uint32_t sK = smem_addr(smem), sV = sK + BN * D * 2;
   auto sQ = [&](int stage) { return sV + BN * D * 2 + stage * BM * D * 2; };
@@ -421,74 +568,85 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1) backward_kernel(
   for (int t = 0; t < steps; ++t) {
     int m0;
     const std::size_t q_row0 = step_rows(t, m0);
+    // As in the forward pass: wait, one barrier, then prefetch into the buffer step t − 1 used.
+    tc::cp_async_wait<0>();
+    __syncthreads();
     if (t + 1 < steps) fetch(t + 1);
     tc::cp_async_commit();
-    tc::cp_async_wait<1>();
-    __syncthreads();
     const float* lse2 = s_lse + (t & 1) * BM;
     const float* dot = s_dot + (t & 1) * BM;
 
-    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: the warp's 16 keys × BM queries each.
-    float sT[QT][4] = {}, dpT[QT][4] = {};
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys × BM queries, a chunk of query columns at a
+    // time so that only one chunk's fp32 scores are live (registers are the scarce resource here:
+    // dK and dV alone hold D fp32 per thread, D/2 each). Each chunk ends as bf16 pairs of Pᵀ and dSᵀ, which
+    // are already the A operands of dV += Pᵀ dO and dK += dSᵀ Q.
+    const bool masked = n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset);
+    std::uint32_t ap[BM / 16][4], ads[BM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < D; kk += 16) {
-      std::uint32_t ak[4], av[4];
-      load_a<D>(ak, sK, key_row, kk, lane);
-      load_a<D>(av, sV, key_row, kk, lane);
+    for (int c = 0; c < T::kChunks; ++c) {
+      constexpr int CQ = QT / T::kChunks;
+      float sT[CQ][4] = {}, dpT[CQ][4] = {};
+#pragma unroll 1
+      for (int kk = 0; kk < D; kk += 16) {
+        std::uint32_t ak[4], av[4];
+        load_a<D>(ak, sK, key_row, kk, lane);
+        load_a<D>(av, sV, key_row, kk, lane);
 #pragma unroll
-      for (int qt = 0; qt < QT; qt += 2) {
-        std::uint32_t bq[4], bo[4];
-        load_b_nk<D>(bq, sQ(t & 1), qt * 8, kk, lane);
-        load_b_nk<D>(bo, sdO(t & 1), qt * 8, kk, lane);
-        mma(sT[qt], ak, bq[0], bq[1]);
-        mma(sT[qt + 1], ak, bq[2], bq[3]);
-        mma(dpT[qt], av, bo[0], bo[1]);
-        mma(dpT[qt + 1], av, bo[2], bo[3]);
+        for (int i = 0; i < CQ; i += 2) {
+          std::uint32_t bq[4], bo[4];
+          load_b_nk<D>(bq, sQ(t & 1), (c * CQ + i) * 8, kk, lane);
+          load_b_nk<D>(bo, sdO(t & 1), (c * CQ + i) * 8, kk, lane);
+          mma(sT[i], ak, bq[0], bq[1]);
+          mma(sT[i + 1], ak, bq[2], bq[3]);
+          mma(dpT[i], av, bo[0], bo[1]);
+          mma(dpT[i + 1], av, bo[2], bo[3]);
+        }
+      }
+      // Pᵀ = exp(scale·Sᵀ − lse) recomputed (zero where masked), then dSᵀ = Pᵀ ∘ (dPᵀ − D).
+#pragma unroll
+      for (int i = 0; i < CQ; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + key_row + acc_row(lane, e / 2), col = (c * CQ + i) * 8 + acc_col(lane) + e % 2;
+          float pr = fast_exp2(fmaf(sT[i][e], p.scale_log2, -lse2[col]));
+          if (masked && mask.hidden(m0 + col, key)) pr = 0.0f;
+          sT[i][e] = pr;
+          dpT[i][e] = pr * (dpT[i][e] - dot[col]);
+        }
+#pragma unroll
+      for (int i = 0; i < CQ; i += 2) {
+        accumulators_to_a(ap[(c * CQ + i) / 2], sT[i], sT[i + 1]);
+        accumulators_to_a(ads[(c * CQ + i) / 2], dpT[i], dpT[i + 1]);
       }
     }
 
-    // Pᵀ = exp(scale·Sᵀ − lse) recomputed (zero where masked), then dSᵀ = Pᵀ ∘ (dPᵀ − D).
-    const bool masked = n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset);
-#pragma unroll
-    for (int qt = 0; qt < QT; ++qt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + key_row + acc_row(lane, e / 2), col = qt * 8 + acc_col(lane) + e % 2;
-        float pr = fast_exp2(fmaf(sT[qt][e], p.scale_log2, -lse2[col]));
-        if (masked && mask.hidden(m0 + col, key)) pr = 0.0f;
-        sT[qt][e] = pr;
-        dpT[qt][e] = pr * (dpT[qt][e] - dot[col]);
-      }
-
-    // dV += Pᵀ dO and dK += dSᵀ Q, A operands straight from registers (k = the BM queries).
+    // dV += Pᵀ dO and dK += dSᵀ Q (k = the BM queries).
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      std::uint32_t ap[4], ads[4];
-      accumulators_to_a(ap, sT[2 * kk], sT[2 * kk + 1]);
-      accumulators_to_a(ads, dpT[2 * kk], dpT[2 * kk + 1]);
 #pragma unroll
       for (int dt = 0; dt < DT; dt += 2) {
         std::uint32_t bo[4], bq[4];
         load_b_kn<D>(bo, sdO(t & 1), kk * 16, dt * 8, lane);
         load_b_kn<D>(bq, sQ(t & 1), kk * 16, dt * 8, lane);
-        mma(dv[dt], ap, bo[0], bo[1]);
-        mma(dv[dt + 1], ap, bo[2], bo[3]);
-        mma(dk[dt], ads, bq[0], bq[1]);
-        mma(dk[dt + 1], ads, bq[2], bq[3]);
+        mma(dv[dt], ap[kk], bo[0], bo[1]);
+        mma(dv[dt + 1], ap[kk], bo[2], bo[3]);
+        mma(dk[dt], ads[kk], bq[0], bq[1]);
+        mma(dk[dt + 1], ads[kk], bq[2], bq[3]);
       }
     }
 
-    // dSᵀ to shared memory (bf16, the same swizzle with BM-wide rows) for dQ.
+    // dSᵀ to shared memory (bf16, the same swizzle with BM-wide rows) for dQ. Register
+    // ads[kk][2·(qt % 2) + half] of the A fragment holds n8 tile qt = 2·kk + qt % 2, row half.
 #pragma unroll
     for (int qt = 0; qt < QT; ++qt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = key_row + acc_row(lane, half);
         const std::uint32_t at = swizzled<BM>(sdS, row, qt) + acc_col(lane) * 2;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pack_bf16x2(dpT[qt][2 * half], dpT[qt][2 * half + 1])));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
       }
     store_rows(t + 1);  // next step's lse and D; its buffer was last read in step t − 1
-    __syncthreads();
+    __syncthreads();  // dSᵀ complete (the next step's first barrier guards its reuse)
 
     // dQ (BM × D) += dS K: warp w takes rows 16·(w % 4) and columns (w / 4)·D/2, k = the BN keys.
     // dS is stored transposed, so its A fragments come from the transposing ldmatrix.
@@ -516,7 +674,6 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1) backward_kernel(
         for (int dt = 0; dt < DT / 2; ++dt) add_pair(dst + dt * 8, dq[dt][2 * half], dq[dt][2 * half + 1]);
       }
     }
-    __syncthreads();  // dSᵀ and this step's Q/dO buffer are free again
   }
   tc::cp_async_wait<0>();
 
@@ -635,6 +792,20 @@ Params make_params(const Shape& s) {
 
 bool has_work(const Shape& s) { return s.batch > 0 && s.heads > 0 && s.q_len > 0; }
 
+// The checks and parameters every forward entry point shares (`who` names it in errors).
+Params forward_params(const char* who, const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o,
+                      float* lse) {
+  check_pointers(who, {q, o, lse});
+  if (s.kv_len > 0) check_pointers(who, {k, v});
+  Params p = make_params(s);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = o;
+  p.lse_out = lse;
+  return p;
+}
+
 void check_grid(const Shape& s, const char* who) {
   K2C_CHECK(s.heads <= 65535 && s.batch <= 65535, who << ": heads and batch must be at most 65535 (grid limits)");
 }
@@ -645,20 +816,28 @@ void set_smem(Kernel kernel, int bytes) {
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-template <int D>
-void launch_forward(const Params& p, const Shape& s, cudaStream_t stream) {
-  using T = ForwardTile<D>;
-  static const bool ready = (set_smem(forward_kernel<D>, T::kSmemBytes), true);
+// Launches a forward kernel over (query blocks, heads, batch).
+template <class T, auto Kernel>
+void launch_query_blocks(const Params& p, const Shape& s, cudaStream_t stream) {
+  static const bool ready = (set_smem(Kernel, T::kSmemBytes), true);
   (void)ready;
   const dim3 grid(ceil_div(s.q_len, T::kRows), s.heads, s.batch);
-  forward_kernel<D><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+  Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
   K2C_CUDA_CHECK_LAUNCH();
 }
+template <class T>
+void launch_forward(const Params& p, const Shape& s, cudaStream_t stream) {
+  launch_query_blocks<T, forward_kernel<T>>(p, s, stream);
+}
+template <class T>
+void launch_hopper(const Params& p, const Shape& s, cudaStream_t stream) {
+  launch_query_blocks<T, hopper_forward_kernel<T>>(p, s, stream);
+}
 
-template <int D>
+template <class T>
 void launch_backward(const Params& p, const Shape& s, cudaStream_t stream) {
-  using T = BackwardTile<D>;
-  static const bool ready = (set_smem(backward_kernel<D>, T::kSmemBytes), true);
+  constexpr int D = T::D;
+  static const bool ready = (set_smem(backward_kernel<T>, T::kSmemBytes), true);
   (void)ready;
   const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len;
   dot_kernel<D><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p.dout, p.o, p.dot, rows);
@@ -666,7 +845,7 @@ void launch_backward(const Params& p, const Shape& s, cudaStream_t stream) {
   K2C_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, rows * D * sizeof(float), stream));
   const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
   if (grid.x > 0) {
-    backward_kernel<D><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+    backward_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
     K2C_CUDA_CHECK_LAUNCH();
   }
   const std::size_t quads = rows * D / 4;
@@ -702,17 +881,23 @@ void forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* 
              cudaStream_t stream) {
   check_shape(s, "flash_attention forward");
   if (!has_work(s)) return;
-  check_pointers("flash_attention forward", {q, o, lse});
-  if (s.kv_len > 0) check_pointers("flash_attention forward", {k, v});
+  const Params p = forward_params("flash_attention forward", s, q, k, v, o, lse);
   check_grid(s, "flash_attention forward");
-  Params p = make_params(s);
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.out = o;
-  p.lse_out = lse;
-  if (s.head_dim == 64) launch_forward<64>(p, s, stream);
-  else launch_forward<128>(p, s, stream);
+  if (s.head_dim == 64) launch_forward<ForwardTile<64>>(p, s, stream);
+  else launch_forward<ForwardTile<128>>(p, s, stream);
+}
+
+bool hopper_supported(std::string* why_not) { return k2c::hopper::sm90a_supported(why_not); }
+
+void forward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                    cudaStream_t stream) {
+  check_shape(s, "flash_attention forward_hopper");
+  if (!has_work(s)) return;
+  const Params p = forward_params("flash_attention forward_hopper", s, q, k, v, o, lse);
+  check_grid(s, "flash_attention forward_hopper");
+  k2c::hopper::require_sm90a("flash_attention forward_hopper");
+  if (s.head_dim == 64) launch_hopper<HopperTile<64>>(p, s, stream);
+  else launch_hopper<HopperTile<128>>(p, s, stream);
 }
 
 std::size_t backward_workspace_bytes(const Shape& s) {
@@ -750,8 +935,10 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
   p.dv = dv;
   p.dot = static_cast<float*>(workspace);
   p.dq_accum = p.dot + dot_floats(s);
-  if (s.head_dim == 64) launch_backward<64>(p, s, stream);
-  else launch_backward<128>(p, s, stream);
+  // Score chunks per step, measured (tools/experiments/flash_attention.cu): two at d = 128 free
+  // the registers that spilled; at d = 64 nothing spills and one chunk is faster.
+  if (s.head_dim == 64) launch_backward<BackwardTile<64, 1>>(p, s, stream);
+  else launch_backward<BackwardTile<128, 2>>(p, s, stream);
 }
 
 std::size_t naive_workspace_bytes(const Shape& s) {
@@ -763,14 +950,8 @@ void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, 
                    void* workspace, cudaStream_t stream) {
   check_shape(s, "flash_attention naive_forward");
   if (!has_work(s)) return;
-  check_pointers("flash_attention naive_forward", {q, o, lse});
-  if (s.kv_len > 0) check_pointers("flash_attention naive_forward", {k, v, workspace});
-  Params p = make_params(s);
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.out = o;
-  p.lse_out = lse;
+  const Params p = forward_params("flash_attention naive_forward", s, q, k, v, o, lse);
+  if (s.kv_len > 0) check_pointers("flash_attention naive_forward", {workspace});
   if (s.head_dim == 64) launch_naive<64>(p, s, static_cast<float*>(workspace), stream);
   else launch_naive<128>(p, s, static_cast<float*>(workspace), stream);
 }

@@ -12,30 +12,12 @@
 
 #include <cublas_v2.h>
 
+#include "median_time.cuh"
 #include "../../solutions/05_tensor_core_matmul/hopper_matmul.cu"
 #include "../../solutions/05_tensor_core_matmul/tensor_core_matmul.cu"
 
 using bf16 = __nv_bfloat16;
 namespace tcm = k2c::tensor_core_matmul;
-
-static double median_ms(const std::function<void()>& f, int reps) {
-  for (int i = 0; i < 3; ++i) f();
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a);
-    f();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 __global__ void fill(bf16* p, size_t n, unsigned seed) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {

@@ -16,7 +16,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cuda_runtime_api.h>
@@ -146,6 +149,24 @@ __device__ __forceinline__ std::uint64_t smem_desc_128b(std::uint32_t addr) {
          (kSwizzle128B << 62);
 }
 
+// The same layout read as an MN-major operand (attention's V as the B of P·V: rows are k, the 64
+// bf16 of a row run along n). A k16 step spans two 8-row groups, 1024 bytes apart (the stride
+// byte offset); an operand wider than 64 along n continues in the next 64-wide block of the
+// tile, `block_bytes` further (the leading byte offset). Used with the transpose flag set.
+__device__ __forceinline__ std::uint64_t smem_desc_128b_mn(std::uint32_t addr, std::uint32_t block_bytes) {
+  constexpr std::uint64_t kStrideOffset = 1024 >> 4;
+  constexpr std::uint64_t kSwizzle128B = 1;
+  return ((addr & 0x3FFFF) >> 4) | (static_cast<std::uint64_t>(block_bytes >> 4) << 16) |
+         (kStrideOffset << 32) | (kSwizzle128B << 62);
+}
+
+// Shared memory written by ordinary stores or cp.async is seen by wgmma (which reads through the
+// async proxy) only after this fence, executed by the writing threads before the barrier that
+// publishes their data. TMA writes need no fence: they are in the async proxy already.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // d(64×256, fp32) = A(64×16) · B(256×16)ᵀ + (accumulate ? d : 0), both bf16 from shared memory:
 // starting a tile with accumulate = 0 saves zeroing 128 registers. Thread t of warp w of
 // the warpgroup holds, for n-block j (8 columns): d[4j], d[4j+1] at row 16w + t/4, columns
@@ -174,6 +195,57 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
       : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 #undef K2C_D8
 }
+
+// Attention's two products (module 09), N = 64 or 128 columns:
+//   S(64×N) = Q(64×16)·K(N×16)ᵀ (+ S)      both from shared memory, K-major (no transposes)
+//   O(64×N) = P(64×16)·V(16×N) + O         P from registers (4 bf16x2 per thread, the mma.sync
+//                                          A-fragment layout for the warp's 16 rows), V from
+//                                          shared memory read MN-major (transpose flag set)
+// Accumulator layout as in wgmma_m64n256k16.
+#define K2C_D8(i)                                                                        \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define K2C_REGS32                                                                              \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define K2C_REGS64 K2C_REGS32 ", "                                                                \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], std::uint64_t a_desc, std::uint64_t b_desc,
+                                                   int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" K2C_REGS32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24)
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], std::uint64_t a_desc, std::uint64_t b_desc,
+                                                    int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" K2C_REGS64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48), K2C_D8(56)
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const std::uint32_t (&a)[4],
+                                                      std::uint64_t b_desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" K2C_REGS32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const std::uint32_t (&a)[4],
+                                                       std::uint64_t b_desc) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" K2C_REGS64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48), K2C_D8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+#undef K2C_REGS64
+#undef K2C_REGS32
+#undef K2C_D8
 
 // ------------------------------------------------------------------ registers ----------------
 
@@ -229,5 +301,72 @@ inline CUtensorMap make_tensor_map_bf16(const void* base, int rows, int cols, in
                                    << box_rows << "x" << box_cols);
   return map;
 }
+
+// ------------------------------------------------------------------ support ----------------
+
+// Defined once per translation unit (anonymous namespace), because the answer is about the flags
+// that file was compiled with: a module's implementation built for sm_90a has the features, a
+// test program built for plain sm_90 would not.
+namespace {
+
+// Writes 1 when the code running on this device was compiled with the sm_90a features.
+__global__ void sm90a_probe_kernel(int* has_features) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *has_features = 1;
+#else
+  *has_features = 0;
+#endif
+}
+
+// Whether this file's sm_90a code (wgmma, setmaxnreg, TMA multicast) runs on the current device;
+// the reason in *why_not when it does not.
+[[maybe_unused]] bool sm90a_supported(std::string* why_not) {
+  auto fail = [&](std::string why) {
+    if (why_not) *why_not = std::move(why);
+    return false;
+  };
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return fail("no CUDA device");
+  }
+  if (prop.major != 9 || prop.minor != 0)
+    return fail("wgmma needs an sm_90 GPU (H100/H200); this is sm_" + std::to_string(prop.major) +
+                std::to_string(prop.minor));
+  int* flag = nullptr;
+  int has = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return fail("cudaMalloc failed");
+  sm90a_probe_kernel<<<1, 1>>>(flag);
+  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t copied = cudaMemcpy(&has, flag, sizeof(int), cudaMemcpyDeviceToHost);
+  cudaFree(flag);
+  if (launched != cudaSuccess || copied != cudaSuccess)
+    return fail(std::string("this build has no code for the GPU: ") +
+                cudaGetErrorString(launched != cudaSuccess ? launched : copied));
+  if (!has)
+    return fail("this build's code for the GPU lacks the sm_90a features (configure with "
+                "CMAKE_CUDA_ARCHITECTURES=90 or 90a: the module is then built for 90a)");
+  return true;
+}
+
+// Throws std::invalid_argument naming `who` and the reason when sm90a_supported() is false. The
+// answer costs a launch, so it is asked once per device.
+[[maybe_unused]] void require_sm90a(const char* who) {
+  static std::mutex mutex;
+  static std::map<int, std::string> why_not_on;  // "" = supported
+  int device = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto known = why_not_on.find(device);
+  if (known == why_not_on.end()) {
+    std::string why;
+    if (sm90a_supported(&why)) why.clear();
+    known = why_not_on.emplace(device, why).first;
+  }
+  K2C_CHECK(known->second.empty(), who << " cannot run here: " << known->second);
+}
+
+}  // namespace
 
 }  // namespace k2c::hopper
