@@ -488,9 +488,9 @@ __global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, s
 // warp computes a 16 × D/2 slice of dQ and adds it into the fp32 accumulator in global memory.
 // Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16, plus lse and D:
 // 145 KiB at D = 128, one block per SM; 81 KiB at D = 64.
-template <int D_, int CHUNKS>
+template <int D_, int CHUNKS = 1, int DQ_STRIPS = 1>
 struct BackwardTile {
-  static constexpr int D = D_, kChunks = CHUNKS;
+  static constexpr int D = D_, kChunks = CHUNKS, kDqStrips = DQ_STRIPS;
   static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;
   static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kKeys * kRows) * 2 + 4 * kRows * 4;
 };
@@ -648,31 +648,41 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
     store_rows(t + 1);  // next step's lse and D; its buffer was last read in step t − 1
     __syncthreads();  // dSᵀ complete (the next step's first barrier guards its reuse)
 
-    // dQ (BM × D) += dS K: warp w takes rows 16·(w % 4) and columns (w / 4)·D/2, k = the BN keys.
-    // dS is stored transposed, so its A fragments come from the transposing ldmatrix.
+    // dQ (BM × D) += dS K, k = the BN keys: the warps split the BM × D tile into kDqStrips·16 rows
+    // × DC columns each. dS is stored transposed, so its A fragments come from the transposing
+    // ldmatrix.
     {
-      const int qrow = (warp & 3) * 16, dcol = (warp >> 2) * (D / 2);
-      float dq[DT / 2][4] = {};
+      constexpr int S = T::kDqStrips, RG = BM / (16 * S), DC = D / (T::kWarps / RG);
+      const int qrow = (warp % RG) * 16 * S, dcol = (warp / RG) * DC;
+      float dq[S][DC / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < BN; kk += 16) {
-        std::uint32_t a[4];
-        ldmatrix_x4_trans(a, swizzled<BM>(sdS, kk + (lane & 7) + ((lane >> 4) << 3), qrow / 8 + ((lane >> 3) & 1)));
+        std::uint32_t a[S][4];
 #pragma unroll
-        for (int dt = 0; dt < DT / 2; dt += 2) {
+        for (int st = 0; st < S; ++st)
+          ldmatrix_x4_trans(a[st], swizzled<BM>(sdS, kk + (lane & 7) + ((lane >> 4) << 3),
+                                                (qrow + 16 * st) / 8 + ((lane >> 3) & 1)));
+#pragma unroll
+        for (int dt = 0; dt < DC / 8; dt += 2) {
           std::uint32_t bk[4];
           load_b_kn<D>(bk, sK, kk, dcol + dt * 8, lane);
-          mma(dq[dt], a, bk[0], bk[1]);
-          mma(dq[dt + 1], a, bk[2], bk[3]);
+#pragma unroll
+          for (int st = 0; st < S; ++st) {
+            mma(dq[st][dt], a[st], bk[0], bk[1]);
+            mma(dq[st][dt + 1], a[st], bk[2], bk[3]);
+          }
         }
       }
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + qrow + acc_row(lane, half);
-        if (row >= p.q_len) continue;
-        float* dst = p.dq_accum + (q_row0 + row) * D + dcol + acc_col(lane);
+      for (int st = 0; st < S; ++st)
 #pragma unroll
-        for (int dt = 0; dt < DT / 2; ++dt) add_pair(dst + dt * 8, dq[dt][2 * half], dq[dt][2 * half + 1]);
-      }
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + qrow + 16 * st + acc_row(lane, half);
+          if (row >= p.q_len) continue;
+          float* dst = p.dq_accum + (q_row0 + row) * D + dcol + acc_col(lane);
+#pragma unroll
+          for (int dt = 0; dt < DC / 8; ++dt) add_pair(dst + dt * 8, dq[st][dt][2 * half], dq[st][dt][2 * half + 1]);
+        }
     }
   }
   tc::cp_async_wait<0>();
@@ -935,10 +945,12 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
   p.dv = dv;
   p.dot = static_cast<float*>(workspace);
   p.dq_accum = p.dot + dot_floats(s);
-  // Score chunks per step, measured (tools/experiments/flash_attention.cu): two at d = 128 free
-  // the registers that spilled; at d = 64 nothing spills and one chunk is faster.
-  if (s.head_dim == 64) launch_backward<BackwardTile<64, 1>>(p, s, stream);
-  else launch_backward<BackwardTile<128, 2>>(p, s, stream);
+  // One score chunk per step and 16-row dQ warp tiles at both head dims: that compiles without
+  // spills and measured fastest (tools/experiments/flash_attention.cu: 2 and 4 chunks, or
+  // 32-row dQ tiles, were slower at d = 128; chunks pay off only in a build where one chunk
+  // spills, and ptxas's register allocation moves with small changes of the code around it).
+  if (s.head_dim == 64) launch_backward<BackwardTile<64>>(p, s, stream);
+  else launch_backward<BackwardTile<128>>(p, s, stream);
 }
 
 std::size_t naive_workspace_bytes(const Shape& s) {

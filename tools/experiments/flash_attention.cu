@@ -123,6 +123,8 @@ void sweep(bool causal) {
   backward_variant<BackwardTile<D, 1>>("scores in 1 chunk", s, b, flops);
   backward_variant<BackwardTile<D, 2>>("scores in 2 chunks", s, b, flops);
   backward_variant<BackwardTile<D, 4>>("scores in 4 chunks", s, b, flops);
+  backward_variant<BackwardTile<D, 1, 2>>("1 chunk, dQ in 32-row warp tiles", s, b, flops);
+
   for (void* x : {(void*)b.q, (void*)b.k, (void*)b.v, (void*)b.o, (void*)b.o_ref, (void*)b.dout, (void*)b.dq,
                   (void*)b.dk, (void*)b.dv, (void*)b.dq_ref, (void*)b.dk_ref, (void*)b.dv_ref, (void*)b.lse,
                   (void*)b.work, (void*)b.diff})
