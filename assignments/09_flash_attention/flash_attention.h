@@ -49,8 +49,9 @@ struct Shape {
 
 // The argument checks every entry point makes (given, not part of the exercise). Throws
 // std::invalid_argument with the reason for: a negative size, heads not a positive multiple of
-// kv_heads, head_dim other than 64 or 128, a scale that is not finite and > 0, or a tensor of
-// more than kMaxElements elements (offsets are 64-bit, but rows and grid sizes are int).
+// kv_heads, head_dim other than 64 or 128, heads or batch over 65535 (each may be a grid
+// dimension), a scale that is not finite and > 0, or a tensor of more than kMaxElements elements
+// (offsets are 64-bit, but rows and grid sizes are int).
 inline constexpr long long kMaxElements = 1LL << 36;
 inline void check_shape(const Shape& s, const char* who) {
   K2C_CHECK(s.batch >= 0 && s.heads >= 0 && s.kv_heads >= 0 && s.q_len >= 0 && s.kv_len >= 0,
@@ -59,6 +60,7 @@ inline void check_shape(const Shape& s, const char* who) {
   K2C_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
             who << ": heads (" << s.heads << ") must be a multiple of kv_heads (" << s.kv_heads << ") > 0");
   K2C_CHECK(s.head_dim == 64 || s.head_dim == 128, who << ": head_dim must be 64 or 128, got " << s.head_dim);
+  K2C_CHECK(s.heads <= 65535 && s.batch <= 65535, who << ": heads and batch must be at most 65535 (a grid dimension)");
   K2C_CHECK(std::isfinite(s.scale) && s.scale > 0, who << ": scale must be finite and > 0, got " << s.scale);
   const long long rows = static_cast<long long>(s.batch) * s.heads * (s.q_len > s.kv_len ? s.q_len : s.kv_len);
   K2C_CHECK(rows * s.head_dim <= kMaxElements, who << ": more than " << kMaxElements << " elements per tensor");
@@ -100,8 +102,9 @@ void forward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v,
 
 // Standard attention for contrast: S and P are materialised in global memory, fp32, in
 // `workspace` (at least naive_workspace_bytes(s): batch · heads · q_len · kv_len floats), then
-// O = P V. Same outputs and rules as forward(). It moves O(N²) bytes where forward() moves O(N·d):
-// the lecture measures the difference.
+// O = P V. Same outputs and rules as forward(), and one more limit: batch · heads and q_len / 32
+// at most 65535 (its grid; std::invalid_argument otherwise). It moves O(N²) bytes where
+// forward() moves O(N·d): the lecture measures the difference.
 std::size_t naive_workspace_bytes(const Shape& s);
 void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
                    void* workspace, cudaStream_t stream = nullptr);

@@ -387,7 +387,8 @@ TEST(Arguments, Rejected) {
   const std::vector<Shape> bad = {with([](Shape& s) { s.head_dim = 96; }), with([](Shape& s) { s.kv_heads = 3; }),
                                   with([](Shape& s) { s.kv_heads = 0; }),   with([](Shape& s) { s.q_len = -1; }),
                                   with([](Shape& s) { s.scale = 0; }),      with([](Shape& s) { s.scale = NAN; }),
-                                  with([](Shape& s) { s.batch = -2; })};
+                                  with([](Shape& s) { s.batch = -2; }),
+                                  with([](Shape& s) { s.heads = s.kv_heads = 70000; })};
   for (const Shape& s : bad) {
     SCOPED_TRACE(describe(s));
     EXPECT_THROW(fa::forward(s, x, x, x, x, lse.data()), std::invalid_argument);
