@@ -139,28 +139,39 @@ AttentionBackward attention_backward(std::span<const float> q, std::span<const f
 
 namespace {
 
-// What both spot checks need for one (query i of head h, key j) pair: P_ij from the given lse,
-// and dS_ij = P_ij·(dP_ij − D_i) with D_i = Σ dO_i ∘ O_i from the given o. Returns false when the
-// key is hidden from the query.
+// What both spot checks need of query row i: D_i = Σ dO_i ∘ O_i from the given o, and
+// e_i = Σ |dO_i ∘ O_i| (what a relative error in O moves D_i by).
+struct RowTerms {
+  double D, e;
+};
+RowTerms row_terms(std::span<const float> o, std::span<const float> dout, std::size_t qi, int d) {
+  RowTerms r{0, 0};
+  for (int c = 0; c < d; ++c) {
+    r.D += static_cast<double>(dout[qi + c]) * o[qi + c];
+    r.e += std::abs(static_cast<double>(dout[qi + c]) * o[qi + c]);
+  }
+  return r;
+}
+
+// And of one (query i, key j) pair: P_ij from the given lse, and dS_ij = P_ij·(dP_ij − D_i).
+// Returns false when the key is hidden from the query.
 struct PairTerms {
   double p, ds, ds_magnitude;
 };
 bool pair_terms(std::span<const float> q, std::span<const float> k, std::span<const float> v,
-                std::span<const float> o, std::span<const float> dout, std::span<const float> lse,
-                const AttentionShape& s, const Slice& sl, int i, int j, PairTerms& t) {
+                std::span<const float> dout, std::span<const float> lse, const AttentionShape& s,
+                const Slice& sl, int i, int j, const RowTerms& row, PairTerms& t) {
   if (j >= visible_keys(s, i)) return false;
   const int d = s.head_dim;
   const std::size_t qi = sl.q + static_cast<std::size_t>(i) * d, kj = sl.kv + static_cast<std::size_t>(j) * d;
-  double dot = 0, dp = 0, D = 0, e = 0;
+  double dot = 0, dp = 0;
   for (int c = 0; c < d; ++c) {
     dot += static_cast<double>(q[qi + c]) * k[kj + c];
     dp += static_cast<double>(dout[qi + c]) * v[kj + c];
-    D += static_cast<double>(dout[qi + c]) * o[qi + c];
-    e += std::abs(static_cast<double>(dout[qi + c]) * o[qi + c]);
   }
   t.p = std::exp(s.scale * dot - lse[sl.row + i]);
-  t.ds = t.p * (dp - D);
-  t.ds_magnitude = std::abs(t.ds) + t.p * e;
+  t.ds = t.p * (dp - row.D);
+  t.ds_magnitude = std::abs(t.ds) + t.p * row.e;
   return true;
 }
 
@@ -181,9 +192,9 @@ AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::sp
   for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const Slice sl = slice(s, batch, h);
     for (int i = 0; i < s.q_len; ++i) {
-      PairTerms t;
-      if (!pair_terms(q, k, v, o, dout, lse, s, sl, i, key, t)) continue;
       const std::size_t qi = sl.q + static_cast<std::size_t>(i) * d;
+      PairTerms t;
+      if (!pair_terms(q, k, v, dout, lse, s, sl, i, key, row_terms(o, dout, qi, d), t)) continue;
       for (int c = 0; c < d; ++c) {
         g.dv[c] += t.p * dout[qi + c];
         g.dv_magnitude[c] += t.p * std::abs(dout[qi + c]);
@@ -203,9 +214,10 @@ AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::
   const int d = s.head_dim;
   AttentionRowGradient g = zero_rows(d);
   const Slice sl = slice(s, batch, head);
+  const RowTerms row = row_terms(o, dout, sl.q + static_cast<std::size_t>(query) * d, d);  // once, not per key
   for (int j = 0; j < s.kv_len; ++j) {
     PairTerms t;
-    if (!pair_terms(q, k, v, o, dout, lse, s, sl, query, j, t)) continue;
+    if (!pair_terms(q, k, v, dout, lse, s, sl, query, j, row, t)) continue;
     const std::size_t kj = sl.kv + static_cast<std::size_t>(j) * d;
     for (int c = 0; c < d; ++c) {
       g.dq[c] += s.scale * t.ds * k[kj + c];

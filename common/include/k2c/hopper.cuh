@@ -196,9 +196,9 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
 #undef K2C_D8
 }
 
-// Attention's two products (module 09), N = 64 or 128 columns:
-//   S(64×N) = Q(64×16)·K(N×16)ᵀ (+ S)      both from shared memory, K-major (no transposes)
-//   O(64×N) = P(64×16)·V(16×N) + O         P from registers (4 bf16x2 per thread, the mma.sync
+// Attention's two products (module 09):
+//   S(64×64) = Q(64×16)·K(64×16)ᵀ (+ S)    both from shared memory, K-major (no transposes)
+//   O(64×N) = P(64×16)·V(16×N) + O, N = 64 or 128: P from registers (4 bf16x2 per thread, the mma.sync
 //                                          A-fragment layout for the warp's 16 rows), V from
 //                                          shared memory read MN-major (transpose flag set)
 // Accumulator layout as in wgmma_m64n256k16.
@@ -217,14 +217,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], std::uint64_t
       "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" K2C_REGS32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24)
-      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], std::uint64_t a_desc, std::uint64_t b_desc,
-                                                    int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" K2C_REGS64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48), K2C_D8(56)
       : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const std::uint32_t (&a)[4],
