@@ -1,0 +1,139 @@
+// assignments/10_moe/moe.cu — module 10: your implementation (contract: moe.h).
+//
+// Read lectures/10_moe.md first. Suggested order: route and balance_loss (task 1), dispatch,
+// permute and combine (task 2), grouped_gemm and grouped_weight_grad (task 3), then the layer's
+// forward and backward from those parts (task 4). k2c/tensor_core.cuh holds module 05's wrappers
+// for cp.async, ldmatrix (plain and transposing) and mma.sync: build the grouped GEMM on them.
+// The argument checks are given; keep them at the top of each function.
+#include <cstddef>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k2c/check.h"
+#include "k2c/todo.h"
+#include "moe.h"
+
+namespace k2c::moe {
+
+void route(const RouterConfig& c, int tokens, const float* logits, const float* bias, float* scores, int* expert,
+           float* weight, cudaStream_t stream) {
+  check_router(c, "moe route");
+  check_tokens(tokens, c.experts, "moe route");
+  if (tokens == 0) return;
+  check_pointers("moe route", {logits, scores, expert, weight});
+  (void)bias, (void)stream;
+  K2C_TODO("route: a warp per token; scores, the group filter, top-k by repeated arg-max (ties to the lower "
+           "index), then the weights");
+}
+
+std::size_t balance_workspace_bytes(int experts) {
+  K2C_CHECK(experts >= 1 && experts <= kMaxExperts, "moe balance_workspace_bytes: bad expert count " << experts);
+  K2C_TODO("balance_workspace_bytes: room for a count per expert");
+}
+
+void balance_loss(int tokens, int experts, int top_k, float alpha, const float* logits, const int* expert, float* loss,
+                  float* dlogits, void* workspace, cudaStream_t stream) {
+  K2C_CHECK(tokens >= 1 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= experts,
+            "moe balance_loss: bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
+  check_tokens(tokens, experts, "moe balance_loss");
+  check_pointers("moe balance_loss", {logits, expert, loss, dlogits, workspace});
+  (void)alpha, (void)stream;
+  K2C_TODO("balance_loss: count the choices per expert, then per token p = softmax(z), its share of the loss and "
+           "dz = p ∘ (g − p·g)");
+}
+
+std::size_t dispatch_workspace_bytes(int tokens, int experts, int top_k) {
+  (void)tokens, (void)experts, (void)top_k;
+  K2C_TODO("dispatch_workspace_bytes: whatever your counting sort needs");
+}
+
+void dispatch(int tokens, int experts, int top_k, int capacity, const int* expert, int* counts, int* offsets,
+              int* slot, int* source, void* workspace, cudaStream_t stream) {
+  K2C_CHECK(tokens >= 0 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= kMaxTopK,
+            "moe dispatch: bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
+  check_tokens(tokens, top_k, "moe dispatch");
+  check_pointers("moe dispatch", {counts, offsets});
+  if (static_cast<long long>(tokens) * top_k > 0) check_pointers("moe dispatch", {expert, slot, source, workspace});
+  (void)capacity, (void)stream;
+  K2C_TODO("dispatch: a stable counting sort of the choices by expert (no atomics deciding the order), with the "
+           "capacity applied to each expert's first choices");
+}
+
+void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, bf16* rows, cudaStream_t stream) {
+  K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe permute: hidden must be a multiple of 8, got " << hidden);
+  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe permute: bad top_k " << top_k);
+  check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe permute");
+  if (tokens == 0) return;
+  check_pointers("moe permute", {x, slot, rows});
+  (void)stream;
+  K2C_TODO("permute: copy each kept choice's token row to its slot, 16 bytes at a time");
+}
+
+void combine(int tokens, int hidden, int top_k, const bf16* rows, const int* slot, const float* weight,
+             const float* residual, bf16* y, cudaStream_t stream) {
+  K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe combine: hidden must be a multiple of 8, got " << hidden);
+  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe combine: bad top_k " << top_k);
+  check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe combine");
+  if (tokens == 0) return;
+  check_pointers("moe combine", {rows, slot, y});
+  if (weight) check_pointers("moe combine", {weight});
+  if (residual) check_pointers("moe combine", {residual});
+  (void)stream;
+  K2C_TODO("combine: gather each token's kept rows, weighted, onto the residual, in fp32");
+}
+
+void grouped_gemm(int groups, const int* offsets, int n, int k, const bf16* a, const bf16* b, bf16* c,
+                  bool b_transposed, bool accumulate, cudaStream_t stream) {
+  check_grouped(groups, n, k, {offsets, a, b, c}, "moe grouped_gemm");
+  (void)b_transposed, (void)accumulate, (void)stream;
+  K2C_TODO("grouped_gemm (bf16 C): one persistent launch over the tiles of every group, the group sizes read "
+           "on the device");
+}
+
+void grouped_gemm(int groups, const int* offsets, int n, int k, const bf16* a, const bf16* b, float* c,
+                  bool b_transposed, bool accumulate, cudaStream_t stream) {
+  check_grouped(groups, n, k, {offsets, a, b, c}, "moe grouped_gemm");
+  (void)b_transposed, (void)accumulate, (void)stream;
+  K2C_TODO("grouped_gemm (fp32 C): the same kernel with an fp32 epilogue");
+}
+
+void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf16* dy, const bf16* x, float* dw,
+                         cudaStream_t stream) {
+  check_grouped(groups, n, k, {offsets, dy, x, dw}, "moe grouped_weight_grad");
+  (void)stream;
+  K2C_TODO("grouped_weight_grad: dW_g = dY_gᵀ X_g, each group summing over its own rows (both operands read "
+           "with ldmatrix.trans); zeros for an empty group");
+}
+
+std::size_t forward_workspace_bytes(const Layer& l, int tokens) {
+  check_layer(l, tokens, "moe forward_workspace_bytes");
+  K2C_TODO("forward_workspace_bytes: what forward() keeps for backward()");
+}
+
+void forward(const Layer& l, int tokens, const bf16* x, bf16* y, const Routing& r, void* saved, cudaStream_t stream) {
+  check_layer(l, tokens, "moe forward");
+  if (tokens == 0) return;
+  check_pointers("moe forward", {x, y, r.logits, r.scores, r.expert, r.weight, r.counts, saved});
+  (void)stream;
+  K2C_TODO("forward: logits, route, dispatch, permute, the experts' grouped GEMMs and SwiGLU, the shared experts, "
+           "combine");
+}
+
+std::size_t backward_workspace_bytes(const Layer& l, int tokens) {
+  check_layer(l, tokens, "moe backward_workspace_bytes");
+  K2C_TODO("backward_workspace_bytes: the gradients of every intermediate");
+}
+
+void backward(const Layer& l, int tokens, const bf16* x, const bf16* dy, const Routing& r, const void* saved,
+              const float* dlogits_extra, bf16* dx, const Grads& g, void* workspace, cudaStream_t stream) {
+  check_layer(l, tokens, "moe backward");
+  check_pointers("moe backward", {g.w_router, g.w13, g.w2});
+  if (l.shared_ffn > 0) check_pointers("moe backward", {g.shared_w13, g.shared_w2});
+  if (tokens > 0) check_pointers("moe backward", {x, dy, r.scores, r.expert, r.weight, saved, dx, workspace});
+  (void)dlogits_extra, (void)stream;
+  K2C_TODO("backward: combine's backward, each grouped GEMM's dX and dW, SwiGLU's backward, the router's backward, "
+           "and dx gathered from every path");
+}
+
+}  // namespace k2c::moe

@@ -1,0 +1,43 @@
+// k2c/moe_baseline.h — the naive MoE layer that module 10's layer is measured against.
+//
+// It is written the way a first version usually is, and kept here, trusted, because a handout
+// has no solutions/: the router unfused (a cuBLAS GEMM for the logits, a softmax kernel, a top-k
+// kernel), then a host loop over the experts that for each one scans every choice for its tokens,
+// copies the count to the host (a synchronisation), gathers the rows, runs W1, W3 and W2 as three
+// cuBLAS calls, and scatter-adds the weighted result with atomics; the backward pass loops the
+// same way. The GEMMs are cuBLAS's, so the gap to module 10's layer is launches, synchronisation,
+// unfused passes over memory, and small per-expert GEMMs that leave SMs idle.
+//
+// Scope: softmax scores without renormalisation, no groups, no bias, no capacity, weights laid
+// out as in module 10's contract (moe.h). step() runs forward then backward on the stream 0.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+namespace k2c::baseline {
+
+struct MoeProblem {
+  int tokens, hidden, ffn, shared_ffn, experts, top_k;
+  const __nv_bfloat16 *x, *dy, *w_router, *w13, *w2, *shared_w13, *shared_w2;
+};
+
+class NaiveMoe {
+ public:
+  explicit NaiveMoe(const MoeProblem& p);
+  ~NaiveMoe();
+  NaiveMoe(const NaiveMoe&) = delete;
+  NaiveMoe& operator=(const NaiveMoe&) = delete;
+
+  void step();                   // forward + backward
+  std::vector<float> y() const;  // the last step's output and input gradient, on the host
+  std::vector<float> dx() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace k2c::baseline

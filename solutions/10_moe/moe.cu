@@ -1,0 +1,1083 @@
+// solutions/10_moe/moe.cu — module 10: the reference MoE layer (contract: moe.h; lecture:
+// lectures/10_moe.md).
+//
+// The forward pass, in launches:
+//   1. logits = x W_rᵀ                 grouped GEMM with one group, fp32 out
+//   2. route                           a warp per token: scores, group filter, top-k, weights
+//   3. dispatch                        histogram per chunk → scan → scatter: deterministic slots
+//   4. permute                         token rows copied into expert order
+//   5. [g|u] = x_e W13_eᵀ              grouped GEMM over all experts, one launch
+//   6. h = silu(g) ∘ u                 elementwise
+//   7. out_e = h_e W2_eᵀ               grouped GEMM
+//   8. shared experts                  the same three steps as one dense SwiGLU (one group)
+//   9. combine                         y_t = shared_t + Σ_j w_tj · out[slot_tj], gathered per token
+// The backward pass runs the same steps in reverse; each grouped GEMM has two gradients, dX (the
+// same kernel, B read the other way) and dW (a grouped sum over each expert's rows).
+//
+// The grouped GEMM is module 05's mma.sync kernel taught to do three things more:
+//   groups      the launch is persistent (one block per SM) and walks a list of tiles that
+//               spans every group; each block prefix-sums the group sizes from device memory
+//               (offsets, as dispatch wrote them) into shared memory and finds a tile's group by
+//               binary search. No count ever travels to the host, so the whole layer is
+//               asynchronous, and no SM idles at the end of one expert while another waits.
+//   layouts     an operand tile is either "K-contiguous" (rows of 64 reduction elements, the
+//               forward pass) or "MN-contiguous" (64 reduction rows of the tile's width: W read
+//               untransposed for dX, and both dY and X for dW). The latter is read with
+//               ldmatrix.trans, which transposes each 8×8 piece on its way into registers.
+//   ragged K    for dW the groups split the reduction, not the rows: group g sums over its own
+//               rows, zero-filled past its end, and a group with no rows writes zeros.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k2c/check.h"
+#include "k2c/tensor_core.cuh"
+#include "moe.h"
+
+namespace k2c::moe {
+namespace {
+
+using tc::ceil_div;
+using tc::smem_addr;
+
+constexpr unsigned kFull = 0xffffffffu;
+
+std::size_t align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Carves consecutive 256-byte-aligned arrays out of one workspace; with a null base it only
+// counts, which is how the *_workspace_bytes functions and the passes agree on one layout.
+class Carve {
+ public:
+  explicit Carve(void* base) : base_(static_cast<char*>(base)) {}
+  template <class T>
+  T* take(std::size_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += align256(count * sizeof(T));
+    return p;
+  }
+  std::size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  std::size_t used_ = 0;
+};
+
+// ================================================================================================
+// Router
+// ================================================================================================
+
+constexpr int kRouteWarps = 4;  // tokens per block: two E-float arrays per warp in shared memory
+
+// The better of (value, index) pairs: larger value, then lower index (the contract's tie rule).
+__device__ __forceinline__ bool better(float v, int i, float best_v, int best_i) {
+  return v > best_v || (v == best_v && i < best_i);
+}
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(kFull, v, o);
+    const int oi = __shfl_xor_sync(kFull, i, o);
+    if (better(ov, oi, v, i)) v = ov, i = oi;
+  }
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// A warp per token. Scores and selection keys live in shared memory; each of the k rounds of
+// the top-k is a warp-wide arg-max, after which the winner's key is set to −∞.
+__global__ void __launch_bounds__(32 * kRouteWarps)
+    route_kernel(RouterConfig c, int tokens, const float* __restrict__ logits, const float* __restrict__ bias,
+                 float* __restrict__ scores, int* __restrict__ expert, float* __restrict__ weight) {
+  __shared__ float s_all[kRouteWarps][kMaxExperts], key_all[kRouteWarps][kMaxExperts];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * kRouteWarps + warp;
+  if (t >= tokens) return;
+  const int E = c.experts;
+  float* s = s_all[warp];
+  float* key = key_all[warp];
+  const float* z = logits + static_cast<std::size_t>(t) * E;
+
+  if (c.score == Score::softmax) {
+    float m = -INFINITY;
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, z[e]);
+    m = warp_max(m);
+    float sum = 0;
+    for (int e = lane; e < E; e += 32) sum += (s[e] = expf(z[e] - m));
+    sum = warp_sum(sum);
+    for (int e = lane; e < E; e += 32) s[e] /= sum;
+  } else {
+    for (int e = lane; e < E; e += 32) s[e] = 1.0f / (1.0f + expf(-z[e]));
+  }
+  for (int e = lane; e < E; e += 32) {
+    scores[static_cast<std::size_t>(t) * E + e] = s[e];
+    key[e] = s[e] + (bias ? bias[e] : 0.0f);
+  }
+  __syncwarp();
+
+  if (c.groups > 1) {
+    // Lane g scores group g by its two best keys; top_groups arg-max rounds pick the groups.
+    const int per = E / c.groups;
+    float score = -INFINITY;
+    if (lane < c.groups) {
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int e = lane * per; e < (lane + 1) * per; ++e) {
+        const float v = key[e];
+        if (v > b1) b2 = b1, b1 = v;
+        else if (v > b2) b2 = v;
+      }
+      score = per > 1 ? b1 + b2 : b1;
+    }
+    bool eligible = false;
+    for (int r = 0; r < c.top_groups; ++r) {
+      float v = lane < c.groups && !eligible ? score : -INFINITY;
+      int i = lane < c.groups && !eligible ? lane : kMaxGroups;
+      warp_argmax(v, i);
+      if (lane == i) eligible = true;
+    }
+    const unsigned mask = __ballot_sync(kFull, eligible);
+    for (int e = lane; e < E; e += 32)
+      if (!((mask >> (e / per)) & 1u)) key[e] = -INFINITY;
+    __syncwarp();
+  }
+
+  // Top-k. Lane j keeps choice j's expert and score.
+  int mine = 0;
+  float mine_s = 0;
+  for (int j = 0; j < c.top_k; ++j) {
+    float v = -INFINITY;
+    int i = kMaxExperts;
+    for (int e = lane; e < E; e += 32)
+      if (better(key[e], e, v, i)) v = key[e], i = e;
+    warp_argmax(v, i);
+    if (i >= E) i = j;  // only NaN keys left: any index in range will do
+    if (lane == j) mine = i, mine_s = s[i];
+    __syncwarp();
+    if (lane == 0) key[i] = -INFINITY;
+    __syncwarp();
+  }
+  const bool normalize = c.normalize || c.score == Score::sigmoid;
+  const float total = warp_sum(lane < c.top_k ? mine_s : 0.0f);
+  if (lane < c.top_k) {
+    const std::size_t at = static_cast<std::size_t>(t) * c.top_k + lane;
+    expert[at] = mine;
+    weight[at] = (normalize ? mine_s / total : mine_s) * c.route_scale;
+  }
+}
+
+__global__ void count_kernel(long long choices, int experts, const int* __restrict__ expert, int* __restrict__ counts) {
+  for (long long a = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; a < choices;
+       a += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int e = expert[a];
+    if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
+  }
+}
+
+// A warp per token: p = softmax(z), the token's share of the loss, and dz = p ∘ (g − p·g) with
+// g_i = c · count_i.
+__global__ void balance_kernel(int tokens, int experts, float c, const float* __restrict__ logits,
+                               const int* __restrict__ counts, float* __restrict__ loss, float* __restrict__ dlogits) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * (blockDim.x / 32) + warp;
+  if (t >= tokens) return;
+  const float* z = logits + static_cast<std::size_t>(t) * experts;
+  float m = -INFINITY;
+  for (int e = lane; e < experts; e += 32) m = fmaxf(m, z[e]);
+  m = warp_max(m);
+  float sum = 0;
+  for (int e = lane; e < experts; e += 32) sum += expf(z[e] - m);
+  sum = warp_sum(sum);
+  float pg = 0;
+  for (int e = lane; e < experts; e += 32) pg += expf(z[e] - m) / sum * c * counts[e];
+  pg = warp_sum(pg);
+  for (int e = lane; e < experts; e += 32) {
+    const float p = expf(z[e] - m) / sum;
+    dlogits[static_cast<std::size_t>(t) * experts + e] = p * (c * counts[e] - pg);
+  }
+  if (lane == 0) atomicAdd(loss, pg);
+}
+
+// ================================================================================================
+// Dispatch: a stable counting sort of the tokens·top_k choices by expert.
+//   1. chunk_rank_kernel  per chunk of 256 choices: each choice's rank among the chunk's earlier
+//                         choices of the same expert (warp: match_any + popc; across warps:
+//                         per-warp counts in shared memory), and the chunk's count per expert.
+//   2. scan_kernel        per expert, the chunks' counts become each chunk's first rank; then
+//                         the kept counts (capped) and their prefix sums, the offsets.
+//   3. scatter_kernel     slot = offsets[e] + rank, or −1 beyond the capacity.
+// Atomics would give the same counts but a different order on every run; this order is the
+// reference's (token, then choice) on every run.
+// ================================================================================================
+
+constexpr int kChunk = 256, kChunkWarps = kChunk / 32;
+
+__global__ void __launch_bounds__(kChunk)
+    chunk_rank_kernel(long long choices, int experts, const int* __restrict__ expert, int* __restrict__ rank,
+                      int* __restrict__ chunk_counts) {
+  extern __shared__ int warp_counts[];  // [kChunkWarps][experts]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < kChunkWarps * experts; i += kChunk) warp_counts[i] = 0;
+  __syncthreads();
+  const long long a = blockIdx.x * static_cast<long long>(kChunk) + threadIdx.x;
+  const bool valid = a < choices;
+  const int e = valid ? expert[a] : -1;
+  const unsigned same = __match_any_sync(kFull, e);
+  const int below = __popc(same & ((1u << lane) - 1));
+  if (valid && below == 0) warp_counts[warp * experts + e] = __popc(same);
+  __syncthreads();
+  if (valid) {
+    int r = below;
+    for (int w = 0; w < warp; ++w) r += warp_counts[w * experts + e];
+    rank[a] = r;
+  }
+  for (int x = threadIdx.x; x < experts; x += kChunk) {
+    int total = 0;
+    for (int w = 0; w < kChunkWarps; ++w) total += warp_counts[w * experts + x];
+    chunk_counts[blockIdx.x * static_cast<long long>(experts) + x] = total;
+  }
+}
+
+// One block of up to 1024 threads, a thread per expert.
+__global__ void __launch_bounds__(kMaxExperts)
+    scan_kernel(int chunks, int experts, int capacity, int* __restrict__ chunk_counts, int* __restrict__ counts,
+                int* __restrict__ offsets) {
+  __shared__ int kept[kMaxExperts];
+  const int e = threadIdx.x;
+  if (e < experts) {
+    int run = 0;
+    for (int ch = 0; ch < chunks; ++ch) {
+      int* p = chunk_counts + static_cast<long long>(ch) * experts + e;
+      const int n = *p;
+      *p = run;
+      run += n;
+    }
+    kept[e] = capacity >= 0 ? min(run, capacity) : run;
+    counts[e] = kept[e];
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // offsets: a warp scan over lanes' consecutive blocks of experts
+    const int per = ceil_div(experts, 32), lo = min(experts, threadIdx.x * per), hi = min(experts, lo + per);
+    int sum = 0;
+    for (int x = lo; x < hi; ++x) sum += kept[x];
+    int inclusive = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, inclusive, o);
+      if (static_cast<int>(threadIdx.x) >= o) inclusive += v;
+    }
+    int run = inclusive - sum;
+    for (int x = lo; x < hi; ++x) {
+      offsets[x] = run;
+      run += kept[x];
+    }
+    if (threadIdx.x == 31) offsets[experts] = inclusive;
+  }
+}
+
+__global__ void scatter_kernel(long long choices, int experts, int top_k, int capacity, const int* __restrict__ expert,
+                               const int* __restrict__ rank, const int* __restrict__ chunk_base,
+                               const int* __restrict__ offsets, int* __restrict__ slot, int* __restrict__ source) {
+  for (long long a = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; a < choices;
+       a += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int e = expert[a];
+    int s = -1;
+    if (e >= 0 && e < experts) {
+      const int r = chunk_base[(a / kChunk) * experts + e] + rank[a];
+      if (capacity < 0 || r < capacity) {
+        s = offsets[e] + r;
+        source[s] = static_cast<int>(a / top_k);
+      }
+    }
+    slot[a] = s;
+  }
+}
+
+// ================================================================================================
+// Permute, combine, SwiGLU: memory-bound, 16-byte pieces (8 bf16) per thread.
+// ================================================================================================
+
+struct alignas(16) Pack8 {
+  __nv_bfloat162 h[4];
+};
+__device__ __forceinline__ void unpack(const Pack8& p, float (&f)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = __bfloat1622float2(p.h[i]);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+__device__ __forceinline__ Pack8 pack(const float (&f)[8]) {
+  Pack8 p;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return p;
+}
+
+// A warp per choice copies the token's row to its slot.
+__global__ void permute_kernel(long long choices, int hidden, int top_k, const Pack8* __restrict__ x,
+                               const int* __restrict__ slot, Pack8* __restrict__ rows) {
+  const long long a = blockIdx.x * static_cast<long long>(blockDim.x / 32) + threadIdx.x / 32;
+  if (a >= choices) return;
+  const int s = slot[a];
+  if (s < 0) return;
+  const int pieces = hidden / 8;
+  const Pack8* src = x + (a / top_k) * pieces;
+  Pack8* dst = rows + static_cast<long long>(s) * pieces;
+  for (int i = threadIdx.x % 32; i < pieces; i += 32) dst[i] = src[i];
+}
+
+// A block per token gathers its k rows: no atomics, so every run adds in the same order.
+__global__ void combine_kernel(int hidden, int top_k, const Pack8* __restrict__ rows, const int* __restrict__ slot,
+                               const float* __restrict__ weight, const float* __restrict__ residual,
+                               Pack8* __restrict__ y) {
+  const long long t = blockIdx.x;
+  const int pieces = hidden / 8;
+  for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
+    float acc[8] = {};
+    if (residual) {
+      const float4* r = reinterpret_cast<const float4*>(residual + t * hidden + 8 * i);
+      const float4 lo = r[0], hi = r[1];
+      acc[0] = lo.x, acc[1] = lo.y, acc[2] = lo.z, acc[3] = lo.w;
+      acc[4] = hi.x, acc[5] = hi.y, acc[6] = hi.z, acc[7] = hi.w;
+    }
+    for (int j = 0; j < top_k; ++j) {
+      const int s = slot[t * top_k + j];
+      if (s < 0) continue;
+      const float w = weight ? weight[t * top_k + j] : 1.0f;
+      float v[8];
+      unpack(rows[static_cast<long long>(s) * pieces + i], v);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[c] = fmaf(w, v[c], acc[c]);
+    }
+    y[t * pieces + i] = pack(acc);
+  }
+}
+
+__device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + __expf(-a)); }
+
+// h[r][i] = silu(gu[r][i]) · gu[r][ffn + i].
+__global__ void swiglu_kernel(long long rows, int ffn, const Pack8* __restrict__ gu, Pack8* __restrict__ h) {
+  const int pieces = ffn / 8;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < rows * pieces;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long r = i / pieces, p = i % pieces;
+    float g[8], u[8], out[8];
+    unpack(gu[r * 2 * pieces + p], g);
+    unpack(gu[r * 2 * pieces + pieces + p], u);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) out[c] = g[c] * sigmoid(g[c]) * u[c];
+    h[i] = pack(out);
+  }
+}
+
+// dg = dh · u · σ(g)(1 + g(1 − σ(g))), du = dh · silu(g).
+__global__ void swiglu_backward_kernel(long long rows, int ffn, const Pack8* __restrict__ gu, const Pack8* __restrict__ dh,
+                                       Pack8* __restrict__ dgu) {
+  const int pieces = ffn / 8;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < rows * pieces;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long r = i / pieces, p = i % pieces;
+    float g[8], u[8], d[8], dg[8], du[8];
+    unpack(gu[r * 2 * pieces + p], g);
+    unpack(gu[r * 2 * pieces + pieces + p], u);
+    unpack(dh[i], d);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float sg = sigmoid(g[c]);
+      dg[c] = d[c] * u[c] * sg * (1.0f + g[c] * (1.0f - sg));
+      du[c] = d[c] * g[c] * sg;
+    }
+    dgu[r * 2 * pieces + p] = pack(dg);
+    dgu[r * 2 * pieces + pieces + p] = pack(du);
+  }
+}
+
+// Combine's backward, a warp per choice: d_out[slot] = w · dy[t] and dw = ⟨dy[t], out[slot]⟩.
+__global__ void combine_backward_kernel(long long choices, int hidden, int top_k, const Pack8* __restrict__ dy,
+                                        const Pack8* __restrict__ out, const int* __restrict__ slot,
+                                        const float* __restrict__ weight, Pack8* __restrict__ d_out,
+                                        float* __restrict__ dw) {
+  const long long a = blockIdx.x * static_cast<long long>(blockDim.x / 32) + threadIdx.x / 32;
+  if (a >= choices) return;
+  const int lane = threadIdx.x % 32, s = slot[a], pieces = hidden / 8;
+  if (s < 0) {
+    if (lane == 0) dw[a] = 0;
+    return;
+  }
+  const float w = weight[a];
+  const Pack8* g = dy + (a / top_k) * pieces;
+  float dot = 0;
+  for (int i = lane; i < pieces; i += 32) {
+    float gv[8], ov[8], d[8];
+    unpack(g[i], gv);
+    unpack(out[static_cast<long long>(s) * pieces + i], ov);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      dot = fmaf(gv[c], ov[c], dot);
+      d[c] = w * gv[c];
+    }
+    d_out[static_cast<long long>(s) * pieces + i] = pack(d);
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) dw[a] = dot;
+}
+
+// The router's backward, a warp per token: weights → scores (through the normalisation) → logits
+// (through softmax or sigmoid), plus dlogits_extra; written as bf16 for the two GEMMs that take
+// it to w_router and x.
+__global__ void __launch_bounds__(32 * kRouteWarps)
+    router_backward_kernel(RouterConfig c, int tokens, const float* __restrict__ scores, const int* __restrict__ expert,
+                           const float* __restrict__ dw, const float* __restrict__ extra, bf16* __restrict__ dlogits) {
+  __shared__ float ds_all[kRouteWarps][kMaxExperts];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * kRouteWarps + warp;
+  if (t >= tokens) return;
+  const int E = c.experts, k = c.top_k;
+  const float* s = scores + static_cast<std::size_t>(t) * E;
+  float* ds = ds_all[warp];
+  for (int e = lane; e < E; e += 32) ds[e] = 0;
+  const bool normalize = c.normalize || c.score == Score::sigmoid;
+  const int e_mine = lane < k ? expert[static_cast<std::size_t>(t) * k + lane] : 0;
+  const float s_mine = lane < k ? s[e_mine] : 0.0f, dw_mine = lane < k ? dw[static_cast<std::size_t>(t) * k + lane] : 0.0f;
+  const float S = normalize ? warp_sum(s_mine) : 1.0f;
+  const float mix = normalize ? warp_sum(dw_mine * s_mine) / S : 0.0f;
+  __syncwarp();
+  for (int j = 0; j < k; ++j)  // choices are distinct experts, but one lane at a time keeps it plain
+    if (lane == j) ds[e_mine] += c.route_scale / S * (dw_mine - mix);
+  __syncwarp();
+  float sds = 0;
+  if (c.score == Score::softmax) {
+    for (int e = lane; e < E; e += 32) sds += s[e] * ds[e];
+    sds = warp_sum(sds);
+  }
+  for (int e = lane; e < E; e += 32) {
+    const float dz = c.score == Score::softmax ? s[e] * (ds[e] - sds) : ds[e] * s[e] * (1.0f - s[e]);
+    const std::size_t at = static_cast<std::size_t>(t) * E + e;
+    dlogits[at] = __float2bfloat16(dz + (extra ? extra[at] : 0.0f));
+  }
+}
+
+__global__ void one_group_kernel(int* offsets, int rows) {
+  offsets[0] = 0;
+  offsets[1] = rows;
+}
+
+// ================================================================================================
+// The grouped GEMM
+// ================================================================================================
+
+// In GEMM terms every variant computes C[m][n] = Σ_r A(m, r) · B(n, r), per group:
+//   Mode::rows       groups split the rows of A and C (forward and dX); r runs over k.
+//   Mode::reduction  groups split r (dW): C_g is [m][n] = [dY's width][X's width].
+// An operand is K-contiguous (r fastest in memory) or MN-contiguous (m or n fastest).
+enum class Mode { rows, reduction };
+
+template <class OutT>
+struct GemmArgs {
+  int groups;
+  const int* offsets;
+  int m, n, k;  // m: reduction mode only (rows mode takes each group's rows from offsets)
+  const bf16* a;
+  const bf16* b;
+  OutT* c;
+  bool accumulate, pairs;
+};
+
+struct Tile {
+  static constexpr int BM = 256, BN = 128, BK = 64, WARPS_M = 4, WARPS_N = 2, STAGES = 4;
+  static constexpr int kThreads = 32 * WARPS_M * WARPS_N;
+  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MT = WM / 16, NT = WN / 8;
+  static constexpr int kTileA = BM * BK * 2, kTileB = BN * BK * 2, kStageBytes = kTileA + kTileB;
+  static constexpr int kSmemBytes = STAGES * kStageBytes;
+  static_assert(kSmemBytes + 4 * (kMaxExperts + 1) <= 227 * 1024, "stages and the tile prefix fit in shared memory");
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row`, rows of `row_bytes` (a multiple of 128):
+// chunk c of row r lives at c ^ (r % 8), so 8 consecutive rows read at one chunk hit 8 different
+// 16-byte bank groups: ldmatrix (8 rows, one chunk) is conflict-free in both tile shapes.
+template <int kRowBytes>
+__device__ __forceinline__ std::uint32_t swz(int row, int chunk) {
+  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+
+// A K-contiguous tile: ROWS rows × 64 reduction elements (128 bytes a row). Element (row, r) of
+// the source is src[row · ld + r]; rows >= row_end and r >= r_end are zero-filled.
+template <int ROWS, bool kVector>
+__device__ __forceinline__ void load_k_tile(std::uint32_t tile, const bf16* src, long long ld, int row0, int row_end,
+                                            int r0, int r_end) {
+#pragma unroll
+  for (int i = 0; i < ROWS * 8 / Tile::kThreads; ++i) {
+    const int id = i * Tile::kThreads + threadIdx.x, row = id >> 3, ch = id & 7;
+    const int gr = row0 + row, r = r0 + ch * 8;
+    const std::uint32_t dst = tile + swz<128>(row, ch);
+    if constexpr (kVector) {
+      const bool inside = gr < row_end && r < r_end;
+      tc::cp_async_16(dst, inside ? src + gr * ld + r : src, inside);
+    } else {
+      alignas(16) bf16 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = gr < row_end && r + j < r_end ? src[gr * ld + r + j] : __float2bfloat16(0.0f);
+      const uint4 p = *reinterpret_cast<const uint4*>(v);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(p.x), "r"(p.y), "r"(p.z), "r"(p.w));
+    }
+  }
+}
+
+// An MN-contiguous tile: 64 reduction rows × COLS elements (2·COLS bytes a row). Element (r, col)
+// of the source is src[r · ld + col]; r >= r_end and col >= col_end are zero-filled.
+template <int COLS, bool kVector>
+__device__ __forceinline__ void load_mn_tile(std::uint32_t tile, const bf16* src, long long ld, int r0, int r_end,
+                                             int col0, int col_end) {
+  constexpr int kChunks = COLS / 8;
+#pragma unroll
+  for (int i = 0; i < 64 * kChunks / Tile::kThreads; ++i) {
+    const int id = i * Tile::kThreads + threadIdx.x, row = id / kChunks, ch = id % kChunks;
+    const int r = r0 + row, col = col0 + ch * 8;
+    const std::uint32_t dst = tile + swz<COLS * 2>(row, ch);
+    if constexpr (kVector) {
+      const bool inside = r < r_end && col < col_end;
+      tc::cp_async_16(dst, inside ? src + r * ld + col : src, inside);
+    } else {
+      alignas(16) bf16 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = r < r_end && col + j < col_end ? src[r * ld + col + j] : __float2bfloat16(0.0f);
+      const uint4 p = *reinterpret_cast<const uint4*>(v);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(p.x), "r"(p.y), "r"(p.z), "r"(p.w));
+    }
+  }
+}
+
+template <class OutT>
+__device__ __forceinline__ void store_pair(OutT* p, bool both, bool pairs, bool accumulate, float v0, float v1) {
+  if (accumulate) {
+    v0 += static_cast<float>(p[0]);
+    if (both) v1 += static_cast<float>(p[1]);
+  }
+  if (both && pairs) {
+    if constexpr (sizeof(OutT) == 2) {
+      *reinterpret_cast<std::uint32_t*>(p) = tc::pack_bf16x2(v0, v1);
+    } else {
+      *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+    }
+  } else {
+    p[0] = static_cast<OutT>(v0);
+    if (both) p[1] = static_cast<OutT>(v1);
+  }
+}
+
+template <Mode kMode, bool kAK, bool kBK, bool kVector, class OutT>
+__global__ void __launch_bounds__(Tile::kThreads, 1) grouped_kernel(GemmArgs<OutT> p) {
+  using T = Tile;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int prefix[kMaxExperts + 1];  // prefix[g]: the first tile of group g
+  const std::uint32_t smem0 = smem_addr(smem);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_m = warp / T::WARPS_N, warp_n = warp % T::WARPS_N;
+  const int tiles_n = ceil_div(p.n, T::BN);
+
+  // Tiles per group, prefix-summed by one warp: lane l takes a run of consecutive groups.
+  auto group_size = [&](int g) { return p.offsets[g + 1] - p.offsets[g]; };
+  if (warp == 0) {
+    const int per = ceil_div(p.groups, 32), lo = min(p.groups, lane * per), hi = min(p.groups, lo + per);
+    int sum = 0;
+    for (int g = lo; g < hi; ++g)
+      sum += (kMode == Mode::rows ? ceil_div(group_size(g), T::BM) : ceil_div(p.m, T::BM)) * tiles_n;
+    int inclusive = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, inclusive, o);
+      if (lane >= o) inclusive += v;
+    }
+    int run = inclusive - sum;
+    for (int g = lo; g < hi; ++g) {
+      prefix[g] = run;
+      run += (kMode == Mode::rows ? ceil_div(group_size(g), T::BM) : ceil_div(p.m, T::BM)) * tiles_n;
+    }
+    if (lane == 31) prefix[p.groups] = inclusive;
+  }
+  __syncthreads();
+  const int total = prefix[p.groups];
+
+  auto stage_a = [&](int s) { return smem0 + s * T::kStageBytes; };
+  auto stage_b = [&](int s) { return smem0 + s * T::kStageBytes + T::kTileA; };
+
+  // ldmatrix lane roles (module 05 for K-contiguous tiles; the transposed reads below).
+  //   A, K-contiguous:  lanes 0-15 rows 0-15 at chunk 0, lanes 16-31 the same rows at chunk 1.
+  //   A, MN-contiguous: matrix q = lane / 8 is (r 0-7 | 8-15) × (m 0-7 | 8-15) in a0..a3 order:
+  //                     r row (lane % 8) + 8·(lane / 16), m chunk + (lane / 8) % 2.
+  //   B, K-contiguous:  lanes 0-7 rows 0-7 chunk 0, 8-15 rows 0-7 chunk 1, 16-23 rows 8-15
+  //                     chunk 0, 24-31 rows 8-15 chunk 1.
+  //   B, MN-contiguous: r row (lane % 8) + 8·((lane / 8) % 2), n chunk + lane / 16.
+  const int ak_row = warp_m * T::WM + (lane & 15), ak_chunk = lane >> 4;
+  const int amn_row = (lane & 7) + ((lane >> 4) << 3), amn_chunk = (warp_m * T::WM) / 8 + ((lane >> 3) & 1);
+  const int bk_row = warp_n * T::WN + (lane & 7) + ((lane >> 4) << 3), bk_chunk = (lane >> 3) & 1;
+  const int bmn_row = (lane & 7) + (((lane >> 3) & 1) << 3), bmn_chunk = (warp_n * T::WN) / 8 + (lane >> 4);
+
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    // The tile's group: the last g with prefix[g] <= t (empty groups share their prefix with
+    // the next one, and upper_bound skips them).
+    int lo = 0, hi = p.groups;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (prefix[mid] <= t) lo = mid;
+      else hi = mid;
+    }
+    const int g = lo, local = t - prefix[g];
+    const int row0 = p.offsets[g], rows_g = p.offsets[g + 1] - row0;
+    const int M = kMode == Mode::rows ? rows_g : p.m;
+    const int R = kMode == Mode::rows ? p.k : rows_g;
+    const int tiles_m = ceil_div(M, T::BM);
+    // Consecutive tiles go down one column of tiles: blocks running together share B's tile.
+    const int m0 = (local % tiles_m) * T::BM, n0 = (local / tiles_m) * T::BN;
+
+    // Operand bases and leading dimensions for this group.
+    const bf16 *a, *b;
+    long long lda, ldb;
+    if constexpr (kMode == Mode::rows) {
+      a = p.a + static_cast<long long>(row0) * p.k;
+      lda = p.k;
+      b = p.b + static_cast<long long>(g) * p.n * p.k;
+      ldb = kBK ? p.k : p.n;
+    } else {
+      a = p.a + static_cast<long long>(row0) * p.m;
+      lda = p.m;
+      b = p.b + static_cast<long long>(row0) * p.n;
+      ldb = p.n;
+    }
+    auto load_stage = [&](int s, int kt) {
+      const int r0 = kt * T::BK;
+      if constexpr (kAK) load_k_tile<T::BM, kVector>(stage_a(s), a, lda, m0, M, r0, R);
+      else load_mn_tile<T::BM, kVector>(stage_a(s), a, lda, r0, R, m0, M);
+      if constexpr (kBK) load_k_tile<T::BN, kVector>(stage_b(s), b, ldb, n0, p.n, r0, R);
+      else load_mn_tile<T::BN, kVector>(stage_b(s), b, ldb, r0, R, n0, p.n);
+    };
+
+    __syncthreads();  // every warp is done with the previous tile's stages
+    float acc[T::MT][T::NT][4] = {};
+    const int k_tiles = ceil_div(R, T::BK);
+#pragma unroll
+    for (int s = 0; s < T::STAGES - 1; ++s) {
+      if (s < k_tiles) load_stage(s, s);
+      tc::cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      tc::cp_async_wait<T::STAGES - 2>();
+      __syncthreads();
+      const int next = kt + T::STAGES - 1;
+      if (next < k_tiles) load_stage(next % T::STAGES, next);
+      tc::cp_async_commit();
+
+      const std::uint32_t sa = stage_a(kt % T::STAGES), sb = stage_b(kt % T::STAGES);
+#pragma unroll
+      for (int ks = 0; ks < T::BK / 16; ++ks) {
+        std::uint32_t af[T::MT][4], bfr[T::NT][2];
+#pragma unroll
+        for (int mt = 0; mt < T::MT; ++mt) {
+          if constexpr (kAK) tc::ldmatrix_x4(af[mt], sa + swz<128>(ak_row + mt * 16, ks * 2 + ak_chunk));
+          else tc::ldmatrix_x4_trans(af[mt], sa + swz<T::BM * 2>(ks * 16 + amn_row, amn_chunk + mt * 2));
+        }
+#pragma unroll
+        for (int nt = 0; nt < T::NT; nt += 2) {
+          std::uint32_t r[4];
+          if constexpr (kBK) tc::ldmatrix_x4(r, sb + swz<128>(bk_row + nt * 8, ks * 2 + bk_chunk));
+          else tc::ldmatrix_x4_trans(r, sb + swz<T::BN * 2>(ks * 16 + bmn_row, bmn_chunk + nt));
+          bfr[nt][0] = r[0];
+          bfr[nt][1] = r[1];
+          bfr[nt + 1][0] = r[2];
+          bfr[nt + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < T::MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < T::NT; ++nt) tc::mma_bf16_16816(acc[mt][nt], af[mt], bfr[nt]);
+      }
+    }
+    tc::cp_async_wait<0>();
+
+    // Epilogue: rows g8 and g8 + 8, column pairs 2q, of every mma tile.
+    OutT* c = kMode == Mode::rows ? p.c + static_cast<long long>(row0) * p.n
+                                  : p.c + static_cast<long long>(g) * p.m * p.n;
+    const int g8 = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < T::MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < T::NT; ++nt) {
+        const int col = n0 + warp_n * T::WN + nt * 8 + 2 * q;
+        if (col >= p.n) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + warp_m * T::WM + mt * 16 + g8 + 8 * h;
+          if (row < M)
+            store_pair(c + static_cast<long long>(row) * p.n + col, col + 1 < p.n, p.pairs, p.accumulate,
+                       acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+        }
+      }
+  }
+}
+
+// Blocks that fit on the device at once, asked once per device and kernel.
+template <class Kernel>
+int resident_blocks(Kernel kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> known;
+  int device = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  int& n = known[{device, reinterpret_cast<const void*>(kernel)}];
+  if (n == 0) {
+    int sms = 0, per_sm = 0;
+    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::kThreads, Tile::kSmemBytes));
+    K2C_CHECK(per_sm > 0, "moe grouped GEMM: the kernel does not fit on this GPU");
+    n = sms * per_sm;
+  }
+  return n;
+}
+
+template <Mode kMode, bool kAK, bool kBK, bool kVector, class OutT>
+void launch_gemm(const GemmArgs<OutT>& args, cudaStream_t stream) {
+  auto* kernel = grouped_kernel<kMode, kAK, kBK, kVector, OutT>;
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes));
+  kernel<<<resident_blocks(kernel), Tile::kThreads, Tile::kSmemBytes, stream>>>(args);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+template <class OutT>
+void run_grouped(const char* who, int groups, const int* offsets, int n, int k, const bf16* a, const bf16* b, OutT* c,
+                 bool b_transposed, bool accumulate, cudaStream_t stream) {
+  check_grouped(groups, n, k, {offsets, a, b, c}, who);
+  // Vector copies need every row to start on 16 bytes: n and k multiples of 8, aligned bases.
+  const bool vec = n % 8 == 0 && k % 8 == 0 && aligned16(a) && aligned16(b);
+  const bool pairs = n % 2 == 0 && reinterpret_cast<std::uintptr_t>(c) % (2 * sizeof(OutT)) == 0;
+  const GemmArgs<OutT> args{groups, offsets, 0, n, k, a, b, c, accumulate, pairs};
+  if (b_transposed) {
+    if (vec) launch_gemm<Mode::rows, true, true, true>(args, stream);
+    else launch_gemm<Mode::rows, true, true, false>(args, stream);
+  } else {
+    if (vec) launch_gemm<Mode::rows, true, false, true>(args, stream);
+    else launch_gemm<Mode::rows, true, false, false>(args, stream);
+  }
+}
+
+}  // namespace
+
+// ================================================================================================
+// The contract's entry points
+// ================================================================================================
+
+void route(const RouterConfig& c, int tokens, const float* logits, const float* bias, float* scores, int* expert,
+           float* weight, cudaStream_t stream) {
+  check_router(c, "moe route");
+  check_tokens(tokens, c.experts, "moe route");
+  if (tokens == 0) return;
+  check_pointers("moe route", {logits, scores, expert, weight});
+  route_kernel<<<ceil_div(tokens, kRouteWarps), 32 * kRouteWarps, 0, stream>>>(c, tokens, logits, bias, scores,
+                                                                                  expert, weight);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+std::size_t balance_workspace_bytes(int experts) {
+  K2C_CHECK(experts >= 1 && experts <= kMaxExperts, "moe balance_workspace_bytes: bad expert count " << experts);
+  return align256(experts * sizeof(int));
+}
+
+void balance_loss(int tokens, int experts, int top_k, float alpha, const float* logits, const int* expert, float* loss,
+                  float* dlogits, void* workspace, cudaStream_t stream) {
+  K2C_CHECK(tokens >= 1 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= experts,
+            "moe balance_loss: bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
+  check_tokens(tokens, experts, "moe balance_loss");
+  check_pointers("moe balance_loss", {logits, expert, loss, dlogits, workspace});
+  int* counts = static_cast<int*>(workspace);
+  K2C_CUDA_CHECK(cudaMemsetAsync(counts, 0, experts * sizeof(int), stream));
+  K2C_CUDA_CHECK(cudaMemsetAsync(loss, 0, sizeof(float), stream));
+  const long long choices = static_cast<long long>(tokens) * top_k;
+  count_kernel<<<static_cast<unsigned>(std::min<long long>((choices + 255) / 256, 4096)), 256, 0, stream>>>(
+      choices, experts, expert, counts);
+  const float c = alpha * experts / (static_cast<float>(top_k) * tokens * static_cast<float>(tokens));
+  balance_kernel<<<ceil_div(tokens, 8), 256, 0, stream>>>(tokens, experts, c, logits, counts, loss, dlogits);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+struct DispatchSpace {
+  int *rank, *chunk_counts;
+};
+DispatchSpace carve_dispatch(Carve& w, long long choices, int experts) {
+  const long long chunks = (choices + kChunk - 1) / kChunk;
+  return {w.take<int>(choices), w.take<int>(chunks * experts)};
+}
+}  // namespace
+
+std::size_t dispatch_workspace_bytes(int tokens, int experts, int top_k) {
+  Carve w(nullptr);
+  carve_dispatch(w, static_cast<long long>(tokens) * top_k, experts);
+  return w.used();
+}
+
+void dispatch(int tokens, int experts, int top_k, int capacity, const int* expert, int* counts, int* offsets,
+              int* slot, int* source, void* workspace, cudaStream_t stream) {
+  K2C_CHECK(tokens >= 0 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= kMaxTopK,
+            "moe dispatch: bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
+  check_tokens(tokens, top_k, "moe dispatch");
+  check_pointers("moe dispatch", {counts, offsets});
+  const long long choices = static_cast<long long>(tokens) * top_k;
+  if (choices > 0) check_pointers("moe dispatch", {expert, slot, source, workspace});
+  Carve w(workspace);
+  const DispatchSpace d = carve_dispatch(w, choices, experts);
+  const long long chunks = (choices + kChunk - 1) / kChunk;
+  K2C_CHECK(chunks <= 0x7fffffff, "moe dispatch: too many choices");
+  if (chunks > 0) {
+    chunk_rank_kernel<<<static_cast<int>(chunks), kChunk, kChunkWarps * experts * sizeof(int), stream>>>(
+        choices, experts, expert, d.rank, d.chunk_counts);
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+  scan_kernel<<<1, kMaxExperts, 0, stream>>>(static_cast<int>(chunks), experts, capacity, d.chunk_counts, counts,
+                                              offsets);
+  K2C_CUDA_CHECK_LAUNCH();
+  if (chunks > 0) {
+    scatter_kernel<<<static_cast<int>(std::min<long long>(chunks, 8192)), kChunk, 0, stream>>>(
+        choices, experts, top_k, capacity, expert, d.rank, d.chunk_counts, offsets, slot, source);
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, bf16* rows, cudaStream_t stream) {
+  K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe permute: hidden must be a multiple of 8, got " << hidden);
+  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe permute: bad top_k " << top_k);
+  check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe permute");
+  if (tokens == 0) return;
+  check_pointers("moe permute", {x, slot, rows});
+  const long long choices = static_cast<long long>(tokens) * top_k;
+  permute_kernel<<<static_cast<unsigned>((choices + 7) / 8), 256, 0, stream>>>(
+      choices, hidden, top_k, reinterpret_cast<const Pack8*>(x), slot, reinterpret_cast<Pack8*>(rows));
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+void combine(int tokens, int hidden, int top_k, const bf16* rows, const int* slot, const float* weight,
+             const float* residual, bf16* y, cudaStream_t stream) {
+  K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe combine: hidden must be a multiple of 8, got " << hidden);
+  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe combine: bad top_k " << top_k);
+  check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe combine");
+  K2C_CHECK(tokens <= 0x7fffffff, "moe combine: too many tokens");
+  if (tokens == 0) return;
+  check_pointers("moe combine", {rows, slot, y});
+  if (weight) check_pointers("moe combine", {weight});
+  if (residual) check_pointers("moe combine", {residual});
+  combine_kernel<<<tokens, std::min(256, std::max(32, hidden / 8 / 32 * 32)), 0, stream>>>(
+      hidden, top_k, reinterpret_cast<const Pack8*>(rows), slot, weight, residual, reinterpret_cast<Pack8*>(y));
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+void grouped_gemm(int groups, const int* offsets, int n, int k, const bf16* a, const bf16* b, bf16* c,
+                  bool b_transposed, bool accumulate, cudaStream_t stream) {
+  run_grouped("moe grouped_gemm", groups, offsets, n, k, a, b, c, b_transposed, accumulate, stream);
+}
+void grouped_gemm(int groups, const int* offsets, int n, int k, const bf16* a, const bf16* b, float* c,
+                  bool b_transposed, bool accumulate, cudaStream_t stream) {
+  run_grouped("moe grouped_gemm", groups, offsets, n, k, a, b, c, b_transposed, accumulate, stream);
+}
+
+void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf16* dy, const bf16* x, float* dw,
+                         cudaStream_t stream) {
+  const char* who = "moe grouped_weight_grad";
+  check_grouped(groups, n, k, {offsets, dy, x, dw}, who);
+  const bool vec = n % 8 == 0 && k % 8 == 0 && aligned16(dy) && aligned16(x);
+  const bool pairs = k % 2 == 0 && reinterpret_cast<std::uintptr_t>(dw) % 8 == 0;
+  // In GEMM terms C[m][n] with m = dY's width and n = X's width.
+  const GemmArgs<float> args{groups, offsets, n, k, 0, dy, x, dw, false, pairs};
+  if (vec) launch_gemm<Mode::reduction, false, false, true>(args, stream);
+  else launch_gemm<Mode::reduction, false, false, false>(args, stream);
+}
+
+// ================================================================================================
+// The layer
+// ================================================================================================
+
+namespace {
+
+// The forward pass's saved state, in one workspace: the backward pass carves the same layout.
+struct Saved {
+  int *offsets, *slot, *source, *one_group;
+  void* dispatch_space;
+  bf16 *xp, *gu, *h, *out, *shared_gu, *shared_h;
+  float* shared_y;
+};
+Saved carve_saved(Carve& w, const Layer& l, int tokens) {
+  const long long choices = static_cast<long long>(tokens) * l.router.top_k;
+  Saved s{};
+  s.offsets = w.take<int>(l.router.experts + 1);
+  s.slot = w.take<int>(choices);
+  s.source = w.take<int>(choices);
+  s.one_group = w.take<int>(2);
+  s.dispatch_space = w.take<char>(dispatch_workspace_bytes(tokens, l.router.experts, l.router.top_k));
+  s.xp = w.take<bf16>(choices * l.hidden);
+  s.gu = w.take<bf16>(choices * 2 * l.ffn);
+  s.h = w.take<bf16>(choices * l.ffn);
+  s.out = w.take<bf16>(choices * l.hidden);
+  s.shared_gu = w.take<bf16>(static_cast<long long>(tokens) * 2 * l.shared_ffn);
+  s.shared_h = w.take<bf16>(static_cast<long long>(tokens) * l.shared_ffn);
+  s.shared_y = w.take<float>(static_cast<long long>(tokens) * l.hidden);
+  return s;
+}
+
+struct BackwardSpace {
+  bf16 *d_out, *dh, *dgu, *dxp, *dlogits, *shared_dh, *shared_dgu;
+  float *dw, *dx;
+};
+BackwardSpace carve_backward(Carve& w, const Layer& l, int tokens) {
+  const long long choices = static_cast<long long>(tokens) * l.router.top_k;
+  BackwardSpace b{};
+  b.d_out = w.take<bf16>(choices * l.hidden);
+  b.dh = w.take<bf16>(choices * l.ffn);
+  b.dgu = w.take<bf16>(choices * 2 * l.ffn);
+  b.dxp = w.take<bf16>(choices * l.hidden);
+  b.dlogits = w.take<bf16>(static_cast<long long>(tokens) * l.router.experts);
+  b.shared_dh = w.take<bf16>(static_cast<long long>(tokens) * l.shared_ffn);
+  b.shared_dgu = w.take<bf16>(static_cast<long long>(tokens) * 2 * l.shared_ffn);
+  b.dw = w.take<float>(choices);
+  b.dx = w.take<float>(static_cast<long long>(tokens) * l.hidden);
+  return b;
+}
+
+unsigned elementwise_blocks(long long pieces) { return static_cast<unsigned>(std::min<long long>((pieces + 255) / 256, 65536)); }
+
+void swiglu(long long rows, int ffn, const bf16* gu, bf16* h, cudaStream_t stream) {
+  if (rows == 0) return;
+  swiglu_kernel<<<elementwise_blocks(rows * ffn / 8), 256, 0, stream>>>(rows, ffn, reinterpret_cast<const Pack8*>(gu),
+                                                                        reinterpret_cast<Pack8*>(h));
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+std::size_t forward_workspace_bytes(const Layer& l, int tokens) {
+  check_layer(l, tokens, "moe forward_workspace_bytes");
+  Carve w(nullptr);
+  carve_saved(w, l, tokens);
+  return w.used();
+}
+
+void forward(const Layer& l, int tokens, const bf16* x, bf16* y, const Routing& r, void* saved, cudaStream_t stream) {
+  const char* who = "moe forward";
+  check_layer(l, tokens, who);
+  if (tokens == 0) return;
+  check_pointers(who, {x, y, r.logits, r.scores, r.expert, r.weight, r.counts, saved});
+  const int E = l.router.experts, k = l.router.top_k, d = l.hidden, f = l.ffn;
+  Carve w(saved);
+  const Saved s = carve_saved(w, l, tokens);
+  one_group_kernel<<<1, 1, 0, stream>>>(s.one_group, tokens);
+  K2C_CUDA_CHECK_LAUNCH();
+
+  // Router and dispatch.
+  grouped_gemm(1, s.one_group, E, d, x, l.w_router, r.logits, true, false, stream);
+  route(l.router, tokens, r.logits, l.bias, r.scores, r.expert, r.weight, stream);
+  dispatch(tokens, E, k, l.capacity, r.expert, r.counts, s.offsets, s.slot, s.source, s.dispatch_space, stream);
+  permute(tokens, d, k, x, s.slot, s.xp, stream);
+
+  // Routed experts: rows past offsets[E] are never read (the groups end there).
+  grouped_gemm(E, s.offsets, 2 * f, d, s.xp, l.w13, s.gu, true, false, stream);
+  swiglu(static_cast<long long>(tokens) * k, f, s.gu, s.h, stream);  // rows past the kept ones: harmless
+  grouped_gemm(E, s.offsets, d, f, s.h, l.w2, s.out, true, false, stream);
+
+  // Shared experts, then the weighted gather.
+  const float* residual = nullptr;
+  if (l.shared_ffn > 0) {
+    grouped_gemm(1, s.one_group, 2 * l.shared_ffn, d, x, l.shared_w13, s.shared_gu, true, false, stream);
+    swiglu(tokens, l.shared_ffn, s.shared_gu, s.shared_h, stream);
+    grouped_gemm(1, s.one_group, d, l.shared_ffn, s.shared_h, l.shared_w2, s.shared_y, true, false, stream);
+    residual = s.shared_y;
+  }
+  combine(tokens, d, k, s.out, s.slot, r.weight, residual, y, stream);
+}
+
+std::size_t backward_workspace_bytes(const Layer& l, int tokens) {
+  check_layer(l, tokens, "moe backward_workspace_bytes");
+  Carve w(nullptr);
+  carve_backward(w, l, tokens);
+  return w.used();
+}
+
+void backward(const Layer& l, int tokens, const bf16* x, const bf16* dy, const Routing& r, const void* saved,
+              const float* dlogits_extra, bf16* dx, const Grads& g, void* workspace, cudaStream_t stream) {
+  const char* who = "moe backward";
+  check_layer(l, tokens, who);
+  check_pointers(who, {g.w_router, g.w13, g.w2});
+  if (l.shared_ffn > 0) check_pointers(who, {g.shared_w13, g.shared_w2});
+  const int E = l.router.experts, k = l.router.top_k, d = l.hidden, f = l.ffn;
+  if (tokens == 0) {  // no rows: every weight's gradient is an empty sum
+    K2C_CUDA_CHECK(cudaMemsetAsync(g.w_router, 0, sizeof(float) * E * d, stream));
+    K2C_CUDA_CHECK(cudaMemsetAsync(g.w13, 0, sizeof(float) * E * 2 * f * d, stream));
+    K2C_CUDA_CHECK(cudaMemsetAsync(g.w2, 0, sizeof(float) * E * d * f, stream));
+    if (l.shared_ffn > 0) {
+      K2C_CUDA_CHECK(cudaMemsetAsync(g.shared_w13, 0, sizeof(float) * 2 * l.shared_ffn * d, stream));
+      K2C_CUDA_CHECK(cudaMemsetAsync(g.shared_w2, 0, sizeof(float) * d * l.shared_ffn, stream));
+    }
+    return;
+  }
+  check_pointers(who, {x, dy, r.scores, r.expert, r.weight, saved, dx, workspace});
+  if (dlogits_extra) check_pointers(who, {dlogits_extra});
+  Carve sw(const_cast<void*>(saved));
+  const Saved s = carve_saved(sw, l, tokens);
+  Carve bw(workspace);
+  const BackwardSpace b = carve_backward(bw, l, tokens);
+  const long long choices = static_cast<long long>(tokens) * k;
+
+  // Combine: the routed rows' gradient and the weights' gradient.
+  combine_backward_kernel<<<static_cast<unsigned>((choices + 7) / 8), 256, 0, stream>>>(
+      choices, d, k, reinterpret_cast<const Pack8*>(dy), reinterpret_cast<const Pack8*>(s.out), s.slot, r.weight,
+      reinterpret_cast<Pack8*>(b.d_out), b.dw);
+  K2C_CUDA_CHECK_LAUNCH();
+
+  // Routed experts, down then up: dX through the same kernel with W read untransposed, dW as
+  // a grouped sum over each expert's rows.
+  grouped_gemm(E, s.offsets, f, d, b.d_out, l.w2, b.dh, false, false, stream);
+  grouped_weight_grad(E, s.offsets, d, f, b.d_out, s.h, g.w2, stream);
+  swiglu_backward_kernel<<<elementwise_blocks(choices * f / 8), 256, 0, stream>>>(
+      choices, f, reinterpret_cast<const Pack8*>(s.gu), reinterpret_cast<const Pack8*>(b.dh),
+      reinterpret_cast<Pack8*>(b.dgu));
+  K2C_CUDA_CHECK_LAUNCH();
+  grouped_gemm(E, s.offsets, d, 2 * f, b.dgu, l.w13, b.dxp, false, false, stream);
+  grouped_weight_grad(E, s.offsets, 2 * f, d, b.dgu, s.xp, g.w13, stream);
+
+  // Shared experts write the fp32 dx first; the router's share is added to it.
+  bool have_dx = false;
+  if (l.shared_ffn > 0) {
+    const int sf = l.shared_ffn;
+    grouped_gemm(1, s.one_group, sf, d, dy, l.shared_w2, b.shared_dh, false, false, stream);
+    grouped_weight_grad(1, s.one_group, d, sf, dy, s.shared_h, g.shared_w2, stream);
+    swiglu_backward_kernel<<<elementwise_blocks(static_cast<long long>(tokens) * sf / 8), 256, 0, stream>>>(
+        tokens, sf, reinterpret_cast<const Pack8*>(s.shared_gu), reinterpret_cast<const Pack8*>(b.shared_dh),
+        reinterpret_cast<Pack8*>(b.shared_dgu));
+    K2C_CUDA_CHECK_LAUNCH();
+    grouped_gemm(1, s.one_group, d, 2 * sf, b.shared_dgu, l.shared_w13, b.dx, false, false, stream);
+    grouped_weight_grad(1, s.one_group, 2 * sf, d, b.shared_dgu, x, g.shared_w13, stream);
+    have_dx = true;
+  }
+
+  // Router: dlogits (bf16), then dW_router = dlogitsᵀ x and dx += dlogits W_router.
+  router_backward_kernel<<<ceil_div(tokens, kRouteWarps), 32 * kRouteWarps, 0, stream>>>(
+      l.router, tokens, r.scores, r.expert, b.dw, dlogits_extra, b.dlogits);
+  K2C_CUDA_CHECK_LAUNCH();
+  grouped_weight_grad(1, s.one_group, E, d, b.dlogits, x, g.w_router, stream);
+  grouped_gemm(1, s.one_group, d, E, b.dlogits, l.w_router, b.dx, false, have_dx, stream);
+
+  // dx = (shared + router) + Σ_j dxp[slot_tj]: combine with unit weights.
+  combine(tokens, d, k, b.dxp, s.slot, nullptr, b.dx, dx, stream);
+}
+
+}  // namespace k2c::moe
