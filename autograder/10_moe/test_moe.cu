@@ -4,10 +4,10 @@
 // equal the CPU reference's (k2c/reference.h), and permute must copy bits.
 //
 // Near ties. The kernels compute scores in fp32 and the reference in double, so two experts
-// whose keys differ by less than about 1e-6 may legitimately come out in either order. Tests
-// whose data is random redraw it (a new seed, deterministically) until no token has a gap
-// smaller than kTieGap at its k-th choice or at its group cut; the tie rule itself (lower index
-// wins) is tested on exact ties, which fp32 and double see alike.
+// whose keys differ by less than about a millionth of their size may legitimately come out in
+// either order. Tests whose data is random redraw it (a new seed, deterministically) until no
+// token has a relative gap under kTieGap at its k-th choice or at its group cut; the tie rule
+// itself (lower index wins) is tested on exact ties, which fp32 and double see alike.
 //
 // Tolerances for values. Every input is a bf16 value, so products are exact and what differs is
 // the rounding of intermediates to bf16 (each at most 2^-8 relative) and fp32 accumulation.
@@ -79,11 +79,12 @@ std::string describe(const moe::RouterConfig& c) {
   return os.str();
 }
 
-// The smallest gap, over tokens, between the k-th and (k+1)-th eligible key, and between the
-// last kept group and the next, as the reference sees them.
+// The smallest relative gap, over tokens, between the k-th and (k+1)-th eligible key, and
+// between the last kept group and the next, as the reference sees them.
 double smallest_gap(const k2c::ref::Routing& r, const std::vector<float>& bias, int tokens, const moe::RouterConfig& c) {
   const int E = c.experts, per = E / c.groups;
   double gap = INFINITY;
+  auto relative = [](double a, double b) { return (a - b) / std::max({std::abs(a), std::abs(b), 1e-30}); };
   for (int t = 0; t < tokens; ++t) {
     std::vector<double> key(E);
     for (int e = 0; e < E; ++e) key[e] = r.scores[static_cast<std::size_t>(t) * E + e] + (bias.empty() ? 0.0 : bias[e]);
@@ -95,14 +96,14 @@ double smallest_gap(const k2c::ref::Routing& r, const std::vector<float>& bias, 
         group[g] = {mine[0] + (per > 1 ? mine[1] : 0.0), g};
       }
       std::sort(group.begin(), group.end(), [](auto a, auto b) { return a.first > b.first; });
-      if (c.top_groups < c.groups) gap = std::min(gap, group[c.top_groups - 1].first - group[c.top_groups].first);
+      if (c.top_groups < c.groups) gap = std::min(gap, relative(group[c.top_groups - 1].first, group[c.top_groups].first));
       std::vector<bool> kept(c.groups, false);
       for (int i = 0; i < c.top_groups; ++i) kept[group[i].second] = true;
       for (int e = 0; e < E; ++e)
         if (!kept[e / per]) key[e] = -INFINITY;
     }
     std::sort(key.rbegin(), key.rend());
-    if (c.top_k < E && std::isfinite(key[c.top_k])) gap = std::min(gap, key[c.top_k - 1] - key[c.top_k]);
+    if (c.top_k < E && std::isfinite(key[c.top_k])) gap = std::min(gap, relative(key[c.top_k - 1], key[c.top_k]));
   }
   return gap;
 }
@@ -508,7 +509,8 @@ void check_layer_backward(const LayerCase& lc, bool with_extra) {
 constexpr int kTokens = 16384, kHidden = 2048, kExperts = 64, kFfn = 1408, kTopK = 6, kSharedFfn = 2816;
 
 // Tokens per expert when every token picks k distinct experts: uniformly, or skewed (expert e
-// drawn with weight 1 / (e + 1), a Zipf law whose busiest expert gets about 3.3× the mean).
+// drawn with weight 1 / (e + 1), a Zipf law: with six distinct picks per token the busiest
+// expert gets about 8.5× the mean).
 std::vector<int> expert_loads(bool skewed, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<double> w(kExperts);
@@ -676,9 +678,9 @@ TEST(Balance, LossAndGradient) {
                       work.data());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_NEAR(loss.download()[0], ref.loss, 1e-5 * ref.loss);
-    double scale = 0;
-    for (double v : ref.dlogits) scale = std::max(scale, std::abs(v));
-    EXPECT_TRUE(close_rel("dlogits", dlogits.download(), ref.dlogits, 1e-4, 1e-6 * scale));
+    // dz_j = p_j (g_j − Σ p g) with g_i = alpha·E/(k·T²)·count_i <= alpha·E/(k·T): the absolute
+    // term is a millionth of that (uniform counts make the exact gradient 0).
+    EXPECT_TRUE(close_rel("dlogits", dlogits.download(), ref.dlogits, 1e-4, 1e-6 * 0.01 * experts / (top_k * tokens)));
   }
 }
 

@@ -496,14 +496,23 @@ struct GemmArgs {
   bool accumulate, pairs;
 };
 
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, int BLOCKS_PER_SM_>
 struct Tile {
-  static constexpr int BM = 256, BN = 128, BK = 64, WARPS_M = 4, WARPS_N = 2, STAGES = 4;
+  static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
+  static constexpr int kBlocksPerSm = BLOCKS_PER_SM_;
   static constexpr int kThreads = 32 * WARPS_M * WARPS_N;
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MT = WM / 16, NT = WN / 8;
   static constexpr int kTileA = BM * BK * 2, kTileB = BN * BK * 2, kStageBytes = kTileA + kTileB;
   static constexpr int kSmemBytes = STAGES * kStageBytes;
-  static_assert(kSmemBytes + 4 * (kMaxExperts + 1) <= 227 * 1024, "stages and the tile prefix fit in shared memory");
+  static_assert(WM % 16 == 0 && WN % 16 == 0 && BM >= 64 && BN >= 64, "whole mma tiles; swizzled rows of 128 bytes or more");
+  static_assert(kBlocksPerSm * (kSmemBytes + 4 * (kMaxExperts + 1)) <= 227 * 1024,
+                "stages and the tile prefix fit in shared memory");
 };
+
+// 128×256 with 8 warps of 64×64, 4 stages, one block per SM. Measured on an H200 at the module's
+// up projection (tools/experiments/moe_grouped.cu): 328.9 TFLOP/s; module 05's 256×128 313.1;
+// 128×128 with 4 warps and 2 blocks per SM 320.4; with 8 warps 294.5; 256×128 with 3 stages 316.8.
+using Reference = Tile<128, 256, 2, 4, 4, 1>;
 
 // Byte offset of 16-byte chunk `chunk` of row `row`, rows of `row_bytes` (a multiple of 128):
 // chunk c of row r lives at c ^ (r % 8), so 8 consecutive rows read at one chunk hit 8 different
@@ -515,12 +524,12 @@ __device__ __forceinline__ std::uint32_t swz(int row, int chunk) {
 
 // A K-contiguous tile: ROWS rows × 64 reduction elements (128 bytes a row). Element (row, r) of
 // the source is src[row · ld + r]; rows >= row_end and r >= r_end are zero-filled.
-template <int ROWS, bool kVector>
+template <class T, int ROWS, bool kVector>
 __device__ __forceinline__ void load_k_tile(std::uint32_t tile, const bf16* src, long long ld, int row0, int row_end,
                                             int r0, int r_end) {
 #pragma unroll
-  for (int i = 0; i < ROWS * 8 / Tile::kThreads; ++i) {
-    const int id = i * Tile::kThreads + threadIdx.x, row = id >> 3, ch = id & 7;
+  for (int i = 0; i < ROWS * 8 / T::kThreads; ++i) {
+    const int id = i * T::kThreads + threadIdx.x, row = id >> 3, ch = id & 7;
     const int gr = row0 + row, r = r0 + ch * 8;
     const std::uint32_t dst = tile + swz<128>(row, ch);
     if constexpr (kVector) {
@@ -538,13 +547,13 @@ __device__ __forceinline__ void load_k_tile(std::uint32_t tile, const bf16* src,
 
 // An MN-contiguous tile: 64 reduction rows × COLS elements (2·COLS bytes a row). Element (r, col)
 // of the source is src[r · ld + col]; r >= r_end and col >= col_end are zero-filled.
-template <int COLS, bool kVector>
+template <class T, int COLS, bool kVector>
 __device__ __forceinline__ void load_mn_tile(std::uint32_t tile, const bf16* src, long long ld, int r0, int r_end,
                                              int col0, int col_end) {
   constexpr int kChunks = COLS / 8;
 #pragma unroll
-  for (int i = 0; i < 64 * kChunks / Tile::kThreads; ++i) {
-    const int id = i * Tile::kThreads + threadIdx.x, row = id / kChunks, ch = id % kChunks;
+  for (int i = 0; i < 64 * kChunks / T::kThreads; ++i) {
+    const int id = i * T::kThreads + threadIdx.x, row = id / kChunks, ch = id % kChunks;
     const int r = r0 + row, col = col0 + ch * 8;
     const std::uint32_t dst = tile + swz<COLS * 2>(row, ch);
     if constexpr (kVector) {
@@ -578,9 +587,8 @@ __device__ __forceinline__ void store_pair(OutT* p, bool both, bool pairs, bool 
   }
 }
 
-template <Mode kMode, bool kAK, bool kBK, bool kVector, class OutT>
-__global__ void __launch_bounds__(Tile::kThreads, 1) grouped_kernel(GemmArgs<OutT> p) {
-  using T = Tile;
+template <class T, Mode kMode, bool kAK, bool kBK, bool kVector, class OutT>
+__global__ void __launch_bounds__(T::kThreads, T::kBlocksPerSm) grouped_kernel(GemmArgs<OutT> p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int prefix[kMaxExperts + 1];  // prefix[g]: the first tile of group g
   const std::uint32_t smem0 = smem_addr(smem);
@@ -659,10 +667,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) grouped_kernel(GemmArgs<Out
     }
     auto load_stage = [&](int s, int kt) {
       const int r0 = kt * T::BK;
-      if constexpr (kAK) load_k_tile<T::BM, kVector>(stage_a(s), a, lda, m0, M, r0, R);
-      else load_mn_tile<T::BM, kVector>(stage_a(s), a, lda, r0, R, m0, M);
-      if constexpr (kBK) load_k_tile<T::BN, kVector>(stage_b(s), b, ldb, n0, p.n, r0, R);
-      else load_mn_tile<T::BN, kVector>(stage_b(s), b, ldb, r0, R, n0, p.n);
+      if constexpr (kAK) load_k_tile<T, T::BM, kVector>(stage_a(s), a, lda, m0, M, r0, R);
+      else load_mn_tile<T, T::BM, kVector>(stage_a(s), a, lda, r0, R, m0, M);
+      if constexpr (kBK) load_k_tile<T, T::BN, kVector>(stage_b(s), b, ldb, n0, p.n, r0, R);
+      else load_mn_tile<T, T::BN, kVector>(stage_b(s), b, ldb, r0, R, n0, p.n);
     };
 
     __syncthreads();  // every warp is done with the previous tile's stages
@@ -729,7 +737,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) grouped_kernel(GemmArgs<Out
 }
 
 // Blocks that fit on the device at once, asked once per device and kernel.
-template <class Kernel>
+template <class T, class Kernel>
 int resident_blocks(Kernel kernel) {
   static std::mutex mutex;
   static std::map<std::pair<int, const void*>, int> known;
@@ -740,18 +748,18 @@ int resident_blocks(Kernel kernel) {
   if (n == 0) {
     int sms = 0, per_sm = 0;
     K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tile::kThreads, Tile::kSmemBytes));
+    K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, T::kThreads, T::kSmemBytes));
     K2C_CHECK(per_sm > 0, "moe grouped GEMM: the kernel does not fit on this GPU");
     n = sms * per_sm;
   }
   return n;
 }
 
-template <Mode kMode, bool kAK, bool kBK, bool kVector, class OutT>
+template <Mode kMode, bool kAK, bool kBK, bool kVector, class T = Reference, class OutT>
 void launch_gemm(const GemmArgs<OutT>& args, cudaStream_t stream) {
-  auto* kernel = grouped_kernel<kMode, kAK, kBK, kVector, OutT>;
-  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes));
-  kernel<<<resident_blocks(kernel), Tile::kThreads, Tile::kSmemBytes, stream>>>(args);
+  auto* kernel = grouped_kernel<T, kMode, kAK, kBK, kVector, OutT>;
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+  kernel<<<resident_blocks<T>(kernel), T::kThreads, T::kSmemBytes, stream>>>(args);
   K2C_CUDA_CHECK_LAUNCH();
 }
 
