@@ -6,11 +6,13 @@
 // for cp.async, ldmatrix (plain and transposing) and mma.sync: build the grouped GEMM on them.
 // The argument checks are given; keep them at the top of each function.
 #include <cstddef>
+#include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "k2c/check.h"
+#include "k2c/hopper.cuh"
 #include "k2c/todo.h"
 #include "moe.h"
 
@@ -104,6 +106,20 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
   (void)stream;
   K2C_TODO("grouped_weight_grad: dW_g = dY_gᵀ X_g, each group summing over its own rows (both operands read "
            "with ldmatrix.trans); zeros for an empty group");
+}
+
+// Part B (bonus). This file is compiled for sm_90a where the build targets sm_90: wgmma, TMA and
+// setmaxnreg are then available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` (k2c/hopper.cuh
+// wraps them; module 05's Part B is the model). Given: hopper_supported() and the checks.
+bool hopper_supported(std::string* why_not) { return k2c::hopper::sm90a_supported(why_not); }
+
+void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
+                         bf16* c, cudaStream_t stream) {
+  check_grouped_hopper(groups, offsets, rows, n, k, a, b, c, "moe grouped_gemm_hopper");
+  k2c::hopper::require_sm90a("moe grouped_gemm_hopper");
+  (void)stream;
+  K2C_TODO("grouped_gemm_hopper: module 05's warp-specialised wgmma GEMM with TMA, its persistent schedule "
+           "walking the tiles of every group");
 }
 
 std::size_t forward_workspace_bytes(const Layer& l, int tokens) {

@@ -154,6 +154,25 @@ void grouped_gemm(int groups, const int* offsets, int n, int k, const bf16* a, c
 void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf16* dy, const bf16* x, float* dw,
                          cudaStream_t stream = nullptr);
 
+// ---- Part B (bonus): the grouped GEMM on Hopper's wgmma ----------------------------------------
+
+// grouped_gemm() in its forward form (C_g = A_g · B_gᵀ, bf16 C, overwritten) on warpgroup MMA
+// with TMA copies, for sm_90a. TMA describes whole tensors, so it needs the number of rows A and
+// C hold: `rows` >= offsets[groups] (rows past offsets[groups] are neither used nor written). It
+// also needs k % 8 == 0 and 16-byte aligned a and b. hopper_supported() says whether this build
+// and device can run it (the reason in *why_not when not); grouped_gemm_hopper() throws
+// std::invalid_argument with that reason, or for bad arguments, instead of launching.
+bool hopper_supported(std::string* why_not = nullptr);
+void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
+                         bf16* c, cudaStream_t stream = nullptr);
+inline void check_grouped_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a,
+                                 const bf16* b, const bf16* c, const char* who) {
+  check_grouped(groups, n, k, {offsets, a, b, c}, who);
+  check_tokens(rows, k > n ? k : n, who);
+  K2C_CHECK(k % 8 == 0, who << ": k must be a multiple of 8 (TMA rows start on 16 bytes), got " << k);
+  check_pointers(who, {a, b});
+}
+
 // ---- task 4: the layer ---------------------------------------------------------------------------
 
 struct Layer {

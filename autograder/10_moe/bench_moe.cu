@@ -1,6 +1,7 @@
 // autograder/10_moe/bench_moe.cu — module 10's benchmarks at the module's shape (16384 tokens,
 // hidden 2048, 64 experts of width 1408, top-6, shared experts 2816 wide):
 //   BM_moe/grouped/<up|down>/<uniform|skewed>      the grouped GEMM, one launch
+//   BM_moe/hopper/<up|down>/<uniform|skewed>       Part B's wgmma version (where supported)
 //   BM_moe/cublas_loop/<up|down>/<uniform|skewed>  cuBLAS once per expert on the same data
 //   BM_moe/layer/<forward|forward_backward>        module 10's layer
 //   BM_moe/naive/forward_backward                  the naive layer (k2c/moe_baseline.h)
@@ -43,8 +44,9 @@ void register_gemms() {
   for (bool up : {true, false})
     for (bool skewed : {false, true}) {
       const std::string suffix = std::string(up ? "/up" : "/down") + (skewed ? "/skewed" : "/uniform");
-      for (bool grouped : {true, false})
-        k2c::bench::add(std::string(grouped ? "BM_moe/grouped" : "BM_moe/cublas_loop") + suffix, [=](benchmark::State& state) {
+      for (const std::string variant : {"grouped", "hopper", "cublas_loop"}) {
+        if (variant == "hopper" && !moe::hopper_supported()) continue;
+        k2c::bench::add("BM_moe/" + variant + suffix, [=](benchmark::State& state) {
           const std::vector<int> counts = loads(skewed);
           std::vector<int> off(kExperts + 1, 0);
           std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
@@ -56,8 +58,10 @@ void register_gemms() {
           k2c::DeviceBuffer<int> d_off{std::span<const int>(off)};
           const double flops = 2.0 * rows * static_cast<double>(n) * k;
           k2c::bench::run(state, [&] {
-            if (grouped) {
+            if (variant == "grouped") {
               moe::grouped_gemm(kExperts, d_off.data(), n, k, a.data(), b.data(), c.data());
+            } else if (variant == "hopper") {
+              moe::grouped_gemm_hopper(kExperts, d_off.data(), rows, n, k, a.data(), b.data(), c.data());
             } else {
               for (int e = 0; e < kExperts; ++e)
                 if (counts[e] > 0)
@@ -67,6 +71,7 @@ void register_gemms() {
             }
           }, flops, 0);
         })->Iterations(20);
+      }
     }
 }
 

@@ -232,19 +232,24 @@ std::vector<int> group_sizes(std::mt19937_64& rng, int groups, int max_rows) {
   return sizes;
 }
 
-void check_grouped_gemm(const std::vector<int>& sizes, int n, int k, bool b_transposed, bool fp32_out, bool accumulate) {
+// hopper: Part B's grouped_gemm_hopper (B transposed, bf16 C, no accumulate), told that A and
+// C hold `spare` rows more than the groups use.
+void check_grouped_gemm(const std::vector<int>& sizes, int n, int k, bool b_transposed, bool fp32_out, bool accumulate,
+                        bool hopper = false, int spare = 0) {
   std::ostringstream name;
   name << sizes.size() << " groups, rows " << offsets_of(sizes).back() << ", n " << n << ", k " << k
-       << (b_transposed ? " B^T" : " B") << (fp32_out ? " fp32" : " bf16") << (accumulate ? " accumulate" : "");
+       << (b_transposed ? " B^T" : " B") << (fp32_out ? " fp32" : " bf16") << (accumulate ? " accumulate" : "")
+       << (hopper ? " (Hopper, " + std::to_string(spare) + " spare rows)" : "");
   SCOPED_TRACE(name.str());
   const std::vector<int> off = offsets_of(sizes);
   const int groups = static_cast<int>(sizes.size()), rows = off.back();
-  const auto a = k2c::random_values<bf16>(static_cast<std::size_t>(std::max(rows, 1)) * k, seed_for(name.str() + "/a"));
+  const int held = std::max(rows + spare, 1);  // rows A and C hold
+  const auto a = k2c::random_values<bf16>(static_cast<std::size_t>(held) * k, seed_for(name.str() + "/a"));
   const auto b = k2c::random_values<bf16>(static_cast<std::size_t>(groups) * n * k, seed_for(name.str() + "/b"));
   GemmRef ref = grouped_ref(off, n, k, a, b, b_transposed);
   auto d_off = upload(off);
   auto d_a = k2c::to_device<bf16>(a), d_b = k2c::to_device<bf16>(b);
-  const std::size_t cn = static_cast<std::size_t>(std::max(rows, 1)) * n;
+  const std::size_t cn = static_cast<std::size_t>(held) * n;
   std::vector<float> got;
   if (fp32_out) {
     std::vector<float> start(cn, 0.0f);
@@ -258,9 +263,13 @@ void check_grouped_gemm(const std::vector<int>& sizes, int n, int k, bool b_tran
     got = c.download();
   } else {
     auto c = poisoned<bf16>(cn);
-    moe::grouped_gemm(groups, d_off.data(), n, k, d_a.data(), d_b.data(), c.data(), b_transposed, false);
+    if (hopper) moe::grouped_gemm_hopper(groups, d_off.data(), held, n, k, d_a.data(), d_b.data(), c.data());
+    else moe::grouped_gemm(groups, d_off.data(), n, k, d_a.data(), d_b.data(), c.data(), b_transposed, false);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     got = k2c::to_host(c);
+    // Rows past the groups' end are never written: still poisoned.
+    for (std::size_t i = static_cast<std::size_t>(rows) * n; i < cn && hopper; ++i)
+      ASSERT_TRUE(std::isnan(got[i])) << "row " << i / n << " past the groups' end was written";
   }
   got.resize(static_cast<std::size_t>(rows) * n);
   EXPECT_TRUE(close_gemm("C", got, ref, !fp32_out));
@@ -537,7 +546,7 @@ void record_loads(const std::vector<int>& counts) {
 // The grouped GEMM against cuBLAS once per expert on the same data, both on one routing.
 // which: the up projection ([g|u] = x W13ᵀ: n = 2·1408, k = 2048) or the down one (n = 2048,
 // k = 1408). Results are spot-checked against the CPU at sampled elements.
-void expect_grouped_rate(bool up, bool skewed, int repeats) {
+void expect_grouped_rate(bool up, bool skewed, int repeats, bool hopper = false) {
   const std::vector<int> counts = expert_loads(skewed, seed_for(skewed ? "skewed loads" : "uniform loads"));
   record_loads(counts);
   const std::vector<int> off = offsets_of(counts);
@@ -547,7 +556,10 @@ void expect_grouped_rate(bool up, bool skewed, int repeats) {
   k2c::fill_uniform_device(a.data(), a_elems, seed_for("perf a"));
   k2c::fill_uniform_device(b.data(), b_elems, seed_for("perf b"));
   auto d_off = upload(off);
-  auto grouped = [&] { moe::grouped_gemm(kExperts, d_off.data(), n, k, a.data(), b.data(), c.data()); };
+  auto grouped = [&] {
+    if (hopper) moe::grouped_gemm_hopper(kExperts, d_off.data(), rows, n, k, a.data(), b.data(), c.data());
+    else moe::grouped_gemm(kExperts, d_off.data(), n, k, a.data(), b.data(), c.data());
+  };
   auto loop = [&] {
     for (int e = 0; e < kExperts; ++e)
       if (counts[e] > 0)
@@ -571,7 +583,7 @@ void expect_grouped_rate(bool up, bool skewed, int repeats) {
   EXPECT_EQ(bad, 0u) << "grouped GEMM output differs from cuBLAS's at sampled elements";
   const double flops = 2.0 * rows * static_cast<double>(n) * k;
   K2C_EXPECT_PERF(flops / tg.median_ms * 1e-9, flops / tl.median_ms * 1e-9,
-                  std::string(up ? "up" : "down") + " projection, " + (skewed ? "skewed" : "uniform") + " loads, " +
+                  std::string(hopper ? "wgmma, " : "") + (up ? "up" : "down") + " projection, " + (skewed ? "skewed" : "uniform") + " loads, " +
                       std::to_string(repeats) + " runs, vs cuBLAS once per expert");
 }
 
@@ -883,4 +895,41 @@ TEST(LayerPerf, ForwardBackward) {
   ::testing::Test::RecordProperty("naive_ms", std::to_string(base.median_ms));
   K2C_EXPECT_PERF(flops / ours.median_ms * 1e-9, flops / base.median_ms * 1e-9,
                   "forward + backward at T 16384, d 2048, 64 experts of 1408, top-6, shared 2816, vs the naive layer");
+}
+
+// ---- Part B (bonus): wgmma, skipped with the reason where it cannot run ----------------------
+
+#define REQUIRE_HOPPER()                                                   \
+  do {                                                                     \
+    K2C_REQUIRE_GPU();                                                     \
+    std::string why_;                                                      \
+    if (!moe::hopper_supported(&why_)) K2C_SKIP("Part B: " + why_);        \
+  } while (0)
+
+TEST(Hopper, GroupedGemm) {
+  REQUIRE_HOPPER();
+  std::mt19937_64 rng(seed_for("hopper grouped"));
+  check_grouped_gemm({300}, 64, 128, true, false, false, true, 0);
+  check_grouped_gemm({0, 5, 0, 257, 1, 0}, 136, 64, true, false, false, true, 3);
+  check_grouped_gemm(group_sizes(rng, 9, 400), 200, 96, true, false, false, true, 0);
+  check_grouped_gemm(group_sizes(rng, 5, 300), 37, 40, true, false, false, true, 130);  // n not a multiple of 8
+  check_grouped_gemm(group_sizes(rng, 3, 600), 520, 2056, true, false, false, true, 1);
+  check_grouped_gemm({0, 0}, 16, 16, true, false, false, true, 5);
+  // k % 8 != 0 cannot be described to TMA: refused, not launched.
+  k2c::DeviceBuffer<bf16> buf(1024);
+  auto off = upload(std::vector<int>{0, 4});
+  EXPECT_THROW(moe::grouped_gemm_hopper(1, off.data(), 4, 8, 12, buf.data(), buf.data(), buf.data()),
+               std::invalid_argument);
+}
+
+TEST(HopperPerf, UpProjection) {
+  K2C_REQUIRE_TIMING();
+  REQUIRE_HOPPER();
+  expect_grouped_rate(true, false, 20, true);
+}
+
+TEST(HopperPerf, DownProjection) {
+  K2C_REQUIRE_TIMING();
+  REQUIRE_HOPPER();
+  expect_grouped_rate(false, false, 20, true);
 }

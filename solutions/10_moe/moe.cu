@@ -31,11 +31,13 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "k2c/check.h"
+#include "k2c/hopper.cuh"
 #include "k2c/tensor_core.cuh"
 #include "moe.h"
 
@@ -913,6 +915,201 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 }
 
 // ================================================================================================
+// Part B: the forward grouped GEMM on wgmma (module 05's Part B kernel, persistent over groups)
+// ================================================================================================
+//
+//   block     384 threads = 3 warpgroups. Warpgroup 0 produces: one thread issues the TMA copies
+//             and the group hands its registers to the others (setmaxnreg 24). Warpgroups 1 and
+//             2 consume (setmaxnreg 240): each owns 64 rows of the 128×256 tile, one m64n256
+//             accumulator of 128 fp32 registers a thread.
+//   ring      STAGES slots of an A tile (128×64) and a B tile (256×64), written by TMA with
+//             128-byte swizzling; full[s] completes on the copies' bytes, empty[s] on one
+//             arrival per consumer warp.
+//   groups    A is one tensor of `rows` rows and B one of groups·n rows; a tile of group g reads
+//             A from row offsets[g] + m0 and B from row g·n + n0. Rows past the group's end (the
+//             next group's, or TMA's zero fill past the tensor) are multiplied but never stored.
+//             Producer and consumers walk the same tile sequence, each finding a tile's group in
+//             the prefix of tile counts that the block computes first.
+
+namespace {
+
+namespace hp = k2c::hopper;
+
+constexpr int kHopperBM = 128, kHopperBN = 256, kHopperBK = 64, kHopperStages = 4, kHopperThreads = 384;
+constexpr int kHopperTileA = kHopperBM * kHopperBK * 2, kHopperTileB = kHopperBN * kHopperBK * 2;
+constexpr int kHopperStageBytes = kHopperTileA + kHopperTileB;
+// The ring, its barriers, and 1 KiB of slack to align the ring to the 1024 bytes a 128-byte swizzle spans.
+constexpr int kHopperSmemBytes = kHopperStages * kHopperStageBytes + 2 * kHopperStages * 8 + 1024;
+static_assert(kHopperSmemBytes + 4 * (kMaxExperts + 1) <= 227 * 1024, "the ring and the tile prefix fit");
+
+__global__ void __launch_bounds__(kHopperThreads, 1)
+    hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                          int groups, const int* __restrict__ offsets, int n, int k, bf16* __restrict__ c, bool pairs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int prefix[kMaxExperts + 1];
+  const std::uint32_t ring = (smem_addr(smem_raw) + 1023) & ~1023u;
+  const std::uint32_t bars = ring + kHopperStages * kHopperStageBytes;
+  auto slot_a = [&](int s) { return ring + s * kHopperStageBytes; };
+  auto slot_b = [&](int s) { return ring + s * kHopperStageBytes + kHopperTileA; };
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kHopperStages + s); };
+  const int tiles_n = ceil_div(n, kHopperBN), k_blocks = ceil_div(k, kHopperBK);
+  const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
+
+  if (threadIdx.x < 32) {  // tile prefix, as in grouped_kernel
+    const int per = ceil_div(groups, 32), lo = min(groups, lane * per), hi = min(groups, lo + per);
+    int sum = 0;
+    for (int g = lo; g < hi; ++g) sum += ceil_div(offsets[g + 1] - offsets[g], kHopperBM) * tiles_n;
+    int inclusive = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, inclusive, o);
+      if (lane >= o) inclusive += v;
+    }
+    int run = inclusive - sum;
+    for (int g = lo; g < hi; ++g) {
+      prefix[g] = run;
+      run += ceil_div(offsets[g + 1] - offsets[g], kHopperBM) * tiles_n;
+    }
+    if (lane == 31) prefix[groups] = inclusive;
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kHopperStages; ++s) {
+      hp::mbarrier_init(full(s), 1);
+      hp::mbarrier_init(empty(s), 2 * 4);  // every consumer warp
+    }
+    hp::fence_barrier_init();
+  }
+  __syncthreads();
+  const int total = prefix[groups];
+  // Tile t → its group, first row (of A and C) and column.
+  auto locate = [&](int t, int& g, int& row0, int& rows_g, int& m0, int& n0) {
+    int lo = 0, hi = groups;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (prefix[mid] <= t) lo = mid;
+      else hi = mid;
+    }
+    g = lo;
+    row0 = offsets[g];
+    rows_g = offsets[g + 1] - row0;
+    const int local = t - prefix[g], tiles_m = ceil_div(rows_g, kHopperBM);
+    m0 = (local % tiles_m) * kHopperBM;
+    n0 = (local / tiles_m) * kHopperBN;
+  };
+
+  if (warpgroup == 0) {
+    hp::setmaxnreg_dec<24>();
+    if (threadIdx.x == 0) {
+      int it = 0;  // k blocks issued over all tiles: slot it % STAGES, lap it / STAGES
+      for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        int g, row0, rows_g, m0, n0;
+        locate(t, g, row0, rows_g, m0, n0);
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % kHopperStages;
+          hp::mbarrier_wait(empty(s), ((it / kHopperStages) & 1) ^ 1);
+          hp::mbarrier_arrive_expect_tx(full(s), kHopperStageBytes);
+          hp::tma_load_2d(slot_a(s), &map_a, full(s), kb * kHopperBK, row0 + m0);
+          hp::tma_load_2d(slot_b(s), &map_b, full(s), kb * kHopperBK, g * n + n0);
+        }
+      }
+    }
+  } else {
+    hp::setmaxnreg_inc<240>();
+    const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4;
+    float d[128];
+    int it = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int g, row0, rows_g, m0, n0;
+      locate(t, g, row0, rows_g, m0, n0);
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % kHopperStages;
+        hp::mbarrier_wait(full(s), (it / kHopperStages) & 1);
+        hp::wgmma_fence();
+        const std::uint32_t a = slot_a(s) + consumer * 64 * kHopperBK * 2, b = slot_b(s);
+#pragma unroll
+        for (int kk = 0; kk < kHopperBK / 16; ++kk)
+          hp::wgmma_m64n256k16(d, hp::smem_desc_128b(a + 32 * kk), hp::smem_desc_128b(b + 32 * kk), kb > 0 || kk > 0);
+        hp::wgmma_commit();
+        hp::wgmma_wait<0>();
+        if (lane == 0) hp::mbarrier_arrive(empty(s));
+      }
+      // Rows 16·warp + g8 and + 8 of this consumer's 64, inside the group only.
+      const int g8 = lane / 4, q = lane % 4;
+      const int r_local = m0 + consumer * 64 + warp * 16 + g8;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int col = n0 + 8 * j + 2 * q;
+        if (col >= n) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r_local + 8 * h;
+          if (r >= rows_g) continue;
+          bf16* p = c + static_cast<long long>(row0 + r) * n + col;
+          const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+          if (pairs && col + 1 < n) {
+            *reinterpret_cast<std::uint32_t*>(p) = tc::pack_bf16x2(v0, v1);
+          } else {
+            p[0] = __float2bfloat16(v0);
+            if (col + 1 < n) p[1] = __float2bfloat16(v1);
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+// Whether this build and device run Part B, asked once per device (a probe launch).
+bool hopper_here() {
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  int device = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(device);
+  if (it == known.end()) it = known.emplace(device, hp::sm90a_supported(nullptr)).first;
+  return it->second;
+}
+
+}  // namespace
+
+bool hopper_supported(std::string* why_not) { return hp::sm90a_supported(why_not); }
+
+void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
+                         bf16* c, cudaStream_t stream) {
+  const char* who = "moe grouped_gemm_hopper";
+  check_grouped_hopper(groups, offsets, rows, n, k, a, b, c, who);
+  hp::require_sm90a(who);
+  if (rows == 0) return;
+  K2C_CHECK(static_cast<long long>(groups) * n <= 0x7fffffff, who << ": groups · n must fit in an int");
+  auto* kernel = hopper_grouped_kernel;
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kHopperSmemBytes));
+  static std::mutex mutex;
+  static std::map<int, int> resident_on;
+  int device = 0, resident = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    int& known = resident_on[device];
+    if (known == 0) {
+      int sms = 0, per_sm = 0;
+      K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kHopperThreads, kHopperSmemBytes));
+      K2C_CHECK(per_sm > 0, who << ": the kernel does not fit on this GPU");
+      known = sms * per_sm;
+    }
+    resident = known;
+  }
+  const CUtensorMap map_a = hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK);
+  const CUtensorMap map_b = hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK);
+  const bool pairs = n % 2 == 0 && reinterpret_cast<std::uintptr_t>(c) % 4 == 0;
+  kernel<<<resident, kHopperThreads, kHopperSmemBytes, stream>>>(map_a, map_b, groups, offsets, n, k, c, pairs);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+// ================================================================================================
 // The layer
 // ================================================================================================
 
@@ -997,15 +1194,23 @@ void forward(const Layer& l, int tokens, const bf16* x, bf16* y, const Routing& 
   dispatch(tokens, E, k, l.capacity, r.expert, r.counts, s.offsets, s.slot, s.source, s.dispatch_space, stream);
   permute(tokens, d, k, x, s.slot, s.xp, stream);
 
-  // Routed experts: rows past offsets[E] are never read (the groups end there).
-  grouped_gemm(E, s.offsets, 2 * f, d, s.xp, l.w13, s.gu, true, false, stream);
-  swiglu(static_cast<long long>(tokens) * k, f, s.gu, s.h, stream);  // rows past the kept ones: harmless
-  grouped_gemm(E, s.offsets, d, f, s.h, l.w2, s.out, true, false, stream);
+  // Routed experts: rows past offsets[E] are never read (the groups end there). The forward
+  // GEMMs run on Part B's wgmma kernel where the build and device allow it.
+  const long long choices = static_cast<long long>(tokens) * k;
+  const bool wgmma = hopper_here() && choices <= 0x7fffffff;
+  auto forward_gemm = [&](int groups, const int* offsets, long long rows, int n, int kk, const bf16* a, const bf16* b,
+                          bf16* c) {
+    if (wgmma) grouped_gemm_hopper(groups, offsets, static_cast<int>(rows), n, kk, a, b, c, stream);
+    else grouped_gemm(groups, offsets, n, kk, a, b, c, true, false, stream);
+  };
+  forward_gemm(E, s.offsets, choices, 2 * f, d, s.xp, l.w13, s.gu);
+  swiglu(choices, f, s.gu, s.h, stream);  // rows past the kept ones: harmless
+  forward_gemm(E, s.offsets, choices, d, f, s.h, l.w2, s.out);
 
   // Shared experts, then the weighted gather.
   const float* residual = nullptr;
   if (l.shared_ffn > 0) {
-    grouped_gemm(1, s.one_group, 2 * l.shared_ffn, d, x, l.shared_w13, s.shared_gu, true, false, stream);
+    forward_gemm(1, s.one_group, tokens, 2 * l.shared_ffn, d, x, l.shared_w13, s.shared_gu);
     swiglu(tokens, l.shared_ffn, s.shared_gu, s.shared_h, stream);
     grouped_gemm(1, s.one_group, d, l.shared_ffn, s.shared_h, l.shared_w2, s.shared_y, true, false, stream);
     residual = s.shared_y;
