@@ -21,11 +21,11 @@ tr -s ' \n' '  ' < "$work/solutions.log" | grep -q "is not part of this tree" ||
 cmake --build "$work/build" --target k2c > "$work/build.log"
 
 # 00 and 01 stand for the single-file modules; 05 has two files and a bonus part built for sm_90a;
-# 09 keeps its bonus part in its one file.
-"$work/build/bin/k2c" --root "$work/handout" grade --modules 00,01,05,09 --build-dir "$work/build" \
+# 09 and 10 keep their bonus part in their one file.
+"$work/build/bin/k2c" --root "$work/handout" grade --modules 00,01,05,09,10 --build-dir "$work/build" \
   --seed 3 --json "$work/report.json" > "$work/grade.txt" 2>&1
 cat "$work/grade.txt"
-for id in 00_roofline 01_naive_matmul 05_tensor_core_matmul 09_flash_attention; do
+for id in 00_roofline 01_naive_matmul 05_tensor_core_matmul 09_flash_attention 10_moe; do
   # Keys of a module object are written in alphabetical order ("id" before "status").
   status=$(awk -v id="$id" '/"id": /{cur=$0} /"status": /{ if (index(cur, "\"" id "\"")) print }' "$work/report.json" | head -1)
   echo "$id: $status"
