@@ -7,7 +7,6 @@
 //   BM_moe/naive/forward_backward                  the naive layer (k2c/moe_baseline.h)
 // Loads: every token picks 6 distinct experts, uniformly or with weight 1 / (e + 1).
 #include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -23,22 +22,7 @@ namespace {
 
 constexpr int kTokens = 16384, kHidden = 2048, kExperts = 64, kFfn = 1408, kTopK = 6, kSharedFfn = 2816;
 
-std::vector<int> loads(bool skewed) {
-  std::mt19937_64 rng(skewed ? 2 : 1);
-  std::vector<double> w(kExperts);
-  for (int e = 0; e < kExperts; ++e) w[e] = skewed ? 1.0 / (e + 1) : 1.0;
-  std::vector<int> counts(kExperts, 0);
-  for (int t = 0; t < kTokens; ++t) {
-    std::vector<double> left = w;
-    for (int j = 0; j < kTopK; ++j) {
-      std::discrete_distribution<int> pick(left.begin(), left.end());
-      const int e = pick(rng);
-      ++counts[e];
-      left[e] = 0;
-    }
-  }
-  return counts;
-}
+std::vector<int> loads(bool skewed) { return k2c::baseline::expert_loads(kTokens, kExperts, kTopK, skewed, skewed ? 2 : 1); }
 
 void register_gemms() {
   for (bool up : {true, false})

@@ -519,24 +519,11 @@ void check_layer_backward(const LayerCase& lc, bool with_extra) {
 // width 1408, top-6, 2 shared experts (2816 wide together), softmax scores.
 constexpr int kTokens = 16384, kHidden = 2048, kExperts = 64, kFfn = 1408, kTopK = 6, kSharedFfn = 2816;
 
-// Tokens per expert when every token picks k distinct experts: uniformly, or skewed (expert e
-// drawn with weight 1 / (e + 1), a Zipf law: with six distinct picks per token the busiest
-// expert gets about 8.5× the mean).
+// Loads: every token picks k distinct experts, uniformly or skewed (expert e drawn with weight
+// 1 / (e + 1), a Zipf law: with six distinct picks per token the busiest expert gets about 8.5×
+// the mean).
 std::vector<int> expert_loads(bool skewed, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<double> w(kExperts);
-  for (int e = 0; e < kExperts; ++e) w[e] = skewed ? 1.0 / (e + 1) : 1.0;
-  std::vector<int> counts(kExperts, 0);
-  for (int t = 0; t < kTokens; ++t) {
-    std::vector<double> left = w;
-    for (int j = 0; j < kTopK; ++j) {
-      std::discrete_distribution<int> pick(left.begin(), left.end());
-      const int e = pick(rng);
-      ++counts[e];
-      left[e] = 0;
-    }
-  }
-  return counts;
+  return k2c::baseline::expert_loads(kTokens, kExperts, kTopK, skewed, seed);
 }
 
 void record_loads(const std::vector<int>& counts) {

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <random>
 #include <vector>
 
 #include "k2c/buffer.h"
@@ -123,6 +124,23 @@ __global__ void to_bf16_kernel(long long n, const float* in, bf16* out) {
 unsigned blocks(long long n) { return static_cast<unsigned>((n + 255) / 256); }
 
 }  // namespace
+
+std::vector<int> expert_loads(int tokens, int experts, int top_k, bool skewed, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<double> w(experts);
+  for (int e = 0; e < experts; ++e) w[e] = skewed ? 1.0 / (e + 1) : 1.0;
+  std::vector<int> counts(experts, 0);
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<double> left = w;  // without replacement: a chosen expert's weight drops to 0
+    for (int j = 0; j < top_k; ++j) {
+      std::discrete_distribution<int> pick(left.begin(), left.end());
+      const int e = pick(rng);
+      ++counts[e];
+      left[e] = 0;
+    }
+  }
+  return counts;
+}
 
 struct NaiveMoe::State {
   MoeProblem p;

@@ -12,6 +12,7 @@
 // out as in module 10's contract (moe.h). step() runs forward then backward on the stream 0.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -23,6 +24,10 @@ struct MoeProblem {
   int tokens, hidden, ffn, shared_ffn, experts, top_k;
   const __nv_bfloat16 *x, *dy, *w_router, *w13, *w2, *shared_w13, *shared_w2;
 };
+
+// Tokens per expert when each of `tokens` tokens picks `top_k` distinct experts, uniformly or
+// (skewed) with weight 1 / (e + 1): the loads of module 10's speed tests and benchmarks.
+std::vector<int> expert_loads(int tokens, int experts, int top_k, bool skewed, std::uint64_t seed);
 
 class NaiveMoe {
  public:
