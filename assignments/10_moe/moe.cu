@@ -114,12 +114,21 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 bool hopper_supported(std::string* why_not) { return k2c::hopper::sm90a_supported(why_not); }
 
 void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
-                         bf16* c, cudaStream_t stream) {
-  check_grouped_hopper(groups, offsets, rows, n, k, a, b, c, "moe grouped_gemm_hopper");
+                         bf16* c, bool b_transposed, cudaStream_t stream) {
+  check_grouped_hopper(groups, offsets, rows, n, k, a, b, c, b_transposed, "moe grouped_gemm_hopper");
   k2c::hopper::require_sm90a("moe grouped_gemm_hopper");
   (void)stream;
   K2C_TODO("grouped_gemm_hopper: module 05's warp-specialised wgmma GEMM with TMA, its persistent schedule "
-           "walking the tiles of every group");
+           "walking the tiles of every group; with b_transposed = false, B in 64 × 64 MN-major boxes");
+}
+
+void grouped_weight_grad_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* dy, const bf16* x,
+                                float* dw, cudaStream_t stream) {
+  check_weight_grad_hopper(groups, offsets, rows, n, k, dy, x, dw, "moe grouped_weight_grad_hopper");
+  k2c::hopper::require_sm90a("moe grouped_weight_grad_hopper");
+  (void)stream;
+  K2C_TODO("grouped_weight_grad_hopper: both operands MN-major, each group summing over its own rows (clear the "
+           "rows past a group's end before the last step's wgmma reads them)");
 }
 
 std::size_t forward_workspace_bytes(const Layer& l, int tokens) {

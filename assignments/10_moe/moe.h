@@ -154,23 +154,37 @@ void grouped_gemm(int groups, const int* offsets, int n, int k, const bf16* a, c
 void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf16* dy, const bf16* x, float* dw,
                          cudaStream_t stream = nullptr);
 
-// ---- Part B (bonus): the grouped GEMM on Hopper's wgmma ----------------------------------------
+// ---- Part B (bonus): the grouped GEMMs on Hopper's wgmma ---------------------------------------
 
-// grouped_gemm() in its forward form (C_g = A_g · B_gᵀ, bf16 C, overwritten) on warpgroup MMA
-// with TMA copies, for sm_90a. TMA describes whole tensors, so it needs the number of rows A and
-// C hold: `rows` >= offsets[groups] (rows past offsets[groups] are neither used nor written). It
-// also needs k % 8 == 0 and 16-byte aligned a and b. hopper_supported() says whether this build
-// and device can run it (the reason in *why_not when not); grouped_gemm_hopper() throws
-// std::invalid_argument with that reason, or for bad arguments, instead of launching.
+// grouped_gemm() with bf16 C (overwritten) and grouped_weight_grad() on warpgroup MMA with TMA
+// copies, for sm_90a. TMA describes whole tensors, so these need the number of rows the row-major
+// operands hold: `rows` >= offsets[groups] (rows past offsets[groups] are neither used nor
+// written). TMA also needs rows that start on 16 bytes: k % 8 == 0 and 16-byte aligned operands,
+// and n % 8 == 0 wherever n is a row length (b_transposed = false; dy of the weight gradient).
+// With b_transposed = false, k % 64 == 0 as well: a 64-deep step of B must not reach into the
+// next group's rows. hopper_supported() says whether this build and device can run them (the
+// reason in *why_not when not); the functions throw std::invalid_argument with that reason, or
+// for bad arguments, instead of launching.
 bool hopper_supported(std::string* why_not = nullptr);
 void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
-                         bf16* c, cudaStream_t stream = nullptr);
+                         bf16* c, bool b_transposed = true, cudaStream_t stream = nullptr);
+void grouped_weight_grad_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* dy,
+                                const bf16* x, float* dw, cudaStream_t stream = nullptr);
 inline void check_grouped_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a,
-                                 const bf16* b, const bf16* c, const char* who) {
+                                 const bf16* b, const bf16* c, bool b_transposed, const char* who) {
   check_grouped(groups, n, k, {offsets, a, b, c}, who);
   check_tokens(rows, k > n ? k : n, who);
   K2C_CHECK(k % 8 == 0, who << ": k must be a multiple of 8 (TMA rows start on 16 bytes), got " << k);
+  K2C_CHECK(b_transposed || (n % 8 == 0 && k % 64 == 0),
+            who << ": with b_transposed = false, n must be a multiple of 8 and k of 64, got n=" << n << " k=" << k);
   check_pointers(who, {a, b});
+}
+inline void check_weight_grad_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* dy,
+                                     const bf16* x, const float* dw, const char* who) {
+  check_grouped(groups, n, k, {offsets, dy, x, dw}, who);
+  check_tokens(rows, k > n ? k : n, who);
+  K2C_CHECK(n % 8 == 0 && k % 8 == 0, who << ": n and k must be multiples of 8 (TMA rows), got n=" << n << " k=" << k);
+  check_pointers(who, {dy, x});
 }
 
 // ---- task 4: the layer ---------------------------------------------------------------------------

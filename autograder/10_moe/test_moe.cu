@@ -234,8 +234,8 @@ std::vector<int> group_sizes(std::mt19937_64& rng, int groups, int max_rows) {
   return sizes;
 }
 
-// hopper: Part B's grouped_gemm_hopper (B transposed, bf16 C, no accumulate), told that A and
-// C hold `spare` rows more than the groups use.
+// hopper: Part B's grouped_gemm_hopper (bf16 C, no accumulate), told that A and C hold `spare`
+// rows more than the groups use.
 void check_grouped_gemm(const std::vector<int>& sizes, int n, int k, bool b_transposed, bool fp32_out, bool accumulate,
                         bool hopper = false, int spare = 0) {
   std::ostringstream name;
@@ -265,7 +265,7 @@ void check_grouped_gemm(const std::vector<int>& sizes, int n, int k, bool b_tran
     got = c.download();
   } else {
     auto c = poisoned<bf16>(cn);
-    if (hopper) moe::grouped_gemm_hopper(groups, d_off.data(), held, n, k, d_a.data(), d_b.data(), c.data());
+    if (hopper) moe::grouped_gemm_hopper(groups, d_off.data(), held, n, k, d_a.data(), d_b.data(), c.data(), b_transposed);
     else moe::grouped_gemm(groups, d_off.data(), n, k, d_a.data(), d_b.data(), c.data(), b_transposed, false);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     got = k2c::to_host(c);
@@ -277,14 +277,19 @@ void check_grouped_gemm(const std::vector<int>& sizes, int n, int k, bool b_tran
   EXPECT_TRUE(close_gemm("C", got, ref, !fp32_out));
 }
 
-void check_weight_grad(const std::vector<int>& sizes, int n, int k) {
+// hopper: Part B's grouped_weight_grad_hopper, told that dY and X hold `spare` rows more than the
+// groups use; those rows are NaN, which must not reach any group's sum.
+void check_weight_grad(const std::vector<int>& sizes, int n, int k, bool hopper = false, int spare = 0) {
   std::ostringstream name;
-  name << sizes.size() << " groups, rows " << offsets_of(sizes).back() << ", n " << n << ", k " << k;
+  name << sizes.size() << " groups, rows " << offsets_of(sizes).back() << ", n " << n << ", k " << k
+       << (hopper ? " (Hopper, " + std::to_string(spare) + " spare rows)" : "");
   SCOPED_TRACE(name.str());
   const std::vector<int> off = offsets_of(sizes);
-  const int groups = static_cast<int>(sizes.size()), rows = off.back();
-  const auto dy = k2c::random_values<bf16>(static_cast<std::size_t>(std::max(rows, 1)) * n, seed_for(name.str() + "/dy"));
-  const auto x = k2c::random_values<bf16>(static_cast<std::size_t>(std::max(rows, 1)) * k, seed_for(name.str() + "/x"));
+  const int groups = static_cast<int>(sizes.size()), rows = off.back(), held = std::max(rows + spare, 1);
+  auto dy = k2c::random_values<bf16>(static_cast<std::size_t>(held) * n, seed_for(name.str() + "/dy"));
+  auto x = k2c::random_values<bf16>(static_cast<std::size_t>(held) * k, seed_for(name.str() + "/x"));
+  std::fill(dy.begin() + static_cast<std::ptrdiff_t>(rows) * n, dy.end(), NAN);
+  std::fill(x.begin() + static_cast<std::ptrdiff_t>(rows) * k, x.end(), NAN);
   GemmRef ref{std::vector<double>(static_cast<std::size_t>(groups) * n * k), std::vector<double>(static_cast<std::size_t>(groups) * n * k)};
   for (int g = 0; g < groups; ++g)
     for (int r = off[g]; r < off[g + 1]; ++r)
@@ -297,7 +302,8 @@ void check_weight_grad(const std::vector<int>& sizes, int n, int k) {
   auto d_off = upload(off);
   auto d_dy = k2c::to_device<bf16>(dy), d_x = k2c::to_device<bf16>(x);
   auto dw = poisoned<float>(static_cast<std::size_t>(groups) * n * k);
-  moe::grouped_weight_grad(groups, d_off.data(), n, k, d_dy.data(), d_x.data(), dw.data());
+  if (hopper) moe::grouped_weight_grad_hopper(groups, d_off.data(), held, n, k, d_dy.data(), d_x.data(), dw.data());
+  else moe::grouped_weight_grad(groups, d_off.data(), n, k, d_dy.data(), d_x.data(), dw.data());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(close_gemm("dW", dw.download(), ref, false));
 }
@@ -933,9 +939,26 @@ TEST(Hopper, GroupedGemm) {
   check_grouped_gemm(group_sizes(rng, 5, 300), 37, 40, true, false, false, true, 130);  // n not a multiple of 8
   check_grouped_gemm(group_sizes(rng, 3, 600), 520, 2056, true, false, false, true, 1);
   check_grouped_gemm({0, 0}, 16, 16, true, false, false, true, 5);
-  // k % 8 != 0 cannot be described to TMA: refused, not launched.
+  // The input gradient's form: B read untransposed (k % 64 == 0).
+  check_grouped_gemm({300}, 64, 128, false, false, false, true, 0);
+  check_grouped_gemm({0, 5, 0, 257, 1, 0}, 136, 64, false, false, false, true, 3);
+  check_grouped_gemm(group_sizes(rng, 7, 400), 200, 192, false, false, false, true, 9);
+  check_grouped_gemm(group_sizes(rng, 3, 600), 2056, 512, false, false, false, true, 0);
+  // The weight gradient's form: ragged reductions, empty groups, NaN rows past the groups' end.
+  check_weight_grad({300}, 64, 128, true, 0);
+  check_weight_grad({0, 5, 0, 257, 1, 0}, 136, 64, true, 7);
+  check_weight_grad(group_sizes(rng, 8, 400), 96, 200, true, 64);
+  check_weight_grad(group_sizes(rng, 3, 900), 520, 264, true, 1);
+  check_weight_grad({0, 0, 0}, 16, 16, true, 3);
+  // What TMA cannot describe is refused, not launched: k % 8 != 0; n % 8 != 0 or k % 64 != 0
+  // with B untransposed; a weight gradient with n % 8 != 0.
   k2c::DeviceBuffer<bf16> buf(1024);
+  k2c::DeviceBuffer<float> out(1024);
   auto off = upload(std::vector<int>{0, 4});
   EXPECT_THROW(moe::grouped_gemm_hopper(1, off.data(), 4, 8, 12, buf.data(), buf.data(), buf.data()),
+               std::invalid_argument);
+  EXPECT_THROW(moe::grouped_gemm_hopper(1, off.data(), 4, 8, 96, buf.data(), buf.data(), buf.data(), false),
+               std::invalid_argument);
+  EXPECT_THROW(moe::grouped_weight_grad_hopper(1, off.data(), 4, 12, 8, buf.data(), buf.data(), out.data()),
                std::invalid_argument);
 }

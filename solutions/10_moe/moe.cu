@@ -915,7 +915,7 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 }
 
 // ================================================================================================
-// Part B: the forward grouped GEMM on wgmma (module 05's Part B kernel, persistent over groups)
+// Part B: the grouped GEMM on wgmma (module 05's Part B kernel, persistent over groups)
 // ================================================================================================
 //
 //   block     384 threads = 3 warpgroups. Warpgroup 0 produces: one thread issues the TMA copies
@@ -925,9 +925,15 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 //   ring      STAGES slots of an A tile (128×64) and a B tile (256×64), written by TMA with
 //             128-byte swizzling; full[s] completes on the copies' bytes, empty[s] on one
 //             arrival per consumer warp.
-//   groups    A is one tensor of `rows` rows and B one of groups·n rows; a tile of group g reads
-//             A from row offsets[g] + m0 and B from row g·n + n0. Rows past the group's end (the
-//             next group's, or TMA's zero fill past the tensor) are multiplied but never stored.
+//   forms     as in grouped_kernel, C[m][n] = Σ_r A(m, r) B(n, r):
+//             forward  A and B K-major: TMA boxes of 128 and 256 rows of 64 r;
+//             dX       B MN-major (W read untransposed): four boxes of 64 r-rows × 64 n, read
+//                      through MN-major descriptors with wgmma's transpose flag;
+//             dW       A and B MN-major (dY and X, r = the group's rows), the groups splitting r.
+//   groups    A tile of group g reads A from row offsets[g] + m0 (forward, dX) and B from row
+//             g·(n or k) + n0; rows past the group's end (the next group's, or TMA's zero fill)
+//             are multiplied but never stored. In the dW form they would be summed: the last k
+//             step of a tile clears them in shared memory before the wgmma reads the slot.
 //             Producer and consumers walk the same tile sequence, each finding a tile's group in
 //             the prefix of tile counts that the block computes first.
 
@@ -935,17 +941,30 @@ namespace {
 
 namespace hp = k2c::hopper;
 
+enum class HopperForm { forward, dx, dw };
+
 constexpr int kHopperBM = 128, kHopperBN = 256, kHopperBK = 64, kHopperStages = 4, kHopperThreads = 384;
 constexpr int kHopperTileA = kHopperBM * kHopperBK * 2, kHopperTileB = kHopperBN * kHopperBK * 2;
 constexpr int kHopperStageBytes = kHopperTileA + kHopperTileB;
+constexpr int kHopperBox = 64 * 64 * 2;  // one 64 × 64 MN-major box: 8 KiB
 // The ring, its barriers, and 1 KiB of slack to align the ring to the 1024 bytes a 128-byte swizzle spans.
 constexpr int kHopperSmemBytes = kHopperStages * kHopperStageBytes + 2 * kHopperStages * 8 + 1024;
 static_assert(kHopperSmemBytes + 4 * (kMaxExperts + 1) <= 227 * 1024, "the ring and the tile prefix fit");
 
+struct HopperArgs {
+  int groups;
+  const int* offsets;
+  int m, n, k;  // m: dW only (C's rows); k: the reduction of the forward and dX forms
+  void* c;
+  bool pairs;
+};
+
+template <HopperForm kForm, class OutT>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                          int groups, const int* __restrict__ offsets, int n, int k, bf16* __restrict__ c, bool pairs) {
+                          HopperArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kAT = kForm == HopperForm::dw, kBT = kForm != HopperForm::forward;  // MN-major operands
   extern __shared__ unsigned char smem_raw[];
   __shared__ int prefix[kMaxExperts + 1];
   const std::uint32_t ring = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -954,13 +973,17 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   auto slot_b = [&](int s) { return ring + s * kHopperStageBytes + kHopperTileA; };
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kHopperStages + s); };
-  const int tiles_n = ceil_div(n, kHopperBN), k_blocks = ceil_div(k, kHopperBK);
+  const int tiles_n = ceil_div(p.n, kHopperBN);
   const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
+  auto tiles_of = [&](int g) {
+    return (kForm == HopperForm::dw ? ceil_div(p.m, kHopperBM) : ceil_div(p.offsets[g + 1] - p.offsets[g], kHopperBM)) *
+           tiles_n;
+  };
 
   if (threadIdx.x < 32) {  // tile prefix, as in grouped_kernel
-    const int per = ceil_div(groups, 32), lo = min(groups, lane * per), hi = min(groups, lo + per);
+    const int per = ceil_div(p.groups, 32), lo = min(p.groups, lane * per), hi = min(p.groups, lo + per);
     int sum = 0;
-    for (int g = lo; g < hi; ++g) sum += ceil_div(offsets[g + 1] - offsets[g], kHopperBM) * tiles_n;
+    for (int g = lo; g < hi; ++g) sum += tiles_of(g);
     int inclusive = sum;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -970,9 +993,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     int run = inclusive - sum;
     for (int g = lo; g < hi; ++g) {
       prefix[g] = run;
-      run += ceil_div(offsets[g + 1] - offsets[g], kHopperBM) * tiles_n;
+      run += tiles_of(g);
     }
-    if (lane == 31) prefix[groups] = inclusive;
+    if (lane == 31) prefix[p.groups] = inclusive;
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kHopperStages; ++s) {
@@ -982,21 +1005,29 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     hp::fence_barrier_init();
   }
   __syncthreads();
-  const int total = prefix[groups];
-  // Tile t → its group, first row (of A and C) and column.
-  auto locate = [&](int t, int& g, int& row0, int& rows_g, int& m0, int& n0) {
-    int lo = 0, hi = groups;
+  const int total = prefix[p.groups];
+  // Tile t → its group, the group's first row, its row count, the tile's origin in C, and the
+  // reduction length.
+  struct Where {
+    int g, row0, rows, m0, n0, r;
+  };
+  auto locate = [&](int t) {
+    int lo = 0, hi = p.groups;
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
       if (prefix[mid] <= t) lo = mid;
       else hi = mid;
     }
-    g = lo;
-    row0 = offsets[g];
-    rows_g = offsets[g + 1] - row0;
-    const int local = t - prefix[g], tiles_m = ceil_div(rows_g, kHopperBM);
-    m0 = (local % tiles_m) * kHopperBM;
-    n0 = (local / tiles_m) * kHopperBN;
+    Where w;
+    w.g = lo;
+    w.row0 = p.offsets[lo];
+    w.rows = p.offsets[lo + 1] - w.row0;
+    const int tiles_m = kForm == HopperForm::dw ? ceil_div(p.m, kHopperBM) : ceil_div(w.rows, kHopperBM);
+    const int local = t - prefix[lo];
+    w.m0 = (local % tiles_m) * kHopperBM;
+    w.n0 = (local / tiles_m) * kHopperBN;
+    w.r = kForm == HopperForm::dw ? w.rows : p.k;
+    return w;
   };
 
   if (warpgroup == 0) {
@@ -1004,14 +1035,24 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     if (threadIdx.x == 0) {
       int it = 0;  // k blocks issued over all tiles: slot it % STAGES, lap it / STAGES
       for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        int g, row0, rows_g, m0, n0;
-        locate(t, g, row0, rows_g, m0, n0);
-        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-          const int s = it % kHopperStages;
+        const Where w = locate(t);
+        for (int kb = 0; kb < ceil_div(w.r, kHopperBK); ++kb, ++it) {
+          const int s = it % kHopperStages, r0 = kb * kHopperBK;
           hp::mbarrier_wait(empty(s), ((it / kHopperStages) & 1) ^ 1);
           hp::mbarrier_arrive_expect_tx(full(s), kHopperStageBytes);
-          hp::tma_load_2d(slot_a(s), &map_a, full(s), kb * kHopperBK, row0 + m0);
-          hp::tma_load_2d(slot_b(s), &map_b, full(s), kb * kHopperBK, g * n + n0);
+          if constexpr (kForm == HopperForm::forward) {
+            hp::tma_load_2d(slot_a(s), &map_a, full(s), r0, w.row0 + w.m0);
+            hp::tma_load_2d(slot_b(s), &map_b, full(s), r0, w.g * p.n + w.n0);
+          } else if constexpr (kForm == HopperForm::dx) {
+            hp::tma_load_2d(slot_a(s), &map_a, full(s), r0, w.row0 + w.m0);
+            for (int j = 0; j < 4; ++j)
+              hp::tma_load_2d(slot_b(s) + j * kHopperBox, &map_b, full(s), w.n0 + 64 * j, w.g * p.k + r0);
+          } else {
+            for (int j = 0; j < 2; ++j)
+              hp::tma_load_2d(slot_a(s) + j * kHopperBox, &map_a, full(s), w.m0 + 64 * j, w.row0 + r0);
+            for (int j = 0; j < 4; ++j)
+              hp::tma_load_2d(slot_b(s) + j * kHopperBox, &map_b, full(s), w.n0 + 64 * j, w.row0 + r0);
+          }
         }
       }
     }
@@ -1021,39 +1062,61 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     float d[128];
     int it = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      int g, row0, rows_g, m0, n0;
-      locate(t, g, row0, rows_g, m0, n0);
+      const Where w = locate(t);
+      const int k_blocks = ceil_div(w.r, kHopperBK);
+      if (k_blocks == 0) {  // dW of an empty group: a sum of nothing
+#pragma unroll
+        for (int i = 0; i < 128; ++i) d[i] = 0;
+      }
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = it % kHopperStages;
         hp::mbarrier_wait(full(s), (it / kHopperStages) & 1);
+        if constexpr (kForm == HopperForm::dw) {
+          // The group's last k step: clear the rows past its end in all six boxes (they hold the
+          // next group's rows, or whatever lies past the last kept row), so that they add zero.
+          const int valid = w.r - kb * kHopperBK;
+          if (valid < kHopperBK) {
+            const int ct = threadIdx.x - 128;  // 0..255 over both consumers
+            const int chunks = (kHopperBK - valid) * 8;  // 16-byte pieces per box
+            for (int i = ct; i < 6 * chunks; i += 256) {
+              const int box = i / chunks, piece = i % chunks;
+              const std::uint32_t base = box < 2 ? slot_a(s) + box * kHopperBox : slot_b(s) + (box - 2) * kHopperBox;
+              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(base + valid * 128 + piece * 16), "r"(0));
+            }
+            hp::fence_proxy_async();
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumers, after all the clearing
+          }
+        }
         hp::wgmma_fence();
-        const std::uint32_t a = slot_a(s) + consumer * 64 * kHopperBK * 2, b = slot_b(s);
 #pragma unroll
-        for (int kk = 0; kk < kHopperBK / 16; ++kk)
-          hp::wgmma_m64n256k16(d, hp::smem_desc_128b(a + 32 * kk), hp::smem_desc_128b(b + 32 * kk), kb > 0 || kk > 0);
+        for (int kk = 0; kk < kHopperBK / 16; ++kk) {
+          const std::uint64_t a =
+              kAT ? hp::smem_desc_128b_mn(slot_a(s) + consumer * kHopperBox + kk * 2048, kHopperBox)
+                  : hp::smem_desc_128b(slot_a(s) + consumer * 64 * kHopperBK * 2 + 32 * kk);
+          const std::uint64_t b = kBT ? hp::smem_desc_128b_mn(slot_b(s) + kk * 2048, kHopperBox)
+                                      : hp::smem_desc_128b(slot_b(s) + 32 * kk);
+          hp::wgmma_m64n256k16<kAT ? 1 : 0, kBT ? 1 : 0>(d, a, b, kb > 0 || kk > 0);
+        }
         hp::wgmma_commit();
         hp::wgmma_wait<0>();
         if (lane == 0) hp::mbarrier_arrive(empty(s));
       }
-      // Rows 16·warp + g8 and + 8 of this consumer's 64, inside the group only.
+      // Rows 16·warp + g8 and + 8 of this consumer's 64, inside C (forward, dX: the group's rows).
       const int g8 = lane / 4, q = lane % 4;
-      const int r_local = m0 + consumer * 64 + warp * 16 + g8;
+      const int row_end = kForm == HopperForm::dw ? p.m : w.rows;
+      OutT* c = static_cast<OutT*>(p.c) + (kForm == HopperForm::dw ? static_cast<long long>(w.g) * p.m * p.n
+                                                                   : static_cast<long long>(w.row0) * p.n);
+      const int r_local = w.m0 + consumer * 64 + warp * 16 + g8;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        const int col = n0 + 8 * j + 2 * q;
-        if (col >= n) continue;
+        const int col = w.n0 + 8 * j + 2 * q;
+        if (col >= p.n) continue;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r_local + 8 * h;
-          if (r >= rows_g) continue;
-          bf16* p = c + static_cast<long long>(row0 + r) * n + col;
-          const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-          if (pairs && col + 1 < n) {
-            *reinterpret_cast<std::uint32_t*>(p) = tc::pack_bf16x2(v0, v1);
-          } else {
-            p[0] = __float2bfloat16(v0);
-            if (col + 1 < n) p[1] = __float2bfloat16(v1);
-          }
+          if (r < row_end)
+            store_pair(c + static_cast<long long>(r) * p.n + col, col + 1 < p.n, p.pairs, false, d[4 * j + 2 * h],
+                       d[4 * j + 2 * h + 1]);
         }
       }
     }
@@ -1073,18 +1136,9 @@ bool hopper_here() {
   return it->second;
 }
 
-}  // namespace
-
-bool hopper_supported(std::string* why_not) { return hp::sm90a_supported(why_not); }
-
-void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
-                         bf16* c, cudaStream_t stream) {
-  const char* who = "moe grouped_gemm_hopper";
-  check_grouped_hopper(groups, offsets, rows, n, k, a, b, c, who);
-  hp::require_sm90a(who);
-  if (rows == 0) return;
-  K2C_CHECK(static_cast<long long>(groups) * n <= 0x7fffffff, who << ": groups · n must fit in an int");
-  auto* kernel = hopper_grouped_kernel;
+template <HopperForm kForm, class OutT>
+void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const HopperArgs& args, cudaStream_t stream) {
+  auto* kernel = hopper_grouped_kernel<kForm, OutT>;
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kHopperSmemBytes));
   static std::mutex mutex;
   static std::map<int, int> resident_on;
@@ -1097,16 +1151,50 @@ void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k,
       int sms = 0, per_sm = 0;
       K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
       K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kHopperThreads, kHopperSmemBytes));
-      K2C_CHECK(per_sm > 0, who << ": the kernel does not fit on this GPU");
+      K2C_CHECK(per_sm > 0, "moe: the wgmma kernel does not fit on this GPU");
       known = sms * per_sm;
     }
     resident = known;
   }
-  const CUtensorMap map_a = hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK);
-  const CUtensorMap map_b = hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK);
-  const bool pairs = n % 2 == 0 && reinterpret_cast<std::uintptr_t>(c) % 4 == 0;
-  kernel<<<resident, kHopperThreads, kHopperSmemBytes, stream>>>(map_a, map_b, groups, offsets, n, k, c, pairs);
+  kernel<<<resident, kHopperThreads, kHopperSmemBytes, stream>>>(map_a, map_b, args);
   K2C_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool hopper_supported(std::string* why_not) { return hp::sm90a_supported(why_not); }
+
+void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
+                         bf16* c, bool b_transposed, cudaStream_t stream) {
+  const char* who = "moe grouped_gemm_hopper";
+  check_grouped_hopper(groups, offsets, rows, n, k, a, b, c, b_transposed, who);
+  hp::require_sm90a(who);
+  if (rows == 0) return;
+  const HopperArgs args{groups, offsets, 0, n, k, c, n % 2 == 0 && reinterpret_cast<std::uintptr_t>(c) % 4 == 0};
+  const CUtensorMap map_a = hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK);
+  if (b_transposed) {
+    const CUtensorMap map_b = hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK);
+    launch_hopper<HopperForm::forward, bf16>(map_a, map_b, args, stream);
+  } else {
+    const CUtensorMap map_b = hp::make_tensor_map_bf16(b, groups * k, n, 64, 64);
+    launch_hopper<HopperForm::dx, bf16>(map_a, map_b, args, stream);
+  }
+}
+
+void grouped_weight_grad_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* dy, const bf16* x,
+                                float* dw, cudaStream_t stream) {
+  const char* who = "moe grouped_weight_grad_hopper";
+  check_weight_grad_hopper(groups, offsets, rows, n, k, dy, x, dw, who);
+  hp::require_sm90a(who);
+  const HopperArgs args{groups, offsets, n, k, 0, dw, k % 2 == 0 && reinterpret_cast<std::uintptr_t>(dw) % 8 == 0};
+  if (rows == 0) {  // every group is empty: every gradient is zero
+    K2C_CUDA_CHECK(cudaMemsetAsync(dw, 0, sizeof(float) * groups * static_cast<std::size_t>(n) * k, stream));
+    return;
+  }
+  // In GEMM terms C[m][n] with m = dY's width and n = X's width, both read MN-major.
+  const CUtensorMap map_a = hp::make_tensor_map_bf16(dy, rows, n, 64, 64);
+  const CUtensorMap map_b = hp::make_tensor_map_bf16(x, rows, k, 64, 64);
+  launch_hopper<HopperForm::dw, float>(map_a, map_b, args, stream);
 }
 
 // ================================================================================================
@@ -1200,7 +1288,7 @@ void forward(const Layer& l, int tokens, const bf16* x, bf16* y, const Routing& 
   const bool wgmma = hopper_here() && choices <= 0x7fffffff;
   auto forward_gemm = [&](int groups, const int* offsets, long long rows, int n, int kk, const bf16* a, const bf16* b,
                           bf16* c) {
-    if (wgmma) grouped_gemm_hopper(groups, offsets, static_cast<int>(rows), n, kk, a, b, c, stream);
+    if (wgmma) grouped_gemm_hopper(groups, offsets, static_cast<int>(rows), n, kk, a, b, c, true, stream);
     else grouped_gemm(groups, offsets, n, kk, a, b, c, true, false, stream);
   };
   forward_gemm(E, s.offsets, choices, 2 * f, d, s.xp, l.w13, s.gu);
@@ -1256,29 +1344,40 @@ void backward(const Layer& l, int tokens, const bf16* x, const bf16* dy, const R
       reinterpret_cast<Pack8*>(b.d_out), b.dw);
   K2C_CUDA_CHECK_LAUNCH();
 
-  // Routed experts, down then up: dX through the same kernel with W read untransposed, dW as
-  // a grouped sum over each expert's rows.
-  grouped_gemm(E, s.offsets, f, d, b.d_out, l.w2, b.dh, false, false, stream);
-  grouped_weight_grad(E, s.offsets, d, f, b.d_out, s.h, g.w2, stream);
+  // Routed experts, down then up: dX through the same kernels with W read untransposed, dW as
+  // a grouped sum over each expert's rows; on Part B's wgmma kernels where they run.
+  const bool wgmma = hopper_here() && choices <= 0x7fffffff;
+  auto input_grad = [&](int groups, const int* offsets, long long rows, int n, int kk, const bf16* a, const bf16* w,
+                        bf16* c) {
+    if (wgmma && kk % 64 == 0) grouped_gemm_hopper(groups, offsets, static_cast<int>(rows), n, kk, a, w, c, false, stream);
+    else grouped_gemm(groups, offsets, n, kk, a, w, c, false, false, stream);
+  };
+  auto weight_grad = [&](int groups, const int* offsets, long long rows, int n, int kk, const bf16* dyy, const bf16* xx,
+                         float* dw) {
+    if (wgmma) grouped_weight_grad_hopper(groups, offsets, static_cast<int>(rows), n, kk, dyy, xx, dw, stream);
+    else grouped_weight_grad(groups, offsets, n, kk, dyy, xx, dw, stream);
+  };
+  input_grad(E, s.offsets, choices, f, d, b.d_out, l.w2, b.dh);
+  weight_grad(E, s.offsets, choices, d, f, b.d_out, s.h, g.w2);
   swiglu_backward_kernel<<<elementwise_blocks(choices * f / 8), 256, 0, stream>>>(
       choices, f, reinterpret_cast<const Pack8*>(s.gu), reinterpret_cast<const Pack8*>(b.dh),
       reinterpret_cast<Pack8*>(b.dgu));
   K2C_CUDA_CHECK_LAUNCH();
-  grouped_gemm(E, s.offsets, d, 2 * f, b.dgu, l.w13, b.dxp, false, false, stream);
-  grouped_weight_grad(E, s.offsets, 2 * f, d, b.dgu, s.xp, g.w13, stream);
+  input_grad(E, s.offsets, choices, d, 2 * f, b.dgu, l.w13, b.dxp);
+  weight_grad(E, s.offsets, choices, 2 * f, d, b.dgu, s.xp, g.w13);
 
   // Shared experts write the fp32 dx first; the router's share is added to it.
   bool have_dx = false;
   if (l.shared_ffn > 0) {
     const int sf = l.shared_ffn;
-    grouped_gemm(1, s.one_group, sf, d, dy, l.shared_w2, b.shared_dh, false, false, stream);
-    grouped_weight_grad(1, s.one_group, d, sf, dy, s.shared_h, g.shared_w2, stream);
+    input_grad(1, s.one_group, tokens, sf, d, dy, l.shared_w2, b.shared_dh);
+    weight_grad(1, s.one_group, tokens, d, sf, dy, s.shared_h, g.shared_w2);
     swiglu_backward_kernel<<<elementwise_blocks(static_cast<long long>(tokens) * sf / 8), 256, 0, stream>>>(
         tokens, sf, reinterpret_cast<const Pack8*>(s.shared_gu), reinterpret_cast<const Pack8*>(b.shared_dh),
         reinterpret_cast<Pack8*>(b.shared_dgu));
     K2C_CUDA_CHECK_LAUNCH();
-    grouped_gemm(1, s.one_group, d, 2 * sf, b.shared_dgu, l.shared_w13, b.dx, false, false, stream);
-    grouped_weight_grad(1, s.one_group, 2 * sf, d, b.shared_dgu, x, g.shared_w13, stream);
+    grouped_gemm(1, s.one_group, d, 2 * sf, b.shared_dgu, l.shared_w13, b.dx, false, false, stream);  // fp32 out
+    weight_grad(1, s.one_group, tokens, 2 * sf, d, b.shared_dgu, x, g.shared_w13);
     have_dx = true;
   }
 

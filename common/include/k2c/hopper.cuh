@@ -170,13 +170,15 @@ __device__ __forceinline__ void fence_proxy_async() {
 // d(64×256, fp32) = A(64×16) · B(256×16)ᵀ + (accumulate ? d : 0), both bf16 from shared memory:
 // starting a tile with accumulate = 0 saves zeroing 128 registers. Thread t of warp w of
 // the warpgroup holds, for n-block j (8 columns): d[4j], d[4j+1] at row 16w + t/4, columns
-// 8j + 2(t%4) and +1; d[4j+2], d[4j+3] eight rows lower.
+// 8j + 2(t%4) and +1; d[4j+2], d[4j+3] eight rows lower. kTransA / kTransB = 1 read that operand
+// MN-major (its descriptor from smem_desc_128b_mn): module 10's dX and dW.
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t a_desc,
                                                  std::uint64_t b_desc, int accumulate) {
 #define K2C_D8(i)                                                                        \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
-  // scale-d is a predicate (p: accumulate into d); scale-a, scale-b = 1 and no transposes.
+  // scale-d is a predicate (p: accumulate into d); scale-a, scale-b = 1; then the transposes.
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
@@ -188,11 +190,11 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
       : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48),
         K2C_D8(56), K2C_D8(64), K2C_D8(72), K2C_D8(80), K2C_D8(88), K2C_D8(96), K2C_D8(104),
         K2C_D8(112), K2C_D8(120)
-      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 #undef K2C_D8
 }
 
