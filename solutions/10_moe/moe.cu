@@ -524,6 +524,24 @@ __device__ __forceinline__ std::uint32_t swz(int row, int chunk) {
   return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
 }
 
+// One 16-byte chunk of a tile: the 8 elements src[row · ld + col ..], zeros where the row is
+// outside (row_ok false) or an element lies at or past col_end. With kVector, col_end and ld
+// are multiples of 8, so a chunk is wholly inside or wholly outside and cp.async moves it.
+template <bool kVector>
+__device__ __forceinline__ void copy_chunk(std::uint32_t dst, const bf16* src, long long ld, int row, bool row_ok,
+                                           int col, int col_end) {
+  if constexpr (kVector) {
+    const bool inside = row_ok && col < col_end;
+    tc::cp_async_16(dst, inside ? src + row * ld + col : src, inside);
+  } else {
+    alignas(16) bf16 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = row_ok && col + j < col_end ? src[row * ld + col + j] : __float2bfloat16(0.0f);
+    const uint4 p = *reinterpret_cast<const uint4*>(v);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(p.x), "r"(p.y), "r"(p.z), "r"(p.w));
+  }
+}
+
 // A K-contiguous tile: ROWS rows × 64 reduction elements (128 bytes a row). Element (row, r) of
 // the source is src[row · ld + r]; rows >= row_end and r >= r_end are zero-filled.
 template <class T, int ROWS, bool kVector>
@@ -532,18 +550,7 @@ __device__ __forceinline__ void load_k_tile(std::uint32_t tile, const bf16* src,
 #pragma unroll
   for (int i = 0; i < ROWS * 8 / T::kThreads; ++i) {
     const int id = i * T::kThreads + threadIdx.x, row = id >> 3, ch = id & 7;
-    const int gr = row0 + row, r = r0 + ch * 8;
-    const std::uint32_t dst = tile + swz<128>(row, ch);
-    if constexpr (kVector) {
-      const bool inside = gr < row_end && r < r_end;
-      tc::cp_async_16(dst, inside ? src + gr * ld + r : src, inside);
-    } else {
-      alignas(16) bf16 v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = gr < row_end && r + j < r_end ? src[gr * ld + r + j] : __float2bfloat16(0.0f);
-      const uint4 p = *reinterpret_cast<const uint4*>(v);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(p.x), "r"(p.y), "r"(p.z), "r"(p.w));
-    }
+    copy_chunk<kVector>(tile + swz<128>(row, ch), src, ld, row0 + row, row0 + row < row_end, r0 + ch * 8, r_end);
   }
 }
 
@@ -556,18 +563,7 @@ __device__ __forceinline__ void load_mn_tile(std::uint32_t tile, const bf16* src
 #pragma unroll
   for (int i = 0; i < 64 * kChunks / T::kThreads; ++i) {
     const int id = i * T::kThreads + threadIdx.x, row = id / kChunks, ch = id % kChunks;
-    const int r = r0 + row, col = col0 + ch * 8;
-    const std::uint32_t dst = tile + swz<COLS * 2>(row, ch);
-    if constexpr (kVector) {
-      const bool inside = r < r_end && col < col_end;
-      tc::cp_async_16(dst, inside ? src + r * ld + col : src, inside);
-    } else {
-      alignas(16) bf16 v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = r < r_end && col + j < col_end ? src[r * ld + col + j] : __float2bfloat16(0.0f);
-      const uint4 p = *reinterpret_cast<const uint4*>(v);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(p.x), "r"(p.y), "r"(p.z), "r"(p.w));
-    }
+    copy_chunk<kVector>(tile + swz<COLS * 2>(row, ch), src, ld, r0 + row, r0 + row < r_end, col0 + ch * 8, col_end);
   }
 }
 
