@@ -6,7 +6,7 @@
 #
 #   OUT=/tmp/k2c-gpu tools/gpu-check.sh [ARCH]      ARCH defaults to 90 (H100 / H200)
 #
-# K2C_TUNE=0, K2C_CTEST=0, K2C_SANITIZE_RUN=0, K2C_TORCH=0 leave out those steps (for short follow-up runs);
+# K2C_TUNE=0, K2C_CTEST=0, K2C_SANITIZE_RUN=0, K2C_TORCH=0, K2C_TORCH_MOE=0 leave out those steps (for short follow-up runs);
 # K2C_MODULES=06,07 grades those modules only (K2C_SANITIZE_MODULES likewise for the
 # compute-sanitizer run, default: the same); K2C_BENCH_FILTER=RE runs only the
 # matching benchmarks; K2C_TARGETS="a b" builds only those targets (and the grader);
@@ -123,6 +123,8 @@ python3 tools/plot_bandwidth.py /tmp/k2c-bench --png "$OUT/bandwidth.png" >> "$L
 # PyTorch's attention backends beside module 09, where PyTorch is installed (it says so if not;
 # K2C_TORCH=0 leaves it out).
 [ "${K2C_TORCH:-1}" = 1 ] && python3 tools/compare_torch.py --out "$OUT/torch_attention.json" >> "$LOG" 2>&1
+# PyTorch's per-expert loop, torch._grouped_mm and a naive layer at module 10's shape (K2C_TORCH_MOE=0: not).
+[ "${K2C_TORCH_MOE:-1}" = 1 ] && python3 tools/compare_torch_moe.py --out "$OUT/torch_moe.json" >> "$LOG" 2>&1
 python3 tools/plot_attention.py /tmp/k2c-bench --png "$OUT/attention.png" --torch "$OUT/torch_attention.json" >> "$LOG" 2>&1
 
 step "done"
