@@ -939,13 +939,21 @@ namespace hp = k2c::hopper;
 
 enum class HopperForm { forward, dx, dw };
 
-constexpr int kHopperBM = 128, kHopperBN = 256, kHopperBK = 64, kHopperStages = 4, kHopperThreads = 384;
+constexpr int kHopperBM = 128, kHopperBN = 256, kHopperBK = 64, kHopperThreads = 384;
 constexpr int kHopperTileA = kHopperBM * kHopperBK * 2, kHopperTileB = kHopperBN * kHopperBK * 2;
 constexpr int kHopperStageBytes = kHopperTileA + kHopperTileB;
-constexpr int kHopperBox = 64 * 64 * 2;  // one 64 × 64 MN-major box: 8 KiB
-// The ring, its barriers, and 1 KiB of slack to align the ring to the 1024 bytes a 128-byte swizzle spans.
-constexpr int kHopperSmemBytes = kHopperStages * kHopperStageBytes + 2 * kHopperStages * 8 + 1024;
-static_assert(kHopperSmemBytes + 4 * (kMaxExperts + 1) <= 227 * 1024, "the ring and the tile prefix fit");
+constexpr int kHopperBox = 64 * 64 * 2;  // one 64 × 64 box of bf16, 128-byte swizzled: 8 KiB
+
+// Shared memory of a variant: the ring; with kStaged, each consumer's 64 × 256 bf16 slab of the
+// output, staged for TMA stores (four 64 × 64 boxes); the barriers; 1 KiB of slack to align the
+// ring to the 1024 bytes a 128-byte swizzle spans. Staging costs a ring slot: 3 slots instead of 4.
+template <bool kStaged>
+struct HopperSmem {
+  static constexpr int kStages = kStaged ? 3 : 4;
+  static constexpr int kStaging = kStaged ? 2 * 4 * kHopperBox : 0;
+  static constexpr int kBytes = kStages * kHopperStageBytes + kStaging + 2 * kStages * 8 + 1024;
+  static_assert(kBytes + 4 * (kMaxExperts + 1) <= 227 * 1024, "the ring, staging and the tile prefix fit");
+};
 
 struct HopperArgs {
   int groups;
@@ -955,16 +963,25 @@ struct HopperArgs {
   bool pairs;
 };
 
-template <HopperForm kForm, class OutT>
+// Named barrier `id` among `threads` threads (0 is __syncthreads, 1 the dW clearing).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// kStaged: the epilogue goes through shared memory and TMA stores (bf16 C whose rows start on 16
+// bytes), so that a consumer's stores overlap its next tile's MMAs instead of stalling them.
+template <HopperForm kForm, class OutT, bool kStaged>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                          HopperArgs p) {
+                          const __grid_constant__ CUtensorMap map_c, HopperArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kAT = kForm == HopperForm::dw, kBT = kForm != HopperForm::forward;  // MN-major operands
+  constexpr int kHopperStages = HopperSmem<kStaged>::kStages;
   extern __shared__ unsigned char smem_raw[];
   __shared__ int prefix[kMaxExperts + 1];
   const std::uint32_t ring = (smem_addr(smem_raw) + 1023) & ~1023u;
-  const std::uint32_t bars = ring + kHopperStages * kHopperStageBytes;
+  const std::uint32_t staging = ring + kHopperStages * kHopperStageBytes;
+  const std::uint32_t bars = staging + HopperSmem<kStaged>::kStaging;
   auto slot_a = [&](int s) { return ring + s * kHopperStageBytes; };
   auto slot_b = [&](int s) { return ring + s * kHopperStageBytes + kHopperTileA; };
   auto full = [&](int s) { return bars + 8 * s; };
@@ -1100,6 +1117,33 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       // Rows 16·warp + g8 and + 8 of this consumer's 64, inside C (forward, dX: the group's rows).
       const int g8 = lane / 4, q = lane % 4;
       const int row_end = kForm == HopperForm::dw ? p.m : w.rows;
+      if constexpr (kStaged) {
+        // A slab wholly inside the group: into the staging boxes (the layout a TMA load of them
+        // would produce: 128-byte rows, chunk c of row r at c ^ (r % 8)), then four TMA stores.
+        // Slabs that cross the group's end take the direct stores below.
+        if (w.m0 + consumer * 64 + 64 <= row_end) {
+          const std::uint32_t slab = staging + consumer * 4 * kHopperBox;
+          const bool leader = threadIdx.x % 128 == 0;
+          if (leader) hp::bulk_wait_read<0>();  // the previous tile's stores are done reading
+          named_sync(2 + consumer, 128);
+#pragma unroll
+          for (int j = 0; j < 32; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int rr = warp * 16 + g8 + 8 * h;
+              const std::uint32_t at = slab + (j / 8) * kHopperBox + rr * 128 + (((j % 8) ^ (rr % 8)) << 4) + 4 * q;
+              asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])));
+            }
+          hp::fence_proxy_async();
+          named_sync(2 + consumer, 128);
+          if (leader) {
+            for (int box = 0; box < 4 && w.n0 + 64 * box < p.n; ++box)
+              hp::tma_store_2d(&map_c, slab + box * kHopperBox, w.n0 + 64 * box, w.row0 + w.m0 + consumer * 64);
+            hp::bulk_commit();
+          }
+          continue;
+        }
+      }
       OutT* c = static_cast<OutT*>(p.c) + (kForm == HopperForm::dw ? static_cast<long long>(w.g) * p.m * p.n
                                                                    : static_cast<long long>(w.row0) * p.n);
       const int r_local = w.m0 + consumer * 64 + warp * 16 + g8;
@@ -1116,6 +1160,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         }
       }
     }
+    if (kStaged && threadIdx.x % 128 == 0) hp::bulk_wait_all();
   }
 #endif
 }
@@ -1132,9 +1177,11 @@ bool hopper_here() {
   return it->second;
 }
 
-template <HopperForm kForm, class OutT>
-void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const HopperArgs& args, cudaStream_t stream) {
-  auto* kernel = hopper_grouped_kernel<kForm, OutT>;
+template <HopperForm kForm, class OutT, bool kStaged = false>
+void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const HopperArgs& args,
+                   cudaStream_t stream) {
+  auto* kernel = hopper_grouped_kernel<kForm, OutT, kStaged>;
+  constexpr int kHopperSmemBytes = HopperSmem<kStaged>::kBytes;
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kHopperSmemBytes));
   static std::mutex mutex;
   static std::map<int, int> resident_on;
@@ -1152,7 +1199,7 @@ void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const Hop
     }
     resident = known;
   }
-  kernel<<<resident, kHopperThreads, kHopperSmemBytes, stream>>>(map_a, map_b, args);
+  kernel<<<resident, kHopperThreads, kHopperSmemBytes, stream>>>(map_a, map_b, map_c, args);
   K2C_CUDA_CHECK_LAUNCH();
 }
 
@@ -1168,12 +1215,16 @@ void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k,
   if (rows == 0) return;
   const HopperArgs args{groups, offsets, 0, n, k, c, n % 2 == 0 && reinterpret_cast<std::uintptr_t>(c) % 4 == 0};
   const CUtensorMap map_a = hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK);
-  if (b_transposed) {
-    const CUtensorMap map_b = hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK);
-    launch_hopper<HopperForm::forward, bf16>(map_a, map_b, args, stream);
+  const CUtensorMap map_b = b_transposed ? hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK)
+                                         : hp::make_tensor_map_bf16(b, groups * k, n, 64, 64);
+  // TMA stores C where its rows start on 16 bytes; otherwise the epilogue stores from registers.
+  if (n % 8 == 0 && reinterpret_cast<std::uintptr_t>(c) % 16 == 0) {
+    const CUtensorMap map_c = hp::make_tensor_map_bf16(c, rows, n, 64, 64);
+    if (b_transposed) launch_hopper<HopperForm::forward, bf16, true>(map_a, map_b, map_c, args, stream);
+    else launch_hopper<HopperForm::dx, bf16, true>(map_a, map_b, map_c, args, stream);
   } else {
-    const CUtensorMap map_b = hp::make_tensor_map_bf16(b, groups * k, n, 64, 64);
-    launch_hopper<HopperForm::dx, bf16>(map_a, map_b, args, stream);
+    if (b_transposed) launch_hopper<HopperForm::forward, bf16>(map_a, map_b, map_a, args, stream);
+    else launch_hopper<HopperForm::dx, bf16>(map_a, map_b, map_a, args, stream);
   }
 }
 
@@ -1190,7 +1241,7 @@ void grouped_weight_grad_hopper(int groups, const int* offsets, int rows, int n,
   // In GEMM terms C[m][n] with m = dY's width and n = X's width, both read MN-major.
   const CUtensorMap map_a = hp::make_tensor_map_bf16(dy, rows, n, 64, 64);
   const CUtensorMap map_b = hp::make_tensor_map_bf16(x, rows, k, 64, 64);
-  launch_hopper<HopperForm::dw, float>(map_a, map_b, args, stream);
+  launch_hopper<HopperForm::dw, float>(map_a, map_b, map_a, args, stream);
 }
 
 // ================================================================================================

@@ -93,6 +93,25 @@ __device__ __forceinline__ void tma_load_2d_multicast(std::uint32_t dst, const C
       : "memory");
 }
 
+// The other way: the box at (x, y) of `map` written from shared memory at `src` (in the layout a
+// load of the same box would produce), clipped at the tensor's edge. The copy runs on its own;
+// bulk_commit() closes a group of such stores, and bulk_wait_read<N>() waits until at most N
+// groups are still reading shared memory (after which `src` may be overwritten). Shared memory
+// written by ordinary stores needs fence_proxy_async() before the store reads it.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, std::uint32_t src, int x, int y) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(src), "r"(x), "r"(y)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until every committed store has completed (before a block that issued them exits).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // ------------------------------------------------------------------ clusters -----------------
 
 __device__ __forceinline__ std::uint32_t cluster_rank() {
