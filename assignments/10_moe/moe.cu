@@ -13,6 +13,7 @@
 
 #include "k2c/check.h"
 #include "k2c/hopper.cuh"
+#include "k2c/tensor_core.cuh"
 #include "k2c/todo.h"
 #include "moe.h"
 
@@ -24,7 +25,8 @@ void route(const RouterConfig& c, int tokens, const float* logits, const float* 
   check_tokens(tokens, c.experts, "moe route");
   if (tokens == 0) return;
   check_pointers("moe route", {logits, scores, expert, weight});
-  (void)bias, (void)stream;
+  if (bias) check_pointers("moe route", {bias});
+  (void)stream;
   K2C_TODO("route: a warp per token; scores, the group filter, top-k by repeated arg-max (ties to the lower "
            "index), then the weights");
 }
@@ -46,15 +48,15 @@ void balance_loss(int tokens, int experts, int top_k, float alpha, const float* 
 }
 
 std::size_t dispatch_workspace_bytes(int tokens, int experts, int top_k) {
-  (void)tokens, (void)experts, (void)top_k;
+  K2C_CHECK(experts >= 1 && experts <= kMaxExperts, "moe dispatch_workspace_bytes: experts must be in 1.." << kMaxExperts);
+  check_choices(tokens, top_k, "moe dispatch_workspace_bytes");
   K2C_TODO("dispatch_workspace_bytes: whatever your counting sort needs");
 }
 
 void dispatch(int tokens, int experts, int top_k, int capacity, const int* expert, int* counts, int* offsets,
               int* slot, int* source, void* workspace, cudaStream_t stream) {
-  K2C_CHECK(tokens >= 0 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= kMaxTopK,
-            "moe dispatch: bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
-  check_tokens(tokens, top_k, "moe dispatch");
+  K2C_CHECK(experts >= 1 && experts <= kMaxExperts, "moe dispatch: experts must be in 1.." << kMaxExperts);
+  check_choices(tokens, top_k, "moe dispatch");
   check_pointers("moe dispatch", {counts, offsets});
   if (static_cast<long long>(tokens) * top_k > 0) check_pointers("moe dispatch", {expert, slot, source, workspace});
   (void)capacity, (void)stream;
@@ -64,7 +66,7 @@ void dispatch(int tokens, int experts, int top_k, int capacity, const int* exper
 
 void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, bf16* rows, cudaStream_t stream) {
   K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe permute: hidden must be a multiple of 8, got " << hidden);
-  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe permute: bad top_k " << top_k);
+  check_choices(tokens, top_k, "moe permute");
   check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe permute");
   if (tokens == 0) return;
   check_pointers("moe permute", {x, slot, rows});
@@ -75,7 +77,7 @@ void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, 
 void combine(int tokens, int hidden, int top_k, const bf16* rows, const int* slot, const float* weight,
              const float* residual, bf16* y, cudaStream_t stream) {
   K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe combine: hidden must be a multiple of 8, got " << hidden);
-  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe combine: bad top_k " << top_k);
+  check_choices(tokens, top_k, "moe combine");
   check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe combine");
   if (tokens == 0) return;
   check_pointers("moe combine", {rows, slot, y});
@@ -156,7 +158,8 @@ void backward(const Layer& l, int tokens, const bf16* x, const bf16* dy, const R
   check_pointers("moe backward", {g.w_router, g.w13, g.w2});
   if (l.shared_ffn > 0) check_pointers("moe backward", {g.shared_w13, g.shared_w2});
   if (tokens > 0) check_pointers("moe backward", {x, dy, r.scores, r.expert, r.weight, saved, dx, workspace});
-  (void)dlogits_extra, (void)stream;
+  if (dlogits_extra) check_pointers("moe backward", {dlogits_extra});
+  (void)stream;
   K2C_TODO("backward: combine's backward, each grouped GEMM's dX and dW, SwiGLU's backward, the router's backward, "
            "and dx gathered from every path");
 }

@@ -76,8 +76,14 @@ inline void check_tokens(long long tokens, long long width, const char* who) {
   K2C_CHECK(tokens >= 0 && width >= 1 && tokens * width <= kMaxElements,
             who << ": bad size (" << tokens << " rows of " << width << ")");
 }
+// The tokens · top_k choices are counted and indexed with int: at most 2^31 − 1 of them.
+inline void check_choices(long long tokens, int top_k, const char* who) {
+  K2C_CHECK(tokens >= 0 && top_k >= 1 && top_k <= kMaxTopK && tokens * top_k <= 0x7fffffff,
+            who << ": tokens (" << tokens << ") and top_k (" << top_k << ") must give 0 .. 2^31 - 1 choices, top_k in 1.."
+                << kMaxTopK);
+}
 // Every pointer given must be non-null and 16-byte aligned (bias and dlogits_extra may be null
-// where the contract says so).
+// where the contract says so; when given, they must be aligned too).
 inline void check_pointers(const char* who, std::initializer_list<const void*> pointers) {
   for (const void* p : pointers)
     K2C_CHECK(p != nullptr && reinterpret_cast<std::uintptr_t>(p) % 16 == 0,
@@ -165,6 +171,8 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 // next group's rows. hopper_supported() says whether this build and device can run them (the
 // reason in *why_not when not); the functions throw std::invalid_argument with that reason, or
 // for bad arguments, instead of launching.
+// The first call on a device runs a feature probe (a small launch and copy, synchronous) whose
+// answer is kept; later calls are asynchronous like the rest of the contract.
 bool hopper_supported(std::string* why_not = nullptr);
 void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,
                          bf16* c, bool b_transposed = true, cudaStream_t stream = nullptr);
@@ -174,6 +182,8 @@ inline void check_grouped_hopper(int groups, const int* offsets, int rows, int n
                                  const bf16* b, const bf16* c, bool b_transposed, const char* who) {
   check_grouped(groups, n, k, {offsets, a, b, c}, who);
   check_tokens(rows, k > n ? k : n, who);
+  K2C_CHECK(static_cast<long long>(groups) * (b_transposed ? n : k) <= 0x7fffffff,
+            who << ": the stacked B has more than 2^31 - 1 rows (TMA coordinates are int)");
   K2C_CHECK(k % 8 == 0, who << ": k must be a multiple of 8 (TMA rows start on 16 bytes), got " << k);
   K2C_CHECK(b_transposed || (n % 8 == 0 && k % 64 == 0),
             who << ": with b_transposed = false, n must be a multiple of 8 and k of 64, got n=" << n << " k=" << k);
@@ -207,8 +217,13 @@ inline void check_layer(const Layer& l, int tokens, const char* who) {
                 l.shared_ffn % 8 == 0,
             who << ": hidden, ffn and shared_ffn must be multiples of 8 (hidden " << l.hidden << ", ffn " << l.ffn
                 << ", shared_ffn " << l.shared_ffn << ")");
+  check_choices(tokens, l.router.top_k, who);
   check_tokens(static_cast<long long>(tokens) * l.router.top_k, 2LL * (l.ffn > l.hidden ? l.ffn : l.hidden), who);
   check_tokens(static_cast<long long>(l.router.experts) * 2 * l.ffn, l.hidden, who);
+  if (l.shared_ffn > 0) {
+    check_tokens(tokens, 2LL * (l.shared_ffn > l.hidden ? l.shared_ffn : l.hidden), who);
+    check_tokens(2LL * l.shared_ffn, l.hidden, who);
+  }
   check_pointers(who, {l.w_router, l.w13, l.w2});
   if (l.shared_ffn > 0) check_pointers(who, {l.shared_w13, l.shared_w2});
   if (l.bias != nullptr) check_pointers(who, {l.bias});

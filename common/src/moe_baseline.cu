@@ -298,5 +298,6 @@ std::vector<float> widen_device(const DeviceBuffer<bf16>& b) {
 
 std::vector<float> NaiveMoe::y() const { return widen_device(s_->y); }
 std::vector<float> NaiveMoe::dx() const { return widen_device(s_->dx); }
+std::vector<int> NaiveMoe::expert() const { return s_->expert.download(); }
 
 }  // namespace k2c::baseline

@@ -233,8 +233,9 @@ __global__ void __launch_bounds__(kChunk)
   for (int i = threadIdx.x; i < kChunkWarps * experts; i += kChunk) warp_counts[i] = 0;
   __syncthreads();
   const long long a = blockIdx.x * static_cast<long long>(kChunk) + threadIdx.x;
-  const bool valid = a < choices;
-  const int e = valid ? expert[a] : -1;
+  int e = a < choices ? expert[a] : -1;
+  if (e >= experts) e = -1;  // out of range: counted nowhere (scatter_kernel drops it)
+  const bool valid = e >= 0;
   const unsigned same = __match_any_sync(kFull, e);
   const int below = __popc(same & ((1u << lane) - 1));
   if (valid && below == 0) warp_counts[warp * experts + e] = __popc(same);
@@ -792,6 +793,7 @@ void route(const RouterConfig& c, int tokens, const float* logits, const float* 
   check_tokens(tokens, c.experts, "moe route");
   if (tokens == 0) return;
   check_pointers("moe route", {logits, scores, expert, weight});
+  if (bias) check_pointers("moe route", {bias});
   route_kernel<<<ceil_div(tokens, kRouteWarps), 32 * kRouteWarps, 0, stream>>>(c, tokens, logits, bias, scores,
                                                                                   expert, weight);
   K2C_CUDA_CHECK_LAUNCH();
@@ -830,6 +832,8 @@ DispatchSpace carve_dispatch(Carve& w, long long choices, int experts) {
 }  // namespace
 
 std::size_t dispatch_workspace_bytes(int tokens, int experts, int top_k) {
+  K2C_CHECK(experts >= 1 && experts <= kMaxExperts, "moe dispatch_workspace_bytes: experts must be in 1.." << kMaxExperts);
+  check_choices(tokens, top_k, "moe dispatch_workspace_bytes");
   Carve w(nullptr);
   carve_dispatch(w, static_cast<long long>(tokens) * top_k, experts);
   return w.used();
@@ -837,9 +841,8 @@ std::size_t dispatch_workspace_bytes(int tokens, int experts, int top_k) {
 
 void dispatch(int tokens, int experts, int top_k, int capacity, const int* expert, int* counts, int* offsets,
               int* slot, int* source, void* workspace, cudaStream_t stream) {
-  K2C_CHECK(tokens >= 0 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= kMaxTopK,
-            "moe dispatch: bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
-  check_tokens(tokens, top_k, "moe dispatch");
+  K2C_CHECK(experts >= 1 && experts <= kMaxExperts, "moe dispatch: experts must be in 1.." << kMaxExperts);
+  check_choices(tokens, top_k, "moe dispatch");
   check_pointers("moe dispatch", {counts, offsets});
   const long long choices = static_cast<long long>(tokens) * top_k;
   if (choices > 0) check_pointers("moe dispatch", {expert, slot, source, workspace});
@@ -864,7 +867,7 @@ void dispatch(int tokens, int experts, int top_k, int capacity, const int* exper
 
 void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, bf16* rows, cudaStream_t stream) {
   K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe permute: hidden must be a multiple of 8, got " << hidden);
-  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe permute: bad top_k " << top_k);
+  check_choices(tokens, top_k, "moe permute");
   check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe permute");
   if (tokens == 0) return;
   check_pointers("moe permute", {x, slot, rows});
@@ -877,9 +880,8 @@ void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, 
 void combine(int tokens, int hidden, int top_k, const bf16* rows, const int* slot, const float* weight,
              const float* residual, bf16* y, cudaStream_t stream) {
   K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe combine: hidden must be a multiple of 8, got " << hidden);
-  K2C_CHECK(top_k >= 1 && top_k <= kMaxTopK, "moe combine: bad top_k " << top_k);
+  check_choices(tokens, top_k, "moe combine");
   check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe combine");
-  K2C_CHECK(tokens <= 0x7fffffff, "moe combine: too many tokens");
   if (tokens == 0) return;
   check_pointers("moe combine", {rows, slot, y});
   if (weight) check_pointers("moe combine", {weight});

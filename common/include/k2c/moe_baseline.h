@@ -39,6 +39,7 @@ class NaiveMoe {
   void step();                   // forward + backward
   std::vector<float> y() const;  // the last step's output and input gradient, on the host
   std::vector<float> dx() const;
+  std::vector<int> expert() const;  // the last step's choices, [tokens][top_k]
 
  private:
   struct State;

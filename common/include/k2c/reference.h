@@ -202,8 +202,8 @@ MoeForward moe_forward(std::span<const float> x, int tokens, const MoeLayer& lay
 // Gradients of moe_forward for upstream dy ([tokens][hidden]), with the routing held fixed (the
 // top-k choice is a step function: gradients flow through the chosen experts' weights and from
 // there through the scores into the router, never through the choice itself). The balancing
-// loss is separate (balance_loss); add its dlogits · x to dw_router where it is used. Weights'
-// gradients are laid out like the weights.
+// loss is separate (balance_loss); where it is used, add its dlogits · x to dw_router and
+// dlogits · w_router to dx. Weights' gradients are laid out like the weights.
 struct MoeBackward {
   std::vector<double> dx, dw_router, dw1, dw3, dw2, dshared_w1, dshared_w3, dshared_w2;
 };
