@@ -62,7 +62,8 @@ bench: build
 	@py=python3; $$py -c "import matplotlib" 2>/dev/null || { test -x /usr/bin/python3 && py=/usr/bin/python3; }; \
 	$$py tools/plot_ladder.py $(BUILD)/bench --png $(BUILD)/bench/sgemm_ladder.png --readme /dev/null || true; \
 	$$py tools/plot_bandwidth.py $(BUILD)/bench --png $(BUILD)/bench/bandwidth.png || true; \
-	$$py tools/plot_attention.py $(BUILD)/bench --png $(BUILD)/bench/attention.png || true
+	$$py tools/plot_attention.py $(BUILD)/bench --png $(BUILD)/bench/attention.png || true; \
+	$$py tools/plot_moe.py $(BUILD)/bench --png $(BUILD)/bench/moe.png || true
 
 # Time every tile configuration of module 04 on this GPU and record the fastest for matmul().
 tune: build

@@ -125,6 +125,7 @@ python3 tools/plot_bandwidth.py /tmp/k2c-bench --png "$OUT/bandwidth.png" >> "$L
 [ "${K2C_TORCH:-1}" = 1 ] && python3 tools/compare_torch.py --out "$OUT/torch_attention.json" >> "$LOG" 2>&1
 # PyTorch's per-expert loop, torch._grouped_mm and a naive layer at module 10's shape (K2C_TORCH_MOE=0: not).
 [ "${K2C_TORCH_MOE:-1}" = 1 ] && python3 tools/compare_torch_moe.py --out "$OUT/torch_moe.json" >> "$LOG" 2>&1
+python3 tools/plot_moe.py /tmp/k2c-bench --png "$OUT/moe.png" --torch "$OUT/torch_moe.json" >> "$LOG" 2>&1
 python3 tools/plot_attention.py /tmp/k2c-bench --png "$OUT/attention.png" --torch "$OUT/torch_attention.json" >> "$LOG" 2>&1
 
 step "done"
