@@ -241,7 +241,8 @@ struct Routing {
 };
 
 // Forward: writes y and the routing, and keeps in `saved` (forward_workspace_bytes) what the
-// backward pass needs. Nothing happens when tokens is 0.
+// backward pass needs. Nothing happens when tokens is 0. (An implementation that asks
+// hopper_supported() which kernels to use synchronises once, at its first call on a device.)
 std::size_t forward_workspace_bytes(const Layer& l, int tokens);
 void forward(const Layer& l, int tokens, const bf16* x, bf16* y, const Routing& routing, void* saved,
              cudaStream_t stream = nullptr);

@@ -1167,13 +1167,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 #endif
 }
 
-// Whether this build and device run Part B, asked once per device (a probe launch).
+// Whether this build and device run Part B, asked once per device (a probe launch). With a CUDA
+// error pending the probe would not run: the answer is then "no" for this call only.
 bool hopper_here() {
   static std::mutex mutex;
   static std::map<int, bool> known;
   int device = 0;
   K2C_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
+  if (known.find(device) == known.end() && cudaPeekAtLastError() != cudaSuccess) return false;
   auto it = known.find(device);
   if (it == known.end()) it = known.emplace(device, hp::sm90a_supported(nullptr)).first;
   return it->second;
@@ -1334,7 +1336,7 @@ void forward(const Layer& l, int tokens, const bf16* x, bf16* y, const Routing& 
   // Routed experts: rows past offsets[E] are never read (the groups end there). The forward
   // GEMMs run on Part B's wgmma kernel where the build and device allow it.
   const long long choices = static_cast<long long>(tokens) * k;
-  const bool wgmma = hopper_here() && choices <= 0x7fffffff;
+  const bool wgmma = hopper_here();
   auto forward_gemm = [&](int groups, const int* offsets, long long rows, int n, int kk, const bf16* a, const bf16* b,
                           bf16* c) {
     if (wgmma) grouped_gemm_hopper(groups, offsets, static_cast<int>(rows), n, kk, a, b, c, true, stream);
@@ -1395,7 +1397,7 @@ void backward(const Layer& l, int tokens, const bf16* x, const bf16* dy, const R
 
   // Routed experts, down then up: dX through the same kernels with W read untransposed, dW as
   // a grouped sum over each expert's rows; on Part B's wgmma kernels where they run.
-  const bool wgmma = hopper_here() && choices <= 0x7fffffff;
+  const bool wgmma = hopper_here();
   auto input_grad = [&](int groups, const int* offsets, long long rows, int n, int kk, const bf16* a, const bf16* w,
                         bf16* c) {
     if (wgmma && kk % 64 == 0) grouped_gemm_hopper(groups, offsets, static_cast<int>(rows), n, kk, a, w, c, false, stream);

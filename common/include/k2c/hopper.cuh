@@ -347,6 +347,10 @@ __global__ void sm90a_probe_kernel(int* has_features) {
   if (prop.major != 9 || prop.minor != 0)
     return fail("wgmma needs an sm_90 GPU (H100/H200); this is sm_" + std::to_string(prop.major) +
                 std::to_string(prop.minor));
+  // The probe reads its own launch's error with cudaGetLastError, which would also consume an
+  // error the caller left pending: refuse to probe then, and leave that error in place.
+  if (const cudaError_t pending = cudaPeekAtLastError(); pending != cudaSuccess)
+    return fail(std::string("a CUDA error is pending (") + cudaGetErrorString(pending) + "); not probing");
   int* flag = nullptr;
   int has = 0;
   if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return fail("cudaMalloc failed");
