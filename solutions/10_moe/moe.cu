@@ -966,7 +966,7 @@ struct HopperArgs {
 };
 
 // Named barrier `id` among `threads` threads (0 is __syncthreads, 1 the dW clearing).
-__device__ __forceinline__ void named_sync(int id, int threads) {
+[[maybe_unused]] __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
