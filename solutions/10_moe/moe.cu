@@ -252,6 +252,41 @@ __global__ void __launch_bounds__(kChunk)
   }
 }
 
+// Exclusive prefix sums of count(0), count(1), ... into prefix[0..n), and their total into
+// prefix[n], by one warp: lane l sums a run of consecutive items, the lanes scan their sums with
+// shuffles, and each lane writes its run. Used for dispatch's offsets and for the grouped GEMMs'
+// first tile of each group.
+template <class Count>
+__device__ __forceinline__ void warp_prefix(int n, Count count, int* prefix) {
+  const int lane = threadIdx.x % 32, per = ceil_div(n, 32), lo = min(n, lane * per), hi = min(n, lo + per);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) sum += count(i);
+  int inclusive = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, inclusive, o);
+    if (lane >= o) inclusive += v;
+  }
+  int run = inclusive - sum;
+  for (int i = lo; i < hi; ++i) {
+    prefix[i] = run;
+    run += count(i);
+  }
+  if (lane == 31) prefix[n] = inclusive;
+}
+
+// The group of tile t: the last g with prefix[g] <= t (an empty group shares its prefix with
+// the next one, which the search lands on).
+__device__ __forceinline__ int group_of(const int* prefix, int groups, int t) {
+  int lo = 0, hi = groups;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (prefix[mid] <= t) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
 // One block of up to 1024 threads, a thread per expert.
 __global__ void __launch_bounds__(kMaxExperts)
     scan_kernel(int chunks, int experts, int capacity, int* __restrict__ chunk_counts, int* __restrict__ counts,
@@ -270,23 +305,7 @@ __global__ void __launch_bounds__(kMaxExperts)
     counts[e] = kept[e];
   }
   __syncthreads();
-  if (threadIdx.x < 32) {  // offsets: a warp scan over lanes' consecutive blocks of experts
-    const int per = ceil_div(experts, 32), lo = min(experts, threadIdx.x * per), hi = min(experts, lo + per);
-    int sum = 0;
-    for (int x = lo; x < hi; ++x) sum += kept[x];
-    int inclusive = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(kFull, inclusive, o);
-      if (static_cast<int>(threadIdx.x) >= o) inclusive += v;
-    }
-    int run = inclusive - sum;
-    for (int x = lo; x < hi; ++x) {
-      offsets[x] = run;
-      run += kept[x];
-    }
-    if (threadIdx.x == 31) offsets[experts] = inclusive;
-  }
+  if (threadIdx.x < 32) warp_prefix(experts, [&](int x) { return kept[x]; }, offsets);
 }
 
 __global__ void scatter_kernel(long long choices, int experts, int top_k, int capacity, const int* __restrict__ expert,
@@ -595,26 +614,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kBlocksPerSm) grouped_kernel(G
   const int warp_m = warp / T::WARPS_N, warp_n = warp % T::WARPS_N;
   const int tiles_n = ceil_div(p.n, T::BN);
 
-  // Tiles per group, prefix-summed by one warp: lane l takes a run of consecutive groups.
-  auto group_size = [&](int g) { return p.offsets[g + 1] - p.offsets[g]; };
-  if (warp == 0) {
-    const int per = ceil_div(p.groups, 32), lo = min(p.groups, lane * per), hi = min(p.groups, lo + per);
-    int sum = 0;
-    for (int g = lo; g < hi; ++g)
-      sum += (kMode == Mode::rows ? ceil_div(group_size(g), T::BM) : ceil_div(p.m, T::BM)) * tiles_n;
-    int inclusive = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(kFull, inclusive, o);
-      if (lane >= o) inclusive += v;
-    }
-    int run = inclusive - sum;
-    for (int g = lo; g < hi; ++g) {
-      prefix[g] = run;
-      run += (kMode == Mode::rows ? ceil_div(group_size(g), T::BM) : ceil_div(p.m, T::BM)) * tiles_n;
-    }
-    if (lane == 31) prefix[p.groups] = inclusive;
-  }
+  // Each group's first tile.
+  auto tiles_of = [&](int g) {
+    return (kMode == Mode::rows ? ceil_div(p.offsets[g + 1] - p.offsets[g], T::BM) : ceil_div(p.m, T::BM)) * tiles_n;
+  };
+  if (warp == 0) warp_prefix(p.groups, tiles_of, prefix);
   __syncthreads();
   const int total = prefix[p.groups];
 
@@ -634,15 +638,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kBlocksPerSm) grouped_kernel(G
   const int bmn_row = (lane & 7) + (((lane >> 3) & 1) << 3), bmn_chunk = (warp_n * T::WN) / 8 + (lane >> 4);
 
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    // The tile's group: the last g with prefix[g] <= t (empty groups share their prefix with
-    // the next one, and upper_bound skips them).
-    int lo = 0, hi = p.groups;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (prefix[mid] <= t) lo = mid;
-      else hi = mid;
-    }
-    const int g = lo, local = t - prefix[g];
+    const int g = group_of(prefix, p.groups, t), local = t - prefix[g];
     const int row0 = p.offsets[g], rows_g = p.offsets[g + 1] - row0;
     const int M = kMode == Mode::rows ? rows_g : p.m;
     const int R = kMode == Mode::rows ? p.k : rows_g;
@@ -995,23 +991,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
            tiles_n;
   };
 
-  if (threadIdx.x < 32) {  // tile prefix, as in grouped_kernel
-    const int per = ceil_div(p.groups, 32), lo = min(p.groups, lane * per), hi = min(p.groups, lo + per);
-    int sum = 0;
-    for (int g = lo; g < hi; ++g) sum += tiles_of(g);
-    int inclusive = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(kFull, inclusive, o);
-      if (lane >= o) inclusive += v;
-    }
-    int run = inclusive - sum;
-    for (int g = lo; g < hi; ++g) {
-      prefix[g] = run;
-      run += tiles_of(g);
-    }
-    if (lane == 31) prefix[p.groups] = inclusive;
-  }
+  if (threadIdx.x < 32) warp_prefix(p.groups, tiles_of, prefix);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kHopperStages; ++s) {
       hp::mbarrier_init(full(s), 1);
@@ -1027,18 +1007,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     int g, row0, rows, m0, n0, r;
   };
   auto locate = [&](int t) {
-    int lo = 0, hi = p.groups;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (prefix[mid] <= t) lo = mid;
-      else hi = mid;
-    }
     Where w;
-    w.g = lo;
-    w.row0 = p.offsets[lo];
-    w.rows = p.offsets[lo + 1] - w.row0;
+    w.g = group_of(prefix, p.groups, t);
+    w.row0 = p.offsets[w.g];
+    w.rows = p.offsets[w.g + 1] - w.row0;
     const int tiles_m = kForm == HopperForm::dw ? ceil_div(p.m, kHopperBM) : ceil_div(w.rows, kHopperBM);
-    const int local = t - prefix[lo];
+    const int local = t - prefix[w.g];
     w.m0 = (local % tiles_m) * kHopperBM;
     w.n0 = (local / tiles_m) * kHopperBN;
     w.r = kForm == HopperForm::dw ? w.rows : p.k;

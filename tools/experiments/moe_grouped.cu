@@ -36,28 +36,23 @@ void fill_uniform_device(bf16* p, std::size_t n, unsigned seed) { fill_kernel<<<
 
 constexpr int kExperts = 64;
 
-template <class T>
-double rate(const GemmArgs<bf16>& args, double flops) {
-  return flops / (median_ms([&] { launch_gemm<Mode::rows, true, true, true, T>(args, nullptr); }, 20) * 1e-3) / 1e12;
-}
-
-void experiment() {
-  std::mt19937_64 rng(1);
-  std::vector<int> counts(kExperts, 0);
-  for (int t = 0; t < 16384; ++t) {
-    std::vector<int> all(kExperts);
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    for (int j = 0; j < 6; ++j) ++counts[all[j]];
-  }
-  std::vector<int> off(kExperts + 1, 0);
-  std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
-  cublasHandle_t blas;
-  cublasCreate(&blas);
-  for (bool up : {true, false}) {
-    const int rows = off.back(), n = up ? 2816 : 2048, k = up ? 2048 : 1408;
-    bf16 *a, *b, *c;
-    int* d_off;
+// One grouped GEMM of the module's shape on the device: loads drawn by every one of 16384 tokens
+// picking 6 distinct experts uniformly (from `seed`), A [rows][k], B [experts][n][k], C [rows][n].
+struct Problem {
+  std::vector<int> counts, off;
+  int rows, n, k;
+  bf16 *a, *b, *c;
+  int* d_off;
+  Problem(int n_, int k_, unsigned seed) : counts(kExperts, 0), off(kExperts + 1, 0), n(n_), k(k_) {
+    std::mt19937_64 rng(seed);
+    for (int t = 0; t < 16384; ++t) {
+      std::vector<int> all(kExperts);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      for (int j = 0; j < 6; ++j) ++counts[all[j]];
+    }
+    std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
+    rows = off.back();
     cudaMalloc(&a, sizeof(bf16) * rows * k);
     cudaMalloc(&b, sizeof(bf16) * kExperts * n * k);
     cudaMalloc(&c, sizeof(bf16) * rows * n);
@@ -65,29 +60,45 @@ void experiment() {
     cudaMemcpy(d_off, off.data(), sizeof(int) * off.size(), cudaMemcpyHostToDevice);
     fill_uniform_device(a, static_cast<std::size_t>(rows) * k, 1);
     fill_uniform_device(b, static_cast<std::size_t>(kExperts) * n * k, 2);
-    const double flops = 2.0 * rows * n * static_cast<double>(k);
-    const GemmArgs<bf16> args{kExperts, d_off, 0, n, k, a, b, c, false, true};
-    const float one = 1, zero = 0;
-    const double loop = flops / (median_ms([&] {
-      for (int e = 0; e < kExperts; ++e)
-        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, counts[e], k, &one, b + static_cast<std::size_t>(e) * n * k,
-                     CUDA_R_16BF, k, a + static_cast<std::size_t>(off[e]) * k, CUDA_R_16BF, k, &zero,
-                     c + static_cast<std::size_t>(off[e]) * n, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    }, 20) * 1e-3) / 1e12;
-    std::printf("%s projection (n %d, k %d): cuBLAS loop %.1f TFLOP/s\n", up ? "up" : "down", n, k, loop);
-    std::printf("  128x256 2x4 warps 4 stages 1/SM (kept)   %.1f\n", rate<Tile<128, 256, 2, 4, 4, 1>>(args, flops));
-    std::printf("  256x128 4x2 warps 4 stages 1/SM          %.1f\n", rate<Tile<256, 128, 4, 2, 4, 1>>(args, flops));
-    std::printf("  128x128 2x2 warps 3 stages 2/SM          %.1f\n", rate<Tile<128, 128, 2, 2, 3, 2>>(args, flops));
-    std::printf("  128x128 4x2 warps 3 stages 2/SM          %.1f\n", rate<Tile<128, 128, 4, 2, 3, 2>>(args, flops));
-    std::printf("  128x128 2x2 warps 5 stages 1/SM          %.1f\n", rate<Tile<128, 128, 2, 2, 5, 1>>(args, flops));
-    std::printf("  256x128 4x2 warps 3 stages 1/SM          %.1f\n", rate<Tile<256, 128, 4, 2, 3, 1>>(args, flops));
+  }
+  ~Problem() {
     cudaFree(a);
     cudaFree(b);
     cudaFree(c);
     cudaFree(d_off);
   }
-  cudaError_t err = cudaDeviceSynchronize();
-  std::printf("status: %s\n", cudaGetErrorString(err));
+  double flops() const { return 2.0 * rows * n * static_cast<double>(k); }
+  // cuBLAS once per expert: row-major C_e = A_e · B_eᵀ as column-major C_eᵀ = B_e · A_eᵀ.
+  void loop(cublasHandle_t blas) const {
+    const float one = 1, zero = 0;
+    for (int e = 0; e < kExperts; ++e)
+      cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, counts[e], k, &one, b + static_cast<std::size_t>(e) * n * k,
+                   CUDA_R_16BF, k, a + static_cast<std::size_t>(off[e]) * k, CUDA_R_16BF, k, &zero,
+                   c + static_cast<std::size_t>(off[e]) * n, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }
+};
+
+template <class T>
+double rate(const Problem& p) {
+  const GemmArgs<bf16> args{kExperts, p.d_off, 0, p.n, p.k, p.a, p.b, p.c, false, true};
+  return p.flops() / (median_ms([&] { launch_gemm<Mode::rows, true, true, true, T>(args, nullptr); }, 20) * 1e-3) / 1e12;
+}
+
+void experiment() {
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  for (bool up : {true, false}) {
+    const Problem p(up ? 2816 : 2048, up ? 2048 : 1408, 1);
+    const double loop = p.flops() / (median_ms([&] { p.loop(blas); }, 20) * 1e-3) / 1e12;
+    std::printf("%s projection (n %d, k %d): cuBLAS loop %.1f TFLOP/s\n", up ? "up" : "down", p.n, p.k, loop);
+    std::printf("  128x256 2x4 warps 4 stages 1/SM (kept)   %.1f\n", rate<Tile<128, 256, 2, 4, 4, 1>>(p));
+    std::printf("  256x128 4x2 warps 4 stages 1/SM          %.1f\n", rate<Tile<256, 128, 4, 2, 4, 1>>(p));
+    std::printf("  128x128 2x2 warps 3 stages 2/SM          %.1f\n", rate<Tile<128, 128, 2, 2, 3, 2>>(p));
+    std::printf("  128x128 4x2 warps 3 stages 2/SM          %.1f\n", rate<Tile<128, 128, 4, 2, 3, 2>>(p));
+    std::printf("  128x128 2x2 warps 5 stages 1/SM          %.1f\n", rate<Tile<128, 128, 2, 2, 5, 1>>(p));
+    std::printf("  256x128 4x2 warps 3 stages 1/SM          %.1f\n", rate<Tile<256, 128, 4, 2, 3, 1>>(p));
+  }
+  std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
 }
 
 // How the per-expert cuBLAS loop's measured rate depends on what ran before it: timed as the
@@ -97,7 +108,6 @@ void experiment() {
 void loop_timing() {
   cublasHandle_t blas;
   cublasCreate(&blas);
-  const int n = 2816, k = 2048;
   char* flush;
   cudaMalloc(&flush, 128 << 20);
   auto timed = [&](const std::function<void()>& f, int repeats) {
@@ -118,36 +128,10 @@ void loop_timing() {
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
   };
-  for (int draw = 1; draw <= 4; ++draw) {
-    std::mt19937_64 rng(draw);
-    std::vector<int> counts(kExperts, 0);
-    for (int t = 0; t < 16384; ++t) {
-      std::vector<int> all(kExperts);
-      std::iota(all.begin(), all.end(), 0);
-      std::shuffle(all.begin(), all.end(), rng);
-      for (int j = 0; j < 6; ++j) ++counts[all[j]];
-    }
-    std::vector<int> off(kExperts + 1, 0);
-    std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
-    const int rows = off.back();
-    bf16 *a, *b, *c;
-    int* d_off;
-    cudaMalloc(&a, sizeof(bf16) * rows * k);
-    cudaMalloc(&b, sizeof(bf16) * kExperts * n * k);
-    cudaMalloc(&c, sizeof(bf16) * rows * n);
-    cudaMalloc(&d_off, sizeof(int) * off.size());
-    cudaMemcpy(d_off, off.data(), sizeof(int) * off.size(), cudaMemcpyHostToDevice);
-    fill_uniform_device(a, static_cast<std::size_t>(rows) * k, 1);
-    fill_uniform_device(b, static_cast<std::size_t>(kExperts) * n * k, 2);
-    const double flops = 2.0 * rows * n * static_cast<double>(k);
-    const float one = 1, zero = 0;
-    auto loop = [&] {
-      for (int e = 0; e < kExperts; ++e)
-        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, counts[e], k, &one, b + static_cast<std::size_t>(e) * n * k,
-                     CUDA_R_16BF, k, a + static_cast<std::size_t>(off[e]) * k, CUDA_R_16BF, k, &zero,
-                     c + static_cast<std::size_t>(off[e]) * n, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    };
-    auto grouped = [&] { grouped_gemm_hopper(kExperts, d_off, rows, n, k, a, b, c); };
+  for (unsigned draw = 1; draw <= 4; ++draw) {
+    const Problem p(2816, 2048, draw);
+    auto loop = [&] { p.loop(blas); };
+    auto grouped = [&] { grouped_gemm_hopper(kExperts, p.d_off, p.rows, p.n, p.k, p.a, p.b, p.c); };
     loop();
     grouped();
     cudaDeviceSynchronize();
@@ -162,14 +146,10 @@ void loop_timing() {
     }
     std::sort(gl.begin(), gl.end());
     std::sort(ll.begin(), ll.end());
-    const double g_ms = (gl[1] + gl[2]) / 2, l_ms = (ll[1] + ll[2]) / 2;
-    std::printf("loads %d (max %d): loop cold %.1f, warm %.1f, alternating %.1f TFLOP/s; wgmma alternating %.1f; ratio %.3f\n",
-                draw, *std::max_element(counts.begin(), counts.end()), flops / cold / 1e9, flops / warm / 1e9,
-                flops / l_ms / 1e9, flops / g_ms / 1e9, l_ms / g_ms);
-    cudaFree(a);
-    cudaFree(b);
-    cudaFree(c);
-    cudaFree(d_off);
+    const double g_ms = (gl[1] + gl[2]) / 2, l_ms = (ll[1] + ll[2]) / 2, f = p.flops() / 1e9;
+    std::printf("loads %u (max %d): loop cold %.1f, warm %.1f, alternating %.1f TFLOP/s; wgmma alternating %.1f; ratio %.3f\n",
+                draw, *std::max_element(p.counts.begin(), p.counts.end()), f / cold, f / warm, f / l_ms, f / g_ms,
+                l_ms / g_ms);
   }
   std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
 }
