@@ -1,6 +1,7 @@
 // tools/experiments/median_time.cuh — the timer of the experiments: median of `reps` CUDA-event
-// timings of f() after three warm-up calls, back to back (no L2 flush between runs, unlike the
-// graded tests' k2c::time_gpu; the experiments compare variants with each other).
+// timings of f() after `warmup` calls. By default back to back (no L2 flush between runs, unlike
+// the graded tests' k2c::time_gpu; the experiments compare variants with each other); with
+// flush_l2, a 128 MiB buffer (over twice an H200's L2) is overwritten before each timed run.
 #pragma once
 
 #include <algorithm>
@@ -9,13 +10,17 @@
 
 #include <cuda_runtime.h>
 
-inline double median_ms(const std::function<void()>& f, int reps) {
-  for (int i = 0; i < 3; ++i) f();
+inline double median_ms(const std::function<void()>& f, int reps, int warmup = 3, bool flush_l2 = false) {
+  static char* flush = nullptr;
+  constexpr std::size_t kFlushBytes = std::size_t{128} << 20;
+  if (flush_l2 && flush == nullptr) cudaMalloc(&flush, kFlushBytes);
+  for (int i = 0; i < warmup; ++i) f();
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
   std::vector<float> t;
   for (int i = 0; i < reps; ++i) {
+    if (flush_l2) cudaMemsetAsync(flush, i & 0xFF, kFlushBytes);
     cudaEventRecord(a);
     f();
     cudaEventRecord(b);

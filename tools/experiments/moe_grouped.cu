@@ -108,26 +108,7 @@ void experiment() {
 void loop_timing() {
   cublasHandle_t blas;
   cublasCreate(&blas);
-  char* flush;
-  cudaMalloc(&flush, 128 << 20);
-  auto timed = [&](const std::function<void()>& f, int repeats) {
-    std::vector<float> t;
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    for (int i = 0; i < repeats; ++i) {
-      cudaMemsetAsync(flush, i & 0xFF, 128 << 20);
-      cudaEventRecord(a);
-      f();
-      cudaEventRecord(b);
-      cudaEventSynchronize(b);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, a, b);
-      t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
+  auto timed = [](const std::function<void()>& f, int repeats) { return median_ms(f, repeats, 0, true); };
   for (unsigned draw = 1; draw <= 4; ++draw) {
     const Problem p(2816, 2048, draw);
     auto loop = [&] { p.loop(blas); };
