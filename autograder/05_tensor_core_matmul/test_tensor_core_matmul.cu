@@ -48,11 +48,12 @@ std::string describe(const Shape& s) {
 }
 
 // Awkward shapes: a single element, tails on every side, tall and flat, K shorter than one
-// 64-wide k tile and K not a multiple of it. K % 8 == 0 in all (the fast path).
+// 64-wide k tile and K not a multiple of it. K % 8 == 0 in all (the fast path). {200, 328, 64}:
+// Part B's staged stores with a last column box 8 wide and a last 64-row slab 8 rows tall.
 const std::vector<Shape> kFixed = {{1, 1, 8},       {1, 1, 64},     {17, 33, 64},
                                    {7, 129, 40},    {128, 256, 64}, {129, 257, 72},
                                    {300, 5, 136},   {5, 300, 8},    {513, 1, 256},
-                                   {256, 512, 1024}, {1000, 999, 1000}};
+                                   {200, 328, 64},  {256, 512, 1024}, {1000, 999, 1000}};
 
 // More output tiles than an H200 has SMs (or SM pairs), so that blocks of a persistent kernel
 // take a second tile and raster bands wrap: Part A's bands are 16 tile-rows (M > 4096 for two),

@@ -18,8 +18,15 @@
 //   persistence  one block per SM; each cluster takes tile pairs c, c + clusters, ... so the
 //                producer prefetches the next tile's slabs while the consumers still store this
 //                one.
-//   tails        TMA zero-fills reads outside A and B; the epilogue stores only inside C.
-//                TMA needs K % 8 == 0 and 16-byte aligned A and B (rows start on 16 bytes).
+//   epilogue     staged: a consumer writes its 64 × 256 slab of C into shared memory two 64 × 64
+//                boxes at a time and one thread hands them to TMA stores, which run on while the
+//                consumer goes on to its next tile. Staging costs shared memory; two boxes per
+//                consumer (32 KiB) leave room for all four ring slots, where a whole slab would
+//                take one. Storing straight from the accumulators instead (C not addressable
+//                by TMA) keeps the tensor cores waiting for the global stores.
+//   tails        TMA zero-fills reads outside A and B and clips stores at C's edges; the direct
+//                epilogue stores only inside C. TMA needs K % 8 == 0 and 16-byte aligned A and B
+//                (rows start on 16 bytes); staging also needs N % 8 == 0 and a 16-byte aligned C.
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -42,17 +49,26 @@ namespace {
 
 namespace hp = k2c::hopper;
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int BM = 128, BN = 256, BK = 64;
 constexpr int kCluster = 2;     // blocks per cluster sharing B tiles (see wgmma_kernel)
+constexpr int kStagedBoxes = 2;      // boxes of C staged per consumer for TMA stores (see wgmma_kernel)
 constexpr int kConsumers = 2;   // warpgroups that multiply
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kTileA = BM * BK * 2, kTileB = BN * BK * 2;  // bytes per slot
 constexpr int kStageBytes = kTileA + kTileB;
-// The ring, its barriers, and 1 KiB of slack to align the ring to the 1024 bytes the 128-byte
-// swizzle pattern spans.
-constexpr int kSmemBytes = STAGES * kStageBytes + 2 * STAGES * 8 + 1024;
-static_assert(kSmemBytes <= 227 * 1024, "the ring fits in one SM's shared memory");
+constexpr int kBox = 64 * 64 * 2;  // one 64 × 64 bf16 box of C, 128-byte swizzled: 8 KiB
 static_assert(BK * 2 == 128, "a K slab row is exactly one 128-byte swizzle row");
+
+// Shared memory: the ring; with staging, kBoxes boxes of C per consumer (a whole 64 × 256 slab
+// is four, and costs a ring slot: 3 instead of 4); the barriers; 1 KiB of slack to align the ring
+// to the 1024 bytes the 128-byte swizzle pattern spans.
+template <int kBoxes>
+struct Smem {
+  static constexpr int kStages = kBoxes > 2 ? 3 : 4;
+  static constexpr int kStagingBytes = kConsumers * kBoxes * kBox;
+  static constexpr int kBytes = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + 1024;
+  static_assert(kBytes <= 227 * 1024, "the ring fits in one SM's shared memory");
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Tile t of the grouped raster over a tiles_m × tiles_n grid (bands of 16 rows of the grid; with
@@ -75,15 +91,23 @@ __device__ __forceinline__ void tile_origin(int t, int tiles_m, int tiles_n, int
 // and TMA multicasts that half into both blocks' shared memory. A slot then holds a peer's
 // data too, so it is free only when the consumers of both blocks are done with it: empty[s]
 // counts 16 arrivals, 8 local and 8 remote.
-template <int kCluster>
+//
+// kBoxes > 0: a consumer's epilogue writes its 64 × 256 slab into shared memory, kBoxes 64 × 64
+// boxes at a time, in the layout a TMA load of them would produce, and one thread hands the boxes
+// to TMA stores (clipped at C's edges). The last boxes' stores run while the consumer starts its
+// next tile's MMAs; storing straight from the accumulators (kBoxes = 0) keeps the tensor cores
+// idle for the whole epilogue. Needs a C that TMA can address (16-byte aligned, N % 8 == 0).
+template <int kCluster, int kBoxes>
 __global__ void __launch_bounds__(kThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                 bf16* __restrict__ C, int M, int N, int K, bool pairs) {
+                 const __grid_constant__ CUtensorMap map_c, bf16* __restrict__ C, int M, int N, int K, bool pairs) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int STAGES = Smem<kBoxes>::kStages;
   extern __shared__ unsigned char smem_raw[];
   const std::uint32_t raw = tc::smem_addr(smem_raw);
   const std::uint32_t ring = (raw + 1023) & ~1023u;
-  const std::uint32_t bars = ring + STAGES * kStageBytes;
+  const std::uint32_t staging = ring + STAGES * kStageBytes;
+  const std::uint32_t bars = staging + Smem<kBoxes>::kStagingBytes;
   auto slot_a = [&](int s) { return ring + s * kStageBytes; };
   auto slot_b = [&](int s) { return ring + s * kStageBytes + kTileA; };
   auto full = [&](int s) { return bars + 8 * s; };
@@ -176,9 +200,40 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
+      const int g8 = lane / 4, q = lane % 4;
+      if constexpr (kBoxes > 0) {
+        const int slab_row = m0 + consumer * 64;
+        if (slab_row >= M) continue;  // a cluster's tile past the bottom of C
+        const std::uint32_t slab = staging + consumer * kBoxes * kBox;
+        const bool leader = threadIdx.x % 128 == 0;
+#pragma unroll
+        for (int part = 0; part < 4 / kBoxes; ++part) {
+          if (leader) hp::bulk_wait_read<0>();  // the previous stores are done reading
+          hp::named_sync(1 + consumer, 128);
+          // Row rr of the slab, columns 8j + 2q and + 1: box j / 8, 16-byte chunk j % 8 of a
+          // 128-byte row, which the swizzle moves to chunk (j % 8) ^ (rr % 8).
+#pragma unroll
+          for (int j = part * 8 * kBoxes; j < (part + 1) * 8 * kBoxes; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int rr = warp * 16 + g8 + 8 * h;
+              const std::uint32_t at = slab + (j / 8 % kBoxes) * kBox + rr * 128 + (((j % 8) ^ (rr % 8)) << 4) + 4 * q;
+              asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])));
+            }
+          hp::fence_proxy_async();  // the copy engine reads what ordinary stores wrote
+          hp::named_sync(1 + consumer, 128);
+          if (leader) {
+            for (int b = 0; b < kBoxes; ++b) {
+              const int col = n0 + 64 * (part * kBoxes + b);
+              if (col < N) hp::tma_store_2d(&map_c, slab + b * kBox, col, slab_row);
+            }
+            hp::bulk_commit();
+          }
+        }
+        continue;
+      }
       // Epilogue straight from the accumulators: rows 16·warp + g and + 8 of this consumer's 64
       // (none, for a cluster's tile past the bottom of C).
-      const int g8 = lane / 4, q = lane % 4;
       const int row = m0 + consumer * 64 + warp * 16 + g8;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -198,6 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if (kBoxes > 0 && threadIdx.x % 128 == 0) hp::bulk_wait_all();  // stores done before the block ends
   }
   // No block of a cluster may exit while its peer can still write into its shared memory or
   // arrive on its barriers.
@@ -215,10 +271,11 @@ namespace {
 
 // The launch, for arguments matmul_hopper() has checked and K > 0: as many blocks (clusters) as
 // can be resident at once, each looping over tiles.
-template <int kCluster>
+template <int kCluster, int kBoxes>
 void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
                    cudaStream_t stream) {
-  auto* kernel = wgmma_kernel<kCluster>;
+  auto* kernel = wgmma_kernel<kCluster, kBoxes>;
+  constexpr int kSmemBytes = Smem<kBoxes>::kBytes;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -253,13 +310,15 @@ void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
   }
   const CUtensorMap map_a = hopper::make_tensor_map_bf16(A, M, K, BM, BK);
   const CUtensorMap map_b = hopper::make_tensor_map_bf16(B, N, K, BN / kCluster, BK);
+  // Without staging the map is never read; it still needs a valid tensor to describe.
+  const CUtensorMap map_c = kBoxes > 0 ? hopper::make_tensor_map_bf16(C, M, N, 64, 64) : map_a;
   const long long tiles = static_cast<long long>(tc::ceil_div(M, BM)) * tc::ceil_div(N, BN);
   K2C_CHECK(tiles <= 0x7fffffff, "too many tiles: " << M << "x" << N);
   const long long groups = (tiles + kCluster - 1) / kCluster;  // enough to keep every block busy
   config.gridDim = dim3(static_cast<unsigned>(std::min<long long>(groups * kCluster, resident)));
   config.stream = stream;
   const bool pairs = N % 2 == 0 && reinterpret_cast<std::uintptr_t>(C) % 4 == 0;
-  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, C, M, N, K, pairs));
+  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, C, M, N, K, pairs));
 }
 
 }  // namespace
@@ -276,7 +335,11 @@ void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, c
     K2C_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<std::size_t>(M) * N * sizeof(bf16), stream));
     return;
   }
-  launch_hopper<kCluster>(M, N, K, A, B, C, stream);
+  // Staged stores need a C that TMA can address: rows on 16 bytes.
+  if (N % 8 == 0 && tma_addressable(C))
+    launch_hopper<kCluster, kStagedBoxes>(M, N, K, A, B, C, stream);
+  else
+    launch_hopper<kCluster, 0>(M, N, K, A, B, C, stream);
 }
 
 }  // namespace k2c::tensor_core_matmul

@@ -942,16 +942,21 @@ constexpr int kHopperTileA = kHopperBM * kHopperBK * 2, kHopperTileB = kHopperBN
 constexpr int kHopperStageBytes = kHopperTileA + kHopperTileB;
 constexpr int kHopperBox = 64 * 64 * 2;  // one 64 × 64 box of bf16, 128-byte swizzled: 8 KiB
 
-// Shared memory of a variant: the ring; with kStaged, each consumer's 64 × 256 bf16 slab of the
-// output, staged for TMA stores (four 64 × 64 boxes); the barriers; 1 KiB of slack to align the
-// ring to the 1024 bytes a 128-byte swizzle spans. Staging costs a ring slot: 3 slots instead of 4.
-template <bool kStaged>
+// Shared memory of a variant: the ring; with kBoxes > 0, kBoxes 64 × 64 boxes of each consumer's
+// 64 × 256 bf16 output slab, staged for TMA stores (all four cost a ring slot: 3 instead of 4);
+// the barriers; 1 KiB of slack to align the ring to the 1024 bytes a 128-byte swizzle spans. The
+// prefix of tile counts comes last, one int per group and one more (prefix_bytes).
+template <int kBoxes>
 struct HopperSmem {
-  static constexpr int kStages = kStaged ? 3 : 4;
-  static constexpr int kStaging = kStaged ? 2 * 4 * kHopperBox : 0;
+  static constexpr int kStages = kBoxes > 2 ? 3 : 4;
+  static constexpr int kStaging = 2 * kBoxes * kHopperBox;
   static constexpr int kBytes = kStages * kHopperStageBytes + kStaging + 2 * kStages * 8 + 1024;
-  static_assert(kBytes + 4 * (kMaxExperts + 1) <= 227 * 1024, "the ring, staging and the tile prefix fit");
+  static_assert(kBytes + 4 * 2 <= 227 * 1024, "the ring, staging and a one-group prefix fit");
 };
+constexpr int prefix_bytes(int groups) { return 4 * (groups + 1); }
+constexpr int kSmemLimit = 227 * 1024;
+constexpr int kStagedBoxes = 4;  // what the module's launches stage
+static_assert(HopperSmem<kStagedBoxes>::kBytes + prefix_bytes(kMaxExperts) <= kSmemLimit, "every group count fits");
 
 struct HopperArgs {
   int groups;
@@ -961,25 +966,21 @@ struct HopperArgs {
   bool pairs;
 };
 
-// Named barrier `id` among `threads` threads (0 is __syncthreads, 1 the dW clearing).
-[[maybe_unused]] __device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// kStaged: the epilogue goes through shared memory and TMA stores (bf16 C whose rows start on 16
-// bytes), so that a consumer's stores overlap its next tile's MMAs instead of stalling them.
-template <HopperForm kForm, class OutT, bool kStaged>
+// kBoxes > 0: the epilogue goes through shared memory, kBoxes boxes at a time, and TMA stores (bf16
+// C whose rows start on 16 bytes), so that a consumer's last stores overlap its next tile's MMAs
+// instead of stalling them (module 05 measures 1, 2 and 4 boxes).
+template <HopperForm kForm, class OutT, int kBoxes>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                           const __grid_constant__ CUtensorMap map_c, HopperArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kAT = kForm == HopperForm::dw, kBT = kForm != HopperForm::forward;  // MN-major operands
-  constexpr int kHopperStages = HopperSmem<kStaged>::kStages;
+  constexpr int kHopperStages = HopperSmem<kBoxes>::kStages;
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int prefix[kMaxExperts + 1];
   const std::uint32_t ring = (smem_addr(smem_raw) + 1023) & ~1023u;
   const std::uint32_t staging = ring + kHopperStages * kHopperStageBytes;
-  const std::uint32_t bars = staging + HopperSmem<kStaged>::kStaging;
+  const std::uint32_t bars = staging + HopperSmem<kBoxes>::kStaging;
+  int* prefix = reinterpret_cast<int*>(smem_raw + (bars + 16 * kHopperStages - smem_addr(smem_raw)));
   auto slot_a = [&](int s) { return ring + s * kHopperStageBytes; };
   auto slot_b = [&](int s) { return ring + s * kHopperStageBytes + kHopperTileA; };
   auto full = [&](int s) { return bars + 8 * s; };
@@ -1073,7 +1074,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
               asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(base + valid * 128 + piece * 16), "r"(0));
             }
             hp::fence_proxy_async();
-            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumers, after all the clearing
+            hp::named_sync(1, 256);  // both consumers, after all the clearing
           }
         }
         hp::wgmma_fence();
@@ -1093,29 +1094,35 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       // Rows 16·warp + g8 and + 8 of this consumer's 64, inside C (forward, dX: the group's rows).
       const int g8 = lane / 4, q = lane % 4;
       const int row_end = kForm == HopperForm::dw ? p.m : w.rows;
-      if constexpr (kStaged) {
+      if constexpr (kBoxes > 0) {
         // A slab wholly inside the group: into the staging boxes (the layout a TMA load of them
-        // would produce: 128-byte rows, chunk c of row r at c ^ (r % 8)), then four TMA stores.
-        // Slabs that cross the group's end take the direct stores below.
+        // would produce: 128-byte rows, chunk c of row r at c ^ (r % 8)), kBoxes at a time, each
+        // batch stored by TMA. Slabs that cross the group's end take the direct stores below.
         if (w.m0 + consumer * 64 + 64 <= row_end) {
-          const std::uint32_t slab = staging + consumer * 4 * kHopperBox;
+          const std::uint32_t slab = staging + consumer * kBoxes * kHopperBox;
           const bool leader = threadIdx.x % 128 == 0;
-          if (leader) hp::bulk_wait_read<0>();  // the previous tile's stores are done reading
-          named_sync(2 + consumer, 128);
 #pragma unroll
-          for (int j = 0; j < 32; ++j)
+          for (int part = 0; part < 4 / kBoxes; ++part) {
+            if (leader) hp::bulk_wait_read<0>();  // the previous stores are done reading
+            hp::named_sync(2 + consumer, 128);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int rr = warp * 16 + g8 + 8 * h;
-              const std::uint32_t at = slab + (j / 8) * kHopperBox + rr * 128 + (((j % 8) ^ (rr % 8)) << 4) + 4 * q;
-              asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])));
+            for (int j = part * 8 * kBoxes; j < (part + 1) * 8 * kBoxes; ++j)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int rr = warp * 16 + g8 + 8 * h;
+                const std::uint32_t at =
+                    slab + (j / 8 % kBoxes) * kHopperBox + rr * 128 + (((j % 8) ^ (rr % 8)) << 4) + 4 * q;
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])));
+              }
+            hp::fence_proxy_async();
+            hp::named_sync(2 + consumer, 128);
+            if (leader) {
+              for (int b = 0; b < kBoxes; ++b) {
+                const int col = w.n0 + 64 * (part * kBoxes + b);
+                if (col < p.n) hp::tma_store_2d(&map_c, slab + b * kHopperBox, col, w.row0 + w.m0 + consumer * 64);
+              }
+              hp::bulk_commit();
             }
-          hp::fence_proxy_async();
-          named_sync(2 + consumer, 128);
-          if (leader) {
-            for (int box = 0; box < 4 && w.n0 + 64 * box < p.n; ++box)
-              hp::tma_store_2d(&map_c, slab + box * kHopperBox, w.n0 + 64 * box, w.row0 + w.m0 + consumer * 64);
-            hp::bulk_commit();
           }
           continue;
         }
@@ -1136,7 +1143,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         }
       }
     }
-    if (kStaged && threadIdx.x % 128 == 0) hp::bulk_wait_all();
+    if (kBoxes > 0 && threadIdx.x % 128 == 0) hp::bulk_wait_all();
   }
 #endif
 }
@@ -1155,12 +1162,13 @@ bool hopper_here() {
   return it->second;
 }
 
-template <HopperForm kForm, class OutT, bool kStaged = false>
+template <HopperForm kForm, class OutT, int kBoxes = 0>
 void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const HopperArgs& args,
                    cudaStream_t stream) {
-  auto* kernel = hopper_grouped_kernel<kForm, OutT, kStaged>;
-  constexpr int kHopperSmemBytes = HopperSmem<kStaged>::kBytes;
-  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kHopperSmemBytes));
+  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes>;
+  const int smem = HopperSmem<kBoxes>::kBytes + prefix_bytes(args.groups);
+  K2C_CHECK(smem <= kSmemLimit, "moe: " << args.groups << " groups do not fit the wgmma kernel's shared memory");
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   static std::mutex mutex;
   static std::map<int, int> resident_on;
   int device = 0, resident = 0;
@@ -1171,13 +1179,13 @@ void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
     if (known == 0) {
       int sms = 0, per_sm = 0;
       K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kHopperThreads, kHopperSmemBytes));
+      K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kHopperThreads, smem));
       K2C_CHECK(per_sm > 0, "moe: the wgmma kernel does not fit on this GPU");
       known = sms * per_sm;
     }
     resident = known;
   }
-  kernel<<<resident, kHopperThreads, kHopperSmemBytes, stream>>>(map_a, map_b, map_c, args);
+  kernel<<<resident, kHopperThreads, smem, stream>>>(map_a, map_b, map_c, args);
   K2C_CUDA_CHECK_LAUNCH();
 }
 
@@ -1196,10 +1204,13 @@ void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k,
   const CUtensorMap map_b = b_transposed ? hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK)
                                          : hp::make_tensor_map_bf16(b, groups * k, n, 64, 64);
   // TMA stores C where its rows start on 16 bytes; otherwise the epilogue stores from registers.
+  // The whole slab staged at once (four boxes, three ring slots): at this module's shapes it
+  // measured ahead of two boxes at a time with four slots, which module 05's longer K prefers
+  // (tools/experiments/moe_grouped.cu boxes).
   if (n % 8 == 0 && reinterpret_cast<std::uintptr_t>(c) % 16 == 0) {
     const CUtensorMap map_c = hp::make_tensor_map_bf16(c, rows, n, 64, 64);
-    if (b_transposed) launch_hopper<HopperForm::forward, bf16, true>(map_a, map_b, map_c, args, stream);
-    else launch_hopper<HopperForm::dx, bf16, true>(map_a, map_b, map_c, args, stream);
+    if (b_transposed) launch_hopper<HopperForm::forward, bf16, kStagedBoxes>(map_a, map_b, map_c, args, stream);
+    else launch_hopper<HopperForm::dx, bf16, kStagedBoxes>(map_a, map_b, map_c, args, stream);
   } else {
     if (b_transposed) launch_hopper<HopperForm::forward, bf16>(map_a, map_b, map_a, args, stream);
     else launch_hopper<HopperForm::dx, bf16>(map_a, map_b, map_a, args, stream);

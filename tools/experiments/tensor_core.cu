@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -34,7 +35,9 @@ static void part_a(int n, const bf16* A, const bf16* B, bf16* C) {
   tcm::launch<T, true>(n, n, n, A, B, C, true, nullptr);
 }
 
-int main() {
+int main(int argc, char** argv) {
+  // `hopper`: cuBLAS and the Part B variants only, each timed twice (in two rounds).
+  const bool hopper_only = argc > 1 && std::string(argv[1]) == "hopper";
   cublasHandle_t h;
   cublasCreate(&h);
   for (int n : {4096, 8192}) {
@@ -76,6 +79,25 @@ int main() {
                    n, &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }, 0);
     using namespace k2c::tensor_core_matmul;
+    if (hopper_only && tcm::hopper_supported()) {
+      for (int round = 0; round < 2; ++round) {
+        report("wgmma, 1 block per tile", [&] { tcm::launch_hopper<1, 0>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, clusters of 2", [&] { tcm::launch_hopper<2, 0>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, 1 block, staged 4 boxes", [&] { tcm::launch_hopper<1, 4>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, clusters, staged 4 boxes", [&] { tcm::launch_hopper<2, 4>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, 1 block, staged 2 boxes", [&] { tcm::launch_hopper<1, 2>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, clusters, staged 2 boxes", [&] { tcm::launch_hopper<2, 2>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, 1 block, staged 1 box", [&] { tcm::launch_hopper<1, 1>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("cublas again", [&] {
+          cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF,
+                       n, &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        }, cublas);
+      }
+      cudaFree(A);
+      cudaFree(B);
+      cudaFree(C);
+      continue;
+    }
     report("mma 128x256 w2x4 s3", [&] { part_a<Tile<128, 256, 2, 4, 3>>(n, A, B, C); }, cublas);
     report("mma 128x256 w2x4 s4", [&] { part_a<Tile<128, 256, 2, 4, 4>>(n, A, B, C); }, cublas);
     report("mma 256x128 w4x2 s3", [&] { part_a<Tile<256, 128, 4, 2, 3>>(n, A, B, C); }, cublas);
@@ -88,8 +110,8 @@ int main() {
     report("mma 128x256 w4x4 s4", [&] { part_a<Tile<128, 256, 4, 4, 4>>(n, A, B, C); }, cublas);
     report("mma 256x256 w4x4 s3", [&] { part_a<Tile<256, 256, 4, 4, 3>>(n, A, B, C); }, cublas);
     if (tcm::hopper_supported()) {
-      report("wgmma, 1 block per tile", [&] { tcm::launch_hopper<1>(n, n, n, A, B, C, nullptr); }, cublas);
-      report("wgmma, clusters of 2 (ref)", [&] { tcm::launch_hopper<2>(n, n, n, A, B, C, nullptr); }, cublas);
+      report("wgmma, clusters of 2", [&] { tcm::launch_hopper<2, 0>(n, n, n, A, B, C, nullptr); }, cublas);
+      report("wgmma, staged (ref)", [&] { tcm::launch_hopper<tcm::kCluster, tcm::kStagedBoxes>(n, n, n, A, B, C, nullptr); }, cublas);
     }
     cudaFree(A);
     cudaFree(B);

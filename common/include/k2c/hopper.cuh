@@ -93,6 +93,17 @@ __device__ __forceinline__ void tma_load_2d_multicast(std::uint32_t dst, const C
       : "memory");
 }
 
+// A plain bulk copy (no tensor map, sm_90): `bytes` contiguous bytes from global memory at `src`
+// into shared memory at `dst`, completing that many bytes on the mbarrier `bar`. Both addresses
+// must be 16-byte aligned and `bytes` a multiple of 16.
+__device__ __forceinline__ void bulk_load(std::uint32_t dst, const void* src, std::uint32_t bytes,
+                                          std::uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // The other way: the box at (x, y) of `map` written from shared memory at `src` (in the layout a
 // load of the same box would produce), clipped at the tensor's edge. The copy runs on its own;
 // bulk_commit() closes a group of such stores, and bulk_wait_read<N>() waits until at most N
@@ -111,6 +122,12 @@ __device__ __forceinline__ void bulk_wait_read() {
 }
 // Waits until every committed store has completed (before a block that issued them exits).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Named barrier `id` (1 to 15; 0 is __syncthreads) among `threads` threads, a multiple of 32: lets
+// one warpgroup synchronise without stopping the others.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // ------------------------------------------------------------------ clusters -----------------
 
@@ -365,6 +382,43 @@ __global__ void sm90a_probe_kernel(int* has_features) {
     return fail("this build's code for the GPU lacks the sm_90a features (configure with "
                 "CMAKE_CUDA_ARCHITECTURES=90 or 90a: the module is then built for 90a)");
   return true;
+}
+
+// Writes the compute capability this file's code for the device was compiled for (e.g. 900).
+__global__ void arch_probe_kernel(int* arch) {
+#if defined(__CUDA_ARCH__)
+  *arch = __CUDA_ARCH__;
+#endif
+}
+
+// Whether this file's plain sm_90 code (mbarriers, bulk copies, no sm_90a features) runs on the
+// current device: a GPU of compute capability 9.0 or newer running code compiled for it (not, say,
+// sm_80 code that the driver compiled from PTX). Asked with a probe launch once per device; with a
+// CUDA error pending the answer is "no" for this call, and the error stays in place.
+[[maybe_unused]] bool bulk_copies_supported() {
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find(device); it != known.end()) return it->second;
+  if (cudaPeekAtLastError() != cudaSuccess) return false;
+  int* flag = nullptr;
+  int arch = 0;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaMemset(flag, 0, sizeof(int));
+  arch_probe_kernel<<<1, 1>>>(flag);
+  const bool ran = cudaGetLastError() == cudaSuccess &&
+                   cudaMemcpy(&arch, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+  cudaFree(flag);
+  if (!ran) cudaGetLastError();  // no code for this GPU: the answer is no, not an error
+  return known.emplace(device, ran && arch >= 900).first->second;
 }
 
 // Throws std::invalid_argument naming `who` and the reason when sm90a_supported() is false. The

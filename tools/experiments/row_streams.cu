@@ -1,0 +1,549 @@
+// tools/experiments/row_streams.cu — designs for modules 06 and 07 at the graded shape (16384 ×
+// 4096 bf16) that keep more bytes in flight than the register kernels: rows streamed into shared
+// memory by the bulk copy engine (cp.async.bulk, sm_90), in a ring per warp (softmax, RMSNorm
+// forward) or per block (RMSNorm backward). Beside them: cudaMemcpy of several sizes and plain
+// copy kernels of the graded bytes, and the reference solutions, all timed as the graded tests
+// time (L2 overwritten before each run, median of 30). The numbers one H200 gave are in
+// autograder/reference/h200.json under "row_streams". Build and run on an H100 or H200:
+//   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/06_softmax \
+//     -Iassignments/07_rmsnorm tools/experiments/row_streams.cu -o /tmp/rs && /tmp/rs [sections]
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../../solutions/06_softmax/softmax.cu"
+#include "../../solutions/07_rmsnorm/rmsnorm.cu"
+#include "k2c/hopper.cuh"
+#include "median_time.cuh"
+
+using bf16 = __nv_bfloat16;
+namespace hp = k2c::hopper;
+using k2c::rows::Max;
+using k2c::rows::Sum;
+using k2c::rows::warp_all;
+
+__device__ __forceinline__ std::uint32_t saddr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ int4 lds16(std::uint32_t a) {
+  int4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void unpack(const int4& raw, float (&f)[8]) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(p[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+__device__ __forceinline__ int4 pack(const float (&f)[8]) {
+  int4 raw;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return raw;
+}
+
+// ---- plain copies: U 16-byte pieces per thread, blocks of 256 over consecutive chunks --------
+template <int U>
+__global__ __launch_bounds__(256) void copy_kernel(const int4* __restrict__ x, int4* __restrict__ y, std::size_t n) {
+  const std::size_t base = static_cast<std::size_t>(blockIdx.x) * 256 * U + threadIdx.x;
+  int4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (base + u * 256 < n) v[u] = x[base + u * 256];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (base + u * 256 < n) y[base + u * 256] = v[u];
+}
+
+// ---- warp rings: warp w of the grid takes rows w, w + warps, ...; its ring holds S rows, each
+// brought in by one bulk copy that completes on the slot's mbarrier. Lane 0 refills a slot as soon
+// as every lane is done reading it, so S - 1 rows are always on their way while one is computed.
+struct WarpRing {
+  std::uint32_t ring, bars, row_bytes;
+  int S, first, stride, lane;
+  __device__ std::uint32_t slot(int k) const { return ring + (k % S) * row_bytes; }
+  __device__ void issue(const bf16* src, int rows, int cols, int k) const {
+    const int r = first + k * stride;
+    if (lane == 0 && r < rows) {
+      const std::uint32_t bar = bars + 8 * (k % S);
+      hp::mbarrier_arrive_expect_tx(bar, row_bytes);
+      hp::bulk_load(slot(k), src + static_cast<std::size_t>(r) * cols, row_bytes, bar);
+    }
+  }
+  __device__ void wait(int k) const { hp::mbarrier_wait(bars + 8 * (k % S), (k / S) & 1); }
+};
+
+template <int W>
+__device__ WarpRing make_ring(unsigned char* smem, int S, int cols) {
+  WarpRing w;
+  const int warp = threadIdx.x / 32;
+  w.lane = threadIdx.x % 32;
+  w.S = S;
+  w.row_bytes = cols * 2;
+  const std::uint32_t base = (saddr(smem) + 127) & ~127u;
+  w.ring = base + warp * S * w.row_bytes;
+  w.bars = base + W * S * w.row_bytes + warp * S * 8;
+  w.first = blockIdx.x * W + warp;
+  w.stride = gridDim.x * W;
+  if (w.lane == 0) {
+    for (int s = 0; s < S; ++s) hp::mbarrier_init(w.bars + 8 * s, 1);
+    hp::fence_barrier_init();
+  }
+  __syncwarp();
+  return w;
+}
+template <int W>
+int ring_smem(int S, int cols) { return W * S * (cols * 2 + 8) + 128; }
+
+template <int W>
+__global__ __launch_bounds__(32 * W) void softmax_ring(const bf16* __restrict__ x, bf16* __restrict__ y, int rows, int cols, int S) {
+  extern __shared__ unsigned char smem[];
+  const WarpRing w = make_ring<W>(smem, S, cols);
+  for (int k = 0; k < S; ++k) w.issue(x, rows, cols, k);
+  const int vecs = cols / 8;
+  for (int k = 0, r = w.first; r < rows; ++k, r += w.stride) {
+    w.wait(k);
+    const std::uint32_t slot = w.slot(k);
+    float m = Max::identity;
+#pragma unroll 4
+    for (int v = w.lane; v < vecs; v += 32) {
+      float f[8];
+      unpack(lds16(slot + 16 * v), f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, f[i]);
+    }
+    m = warp_all(m, Max{});
+    const float ml = m * 1.4426950408889634f;
+    float s = 0.0f;
+#pragma unroll 4
+    for (int v = w.lane; v < vecs; v += 32) {
+      float f[8];
+      unpack(lds16(slot + 16 * v), f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s += exp2f(fmaf(f[i], 1.4426950408889634f, -ml));
+    }
+    const float inv = 1.0f / warp_all(s, Sum{});
+    int4* yr = reinterpret_cast<int4*>(y + static_cast<std::size_t>(r) * cols);
+#pragma unroll 4
+    for (int v = w.lane; v < vecs; v += 32) {
+      float f[8];
+      unpack(lds16(slot + 16 * v), f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = exp2f(fmaf(f[i], 1.4426950408889634f, -ml)) * inv;
+      yr[v] = pack(f);
+    }
+    hp::fence_proxy_async();
+    __syncwarp();
+    w.issue(x, rows, cols, k + S);
+  }
+}
+
+template <int W>
+__global__ __launch_bounds__(32 * W) void rms_fwd_ring(const bf16* __restrict__ x, const bf16* __restrict__ gamma, bf16* __restrict__ y,
+                                                      float* __restrict__ rstd, int rows, int cols, float eps, int S) {
+  extern __shared__ unsigned char smem[];
+  const WarpRing w = make_ring<W>(smem, S, cols);
+  for (int k = 0; k < S; ++k) w.issue(x, rows, cols, k);
+  const int vecs = cols / 8;
+  for (int k = 0, r = w.first; r < rows; ++k, r += w.stride) {
+    w.wait(k);
+    const std::uint32_t slot = w.slot(k);
+    float sq = 0.0f;
+#pragma unroll 4
+    for (int v = w.lane; v < vecs; v += 32) {
+      float f[8];
+      unpack(lds16(slot + 16 * v), f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sq = fmaf(f[i], f[i], sq);
+    }
+    const float rs = rsqrtf(warp_all(sq, Sum{}) / cols + eps);
+    if (w.lane == 0) rstd[r] = rs;
+    int4* yr = reinterpret_cast<int4*>(y + static_cast<std::size_t>(r) * cols);
+    const int4* g4 = reinterpret_cast<const int4*>(gamma);
+#pragma unroll 4
+    for (int v = w.lane; v < vecs; v += 32) {
+      float f[8], g[8];
+      unpack(lds16(slot + 16 * v), f);
+      unpack(__ldg(g4 + v), g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = f[i] * rs * g[i];
+      yr[v] = pack(f);
+    }
+    hp::fence_proxy_async();
+    __syncwarp();
+    w.issue(x, rows, cols, k + S);
+  }
+}
+
+// ---- block rings for the one-input kernels: block b takes rows b, b + blocks, ...; its ring holds
+// S rows; thread 0 refills a slot once the block's first reduction (whose barriers follow every
+// thread's reads of the slot) is over. Thread t keeps vectors t + 256·i (ITERS of them) packed.
+template <bool kSoftmax, int ITERS>
+__global__ __launch_bounds__(256) void block_ring(const bf16* __restrict__ x, const bf16* __restrict__ gamma, bf16* __restrict__ y,
+                                                 float* __restrict__ rstd, int rows, int cols, float eps, int S) {
+  extern __shared__ unsigned char smem[];
+  __shared__ k2c::rows::RowScratch scratch;
+  const std::uint32_t row_bytes = cols * 2;
+  const std::uint32_t ring = (saddr(smem) + 127) & ~127u, bars = ring + S * row_bytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) hp::mbarrier_init(bars + 8 * s, 1);
+    hp::fence_barrier_init();
+  }
+  __syncthreads();
+  auto issue = [&](int k) {
+    const int r = blockIdx.x + k * gridDim.x;
+    if (threadIdx.x == 0 && r < rows) {
+      const std::uint32_t bar = bars + 8 * (k % S);
+      hp::mbarrier_arrive_expect_tx(bar, row_bytes);
+      hp::bulk_load(ring + (k % S) * row_bytes, x + static_cast<std::size_t>(r) * cols, row_bytes, bar);
+    }
+  };
+  for (int k = 0; k < S; ++k) issue(k);
+  const int vecs = cols / 8;
+  for (int k = 0, r = blockIdx.x; r < rows; ++k, r += gridDim.x) {
+    hp::mbarrier_wait(bars + 8 * (k % S), (k / S) & 1);
+    const std::uint32_t at = ring + (k % S) * row_bytes;
+    int4 raw[ITERS];
+    float first = kSoftmax ? Max::identity : 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      if (v < vecs) {
+        raw[it] = lds16(at + 16 * v);
+        float f[8];
+        unpack(raw[it], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) first = kSoftmax ? fmaxf(first, f[i]) : fmaf(f[i], f[i], first);
+      }
+    }
+    hp::fence_proxy_async();
+    int4* yr = reinterpret_cast<int4*>(y + static_cast<std::size_t>(r) * cols);
+    if constexpr (kSoftmax) {
+      const float m = k2c::rows::row_all(first, Max{}, scratch);
+      issue(k + S);
+      float e[ITERS][8], sum = 0.0f;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int v = it * 256 + threadIdx.x;
+        if (v < vecs) {
+          unpack(raw[it], e[it]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            e[it][i] = __expf(e[it][i] - m);
+            sum += e[it][i];
+          }
+        }
+      }
+      const float inv = 1.0f / k2c::rows::row_all(sum, Sum{}, scratch);
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int v = it * 256 + threadIdx.x;
+        if (v < vecs) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) e[it][i] *= inv;
+          yr[v] = pack(e[it]);
+        }
+      }
+    } else {
+      const float rs = rsqrtf(k2c::rows::row_all(first, Sum{}, scratch) / cols + eps);
+      issue(k + S);
+      if (threadIdx.x == 0) rstd[r] = rs;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int v = it * 256 + threadIdx.x;
+        if (v < vecs) {
+          float f[8], g[8];
+          unpack(raw[it], f);
+          unpack(__ldg(reinterpret_cast<const int4*>(gamma) + v), g);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) f[i] *= rs * g[i];
+          yr[v] = pack(f);
+        }
+      }
+    }
+  }
+}
+
+// ---- RMSNorm backward, a block ring: block b takes rows b, b + blocks, ...; slot s holds the
+// row of h and the row of dy. Thread t handles vectors t + 256·i of a row (ITERS of them) and
+// keeps its columns' dgamma partial sums in registers; one partial row per block at the end.
+template <int ITERS, int MIN_BLOCKS>
+__global__ __launch_bounds__(256, MIN_BLOCKS) void rms_bwd_ring(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
+                                                   const bf16* __restrict__ dy, const float* __restrict__ rstd,
+                                                   bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols, int S) {
+  extern __shared__ unsigned char smem[];
+  __shared__ k2c::rows::RowScratch scratch;
+  const std::uint32_t row_bytes = cols * 2;
+  const std::uint32_t ring = (saddr(smem) + 127) & ~127u, bars = ring + S * 2 * row_bytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) hp::mbarrier_init(bars + 8 * s, 1);
+    hp::fence_barrier_init();
+  }
+  __syncthreads();
+  auto issue = [&](int k) {
+    const int r = blockIdx.x + k * gridDim.x;
+    if (threadIdx.x == 0 && r < rows) {
+      const std::uint32_t bar = bars + 8 * (k % S), at = ring + (k % S) * 2 * row_bytes;
+      hp::mbarrier_arrive_expect_tx(bar, 2 * row_bytes);
+      hp::bulk_load(at, h + static_cast<std::size_t>(r) * cols, row_bytes, bar);
+      hp::bulk_load(at + row_bytes, dy + static_cast<std::size_t>(r) * cols, row_bytes, bar);
+    }
+  };
+  for (int k = 0; k < S; ++k) issue(k);
+  const int vecs = cols / 8;
+  float g[ITERS][8], dg[ITERS][8] = {};
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int v = it * 256 + threadIdx.x;
+    if (v < vecs) unpack(__ldg(reinterpret_cast<const int4*>(gamma) + v), g[it]);
+  }
+  for (int k = 0, r = blockIdx.x; r < rows; ++k, r += gridDim.x) {
+    hp::mbarrier_wait(bars + 8 * (k % S), (k / S) & 1);
+    const std::uint32_t at = ring + (k % S) * 2 * row_bytes;
+    int4 hr[ITERS], dr[ITERS];
+    float dot = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      if (v < vecs) {
+        hr[it] = lds16(at + 16 * v);
+        dr[it] = lds16(at + row_bytes + 16 * v);
+        float hf[8], df[8];
+        unpack(hr[it], hf);
+        unpack(dr[it], df);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot = fmaf(g[it][i] * df[i], hf[i], dot);
+      }
+    }
+    hp::fence_proxy_async();
+    const float total = k2c::rows::row_all(dot, Sum{}, scratch);  // its barriers end the slot's reads
+    issue(k + S);
+    const float rs = rstd[r], kk = rs * rs * rs * total / cols;
+    int4* out = reinterpret_cast<int4*>(dx + static_cast<std::size_t>(r) * cols);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      if (v < vecs) {
+        float hf[8], df[8], o[8];
+        unpack(hr[it], hf);
+        unpack(dr[it], df);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          dg[it][i] = fmaf(df[i] * hf[i], rs, dg[it][i]);
+          o[i] = rs * g[it][i] * df[i] - kk * hf[i];
+        }
+        out[v] = pack(o);
+      }
+    }
+  }
+  float* mine = partial + static_cast<std::size_t>(blockIdx.x) * cols;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int v = it * 256 + threadIdx.x;
+    if (v < vecs)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mine[8 * v + i] = dg[it][i];
+  }
+}
+
+// ---- harness ---------------------------------------------------------------------------------
+__global__ void fill_kernel(bf16* p, std::size_t n, unsigned seed, float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed * 40503u;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    p[i] = __float2bfloat16(scale * (static_cast<float>(x & 0xffff) / 32768.0f - 1.0f));
+  }
+}
+
+static double g_ceiling = 0;
+static int g_sms = 0;
+void report(const char* what, double bytes, double ms) {
+  const double gbs = bytes / (ms * 1e-3) / 1e9;
+  std::printf("%-56s %8.4f ms %7.0f GB/s  %.3f of the 1 GiB memcpy\n", what, ms, gbs, gbs / g_ceiling);
+}
+double timed(const std::function<void()>& f) {
+  const double ms = median_ms(f, 30, 3, true);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    std::printf("CUDA error %s\n", cudaGetErrorString(e));
+    std::exit(1);
+  }
+  return ms;
+}
+float max_diff(const bf16* a, const bf16* b, std::size_t n) {
+  std::vector<bf16> ha(n), hb(n);
+  cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost);
+  float m = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = __bfloat162float(ha[i]), y = __bfloat162float(hb[i]);
+    const float d = std::fabs(x - y) / std::max(std::fabs(y), 1e-6f);
+    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
+  }
+  return m;
+}
+template <class K>
+int blocks_for(K kernel, int threads, int smem) {
+  int per_sm = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
+    cudaGetLastError();  // too much shared memory: not a configuration, not an error
+    return 0;
+  }
+  return per_sm * g_sms;
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  // Sections to run (default all): copy softmax rmsfwd rmsbwd.
+  auto wanted = [&](const char* section) {
+    if (argc < 2) return true;
+    for (int i = 1; i < argc; ++i)
+      if (std::string(argv[i]) == section) return true;
+    return false;
+  };
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  g_sms = prop.multiProcessorCount;
+  std::printf("%s, %d SMs, L2 %d MiB\n", prop.name, g_sms, prop.l2CacheSize >> 20);
+  const int rows = 16384, cols = 4096;
+  const std::size_t n = std::size_t{rows} * cols;
+  bf16 *x, *y, *y2, *dy, *gamma, *big1, *big2;
+  float *rstd, *partial, *dgamma, *dgamma2;
+  cudaMalloc(&x, n * 2);
+  cudaMalloc(&y, n * 2);
+  cudaMalloc(&y2, n * 2);
+  cudaMalloc(&dy, n * 2);
+  cudaMalloc(&gamma, cols * 2);
+  cudaMalloc(&rstd, rows * 4);
+  cudaMalloc(&partial, std::size_t{4096} * cols * 4);
+  cudaMalloc(&dgamma, cols * 4);
+  cudaMalloc(&dgamma2, cols * 4);
+  cudaMalloc(&big1, std::size_t{1} << 30);
+  cudaMalloc(&big2, std::size_t{1} << 30);
+  fill_kernel<<<1024, 256>>>(x, n, 1, 8.0f);
+  fill_kernel<<<1024, 256>>>(dy, n, 2, 1.0f);
+  fill_kernel<<<64, 256>>>(gamma, cols, 3, 1.0f);
+  cudaMemset(big1, 0x5A, std::size_t{1} << 30);
+  g_ceiling = 2.0 * (1 << 30) / (timed([&] { cudaMemcpyAsync(big2, big1, std::size_t{1} << 30, cudaMemcpyDeviceToDevice); }) * 1e-3) / 1e9;
+  std::printf("memcpy 1 GiB: %.0f GB/s\n", g_ceiling);
+  const double two = 2.0 * n * 2, three = 3.0 * n * 2;
+
+  if (wanted("copy")) {
+  std::printf("\n-- copies of 128 MiB\n");
+  for (std::size_t mib : {128, 192, 256, 512}) {
+    char name[64];
+    std::snprintf(name, sizeof name, "memcpy %zu MiB", mib);
+    report(name, 2.0 * (mib << 20), timed([&] { cudaMemcpyAsync(big2, big1, mib << 20, cudaMemcpyDeviceToDevice); }));
+  }
+  const std::size_t n16 = n * 2 / 16;
+  report("copy kernel, 1 x 16 B per thread", two, timed([&] { copy_kernel<1><<<(n16 + 255) / 256, 256>>>((int4*)x, (int4*)y, n16); }));
+  report("copy kernel, 2 x 16 B per thread", two, timed([&] { copy_kernel<2><<<(n16 + 511) / 512, 256>>>((int4*)x, (int4*)y, n16); }));
+  report("copy kernel, 4 x 16 B per thread", two, timed([&] { copy_kernel<4><<<(n16 + 1023) / 1024, 256>>>((int4*)x, (int4*)y, n16); }));
+  report("copy kernel, 8 x 16 B per thread", two, timed([&] { copy_kernel<8><<<(n16 + 2047) / 2048, 256>>>((int4*)x, (int4*)y, n16); }));
+
+  }
+  if (wanted("softmax")) {
+  std::printf("\n-- softmax 16384 x 4096 bf16\n");
+  namespace sm = k2c::softmax;
+  report("reference fast", two, timed([&] { sm::softmax(sm::Version::fast, x, y, rows, cols); }));
+  for (int S : {2, 3, 4, 6})
+    for (int per_sm : {2, 3, 4, 6, 8}) {
+      const int smem = S * (cols * 2 + 8) + 128;
+      if (blocks_for(block_ring<true, 2>, 256, smem) < per_sm * g_sms) continue;
+      cudaMemset(y2, 0xFF, n * 2);
+      const double ms = timed([&] { block_ring<true, 2><<<per_sm * g_sms, 256, smem>>>(x, gamma, y2, rstd, rows, cols, 0.f, S); });
+      char name[96];
+      std::snprintf(name, sizeof name, "block ring S%d, %d blocks/SM, diff %.1e", S, per_sm, max_diff(y2, y, n));
+      report(name, two, ms);
+    }
+  for (int S : {2, 3, 4, 6}) {
+    for (int W : {4, 8}) {
+      auto kern = W == 4 ? softmax_ring<4> : softmax_ring<8>;
+      const int smem = W == 4 ? ring_smem<4>(S, cols) : ring_smem<8>(S, cols);
+      const int grid = blocks_for(kern, 32 * W, smem);
+      if (grid == 0) continue;
+      cudaMemset(y2, 0xFF, n * 2);
+      const double ms = timed([&] { kern<<<grid, 32 * W, smem>>>(x, y2, rows, cols, S); });
+      char name[96];
+      std::snprintf(name, sizeof name, "warp ring S%d W%d (%d blocks) diff %.1e", S, W, grid, max_diff(y2, y, n));
+      report(name, two, ms);
+    }
+  }
+
+  }
+  namespace rn = k2c::rmsnorm;
+  if (wanted("rmsfwd")) {
+  std::printf("\n-- RMSNorm forward 16384 x 4096 bf16\n");
+  rn::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f);
+  for (int S : {2, 3, 4, 6})
+    for (int per_sm : {2, 3, 4, 6, 8}) {
+      const int smem = S * (cols * 2 + 8) + 128;
+      if (blocks_for(block_ring<false, 2>, 256, smem) < per_sm * g_sms) continue;
+      cudaMemset(y2, 0xFF, n * 2);
+      const double ms = timed([&] { block_ring<false, 2><<<per_sm * g_sms, 256, smem>>>(x, gamma, y2, rstd, rows, cols, 1e-6f, S); });
+      char name[96];
+      std::snprintf(name, sizeof name, "block ring S%d, %d blocks/SM, diff %.1e", S, per_sm, max_diff(y2, y, n));
+      report(name, two, ms);
+    }
+  report("reference forward", two, timed([&] { rn::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f); }));
+  for (int S : {2, 3, 4, 6}) {
+    for (int W : {4, 8}) {
+      auto kern = W == 4 ? rms_fwd_ring<4> : rms_fwd_ring<8>;
+      const int smem = W == 4 ? ring_smem<4>(S, cols) : ring_smem<8>(S, cols);
+      const int grid = blocks_for(kern, 32 * W, smem);
+      if (grid == 0) continue;
+      cudaMemset(y2, 0xFF, n * 2);
+      const double ms = timed([&] { kern<<<grid, 32 * W, smem>>>(x, gamma, y2, rstd, rows, cols, 1e-6f, S); });
+      char name[96];
+      std::snprintf(name, sizeof name, "warp ring S%d W%d (%d blocks) diff %.1e", S, W, grid, max_diff(y2, y, n));
+      report(name, two, ms);
+    }
+  }
+
+  }
+  if (wanted("rmsbwd")) {
+  std::printf("\n-- RMSNorm backward 16384 x 4096 bf16 (rate counts h, dy, dx)\n");
+  rn::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f);
+  void* ws;
+  cudaMalloc(&ws, rn::backward_workspace_bytes(rows, cols));
+  report("reference backward", three, timed([&] { rn::backward(x, gamma, dy, rstd, y, dgamma, ws, rows, cols); }));
+  auto bwd_variant = [&](auto kern, int S, int per_sm, const char* tag) {
+    const int smem = S * 2 * cols * 2 + S * 8 + 128;
+    if (blocks_for(kern, 256, smem) < per_sm * g_sms) return;
+    const int grid = per_sm * g_sms;
+    cudaMemset(y2, 0xFF, n * 2);
+    const double ms = timed([&] {
+      kern<<<grid, 256, smem>>>(x, gamma, dy, rstd, y2, partial, rows, cols, S);
+      k2c::rmsnorm::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, 32)>>>(partial, dgamma2, grid, cols);
+    });
+    rn::backward(x, gamma, dy, rstd, y, dgamma, ws, rows, cols);  // the reference's dx and dgamma
+    std::vector<float> a(cols), b(cols);
+    cudaMemcpy(a.data(), dgamma, cols * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(b.data(), dgamma2, cols * 4, cudaMemcpyDeviceToHost);
+    float dgd = 0;
+    for (int c = 0; c < cols; ++c) dgd = std::max(dgd, std::fabs(a[c] - b[c]) / std::max(std::fabs(a[c]), 1e-3f));
+    char name[128];
+    std::snprintf(name, sizeof name, "block ring%s S%d, %d blocks/SM, dx diff %.1e dg diff %.1e", tag, S, per_sm,
+                  max_diff(y2, y, n), dgd);
+    report(name, three, ms);
+  };
+  for (int S : {2, 3, 4})
+    for (int per_sm : {3, 4}) {
+      bwd_variant(rms_bwd_ring<2, 1>, S, per_sm, "");
+      bwd_variant(rms_bwd_ring<2, 4>, S, per_sm, " (64 registers)");
+    }
+  }
+
+  return 0;
+}
