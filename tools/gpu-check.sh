@@ -46,7 +46,7 @@ lib05="$BUILD/lib/libk2c_impl_05_tensor_core_matmul.so"
 if [ -f "$lib05" ]; then
   step "module 05 SASS"
   cuobjdump -sass "$lib05" > /tmp/k2c-sass05.txt 2>&1
-  { grep -oE "(HGMMA|HMMA|LDSM|LDGSTS|UTMALDG|USETMAXREG|LDL|STL)[.A-Z0-9x]*" /tmp/k2c-sass05.txt | sort | uniq -c; } \
+  { grep -oE "(HGMMA|HMMA|LDSM|LDGSTS|UTMALDG|UTMASTG|USETMAXREG|LDL|STL)[.A-Z0-9x]*" /tmp/k2c-sass05.txt | sort | uniq -c; } \
     | tee "$OUT/sass05.txt" | tee -a "$LOG"
 fi
 

@@ -22,8 +22,10 @@
 //                boxes at a time and one thread hands them to TMA stores, which run on while the
 //                consumer goes on to its next tile. Staging costs shared memory; two boxes per
 //                consumer (32 KiB) leave room for all four ring slots, where a whole slab would
-//                take one. Storing straight from the accumulators instead (C not addressable
-//                by TMA) keeps the tensor cores waiting for the global stores.
+//                take one. The second pair of boxes waits, packed to bf16 in registers, until the
+//                consumer has issued its next tile's first wgmma group: its shared-memory writes
+//                then overlap the tensor cores' work. Storing straight from the accumulators
+//                instead (C not addressable by TMA) keeps the tensor cores waiting throughout.
 //   tails        TMA zero-fills reads outside A and B and clips stores at C's edges; the direct
 //                epilogue stores only inside C. TMA needs K % 8 == 0 and 16-byte aligned A and B
 //                (rows start on 16 bytes); staging also needs N % 8 == 0 and a 16-byte aligned C.
@@ -52,6 +54,7 @@ namespace hp = k2c::hopper;
 constexpr int BM = 128, BN = 256, BK = 64;
 constexpr int kCluster = 2;     // blocks per cluster sharing B tiles (see wgmma_kernel)
 constexpr int kStagedBoxes = 2;      // boxes of C staged per consumer for TMA stores (see wgmma_kernel)
+constexpr int kDeferred = 1;    // of a tile's two batches of boxes, stored during the next tile
 constexpr int kConsumers = 2;   // warpgroups that multiply
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kTileA = BM * BK * 2, kTileB = BN * BK * 2;  // bytes per slot
@@ -97,7 +100,11 @@ __device__ __forceinline__ void tile_origin(int t, int tiles_m, int tiles_n, int
 // to TMA stores (clipped at C's edges). The last boxes' stores run while the consumer starts its
 // next tile's MMAs; storing straight from the accumulators (kBoxes = 0) keeps the tensor cores
 // idle for the whole epilogue. Needs a C that TMA can address (16-byte aligned, N % 8 == 0).
-template <int kCluster, int kBoxes>
+//
+// kDefer: the last kDefer of a tile's 4 / kBoxes batches of boxes wait, packed to bf16 in
+// registers, until the consumer has issued its next tile's first wgmma groups, so that writing
+// them into shared memory overlaps the tensor cores' work (hopper::TmaEpilogue).
+template <int kCluster, int kBoxes, int kDefer = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ CUtensorMap map_c, bf16* __restrict__ C, int M, int N, int K, bool pairs) {
@@ -173,6 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int consumer = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     float d[128];
+    hp::TmaEpilogue<(kBoxes > 0 ? kBoxes : 4), kDefer> epilogue{staging + consumer * kBoxes * kBox, &map_c, N, 1 + consumer};
     int it = 0;
     for (int g = cluster; g < groups; g += clusters) {
       int m0, n0;
@@ -189,6 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           hp::wgmma_m64n256k16(d, hp::smem_desc_128b(a + 32 * k), hp::smem_desc_128b(b + 32 * k),
                                kb > 0 || k > 0);
         hp::wgmma_commit();
+        if constexpr (kBoxes > 0) epilogue.after_k_block(kb);
         // Waiting for this block's group before taking the next measured slightly faster than
         // keeping one group in flight (lecture section 10): the other consumer warpgroup keeps
         // the tensor cores busy meanwhile.
@@ -204,32 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kBoxes > 0) {
         const int slab_row = m0 + consumer * 64;
         if (slab_row >= M) continue;  // a cluster's tile past the bottom of C
-        const std::uint32_t slab = staging + consumer * kBoxes * kBox;
-        const bool leader = threadIdx.x % 128 == 0;
-#pragma unroll
-        for (int part = 0; part < 4 / kBoxes; ++part) {
-          if (leader) hp::bulk_wait_read<0>();  // the previous stores are done reading
-          hp::named_sync(1 + consumer, 128);
-          // Row rr of the slab, columns 8j + 2q and + 1: box j / 8, 16-byte chunk j % 8 of a
-          // 128-byte row, which the swizzle moves to chunk (j % 8) ^ (rr % 8).
-#pragma unroll
-          for (int j = part * 8 * kBoxes; j < (part + 1) * 8 * kBoxes; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int rr = warp * 16 + g8 + 8 * h;
-              const std::uint32_t at = slab + (j / 8 % kBoxes) * kBox + rr * 128 + (((j % 8) ^ (rr % 8)) << 4) + 4 * q;
-              asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])));
-            }
-          hp::fence_proxy_async();  // the copy engine reads what ordinary stores wrote
-          hp::named_sync(1 + consumer, 128);
-          if (leader) {
-            for (int b = 0; b < kBoxes; ++b) {
-              const int col = n0 + 64 * (part * kBoxes + b);
-              if (col < N) hp::tma_store_2d(&map_c, slab + b * kBox, col, slab_row);
-            }
-            hp::bulk_commit();
-          }
-        }
+        epilogue.tile(d, n0, slab_row, k_blocks);
         continue;
       }
       // Epilogue straight from the accumulators: rows 16·warp + g and + 8 of this consumer's 64
@@ -253,7 +237,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    if (kBoxes > 0 && threadIdx.x % 128 == 0) hp::bulk_wait_all();  // stores done before the block ends
+    if constexpr (kBoxes > 0) {
+      epilogue.finish();
+      if (threadIdx.x % 128 == 0) hp::bulk_wait_all();  // stores done before the block ends
+    }
   }
   // No block of a cluster may exit while its peer can still write into its shared memory or
   // arrive on its barriers.
@@ -271,10 +258,10 @@ namespace {
 
 // The launch, for arguments matmul_hopper() has checked and K > 0: as many blocks (clusters) as
 // can be resident at once, each looping over tiles.
-template <int kCluster, int kBoxes>
+template <int kCluster, int kBoxes, int kDefer = 0>
 void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
                    cudaStream_t stream) {
-  auto* kernel = wgmma_kernel<kCluster, kBoxes>;
+  auto* kernel = wgmma_kernel<kCluster, kBoxes, kDefer>;
   constexpr int kSmemBytes = Smem<kBoxes>::kBytes;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
@@ -337,7 +324,7 @@ void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, c
   }
   // Staged stores need a C that TMA can address: rows on 16 bytes.
   if (N % 8 == 0 && tma_addressable(C))
-    launch_hopper<kCluster, kStagedBoxes>(M, N, K, A, B, C, stream);
+    launch_hopper<kCluster, kStagedBoxes, kDeferred>(M, N, K, A, B, C, stream);
   else
     launch_hopper<kCluster, 0>(M, N, K, A, B, C, stream);
 }

@@ -968,8 +968,9 @@ struct HopperArgs {
 
 // kBoxes > 0: the epilogue goes through shared memory, kBoxes boxes at a time, and TMA stores (bf16
 // C whose rows start on 16 bytes), so that a consumer's last stores overlap its next tile's MMAs
-// instead of stalling them (module 05 measures 1, 2 and 4 boxes).
-template <HopperForm kForm, class OutT, int kBoxes>
+// instead of stalling them; the last kDefer batches wait in registers until the next tile's first
+// wgmma groups are issued (hopper::TmaEpilogue; module 05 measures the choices).
+template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                           const __grid_constant__ CUtensorMap map_c, HopperArgs p) {
@@ -1050,6 +1051,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     hp::setmaxnreg_inc<240>();
     const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4;
     float d[128];
+    hp::TmaEpilogue<(kBoxes > 0 ? kBoxes : 4), kDefer> epilogue{staging + consumer * kBoxes * kHopperBox, &map_c, p.n,
+                                                            2 + consumer};
     int it = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const Where w = locate(t);
@@ -1088,6 +1091,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
           hp::wgmma_m64n256k16<kAT ? 1 : 0, kBT ? 1 : 0>(d, a, b, kb > 0 || kk > 0);
         }
         hp::wgmma_commit();
+        if constexpr (kBoxes > 0) epilogue.after_k_block(kb);
         hp::wgmma_wait<0>();
         if (lane == 0) hp::mbarrier_arrive(empty(s));
       }
@@ -1095,35 +1099,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       const int g8 = lane / 4, q = lane % 4;
       const int row_end = kForm == HopperForm::dw ? p.m : w.rows;
       if constexpr (kBoxes > 0) {
-        // A slab wholly inside the group: into the staging boxes (the layout a TMA load of them
-        // would produce: 128-byte rows, chunk c of row r at c ^ (r % 8)), kBoxes at a time, each
-        // batch stored by TMA. Slabs that cross the group's end take the direct stores below.
+        // A slab wholly inside the group: into the staging boxes kBoxes at a time, each batch
+        // stored by TMA. Slabs that cross the group's end take the direct stores below.
         if (w.m0 + consumer * 64 + 64 <= row_end) {
-          const std::uint32_t slab = staging + consumer * kBoxes * kHopperBox;
-          const bool leader = threadIdx.x % 128 == 0;
-#pragma unroll
-          for (int part = 0; part < 4 / kBoxes; ++part) {
-            if (leader) hp::bulk_wait_read<0>();  // the previous stores are done reading
-            hp::named_sync(2 + consumer, 128);
-#pragma unroll
-            for (int j = part * 8 * kBoxes; j < (part + 1) * 8 * kBoxes; ++j)
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const int rr = warp * 16 + g8 + 8 * h;
-                const std::uint32_t at =
-                    slab + (j / 8 % kBoxes) * kHopperBox + rr * 128 + (((j % 8) ^ (rr % 8)) << 4) + 4 * q;
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1])));
-              }
-            hp::fence_proxy_async();
-            hp::named_sync(2 + consumer, 128);
-            if (leader) {
-              for (int b = 0; b < kBoxes; ++b) {
-                const int col = w.n0 + 64 * (part * kBoxes + b);
-                if (col < p.n) hp::tma_store_2d(&map_c, slab + b * kHopperBox, col, w.row0 + w.m0 + consumer * 64);
-              }
-              hp::bulk_commit();
-            }
-          }
+          epilogue.tile(d, w.n0, w.row0 + w.m0 + consumer * 64, k_blocks);
           continue;
         }
       }
@@ -1143,7 +1122,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         }
       }
     }
-    if (kBoxes > 0 && threadIdx.x % 128 == 0) hp::bulk_wait_all();
+    if constexpr (kBoxes > 0) {
+      epilogue.finish();
+      if (threadIdx.x % 128 == 0) hp::bulk_wait_all();
+    }
   }
 #endif
 }
@@ -1162,10 +1144,10 @@ bool hopper_here() {
   return it->second;
 }
 
-template <HopperForm kForm, class OutT, int kBoxes = 0>
+template <HopperForm kForm, class OutT, int kBoxes = 0, int kDefer = 0>
 void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const HopperArgs& args,
                    cudaStream_t stream) {
-  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes>;
+  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer>;
   const int smem = HopperSmem<kBoxes>::kBytes + prefix_bytes(args.groups);
   K2C_CHECK(smem <= kSmemLimit, "moe: " << args.groups << " groups do not fit the wgmma kernel's shared memory");
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

@@ -88,6 +88,9 @@ int main(int argc, char** argv) {
         report("wgmma, 1 block, staged 2 boxes", [&] { tcm::launch_hopper<1, 2>(n, n, n, A, B, C, nullptr); }, cublas);
         report("wgmma, clusters, staged 2 boxes", [&] { tcm::launch_hopper<2, 2>(n, n, n, A, B, C, nullptr); }, cublas);
         report("wgmma, 1 block, staged 1 box", [&] { tcm::launch_hopper<1, 1>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, 1 block, 2 boxes, 1 deferred", [&] { tcm::launch_hopper<1, 2, 1>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, clusters, 2 boxes, 1 deferred", [&] { tcm::launch_hopper<2, 2, 1>(n, n, n, A, B, C, nullptr); }, cublas);
+        report("wgmma, clusters, 2 boxes, 2 deferred", [&] { tcm::launch_hopper<2, 2, 2>(n, n, n, A, B, C, nullptr); }, cublas);
         report("cublas again", [&] {
           cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF,
                        n, &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
@@ -111,7 +114,9 @@ int main(int argc, char** argv) {
     report("mma 256x256 w4x4 s3", [&] { part_a<Tile<256, 256, 4, 4, 3>>(n, A, B, C); }, cublas);
     if (tcm::hopper_supported()) {
       report("wgmma, clusters of 2", [&] { tcm::launch_hopper<2, 0>(n, n, n, A, B, C, nullptr); }, cublas);
-      report("wgmma, staged (ref)", [&] { tcm::launch_hopper<tcm::kCluster, tcm::kStagedBoxes>(n, n, n, A, B, C, nullptr); }, cublas);
+      report("wgmma, staged, 1 deferred (ref)", [&] {
+        tcm::launch_hopper<tcm::kCluster, tcm::kStagedBoxes, tcm::kDeferred>(n, n, n, A, B, C, nullptr);
+      }, cublas);
     }
     cudaFree(A);
     cudaFree(B);

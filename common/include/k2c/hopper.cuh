@@ -21,6 +21,7 @@
 #include <string>
 #include <utility>
 
+#include <cuda_bf16.h>
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cuda_runtime_api.h>
 
@@ -233,6 +234,105 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
       : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 #undef K2C_D8
 }
+
+// The epilogue through TMA stores, in three steps. A warpgroup's m64n256 accumulator d (layout
+// above) is four 64 × 64 boxes; `part` counts batches of kBoxes boxes. pack_accumulators converts
+// batch `part` to bf16 pairs: out[2·i + h] holds columns 8j + 2q, + 1 of row 16·warp + lane/4 + 8h
+// for column block j = part · 8 · kBoxes + i. `part` must be a compile-time constant after
+// unrolling (it indexes registers).
+template <int kBoxes>
+__device__ __forceinline__ void pack_accumulators(const float (&d)[128], int part, std::uint32_t (&out)[16 * kBoxes]) {
+#pragma unroll
+  for (int i = 0; i < 8 * kBoxes; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = part * 8 * kBoxes + i;
+      const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+      out[2 * i + h] = *reinterpret_cast<const std::uint32_t*>(&v);
+    }
+}
+
+// One batch out: the packed pairs written at `staging` box after box (8 KiB each) in the layout a
+// TMA load of the boxes would produce (128-byte rows, the 16-byte chunk c of row r at c ^ (r % 8);
+// the swizzle TMA needs also keeps these stores free of bank conflicts: a warp's 8 rows land in 8
+// different chunks), then stored by one thread: box b to columns x0 + 64·b (those below x_end) and
+// rows y0 .. y0 + 63 of `map`, clipped by TMA at the tensor's edge. `barrier` is a named barrier
+// id for the warpgroup's 128 threads. Before writing, one thread waits until the stores issued
+// earlier from `staging` have read it. The stores are still running on return; one thread of the
+// warpgroup calls bulk_wait_all() before the block ends.
+template <int kBoxes>
+__device__ __forceinline__ void store_packed(const std::uint32_t (&pk)[16 * kBoxes], std::uint32_t staging,
+                                             const CUtensorMap* map, int x0, int x_end, int y0, int barrier) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, g8 = lane / 4, q = lane % 4;
+  const bool leader = threadIdx.x % 128 == 0;
+  if (leader) bulk_wait_read<0>();
+  named_sync(barrier, 128);
+#pragma unroll
+  for (int i = 0; i < 8 * kBoxes; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + g8 + 8 * h;
+      const std::uint32_t at = staging + (i / 8) * 64 * 128 + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * q;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(pk[2 * i + h]));
+    }
+  fence_proxy_async();  // the copy engine reads what ordinary stores wrote
+  named_sync(barrier, 128);
+  if (leader) {
+    for (int b = 0; b < kBoxes; ++b)
+      if (x0 + 64 * b < x_end) tma_store_2d(map, staging + b * 64 * 128, x0 + 64 * b, y0);
+    bulk_commit();
+  }
+}
+
+// A warpgroup's epilogues through TMA stores, tile after tile: the accumulator's 4 / kBoxes
+// batches of kBoxes boxes go out through `staging` (kBoxes · 8 KiB) to columns x0 .. x0 + 255 and
+// rows y0 .. y0 + 63 of `map`. The last kDefer batches of a tile wait, packed to bf16 in
+// registers, until the warpgroup has issued the next tile's first wgmma groups: batch i of them
+// goes out once k block i is issued, so that its shared-memory writes overlap the tensor cores'
+// work instead of idling them. kDefer = 0: the whole tile at once.
+//   after_k_block(kb)  after issuing (committing) the wgmma group of k block kb of a tile
+//   tile(d, ...)       at the end of a tile, its accumulator (k_blocks: how many the tile had)
+//   finish()           after the last tile; then one thread calls bulk_wait_all()
+template <int kBoxes, int kDefer>
+struct TmaEpilogue {
+  static_assert(kBoxes == 1 || kBoxes == 2 || kBoxes == 4, "a slab is four boxes");
+  static constexpr int kBatches = 4 / kBoxes;
+  static_assert(kDefer >= 0 && kDefer <= kBatches, "at most every batch is deferred");
+  std::uint32_t staging;
+  const CUtensorMap* map;
+  int x_end, barrier;
+  std::uint32_t held[kDefer > 0 ? kDefer : 1][16 * kBoxes];
+  int held_x = 0, held_y = -1;  // the held tile's origin; y < 0: nothing held
+
+  __device__ __forceinline__ void after_k_block(int kb) {
+    if constexpr (kDefer > 0) {
+#pragma unroll
+      for (int i = 0; i < kDefer; ++i)
+        if (held_y >= 0 && i == kb)
+          store_packed<kBoxes>(held[i], staging, map, held_x + 64 * kBoxes * (kBatches - kDefer + i), x_end, held_y,
+                               barrier);
+      if (kb == kDefer - 1) held_y = -1;
+    }
+  }
+  __device__ __forceinline__ void tile(const float (&d)[128], int x0, int y0, int k_blocks) {
+    for (int kb = k_blocks; kb < kDefer; ++kb) after_k_block(kb);  // a tile shorter than the deferral
+#pragma unroll
+    for (int p = 0; p < kBatches - kDefer; ++p) {
+      std::uint32_t pk[16 * kBoxes];
+      pack_accumulators<kBoxes>(d, p, pk);
+      store_packed<kBoxes>(pk, staging, map, x0 + 64 * kBoxes * p, x_end, y0, barrier);
+    }
+    if constexpr (kDefer > 0) {
+#pragma unroll
+      for (int i = 0; i < kDefer; ++i) pack_accumulators<kBoxes>(d, kBatches - kDefer + i, held[i]);
+      held_x = x0;
+      held_y = y0;
+    }
+  }
+  __device__ __forceinline__ void finish() {
+    for (int kb = 0; kb < kDefer; ++kb) after_k_block(kb);
+  }
+};
 
 // Attention's two products (module 09):
 //   S(64×64) = Q(64×16)·K(64×16)ᵀ (+ S)    both from shared memory, K-major (no transposes)
