@@ -57,8 +57,11 @@ const std::vector<Shape> kFixed = {{1, 1, 8},       {1, 1, 64},     {17, 33, 64}
 
 // More output tiles than an H200 has SMs (or SM pairs), so that blocks of a persistent kernel
 // take a second tile and raster bands wrap: Part A's bands are 16 tile-rows (M > 4096 for two),
-// Part B's 90 and 72 tile groups over 66 clusters, with a K tail.
-const std::vector<Shape> kManyTiles = {{4200, 130, 64}, {2100, 2560, 136}, {2304, 2048, 520}};
+// Part B's 90 and 72 tile groups over 66 clusters, with a K tail. The last two hold Part B's
+// deferred batch of boxes across tiles where it is clipped at N: one 8-wide box (N = 2440), and
+// nothing inside C at all (N = 2104, flushed during the next tile).
+const std::vector<Shape> kManyTiles = {{4200, 130, 64}, {2100, 2560, 136}, {2304, 2048, 520},
+                                       {2100, 2440, 136}, {2304, 2104, 72}};
 
 // K % 8 != 0: the path without 16-byte copies.
 const std::vector<Shape> kOddK = {{1, 1, 1}, {33, 65, 1001}, {255, 257, 3}, {64, 64, 17}};
@@ -283,8 +286,7 @@ TEST(Hopper, RandomShapes) {
                      random_shapes(k2c::testing::seed_for("hopper shapes"), 6, 1100, true));
   check_shape<bf16>(tcm::matmul_hopper, {37, 45, 0});
   check_shape<bf16>(tcm::matmul_hopper, {129, 257, 72}, 8);  // offset by 16 bytes: aligned
-  check_shape<bf16>(tcm::matmul_hopper, kManyTiles[1]);
-  check_shape<bf16>(tcm::matmul_hopper, kManyTiles[2]);
+  for (std::size_t i = 1; i < kManyTiles.size(); ++i) check_shape<bf16>(tcm::matmul_hopper, kManyTiles[i]);
 }
 
 TEST(Hopper, RejectsWhatTmaCannotAddress) {

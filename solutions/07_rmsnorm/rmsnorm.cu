@@ -240,11 +240,15 @@ constexpr int kRingThreads = 256;
 constexpr int kRingBytes = 72 * 1024;  // shared memory for a block's ring: 3 row pairs at 6144 columns
 
 // Slots of the ring for rows of `cols` bf16 (0: the ring does not fit).
-int ring_slots(int cols) {
+constexpr int ring_slots(int cols) {
   const long pair = 4L * cols;  // an h row and a dy row
   return pair * 3 <= kRingBytes ? 3 : pair * 2 <= kRingBytes ? 2 : 0;
 }
-int ring_smem_bytes(int cols) { return ring_slots(cols) * (4 * cols + 8) + 128; }
+constexpr int ring_smem_bytes(int cols) { return ring_slots(cols) * (4 * cols + 8) + 128; }
+// The most any row length of the ring asks for (3 slots of 6144 columns), set once as the kernels'
+// limit: a limit set per call could be lowered by another host thread between its set and launch.
+constexpr int kRingSmemMax = ring_smem_bytes(6144);
+static_assert(ring_smem_bytes(8192) <= kRingSmemMax && ring_smem_bytes(6152) <= kRingSmemMax, "the largest ring");
 
 // Shared memory: the ring (128-byte aligned), then one mbarrier per slot.
 template <int ITERS>
@@ -455,6 +459,7 @@ unsigned persistent_blocks(Kernel kernel, dim3 block, int rows, int cols) {
 
 // The ring: rows of 2048 to 8192 columns (every thread has a vector; the ring fits) on a GPU that
 // runs this file's sm_90 code. Returns the number of partial rows it wrote, 0 if it did not run.
+// The first call on a device asks that with a synchronous probe launch (bulk_copies_supported).
 int backward_ring(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,
                   float* partial, int rows, int cols, cudaStream_t stream) {
   if (cols < 2048 || cols > 8192 || !k2c::hopper::bulk_copies_supported()) return 0;
@@ -465,7 +470,7 @@ int backward_ring(const bf16* h, const bf16* gamma, const bf16* dy, const float*
     int device = 0, sms = 0, per_sm = 0;
     K2C_CUDA_CHECK(cudaGetDevice(&device));
     K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingSmemMax));
     K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRingThreads, smem));
     blocks = std::min(partials_for(rows, cols), std::max(1, per_sm) * sms);
     kernel<<<blocks, kRingThreads, smem, stream>>>(h, gamma, dy, rstd, dx, partial, rows, cols, slots);

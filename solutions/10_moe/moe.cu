@@ -1150,7 +1150,10 @@ void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer>;
   const int smem = HopperSmem<kBoxes>::kBytes + prefix_bytes(args.groups);
   K2C_CHECK(smem <= kSmemLimit, "moe: " << args.groups << " groups do not fit the wgmma kernel's shared memory");
-  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // The limit is the variant's largest (the most groups), not this call's: a limit set per call
+  // could be lowered by another host thread between its set and this launch.
+  constexpr int kLimit = std::min(kSmemLimit, HopperSmem<kBoxes>::kBytes + prefix_bytes(kMaxExperts));
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLimit));
   static std::mutex mutex;
   static std::map<int, int> resident_on;
   int device = 0, resident = 0;

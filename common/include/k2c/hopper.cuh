@@ -493,32 +493,38 @@ __global__ void arch_probe_kernel(int* arch) {
 
 // Whether this file's plain sm_90 code (mbarriers, bulk copies, no sm_90a features) runs on the
 // current device: a GPU of compute capability 9.0 or newer running code compiled for it (not, say,
-// sm_80 code that the driver compiled from PTX). Asked with a probe launch once per device; with a
-// CUDA error pending the answer is "no" for this call, and the error stays in place.
+// sm_80 code that the driver compiled from PTX). Asked with a probe launch (synchronous: not
+// during a stream capture) and remembered per device once the answer is definite: the probe ran
+// and reported its architecture, or the build has no code for this GPU. With a CUDA error pending
+// it does not probe and leaves that error in place; after any other failure it answers "no" for
+// this call only.
 [[maybe_unused]] bool bulk_copies_supported() {
   static std::mutex mutex;
   static std::map<int, bool> known;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
+    cudaGetLastError();  // no device: nothing of the caller's to keep
     return false;
   }
   std::lock_guard<std::mutex> lock(mutex);
   if (auto it = known.find(device); it != known.end()) return it->second;
   if (cudaPeekAtLastError() != cudaSuccess) return false;
   int* flag = nullptr;
-  int arch = 0;
   if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) {
-    cudaGetLastError();
+    cudaGetLastError();  // this probe's own failure
     return false;
   }
-  cudaMemset(flag, 0, sizeof(int));
+  int arch = 0;
+  const cudaError_t set = cudaMemset(flag, 0, sizeof(int));
   arch_probe_kernel<<<1, 1>>>(flag);
-  const bool ran = cudaGetLastError() == cudaSuccess &&
-                   cudaMemcpy(&arch, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+  const cudaError_t launched = cudaGetLastError();  // nothing was pending: this launch's own error
+  const cudaError_t copied =
+      set == cudaSuccess && launched == cudaSuccess ? cudaMemcpy(&arch, flag, sizeof(int), cudaMemcpyDeviceToHost) : set;
   cudaFree(flag);
-  if (!ran) cudaGetLastError();  // no code for this GPU: the answer is no, not an error
-  return known.emplace(device, ran && arch >= 900).first->second;
+  if (launched == cudaErrorNoKernelImageForDevice || launched == cudaErrorInvalidDeviceFunction)
+    return known.emplace(device, false).first->second;  // no code for this GPU: a definite no
+  if (launched != cudaSuccess || copied != cudaSuccess) return false;
+  return known.emplace(device, arch >= 900).first->second;
 }
 
 // Throws std::invalid_argument naming `who` and the reason when sm90a_supported() is false. The
