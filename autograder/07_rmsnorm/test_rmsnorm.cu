@@ -48,7 +48,8 @@ std::vector<Shape> fixed_shapes() {
   // And around the reference's Hopper backward (rows of 2048 to 8192 bf16 streamed through a ring
   // of 3 or 2 row pairs): its ends and one vector past them, a vector past a whole number per
   // thread (2056), where the ring drops to 2 slots (6152), and more rows than blocks (2000), and
-  // enough rows that every slot of both rings is refilled more than twice (2500, 8000).
+  // enough rows per block that the slots of both rings are reused several times, their barriers'
+  // phase bits flipping back and forth (2500, 8000).
   return {{1, 1},      {3, 7},     {33, 31},   {1, 32},     {4, 33},     {37, 4095},  {64, 4096},
           {2, 8192},   {2, 16384}, {2, 16392}, {2, 32768},  {2, 32776},  {3, 65537},  {2, 65536},
           {20000, 7},  {1000, 128}, {9, 1000}, {3000, 4096}, {5, 2040},  {7, 2048},   {2000, 2056},
