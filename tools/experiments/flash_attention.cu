@@ -5,12 +5,13 @@
 // (largest difference printed: a variant with a bug shows up there, not in its speed). Lecture
 // 09 quotes what this measured. Build and run on an H100/H200:
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/09_flash_attention \
-//     tools/experiments/flash_attention.cu -o /tmp/fa && /tmp/fa
+//     tools/experiments/flash_attention.cu common/src/device.cu -o /tmp/fa && /tmp/fa
 #include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <vector>
 
+#include "k2c/random.h"
 #include "median_time.cuh"
 #include "../../solutions/09_flash_attention/flash_attention.cu"
 
@@ -18,16 +19,6 @@ namespace fa = k2c::flash_attention;
 using bf16 = __nv_bfloat16;
 
 namespace {
-
-__global__ void fill(bf16* p, size_t n, unsigned seed, float lo, float hi) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    x ^= x >> 15;
-    p[i] = __float2bfloat16(lo + (hi - lo) * (x & 0xffffff) / 16777216.0f);
-  }
-}
 
 // Largest |a − b| over n bf16 values (NaN counts as 1e30).
 __global__ void max_diff(const bf16* a, const bf16* b, size_t n, float* out) {
@@ -98,10 +89,10 @@ void sweep(bool causal) {
   cudaMalloc(&b.lse, size_t{4} * 32 * 4096 * sizeof(float));
   cudaMalloc(&b.work, fa::backward_workspace_bytes(s));
   cudaMalloc(&b.diff, sizeof(float));
-  fill<<<1024, 256>>>(b.q, b.n, 1, -2, 2);
-  fill<<<1024, 256>>>(b.k, b.n, 2, -2, 2);
-  fill<<<1024, 256>>>(b.v, b.n, 3, -1, 1);
-  fill<<<1024, 256>>>(b.dout, b.n, 4, -1, 1);
+  k2c::fill_uniform_device(b.q, b.n, 1, -2, 2);
+  k2c::fill_uniform_device(b.k, b.n, 2, -2, 2);
+  k2c::fill_uniform_device(b.v, b.n, 3, -1, 1);
+  k2c::fill_uniform_device(b.dout, b.n, 4, -1, 1);
   // The shipped configuration's outputs are the yardstick.
   fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
   fa::backward(s, b.q, b.k, b.v, b.o_ref, b.dout, b.lse, b.dq_ref, b.dk_ref, b.dv_ref, b.work);

@@ -2,7 +2,7 @@
 // shape (16384 tokens × top-6 over 64 experts, uniform loads), against cuBLAS once per expert.
 // It compiles the reference solution into itself to reach the kernel's tile parameter:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/10_moe \
-//        tools/experiments/moe_grouped.cu -lcublas -o /tmp/moe_grouped && /tmp/moe_grouped [loop]
+//        tools/experiments/moe_grouped.cu common/src/device.cu -lcublas -lcuda -o /tmp/moe_grouped && /tmp/moe_grouped [loop]
 // With the argument `loop` it studies the per-expert loop's timing instead (loop_timing below),
 // with `boxes` the staged epilogue of Part B (boxes below).
 #include <cublas_v2.h>
@@ -18,22 +18,10 @@
 #include <vector>
 
 #include "../../solutions/10_moe/moe.cu"
+#include "k2c/random.h"
 #include "median_time.cuh"
 
 namespace k2c::moe {
-
-// Values in [-1, 1) from a hash of the index: random enough that the tensor cores see real data.
-__global__ void fill_kernel(bf16* p, std::size_t n, unsigned seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed * 40503u;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    p[i] = __float2bfloat16(static_cast<float>(h & 0xffff) / 32768.0f - 1.0f);
-  }
-}
-void fill_uniform_device(bf16* p, std::size_t n, unsigned seed) { fill_kernel<<<1024, 256>>>(p, n, seed); }
 
 constexpr int kExperts = 64;
 

@@ -9,7 +9,7 @@
 // time (L2 overwritten before each run, median of 30). The numbers one H200 gave are in
 // autograder/reference/h200.json under "row_streams". Build and run on an H100 or H200:
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/06_softmax \
-//     -Iassignments/07_rmsnorm tools/experiments/row_streams.cu -o /tmp/rs && /tmp/rs [sections]
+//     -Iassignments/07_rmsnorm tools/experiments/row_streams.cu common/src/device.cu -o /tmp/rs && /tmp/rs [sections]
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -19,6 +19,7 @@
 #include "../../solutions/06_softmax/softmax.cu"
 #include "../../solutions/07_rmsnorm/rmsnorm.cu"
 #include "k2c/hopper.cuh"
+#include "k2c/random.h"
 #include "median_time.cuh"
 
 using bf16 = __nv_bfloat16;
@@ -429,17 +430,6 @@ __global__ __launch_bounds__(256, MIN_BLOCKS) void rms_bwd_ring(const bf16* __re
 }
 
 // ---- harness ---------------------------------------------------------------------------------
-__global__ void fill_kernel(bf16* p, std::size_t n, unsigned seed, float scale) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed * 40503u;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    p[i] = __float2bfloat16(scale * (static_cast<float>(x & 0xffff) / 32768.0f - 1.0f));
-  }
-}
-
 static double g_ceiling = 0;
 static int g_sms = 0;
 void report(const char* what, double bytes, double ms) {
@@ -506,9 +496,9 @@ int main(int argc, char** argv) {
   cudaMalloc(&dgamma2, cols * 4);
   cudaMalloc(&big1, std::size_t{1} << 30);
   cudaMalloc(&big2, std::size_t{1} << 30);
-  fill_kernel<<<1024, 256>>>(x, n, 1, 8.0f);
-  fill_kernel<<<1024, 256>>>(dy, n, 2, 1.0f);
-  fill_kernel<<<64, 256>>>(gamma, cols, 3, 1.0f);
+  k2c::fill_uniform_device(x, n, 1, -8.0f, 8.0f);
+  k2c::fill_uniform_device(dy, n, 2);
+  k2c::fill_uniform_device(gamma, cols, 3);
   cudaMemset(big1, 0x5A, std::size_t{1} << 30);
   g_ceiling = 2.0 * (1 << 30) / (timed([&] { cudaMemcpyAsync(big2, big1, std::size_t{1} << 30, cudaMemcpyDeviceToDevice); }) * 1e-3) / 1e9;
   std::printf("memcpy 1 GiB: %.0f GB/s\n", g_ceiling);

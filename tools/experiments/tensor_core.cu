@@ -3,7 +3,7 @@
 // included directly so its TU-internal kernel can be launched with tiles it does not pick
 // itself. Lecture 05 quotes what this measured. Build and run on an H100/H200:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/05_tensor_core_matmul \
-//     tools/experiments/tensor_core.cu -lcublas -lcuda -o /tmp/tc && /tmp/tc
+//     tools/experiments/tensor_core.cu common/src/device.cu -lcublas -lcuda -o /tmp/tc && /tmp/tc
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -13,22 +13,13 @@
 
 #include <cublas_v2.h>
 
+#include "k2c/random.h"
 #include "median_time.cuh"
 #include "../../solutions/05_tensor_core_matmul/hopper_matmul.cu"
 #include "../../solutions/05_tensor_core_matmul/tensor_core_matmul.cu"
 
 using bf16 = __nv_bfloat16;
 namespace tcm = k2c::tensor_core_matmul;
-
-__global__ void fill(bf16* p, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    x ^= x >> 15;
-    p[i] = __float2bfloat16((x & 0xffff) / 32768.0f - 1.0f);
-  }
-}
 
 template <class T>
 static void part_a(int n, const bf16* A, const bf16* B, bf16* C) {
@@ -46,8 +37,8 @@ int main(int argc, char** argv) {
     cudaMalloc(&A, nn * 2);
     cudaMalloc(&B, nn * 2);
     cudaMalloc(&C, nn * 2);
-    fill<<<1024, 256>>>(A, nn, 1);
-    fill<<<1024, 256>>>(B, nn, 2);
+    k2c::fill_uniform_device(A, nn, 1);
+    k2c::fill_uniform_device(B, nn, 2);
     const double flop = 2.0 * n * double(n) * n;
     const int reps = n >= 8192 ? 20 : 40;
     std::vector<bf16> want(nn), got(nn);
