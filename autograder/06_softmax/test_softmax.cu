@@ -59,12 +59,14 @@ void check(sm::Version v, Shape s, float spread, const std::string& purpose) {
 }
 
 // Row lengths: a single column (every output 1), lengths around the warp and the vector width,
-// around the register-path limits (16384 and 32768 elements, and one vector past each), and a
-// 65537-long row (odd, and too long for registers).
+// around the register-path limits (16384 elements one at a time, 32768 fp32 and 65536 bf16 in
+// 16-byte vectors; and one vector past each), and a 65537-long row (odd, and too long for
+// registers).
 std::vector<Shape> fixed_shapes() {
   return {{1, 1},     {5, 1},     {3, 7},     {33, 31},    {1, 32},     {4, 33},
           {37, 4095}, {64, 4096}, {2, 8192},  {2, 16384},  {2, 16392},  {2, 32768},
-          {2, 32776}, {3, 65537}, {1, 65536}, {2000, 7},   {1000, 128}, {9, 1000}};
+          {2, 32776}, {3, 65537}, {1, 65536}, {2, 65544},  {2, 16383},  {2, 16385},
+          {2000, 7},  {1000, 128}, {9, 1000}};
 }
 
 std::vector<Shape> random_shapes() { return k2c::testing::random_row_shapes(seed_for("shapes"), 6, 20000, 200'000); }

@@ -525,6 +525,16 @@ int main(int argc, char** argv) {
       report(name, two, ms);
     }
   };
+  // The shipped register kernels beside the experiment's packed ones, back to back.
+  if (wanted("packed")) {
+  std::printf("\n-- packed registers against the solutions, 16384 x 4096 bf16\n");
+  namespace sm = k2c::softmax;
+  report("reference softmax fast", two, timed([&] { sm::softmax(sm::Version::fast, x, y, rows, cols); }));
+  packed_variants(true);
+  k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f);
+  report("reference RMSNorm forward", two, timed([&] { k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f); }));
+  packed_variants(false);
+  }
   if (wanted("copy")) {
   std::printf("\n-- copies of 128 MiB\n");
   for (std::size_t mib : {128, 192, 256, 512}) {

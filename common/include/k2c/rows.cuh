@@ -52,6 +52,86 @@ __device__ __forceinline__ void store(T* p, const float (&in)[VEC]) {
   *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
 }
 
+// The same vector kept as the bits it was loaded as, in a built-in vector type (uint4 for 16
+// bytes), and converted to fp32 at each use. The register kernels that hold a whole row between
+// its reduction and its output keep it this way: a bf16 row takes half the registers it would as
+// floats, and a guarded load (`if (c < cols) bits[it] = load_bits(...)`) into a built-in type
+// compiles to one predicated instruction, so all of a thread's loads are issued back to back.
+template <int Bytes>
+struct BitsOf;
+template <>
+struct BitsOf<16> { using type = uint4; };
+template <>
+struct BitsOf<8> { using type = uint2; };
+template <>
+struct BitsOf<4> { using type = unsigned; };
+template <>
+struct BitsOf<2> { using type = unsigned short; };
+template <class T, int VEC>
+using Bits = typename BitsOf<sizeof(T) * VEC>::type;
+
+template <class T, int VEC>
+__device__ __forceinline__ Bits<T, VEC> load_bits(const T* p) {
+  return *reinterpret_cast<const Bits<T, VEC>*>(p);
+}
+template <class T, int VEC>
+__device__ __forceinline__ void store_bits(T* p, Bits<T, VEC> b) {
+  *reinterpret_cast<Bits<T, VEC>*>(p) = b;
+}
+// Element i of a vector of bits, and back. Written with shifts and masks on the 32-bit words
+// rather than through a pointer to the bits, which can make the compiler give them a home in
+// local memory.
+template <class B>
+__device__ __forceinline__ unsigned word(const B& b, int k) {
+  if constexpr (std::is_same_v<B, uint4>) return k == 0 ? b.x : k == 1 ? b.y : k == 2 ? b.z : b.w;
+  else if constexpr (std::is_same_v<B, uint2>) return k == 0 ? b.x : b.y;
+  else return b;
+}
+template <class B>
+__device__ __forceinline__ void set_word(B& b, int k, unsigned w) {
+  if constexpr (std::is_same_v<B, uint4>) (k == 0 ? b.x : k == 1 ? b.y : k == 2 ? b.z : b.w) = w;
+  else if constexpr (std::is_same_v<B, uint2>) (k == 0 ? b.x : b.y) = w;
+  else b = static_cast<B>(w);
+}
+template <class T, int VEC>
+__device__ __forceinline__ void unpack(const Bits<T, VEC>& b, float (&out)[VEC]) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const unsigned w = word(b, i / 2);  // element 2k is the low half of word k
+      out[i] = __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+    } else {
+      out[i] = __uint_as_float(word(b, i));
+    }
+  }
+}
+template <class T, int VEC>
+__device__ __forceinline__ Bits<T, VEC> pack(const float (&in)[VEC]) {
+  Bits<T, VEC> b{};
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    auto half = [](float v) { return static_cast<unsigned>(__bfloat16_as_ushort(__float2bfloat16(v))); };
+    if constexpr (VEC == 1) {
+      b = static_cast<Bits<T, VEC>>(half(in[0]));
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC / 2; ++k) set_word(b, k, half(in[2 * k]) | half(in[2 * k + 1]) << 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) set_word(b, i, __float_as_uint(in[i]));
+  }
+  return b;
+}
+
+// How many vectors a thread may keep as bits: 32 registers of them and 16 vectors at most, which
+// leaves room under the 64 registers a thread of a 1024-thread block gets (more spilled in
+// ptxas -v: 16-byte vectors × 8 fit in 56 registers, single elements × 32 did not fit in 64).
+inline constexpr int kBitsRegisters = 32;
+inline constexpr int kMaxBitsVectors = 16;
+template <class T, int VEC>
+inline constexpr int kMaxBitsIters =
+    std::min(kMaxBitsVectors, kBitsRegisters / static_cast<int>((sizeof(T) * VEC + 3) / 4));
+
 // The widest vector (elements of T in 16 bytes) every row of a rows × cols matrix can use:
 // rows start on 16-byte boundaries only when cols is a multiple of it and the bases are aligned.
 template <class T>
@@ -107,12 +187,12 @@ __device__ __forceinline__ float row_all(float v, Op op, RowScratch& scratch) {
 // ---- how a row is spread over threads and registers -------------------------------------
 
 // A row of `cols` elements read as vectors of `vec`: `threads` per row (a power of two, 32 to
-// 1024) each holding `iters` vectors in registers (a power of two). Two vectors per thread where
-// possible: measured on an H200 at 4096 bf16 per row, 256 threads × 2 vectors beat 128 × 4 and
-// 512 × 1 (softmax 0.85, 0.79 and 0.72 of the copy bandwidth; RMSNorm forward 0.89, 0.77, 0.82):
-// enough independent loads per thread, enough threads per SM, and block reductions over few
-// warps. Short rows get one warp (fewer vectors each); rows longer than 1024 × 2 vectors get
-// more per thread, up to max_values floats. fits == false: the row does not fit in registers.
+// 1024) each holding `iters` vectors in registers (a power of two), aiming at `target_iters`
+// vectors a thread. More vectors a thread means more loads in flight each, fewer threads means
+// more rows per SM and reductions over fewer warps; the best target was measured per kernel on an
+// H200 at 4096 bf16 per row (module 06's lecture has the table: softmax 128 × 4, RMSNorm forward
+// 256 × 2). Short rows get one warp (fewer vectors each); rows longer than 1024 × target vectors
+// get more per thread, up to max_iters. fits == false: the row does not fit in registers.
 struct RowPlan {
   int threads = 32, iters = 1;
   bool fits = false;
@@ -124,14 +204,12 @@ inline int pow2_at_least(int n) {
   while (p < n) p *= 2;
   return p;
 }
-inline RowPlan plan_row(int cols, int vec, int max_values) {
-  const int max_iters = std::max(1, max_values / vec);
+inline RowPlan plan_row(int cols, int vec, int max_iters, int target_iters) {
   const int vectors = (cols + vec - 1) / vec;
   RowPlan p;
-  constexpr int kTargetIters = 2;
-  p.threads = std::min(1024, std::max(32, pow2_at_least((vectors + kTargetIters - 1) / kTargetIters)));
+  p.threads = std::min(1024, std::max(32, pow2_at_least((vectors + target_iters - 1) / target_iters)));
   p.iters = pow2_at_least((vectors + p.threads - 1) / p.threads);
-  p.fits = p.iters <= max_iters;
+  p.fits = p.iters <= std::max(1, max_iters);
   return p;
 }
 
