@@ -22,6 +22,7 @@
 // Vector accesses: interleaved pairs (2k, 2k+1) are adjacent, so 8 bf16 = 4 pairs per 16-byte
 // load; half-split pairs (k, k + d/2) come from two 16-byte loads of 8 elements each, one per half.
 // Head dims that do not allow it (or unaligned pointers) take one pair at a time.
+#include <algorithm>
 #include <cmath>
 
 #include <cuda_bf16.h>
@@ -144,10 +145,12 @@ __device__ __forceinline__ void rotate_heads(const bf16* in, bf16* out, int head
   for (; h < heads; ++h) rotate_head<L, PAIRS>(in + h * d, out + h * d, d, u, c, s);
 }
 
-// One thread per (token, group of PAIRS pairs); `units` groups per head.
+// One thread per (token, group of PAIRS pairs, span of heads); `units` groups per head. The heads
+// of q then those of k form one list of q_heads + kv_heads rows of d elements, and blockIdx.y
+// picks which `span` of them this thread rotates.
 template <Layout L, int PAIRS>
 __global__ void rope_kernel(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, long tokens, int seq,
-                            int q_heads, int kv_heads, int d, long offset, float sign,
+                            int q_heads, int kv_heads, int d, int span, long offset, float sign,
                             const float2* __restrict__ cache, double log2_base) {
   const int units = d / 2 / PAIRS;
   const long idx = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -178,22 +181,35 @@ __global__ void rope_kernel(const bf16* q, const bf16* k, bf16* q_out, bf16* k_o
     }
   }
 
-  // The heads of q then of k, each a contiguous row of d elements.
-  const std::size_t q_row = static_cast<std::size_t>(token) * q_heads * d;
-  rotate_heads<L, PAIRS>(q + q_row, q_out + q_row, q_heads, d, u, c, s);
-  const std::size_t k_row = static_cast<std::size_t>(token) * kv_heads * d;
-  rotate_heads<L, PAIRS>(k + k_row, k_out + k_row, kv_heads, d, u, c, s);
+  const int first = static_cast<int>(blockIdx.y) * span;
+  const int last = min(q_heads + kv_heads, first + span);
+  if (first < q_heads) {
+    const std::size_t at = (static_cast<std::size_t>(token) * q_heads + first) * d;
+    rotate_heads<L, PAIRS>(q + at, q_out + at, min(last, q_heads) - first, d, u, c, s);
+  }
+  if (last > q_heads) {
+    const int from = max(first, q_heads) - q_heads;
+    const std::size_t at = (static_cast<std::size_t>(token) * kv_heads + from) * d;
+    rotate_heads<L, PAIRS>(k + at, k_out + at, last - q_heads - from, d, u, c, s);
+  }
 }
+
+// Heads a thread rotates with one cos/sin: all of a token's heads (span = q_heads + kv_heads)
+// computes the angles fewest times, a smaller span starts more threads, each with a shorter chain.
+constexpr int kSpan = 1 << 30;
 
 template <Layout L, int PAIRS>
 void launch(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, const Shape& sh, long offset, float sign,
-            const float2* cache, double base, cudaStream_t stream) {
+            const float2* cache, double base, cudaStream_t stream, int span = kSpan) {
   const long tokens = static_cast<long>(sh.batch) * sh.seq;
   const long threads = tokens * (sh.head_dim / 2 / PAIRS);
+  const int heads = sh.q_heads + sh.kv_heads;
+  span = std::clamp(span, (heads + 65534) / 65535, heads);  // gridDim.y stays within its limit
   constexpr int kThreads = 256;
-  rope_kernel<L, PAIRS><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      q, k, q_out, k_out, tokens, sh.seq, sh.q_heads, sh.kv_heads, sh.head_dim, offset, sign, cache,
-      std::log2(base));
+  const dim3 grid(static_cast<unsigned>((threads + kThreads - 1) / kThreads), (heads + span - 1) / span);
+  rope_kernel<L, PAIRS><<<grid, kThreads, 0, stream>>>(q, k, q_out, k_out, tokens, sh.seq, sh.q_heads,
+                                                       sh.kv_heads, sh.head_dim, span, offset, sign, cache,
+                                                       std::log2(base));
 }
 
 // cache[p · d/2 + k] = (cos, sin)(p · base^(-2k/d)), in double: the table is built once, so its
