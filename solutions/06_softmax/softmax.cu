@@ -13,9 +13,9 @@
 //                grows), then a second pass to write: two reads, one write.
 //   fast         the row read once into registers, reduced twice (max, then sum) with warp
 //                shuffles, written once: exactly the bytes of a copy. 16-byte vector loads
-//                (8 bf16 or 4 fp32 per instruction) whenever the row length allows it, one warp
-//                per row for short rows (no shared memory, no barriers) and a block per row for
-//                long ones. Rows too long for registers fall back to the online kernel, whose
+//                (8 bf16 or 4 fp32 per instruction) whenever the row length allows it, a warp
+//                or part of one per short row (no shared memory, no barriers) and a block per
+//                row for long ones. Rows too long for registers fall back to the online kernel, whose
 //                second read of a row is then (mostly) an L2 hit.
 //
 // Everything is computed in fp32. exp(x - m) uses __expf (ex2.approx after a multiply by log2 e):
@@ -99,10 +99,10 @@ __global__ __launch_bounds__(1024) void online_kernel(const T* __restrict__ x, T
 }
 
 // ----------------------------------------------------------------------------- registers ---
-// blockDim.x threads per row (a warp, or up to 1024), blockDim.y rows per block. Thread t of a
-// row holds the vectors t, t + blockDim.x, ... (ITERS of them): consecutive threads touch
-// consecutive 16-byte pieces, so every warp-wide load is one fully used 512-byte request. The
-// row is read once, reduced twice without touching memory again, and written once.
+// blockDim.x threads per row (1 to 1024), blockDim.y rows per block. Thread t of a row holds the
+// vectors t, t + blockDim.x, ... (ITERS of them): consecutive threads touch consecutive 16-byte
+// pieces, so a warp-wide load uses every byte of the sectors it touches. The row is read once,
+// reduced twice without touching memory again, and written once.
 //
 // The row stays as the bits it was loaded as (k2c::rows::Bits) and is converted at each use, so
 // exp is computed twice, once for the sum and once for the output. That costs a few FLOPs per
@@ -171,7 +171,7 @@ constexpr int kTargetIters = 4;
 template <class T, int VEC>
 void fast(const T* x, T* y, int rows, int cols, cudaStream_t stream) {
   constexpr int kMaxIters = kMaxBitsIters<T, VEC>;
-  const RowPlan plan = plan_row(cols, VEC, kMaxIters, kTargetIters);
+  const RowPlan plan = plan_row(cols, VEC, kMaxIters, kTargetIters, /*min_threads=*/1);
   if (!plan.fits) {
     online_kernel<T, VEC><<<rows, 1024, 0, stream>>>(x, y, cols);
     return;

@@ -163,7 +163,7 @@ void forward_with(const bf16* x, const bf16* residual, const bf16* gamma, bf16* 
                   float* rstd, int rows, int cols, float eps, cudaStream_t stream) {
   // The fused add holds two rows of bits until the sum is formed, so it gets half the vectors.
   constexpr int kMaxIters = kMaxBitsIters<bf16, VEC> / (kResidual ? 2 : 1);
-  const RowPlan plan = plan_row(cols, VEC, kMaxIters, kForwardTargetIters);
+  const RowPlan plan = plan_row(cols, VEC, kMaxIters, kForwardTargetIters, /*min_threads=*/1);
   if (!plan.fits) {
     forward_loop_kernel<VEC, kResidual><<<rows, 1024, 0, stream>>>(x, residual, gamma, y, residual_out,
                                                                    rstd, cols, eps);
@@ -278,9 +278,15 @@ constexpr int ring_smem_bytes(int cols) { return ring_slots(cols) * (4 * cols + 
 constexpr int kRingSmemMax = ring_smem_bytes(6144);
 static_assert(ring_smem_bytes(8192) <= kRingSmemMax && ring_smem_bytes(6152) <= kRingSmemMax, "the largest ring");
 
+// Up to 4096 columns (ITERS <= 2) the kernel is held to 64 registers so that 4 blocks share an SM
+// (3 slots of 16 KiB each also fit 4 times); longer rows to 128 (2 blocks), as they need about
+// that many, and their rings allow 3 blocks at most anyway.
+template <int ITERS>
+inline constexpr int kRingMinBlocks = ITERS <= 2 ? 4 : 2;
+
 // Shared memory: the ring (128-byte aligned), then one mbarrier per slot.
 template <int ITERS>
-__global__ __launch_bounds__(kRingThreads) void backward_ring_kernel(
+__global__ __launch_bounds__(kRingThreads, kRingMinBlocks<ITERS>) void backward_ring_kernel(
     const bf16* __restrict__ h, const bf16* __restrict__ gamma, const bf16* __restrict__ dy,
     const float* __restrict__ rstd, bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols, int slots) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -308,34 +314,38 @@ __global__ __launch_bounds__(kRingThreads) void backward_ring_kernel(
   };
   for (int k = 0; k < slots; ++k) issue(k);
 
+  // The slots through a generic pointer, so the compiler sees shared-memory loads it may schedule.
+  const unsigned char* ring_ptr = smem + (ring - static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)));
   const int vecs = cols / kVecBf16;
-  float g[ITERS][kVecBf16], dg[ITERS][kVecBf16] = {};
+  // gamma, h and dy stay as their bf16 bits (k2c::rows::Bits) and are converted at each use: this
+  // keeps the kernel at 64 registers a thread, so 4 blocks of 256 fit on an SM instead of 3.
+  using Vec = Bits<bf16, kVecBf16>;
+  Vec g[ITERS];
+  float dg[ITERS][kVecBf16] = {};
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int v = it * kRingThreads + threadIdx.x;
-    if (v < vecs) load<bf16, kVecBf16>(gamma + kVecBf16 * v, g[it]);
+    if (v < vecs) g[it] = load_bits<bf16, kVecBf16>(gamma + kVecBf16 * v);
   }
   for (int k = 0, row = blockIdx.x; row < rows; ++k, row += gridDim.x) {
+    const float r = rstd[row];  // asked for before the wait, so it arrives while the row does
     hp::mbarrier_wait(bar(k), (k / slots) & 1);
-    // h and dy stay packed (bf16) in registers: half the registers of floats.
-    using Vec = Pack<bf16, kVecBf16>;
+    const Vec* hs = reinterpret_cast<const Vec*>(ring_ptr + (k % slots) * 2 * row_bytes);
+    const Vec* ds = hs + vecs;
     Vec hv[ITERS], dv[ITERS];
     float dot = 0.0f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int v = it * kRingThreads + threadIdx.x;
       if (v < vecs) {
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(reinterpret_cast<int4&>(hv[it]).x), "=r"(reinterpret_cast<int4&>(hv[it]).y),
-                       "=r"(reinterpret_cast<int4&>(hv[it]).z), "=r"(reinterpret_cast<int4&>(hv[it]).w)
-                     : "r"(slot(k) + 16 * v));
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(reinterpret_cast<int4&>(dv[it]).x), "=r"(reinterpret_cast<int4&>(dv[it]).y),
-                       "=r"(reinterpret_cast<int4&>(dv[it]).z), "=r"(reinterpret_cast<int4&>(dv[it]).w)
-                     : "r"(slot(k) + row_bytes + 16 * v));
+        hv[it] = hs[v];
+        dv[it] = ds[v];
+        float hf[kVecBf16], df[kVecBf16], gf[kVecBf16];
+        unpack<bf16, kVecBf16>(hv[it], hf);
+        unpack<bf16, kVecBf16>(dv[it], df);
+        unpack<bf16, kVecBf16>(g[it], gf);
 #pragma unroll
-        for (int i = 0; i < kVecBf16; ++i)
-          dot += g[it][i] * __bfloat162float(dv[it].v[i]) * __bfloat162float(hv[it].v[i]);
+        for (int i = 0; i < kVecBf16; ++i) dot += gf[i] * df[i] * hf[i];
       }
     }
     // The copy engine may overwrite the slot only after every thread's reads of it: each thread
@@ -343,20 +353,22 @@ __global__ __launch_bounds__(kRingThreads) void backward_ring_kernel(
     hp::fence_proxy_async();
     const float total = row_all(dot, Sum{}, scratch);
     issue(k + slots);
-    const float r = rstd[row], kr = r * r * r * total / cols;
+    const float kr = r * r * r * total / cols;
     bf16* out = dx + static_cast<std::size_t>(row) * cols;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int v = it * kRingThreads + threadIdx.x;
       if (v < vecs) {
-        float o[kVecBf16];
+        float hf[kVecBf16], df[kVecBf16], gf[kVecBf16];
+        unpack<bf16, kVecBf16>(hv[it], hf);
+        unpack<bf16, kVecBf16>(dv[it], df);
+        unpack<bf16, kVecBf16>(g[it], gf);
 #pragma unroll
         for (int i = 0; i < kVecBf16; ++i) {
-          const float hf = __bfloat162float(hv[it].v[i]), df = __bfloat162float(dv[it].v[i]);
-          dg[it][i] += df * hf * r;
-          o[i] = r * g[it][i] * df - kr * hf;
+          dg[it][i] += df[i] * hf[i] * r;
+          df[i] = r * gf[i] * df[i] - kr * hf[i];
         }
-        store<bf16, kVecBf16>(out + kVecBf16 * v, o);
+        store_bits<bf16, kVecBf16>(out + kVecBf16 * v, pack<bf16, kVecBf16>(df));
       }
     }
   }

@@ -18,7 +18,6 @@
 
 #include "../../solutions/06_softmax/softmax.cu"
 #include "../../solutions/07_rmsnorm/rmsnorm.cu"
-#include "../../solutions/08_rope/rope.cu"
 #include "k2c/hopper.cuh"
 #include "k2c/random.h"
 #include "median_time.cuh"
@@ -471,7 +470,7 @@ int blocks_for(K kernel, int threads, int smem) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  // Sections to run (default all): packed rope copy softmax rmsfwd rmsbwd.
+  // Sections to run (default all): packed copy softmax rmsfwd rmsbwd.
   auto wanted = [&](const char* section) {
     if (argc < 2) return true;
     for (int i = 1; i < argc; ++i)
@@ -535,28 +534,6 @@ int main(int argc, char** argv) {
   k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f);
   report("reference RMSNorm forward", two, timed([&] { k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f); }));
   packed_variants(false);
-  }
-  // RoPE at the graded shape (B4 S4096, heads 32/8, d 128, half-split, out of place): the heads of
-  // a token split into spans, one thread per (token, 8 pairs, span).
-  if (wanted("rope")) {
-  std::printf("\n-- RoPE B4 S4096 heads 32/8 d128 half-split\n");
-  namespace rp = k2c::rope;
-  const rp::Shape sh{4, 4096, 32, 8, 128};
-  const std::size_t nq = std::size_t{16384} * 32 * 128, nk = std::size_t{16384} * 8 * 128;
-  float2* cache;
-  cudaMalloc(&cache, std::size_t{4096} * 64 * sizeof(float2));
-  rp::build_cache(cache, 4096, 128, 10000.0);
-  const double bytes = 2.0 * (nq + nk) * 2;
-  for (bool table : {true, false})
-    for (int span : {40, 20, 10, 8, 5, 4, 2, 1}) {
-      const double ms = timed([&] {
-        rp::launch<rp::Layout::half_split, 8>(x, dy, y2, y, sh, 0, 1.0f, table ? cache : nullptr, 10000.0, 0, span);
-      });
-      char name[96];
-      std::snprintf(name, sizeof name, "%s, span %d heads", table ? "table" : "on the fly", span);
-      report(name, bytes, ms);
-    }
-  cudaFree(cache);
   }
   if (wanted("copy")) {
   std::printf("\n-- copies of 128 MiB\n");

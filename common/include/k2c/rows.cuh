@@ -149,32 +149,37 @@ struct Max {
   static constexpr float identity = -__builtin_huge_valf();
 };
 
-// Butterfly (xor) shuffle: after 5 steps every lane holds the result, no broadcast needed.
+// Butterfly (xor) shuffle within groups of `width` consecutive lanes (a power of two up to 32):
+// after log2(width) steps every lane holds its group's result, no broadcast needed. A row of fewer
+// than 32 threads is such a group, since the rows of a block follow one another in its warps.
+// width is the same for the whole warp, so every lane takes part in every shuffle it runs.
 template <class Op>
-__device__ __forceinline__ float warp_all(float v, Op op) {
+__device__ __forceinline__ float warp_all(float v, Op op, int width = 32) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = 16; offset > 0; offset >>= 1)
+    if (offset < width) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
 inline constexpr int kMaxWarpsPerRow = 32;  // 1024 threads
-inline constexpr int kMaxRowsPerBlock = 4;  // 128-thread blocks of 32-thread rows
+inline constexpr int kMaxRowsPerBlock = 4;  // rows of 32 threads or more: 4 in a 128-thread block
 
-// Shared memory for row_all: one slot per warp of every row of the block.
+// Shared memory for row_all: one slot per warp of every row of the block (rows of a warp or less
+// never use it).
 struct RowScratch {
   float warp[kMaxRowsPerBlock][kMaxWarpsPerRow];
 };
 
 // Reduces v over the blockDim.x threads of this threadIdx.y; every one of them gets the result.
-// One warp per row: shuffles only, no shared memory, no barrier. Several: each warp reduces with
+// A warp or less per row: shuffles only, no shared memory, no barrier. Several: each warp reduces with
 // shuffles, the warp results meet in shared memory, and every warp reduces those. Every thread of
 // the block must call it (it may contain __syncthreads()). The barrier at the end lets the same
 // scratch serve the next call: no fast warp overwrites a slot a slow warp still reads.
 template <class Op>
 __device__ __forceinline__ float row_all(float v, Op op, RowScratch& scratch) {
+  if (blockDim.x <= 32) return warp_all(v, op, blockDim.x);
   v = warp_all(v, op);
   const int warps = blockDim.x / 32;
-  if (warps == 1) return v;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) scratch.warp[threadIdx.y][warp] = v;
   __syncthreads();
@@ -186,13 +191,15 @@ __device__ __forceinline__ float row_all(float v, Op op, RowScratch& scratch) {
 
 // ---- how a row is spread over threads and registers -------------------------------------
 
-// A row of `cols` elements read as vectors of `vec`: `threads` per row (a power of two, 32 to
-// 1024) each holding `iters` vectors in registers (a power of two), aiming at `target_iters`
-// vectors a thread. More vectors a thread means more loads in flight each, fewer threads means
-// more rows per SM and reductions over fewer warps; the best target was measured per kernel on an
-// H200 at 4096 bf16 per row (module 06's lecture has the table: softmax 128 × 4, RMSNorm forward
-// 256 × 2). Short rows get one warp (fewer vectors each); rows longer than 1024 × target vectors
-// get more per thread, up to max_iters. fits == false: the row does not fit in registers.
+// A row of `cols` elements read as vectors of `vec`: `threads` per row (a power of two, from
+// min_threads up to 1024) each holding `iters` vectors in registers (a power of two), aiming at
+// `target_iters` vectors a thread. More vectors a thread means more loads in flight each, fewer
+// threads means more rows per SM and reductions over fewer warps; the best target was measured
+// per kernel on an H200 at 4096 bf16 per row (module 06's lecture has the table: softmax 128 × 4,
+// RMSNorm forward 256 × 2). Short rows get fewer threads: down to min_threads, so that a
+// 128-element row is not spread over a warp of which half would idle; rows longer than
+// 1024 × target vectors get more per thread, up to max_iters. fits == false: the row does not fit
+// in registers. Blocks have 128 threads or more: a row of fewer shares its block with other rows.
 struct RowPlan {
   int threads = 32, iters = 1;
   bool fits = false;
@@ -204,10 +211,10 @@ inline int pow2_at_least(int n) {
   while (p < n) p *= 2;
   return p;
 }
-inline RowPlan plan_row(int cols, int vec, int max_iters, int target_iters) {
+inline RowPlan plan_row(int cols, int vec, int max_iters, int target_iters, int min_threads = 32) {
   const int vectors = (cols + vec - 1) / vec;
   RowPlan p;
-  p.threads = std::min(1024, std::max(32, pow2_at_least((vectors + target_iters - 1) / target_iters)));
+  p.threads = std::min(1024, std::max(min_threads, pow2_at_least((vectors + target_iters - 1) / target_iters)));
   p.iters = pow2_at_least((vectors + p.threads - 1) / p.threads);
   p.fits = p.iters <= std::max(1, max_iters);
   return p;
