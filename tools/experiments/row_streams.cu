@@ -66,6 +66,28 @@ __global__ __launch_bounds__(256) void copy_kernel(const int4* __restrict__ x, i
     if (base + u * 256 < n) y[base + u * 256] = v[u];
 }
 
+// ---- two streams read per stream written, as the RMSNorm backward moves them (h and dy in, dx
+// out): z = x + y on bf16, U 16-byte pieces of each input per thread.
+template <int U>
+__global__ __launch_bounds__(256) void add_kernel(const int4* __restrict__ x, const int4* __restrict__ y,
+                                                  int4* __restrict__ z, std::size_t n) {
+  const std::size_t base = static_cast<std::size_t>(blockIdx.x) * 256 * U + threadIdx.x;
+  int4 a[U], b[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (base + u * 256 < n) a[u] = x[base + u * 256], b[u] = y[base + u * 256];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (base + u * 256 < n) {
+      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&a[u]);
+      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&b[u]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[i] = __hadd2(p[i], q[i]);
+      z[base + u * 256] = a[u];
+    }
+  }
+}
+
 // ---- warp rings: warp w of the grid takes rows w, w + warps, ...; its ring holds S rows, each
 // brought in by one bulk copy that completes on the slot's mbarrier. Lane 0 refills a slot as soon
 // as every lane is done reading it, so S - 1 rows are always on their way while one is computed.
@@ -470,7 +492,7 @@ int blocks_for(K kernel, int threads, int smem) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  // Sections to run (default all): packed copy softmax rmsfwd rmsbwd.
+  // Sections to run (default all): packed mix copy softmax rmsfwd rmsbwd.
   auto wanted = [&](const char* section) {
     if (argc < 2) return true;
     for (int i = 1; i < argc; ++i)
@@ -534,6 +556,22 @@ int main(int argc, char** argv) {
   k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f);
   report("reference RMSNorm forward", two, timed([&] { k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f); }));
   packed_variants(false);
+  }
+  // Reading two bytes per byte written (the RMSNorm backward's mix) against the copy's one to one.
+  if (wanted("mix")) {
+  std::printf("\n-- two reads per write, 3 x 128 MiB\n");
+  const std::size_t n16 = n * 2 / 16;
+  const double three = 3.0 * n * 2;
+  report("memcpy 384 MiB (same bytes, one read per write)", 2.0 * (std::size_t{384} << 20),
+         timed([&] { cudaMemcpyAsync(big2, big1, std::size_t{384} << 20, cudaMemcpyDeviceToDevice); }));
+  report("copy kernel 2 x 16 B, 128 MiB", two, timed([&] { copy_kernel<2><<<(n16 + 511) / 512, 256>>>((int4*)x, (int4*)y, n16); }));
+  report("add kernel, 1 x 16 B of each input per thread", three, timed([&] { add_kernel<1><<<(n16 + 255) / 256, 256>>>((int4*)x, (int4*)dy, (int4*)y, n16); }));
+  report("add kernel, 2 x 16 B", three, timed([&] { add_kernel<2><<<(n16 + 511) / 512, 256>>>((int4*)x, (int4*)dy, (int4*)y, n16); }));
+  report("add kernel, 4 x 16 B", three, timed([&] { add_kernel<4><<<(n16 + 1023) / 1024, 256>>>((int4*)x, (int4*)dy, (int4*)y, n16); }));
+  k2c::rmsnorm::forward(x, nullptr, gamma, y2, nullptr, rstd, rows, cols, 1e-6f);
+  report("reference RMSNorm backward (ring)", three, timed([&] {
+    k2c::rmsnorm::backward(x, gamma, dy, rstd, y, dgamma, partial, rows, cols);
+  }));
   }
   if (wanted("copy")) {
   std::printf("\n-- copies of 128 MiB\n");
