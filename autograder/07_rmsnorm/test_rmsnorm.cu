@@ -44,9 +44,10 @@ k2c::Tolerance dgamma_tolerance(int rows) { return {1e-6 + 2.4e-7 * rows, 1e-5, 
 using Shape = k2c::testing::RowShape;
 
 std::vector<Shape> fixed_shapes() {
-  // Around the register-path limits too: 16384 elements (the backward; the forward one element
-  // at a time), 32768 (the forward with the fused add) and 65536 (the forward in 16-byte
-  // vectors), and one vector past each.
+  // Around the register-path limits too: 8192 elements (the backward one element at a time),
+  // 16384 (the backward in 16-byte vectors; the forward one element at a time), 32768 (the
+  // forward with the fused add) and 65536 (the forward in 16-byte vectors), and one vector past
+  // each.
   // And around the reference's Hopper backward (rows of 2048 to 8192 bf16 streamed through a ring
   // of 3 or 2 row pairs): its ends and one vector past them, a vector past a whole number per
   // thread (2056), where the ring drops to 2 slots (6152), and more rows than blocks (2000), and
@@ -54,7 +55,7 @@ std::vector<Shape> fixed_shapes() {
   // phase bits flipping back and forth (2500, 8000).
   return {{1, 1},      {3, 7},     {33, 31},   {1, 32},     {4, 33},     {37, 4095},  {64, 4096},
           {2, 8192},   {2, 16384}, {2, 16392}, {2, 32768},  {2, 32776},  {3, 65537},  {2, 65536},
-          {2, 65544},  {2, 16383}, {2, 16385},
+          {2, 65544},  {2, 16383}, {2, 16385}, {2, 8191},  {2, 8193},
           {20000, 7},  {1000, 128}, {9, 1000}, {3000, 4096}, {5, 2040},  {7, 2048},   {2000, 2056},
           {3, 6144},   {600, 6152}, {3, 8200},    {2500, 6152}, {8000, 2048}};
 }

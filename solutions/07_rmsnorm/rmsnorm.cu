@@ -46,11 +46,13 @@ using namespace k2c::rows;
 
 constexpr int kVecBf16 = kVec<bf16>;  // 8 bf16 in 16 bytes
 // The forward keeps its row as bits (k2c::rows::kMaxBitsIters vectors a thread at most), two
-// vectors a thread where the row allows (measured best, see forward_kernel). The backward keeps
-// three arrays of floats (h, dy and the running dgamma), 16 floats each at most, two vectors a
-// thread.
+// vectors a thread where the row allows (measured best, see forward_kernel). The backward keeps h
+// and dy as bits and the running dgamma as floats: 16 of those and 8 vectors a thread at most
+// (more spilled), two vectors a thread where the row allows.
 constexpr int kForwardTargetIters = 2;
-constexpr int kBackwardValues = 16;
+template <int VEC>
+inline constexpr int kBackwardMaxIters = std::min(8, 16 / VEC);
+constexpr int kPrefetchRows = 2;  // how far ahead the backward register kernel prefetches into L2
 
 // ----------------------------------------------------------------------------- forward ---
 // h = x (+ residual, rounded to bf16 exactly as it is stored in residual_out, so the backward pass
@@ -200,45 +202,71 @@ int partials_for(int rows, int cols) {
   return static_cast<int>((groups + kMaxRowsPerBlock - 1) / kMaxRowsPerBlock * kMaxRowsPerBlock);
 }
 
-template <int VEC, int ITERS>
+// AHEAD > 0: each row-group also asks L2 for its row AHEAD steps ahead (prefetch.global.L2, no
+// registers held), so that its loads of that row later come from L2 instead of HBM.
+template <int VEC, int ITERS, int AHEAD>
 __global__ __launch_bounds__(1024) void backward_kernel(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
                                 const bf16* __restrict__ dy, const float* __restrict__ rstd,
                                 bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols) {
   __shared__ RowScratch scratch;
+  auto at = [&](int it) { return (it * blockDim.x + threadIdx.x) * VEC; };
+  const int step = gridDim.x * blockDim.y;
+  auto prefetch_row = [&](long row) {
+    if (row < rows)
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it)
+        if (at(it) < cols) {
+          prefetch_l2(h + row * cols + at(it));
+          prefetch_l2(dy + row * cols + at(it));
+        }
+  };
+  if constexpr (AHEAD > 0)
+    for (int d = 1; d < AHEAD; ++d) prefetch_row(blockIdx.x * blockDim.y + threadIdx.y + static_cast<long>(d) * step);
+
   float dg[ITERS][VEC] = {};
   // Every row-group of the block runs the same number of iterations (the loop is over the block's
   // first row), so all threads reach row_all's barriers together.
-  for (int first = blockIdx.x * blockDim.y; first < rows; first += gridDim.x * blockDim.y) {
+  for (int first = blockIdx.x * blockDim.y; first < rows; first += step) {
     const int row = first + threadIdx.y;
+    if constexpr (AHEAD > 0) prefetch_row(row + static_cast<long>(AHEAD) * step);
     const bool live = row < rows;
+    auto has = [&](int it) { return live && at(it) < cols; };
     const std::size_t base = static_cast<std::size_t>(row) * cols;
     const float r = live ? rstd[row] : 0.0f;
-    float hv[ITERS][VEC], gdy[ITERS][VEC];  // h, and gamma · dy
-    float dot = 0.0f;                       // Σ dy·gamma·h over the row
+    // h and dy as their bits, every load issued before any arithmetic (see the forward kernel).
+    Bits<bf16, VEC> hb[ITERS], db[ITERS];
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+      if (has(it)) {
+        hb[it] = load_bits<bf16, VEC>(h + base + at(it));
+        db[it] = load_bits<bf16, VEC>(dy + base + at(it));
+      }
+    float dot = 0.0f;  // Σ dy·gamma·h over the row
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
-      const int c = (it * blockDim.x + threadIdx.x) * VEC;
-      if (live && c < cols) {
-        float d[VEC], g[VEC];
-        load<bf16, VEC>(h + base + c, hv[it]);
-        load<bf16, VEC>(dy + base + c, d);
-        load<bf16, VEC>(gamma + c, g);
+      if (has(it)) {
+        float hv[VEC], d[VEC], g[VEC];
+        unpack<bf16, VEC>(hb[it], hv);
+        unpack<bf16, VEC>(db[it], d);
+        load<bf16, VEC>(gamma + at(it), g);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          gdy[it][i] = g[i] * d[i];
-          dot += gdy[it][i] * hv[it][i];
-          dg[it][i] += d[i] * hv[it][i] * r;
+          dot += g[i] * d[i] * hv[i];
+          dg[it][i] += d[i] * hv[i] * r;
         }
       }
     }
     const float k = r * r * r * row_all(dot, Sum{}, scratch) / cols;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
-      const int c = (it * blockDim.x + threadIdx.x) * VEC;
-      if (live && c < cols) {
+      if (has(it)) {
+        float hv[VEC], d[VEC], g[VEC];
+        unpack<bf16, VEC>(hb[it], hv);
+        unpack<bf16, VEC>(db[it], d);
+        load<bf16, VEC>(gamma + at(it), g);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) gdy[it][i] = r * gdy[it][i] - k * hv[it][i];
-        store<bf16, VEC>(dx + base + c, gdy[it]);
+        for (int i = 0; i < VEC; ++i) d[i] = r * g[i] * d[i] - k * hv[i];
+        store_bits<bf16, VEC>(dx + base + at(it), pack<bf16, VEC>(d));
       }
     }
   }
@@ -516,7 +544,7 @@ int backward_ring(const bf16* h, const bf16* gamma, const bf16* dy, const float*
 template <int VEC>
 void backward_vec(const bf16* h, const bf16* gamma, const bf16* dy, const float* rstd, bf16* dx,
                   float* dgamma, float* partial, int rows, int cols, cudaStream_t stream) {
-  const RowPlan plan = plan_row(cols, VEC, kBackwardValues / VEC, 2);
+  const RowPlan plan = plan_row(cols, VEC, kBackwardMaxIters<VEC>, 2);
   int partials = VEC == kVecBf16 ? backward_ring(h, gamma, dy, rstd, dx, partial, rows, cols, stream) : 0;
   if (partials > 0) {
     // the ring ran
@@ -529,8 +557,8 @@ void backward_vec(const bf16* h, const bf16* gamma, const bf16* dy, const float*
     backward_slice_kernel<VEC><<<grid, kSliceThreads, 0, stream>>>(h, gamma, dy, rstd, k, dx, partial, rows, cols);
     partials = long_groups(rows);
   } else {
-    with_iters<kBackwardValues / VEC>(plan.iters, [&](auto iters) {
-      const auto kernel = backward_kernel<VEC, iters()>;
+    with_iters<kBackwardMaxIters<VEC>>(plan.iters, [&](auto iters) {
+      const auto kernel = backward_kernel<VEC, iters(), kPrefetchRows>;
       const unsigned blocks = persistent_blocks(kernel, plan.block(), rows, cols);
       kernel<<<blocks, plan.block(), 0, stream>>>(h, gamma, dy, rstd, dx, partial, rows, cols);
       partials = static_cast<int>(blocks * plan.block().y);
