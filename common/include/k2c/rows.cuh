@@ -132,12 +132,6 @@ template <class T, int VEC>
 inline constexpr int kMaxBitsIters =
     std::min(kMaxBitsVectors, kBitsRegisters / static_cast<int>((sizeof(T) * VEC + 3) / 4));
 
-// Asks for the 128-byte line holding p to be brought into L2, without waiting and without a
-// register to receive it: a kernel that will read the line soon finds it there.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // The widest vector (elements of T in 16 bytes) every row of a rows × cols matrix can use:
 // rows start on 16-byte boundaries only when cols is a multiple of it and the bases are aligned.
 template <class T>
