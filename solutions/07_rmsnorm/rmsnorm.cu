@@ -122,7 +122,7 @@ __global__ __launch_bounds__(1024) void forward_kernel(const bf16* __restrict__ 
     if (has(it)) {
       float v[VEC], g[VEC];
       unpack<bf16, VEC>(h[it], v);
-      load<bf16, VEC>(gamma + at(it), g);
+      unpack<bf16, VEC>(load_bits<bf16, VEC>(gamma + at(it)), g);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v[i] *= r * g[i];
       store_bits<bf16, VEC>(y + base + at(it), pack<bf16, VEC>(v));
@@ -206,8 +206,10 @@ int partials_for(int rows, int cols) {
 // the rows held as floats), level with the Hopper ring below (0.796 in the same process). Asking
 // L2 for the row 1 to 6 steps ahead (prefetch.global.L2 by every thread) made it slower: 0.73 to
 // 0.56.
+// (__launch_bounds__(1024, 1): with the bare bound ptxas held the 1-vector version to 32 registers
+// and spilled.)
 template <int VEC, int ITERS>
-__global__ __launch_bounds__(1024) void backward_kernel(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
+__global__ __launch_bounds__(1024, 1) void backward_kernel(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
                                 const bf16* __restrict__ dy, const float* __restrict__ rstd,
                                 bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols) {
   __shared__ RowScratch scratch;

@@ -114,7 +114,10 @@ __device__ __forceinline__ Bits<T, VEC> pack(const float (&in)[VEC]) {
       b = static_cast<Bits<T, VEC>>(half(in[0]));
     } else {
 #pragma unroll
-      for (int k = 0; k < VEC / 2; ++k) set_word(b, k, half(in[2 * k]) | half(in[2 * k + 1]) << 16);
+      for (int k = 0; k < VEC / 2; ++k) {  // one conversion instruction rounds both halves
+        const __nv_bfloat162 two = __floats2bfloat162_rn(in[2 * k], in[2 * k + 1]);
+        set_word(b, k, *reinterpret_cast<const unsigned*>(&two));
+      }
     }
   } else {
 #pragma unroll
