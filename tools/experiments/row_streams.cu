@@ -556,6 +556,14 @@ int main(int argc, char** argv) {
   k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f);
   report("reference RMSNorm forward", two, timed([&] { k2c::rmsnorm::forward(x, nullptr, gamma, y, nullptr, rstd, rows, cols, 1e-6f); }));
   packed_variants(false);
+  for (bool early : {true, false}) {
+    const auto kernel = early ? k2c::rmsnorm::forward_kernel<8, 2, false, true> : k2c::rmsnorm::forward_kernel<8, 2, false, false>;
+    cudaMemset(y2, 0xFF, n * 2);
+    const double ms = timed([&] { kernel<<<rows, 256>>>(x, nullptr, gamma, y2, nullptr, rstd, rows, cols, 1e-6f); });
+    char name[96];
+    std::snprintf(name, sizeof name, "solution's forward kernel, gamma %s, diff %.1e", early ? "early" : "late", max_diff(y2, y, n));
+    report(name, two, ms);
+  }
   }
   // Reading two bytes per byte written (the RMSNorm backward's mix) against the copy's one to one.
   if (wanted("mix")) {
