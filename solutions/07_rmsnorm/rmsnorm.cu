@@ -26,9 +26,10 @@
 // On Hopper (sm_90) the backward pass of rows of 2048 to 8192 columns streams its rows differently:
 // see backward_ring_kernel.
 //
-// Rows too long for registers (over 32768 bf16 per row): the forward pass takes a loop kernel
-// that reads the row twice (the second read of a row of 64 KiB or more mostly comes from L2); the
-// backward pass two kernels, described before backward_slice_kernel.
+// Rows too long for registers (the forward: over 65536 bf16 in 16-byte vectors, 32768 with the
+// fused add; the backward: over 16384) take other kernels. The forward pass reads the row twice in
+// a loop kernel (the second read of a row mostly comes from L2); the backward pass uses two
+// kernels, described before backward_slice_kernel.
 #include <algorithm>
 
 #include <cuda_bf16.h>
