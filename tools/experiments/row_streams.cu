@@ -369,6 +369,79 @@ __global__ __launch_bounds__(256) void block_ring(const bf16* __restrict__ x, co
   }
 }
 
+// ---- register backward variants at rows of up to 4096 bf16 (256 threads x 2 vectors a row):
+// ROWS rows per block, whose reductions share their barriers, and with PIPE each row-group's next
+// row of h and dy loaded (as bits) before the current row is reduced, so one row is always on its
+// way while another is computed. Persistent, one partial row of dgamma per row-group.
+template <int ROWS, bool PIPE>
+__global__ __launch_bounds__(256 * ROWS) void bwd_rows(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
+                                                    const bf16* __restrict__ dy, const float* __restrict__ rstd,
+                                                    bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols) {
+  using V = k2c::rows::Bits<bf16, 8>;
+  constexpr int IT = 2;
+  __shared__ k2c::rows::RowScratch scratch;
+  const int vecs = cols / 8;
+  auto has = [&](long row, int it) { return row < rows && it * 256 + static_cast<int>(threadIdx.x) < vecs; };
+  auto load_row = [&](long row, V (&hb)[IT], V (&db)[IT]) {
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+      if (has(row, it)) {
+        const std::size_t at = static_cast<std::size_t>(row) * cols + 8 * (it * 256 + threadIdx.x);
+        hb[it] = k2c::rows::load_bits<bf16, 8>(h + at);
+        db[it] = k2c::rows::load_bits<bf16, 8>(dy + at);
+      }
+  };
+  float dg[IT][8] = {};
+  const long step = static_cast<long>(gridDim.x) * ROWS;
+  long row = static_cast<long>(blockIdx.x) * ROWS + threadIdx.y;
+  V hb[IT], db[IT];
+  load_row(row, hb, db);
+  for (long first = static_cast<long>(blockIdx.x) * ROWS; first < rows; first += step, row += step) {
+    V hn[IT], dn[IT];
+    if constexpr (PIPE) load_row(row + step, hn, dn);
+    const float r = row < rows ? rstd[row] : 0.0f;
+    float dot = 0.0f;
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+      if (has(row, it)) {
+        float hf[8], df[8], gf[8];
+        k2c::rows::unpack<bf16, 8>(hb[it], hf);
+        k2c::rows::unpack<bf16, 8>(db[it], df);
+        k2c::rows::unpack<bf16, 8>(k2c::rows::load_bits<bf16, 8>(gamma + 8 * (it * 256 + threadIdx.x)), gf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          dot += gf[i] * df[i] * hf[i];
+          dg[it][i] += df[i] * hf[i] * r;
+        }
+      }
+    const float k = r * r * r * k2c::rows::row_all(dot, Sum{}, scratch) / cols;
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+      if (has(row, it)) {
+        float hf[8], df[8], gf[8];
+        k2c::rows::unpack<bf16, 8>(hb[it], hf);
+        k2c::rows::unpack<bf16, 8>(db[it], df);
+        k2c::rows::unpack<bf16, 8>(k2c::rows::load_bits<bf16, 8>(gamma + 8 * (it * 256 + threadIdx.x)), gf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) df[i] = r * gf[i] * df[i] - k * hf[i];
+        k2c::rows::store_bits<bf16, 8>(dx + static_cast<std::size_t>(row) * cols + 8 * (it * 256 + threadIdx.x),
+                                       k2c::rows::pack<bf16, 8>(df));
+      }
+    if constexpr (PIPE) {
+#pragma unroll
+      for (int it = 0; it < IT; ++it) hb[it] = hn[it], db[it] = dn[it];
+    } else {
+      load_row(row + step, hb, db);
+    }
+  }
+  float* mine = partial + (static_cast<std::size_t>(blockIdx.x) * ROWS + threadIdx.y) * cols;
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+    if (it * 256 + static_cast<int>(threadIdx.x) < vecs)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mine[8 * (it * 256 + threadIdx.x) + i] = dg[it][i];
+}
+
 // ---- RMSNorm backward, a block ring: block b takes rows b, b + blocks, ...; slot s holds the
 // row of h and the row of dy. Thread t handles vectors t + 256·i of a row (ITERS of them) and
 // keeps its columns' dgamma partial sums in registers; one partial row per block at the end.
@@ -603,6 +676,26 @@ int main(int argc, char** argv) {
     report(name, three, ms);
   };
   variant(rn::backward_kernel<8, 2>, 0);
+  auto rows_variant = [&](auto kernel, int rows_per_block, bool pipe) {
+    const dim3 block(256, rows_per_block);
+    int per_sm = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256 * rows_per_block, 0);
+    const int blocks = std::min(4096 / rows_per_block, per_sm * g_sms);
+    cudaMemset(y2, 0xFF, n * 2);
+    const double ms = timed([&] {
+      kernel<<<blocks, block>>>(x, gamma, dy, rstd, y2, partial, rows, cols);
+      rn::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, rn::kSumWarps)>>>(partial, dgamma2, blocks * rows_per_block, cols);
+    });
+    char name[96];
+    std::snprintf(name, sizeof name, "%d row(s) a block%s, %d blocks, diff %.1e", rows_per_block,
+                  pipe ? ", next row loaded first" : "", blocks, max_diff(y2, y, n));
+    report(name, three, ms);
+  };
+  rows_variant(bwd_rows<1, false>, 1, false);
+  rows_variant(bwd_rows<1, true>, 1, true);
+  rows_variant(bwd_rows<2, false>, 2, false);
+  rows_variant(bwd_rows<2, true>, 2, true);
+  rows_variant(bwd_rows<4, true>, 4, true);
   }
   if (wanted("copy")) {
   std::printf("\n-- copies of 128 MiB\n");
