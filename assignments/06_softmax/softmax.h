@@ -13,7 +13,7 @@
 //   three_pass  one pass for the maximum, one for the sum, one to normalise: x is read 3 times
 //   online      the maximum and the sum in one pass (the online rescaling trick), then normalise
 //   fast        whatever reaches the memory bandwidth: the row kept in registers, vector loads,
-//               warp-shuffle reductions, one warp per short row and one block per long row
+//               warp-shuffle reductions, a warp or less per short row, a block per long row
 //
 // Tests: autograder/06_softmax/test_softmax.cu. Lecture: lectures/06_softmax.md.
 #pragma once

@@ -60,7 +60,7 @@ void check(sm::Version v, Shape s, float spread, const std::string& purpose) {
 
 // Row lengths: a single column (every output 1), lengths around the warp and the vector width,
 // around the register-path limits (16384 elements one at a time, 32768 fp32 and 65536 bf16 in
-// 16-byte vectors; and one vector past each), and a 65537-long row (odd, and too long for
+// 16-byte vectors; and just past each), and a 65537-long row (odd, and too long for
 // registers).
 std::vector<Shape> fixed_shapes() {
   return {{1, 1},     {5, 1},     {3, 7},     {33, 31},    {1, 32},     {4, 33},

@@ -26,8 +26,9 @@
 // On Hopper (sm_90) the backward pass of rows of 2048 to 8192 columns streams its rows differently:
 // see backward_ring_kernel.
 //
-// Rows too long for registers (the forward: over 65536 bf16 in 16-byte vectors, 32768 with the
-// fused add; the backward: over 16384) take other kernels. The forward pass reads the row twice in
+// Rows too long for registers take other kernels: in the forward, rows over 65536 bf16 in 16-byte
+// vectors (32768 with the fused add) or over 16384 read one element at a time (8192 with the add);
+// in the backward, over 16384 in vectors or 8192 one at a time. The forward pass reads the row twice in
 // a loop kernel (the second read of a row mostly comes from L2); the backward pass uses two
 // kernels, described before backward_slice_kernel.
 #include <algorithm>
@@ -49,7 +50,7 @@ constexpr int kVecBf16 = kVec<bf16>;  // 8 bf16 in 16 bytes
 // The forward keeps its row as bits (k2c::rows::kMaxBitsIters vectors a thread at most), two
 // vectors a thread where the row allows (measured best, see forward_kernel). The backward keeps h
 // and dy as bits and the running dgamma as floats: 16 of those and 8 vectors a thread at most
-// (more spilled), two vectors a thread where the row allows.
+// (beyond that ptxas spills heavily), two vectors a thread where the row allows.
 constexpr int kForwardTargetIters = 2;
 template <int VEC>
 inline constexpr int kBackwardMaxIters = std::min(8, 16 / VEC);
@@ -215,8 +216,8 @@ int partials_for(int rows, int cols) {
 // the rows held as floats), level with the Hopper ring below (0.796 in the same process). Asking
 // L2 for the row 1 to 6 steps ahead (prefetch.global.L2 by every thread) made it slower: 0.73 to
 // 0.56.
-// (__launch_bounds__(1024, 1): with the bare bound ptxas held the 1-vector version to 32 registers
-// and spilled.)
+// (__launch_bounds__(1024, 1): with the bare bound ptxas held the version with one 16-byte vector
+// a thread to 32 registers and spilled.)
 template <int VEC, int ITERS>
 __global__ __launch_bounds__(1024, 1) void backward_kernel(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
                                 const bf16* __restrict__ dy, const float* __restrict__ rstd,
@@ -226,7 +227,10 @@ __global__ __launch_bounds__(1024, 1) void backward_kernel(const bf16* __restric
   float dg[ITERS][VEC] = {};
   // Every row-group of the block runs the same number of iterations (the loop is over the block's
   // first row), so all threads reach row_all's barriers together.
-  for (int first = blockIdx.x * blockDim.y; first < rows; first += gridDim.x * blockDim.y) {
+  // rows may come within 8192 of INT_MAX (kMaxExtent) and the stride can be larger than that, so
+  // the step stops at rows instead of stepping past INT_MAX.
+  const int step = gridDim.x * blockDim.y;
+  for (int first = blockIdx.x * blockDim.y; first < rows; first = rows - first > step ? first + step : rows) {
     const int row = first + threadIdx.y;
     const bool live = row < rows;
     auto has = [&](int it) { return live && at(it) < cols; };

@@ -4,10 +4,10 @@
 // Module 06's lecture derives each of them; this is their one home.
 //
 // Layout: a block of (blockDim.x, blockDim.y) threads works on blockDim.y rows at once,
-// blockDim.x threads per row (a warp, or several warps up to 1024 threads). Thread t of a row
-// handles the vectors t, t + blockDim.x, t + 2·blockDim.x, ... of that row, so consecutive
-// threads touch consecutive 16-byte pieces and each warp-wide access is one full 512-byte
-// request.
+// blockDim.x threads per row (1 to 1024; rows of fewer than 32 threads share a warp). Thread t of
+// a row handles the vectors t, t + blockDim.x, t + 2·blockDim.x, ... of that row, so consecutive
+// threads touch consecutive 16-byte pieces and a warp-wide access uses every byte of the sectors
+// it touches (one full 512-byte request when the row has a warp or more).
 #pragma once
 
 #include <algorithm>
