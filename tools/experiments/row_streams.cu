@@ -2,7 +2,7 @@
 // 4096 bf16) that keep more bytes in flight than the register kernels: rows streamed into shared
 // memory by the bulk copy engine (cp.async.bulk, sm_90), in a ring per warp (softmax, RMSNorm
 // forward) or per block (RMSNorm backward); and the register kernels with every load of a thread
-// issued first into int4 registers, the row kept packed (packed_rows: softmax 0.91 and RMSNorm
+// issued first into 16-byte registers, the row kept packed (packed_rows: softmax 0.91 and RMSNorm
 // forward 0.91 of the copy rate here, against 0.85 and 0.89 for the references; not yet in the
 // solutions, see h200.json). Beside them: cudaMemcpy of several sizes and plain
 // copy kernels of the graded bytes, and the reference solutions, all timed as the graded tests
@@ -31,26 +31,32 @@ using k2c::rows::warp_all;
 __device__ __forceinline__ std::uint32_t saddr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ int4 lds16(std::uint32_t a) {
-  int4 v;
+// Rows are held as 16-byte vectors of bf16 bits and converted with k2c/rows.cuh's helpers.
+using Vec = k2c::rows::Bits<bf16, 8>;
+__device__ __forceinline__ void unpack(const Vec& raw, float (&f)[8]) { k2c::rows::unpack<bf16, 8>(raw, f); }
+__device__ __forceinline__ Vec pack(const float (&f)[8]) { return k2c::rows::pack<bf16, 8>(f); }
+__device__ __forceinline__ Vec lds16(std::uint32_t a) {
+  Vec v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
   return v;
 }
-__device__ __forceinline__ void unpack(const int4& raw, float (&f)[8]) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+// The RMSNorm forward's output: y = x · rs · gamma for the vectors t, t + stride, ... (below
+// vecs) of a row held in raw.
+template <int ITERS>
+__device__ __forceinline__ void rms_scale_store(const Vec (&raw)[ITERS], const bf16* gamma, Vec* yr, float rs, int t,
+                                                int stride, int vecs) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
+  for (int it = 0; it < ITERS; ++it) {
+    const int v = it * stride + t;
+    if (v < vecs) {
+      float f[8], g[8];
+      unpack(raw[it], f);
+      unpack(__ldg(reinterpret_cast<const Vec*>(gamma) + v), g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] *= rs * g[i];
+      yr[v] = pack(f);
+    }
   }
-}
-__device__ __forceinline__ int4 pack(const float (&f)[8]) {
-  int4 raw;
-  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return raw;
 }
 
 // ---- plain copies: U 16-byte pieces per thread, blocks of 256 over consecutive chunks --------
@@ -156,7 +162,7 @@ __global__ __launch_bounds__(32 * W) void softmax_ring(const bf16* __restrict__ 
       for (int i = 0; i < 8; ++i) s += exp2f(fmaf(f[i], 1.4426950408889634f, -ml));
     }
     const float inv = 1.0f / warp_all(s, Sum{});
-    int4* yr = reinterpret_cast<int4*>(y + static_cast<std::size_t>(r) * cols);
+    Vec* yr = reinterpret_cast<Vec*>(y + static_cast<std::size_t>(r) * cols);
 #pragma unroll 4
     for (int v = w.lane; v < vecs; v += 32) {
       float f[8];
@@ -191,8 +197,8 @@ __global__ __launch_bounds__(32 * W) void rms_fwd_ring(const bf16* __restrict__ 
     }
     const float rs = rsqrtf(warp_all(sq, Sum{}) / cols + eps);
     if (w.lane == 0) rstd[r] = rs;
-    int4* yr = reinterpret_cast<int4*>(y + static_cast<std::size_t>(r) * cols);
-    const int4* g4 = reinterpret_cast<const int4*>(gamma);
+    Vec* yr = reinterpret_cast<Vec*>(y + static_cast<std::size_t>(r) * cols);
+    const Vec* g4 = reinterpret_cast<const Vec*>(gamma);
 #pragma unroll 4
     for (int v = w.lane; v < vecs; v += 32) {
       float f[8], g[8];
@@ -218,9 +224,9 @@ __global__ __launch_bounds__(256) void packed_rows(const bf16* __restrict__ x, c
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   const bool live = row < rows;
   const int vecs = cols / 8;
-  const int4* xr = reinterpret_cast<const int4*>(x + static_cast<std::size_t>(row) * cols);
-  int4* yr = reinterpret_cast<int4*>(y + static_cast<std::size_t>(row) * cols);
-  int4 raw[ITERS];
+  const Vec* xr = reinterpret_cast<const Vec*>(x + static_cast<std::size_t>(row) * cols);
+  Vec* yr = reinterpret_cast<Vec*>(y + static_cast<std::size_t>(row) * cols);
+  Vec raw[ITERS];
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int v = it * blockDim.x + threadIdx.x;
@@ -265,19 +271,25 @@ __global__ __launch_bounds__(256) void packed_rows(const bf16* __restrict__ x, c
   } else {
     const float rs = rsqrtf(k2c::rows::row_all(first, Sum{}, scratch) / cols + eps);
     if (live && threadIdx.x == 0) rstd[row] = rs;
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      const int v = it * blockDim.x + threadIdx.x;
-      if (live && v < vecs) {
-        float f[8], g[8];
-        unpack(raw[it], f);
-        unpack(__ldg(reinterpret_cast<const int4*>(gamma) + v), g);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] *= rs * g[i];
-        yr[v] = pack(f);
-      }
-    }
+    rms_scale_store(raw, gamma, yr, rs, threadIdx.x, blockDim.x, live ? vecs : 0);
   }
+}
+
+// A block's ring of S slots of slot_bytes each (128-byte aligned in dynamic shared memory), then
+// one mbarrier per slot, initialised by thread 0 before any thread goes on.
+struct BlockRing {
+  std::uint32_t ring, bars;
+};
+__device__ __forceinline__ BlockRing block_ring_setup(unsigned char* smem, int S, std::uint32_t slot_bytes) {
+  BlockRing b;
+  b.ring = (saddr(smem) + 127) & ~127u;
+  b.bars = b.ring + S * slot_bytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) hp::mbarrier_init(b.bars + 8 * s, 1);
+    hp::fence_barrier_init();
+  }
+  __syncthreads();
+  return b;
 }
 
 // ---- block rings for the one-input kernels: block b takes rows b, b + blocks, ...; its ring holds
@@ -289,12 +301,7 @@ __global__ __launch_bounds__(256) void block_ring(const bf16* __restrict__ x, co
   extern __shared__ unsigned char smem[];
   __shared__ k2c::rows::RowScratch scratch;
   const std::uint32_t row_bytes = cols * 2;
-  const std::uint32_t ring = (saddr(smem) + 127) & ~127u, bars = ring + S * row_bytes;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) hp::mbarrier_init(bars + 8 * s, 1);
-    hp::fence_barrier_init();
-  }
-  __syncthreads();
+  const auto [ring, bars] = block_ring_setup(smem, S, row_bytes);
   auto issue = [&](int k) {
     const int r = blockIdx.x + k * gridDim.x;
     if (threadIdx.x == 0 && r < rows) {
@@ -308,7 +315,7 @@ __global__ __launch_bounds__(256) void block_ring(const bf16* __restrict__ x, co
   for (int k = 0, r = blockIdx.x; r < rows; ++k, r += gridDim.x) {
     hp::mbarrier_wait(bars + 8 * (k % S), (k / S) & 1);
     const std::uint32_t at = ring + (k % S) * row_bytes;
-    int4 raw[ITERS];
+    Vec raw[ITERS];
     float first = kSoftmax ? Max::identity : 0.0f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
@@ -322,7 +329,7 @@ __global__ __launch_bounds__(256) void block_ring(const bf16* __restrict__ x, co
       }
     }
     hp::fence_proxy_async();
-    int4* yr = reinterpret_cast<int4*>(y + static_cast<std::size_t>(r) * cols);
+    Vec* yr = reinterpret_cast<Vec*>(y + static_cast<std::size_t>(r) * cols);
     if constexpr (kSoftmax) {
       const float m = k2c::rows::row_all(first, Max{}, scratch);
       issue(k + S);
@@ -353,18 +360,7 @@ __global__ __launch_bounds__(256) void block_ring(const bf16* __restrict__ x, co
       const float rs = rsqrtf(k2c::rows::row_all(first, Sum{}, scratch) / cols + eps);
       issue(k + S);
       if (threadIdx.x == 0) rstd[r] = rs;
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-        const int v = it * 256 + threadIdx.x;
-        if (v < vecs) {
-          float f[8], g[8];
-          unpack(raw[it], f);
-          unpack(__ldg(reinterpret_cast<const int4*>(gamma) + v), g);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) f[i] *= rs * g[i];
-          yr[v] = pack(f);
-        }
-      }
+      rms_scale_store(raw, gamma, yr, rs, threadIdx.x, 256, vecs);
     }
   }
 }
@@ -377,12 +373,11 @@ template <int ROWS, bool PIPE>
 __global__ __launch_bounds__(256 * ROWS) void bwd_rows(const bf16* __restrict__ h, const bf16* __restrict__ gamma,
                                                     const bf16* __restrict__ dy, const float* __restrict__ rstd,
                                                     bf16* __restrict__ dx, float* __restrict__ partial, int rows, int cols) {
-  using V = k2c::rows::Bits<bf16, 8>;
   constexpr int IT = 2;
   __shared__ k2c::rows::RowScratch scratch;
   const int vecs = cols / 8;
   auto has = [&](long row, int it) { return row < rows && it * 256 + static_cast<int>(threadIdx.x) < vecs; };
-  auto load_row = [&](long row, V (&hb)[IT], V (&db)[IT]) {
+  auto load_row = [&](long row, Vec (&hb)[IT], Vec (&db)[IT]) {
 #pragma unroll
     for (int it = 0; it < IT; ++it)
       if (has(row, it)) {
@@ -394,10 +389,16 @@ __global__ __launch_bounds__(256 * ROWS) void bwd_rows(const bf16* __restrict__ 
   float dg[IT][8] = {};
   const long step = static_cast<long>(gridDim.x) * ROWS;
   long row = static_cast<long>(blockIdx.x) * ROWS + threadIdx.y;
-  V hb[IT], db[IT];
+  Vec hb[IT], db[IT];
   load_row(row, hb, db);
+  // h, dy and gamma of vector it of this thread's current row, as floats.
+  auto floats = [&](int it, float (&hf)[8], float (&df)[8], float (&gf)[8]) {
+    unpack(hb[it], hf);
+    unpack(db[it], df);
+    unpack(__ldg(reinterpret_cast<const Vec*>(gamma) + it * 256 + threadIdx.x), gf);
+  };
   for (long first = static_cast<long>(blockIdx.x) * ROWS; first < rows; first += step, row += step) {
-    V hn[IT], dn[IT];
+    Vec hn[IT], dn[IT];
     if constexpr (PIPE) load_row(row + step, hn, dn);
     const float r = row < rows ? rstd[row] : 0.0f;
     float dot = 0.0f;
@@ -405,9 +406,7 @@ __global__ __launch_bounds__(256 * ROWS) void bwd_rows(const bf16* __restrict__ 
     for (int it = 0; it < IT; ++it)
       if (has(row, it)) {
         float hf[8], df[8], gf[8];
-        k2c::rows::unpack<bf16, 8>(hb[it], hf);
-        k2c::rows::unpack<bf16, 8>(db[it], df);
-        k2c::rows::unpack<bf16, 8>(k2c::rows::load_bits<bf16, 8>(gamma + 8 * (it * 256 + threadIdx.x)), gf);
+        floats(it, hf, df, gf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           dot += gf[i] * df[i] * hf[i];
@@ -419,13 +418,11 @@ __global__ __launch_bounds__(256 * ROWS) void bwd_rows(const bf16* __restrict__ 
     for (int it = 0; it < IT; ++it)
       if (has(row, it)) {
         float hf[8], df[8], gf[8];
-        k2c::rows::unpack<bf16, 8>(hb[it], hf);
-        k2c::rows::unpack<bf16, 8>(db[it], df);
-        k2c::rows::unpack<bf16, 8>(k2c::rows::load_bits<bf16, 8>(gamma + 8 * (it * 256 + threadIdx.x)), gf);
+        floats(it, hf, df, gf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) df[i] = r * gf[i] * df[i] - k * hf[i];
         k2c::rows::store_bits<bf16, 8>(dx + static_cast<std::size_t>(row) * cols + 8 * (it * 256 + threadIdx.x),
-                                       k2c::rows::pack<bf16, 8>(df));
+                                       pack(df));
       }
     if constexpr (PIPE) {
 #pragma unroll
@@ -452,12 +449,7 @@ __global__ __launch_bounds__(256, MIN_BLOCKS) void rms_bwd_ring(const bf16* __re
   extern __shared__ unsigned char smem[];
   __shared__ k2c::rows::RowScratch scratch;
   const std::uint32_t row_bytes = cols * 2;
-  const std::uint32_t ring = (saddr(smem) + 127) & ~127u, bars = ring + S * 2 * row_bytes;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) hp::mbarrier_init(bars + 8 * s, 1);
-    hp::fence_barrier_init();
-  }
-  __syncthreads();
+  const auto [ring, bars] = block_ring_setup(smem, S, 2 * row_bytes);
   auto issue = [&](int k) {
     const int r = blockIdx.x + k * gridDim.x;
     if (threadIdx.x == 0 && r < rows) {
@@ -473,12 +465,12 @@ __global__ __launch_bounds__(256, MIN_BLOCKS) void rms_bwd_ring(const bf16* __re
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int v = it * 256 + threadIdx.x;
-    if (v < vecs) unpack(__ldg(reinterpret_cast<const int4*>(gamma) + v), g[it]);
+    if (v < vecs) unpack(__ldg(reinterpret_cast<const Vec*>(gamma) + v), g[it]);
   }
   for (int k = 0, r = blockIdx.x; r < rows; ++k, r += gridDim.x) {
     hp::mbarrier_wait(bars + 8 * (k % S), (k / S) & 1);
     const std::uint32_t at = ring + (k % S) * 2 * row_bytes;
-    int4 hr[ITERS], dr[ITERS];
+    Vec hr[ITERS], dr[ITERS];
     float dot = 0.0f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
@@ -497,7 +489,7 @@ __global__ __launch_bounds__(256, MIN_BLOCKS) void rms_bwd_ring(const bf16* __re
     const float total = k2c::rows::row_all(dot, Sum{}, scratch);  // its barriers end the slot's reads
     issue(k + S);
     const float rs = rstd[r], kk = rs * rs * rs * total / cols;
-    int4* out = reinterpret_cast<int4*>(dx + static_cast<std::size_t>(r) * cols);
+    Vec* out = reinterpret_cast<Vec*>(dx + static_cast<std::size_t>(r) * cols);
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int v = it * 256 + threadIdx.x;
