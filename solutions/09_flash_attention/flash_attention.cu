@@ -13,6 +13,7 @@
 //
 // Fragment layouts, ldmatrix and cp.async are lecture 05's (k2c/tensor_core.cuh): read its
 // section on the mma.sync fragments before the index arithmetic below.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -58,14 +59,20 @@ __device__ __forceinline__ std::uint32_t swizzled(std::uint32_t tile, int row, i
 }
 
 // Copies rows [0, ROWS) of a W-wide bf16 tile starting at `src`; rows >= valid_rows are zero
-// filled. All THREADS threads of the block take part; src must point at a real row.
+// filled. All THREADS threads of the block take part; src must point at a real row. Thread t
+// copies chunk t % (W/8) of rows t / (W/8) + i·kRowStep: a trip count known at compile time, so
+// the loop unrolls into straight cp.async with immediate offsets (a loop counted from t, as in
+// `for (i = t; i < n; i += THREADS)`, compiles to a rolled loop with remainder branches, hundreds
+// of instructions per tile that every warp issues on its way to the tensor cores), and with
+// kRowStep a multiple of 8 the swizzle's XOR is the same for each of a thread's rows.
 template <int ROWS, int W, int THREADS>
 __device__ __forceinline__ void load_tile(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
-  constexpr int kChunks = W / 8;
-  static_assert(ROWS * kChunks % THREADS == 0, "every thread copies the same number of chunks");
+  constexpr int kChunks = W / 8, kRowStep = THREADS / kChunks;
+  static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "every thread copies the same chunks");
+  const int r0 = tid / kChunks, c = tid % kChunks;
 #pragma unroll
-  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
-    const int r = i / kChunks, c = i % kChunks;
+  for (int i = 0; i < ROWS / kRowStep; ++i) {
+    const int r = r0 + i * kRowStep;
     const bool ok = r < valid_rows;
     cp_async_16(swizzled<W>(tile, r, c), ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
   }
@@ -128,12 +135,32 @@ struct Params {
   const float* lse_in;
   float *lse_out, *dot, *dq_accum;
   int heads, kv_heads, group, q_len, kv_len;
+  int wave_heads;  // heads started together (launch_place); 0: as many as the GPU holds
   float scale, scale_log2;
   bool causal;
   // Row offsets of head (b, h) in q-shaped and of kv head (b, g) in kv-shaped tensors.
   __device__ std::size_t q_rows(int b, int h) const { return (static_cast<std::size_t>(b) * heads + h) * q_len; }
   __device__ std::size_t kv_rows(int b, int g) const { return (static_cast<std::size_t>(b) * kv_heads + g) * kv_len; }
 };
+
+// Where a block sits, in launch order. The GPU starts blocks in order of their linear index and
+// holds about wave_heads heads' worth at once, so the heads (with their batch) go in sets of
+// wave_heads, and inside a set the heaviest blocks start first: under the causal mask a query
+// block near the end and a key block near the start do the most work. The last blocks to start,
+// which decide how long the grid's tail is, are then the light ones of the last set, while the
+// K and V of the heads in flight still fit in L2. `rank` 0 is the heaviest block of its head;
+// with heads as the outer loop only the last head's heavy blocks would start late and run on
+// alone (lecture section 8).
+__device__ __forceinline__ void launch_place(int wave_heads, int& rank, int& h, int& b) {
+  const long long blocks = gridDim.x, pairs = static_cast<long long>(gridDim.y) * gridDim.z;
+  const long long at = blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
+  const long long set = at / (wave_heads * blocks), in_set = at % (wave_heads * blocks);
+  const long long size = min(static_cast<long long>(wave_heads), pairs - set * wave_heads);
+  const long long pair = set * wave_heads + in_set % size;
+  rank = static_cast<int>(in_set / size);
+  h = static_cast<int>(pair % gridDim.y);
+  b = static_cast<int>(pair / gridDim.y);
+}
 
 // ---- the forward pass's per-strip steps (shared by the mma.sync and the wgmma kernels) ----------
 //
@@ -226,10 +253,12 @@ __device__ __forceinline__ bool tile_needs_mask(Params p, int m0, int n0, int ke
 // and sum never leave a warp ("split-Q", lecture section 5). K and V tiles of BN = 64 keys are
 // double buffered. Shared memory: Q 128·D + 2·2·64·D bf16 = 96 KiB at D = 128 (two blocks per
 // SM), 48 KiB at D = 64. Registers bound the tile: the output alone is 32·D/32 = D fp32 values per
-// thread, the scores 32·BN/32 = BN more.
-template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2>
+// thread, the scores 32·BN/32 = BN more. QK_UNROLL unrolls Q·Kᵀ's loop over head_dim; fully
+// unrolled, the compiler issues the next k step's ldmatrix while this step's mma run, which was
+// worth 6 % at D = 128 and 6 % at D = 64 although it spills a few registers (lecture section 11).
+template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2, int QK_UNROLL = D_ / 16>
 struct ForwardTile {
-  static constexpr int D = D_, kKeys = KEYS, kWarps = WARPS, kStrips = STRIPS;
+  static constexpr int D = D_, kKeys = KEYS, kWarps = WARPS, kStrips = STRIPS, kQkUnroll = QK_UNROLL;
   static constexpr int kRows = 16 * kStrips * kWarps, kThreads = 32 * kWarps;
   static constexpr int kSmemBytes = (kRows + 4 * kKeys) * D * 2;
   static constexpr int kMinBlocks = kThreads <= 128 ? 2 : 1;  // what the register file allows
@@ -243,10 +272,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Par
   auto sK = [&](int stage) { return sQ + (BM + stage * BN) * D * 2; };
   auto sV = [&](int stage) { return sQ + (BM + 2 * BN + stage * BN) * D * 2; };
 
-  // Heaviest blocks first: under a causal mask the last query blocks see the most keys, and
-  // starting them early keeps them from forming the tail of the grid.
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
-  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
+  int rank, h, b;
+  launch_place(p.wave_heads, rank, h, b);
+  const int m0 = (gridDim.x - 1 - rank) * BM, g = h / p.group;  // the last query blocks see the most keys
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
 
@@ -282,7 +310,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Par
 
     // S = Q Kᵀ for the warp's 32 rows × BN keys, fp32.
     float s[T::kStrips][NT][4] = {};
-#pragma unroll 1
+#pragma unroll T::kQkUnroll
     for (int kk = 0; kk < D; kk += 16) {
       std::uint32_t a[T::kStrips][4];
 #pragma unroll
@@ -359,10 +387,12 @@ struct HopperTile {
 // Like load_tile, into the 128-byte-swizzled block layout.
 template <int ROWS, int W, int THREADS>
 __device__ __forceinline__ void load_tile_sw128(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
-  constexpr int kChunks = W / 8;
+  constexpr int kChunks = W / 8, kRowStep = THREADS / kChunks;
+  static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "every thread copies the same chunks");
+  const int r0 = tid / kChunks, c = tid % kChunks;
 #pragma unroll
-  for (int i = tid; i < ROWS * kChunks; i += THREADS) {
-    const int r = i / kChunks, c = i % kChunks;
+  for (int i = 0; i < ROWS / kRowStep; ++i) {
+    const int r = r0 + i * kRowStep;
     const bool ok = r < valid_rows;
     const std::uint32_t at = tile + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4);
     cp_async_16(at, ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
@@ -379,8 +409,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
   auto sK = [&](int stage) { return sQ + T::kQBytes + 2 * stage * T::kTileBytes; };
   auto sV = [&](int stage) { return sQ + T::kQBytes + (2 * stage + 1) * T::kTileBytes; };
 
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest first, as above
-  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
+  int rank, h, b;
+  launch_place(p.wave_heads, rank, h, b);
+  const int m0 = (gridDim.x - 1 - rank) * BM, g = h / p.group;  // heaviest first, as above
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
   const bf16* q = p.q + (p.q_rows(b, h) + m0) * D;
@@ -488,9 +519,9 @@ __global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, s
 // warp computes a 16 × D/2 slice of dQ and adds it into the fp32 accumulator in global memory.
 // Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16, plus lse and D:
 // 145 KiB at D = 128, one block per SM; 81 KiB at D = 64.
-template <int D_, int CHUNKS = 1, int DQ_STRIPS = 1>
+template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 1, int SCORE_UNROLL = D_ / 16>
 struct BackwardTile {
-  static constexpr int D = D_, kChunks = CHUNKS, kDqStrips = DQ_STRIPS;
+  static constexpr int D = D_, kChunks = CHUNKS, kDqStrips = DQ_STRIPS, kScoreUnroll = SCORE_UNROLL;
   static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;
   static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kKeys * kRows) * 2 + 4 * kRows * 4;
 };
@@ -516,7 +547,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   float* s_lse = reinterpret_cast<float*>(smem + (2 * BN * D + 4 * BM * D + BN * BM) * 2);  // [2][BM], ·log2 e
   float* s_dot = s_lse + 2 * BM;                                                           // [2][BM]
 
-  const int n0 = blockIdx.x * BN, g = blockIdx.y, b = blockIdx.z;
+  int rank, g, b;
+  launch_place(p.wave_heads, rank, g, b);
+  const int n0 = rank * BN;  // the first key blocks are seen by the most queries
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
   const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
@@ -586,7 +619,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
     for (int c = 0; c < T::kChunks; ++c) {
       constexpr int CQ = QT / T::kChunks;
       float sT[CQ][4] = {}, dpT[CQ][4] = {};
-#pragma unroll 1
+#pragma unroll T::kScoreUnroll
       for (int kk = 0; kk < D; kk += 16) {
         std::uint32_t ak[4], av[4];
         load_a<D>(ak, sK, key_row, kk, lane);
@@ -823,11 +856,20 @@ void set_smem(Kernel kernel, int bytes) {
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// How many heads' blocks the GPU holds at once (at least one): see launch_place.
+int wave_heads(int blocks_per_head, int blocks_per_sm) {
+  int device = 0, sms = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::max(1, sms * blocks_per_sm / std::max(1, blocks_per_head));
+}
+
 // Launches a forward kernel over (query blocks, heads, batch).
 template <class T, auto Kernel>
-void launch_query_blocks(const Params& p, const Shape& s, cudaStream_t stream) {
+void launch_query_blocks(Params p, const Shape& s, cudaStream_t stream) {
   set_smem(Kernel, T::kSmemBytes);
   const dim3 grid(ceil_div(s.q_len, T::kRows), s.heads, s.batch);
+  if (p.wave_heads == 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), T::kMinBlocks);
   Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
   K2C_CUDA_CHECK_LAUNCH();
 }
@@ -841,7 +883,7 @@ void launch_hopper(const Params& p, const Shape& s, cudaStream_t stream) {
 }
 
 template <class T>
-void launch_backward(const Params& p, const Shape& s, cudaStream_t stream) {
+void launch_backward(Params p, const Shape& s, cudaStream_t stream) {
   constexpr int D = T::D;
   set_smem(backward_kernel<T>, T::kSmemBytes);
   const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len;
@@ -849,6 +891,7 @@ void launch_backward(const Params& p, const Shape& s, cudaStream_t stream) {
   K2C_CUDA_CHECK_LAUNCH();
   K2C_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, rows * D * sizeof(float), stream));
   const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
+  if (p.wave_heads == 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), 1);
   if (grid.x > 0) {
     backward_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
     K2C_CUDA_CHECK_LAUNCH();
@@ -938,10 +981,10 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
   p.dv = dv;
   p.dot = static_cast<float*>(workspace);
   p.dq_accum = p.dot + dot_floats(s);
-  // One score chunk per step and 16-row dQ warp tiles at both head dims: that compiles without
-  // spills and measured fastest (tools/experiments/flash_attention.cu: 2 and 4 chunks, or
-  // 32-row dQ tiles, were slower at d = 128; chunks pay off only in a build where one chunk
-  // spills, and ptxas's register allocation moves with small changes of the code around it).
+  // BackwardTile's defaults: the scores in D/64 chunks, their head_dim loop unrolled fully, 16-row
+  // dQ warp tiles. Measured fastest at both head dims (tools/experiments/flash_attention.cu,
+  // lecture section 11), although at D = 128 it spills: ptxas's register allocation moves with
+  // small changes of the code around it, so measure rather than read the spill count.
   if (s.head_dim == 64) launch_backward<BackwardTile<64>>(p, s, stream);
   else launch_backward<BackwardTile<128>>(p, s, stream);
 }

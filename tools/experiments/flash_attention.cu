@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "k2c/random.h"
@@ -30,6 +31,10 @@ __global__ void max_diff(const bf16* a, const bf16* b, size_t n, float* out) {
   atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));
 }
 
+// Launch order of the variants: 0 is the solution's (sets of as many heads as the GPU holds,
+// heaviest blocks first in each); 1 starts the heads one after another.
+int g_wave_heads = 0;
+
 struct Bufs {
   size_t n;
   bf16 *q, *k, *v, *o, *o_ref, *dout, *dq, *dk, *dv, *dq_ref, *dk_ref, *dv_ref;
@@ -48,6 +53,7 @@ float diff(const Bufs& b, const bf16* x, const bf16* y) {
 void forward_variant(const char* kind, const char* name, const fa::Shape& s, Bufs& b, double flops,
                      void (*launch)(const fa::Params&, const fa::Shape&, cudaStream_t)) {
   fa::Params p = fa::make_params(s);
+  p.wave_heads = g_wave_heads;
   p.q = b.q;
   p.k = b.k;
   p.v = b.v;
@@ -62,6 +68,7 @@ void forward_variant(const char* kind, const char* name, const fa::Shape& s, Buf
 template <class T>
 void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flops) {
   fa::Params p = fa::make_params(s);
+  p.wave_heads = g_wave_heads;
   p.q = b.q;
   p.k = b.k;
   p.v = b.v;
@@ -78,8 +85,9 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
               2.5 * flops / ms * 1e-9, ms, diff(b, b.dq, b.dq_ref), diff(b, b.dk, b.dk_ref), diff(b, b.dv, b.dv_ref));
 }
 
+// only_unroll: the unrolling variants alone (a short run), else the tile sweep.
 template <int D>
-void sweep(bool causal) {
+void sweep(bool causal, bool only_unroll) {
   const fa::Shape s{4, 32, 32, 4096, 4096, D, causal, 1.0f / std::sqrt(static_cast<float>(D))};
   const double flops = 4.0 * 4 * 32 * 4096.0 * 4096 * D * (causal ? 0.5 : 1.0);
   Bufs b{};
@@ -101,6 +109,23 @@ void sweep(bool causal) {
   using fa::BackwardTile;
   using fa::ForwardTile;
   forward_variant("forward", "128 rows x 64 keys, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 2>>);
+  if (only_unroll) {
+    // Q·Kᵀ's head_dim loop unrolled fully (shipped: the ldmatrix of the next k step is issued
+    // under this step's mma), by 2, or rolled; then the launch order.
+    forward_variant("forward", "128 x 64, Q.K^T unrolled by 2", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 2, 2>>);
+    forward_variant("forward", "128 x 64, Q.K^T rolled", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 2, 1>>);
+    forward_variant("wgmma", "128 x 64, 2 warpgroups, 2 blocks", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 2, 2>>);
+    fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
+    backward_variant<BackwardTile<D>>("shipped", s, b, flops);
+    backward_variant<BackwardTile<D, 1, 1, 1>>("1 chunk, K.Q^T rolled", s, b, flops);
+    backward_variant<BackwardTile<D, 1, 1, D / 16>>("1 chunk, K.Q^T unrolled fully", s, b, flops);
+    backward_variant<BackwardTile<D, 2, 1, D / 16>>("2 chunks, unrolled fully", s, b, flops);
+    g_wave_heads = 1;
+    forward_variant("forward", "shipped, heads one after another", s, b, flops, fa::launch_forward<ForwardTile<D>>);
+    forward_variant("wgmma", "shipped, heads one after another", s, b, flops, fa::launch_hopper<fa::HopperTile<D>>);
+    backward_variant<BackwardTile<D>>("shipped, heads one after another", s, b, flops);
+    g_wave_heads = 0;
+  } else {
   forward_variant("forward", "128 x 32, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 32, 4, 2>>);
   forward_variant("forward", "128 x 128, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 4, 2>>);
   forward_variant("forward", "128 x 64, 8 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 8, 1>>);
@@ -115,6 +140,7 @@ void sweep(bool causal) {
   backward_variant<BackwardTile<D, 2>>("scores in 2 chunks", s, b, flops);
   backward_variant<BackwardTile<D, 4>>("scores in 4 chunks", s, b, flops);
   backward_variant<BackwardTile<D, 1, 2>>("1 chunk, dQ in 32-row warp tiles", s, b, flops);
+  }
 
   for (void* x : {(void*)b.q, (void*)b.k, (void*)b.v, (void*)b.o, (void*)b.o_ref, (void*)b.dout, (void*)b.dq,
                   (void*)b.dk, (void*)b.dv, (void*)b.dq_ref, (void*)b.dk_ref, (void*)b.dv_ref, (void*)b.lse,
@@ -124,10 +150,34 @@ void sweep(bool causal) {
 
 }  // namespace
 
-int main() {
-  sweep<128>(true);
-  sweep<128>(false);
-  sweep<64>(true);
+// One shipped forward and backward at the graded shape (d = 128, causal), for a profiler:
+//   ncu --clock-control none -k regex:"forward_kernel|backward_kernel" ... /tmp/fa once
+void once() {
+  const fa::Shape s{4, 32, 32, 4096, 4096, 128, true, 1.0f / std::sqrt(128.0f)};
+  const size_t n = size_t{4} * 32 * 4096 * 128;
+  std::vector<bf16*> t(8);
+  for (bf16*& x : t) cudaMalloc(&x, n * sizeof(bf16));
+  float *lse, *work;
+  cudaMalloc(&lse, size_t{4} * 32 * 4096 * sizeof(float));
+  cudaMalloc(&work, fa::backward_workspace_bytes(s));
+  for (int i = 0; i < 4; ++i) k2c::fill_uniform_device(t[i], n, i + 1, -1, 1);
+  fa::forward(s, t[0], t[1], t[2], t[4], lse);
+  fa::backward(s, t[0], t[1], t[2], t[4], t[3], lse, t[5], t[6], t[7], work);
+}
+
+// Arguments: "unroll" runs the unrolling variants only, "once" one forward and one
+// backward for a profiler; none runs the tile sweep.
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "once") {
+    once();
+    const cudaError_t e = cudaDeviceSynchronize();
+    std::printf("%s\n", e == cudaSuccess ? "ok" : cudaGetErrorString(e));
+    return e == cudaSuccess ? 0 : 1;
+  }
+  const bool unroll = argc > 1 && std::string(argv[1]) == "unroll";
+  sweep<128>(true, unroll);
+  sweep<128>(false, unroll);
+  sweep<64>(true, unroll);
   const cudaError_t e = cudaDeviceSynchronize();
   std::printf("%s\n", e == cudaSuccess ? "ok" : cudaGetErrorString(e));
   return e == cudaSuccess ? 0 : 1;
