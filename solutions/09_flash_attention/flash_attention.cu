@@ -150,7 +150,7 @@ struct Params {
 // which decide how long the grid's tail is, are then the light ones of the last set, while the
 // K and V of the heads in flight still fit in L2. `rank` 0 is the heaviest block of its head;
 // with heads as the outer loop only the last head's heavy blocks would start late and run on
-// alone (lecture section 8).
+// alone (lecture section 6.3).
 __device__ __forceinline__ void launch_place(int wave_heads, int& rank, int& h, int& b) {
   const long long blocks = gridDim.x, pairs = static_cast<long long>(gridDim.y) * gridDim.z;
   const long long at = blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
@@ -517,13 +517,18 @@ __global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, s
 // layout of an A operand for dV += Pᵀ dO and dK += dSᵀ Q, and each warp's dK and dV rows never
 // leave it. Only dQ = dS K needs the other orientation: dSᵀ goes to shared memory once, and each
 // warp computes a 16 × D/2 slice of dQ and adds it into the fp32 accumulator in global memory.
-// Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16, plus lse and D:
-// 145 KiB at D = 128, one block per SM; 81 KiB at D = 64.
-template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 1, int SCORE_UNROLL = D_ / 16>
+// Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16 (twice with
+// kDqLate), plus lse and D: 161 KiB at D = 128, one block per SM; 97 KiB at D = 64.
+template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 1, int SCORE_UNROLL = D_ / 16, bool DQ_LATE = true>
 struct BackwardTile {
   static constexpr int D = D_, kChunks = CHUNKS, kDqStrips = DQ_STRIPS, kScoreUnroll = SCORE_UNROLL;
   static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;
-  static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kKeys * kRows) * 2 + 4 * kRows * 4;
+  // kDqLate: step t's dQ is computed in step t + 1, right after that step's barrier, from a
+  // second dSᵀ buffer; the barrier between writing dSᵀ and reading it is then the next step's,
+  // one barrier a step instead of two.
+  static constexpr bool kDqLate = DQ_LATE;
+  static constexpr int kDsBuffers = kDqLate ? 2 : 1;
+  static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kDsBuffers * kKeys * kRows) * 2 + 4 * kRows * 4;
 };
 
 // Adds an fp32 pair into global memory: one vector reduction on sm_90, two scalar ones before.
@@ -543,8 +548,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   const std::uint32_t sK = smem_addr(smem), sV = sK + BN * D * 2;
   auto sQ = [&](int stage) { return sV + BN * D * 2 + stage * BM * D * 2; };
   auto sdO = [&](int stage) { return sV + BN * D * 2 + (2 + stage) * BM * D * 2; };
-  const std::uint32_t sdS = sV + BN * D * 2 + 4 * BM * D * 2;  // dSᵀ: BN rows of BM
-  float* s_lse = reinterpret_cast<float*>(smem + (2 * BN * D + 4 * BM * D + BN * BM) * 2);  // [2][BM], ·log2 e
+  auto sdS = [&](int t) {  // dSᵀ of step t: BN rows of BM
+    return sV + BN * D * 2 + 4 * BM * D * 2 + (T::kDqLate ? t & 1 : 0) * BN * BM * 2;
+  };
+  float* s_lse = reinterpret_cast<float*>(smem + (2 * BN * D + 4 * BM * D + T::kDsBuffers * BN * BM) * 2);  // [2][BM], ·log2 e
   float* s_dot = s_lse + 2 * BM;                                                           // [2][BM]
 
   int rank, g, b;
@@ -598,14 +605,56 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   }
   tc::cp_async_commit();
 
-  for (int t = 0; t < steps; ++t) {
+  // dQ (BM × D) += dS K of step t, k = the BN keys: the warps split the BM × D tile into
+  // kDqStrips·16 rows × DC columns each. dS is stored transposed, so its A fragments come from
+  // the transposing ldmatrix. Every warp's dSᵀ rows of step t must be in shared memory.
+  auto dq_step = [&](int t) {
     int m0;
     const std::size_t q_row0 = step_rows(t, m0);
+    constexpr int S = T::kDqStrips, RG = BM / (16 * S), DC = D / (T::kWarps / RG);
+    const int qrow = (warp % RG) * 16 * S, dcol = (warp / RG) * DC;
+    float dq[S][DC / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BN; kk += 16) {
+      std::uint32_t a[S][4];
+#pragma unroll
+      for (int st = 0; st < S; ++st)
+        ldmatrix_x4_trans(a[st], swizzled<BM>(sdS(t), kk + (lane & 7) + ((lane >> 4) << 3),
+                                              (qrow + 16 * st) / 8 + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int dt = 0; dt < DC / 8; dt += 2) {
+        std::uint32_t bk[4];
+        load_b_kn<D>(bk, sK, kk, dcol + dt * 8, lane);
+#pragma unroll
+        for (int st = 0; st < S; ++st) {
+          mma(dq[st][dt], a[st], bk[0], bk[1]);
+          mma(dq[st][dt + 1], a[st], bk[2], bk[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int st = 0; st < S; ++st)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + qrow + 16 * st + acc_row(lane, half);
+        if (row >= p.q_len) continue;
+        float* dst = p.dq_accum + (q_row0 + row) * D + dcol + acc_col(lane);
+#pragma unroll
+        for (int dt = 0; dt < DC / 8; ++dt) add_pair(dst + dt * 8, dq[st][dt][2 * half], dq[st][dt][2 * half + 1]);
+      }
+  };
+
+  for (int t = 0; t < steps; ++t) {
+    int m0;
+    step_rows(t, m0);
     // As in the forward pass: wait, one barrier, then prefetch into the buffer step t − 1 used.
     tc::cp_async_wait<0>();
     __syncthreads();
     if (t + 1 < steps) fetch(t + 1);
     tc::cp_async_commit();
+    if constexpr (T::kDqLate) {
+      if (t > 0) dq_step(t - 1);  // its dSᵀ was completed before the barrier above
+    }
     const float* lse2 = s_lse + (t & 1) * BM;
     const float* dot = s_dot + (t & 1) * BM;
 
@@ -675,47 +724,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = key_row + acc_row(lane, half);
-        const std::uint32_t at = swizzled<BM>(sdS, row, qt) + acc_col(lane) * 2;
+        const std::uint32_t at = swizzled<BM>(sdS(t), row, qt) + acc_col(lane) * 2;
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
       }
     store_rows(t + 1);  // next step's lse and D; its buffer was last read in step t − 1
-    __syncthreads();  // dSᵀ complete (the next step's first barrier guards its reuse)
-
-    // dQ (BM × D) += dS K, k = the BN keys: the warps split the BM × D tile into kDqStrips·16 rows
-    // × DC columns each. dS is stored transposed, so its A fragments come from the transposing
-    // ldmatrix.
-    {
-      constexpr int S = T::kDqStrips, RG = BM / (16 * S), DC = D / (T::kWarps / RG);
-      const int qrow = (warp % RG) * 16 * S, dcol = (warp / RG) * DC;
-      float dq[S][DC / 8][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < BN; kk += 16) {
-        std::uint32_t a[S][4];
-#pragma unroll
-        for (int st = 0; st < S; ++st)
-          ldmatrix_x4_trans(a[st], swizzled<BM>(sdS, kk + (lane & 7) + ((lane >> 4) << 3),
-                                                (qrow + 16 * st) / 8 + ((lane >> 3) & 1)));
-#pragma unroll
-        for (int dt = 0; dt < DC / 8; dt += 2) {
-          std::uint32_t bk[4];
-          load_b_kn<D>(bk, sK, kk, dcol + dt * 8, lane);
-#pragma unroll
-          for (int st = 0; st < S; ++st) {
-            mma(dq[st][dt], a[st], bk[0], bk[1]);
-            mma(dq[st][dt + 1], a[st], bk[2], bk[3]);
-          }
-        }
-      }
-#pragma unroll
-      for (int st = 0; st < S; ++st)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = m0 + qrow + 16 * st + acc_row(lane, half);
-          if (row >= p.q_len) continue;
-          float* dst = p.dq_accum + (q_row0 + row) * D + dcol + acc_col(lane);
-#pragma unroll
-          for (int dt = 0; dt < DC / 8; ++dt) add_pair(dst + dt * 8, dq[st][dt][2 * half], dq[st][dt][2 * half + 1]);
-        }
+    if constexpr (!T::kDqLate) {
+      __syncthreads();  // dSᵀ complete (the next step's first barrier guards its reuse)
+      dq_step(t);
+    }
+  }
+  if constexpr (T::kDqLate) {
+    if (steps > 0) {
+      __syncthreads();  // the last step's dSᵀ complete
+      dq_step(steps - 1);
     }
   }
   tc::cp_async_wait<0>();

@@ -117,6 +117,8 @@ void sweep(bool causal, bool only_unroll) {
     forward_variant("wgmma", "128 x 64, 2 warpgroups, 2 blocks", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 2, 2>>);
     fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
+    backward_variant<BackwardTile<D, D / 64, 1, D / 16, false>>("dQ after a second barrier", s, b, flops);
+    backward_variant<BackwardTile<D, D / 64, 2, D / 16>>("32-row dQ warp tiles", s, b, flops);
     backward_variant<BackwardTile<D, 1, 1, 1>>("1 chunk, K.Q^T rolled", s, b, flops);
     backward_variant<BackwardTile<D, 1, 1, D / 16>>("1 chunk, K.Q^T unrolled fully", s, b, flops);
     backward_variant<BackwardTile<D, 2, 1, D / 16>>("2 chunks, unrolled fully", s, b, flops);
