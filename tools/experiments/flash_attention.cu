@@ -3,9 +3,12 @@
 // reference solution is included directly so its TU-internal kernels can be launched with tiles
 // it does not pick itself; every variant's output is compared with the shipped configuration's
 // (largest difference printed: a variant with a bug shows up there, not in its speed). Lecture
-// 09 quotes what this measured. Build and run on an H100/H200:
-//   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/09_flash_attention \
-//     tools/experiments/flash_attention.cu common/src/device.cu -o /tmp/fa && /tmp/fa
+// 09 quotes what this measured. Build and run on an H100/H200 (tools/gpu-check.sh does it with
+// K2C_EXPERIMENT=flash_attention, and passes K2C_EXPERIMENT_ARGS):
+//   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/09_flash_attention \
+//     tools/experiments/flash_attention.cu common/src/device.cu -o /tmp/fa && /tmp/fa [unroll | once]
+// No argument: the tile sweep. "unroll": unrolling, dQ and launch-order variants. "once": one
+// shipped forward and backward for a profiler.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -128,20 +131,20 @@ void sweep(bool causal, bool only_unroll) {
     backward_variant<BackwardTile<D>>("shipped, heads one after another", s, b, flops);
     g_wave_heads = 0;
   } else {
-  forward_variant("forward", "128 x 32, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 32, 4, 2>>);
-  forward_variant("forward", "128 x 128, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 4, 2>>);
-  forward_variant("forward", "128 x 64, 8 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 8, 1>>);
-  forward_variant("forward", "128 x 128, 8 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 8, 1>>);
-  forward_variant("forward", "64 x 64, 4 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 1>>);
-  forward_variant("forward", "64 x 128, 4 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 4, 1>>);
-  forward_variant("wgmma", "64 x 64, 1 warpgroup", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 1, 2>>);
-  forward_variant("wgmma", "128 x 64, 2 warpgroups, 2 blocks", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 2, 2>>);
-  forward_variant("wgmma", "128 x 64, 2 warpgroups, 1 block", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 2, 1>>);
-  fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);  // lse for the backward variants
-  backward_variant<BackwardTile<D, 1>>("scores in 1 chunk", s, b, flops);
-  backward_variant<BackwardTile<D, 2>>("scores in 2 chunks", s, b, flops);
-  backward_variant<BackwardTile<D, 4>>("scores in 4 chunks", s, b, flops);
-  backward_variant<BackwardTile<D, 1, 2>>("1 chunk, dQ in 32-row warp tiles", s, b, flops);
+    forward_variant("forward", "128 x 32, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 32, 4, 2>>);
+    forward_variant("forward", "128 x 128, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 4, 2>>);
+    forward_variant("forward", "128 x 64, 8 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 8, 1>>);
+    forward_variant("forward", "128 x 128, 8 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 8, 1>>);
+    forward_variant("forward", "64 x 64, 4 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 1>>);
+    forward_variant("forward", "64 x 128, 4 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 4, 1>>);
+    forward_variant("wgmma", "64 x 64, 1 warpgroup", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 1, 2>>);
+    forward_variant("wgmma", "128 x 64, 2 warpgroups, 2 blocks", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 2, 2>>);
+    forward_variant("wgmma", "128 x 64, 2 warpgroups, 1 block", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 2, 1>>);
+    fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);  // lse for the backward variants
+    backward_variant<BackwardTile<D, 1>>("scores in 1 chunk", s, b, flops);
+    backward_variant<BackwardTile<D, 2>>("scores in 2 chunks", s, b, flops);
+    backward_variant<BackwardTile<D, 4>>("scores in 4 chunks", s, b, flops);
+    backward_variant<BackwardTile<D, 1, 2>>("1 chunk, dQ in 32-row warp tiles", s, b, flops);
   }
 
   for (void* x : {(void*)b.q, (void*)b.k, (void*)b.v, (void*)b.o, (void*)b.o_ref, (void*)b.dout, (void*)b.dq,
