@@ -135,7 +135,7 @@ struct Params {
   const float* lse_in;
   float *lse_out, *dot, *dq_accum;
   int heads, kv_heads, group, q_len, kv_len;
-  int wave_heads;  // heads started together (launch_place); 0: as many as the GPU holds
+  int wave_heads;  // heads started together (launch_place); 0 or less: SMs × the tile's blocks per SM / blocks per head
   float scale, scale_log2;
   bool causal;
   // Row offsets of head (b, h) in q-shaped and of kv head (b, g) in kv-shaped tensors.
@@ -254,8 +254,9 @@ __device__ __forceinline__ bool tile_needs_mask(Params p, int m0, int n0, int ke
 // double buffered. Shared memory: Q 128·D + 2·2·64·D bf16 = 96 KiB at D = 128 (two blocks per
 // SM), 48 KiB at D = 64. Registers bound the tile: the output alone is 32·D/32 = D fp32 values per
 // thread, the scores 32·BN/32 = BN more. QK_UNROLL unrolls Q·Kᵀ's loop over head_dim; fully
-// unrolled, the compiler issues the next k step's ldmatrix while this step's mma run, which was
-// worth 6 % at D = 128 and 6 % at D = 64 although it spills a few registers (lecture section 11).
+// unrolled, the compiler issues the next k step's ldmatrix while this step's mma run: 2 to 6 %
+// faster at both head dims over two runs, although at D = 128 it spills 52 bytes (lecture
+// sections 5.5 and 11).
 template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2, int QK_UNROLL = D_ / 16>
 struct ForwardTile {
   static constexpr int D = D_, kKeys = KEYS, kWarps = WARPS, kStrips = STRIPS, kQkUnroll = QK_UNROLL;
@@ -523,9 +524,9 @@ template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 1, int SCORE_UNROLL = D_
 struct BackwardTile {
   static constexpr int D = D_, kChunks = CHUNKS, kDqStrips = DQ_STRIPS, kScoreUnroll = SCORE_UNROLL;
   static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;
-  // kDqLate: step t's dQ is computed in step t + 1, right after that step's barrier, from a
-  // second dSᵀ buffer; the barrier between writing dSᵀ and reading it is then the next step's,
-  // one barrier a step instead of two.
+  // kDqLate: step t's dQ is computed in step t + 1, after that step's barrier (and its prefetch),
+  // from a second dSᵀ buffer; the barrier between writing dSᵀ and reading it is then the next
+  // step's: one barrier a step instead of two, plus one after the loop for the last step's dQ.
   static constexpr bool kDqLate = DQ_LATE;
   static constexpr int kDsBuffers = kDqLate ? 2 : 1;
   static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kDsBuffers * kKeys * kRows) * 2 + 4 * kRows * 4;
@@ -890,7 +891,7 @@ template <class T, auto Kernel>
 void launch_query_blocks(Params p, const Shape& s, cudaStream_t stream) {
   set_smem(Kernel, T::kSmemBytes);
   const dim3 grid(ceil_div(s.q_len, T::kRows), s.heads, s.batch);
-  if (p.wave_heads == 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), T::kMinBlocks);
+  if (p.wave_heads <= 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), T::kMinBlocks);
   Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
   K2C_CUDA_CHECK_LAUNCH();
 }
@@ -912,7 +913,7 @@ void launch_backward(Params p, const Shape& s, cudaStream_t stream) {
   K2C_CUDA_CHECK_LAUNCH();
   K2C_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, rows * D * sizeof(float), stream));
   const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
-  if (p.wave_heads == 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), 1);
+  if (p.wave_heads <= 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), 1);
   if (grid.x > 0) {
     backward_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
     K2C_CUDA_CHECK_LAUNCH();
@@ -1003,9 +1004,10 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
   p.dot = static_cast<float*>(workspace);
   p.dq_accum = p.dot + dot_floats(s);
   // BackwardTile's defaults: the scores in D/64 chunks, their head_dim loop unrolled fully, 16-row
-  // dQ warp tiles. Measured fastest at both head dims (tools/experiments/flash_attention.cu,
-  // lecture section 11), although at D = 128 it spills: ptxas's register allocation moves with
-  // small changes of the code around it, so measure rather than read the spill count.
+  // dQ warp tiles, dQ one step late. Each measured fastest or level with the fastest within the
+  // run-to-run spread at both head dims (tools/experiments/flash_attention.cu, lecture section
+  // 11), although at D = 128 it spills: ptxas's register allocation moves with small changes of
+  // the code around it, so measure rather than read the spill count.
   if (s.head_dim == 64) launch_backward<BackwardTile<64>>(p, s, stream);
   else launch_backward<BackwardTile<128>>(p, s, stream);
 }

@@ -131,6 +131,8 @@ void sweep(bool causal, bool only_unroll) {
     backward_variant<BackwardTile<D>>("shipped, heads one after another", s, b, flops);
     g_wave_heads = 0;
   } else {
+    // The tile sweep: every variant takes the solution's current defaults for the loop unrolling
+    // and the backward's dQ placement (an earlier sweep, recorded in h200.json, predates them).
     forward_variant("forward", "128 x 32, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 32, 4, 2>>);
     forward_variant("forward", "128 x 128, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 4, 2>>);
     forward_variant("forward", "128 x 64, 8 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 8, 1>>);
