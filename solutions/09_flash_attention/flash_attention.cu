@@ -552,8 +552,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   auto sdS = [&](int t) {  // dSᵀ of step t: BN rows of BM
     return sV + BN * D * 2 + 4 * BM * D * 2 + (T::kDqLate ? t & 1 : 0) * BN * BM * 2;
   };
-  float* s_lse = reinterpret_cast<float*>(smem + (2 * BN * D + 4 * BM * D + T::kDsBuffers * BN * BM) * 2);  // [2][BM], ·log2 e
+  float* s_lse = reinterpret_cast<float*>(smem + (2 * BN * D + 4 * BM * D + T::kDsBuffers * BN * BM) * 2);  // [2][BM]
   float* s_dot = s_lse + 2 * BM;                                                           // [2][BM]
+  static_assert(T::kThreads >= 2 * BM, "fetch copies lse and D with a thread per row each");
 
   int rank, g, b;
   launch_place(p.wave_heads, rank, g, b);
@@ -577,33 +578,29 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
     m0 = (m_first + t % per_head) * BM;
     return p.q_rows(b, g * p.group + t / per_head);
   };
-  // Issues the copies of step t's Q and dO tiles, and returns its lse and D values (row tid)
-  // through registers: they are stored after this step's math, so their latency is hidden.
-  float next_lse = 0, next_dot = 0;
+  // Issues the copies of step t's Q and dO tiles and, by 4-byte cp.async in the same group, of
+  // its rows' lse and D values: they land in shared memory with the tiles and never occupy a
+  // register (loaded into registers, they were held across the step's math, and at 255
+  // registers spilled right after the load). Rows past the end read as zeros: their Q and dO
+  // rows are zero too, so S = 0, P = 1, dP = 0 and dS = 0, and their P·dO adds exact zeros
+  // (their dQ is never stored).
   auto fetch = [&](int t) {
     int m0;
     const std::size_t r = step_rows(t, m0);
     load_tile<BM, D, T::kThreads>(sQ(t & 1), p.q + (r + m0) * D, p.q_len - m0, tid);
     load_tile<BM, D, T::kThreads>(sdO(t & 1), p.dout + (r + m0) * D, p.q_len - m0, tid);
-    if (tid < BM) {
-      const bool ok = m0 + tid < p.q_len;  // rows past the end: lse = +inf makes their P zero
-      next_lse = ok ? p.lse_in[r + m0 + tid] * kLog2e : INFINITY;
-      next_dot = ok ? p.dot[r + m0 + tid] : 0.0f;
-    }
-  };
-  auto store_rows = [&](int t) {
-    if (tid < BM) {
-      s_lse[(t & 1) * BM + tid] = next_lse;
-      s_dot[(t & 1) * BM + tid] = next_dot;
+    if (tid < 2 * BM) {  // threads 0..BM-1 copy lse, BM..2·BM-1 copy D
+      const int row = tid % BM;
+      const bool ok = m0 + row < p.q_len;
+      const float* src = tid < BM ? p.lse_in : p.dot;
+      float* dst = (tid < BM ? s_lse : s_dot) + (t & 1) * BM + row;
+      tc::cp_async_4(smem_addr(dst), ok ? src + r + m0 + row : src, ok);
     }
   };
 
   float dk[DT][4] = {}, dv[DT][4] = {};
   const int key_row = warp * 16;  // this warp's 16 keys inside the block
-  if (steps > 0) {
-    fetch(0);
-    store_rows(0);
-  }
+  if (steps > 0) fetch(0);
   tc::cp_async_commit();
 
   // dQ (BM × D) += dS K of step t, k = the BN keys: the warps split the BM × D tile into
@@ -691,7 +688,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + key_row + acc_row(lane, e / 2), col = (c * CQ + i) * 8 + acc_col(lane) + e % 2;
-          float pr = fast_exp2(fmaf(sT[i][e], p.scale_log2, -lse2[col]));
+          float pr = fast_exp2(fmaf(sT[i][e], p.scale_log2, -lse2[col] * kLog2e));
           if (masked && mask.hidden(m0 + col, key)) pr = 0.0f;
           sT[i][e] = pr;
           dpT[i][e] = pr * (dpT[i][e] - dot[col]);
@@ -728,7 +725,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
         const std::uint32_t at = swizzled<BM>(sdS(t), row, qt) + acc_col(lane) * 2;
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
       }
-    store_rows(t + 1);  // next step's lse and D; its buffer was last read in step t − 1
     if constexpr (!T::kDqLate) {
       __syncthreads();  // dSᵀ complete (the next step's first barrier guards its reuse)
       dq_step(t);

@@ -3,6 +3,7 @@
 // Module 05 teaches them; modules 09 (FlashAttention) and 10 (MoE) reuse them. Each wrapper is
 // the single instruction it names, so SASS reads one-to-one against the source:
 //   cp_async_16        LDGSTS: 16 bytes global → shared without passing through registers
+//   cp_async_4         the same for 4 bytes (a per-row scalar that rides with a tile)
 //   ldmatrix_x4(_trans) LDSM: four 8×8 b16 tiles from shared memory into mma fragments
 //   mma_bf16_16816     HMMA.16816.F32.BF16: D(16×8, fp32) += A(16×16, bf16) · B(16×8, bf16)
 // All need sm_80 or newer.
@@ -29,6 +30,15 @@ __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, 
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes)
+               : "memory");
+}
+
+// Copies 4 bytes, or writes 4 zero bytes when `valid` is false (src as above). 4-byte copies
+// must go through L1 (.ca); they belong to the same commit groups as the 16-byte ones, so a
+// scalar per row (module 09's logsumexp) lands with its tile and never occupies a register.
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 
