@@ -160,6 +160,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
       accumulators_to_a(ap[kq], sT[2 * kq], sT[2 * kq + 1]);
       accumulators_to_a(ads[kq], dpT[2 * kq], dpT[2 * kq + 1]);
     }
+    // dSᵀ to shared memory, rows = keys, 128-byte rows of BM queries, swizzled: the A of dQ.
+    // Stored before the wgmma below takes ads as its A operand, whose registers may not even be
+    // read until that group has been waited for.
+#pragma unroll
+    for (int qt = 0; qt < QT; ++qt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = key_row + acc_row(lane, half);
+        const std::uint32_t at = sdS + row * 128 + ((qt ^ (row & 7)) << 4) + (lane & 3) * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
+      }
 
     // dV += Pᵀ dO and dK += dSᵀ Q, k = the BM queries: dO and Q read MN-major.
     hp::wgmma_fence();
@@ -172,16 +183,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     }
     hp::wgmma_commit();
 
-    // dSᵀ to shared memory, rows = keys, 128-byte rows of BM queries, swizzled: the A of dQ.
-#pragma unroll
-    for (int qt = 0; qt < QT; ++qt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = key_row + acc_row(lane, half);
-        const std::uint32_t at = sdS + row * 128 + ((qt ^ (row & 7)) << 4) + (lane & 3) * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
-      }
-    hp::fence_proxy_async();
+    hp::fence_proxy_async();  // the dSᵀ stores above, before wgmma reads them
     __syncthreads();
 
     // dQ (BM × 64 columns of this warpgroup) = dS K, k = the BN keys: dS is dSᵀ read MN-major,
@@ -226,6 +228,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
 template <class T>
 void launch_hopper_backward(Params p, const Shape& s, cudaStream_t stream) {
   constexpr int D = T::D;
+  k2c::hopper::require_sm90a("flash_attention hopper backward (experiment)");
   set_smem(hopper_backward_kernel<T>, T::kSmemBytes);
   const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len;
   dot_kernel<D><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p.dout, p.o, p.dot, rows);
@@ -233,9 +236,11 @@ void launch_hopper_backward(Params p, const Shape& s, cudaStream_t stream) {
   const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
   if (p.wave_heads <= 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), 1);
   if (grid.x > 0) hopper_backward_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+  K2C_CUDA_CHECK_LAUNCH();
   const std::size_t quads = rows * D / 4;
   dq_convert_kernel<<<static_cast<unsigned>((quads + 255) / 256), 256, 0, stream>>>(
       reinterpret_cast<const float4*>(p.dq_accum), reinterpret_cast<uint2*>(p.dq), p.scale, quads);
+  K2C_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
