@@ -542,6 +542,26 @@ __device__ __forceinline__ void add_pair(float* dst, float x, float y) {
 #endif
 }
 
+// dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO of one warp's 16 key rows (the first is key0), as bf16:
+// the accumulator layout of mma.sync's n8 tiles, which wgmma's accumulators share per warp.
+template <int DT>
+__device__ __forceinline__ void store_key_rows(const float (&dk)[DT][4], const float (&dv)[DT][4], const Params& p,
+                                               int b, int g, int key0, int lane) {
+  constexpr int D = DT * 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key0 + acc_row(lane, half);
+    if (key >= p.kv_len) continue;
+    auto* k_out = reinterpret_cast<std::uint32_t*>(p.dk + (p.kv_rows(b, g) + key) * D + acc_col(lane));
+    auto* v_out = reinterpret_cast<std::uint32_t*>(p.dv + (p.kv_rows(b, g) + key) * D + acc_col(lane));
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      k_out[dt * 4] = pack_bf16x2(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+      v_out[dt * 4] = pack_bf16x2(dv[dt][2 * half], dv[dt][2 * half + 1]);
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   constexpr int D = T::D, BN = T::kKeys, BM = T::kRows, QT = BM / 8, DT = D / 8;
@@ -738,19 +758,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   }
   tc::cp_async_wait<0>();
 
-  // dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO, the warp's 16 rows, bf16.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = n0 + key_row + acc_row(lane, half);
-    if (key >= p.kv_len) continue;
-    auto* k_out = reinterpret_cast<std::uint32_t*>(p.dk + (p.kv_rows(b, g) + key) * D + acc_col(lane));
-    auto* v_out = reinterpret_cast<std::uint32_t*>(p.dv + (p.kv_rows(b, g) + key) * D + acc_col(lane));
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      k_out[dt * 4] = pack_bf16x2(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
-      v_out[dt * 4] = pack_bf16x2(dv[dt][2 * half], dv[dt][2 * half + 1]);
-    }
-  }
+  store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
 }
 
 // ---- naive attention ----------------------------------------------------------------------------

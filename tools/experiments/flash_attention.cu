@@ -45,17 +45,17 @@ struct HopperBackwardTile {
 #define K2C_X_D8(i)                                                                          \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
-// d(64×64) (+)= A(64×16)·B(16×64), both from shared memory, either read MN-major (trans = 1).
-template <int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], std::uint64_t a, std::uint64_t b, int accumulate) {
+// d(64×64) (+)= A(64×16)·B(16×64), both from shared memory and both read MN-major (transposed;
+// hopper::wgmma_m64n64k16_ss reads both K-major).
+__device__ __forceinline__ void wgmma_m64n64k16_ss_tt(float (&d)[32], std::uint64_t a, std::uint64_t b, int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, %35, %36;\n}\n"
+      "%32, %33, p, 1, 1, 1, 1;\n}\n"
       : K2C_X_D8(0), K2C_X_D8(8), K2C_X_D8(16), K2C_X_D8(24)
-      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
+      : "l"(a), "l"(b), "r"(accumulate));
 }
 #undef K2C_X_D8
 
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   if (steps > 0) fetch(0);
   tc::cp_async_commit();
 
-  float dk[DT * 4] = {}, dv[DT * 4] = {};
+  float dk[DT][4] = {}, dv[DT][4] = {};  // wgmma_m64n128k16's accumulators as n8 tiles
   const int key_row = 64 * wg + 16 * warp;  // this warp's 16 keys; rows key_row + lane/4 (+8)
   const std::uint32_t k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;
   for (int t = 0; t < steps; ++t) {
@@ -128,11 +128,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     hp::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_64x64_ss<0, 0>(reinterpret_cast<float(&)[QT * 4]>(sT), slice(k_rows, BN, kk), slice(sQ(t), BM, kk), kk > 0);
+      hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[QT * 4]>(sT), slice(k_rows, BN, kk), slice(sQ(t), BM, kk), kk > 0);
     hp::wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_64x64_ss<0, 0>(reinterpret_cast<float(&)[QT * 4]>(dpT), slice(v_rows, BN, kk), slice(sdO(t), BM, kk), kk > 0);
+      hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[QT * 4]>(dpT), slice(v_rows, BN, kk), slice(sdO(t), BM, kk), kk > 0);
     hp::wgmma_commit();
 
     // Pᵀ and dSᵀ, as in the mma.sync backward (the accumulator layout is the same per warp).
@@ -192,8 +192,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     hp::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_64x64_ss<1, 1>(dq, hp::smem_desc_128b_mn(sdS + kk * 16 * 128, BN * 128),
-                           hp::smem_desc_128b_mn(sK + wg * BN * 128 + kk * 16 * 128, BN * 128), kk > 0);
+      wgmma_m64n64k16_ss_tt(dq, hp::smem_desc_128b_mn(sdS + kk * 16 * 128, BN * 128),
+                          hp::smem_desc_128b_mn(sK + wg * BN * 128 + kk * 16 * 128, BN * 128), kk > 0);
     hp::wgmma_commit();
     hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (its A fragments are ap and ads)
 #pragma unroll
@@ -207,19 +207,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   }
   tc::cp_async_wait<0>();
 
-  // dK and dV: this warp's 16 keys, the accumulator layout of wgmma_m64n128k16.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = n0 + key_row + acc_row(lane, half);
-    if (key >= p.kv_len) continue;
-    auto* k_out = reinterpret_cast<std::uint32_t*>(p.dk + (p.kv_rows(b, g) + key) * D + acc_col(lane));
-    auto* v_out = reinterpret_cast<std::uint32_t*>(p.dv + (p.kv_rows(b, g) + key) * D + acc_col(lane));
-#pragma unroll
-    for (int j = 0; j < DT; ++j) {
-      k_out[j * 4] = pack_bf16x2(dk[4 * j + 2 * half] * p.scale, dk[4 * j + 2 * half + 1] * p.scale);
-      v_out[j * 4] = pack_bf16x2(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
-    }
-  }
+  store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
 #else
   (void)p;
 #endif
