@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Draw module 09's benchmark sweep: TFLOP/s against sequence length for the forward pass, the
-backward pass and the naive (materialising) forward, one panel per head_dim and mask.
+backward pass, the naive (materialising) forward and Part B's wgmma forward and backward, one
+panel per head_dim and mask.
 
     tools/plot_attention.py BENCH_DIR [--png lectures/figures/attention.png] [--torch torch_attention.json]
 
@@ -65,9 +66,10 @@ keys = sorted(ours)
 cols = 2 if len(keys) > 2 else len(keys)
 rows = (len(keys) + cols - 1) // cols
 fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.0 * rows), squeeze=False, sharey=True)
-colour = {"forward": "tab:blue", "backward": "tab:orange", "naive": "tab:green", "hopper": "tab:red"}
+colour = {"forward": "tab:blue", "backward": "tab:orange", "naive": "tab:green", "hopper": "tab:red",
+          "hopper_backward": "tab:purple"}
 label = {"forward": "forward (mma.sync)", "backward": "backward (mma.sync)", "naive": "naive forward (S, P in memory)",
-         "hopper": "forward, Part B (wgmma)"}
+         "hopper": "forward, Part B (wgmma)", "hopper_backward": "backward, Part B (wgmma)"}
 for ax, key in zip(axes.flat, keys):
     for name, by_n in ours[key].items():
         ns = sorted(by_n)

@@ -2,8 +2,9 @@
 // flash_attention.h).
 //
 // Read lectures/09_flash_attention.md first. Suggested order: naive_forward (task 1), forward
-// (task 2), backward (task 3), and for bonus points forward_hopper (Part B). k2c/tensor_core.cuh holds module 05's wrappers for cp.async,
-// ldmatrix and mma.sync: include it and build on them.
+// (task 2), backward (task 3), and for bonus points forward_hopper and backward_hopper (Part B).
+// k2c/tensor_core.cuh holds module 05's wrappers for cp.async, ldmatrix and mma.sync: include it
+// and build on them.
 #include <cstdint>
 #include <string>
 
@@ -79,6 +80,22 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
   (void)stream;
   K2C_TODO("backward: D = rowsum(dout ∘ o), then a block per key tile recomputing P from lse, "
            "dK and dV in registers, dQ added into fp32; then dq = bf16(scale · that)");
+}
+
+// Part B (bonus), like forward_hopper(): given the checks.
+void backward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+                     const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+                     cudaStream_t stream) {
+  check_shape(s, "flash_attention backward_hopper");
+  if (s.batch == 0 || s.heads == 0 || s.q_len == 0) {
+    K2C_TODO("backward_hopper with no queries: dk and dv (when kv_len > 0) must still be written, as zeros");
+  }
+  check_pointers("flash_attention backward_hopper", {q, o, dout, lse, dq, workspace});
+  if (s.kv_len > 0) check_pointers("flash_attention backward_hopper", {k, v, dk, dv});
+  k2c::hopper::require_sm90a("flash_attention backward_hopper");
+  (void)stream;
+  K2C_TODO("backward_hopper: two warpgroups of 64 keys each; Sᵀ and dPᵀ on wgmma from shared memory, Pᵀ "
+           "and dSᵀ as register A operands of dV and dK, dSᵀ through shared memory for dQ");
 }
 
 }  // namespace k2c::flash_attention

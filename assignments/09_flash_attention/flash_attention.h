@@ -91,14 +91,17 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
               const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
               cudaStream_t stream = nullptr);
 
-// Part B (bonus): forward() again on Hopper's warpgroup MMA (wgmma) and its shared-memory
-// descriptors: same arguments, outputs, rules and checks. The module is compiled for sm_90a
-// wherever the build targets sm_90; hopper_supported() says whether this build and device can
-// run it (the reason in *why_not when not), and forward_hopper() throws std::invalid_argument
-// with that reason instead of launching.
+// Part B (bonus): forward() and backward() again on Hopper's warpgroup MMA (wgmma) and its
+// shared-memory descriptors: same arguments, outputs, workspace, rules and checks. The module is
+// compiled for sm_90a wherever the build targets sm_90; hopper_supported() says whether this
+// build and device can run them (the reason in *why_not when not), and forward_hopper() and
+// backward_hopper() throw std::invalid_argument with that reason instead of launching.
 bool hopper_supported(std::string* why_not = nullptr);
 void forward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
                     cudaStream_t stream = nullptr);
+void backward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+                     const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+                     cudaStream_t stream = nullptr);
 
 // Standard attention for contrast: S and P are materialised in global memory, fp32, in
 // `workspace` (at least naive_workspace_bytes(s): batch · heads · q_len · kv_len floats), then

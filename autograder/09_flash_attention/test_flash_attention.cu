@@ -144,8 +144,8 @@ void check_forward(const Shape& s, Path path = Path::flash) {
 
 // One backward call, given the reference's O (rounded to bf16, as a forward pass stores it) and
 // lse, so that a forward bug cannot hide here; outputs and workspace poisoned.
-void check_backward(const Shape& s) {
-  SCOPED_TRACE(describe(s));
+void check_backward(const Shape& s, Path path = Path::flash) {
+  SCOPED_TRACE(describe(s) + (path == Path::hopper ? " (Hopper)" : ""));
   const Inputs in = make_inputs(s, describe(s));
   const auto fwd = k2c::ref::attention_forward(in.q, in.k, in.v, ref_shape(s));
   const std::vector<float> o(fwd.o.begin(), fwd.o.end()), lse(fwd.lse.begin(), fwd.lse.end());
@@ -158,8 +158,9 @@ void check_backward(const Shape& s) {
   dk.poison();
   dv.poison();
   work.poison();
-  fa::backward(s, dq_in.data(), dk_in.data(), dv_in.data(), d_o.data(), d_dout.data(), d_lse.data(), dq.data(),
-               dk.data(), dv.data(), work.data());
+  const auto backward = path == Path::hopper ? fa::backward_hopper : fa::backward;
+  backward(s, dq_in.data(), dk_in.data(), dv_in.data(), d_o.data(), d_dout.data(), d_lse.data(), dq.data(),
+           dk.data(), dv.data(), work.data(), nullptr);
   const cudaError_t err = cudaDeviceSynchronize();
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   // The reference recomputes O in double; the kernel's D uses the bf16 O it is given, which the
@@ -301,15 +302,16 @@ bool spot_check_backward(const Problem& p, std::uint64_t seed, const char* what)
   return ok;
 }
 
-enum class Pass { forward, backward, naive, hopper };
+enum class Pass { forward, backward, naive, hopper, hopper_backward };
 
 // Rate in FLOP/s: one checked run, then the timed runs (median, L2 flushed), checked again at
 // fresh random rows. The backward pass runs on the o and lse of this module's own forward pass.
 double measure(Pass pass, const Shape& s, int repeats) {
   Problem p(s);
-  const std::size_t work_bytes = pass == Pass::backward ? fa::backward_workspace_bytes(s)
-                                 : pass == Pass::naive  ? fa::naive_workspace_bytes(s)
-                                                        : 0;
+  const bool backward = pass == Pass::backward || pass == Pass::hopper_backward;
+  const std::size_t work_bytes = backward ? fa::backward_workspace_bytes(s)
+                                 : pass == Pass::naive ? fa::naive_workspace_bytes(s)
+                                                       : 0;
   p.work = k2c::DeviceBuffer<float>((work_bytes + 3) / 4);
   auto run = [&] {
     switch (pass) {
@@ -319,15 +321,18 @@ double measure(Pass pass, const Shape& s, int repeats) {
         fa::naive_forward(s, p.q.data(), p.k.data(), p.v.data(), p.o.data(), p.lse.data(), p.work.data());
         break;
       case Pass::backward:
-        fa::backward(s, p.q.data(), p.k.data(), p.v.data(), p.o.data(), p.dout.data(), p.lse.data(), p.dq.data(),
-                     p.dk.data(), p.dv.data(), p.work.data());
+      case Pass::hopper_backward:
+        (pass == Pass::backward ? fa::backward : fa::backward_hopper)(s, p.q.data(), p.k.data(), p.v.data(),
+                                                                      p.o.data(), p.dout.data(), p.lse.data(),
+                                                                      p.dq.data(), p.dk.data(), p.dv.data(),
+                                                                      p.work.data(), nullptr);
         break;
     }
   };
   auto check = [&](std::uint64_t seed, const char* what) {
-    return pass == Pass::backward ? spot_check_backward(p, seed, what) : spot_check_forward(p, seed, what);
+    return backward ? spot_check_backward(p, seed, what) : spot_check_forward(p, seed, what);
   };
-  if (pass == Pass::backward) {
+  if (backward) {
     fa::forward(s, p.q.data(), p.k.data(), p.v.data(), p.o.data(), p.lse.data());
     p.dq.poison();
     p.dk.poison();
@@ -341,17 +346,18 @@ double measure(Pass pass, const Shape& s, int repeats) {
   if (!check(seed_for("perf samples"), "the first run's output")) return 0;
   const k2c::Timing t = k2c::time_gpu(run, {.warmup = 2, .repeats = repeats});
   if (!check(std::random_device{}(), "the timed runs' output")) return 0;
-  const double flops = forward_flops(s) * (pass == Pass::backward ? 2.5 : 1.0);
+  const double flops = forward_flops(s) * (backward ? 2.5 : 1.0);
   return flops / (t.median_ms * 1e-3);
 }
 
 void expect_rate(Pass pass, const Shape& s, int repeats) {
   const double ceiling = k2c::bf16_gemm_rate(4096);
   const double achieved = measure(pass, s, repeats);
-  const char* name = pass == Pass::forward    ? "forward"
-                     : pass == Pass::backward ? "backward"
-                     : pass == Pass::hopper   ? "wgmma forward"
-                                              : "naive forward";
+  const char* name = pass == Pass::forward           ? "forward"
+                     : pass == Pass::backward        ? "backward"
+                     : pass == Pass::hopper          ? "wgmma forward"
+                     : pass == Pass::hopper_backward ? "wgmma backward"
+                                                     : "naive forward";
   K2C_EXPECT_PERF(achieved / 1e12, ceiling / 1e12,
                   std::string(name) + " at " + describe(s) + " vs cuBLAS bf16 at 4096^3, " + std::to_string(repeats) +
                       " runs");
@@ -491,6 +497,16 @@ TEST(Hopper, Forward) {
   for (const Shape& s : random_shapes(seed_for("hopper shapes"), 6)) check_forward(s, Path::hopper);
 }
 
+// The wgmma backward on the shapes the mma.sync one is tested on.
+TEST(Hopper, Backward) {
+  REQUIRE_HOPPER();
+  for (const Shape& s : length_shapes()) check_backward(s, Path::hopper);
+  for (const Shape& s : unequal_shapes()) check_backward(s, Path::hopper);
+  for (const Shape& s : grouped_shapes()) check_backward(s, Path::hopper);
+  for (const Shape& s : random_shapes(seed_for("hopper backward shapes"), 4)) check_backward(s, Path::hopper);
+  check_backward(make_shape(1, 2, 1, 0, 70, 64, false), Path::hopper);
+}
+
 TEST(HopperPerf, Causal128) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
@@ -501,4 +517,16 @@ TEST(HopperPerf, NonCausal128) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
   expect_rate(Pass::hopper, perf_shape(128, false), 10);
+}
+
+TEST(HopperPerf, BackwardCausal128) {
+  K2C_REQUIRE_TIMING();
+  REQUIRE_HOPPER();
+  expect_rate(Pass::hopper_backward, perf_shape(128, true), 10);
+}
+
+TEST(HopperPerf, BackwardNonCausal128) {
+  K2C_REQUIRE_TIMING();
+  REQUIRE_HOPPER();
+  expect_rate(Pass::hopper_backward, perf_shape(128, false), 5);
 }

@@ -2,13 +2,15 @@
 // flash_attention.h). Read lectures/09_flash_attention.md first; the sections named below are
 // the lecture's.
 //
-// Three things live here:
+// What lives here:
 //   forward()        FlashAttention 2's forward pass on mma.sync: a block owns 128 query rows,
 //                    streams K and V tiles through double-buffered shared memory, keeps the
 //                    running max, sum and output in registers and writes O and logsumexp once.
 //   backward()       recomputation: a block owns 128 keys, walks every query block (of every query
 //                    head of its GQA group) that can see them, rebuilds P from the saved
 //                    logsumexp, keeps dK and dV in registers and adds dQ into an fp32 buffer.
+//   forward_hopper(), backward_hopper()
+//                    Part B: the same two passes on Hopper's warpgroup MMA (wgmma, sm_90a).
 //   naive_forward()  S and P written to global memory, for contrast.
 //
 // Fragment layouts, ldmatrix and cp.async are lecture 05's (k2c/tensor_core.cuh): read its
@@ -400,6 +402,15 @@ __device__ __forceinline__ void load_tile_sw128(std::uint32_t tile, const bf16* 
   }
 }
 
+// acc(64 × D) += A(64 × 16, registers) · B(16 × D, shared memory, MN-major), D = 64 or 128: the
+// P·V shape both Hopper kernels use.
+template <int D>
+__device__ __forceinline__ void wgmma_rs_tb(float (&acc)[D / 8][4], const std::uint32_t (&a)[4], std::uint64_t b) {
+  auto& d = reinterpret_cast<float(&)[D / 2]>(acc);
+  if constexpr (D == 128) k2c::hopper::wgmma_m64n128k16_rs_tb(d, a, b);
+  else k2c::hopper::wgmma_m64n64k16_rs_tb(d, a, b);
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -465,9 +476,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
     hp::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      const std::uint64_t desc = hp::smem_desc_128b_mn(sV(j & 1) + kk * 16 * 128, BN * 128);
-      if constexpr (D == 128) hp::wgmma_m64n128k16_rs_tb(reinterpret_cast<float(&)[DT * 4]>(o), a[kk], desc);
-      else hp::wgmma_m64n64k16_rs_tb(reinterpret_cast<float(&)[DT * 4]>(o), a[kk], desc);
+      wgmma_rs_tb<D>(o, a[kk], hp::smem_desc_128b_mn(sV(j & 1) + kk * 16 * 128, BN * 128));
     }
     hp::wgmma_commit();
     hp::wgmma_wait<0>();  // before the next iteration's prefetch overwrites this V
@@ -562,6 +571,43 @@ __device__ __forceinline__ void store_key_rows(const float (&dk)[DT][4], const f
   }
 }
 
+// The query blocks of BM rows that a key block starting at key n0 walks: under the causal mask,
+// query i sees key n0 from i = n0 − offset on, and every query head of the GQA group walks the
+// same range. Step t covers query head g·group + t / per_head, rows from m0 = (m_first +
+// t % per_head)·BM.
+template <int BM>
+struct QueryWalk {
+  int m_first, per_head, steps;
+  __device__ QueryWalk(const Params& p, int n0) {
+    const int first_query = p.causal ? max(0, n0 - (p.kv_len - p.q_len)) : 0;
+    m_first = first_query / BM;
+    per_head = first_query < p.q_len ? ceil_div(p.q_len, BM) - m_first : 0;
+    steps = p.group * per_head;
+  }
+  // Sets m0 for step t and returns the first row of its query head.
+  __device__ std::size_t rows(const Params& p, int b, int g, int t, int& m0) const {
+    m0 = (m_first + t % per_head) * BM;
+    return p.q_rows(b, g * p.group + t / per_head);
+  }
+};
+
+// A step's rows' lse and D into shared memory by 4-byte cp.async, in the same group as its Q and
+// dO tiles: threads 0..BM-1 copy lse, BM..2·BM-1 copy D. So they never occupy a register (loaded
+// into registers, they were held across the step's math, and at 255 registers spilled right
+// after the load). Rows past the end read as zeros: their Q and dO rows are zero too, so S = 0,
+// P = 1, dP = 0 and dS = 0, and their P·dO adds exact zeros (their dQ is never stored).
+template <int BM>
+__device__ __forceinline__ void fetch_row_terms(const Params& p, std::size_t head_row0, int m0, float* lse,
+                                                float* dot, int tid) {
+  if (tid < 2 * BM) {
+    const int row = tid % BM;
+    const bool ok = m0 + row < p.q_len;
+    const float* src = tid < BM ? p.lse_in : p.dot;
+    float* dst = (tid < BM ? lse : dot) + row;
+    tc::cp_async_4(smem_addr(dst), ok ? src + head_row0 + m0 + row : src, ok);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   constexpr int D = T::D, BN = T::kKeys, BM = T::kRows, QT = BM / 8, DT = D / 8;
@@ -582,40 +628,20 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
   const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
-
-  // The query blocks that see any key of this block: under the causal mask, query i sees key n0
-  // from i = n0 − offset on. Every query head of the GQA group walks the same range.
-  const int first_query = p.causal ? max(0, n0 - mask.offset) : 0;
-  const int m_first = first_query / BM;
-  const int per_head = first_query < p.q_len ? ceil_div(p.q_len, BM) - m_first : 0;
-  const int steps = p.group * per_head;
+  const QueryWalk<BM> walk(p, n0);
+  const int steps = walk.steps;
+  auto step_rows = [&](int t, int& m0) { return walk.rows(p, b, g, t, m0); };
 
   load_tile<BN, D, T::kThreads>(sK, p.k + kv_row0 * D, p.kv_len - n0, tid);
   load_tile<BN, D, T::kThreads>(sV, p.v + kv_row0 * D, p.kv_len - n0, tid);
 
-  // Step t covers query head g·group + t / per_head, rows m0 = (m_first + t % per_head)·BM.
-  auto step_rows = [&](int t, int& m0) {
-    m0 = (m_first + t % per_head) * BM;
-    return p.q_rows(b, g * p.group + t / per_head);
-  };
-  // Issues the copies of step t's Q and dO tiles and, by 4-byte cp.async in the same group, of
-  // its rows' lse and D values: they land in shared memory with the tiles and never occupy a
-  // register (loaded into registers, they were held across the step's math, and at 255
-  // registers spilled right after the load). Rows past the end read as zeros: their Q and dO
-  // rows are zero too, so S = 0, P = 1, dP = 0 and dS = 0, and their P·dO adds exact zeros
-  // (their dQ is never stored).
+  // Issues the copies of step t's Q and dO tiles, and its rows' lse and D in the same group.
   auto fetch = [&](int t) {
     int m0;
     const std::size_t r = step_rows(t, m0);
     load_tile<BM, D, T::kThreads>(sQ(t & 1), p.q + (r + m0) * D, p.q_len - m0, tid);
     load_tile<BM, D, T::kThreads>(sdO(t & 1), p.dout + (r + m0) * D, p.q_len - m0, tid);
-    if (tid < 2 * BM) {  // threads 0..BM-1 copy lse, BM..2·BM-1 copy D
-      const int row = tid % BM;
-      const bool ok = m0 + row < p.q_len;
-      const float* src = tid < BM ? p.lse_in : p.dot;
-      float* dst = (tid < BM ? s_lse : s_dot) + (t & 1) * BM + row;
-      tc::cp_async_4(smem_addr(dst), ok ? src + r + m0 + row : src, ok);
-    }
+    fetch_row_terms<BM>(p, r, m0, s_lse + (t & 1) * BM, s_dot + (t & 1) * BM, tid);
   };
 
   float dk[DT][4] = {}, dv[DT][4] = {};
@@ -761,6 +787,176 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
 }
 
+// ---- Part B: the backward pass on Hopper's warpgroup MMA (sm_90a) --------------------------------
+//
+// backward_kernel's structure with wgmma: two warpgroups of 128 threads, 64 keys each (128 keys
+// per block), query steps of 64 rows. Sᵀ = K Qᵀ and dPᵀ = V dOᵀ read both operands from shared
+// memory, as two commit groups, so that Pᵀ is computed while dPᵀ is still on the tensor cores.
+// Pᵀ and dSᵀ go from the accumulators straight into A fragments for dV += Pᵀ dO and dK += dSᵀ Q
+// (dO and Q read MN-major), and dSᵀ also goes to shared memory, where dQ = dS K reads it as an
+// MN-major A operand. There is no ldmatrix at all: waiting for ldmatrix results is where the
+// mma.sync backward's warps stall most (lecture sections 10.5 and 11). Tiles are laid out as the
+// Hopper forward lays them out (load_tile_sw128). Shared memory: K, V 2·128·D, Q and dO
+// double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
+// of alignment slack, one block per SM and 255 registers per thread (ptxas spills 124 bytes at
+// D = 128).
+template <int D_>
+struct HopperBackwardTile {
+  static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256;
+  static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
+  // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
+  // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
+  // and both add into dq_accum (an m64n32 half-block would save those extra adds, but would
+  // start half-way into a swizzled 128-byte row).
+  static constexpr int kDqKeys = D == 128 ? kKeys : kKeys / 2;
+  static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + 1024;
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace hp = k2c::hopper;
+  constexpr int D = T::D, BN = T::kKeys, BM = T::kRows, DT = D / 8, QT = BM / 8;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
+  const std::uint32_t sK = base, sV = base + T::kKvBytes;
+  auto sQ = [&](int t) { return base + 2 * T::kKvBytes + (t & 1) * T::kRowBytes; };
+  auto sdO = [&](int t) { return base + 2 * T::kKvBytes + (2 + (t & 1)) * T::kRowBytes; };
+  const std::uint32_t sdS = base + 2 * T::kKvBytes + 4 * T::kRowBytes;  // dSᵀ: BN rows of BM, one block
+  float* s_lse = reinterpret_cast<float*>(smem_raw + (sdS + T::kDsBytes - smem_addr(smem_raw)));  // [2][BM]
+  float* s_dot = s_lse + 2 * BM;                                                                  // [2][BM]
+
+  int rank, g, b;
+  launch_place(p.wave_heads, rank, g, b);
+  const int n0 = rank * BN;
+  const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, warp = (tid / 32) % 4;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+  const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
+  const QueryWalk<BM> walk(p, n0);
+  auto fetch = [&](int t) {
+    int m0;
+    const std::size_t r = walk.rows(p, b, g, t, m0);
+    load_tile_sw128<BM, D, T::kThreads>(sQ(t), p.q + (r + m0) * D, p.q_len - m0, tid);
+    load_tile_sw128<BM, D, T::kThreads>(sdO(t), p.dout + (r + m0) * D, p.q_len - m0, tid);
+    fetch_row_terms<BM>(p, r, m0, s_lse + (t & 1) * BM, s_dot + (t & 1) * BM, tid);
+  };
+
+  load_tile_sw128<BN, D, T::kThreads>(sK, p.k + kv_row0 * D, p.kv_len - n0, tid);
+  load_tile_sw128<BN, D, T::kThreads>(sV, p.v + kv_row0 * D, p.kv_len - n0, tid);
+  if (walk.steps > 0) fetch(0);
+  tc::cp_async_commit();
+
+  float dk[DT][4] = {}, dv[DT][4] = {};     // the warpgroup's 64 key rows, accumulator layout per warp
+  const int key_row = 64 * wg + 16 * warp;  // this warp's 16 keys: rows key_row + lane/4 (+8)
+  const std::uint32_t k_rows = sK + 64 * wg * 128, v_rows = sV + 64 * wg * 128;  // in each column block
+  // The k16 slice kk of a K-major tile of `rows` rows: 64-column blocks, 32 bytes per slice.
+  auto slice = [](std::uint32_t tile, int rows, int kk) {
+    return hp::smem_desc_128b(tile + (kk / 4) * rows * 128 + (kk % 4) * 32);
+  };
+  for (int t = 0; t < walk.steps; ++t) {
+    int m0;
+    const std::size_t q_row0 = walk.rows(p, b, g, t, m0);
+    // As in the mma.sync kernel: wait, one barrier, then prefetch into the buffers step t − 1
+    // used (its wgmmas were waited for at its end). The fence makes the cp.async data visible
+    // to wgmma, which reads shared memory through the async proxy.
+    tc::cp_async_wait<0>();
+    hp::fence_proxy_async();
+    __syncthreads();
+    if (t + 1 < walk.steps) fetch(t + 1);
+    tc::cp_async_commit();
+
+    // Sᵀ and dPᵀ, the warpgroup's 64 keys × BM queries, D/16 k16 steps each, as two groups.
+    float sT[QT][4], dpT[QT][4];
+    hp::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[QT * 4]>(sT), slice(k_rows, BN, kk), slice(sQ(t), BM, kk), kk > 0);
+    hp::wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[QT * 4]>(dpT), slice(v_rows, BN, kk), slice(sdO(t), BM, kk), kk > 0);
+    hp::wgmma_commit();
+
+    // Pᵀ and dSᵀ exactly as in the mma.sync kernel: a warp's share of a wgmma accumulator has the
+    // layout of mma.sync's n8 tiles.
+    const float* lse = s_lse + (t & 1) * BM;
+    const float* dot = s_dot + (t & 1) * BM;
+    const bool masked = n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset);
+    hp::wgmma_wait<1>();  // Sᵀ is done; dPᵀ may still run
+#pragma unroll
+    for (int i = 0; i < QT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + key_row + acc_row(lane, e / 2), col = i * 8 + acc_col(lane) + e % 2;
+        float pr = fast_exp2(fmaf(sT[i][e], p.scale_log2, -lse[col] * kLog2e));
+        if (masked && mask.hidden(m0 + col, key)) pr = 0.0f;
+        sT[i][e] = pr;
+      }
+    hp::wgmma_wait<0>();  // dPᵀ
+#pragma unroll
+    for (int i = 0; i < QT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpT[i][e] = sT[i][e] * (dpT[i][e] - dot[i * 8 + acc_col(lane) + e % 2]);
+    std::uint32_t ap[BM / 16][4], ads[BM / 16][4];
+#pragma unroll
+    for (int kq = 0; kq < BM / 16; ++kq) {
+      accumulators_to_a(ap[kq], sT[2 * kq], sT[2 * kq + 1]);
+      accumulators_to_a(ads[kq], dpT[2 * kq], dpT[2 * kq + 1]);
+    }
+    // dSᵀ to shared memory: rows = keys, 128-byte rows of BM queries, swizzled, the A of dQ. It
+    // is stored before the wgmma below takes ads as its A operand: registers a wgmma reads may
+    // not be touched, not even read, until its group has been waited for.
+#pragma unroll
+    for (int qt = 0; qt < QT; ++qt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = key_row + acc_row(lane, half);
+        const std::uint32_t at = sdS + row * 128 + ((qt ^ (row & 7)) << 4) + acc_col(lane) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
+      }
+
+    // dV += Pᵀ dO and dK += dSᵀ Q, k = the BM queries: dO and Q read MN-major.
+    hp::wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < BM / 16; ++kq) {
+      wgmma_rs_tb<D>(dv, ap[kq], hp::smem_desc_128b_mn(sdO(t) + kq * 16 * 128, BM * 128));
+      wgmma_rs_tb<D>(dk, ads[kq], hp::smem_desc_128b_mn(sQ(t) + kq * 16 * 128, BM * 128));
+    }
+    hp::wgmma_commit();
+
+    hp::fence_proxy_async();  // the dSᵀ stores above, before wgmma reads them
+    __syncthreads();
+
+    // dQ (BM × 64 columns, block dq_block) += dS K over kDqKeys keys from dq_key0: dS is dSᵀ read
+    // MN-major, K read MN-major (keys are k, head_dim is n).
+    const int dq_block = D == 128 ? wg : 0, dq_key0 = D == 128 ? 0 : 64 * wg;
+    float dq[32];
+    hp::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T::kDqKeys / 16; ++kk) {
+      const int key = dq_key0 + 16 * kk;
+      hp::wgmma_m64n64k16_ss<1, 1>(dq, hp::smem_desc_128b_mn(sdS + key * 128, BN * 128),
+                                   hp::smem_desc_128b_mn(sK + dq_block * BN * 128 + key * 128, BN * 128), kk > 0);
+    }
+    hp::wgmma_commit();
+    hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (whose A fragments are ap and ads)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m0 + 16 * warp + acc_row(lane, half);
+      if (row >= p.q_len) continue;
+      float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+    }
+  }
+  tc::cp_async_wait<0>();
+
+  store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
+#else
+  (void)p;  // compiled without sm_90a: backward_hopper() refuses to launch (hopper_supported)
+#endif
+}
+
 // ---- naive attention ----------------------------------------------------------------------------
 
 // S = scale · Q Kᵀ (−inf where masked), fp32, one 32 × 32 tile per block through shared memory.
@@ -875,6 +1071,43 @@ Params forward_params(const char* who, const Shape& s, const bf16* q, const bf16
   return p;
 }
 
+// Rows of fp32 D, then the fp32 dq accumulator, 16-byte aligned.
+std::size_t dot_floats(const Shape& s) {
+  return (static_cast<std::size_t>(s.batch) * s.heads * s.q_len + 3) / 4 * 4;
+}
+
+// The checks and parameters both backward entry points share. Returns false when there is no
+// query at all, after writing dk and dv, which are still defined then, as zeros.
+bool backward_params(const char* who, const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+                     const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+                     cudaStream_t stream, Params& p) {
+  check_shape(s, who);
+  if (!has_work(s)) {
+    if (s.batch > 0 && s.kv_heads > 0 && s.kv_len > 0) {
+      check_pointers(who, {dk, dv});
+      const std::size_t bytes = static_cast<std::size_t>(s.batch) * s.kv_heads * s.kv_len * s.head_dim * 2;
+      K2C_CUDA_CHECK(cudaMemsetAsync(dk, 0, bytes, stream));
+      K2C_CUDA_CHECK(cudaMemsetAsync(dv, 0, bytes, stream));
+    }
+    return false;
+  }
+  check_pointers(who, {q, o, dout, lse, dq, workspace});
+  if (s.kv_len > 0) check_pointers(who, {k, v, dk, dv});
+  p = make_params(s);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  p.dout = dout;
+  p.lse_in = lse;
+  p.dq = dq;
+  p.dk = dk;
+  p.dv = dv;
+  p.dot = static_cast<float*>(workspace);
+  p.dq_accum = p.dot + dot_floats(s);
+  return true;
+}
+
 // More than 48 KiB of dynamic shared memory must be asked for, per kernel and per device: set at
 // every launch (a microsecond against kernels of milliseconds), so a second GPU is covered too.
 template <class Kernel>
@@ -908,10 +1141,11 @@ void launch_hopper(const Params& p, const Shape& s, cudaStream_t stream) {
   launch_query_blocks<T, hopper_forward_kernel<T>>(p, s, stream);
 }
 
-template <class T>
+// The backward pass: D, the kernel over (key blocks, kv heads, batch), then dq from its fp32 sum.
+template <class T, auto Kernel>
 void launch_backward(Params p, const Shape& s, cudaStream_t stream) {
   constexpr int D = T::D;
-  set_smem(backward_kernel<T>, T::kSmemBytes);
+  set_smem(Kernel, T::kSmemBytes);
   const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len;
   dot_kernel<D><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p.dout, p.o, p.dot, rows);
   K2C_CUDA_CHECK_LAUNCH();
@@ -919,7 +1153,7 @@ void launch_backward(Params p, const Shape& s, cudaStream_t stream) {
   const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
   if (p.wave_heads <= 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), 1);
   if (grid.x > 0) {
-    backward_kernel<T><<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+    Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
     K2C_CUDA_CHECK_LAUNCH();
   }
   const std::size_t quads = rows * D / 4;
@@ -943,11 +1177,6 @@ void launch_naive(const Params& p, const Shape& s, float* S, cudaStream_t stream
   K2C_CUDA_CHECK_LAUNCH();
   naive_pv_kernel<D><<<dim3(ceil_div(s.q_len, 16), heads), 128, 0, stream>>>(p, S);
   K2C_CUDA_CHECK_LAUNCH();
-}
-
-// Rows of fp32 D, then the fp32 dq accumulator, 16-byte aligned.
-std::size_t dot_floats(const Shape& s) {
-  return (static_cast<std::size_t>(s.batch) * s.heads * s.q_len + 3) / 4 * 4;
 }
 
 }  // namespace
@@ -981,39 +1210,26 @@ std::size_t backward_workspace_bytes(const Shape& s) {
 void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
               const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
               cudaStream_t stream) {
-  check_shape(s, "flash_attention backward");
-  const bool writes_kv = s.batch > 0 && s.kv_heads > 0 && s.kv_len > 0;
-  if (!has_work(s)) {
-    // No query at all: dk and dv are still defined, and zero.
-    if (writes_kv) {
-      check_pointers("flash_attention backward", {dk, dv});
-      const std::size_t bytes = static_cast<std::size_t>(s.batch) * s.kv_heads * s.kv_len * s.head_dim * 2;
-      K2C_CUDA_CHECK(cudaMemsetAsync(dk, 0, bytes, stream));
-      K2C_CUDA_CHECK(cudaMemsetAsync(dv, 0, bytes, stream));
-    }
-    return;
-  }
-  check_pointers("flash_attention backward", {q, o, dout, lse, dq, workspace});
-  if (s.kv_len > 0) check_pointers("flash_attention backward", {k, v, dk, dv});
-  Params p = make_params(s);
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.o = o;
-  p.dout = dout;
-  p.lse_in = lse;
-  p.dq = dq;
-  p.dk = dk;
-  p.dv = dv;
-  p.dot = static_cast<float*>(workspace);
-  p.dq_accum = p.dot + dot_floats(s);
+  Params p;
+  if (!backward_params("flash_attention backward", s, q, k, v, o, dout, lse, dq, dk, dv, workspace, stream, p)) return;
   // BackwardTile's defaults: the scores in D/64 chunks, their head_dim loop unrolled fully, 16-row
   // dQ warp tiles, dQ one step late. Each measured fastest or level with the fastest within the
   // run-to-run spread at both head dims (tools/experiments/flash_attention.cu, lecture section
   // 11), although at D = 128 it spills: ptxas's register allocation moves with small changes of
   // the code around it, so measure rather than read the spill count.
-  if (s.head_dim == 64) launch_backward<BackwardTile<64>>(p, s, stream);
-  else launch_backward<BackwardTile<128>>(p, s, stream);
+  if (s.head_dim == 64) launch_backward<BackwardTile<64>, backward_kernel<BackwardTile<64>>>(p, s, stream);
+  else launch_backward<BackwardTile<128>, backward_kernel<BackwardTile<128>>>(p, s, stream);
+}
+
+void backward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
+                     const bf16* dout, const float* lse, bf16* dq, bf16* dk, bf16* dv, void* workspace,
+                     cudaStream_t stream) {
+  Params p;
+  const char* who = "flash_attention backward_hopper";
+  if (!backward_params(who, s, q, k, v, o, dout, lse, dq, dk, dv, workspace, stream, p)) return;
+  k2c::hopper::require_sm90a(who);
+  if (s.head_dim == 64) launch_backward<HopperBackwardTile<64>, hopper_backward_kernel<HopperBackwardTile<64>>>(p, s, stream);
+  else launch_backward<HopperBackwardTile<128>, hopper_backward_kernel<HopperBackwardTile<128>>>(p, s, stream);
 }
 
 std::size_t naive_workspace_bytes(const Shape& s) {

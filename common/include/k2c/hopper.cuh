@@ -334,8 +334,10 @@ struct TmaEpilogue {
   }
 };
 
-// Attention's two products (module 09):
-//   S(64×64) = Q(64×16)·K(64×16)ᵀ (+ S)    both from shared memory, K-major (no transposes)
+// Attention's products (module 09):
+//   S(64×64) = Q(64×16)·K(64×16)ᵀ (+ S)    both from shared memory, K-major (no transposes); the
+//                                          backward's dQ = dS·K reads both MN-major (kTransA =
+//                                          kTransB = 1, the transposes stored as they are)
 //   O(64×N) = P(64×16)·V(16×N) + O, N = 64 or 128: P from registers (4 bf16x2 per thread, the mma.sync
 //                                          A-fragment layout for the warp's 16 rows), V from
 //                                          shared memory read MN-major (transpose flag set)
@@ -349,13 +351,14 @@ struct TmaEpilogue {
 #define K2C_REGS64 K2C_REGS32 ", "                                                                \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], std::uint64_t a_desc, std::uint64_t b_desc,
                                                    int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" K2C_REGS32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" K2C_REGS32 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
       : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24)
-      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
 __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const std::uint32_t (&a)[4],
                                                       std::uint64_t b_desc) {
