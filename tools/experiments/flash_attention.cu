@@ -8,8 +8,8 @@
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/09_flash_attention \
 //     tools/experiments/flash_attention.cu common/src/device.cu -lcuda -o /tmp/fa && /tmp/fa [mode]
 // No mode: the tile sweep. "unroll": unrolling, dQ and launch-order variants. "hopper_bwd": Part
-// B's wgmma backward beside the shipped mma.sync one. "once": one shipped forward and backward
-// for a profiler.
+// B's wgmma backward beside the shipped mma.sync one. "once": one shipped forward, backward and
+// Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -172,7 +172,8 @@ void sweep(bool causal, Mode mode) {
 
 }  // namespace
 
-// One shipped forward and backward at the graded shape (d = 128, causal), for a profiler:
+// One shipped forward and backward, and Part B's backward, at the graded shape (d = 128, causal),
+// for a profiler:
 //   ncu --clock-control none -k regex:"forward_kernel|backward_kernel" ... /tmp/fa once
 void once() {
   const fa::Shape s{4, 32, 32, 4096, 4096, 128, true, 1.0f / std::sqrt(128.0f)};
@@ -185,11 +186,12 @@ void once() {
   for (int i = 0; i < 4; ++i) k2c::fill_uniform_device(t[i], n, i + 1, -1, 1);
   fa::forward(s, t[0], t[1], t[2], t[4], lse);
   fa::backward(s, t[0], t[1], t[2], t[4], t[3], lse, t[5], t[6], t[7], work);
+  fa::backward_hopper(s, t[0], t[1], t[2], t[4], t[3], lse, t[5], t[6], t[7], work);
 }
 
 // Arguments: "unroll" runs the unrolling, dQ and launch-order variants, "hopper_bwd" the wgmma
-// backward beside the shipped one, "once" one forward and one backward for a
-// profiler; none runs the tile sweep.
+// backward beside the shipped one, "once" one forward and the two backwards for a profiler; none
+// runs the tile sweep.
 int main(int argc, char** argv) {
   const std::string arg = argc > 1 ? argv[1] : "";
   if (arg == "once") {

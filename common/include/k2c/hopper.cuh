@@ -197,6 +197,13 @@ __device__ __forceinline__ std::uint64_t smem_desc_128b_mn(std::uint32_t addr, s
          (kStrideOffset << 32) | (kSwizzle128B << 62);
 }
 
+// The same descriptor for an operand `bytes` further on in the same layout (a k slice, the next
+// buffer): only the address field, the low 14 bits (address / 16), changes. With `bytes` known at
+// compile time this is one add of an immediate.
+__device__ __forceinline__ std::uint64_t smem_desc_plus(std::uint64_t desc, std::uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
 // Shared memory written by ordinary stores or cp.async is seen by wgmma (which reads through the
 // async proxy) only after this fence, executed by the writing threads before the barrier that
 // publishes their data. TMA writes need no fence: they are in the async proxy already.
