@@ -497,7 +497,8 @@ TEST(Hopper, Forward) {
   for (const Shape& s : random_shapes(seed_for("hopper shapes"), 6)) check_forward(s, Path::hopper);
 }
 
-// The wgmma backward on the shapes the mma.sync one is tested on.
+// The wgmma backward on the mma.sync backward's fixed shapes, random shapes of its own and no
+// queries at all.
 TEST(Hopper, Backward) {
   REQUIRE_HOPPER();
   for (const Shape& s : length_shapes()) check_backward(s, Path::hopper);

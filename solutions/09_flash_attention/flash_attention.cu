@@ -120,8 +120,10 @@ __device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], 
 __device__ __forceinline__ int acc_row(int lane, int half) { return (lane >> 2) + 8 * half; }
 __device__ __forceinline__ int acc_col(int lane) { return 2 * (lane & 3); }
 
-// The value itself, through an asm statement the compiler may not move or look through: what a
-// loop computes from it cannot be hoisted out of the loop and held in registers across it.
+// The value itself, through a volatile asm statement that the compiler's optimiser may neither
+// move nor look through: what a loop computes from it is not hoisted out of the loop and held in
+// registers across it. (ptxas sees a plain move; that the effect survives is checked in
+// ptxas -v's register and spill counts, lecture section 10.5.)
 __device__ __forceinline__ std::uint64_t opaque(std::uint64_t v) {
   asm volatile("mov.b64 %0, %0;" : "+l"(v));
   return v;
@@ -805,8 +807,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // mma.sync backward's warps stall most (lecture sections 10.5 and 11). Tiles are laid out as the
 // Hopper forward lays them out (load_tile_sw128). Shared memory: K, V 2·128·D, Q and dO
 // double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
-// of alignment slack, one block per SM and 255 registers per thread (ptxas spills 124 bytes at
-// D = 128).
+// of alignment slack, one block per SM and 255 registers per thread at D = 128 (241 at D = 64),
+// no spill.
 template <int D_>
 struct HopperBackwardTile {
   static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256;
@@ -840,6 +842,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
   const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
   const QueryWalk<BM> walk(p, n0);
+  static_assert(T::kThreads >= 2 * BM, "fetch copies lse and D with a thread per row each");
   auto fetch = [&](int t) {
     int m0;
     const std::size_t r = walk.rows(p, b, g, t, m0);
@@ -855,9 +858,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
 
   float dk[DT][4] = {}, dv[DT][4] = {};     // the warpgroup's 64 key rows, accumulator layout per warp
   const int key_row = 64 * wg + 16 * warp;  // this warp's 16 keys: rows key_row + lane/4 (+8)
-  // Every descriptor below is one of eight first descriptors plus a byte offset known at compile
-  // time (only the address field changes: hp::smem_desc_plus), and those pass through `opaque`
-  // in each step. Otherwise the compiler hoists the loop-invariant ones, dozens of 64-bit values,
+  // Every descriptor below is one of eight first descriptors plus a byte offset (only the address
+  // field changes: hp::smem_desc_plus), known at compile time apart from the step's Q / dO
+  // buffer, and the first descriptors pass through `opaque` in each step. Otherwise the compiler hoists the loop-invariant ones, dozens of 64-bit values,
   // out of the loop and holds them in registers across it: at d = 128 that spilled 124 bytes and
   // measured 12 to 14 % slower (lecture section 10.5).
   const std::uint64_t k_desc0 = hp::smem_desc_128b(sK + 64 * wg * 128), v_desc0 = hp::smem_desc_128b(sV + 64 * wg * 128),

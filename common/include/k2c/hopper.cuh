@@ -187,9 +187,10 @@ __device__ __forceinline__ std::uint64_t smem_desc_128b(std::uint32_t addr) {
 }
 
 // The same layout read as an MN-major operand (attention's V as the B of P·V: rows are k, the 64
-// bf16 of a row run along n). A k16 step spans two 8-row groups, 1024 bytes apart (the stride
-// byte offset); an operand wider than 64 along n continues in the next 64-wide block of the
-// tile, `block_bytes` further (the leading byte offset). Used with the transpose flag set.
+// bf16 of a row run along n; module 09's dSᵀ as an A, rows k and m along them). A k16 step spans
+// two 8-row groups, 1024 bytes apart (the stride byte offset); an operand wider than 64 along n
+// continues in the next 64-wide block of the tile, `block_bytes` further (the leading byte
+// offset). Used with the transpose flag set.
 __device__ __forceinline__ std::uint64_t smem_desc_128b_mn(std::uint32_t addr, std::uint32_t block_bytes) {
   constexpr std::uint64_t kStrideOffset = 1024 >> 4;
   constexpr std::uint64_t kSwizzle128B = 1;
