@@ -363,6 +363,20 @@ void expect_rate(Pass pass, const Shape& s, int repeats) {
                       " runs");
 }
 
+// A valid small shape, and shapes that each break one rule of check_shape.
+const Shape kValidShape = make_shape(1, 2, 1, 2, 2, 64, true);
+std::vector<Shape> invalid_shapes() {
+  auto with = [](auto change) {
+    Shape s = kValidShape;
+    change(s);
+    return s;
+  };
+  return {with([](Shape& s) { s.head_dim = 96; }), with([](Shape& s) { s.kv_heads = 3; }),
+          with([](Shape& s) { s.kv_heads = 0; }),   with([](Shape& s) { s.q_len = -1; }),
+          with([](Shape& s) { s.scale = 0; }),      with([](Shape& s) { s.scale = NAN; }),
+          with([](Shape& s) { s.batch = -2; }),     with([](Shape& s) { s.heads = s.kv_heads = 70000; })};
+}
+
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
@@ -381,21 +395,11 @@ TEST(Arguments, Rejected) {
   k2c::DeviceBuffer<bf16> buf(64 * 8);
   k2c::DeviceBuffer<float> lse(8);
   bf16* x = buf.data();
-  const Shape ok = make_shape(1, 2, 1, 2, 2, 64, true);
+  const Shape ok = kValidShape;
   // The checks are given in the stub: the points come with a working forward().
   K2C_EXPECT_IMPLEMENTED(fa::forward(ok, x, x, x, x, lse.data()));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  auto with = [&](auto change) {
-    Shape s = ok;
-    change(s);
-    return s;
-  };
-  const std::vector<Shape> bad = {with([](Shape& s) { s.head_dim = 96; }), with([](Shape& s) { s.kv_heads = 3; }),
-                                  with([](Shape& s) { s.kv_heads = 0; }),   with([](Shape& s) { s.q_len = -1; }),
-                                  with([](Shape& s) { s.scale = 0; }),      with([](Shape& s) { s.scale = NAN; }),
-                                  with([](Shape& s) { s.batch = -2; }),
-                                  with([](Shape& s) { s.heads = s.kv_heads = 70000; })};
-  for (const Shape& s : bad) {
+  for (const Shape& s : invalid_shapes()) {
     SCOPED_TRACE(describe(s));
     EXPECT_THROW(fa::forward(s, x, x, x, x, lse.data()), std::invalid_argument);
     EXPECT_THROW(fa::naive_forward(s, x, x, x, x, lse.data(), x), std::invalid_argument);
@@ -489,8 +493,19 @@ TEST(NaivePerf, Causal128) {
     if (!fa::hopper_supported(&why_)) K2C_SKIP("Part B: " + why_);         \
   } while (0)
 
+// Part B's entry points keep forward()'s and backward()'s checks (given in the stub).
 TEST(Hopper, Forward) {
   REQUIRE_HOPPER();
+  {
+    k2c::DeviceBuffer<bf16> buf(64 * 8);
+    k2c::DeviceBuffer<float> lse(8);
+    bf16* x = buf.data();
+    for (const Shape& s : invalid_shapes()) {
+      SCOPED_TRACE(describe(s));
+      EXPECT_THROW(fa::forward_hopper(s, x, x, x, x, lse.data()), std::invalid_argument);
+    }
+    EXPECT_THROW(fa::forward_hopper(kValidShape, x + 1, x, x, x, lse.data()), std::invalid_argument);
+  }
   for (const Shape& s : length_shapes()) check_forward(s, Path::hopper);
   for (const Shape& s : unequal_shapes()) check_forward(s, Path::hopper);
   for (const Shape& s : grouped_shapes()) check_forward(s, Path::hopper);
@@ -501,6 +516,16 @@ TEST(Hopper, Forward) {
 // queries at all.
 TEST(Hopper, Backward) {
   REQUIRE_HOPPER();
+  {
+    k2c::DeviceBuffer<bf16> buf(64 * 8);
+    k2c::DeviceBuffer<float> lse(8);
+    bf16* x = buf.data();
+    for (const Shape& s : invalid_shapes()) {
+      SCOPED_TRACE(describe(s));
+      EXPECT_THROW(fa::backward_hopper(s, x, x, x, x, x, lse.data(), x, x, x, x), std::invalid_argument);
+    }
+    EXPECT_THROW(fa::backward_hopper(kValidShape, x, x, x, x, x, lse.data(), x, x, x, nullptr), std::invalid_argument);
+  }
   for (const Shape& s : length_shapes()) check_backward(s, Path::hopper);
   for (const Shape& s : unequal_shapes()) check_backward(s, Path::hopper);
   for (const Shape& s : grouped_shapes()) check_backward(s, Path::hopper);
