@@ -377,6 +377,13 @@ std::vector<Shape> invalid_shapes() {
           with([](Shape& s) { s.batch = -2; }),     with([](Shape& s) { s.heads = s.kv_heads = 70000; })};
 }
 
+// Small device buffers for the argument checks: every tensor argument points into `buf`.
+struct ArgBuffers {
+  k2c::DeviceBuffer<bf16> buf{64 * 8};
+  k2c::DeviceBuffer<float> lse{8};
+  bf16* x = buf.data();
+};
+
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
@@ -392,9 +399,9 @@ TEST(Contract, Implemented) {
 
 TEST(Arguments, Rejected) {
   K2C_REQUIRE_GPU();
-  k2c::DeviceBuffer<bf16> buf(64 * 8);
-  k2c::DeviceBuffer<float> lse(8);
-  bf16* x = buf.data();
+  ArgBuffers a;
+  bf16* x = a.x;
+  k2c::DeviceBuffer<float>& lse = a.lse;
   const Shape ok = kValidShape;
   // The checks are given in the stub: the points come with a working forward().
   K2C_EXPECT_IMPLEMENTED(fa::forward(ok, x, x, x, x, lse.data()));
@@ -497,14 +504,12 @@ TEST(NaivePerf, Causal128) {
 TEST(Hopper, Forward) {
   REQUIRE_HOPPER();
   {
-    k2c::DeviceBuffer<bf16> buf(64 * 8);
-    k2c::DeviceBuffer<float> lse(8);
-    bf16* x = buf.data();
+    ArgBuffers a;
     for (const Shape& s : invalid_shapes()) {
       SCOPED_TRACE(describe(s));
-      EXPECT_THROW(fa::forward_hopper(s, x, x, x, x, lse.data()), std::invalid_argument);
+      EXPECT_THROW(fa::forward_hopper(s, a.x, a.x, a.x, a.x, a.lse.data()), std::invalid_argument);
     }
-    EXPECT_THROW(fa::forward_hopper(kValidShape, x + 1, x, x, x, lse.data()), std::invalid_argument);
+    EXPECT_THROW(fa::forward_hopper(kValidShape, a.x + 1, a.x, a.x, a.x, a.lse.data()), std::invalid_argument);
   }
   for (const Shape& s : length_shapes()) check_forward(s, Path::hopper);
   for (const Shape& s : unequal_shapes()) check_forward(s, Path::hopper);
@@ -517,14 +522,14 @@ TEST(Hopper, Forward) {
 TEST(Hopper, Backward) {
   REQUIRE_HOPPER();
   {
-    k2c::DeviceBuffer<bf16> buf(64 * 8);
-    k2c::DeviceBuffer<float> lse(8);
-    bf16* x = buf.data();
+    ArgBuffers a;
+    bf16* x = a.x;
     for (const Shape& s : invalid_shapes()) {
       SCOPED_TRACE(describe(s));
-      EXPECT_THROW(fa::backward_hopper(s, x, x, x, x, x, lse.data(), x, x, x, x), std::invalid_argument);
+      EXPECT_THROW(fa::backward_hopper(s, x, x, x, x, x, a.lse.data(), x, x, x, x), std::invalid_argument);
     }
-    EXPECT_THROW(fa::backward_hopper(kValidShape, x, x, x, x, x, lse.data(), x, x, x, nullptr), std::invalid_argument);
+    EXPECT_THROW(fa::backward_hopper(kValidShape, x, x, x, x, x, a.lse.data(), x, x, x, nullptr),
+                 std::invalid_argument);
   }
   for (const Shape& s : length_shapes()) check_backward(s, Path::hopper);
   for (const Shape& s : unequal_shapes()) check_backward(s, Path::hopper);
