@@ -492,6 +492,23 @@ TEST(Reference, MoeBackwardMatchesFiniteDifferences) {
     check(s3, g.dshared_w3, "dshared_w3");
     check(s2, g.dshared_w2, "dshared_w2");
     EXPECT_GT(checked, 80) << "too many elements moved the routing to check the gradient";
+    // Each magnitude sum bounds its gradient, and with three tokens through the shared expert
+    // some terms cancel, so some bound strictly.
+    int strict = 0;
+    auto bounds = [&](const std::vector<double>& d, const std::vector<double>& mag, const char* name) {
+      ASSERT_EQ(d.size(), mag.size()) << name;
+      for (std::size_t i = 0; i < d.size(); ++i) {
+        EXPECT_GE(mag[i], std::abs(d[i]) - 1e-12) << name << "[" << i << "]";
+        strict += mag[i] > std::abs(d[i]) + 1e-9;
+      }
+    };
+    bounds(g.dw1, g.dw1_mag, "dw1");
+    bounds(g.dw3, g.dw3_mag, "dw3");
+    bounds(g.dw2, g.dw2_mag, "dw2");
+    bounds(g.dshared_w1, g.dshared_w1_mag, "dshared_w1");
+    bounds(g.dshared_w3, g.dshared_w3_mag, "dshared_w3");
+    bounds(g.dshared_w2, g.dshared_w2_mag, "dshared_w2");
+    EXPECT_GT(strict, 0) << "no gradient element sums terms of both signs";
   }
 }
 

@@ -229,25 +229,42 @@ MoeForward moe_forward(std::span<const float> x, int tokens, const MoeLayer& m) 
 
 namespace {
 
+// Where one FFN's weight gradients go: the sums, and the sums of their terms' magnitudes.
+struct FfnGrads {
+  double *dw1, *dw3, *dw2, *mag1, *mag3, *mag2;
+};
+
 // Backward of one SwiGLU row: x (hidden), upstream dy (hidden) scaled by `scale`; accumulates the
-// weights' gradients and returns dx. a = W1 x, b = W3 x, h = silu(a) · b, y = W2 h.
+// weights' gradients (and their terms' magnitudes) and returns dx. a = W1 x, b = W3 x,
+// h = silu(a) · b, y = W2 h.
 std::vector<double> swiglu_row_backward(const double* x, const double* dy, double scale, int hidden,
                                         int ffn, std::span<const float> w1, std::span<const float> w3,
-                                        std::span<const float> w2, double* dw1, double* dw3, double* dw2) {
+                                        std::span<const float> w2, const FfnGrads& g) {
   std::vector<double> dx(hidden, 0.0);
   for (int f = 0; f < ffn; ++f) {
-    double a = 0, b = 0, dh = 0;
+    double a = 0, b = 0, dh = 0, dh_mag = 0;
     for (int c = 0; c < hidden; ++c) {
       a += x[c] * w1[static_cast<std::size_t>(f) * hidden + c];
       b += x[c] * w3[static_cast<std::size_t>(f) * hidden + c];
       dh += scale * dy[c] * w2[static_cast<std::size_t>(c) * ffn + f];
+      dh_mag += std::abs(scale * dy[c] * w2[static_cast<std::size_t>(c) * ffn + f]);
     }
     const double sig = 1.0 / (1.0 + std::exp(-a)), silu = a * sig;
-    for (int c = 0; c < hidden; ++c) dw2[static_cast<std::size_t>(c) * ffn + f] += scale * dy[c] * silu * b;
-    const double da = dh * b * sig * (1.0 + a * (1.0 - sig)), db = dh * silu;  // silu' = σ(1 + a(1 − σ))
     for (int c = 0; c < hidden; ++c) {
-      dw1[static_cast<std::size_t>(f) * hidden + c] += da * x[c];
-      dw3[static_cast<std::size_t>(f) * hidden + c] += db * x[c];
+      const double term = scale * dy[c] * silu * b;
+      g.dw2[static_cast<std::size_t>(c) * ffn + f] += term;
+      g.mag2[static_cast<std::size_t>(c) * ffn + f] += std::abs(term);
+    }
+    const double dsilu = sig * (1.0 + a * (1.0 - sig));  // silu'
+    const double da = dh * b * dsilu, db = dh * silu;
+    // da and db inherit dh's error, which scales with dh's own terms (dh_mag), not with dh.
+    const double da_mag = dh_mag * std::abs(b * dsilu), db_mag = dh_mag * std::abs(silu);
+    for (int c = 0; c < hidden; ++c) {
+      const std::size_t i = static_cast<std::size_t>(f) * hidden + c;
+      g.dw1[i] += da * x[c];
+      g.dw3[i] += db * x[c];
+      g.mag1[i] += da_mag * std::abs(x[c]);
+      g.mag3[i] += db_mag * std::abs(x[c]);
       dx[c] += da * w1[static_cast<std::size_t>(f) * hidden + c] + db * w3[static_cast<std::size_t>(f) * hidden + c];
     }
   }
@@ -276,6 +293,8 @@ MoeBackward moe_backward(std::span<const float> x, int tokens, const MoeLayer& m
   g.dshared_w1.assign(m.shared_w1.size(), 0.0);
   g.dshared_w3.assign(m.shared_w3.size(), 0.0);
   g.dshared_w2.assign(m.shared_w2.size(), 0.0);
+  g.dw1_mag = g.dw1, g.dw3_mag = g.dw3, g.dw2_mag = g.dw2;  // zeros of the same sizes
+  g.dshared_w1_mag = g.dshared_w1, g.dshared_w3_mag = g.dshared_w3, g.dshared_w2_mag = g.dshared_w2;
   const bool normalize = m.router.normalize || m.router.score == RouterScore::sigmoid;
   for (int t = 0; t < tokens; ++t) {
     const std::vector<double> xt(x.begin() + static_cast<std::ptrdiff_t>(t) * H, x.begin() + static_cast<std::ptrdiff_t>(t + 1) * H);
@@ -287,7 +306,9 @@ MoeBackward moe_backward(std::span<const float> x, int tokens, const MoeLayer& m
     for (int si = 0; si < m.shared; ++si)
       add_dx(swiglu_row_backward(xt.data(), dyt.data(), 1.0, H, m.shared_ffn, m.shared_w1.subspan(si * shared_w, shared_w),
                                  m.shared_w3.subspan(si * shared_w, shared_w), m.shared_w2.subspan(si * shared_w, shared_w),
-                                 &g.dshared_w1[si * shared_w], &g.dshared_w3[si * shared_w], &g.dshared_w2[si * shared_w]));
+                                 {&g.dshared_w1[si * shared_w], &g.dshared_w3[si * shared_w], &g.dshared_w2[si * shared_w],
+                                  &g.dshared_w1_mag[si * shared_w], &g.dshared_w3_mag[si * shared_w],
+                                  &g.dshared_w2_mag[si * shared_w]}));
     // Routed experts: upstream w_j · dy, and dw_j = dy · FFN_e(x) for every kept choice.
     const double* s = &f.routing.scores[static_cast<std::size_t>(t) * E];
     std::vector<double> dw(k, 0.0);
@@ -299,7 +320,8 @@ MoeBackward moe_backward(std::span<const float> x, int tokens, const MoeLayer& m
                  w2e = m.w2.subspan(e * expert_w, expert_w);
       dw[j] = dot(dyt.data(), swiglu(xt, 1, H, m.ffn, w1e, w3e, w2e));
       add_dx(swiglu_row_backward(xt.data(), dyt.data(), f.routing.weight[a], H, m.ffn, w1e, w3e, w2e,
-                                 &g.dw1[e * expert_w], &g.dw3[e * expert_w], &g.dw2[e * expert_w]));
+                                 {&g.dw1[e * expert_w], &g.dw3[e * expert_w], &g.dw2[e * expert_w],
+                                  &g.dw1_mag[e * expert_w], &g.dw3_mag[e * expert_w], &g.dw2_mag[e * expert_w]}));
     }
     // Weights → scores: w_j = R · s_ej / S, with S the chosen scores' sum when normalising (else 1).
     std::vector<double> ds(E, 0.0);

@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -930,6 +931,10 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 //             step of a tile clears them in shared memory before the wgmma reads the slot.
 //             Producer and consumers walk the same tile sequence, each finding a tile's group in
 //             the prefix of tile counts that the block computes first.
+//   tails     a group's last tile row is on average half empty (a group of 1560 rows ends in a
+//             tile of 24). Where at most 64 of its rows are real (forward, dX), the consumers
+//             split the tile's columns instead of its rows: both read A's first 64 rows, each
+//             multiplies them by its 128 columns of B (m64n128), and the tile costs half.
 
 namespace {
 
@@ -970,7 +975,9 @@ struct HopperArgs {
 // C whose rows start on 16 bytes), so that a consumer's last stores overlap its next tile's MMAs
 // instead of stalling them; the last kDefer batches wait in registers until the next tile's first
 // wgmma groups are issued (hopper::TmaEpilogue; module 05 measures the choices).
-template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0>
+//
+// kSplitTail: tail tiles with at most 64 real rows split along columns (see "tails" above).
+template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0, bool kSplitTail = true>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                           const __grid_constant__ CUtensorMap map_c, HopperArgs p) {
@@ -1057,62 +1064,83 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const Where w = locate(t);
       const int k_blocks = ceil_div(w.r, kHopperBK);
+      // A tail tile split along columns: this consumer's columns start 128·consumer further,
+      // its rows where the tile's do.
+      const bool split = kSplitTail && kForm != HopperForm::dw && w.rows - w.m0 <= 64;
       if (k_blocks == 0) {  // dW of an empty group: a sum of nothing
 #pragma unroll
         for (int i = 0; i < 128; ++i) d[i] = 0;
       }
-      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % kHopperStages;
-        hp::mbarrier_wait(full(s), (it / kHopperStages) & 1);
-        if constexpr (kForm == HopperForm::dw) {
-          // The group's last k step: clear the rows past its end in all six boxes (they hold the
-          // next group's rows, or whatever lies past the last kept row), so that they add zero.
-          const int valid = w.r - kb * kHopperBK;
-          if (valid < kHopperBK) {
-            const int ct = threadIdx.x - 128;  // 0..255 over both consumers
-            const int chunks = (kHopperBK - valid) * 8;  // 16-byte pieces per box
-            for (int i = ct; i < 6 * chunks; i += 256) {
-              const int box = i / chunks, piece = i % chunks;
-              const std::uint32_t base = box < 2 ? slot_a(s) + box * kHopperBox : slot_b(s) + (box - 2) * kHopperBox;
-              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(base + valid * 128 + piece * 16), "r"(0));
+      // The k loop, compiled once per tile shape: a branch between the two shapes inside it
+      // would make ptxas serialise every wgmma (it cannot prove the branch warpgroup-uniform).
+      auto k_loop = [&](auto split_tile) {
+        constexpr bool kSplit = decltype(split_tile)::value;
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % kHopperStages;
+          hp::mbarrier_wait(full(s), (it / kHopperStages) & 1);
+          if constexpr (kForm == HopperForm::dw) {
+            // The group's last k step: clear the rows past its end in all six boxes (they hold
+            // the next group's rows, or whatever lies past the last kept row), so that they add
+            // zero.
+            const int valid = w.r - kb * kHopperBK;
+            if (valid < kHopperBK) {
+              const int ct = threadIdx.x - 128;  // 0..255 over both consumers
+              const int chunks = (kHopperBK - valid) * 8;  // 16-byte pieces per box
+              for (int i = ct; i < 6 * chunks; i += 256) {
+                const int box = i / chunks, piece = i % chunks;
+                const std::uint32_t base = box < 2 ? slot_a(s) + box * kHopperBox : slot_b(s) + (box - 2) * kHopperBox;
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(base + valid * 128 + piece * 16), "r"(0));
+              }
+              hp::fence_proxy_async();
+              hp::named_sync(1, 256);  // both consumers, after all the clearing
             }
-            hp::fence_proxy_async();
-            hp::named_sync(1, 256);  // both consumers, after all the clearing
           }
-        }
-        hp::wgmma_fence();
+          hp::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kHopperBK / 16; ++kk) {
-          const std::uint64_t a =
-              kAT ? hp::smem_desc_128b_mn(slot_a(s) + consumer * kHopperBox + kk * 2048, kHopperBox)
-                  : hp::smem_desc_128b(slot_a(s) + consumer * 64 * kHopperBK * 2 + 32 * kk);
-          const std::uint64_t b = kBT ? hp::smem_desc_128b_mn(slot_b(s) + kk * 2048, kHopperBox)
-                                      : hp::smem_desc_128b(slot_b(s) + 32 * kk);
-          hp::wgmma_m64n256k16<kAT ? 1 : 0, kBT ? 1 : 0>(d, a, b, kb > 0 || kk > 0);
+          for (int kk = 0; kk < kHopperBK / 16; ++kk) {
+            if constexpr (kSplit) {
+              // 128 rows of K-major B are 16 KiB; 128 columns of MN-major B are two of its boxes.
+              const std::uint64_t a = hp::smem_desc_128b(slot_a(s) + 32 * kk);
+              const std::uint64_t b =
+                  kBT ? hp::smem_desc_128b_mn(slot_b(s) + consumer * 2 * kHopperBox + kk * 2048, kHopperBox)
+                      : hp::smem_desc_128b(slot_b(s) + consumer * 128 * kHopperBK * 2 + 32 * kk);
+              hp::wgmma_m64n128k16_ss<0, kBT ? 1 : 0>(d, a, b, kb > 0 || kk > 0);
+            } else {
+              const std::uint64_t a =
+                  kAT ? hp::smem_desc_128b_mn(slot_a(s) + consumer * kHopperBox + kk * 2048, kHopperBox)
+                      : hp::smem_desc_128b(slot_a(s) + consumer * 64 * kHopperBK * 2 + 32 * kk);
+              const std::uint64_t b = kBT ? hp::smem_desc_128b_mn(slot_b(s) + kk * 2048, kHopperBox)
+                                          : hp::smem_desc_128b(slot_b(s) + 32 * kk);
+              hp::wgmma_m64n256k16<kAT ? 1 : 0, kBT ? 1 : 0>(d, a, b, kb > 0 || kk > 0);
+            }
+          }
+          hp::wgmma_commit();
+          if constexpr (kBoxes > 0) epilogue.after_k_block(kb);
+          hp::wgmma_wait<0>();
+          if (lane == 0) hp::mbarrier_arrive(empty(s));
         }
-        hp::wgmma_commit();
-        if constexpr (kBoxes > 0) epilogue.after_k_block(kb);
-        hp::wgmma_wait<0>();
-        if (lane == 0) hp::mbarrier_arrive(empty(s));
-      }
+      };
+      if (split) k_loop(std::true_type{});
+      else k_loop(std::false_type{});
       // Rows 16·warp + g8 and + 8 of this consumer's 64, inside C (forward, dX: the group's rows).
       const int g8 = lane / 4, q = lane % 4;
       const int row_end = kForm == HopperForm::dw ? p.m : w.rows;
       if constexpr (kBoxes > 0) {
         // A slab wholly inside the group: into the staging boxes kBoxes at a time, each batch
         // stored by TMA. Slabs that cross the group's end take the direct stores below.
-        if (w.m0 + consumer * 64 + 64 <= row_end) {
+        if (!split && w.m0 + consumer * 64 + 64 <= row_end) {
           epilogue.tile(d, w.n0, w.row0 + w.m0 + consumer * 64, k_blocks);
           continue;
         }
       }
       OutT* c = static_cast<OutT*>(p.c) + (kForm == HopperForm::dw ? static_cast<long long>(w.g) * p.m * p.n
                                                                    : static_cast<long long>(w.row0) * p.n);
-      const int r_local = w.m0 + consumer * 64 + warp * 16 + g8;
+      // Split: this consumer's 16 column blocks of the tile's first 64 rows; else its 64 rows.
+      const int r_local = w.m0 + (split ? 0 : consumer * 64) + warp * 16 + g8;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        const int col = w.n0 + 8 * j + 2 * q;
-        if (col >= p.n) continue;
+        const int col = w.n0 + (split ? consumer * 128 : 0) + 8 * j + 2 * q;
+        if (col >= p.n || (split && j >= 16)) continue;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r_local + 8 * h;
@@ -1144,10 +1172,10 @@ bool hopper_here() {
   return it->second;
 }
 
-template <HopperForm kForm, class OutT, int kBoxes = 0, int kDefer = 0>
+template <HopperForm kForm, class OutT, int kBoxes = 0, int kDefer = 0, bool kSplitTail = true>
 void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const HopperArgs& args,
                    cudaStream_t stream) {
-  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer>;
+  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer, kSplitTail>;
   const int smem = HopperSmem<kBoxes>::kBytes + prefix_bytes(args.groups);
   K2C_CHECK(smem <= kSmemLimit, "moe: " << args.groups << " groups do not fit the wgmma kernel's shared memory");
   // The limit is the variant's largest (the most groups), not this call's: a limit set per call

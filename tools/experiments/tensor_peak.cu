@@ -1,0 +1,143 @@
+// tools/experiments/tensor_peak.cu — how fast the tensor cores go when a kernel does nothing but
+// issue matrix instructions: mma.sync m16n8k16 (what module 05's Part A is built on) and wgmma
+// m64n256k16 (Part B), bf16 operands, fp32 accumulators, random data, with cuBLAS bf16 at 8192³
+// timed in the same process. These are the instruction paths' ceilings that lecture 05 compares
+// its kernels with: no loads, no stores, no address arithmetic, only the multiplies.
+//   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include tools/experiments/tensor_peak.cu \
+//        common/src/device.cu -lcublas -lcuda -o /tmp/tensor_peak && /tmp/tensor_peak
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "k2c/hopper.cuh"
+#include "k2c/random.h"
+#include "k2c/tensor_core.cuh"
+#include "median_time.cuh"
+
+using bf16 = __nv_bfloat16;
+namespace hp = k2c::hopper;
+
+// mma.sync: every warp keeps kAcc independent accumulators (so that one instruction never waits
+// for the previous one's result) and cycles through four A and two B fragments of random bf16
+// pairs, so the operands the tensor cores see change from one instruction to the next.
+template <int kAcc>
+__global__ void mma_sync_peak(const std::uint32_t* in, float* out, int iters) {
+  const int lane = threadIdx.x % 32;
+  std::uint32_t a[4][4], b[2][2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[i][j] = in[lane * 20 + 4 * i + j];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) b[i][j] = in[lane * 20 + 16 + 2 * i + j];
+  float d[kAcc][4] = {};
+  for (int it = 0; it < iters; it += 4)  // iters: a multiple of 4
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) k2c::tc::mma_bf16_16816(d[j], a[(r + j) % 4], b[(r + j) % 2]);
+  float s = 0;
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) s += d[j][0] + d[j][1] + d[j][2] + d[j][3];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;  // keeps the work; one float a thread
+}
+
+// wgmma: every warpgroup multiplies its own 64×64 A tile by a shared 256×64 B tile, both random
+// and laid out as TMA's 128-byte swizzle would leave them, four k16 steps per group, keeping one
+// group in flight.
+__global__ void wgmma_peak(const std::uint32_t* in, float* out, int iters) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t base = (k2c::tc::smem_addr(smem_raw) + 1023) & ~1023u;
+  const int warpgroups = blockDim.x / 128, wg = threadIdx.x / 128;
+  const std::uint32_t b_tile = base, a_tile = base + 256 * 128 + wg * 64 * 128;
+  const int words = (256 + 64 * warpgroups) * 128 / 4;
+  for (int i = threadIdx.x; i < words; i += blockDim.x)
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(base + 4 * i), "r"(in[i % 4096]));
+  hp::fence_proxy_async();
+  __syncthreads();
+  float d[128];
+  for (int it = 0; it < iters; ++it) {
+    hp::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      hp::wgmma_m64n256k16(d, hp::smem_desc_128b(a_tile + 32 * k), hp::smem_desc_128b(b_tile + 32 * k), it > 0 || k > 0);
+    hp::wgmma_commit();
+    hp::wgmma_wait<1>();
+  }
+  hp::wgmma_wait<0>();
+  float s = 0;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) s += d[i];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+#endif
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  std::uint32_t* in;
+  float* out;
+  cudaMalloc(&in, 4096 * 4);
+  cudaMalloc(&out, sizeof(float) * sms * 4 * 1024);
+  k2c::fill_uniform_device(reinterpret_cast<bf16*>(in), 8192, 7);
+
+  // About 10 ms a run at the expected rates; medians of 10 runs after 3.
+  auto report = [&](const char* what, double flops, double ms) {
+    std::printf("  %-44s %7.1f TFLOP/s\n", what, flops / (ms * 1e-3) / 1e12);
+  };
+  std::printf("mma.sync m16n8k16 bf16 -> fp32, %d SMs:\n", sms);
+  auto mma_case = [&](auto acc, int warps_per_sm) {
+    constexpr int kAcc = decltype(acc)::value;
+    const int threads = 32 * std::min(warps_per_sm, 32), blocks = sms * (warps_per_sm * 32 / threads);
+    const long long warps = static_cast<long long>(blocks) * threads / 32;
+    const int iters = static_cast<int>(6e12 / (warps * kAcc * 4096.0)) / 4 * 4;
+    const double ms = median_ms([&] { mma_sync_peak<kAcc><<<blocks, threads>>>(in, out, iters); }, 10);
+    char what[96];
+    std::snprintf(what, sizeof what, "%2d warps/SM, %d accumulators a warp", warps_per_sm, kAcc);
+    report(what, 4096.0 * kAcc * iters * warps, ms);
+  };
+  for (int w : {4, 8, 16, 32}) {
+    mma_case(std::integral_constant<int, 4>{}, w);
+    mma_case(std::integral_constant<int, 8>{}, w);
+  }
+
+  std::printf("wgmma m64n256k16 bf16 -> fp32 (A, B from shared memory):\n");
+  cudaFuncSetAttribute(wgmma_peak, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
+  for (int wgs : {1, 2, 3}) {
+    const long long groups = static_cast<long long>(sms) * wgs;
+    const int iters = static_cast<int>(8e12 / (groups * 4 * 524288.0));
+    const double ms = median_ms([&] { wgmma_peak<<<sms, 128 * wgs, 96 * 1024>>>(in, out, iters); }, 10);
+    char what[96];
+    std::snprintf(what, sizeof what, "%d warpgroup(s) a block, one block/SM", wgs);
+    report(what, 524288.0 * 4 * iters * groups, ms);
+  }
+
+  // cuBLAS at 8192³ on random data, back to back.
+  const int n = 8192;
+  bf16 *A, *B, *C;
+  cudaMalloc(&A, sizeof(bf16) * n * n);
+  cudaMalloc(&B, sizeof(bf16) * n * n);
+  cudaMalloc(&C, sizeof(bf16) * n * n);
+  k2c::fill_uniform_device(A, static_cast<std::size_t>(n) * n, 1);
+  k2c::fill_uniform_device(B, static_cast<std::size_t>(n) * n, 2);
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  const float one = 1, zero = 0;
+  const double ms = median_ms(
+      [&] {
+        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF, n, &zero, C,
+                     CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      },
+      10);
+  std::printf("cuBLAS bf16 GEMM 8192^3, back to back:\n");
+  report("cublasGemmEx", 2.0 * n * n * static_cast<double>(n), ms);
+  std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
+  return 0;
+}
