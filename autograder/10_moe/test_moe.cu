@@ -28,6 +28,16 @@
 //                 walk at the sizes tested. A bug moves an element by the size of its terms:
 //                 a lost or doubled choice, a wrong expert, weight, slot or transposition shows
 //                 as an error of order rms(ref) (the tests route with weights of 0.1 to 1).
+//   weight gradients of the layer: each element sums one term per token that reached the
+//                 expert, often a handful of terms of both signs. A term carries the roundings
+//                 of the intermediates it is made of (up to six of 2^-8, independent: about
+//                 2^-7.5 as a root mean square), so where terms cancel the error is large against
+//                 the sum and scales with Σ|terms| instead: within 2^-6·Σ|terms| + 2^-4·rms(ref).
+//                 dW1's and dW3's terms contain dh = W2ᵀ·d_out, itself a sum over the hidden
+//                 width whose bf16 inputs leave it an error of 2^-8 of its own terms' size, so
+//                 they count dh at that size (k2c::ref::MoeBackward's *_mag). With 2^-7·|ref| in
+//                 place of the first term, the reference failed at about one seed in twelve
+//                 (7 tokens over 64 experts); a lost or wrong term still misses by its own size.
 // Outputs are poisoned (NaN) before each call; NaN fails every comparison.
 //
 // Speed: the grouped GEMM at the module's DeepSeek-like shape against cuBLAS called once per
@@ -165,16 +175,8 @@ double smallest_gap(const k2c::ref::Routing& r, const std::vector<float>& bias, 
                                        << ", worst " << worst << " rms):" << bad.str();
 }
 
-// The layer's weight gradients, against the reference's sums and their terms' magnitudes (mag).
-// An element sums one term per token that reached the expert, and each term is a product of
-// values the layer keeps in bf16 (the upstream gradient, g, u, h or dh, du): up to about six
-// roundings of 2^-9 each, so about 2^-6.4 of the term's size. Where terms of both signs cancel,
-// that error is large against the sum itself (with a handful of tokens per expert it is the
-// common case), so the bound scales with the magnitudes, plus c of the rms for elements whose
-// terms are all tiny. dh = W2ᵀ dy is such a sum inside every term of dW1 and dW3: the expert rows'
-// upstream gradient (weight · dy) is kept in bf16, which leaves dh an error of 2^-9 of its terms' magnitudes, which can be a large part of
-// dh itself, so those terms count dh at its magnitude (k2c::ref::MoeBackward). A wrong or missing
-// term is as large as the term, far outside the bound.
+// The layer's weight gradients against the reference's sums, within 2^-6 of the sum of their
+// terms' magnitudes (mag) plus c of the rms: the bound the header derives.
 ::testing::AssertionResult close_sum(const char* what, const std::vector<float>& got, const std::vector<double>& want,
                                      const std::vector<double>& mag, double c) {
   double sq = 0;

@@ -2,14 +2,15 @@
 // shape (16384 tokens × top-6 over 64 experts, uniform loads), against cuBLAS once per expert.
 // It compiles the reference solution into itself to reach the kernel's tile parameter:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/10_moe \
-//        tools/experiments/moe_grouped.cu common/src/device.cu -lcublas -lcuda -o /tmp/moe_grouped && /tmp/moe_grouped [loop]
-// With the argument `loop` it studies the per-expert loop's timing instead (loop_timing below),
-// with `boxes` the staged epilogue of Part B (boxes below), with `tails` the split tail tiles
-// (tails below).
+//        tools/experiments/moe_grouped.cu common/src/device.cu -lcublas -lcuda -o /tmp/moe_grouped && /tmp/moe_grouped [mode]
+// Modes, each a function below: `loop` the per-expert loop's timing (loop_timing), `boxes` the
+// staged epilogue of Part B, `tails` the split tail tiles, `same` whether splitting them changes
+// any output bit, `profile` three runs of the up projection for a profiler.
 #include <cublas_v2.h>
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <cstdio>
 #include <functional>
 #include <numeric>
@@ -272,26 +273,12 @@ void profile() {
 }  // namespace k2c::moe
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "loop") {
-    k2c::moe::loop_timing();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "same") {
-    k2c::moe::same();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "profile") {
-    k2c::moe::profile();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "tails") {
-    k2c::moe::tails();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "boxes") {
-    k2c::moe::boxes();
-    return 0;
-  }
-  k2c::moe::experiment();
+  // The argument picks a study; without one, the tile experiment.
+  const std::map<std::string, void (*)()> modes = {{"loop", k2c::moe::loop_timing}, {"same", k2c::moe::same},
+                                                   {"profile", k2c::moe::profile},   {"tails", k2c::moe::tails},
+                                                   {"boxes", k2c::moe::boxes}};
+  const auto mode = modes.find(argc > 1 ? argv[1] : "");
+  if (mode != modes.end()) mode->second();
+  else k2c::moe::experiment();
   return 0;
 }
