@@ -934,7 +934,7 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 //   tails     a group's last tile row is on average half empty (a group of 1560 rows ends in a
 //             tile of 24). Where at most 64 of its rows are real (forward, dX), the consumers
 //             split the tile's columns instead of its rows: both read A's first 64 rows, each
-//             multiplies them by its 128 columns of B (m64n128), and the tile costs half.
+//             multiplies them by its 128 columns of B (m64n128), and the tile takes half the MMAs.
 
 namespace {
 
@@ -976,7 +976,8 @@ struct HopperArgs {
 // instead of stalling them; the last kDefer batches wait in registers until the next tile's first
 // wgmma groups are issued (hopper::TmaEpilogue; module 05 measures the choices).
 //
-// kSplitTail: tail tiles with at most 64 real rows split along columns (see "tails" above).
+// kSplitTail: tail tiles with at most 64 real rows split along columns (see "tails" above); false
+// only in tools/experiments/moe_grouped.cu, which measures what the split is worth.
 template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0, bool kSplitTail = true>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -1099,6 +1100,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 #pragma unroll
           for (int kk = 0; kk < kHopperBK / 16; ++kk) {
             if constexpr (kSplit) {
+              static_assert(kSplit && !kAT, "split tiles read A K-major (the forward and dX forms)");
               // 128 rows of K-major B are 16 KiB; 128 columns of MN-major B are two of its boxes.
               const std::uint64_t a = hp::smem_desc_128b(slot_a(s) + 32 * kk);
               const std::uint64_t b =
@@ -1120,8 +1122,12 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
           if (lane == 0) hp::mbarrier_arrive(empty(s));
         }
       };
-      if (split) k_loop(std::true_type{});
-      else k_loop(std::false_type{});
+      if constexpr (kSplitTail && kForm != HopperForm::dw) {
+        if (split) k_loop(std::true_type{});
+        else k_loop(std::false_type{});
+      } else {
+        k_loop(std::false_type{});
+      }
       // Rows 16·warp + g8 and + 8 of this consumer's 64, inside C (forward, dX: the group's rows).
       const int g8 = lane / 4, q = lane % 4;
       const int row_end = kForm == HopperForm::dw ? p.m : w.rows;
@@ -1139,7 +1145,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       const int r_local = w.m0 + (split ? 0 : consumer * 64) + warp * 16 + g8;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        const int col = w.n0 + (split ? consumer * 128 : 0) + 8 * j + 2 * q;
+        const int col = w.n0 + (split ? consumer * kHopperBN / 2 : 0) + 8 * j + 2 * q;
         if (col >= p.n || (split && j >= 16)) continue;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

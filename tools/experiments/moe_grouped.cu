@@ -10,9 +10,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <map>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -59,6 +59,15 @@ struct Problem {
     cudaFree(d_off);
   }
   double flops() const { return 2.0 * rows * n * static_cast<double>(k); }
+  // Part B's arguments and tensor maps for the forward form, C staged through TMA stores.
+  struct Forward {
+    HopperArgs args;
+    CUtensorMap a, b, c;
+  };
+  Forward forward() const {
+    return {{kExperts, d_off, 0, n, k, c, true}, hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK),
+            hp::make_tensor_map_bf16(b, kExperts * n, k, kHopperBN, kHopperBK), hp::make_tensor_map_bf16(c, rows, n, 64, 64)};
+  }
   // cuBLAS once per expert: row-major C_e = A_e · B_eᵀ as column-major C_eᵀ = B_e · A_eᵀ.
   void loop(cublasHandle_t blas) const {
     const float one = 1, zero = 0;
@@ -135,10 +144,7 @@ void boxes() {
   auto timed = [](const std::function<void()>& f) { return median_ms(f, 10, 2, true); };
   for (bool up : {true, false}) {
     const Problem p(up ? 2816 : 2048, up ? 2048 : 1408, 1);
-    const HopperArgs args{kExperts, p.d_off, 0, p.n, p.k, p.c, true};
-    const CUtensorMap map_a = hp::make_tensor_map_bf16(p.a, p.rows, p.k, kHopperBM, kHopperBK);
-    const CUtensorMap map_b = hp::make_tensor_map_bf16(p.b, kExperts * p.n, p.k, kHopperBN, kHopperBK);
-    const CUtensorMap map_c = hp::make_tensor_map_bf16(p.c, p.rows, p.n, 64, 64);
+    const auto [args, map_a, map_b, map_c] = p.forward();
     const std::vector<std::pair<const char*, std::function<void()>>> variants = {
         {"cuBLAS loop", [&] { p.loop(blas); }},
         {"wgmma, direct stores", [&] { launch_hopper<HopperForm::forward, bf16, 0>(map_a, map_b, map_a, args, nullptr); }},
@@ -177,10 +183,7 @@ void tails() {
         computed += ceil_div(c, kHopperBM) * kHopperBM;
         split_rows += (c % kHopperBM != 0 && c % kHopperBM <= 64) ? kHopperBM - 64 : 0;
       }
-      const HopperArgs args{kExperts, p.d_off, 0, p.n, p.k, p.c, true};
-      const CUtensorMap map_a = hp::make_tensor_map_bf16(p.a, p.rows, p.k, kHopperBM, kHopperBK);
-      const CUtensorMap map_b = hp::make_tensor_map_bf16(p.b, kExperts * p.n, p.k, kHopperBN, kHopperBK);
-      const CUtensorMap map_c = hp::make_tensor_map_bf16(p.c, p.rows, p.n, 64, 64);
+      const auto [args, map_a, map_b, map_c] = p.forward();
       const std::vector<std::pair<const char*, std::function<void()>>> variants = {
           {"cuBLAS loop", [&] { p.loop(blas); }},
           {"wgmma, 128-row tails", [&] {
@@ -273,12 +276,18 @@ void profile() {
 }  // namespace k2c::moe
 
 int main(int argc, char** argv) {
-  // The argument picks a study; without one, the tile experiment.
   const std::map<std::string, void (*)()> modes = {{"loop", k2c::moe::loop_timing}, {"same", k2c::moe::same},
                                                    {"profile", k2c::moe::profile},   {"tails", k2c::moe::tails},
                                                    {"boxes", k2c::moe::boxes}};
-  const auto mode = modes.find(argc > 1 ? argv[1] : "");
-  if (mode != modes.end()) mode->second();
-  else k2c::moe::experiment();
+  if (argc < 2) {
+    k2c::moe::experiment();
+    return 0;
+  }
+  const auto mode = modes.find(argv[1]);
+  if (mode == modes.end()) {
+    std::fprintf(stderr, "unknown mode '%s': loop, same, profile, tails or boxes (none: the tile experiment)\n", argv[1]);
+    return 2;
+  }
+  mode->second();
   return 0;
 }

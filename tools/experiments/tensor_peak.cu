@@ -7,7 +7,8 @@
 //        common/src/device.cu -lcublas -lcuda -o /tmp/tensor_peak && /tmp/tensor_peak
 #include <cstdint>
 #include <cstdio>
-#include <vector>
+#include <cstdlib>
+#include <type_traits>
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -79,9 +80,16 @@ __global__ void wgmma_peak(const std::uint32_t* in, float* out, int iters) {
 #endif
 }
 
+// A failed launch or opt-in would otherwise show up as an absurd rate.
+void check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+  std::exit(1);
+}
+
 int main() {
   int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device attribute");
   std::uint32_t* in;
   float* out;
   cudaMalloc(&in, 4096 * 4);
@@ -93,12 +101,12 @@ int main() {
     std::printf("  %-44s %7.1f TFLOP/s\n", what, flops / (ms * 1e-3) / 1e12);
   };
   std::printf("mma.sync m16n8k16 bf16 -> fp32, %d SMs:\n", sms);
-  auto mma_case = [&](auto acc, int warps_per_sm) {
+  auto mma_case = [&](auto acc, int warps_per_sm) {  // one block of warps_per_sm warps per SM
     constexpr int kAcc = decltype(acc)::value;
-    const int threads = 32 * std::min(warps_per_sm, 32), blocks = sms * (warps_per_sm * 32 / threads);
-    const long long warps = static_cast<long long>(blocks) * threads / 32;
+    const long long warps = static_cast<long long>(sms) * warps_per_sm;
     const int iters = static_cast<int>(6e12 / (warps * kAcc * 4096.0)) / 4 * 4;
-    const double ms = median_ms([&] { mma_sync_peak<kAcc><<<blocks, threads>>>(in, out, iters); }, 10);
+    const double ms = median_ms([&] { mma_sync_peak<kAcc><<<sms, 32 * warps_per_sm>>>(in, out, iters); }, 10);
+    check(cudaGetLastError(), "mma_sync_peak");
     char what[96];
     std::snprintf(what, sizeof what, "%2d warps/SM, %d accumulators a warp", warps_per_sm, kAcc);
     report(what, 4096.0 * kAcc * iters * warps, ms);
@@ -109,11 +117,12 @@ int main() {
   }
 
   std::printf("wgmma m64n256k16 bf16 -> fp32 (A, B from shared memory):\n");
-  cudaFuncSetAttribute(wgmma_peak, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
+  check(cudaFuncSetAttribute(wgmma_peak, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024), "shared memory opt-in");
   for (int wgs : {1, 2, 3}) {
     const long long groups = static_cast<long long>(sms) * wgs;
     const int iters = static_cast<int>(8e12 / (groups * 4 * 524288.0));
     const double ms = median_ms([&] { wgmma_peak<<<sms, 128 * wgs, 96 * 1024>>>(in, out, iters); }, 10);
+    check(cudaGetLastError(), "wgmma_peak");
     char what[96];
     std::snprintf(what, sizeof what, "%d warpgroup(s) a block, one block/SM", wgs);
     report(what, 524288.0 * 4 * iters * groups, ms);
@@ -138,6 +147,7 @@ int main() {
       10);
   std::printf("cuBLAS bf16 GEMM 8192^3, back to back:\n");
   report("cublasGemmEx", 2.0 * n * n * static_cast<double>(n), ms);
-  std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
+  check(cudaDeviceSynchronize(), "the runs");
+  std::printf("status: no error\n");
   return 0;
 }

@@ -368,19 +368,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], std::uint64_t
       : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24)
       : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
-// d(64×128) = A(64×16)·B(128×16)ᵀ (+ d), both from shared memory, into the first 64 registers
-// of `d` (an m64n256 accumulator's layout restricted to its first 16 column blocks): module 10's
-// tail tiles, where two warpgroups split a tile's 256 columns instead of its 128 rows.
-template <int kTransA = 0, int kTransB = 0, int kRegs>
-__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[kRegs], std::uint64_t a_desc, std::uint64_t b_desc,
-                                                    int accumulate) {
-  static_assert(kRegs >= 64, "an m64n128 accumulator is 64 registers a thread");
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" K2C_REGS64 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
-      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48), K2C_D8(56)
-      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
-}
 __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float (&d)[32], const std::uint32_t (&a)[4],
                                                       std::uint64_t b_desc) {
   asm volatile(
@@ -396,6 +383,20 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const std
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" K2C_REGS64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
       : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48), K2C_D8(56)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+
+// Module 10's tail tiles, where two warpgroups split a tile's 256 columns instead of its 128 rows:
+// d(64×128) = A(64×16)·B(128×16)ᵀ (+ d), both from shared memory, into the first 64 registers of
+// `d` (the m64n256 accumulator's layout restricted to its first 16 column blocks).
+template <int kTransA = 0, int kTransB = 0, int kRegs>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[kRegs], std::uint64_t a_desc, std::uint64_t b_desc,
+                                                    int accumulate) {
+  static_assert(kRegs >= 64, "an m64n128 accumulator is 64 registers a thread");
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" K2C_REGS64 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+      : K2C_D8(0), K2C_D8(8), K2C_D8(16), K2C_D8(24), K2C_D8(32), K2C_D8(40), K2C_D8(48), K2C_D8(56)
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
 #undef K2C_REGS64
 #undef K2C_REGS32

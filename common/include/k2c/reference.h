@@ -205,9 +205,10 @@ MoeForward moe_forward(std::span<const float> x, int tokens, const MoeLayer& lay
 // loss is separate (balance_loss); where it is used, add its dlogits · x to dw_router and
 // dlogits · w_router to dx. Weights' gradients are laid out like the weights; each *_mag beside
 // one holds, per element, the sum of the magnitudes of the terms that element sums (one per token
-// that reached the expert), where dW1's and dW3's terms count dh = W2ᵀ dy at the sum of its own
-// terms' magnitudes: the scale of the rounding error such a sum carries when its terms are
-// computed in low precision, which a tolerance needs where terms cancel.
+// that reached the expert), where dW1's and dW3's terms count dh = d_out W2 (d_out: the routing
+// weight times dy) at the sum of its own terms' magnitudes: the scale of the rounding error such a
+// sum carries when its terms are computed in low precision, which a tolerance needs where terms
+// cancel.
 struct MoeBackward {
   std::vector<double> dx, dw_router, dw1, dw3, dw2, dshared_w1, dshared_w3, dshared_w2;
   std::vector<double> dw1_mag, dw3_mag, dw2_mag, dshared_w1_mag, dshared_w3_mag, dshared_w2_mag;
