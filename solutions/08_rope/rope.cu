@@ -4,15 +4,19 @@
 // handful of FLOPs in between, so the target is the copy rate. What is not pointwise is the
 // angle: cos and sin of p·theta_k depend on the position p and the pair k, but not on the head.
 // A Llama-style layer at 16384 tokens has 32 query and 8 key heads of 128 dimensions: 40 heads
-// share each (p, k). So one thread takes one token and a group of pairs, gets their cos/sin once,
-// and walks all 40 heads with them.
+// share each (p, k). A thread that took one token and walked all 40 heads with one cos/sin would
+// fetch it least often, but the GPU would then touch a little of every token at once, scattered
+// over all of q and k, and that measured 0.86 of the copy rate on an H200. So a thread takes
+// a few heads of one token, the grid walks memory in order like a copy kernel, and cos/sin is
+// fetched for 2 heads or computed for 4: 0.907 (table) and 0.92 (on the fly) in the same runs.
 //
 // Where cos/sin come from:
 //   cache      a table built once per model (in double, stored as fp32: 8 bytes per (p, k)).
 //              Per token it is d/2 · 8 = 512 bytes against 40 heads · 128 · 2 · 2 = 20 KiB of q/k
-//              traffic, ~2.5% more bytes, and a table of 4096 positions (2 MiB) stays in L2.
-//   on the fly cos/sin per (p, k): no extra bytes but real instructions, shared by 40 heads so
-//              they hide under the memory time. The trap is precision: p·theta_k rounded to
+//              traffic, ~2.5% more bytes, and a table of 4096 positions (2 MiB) stays in L2,
+//              where the 20 reads of each row (one per 2 heads) find it.
+//   on the fly cos/sin per (p, k): no extra bytes but real instructions, shared by 4 heads and
+//              hidden under the memory time. The trap is precision: p·theta_k rounded to
 //              fp32 is off by up to p · 2^-24 radians (0.004 at p = 65536, as large as a bf16
 //              rounding of the output), and theta_k itself carries a few fp32 ulps that p
 //              multiplies. So the angle is formed in double, reduced to [-π, π] in double, and
@@ -36,180 +40,146 @@ namespace k2c::rope {
 namespace {
 
 using k2c::rows::aligned16;
-using k2c::rows::load;
-using k2c::rows::store;
+using k2c::rows::Bits;
+using k2c::rows::load_bits;
+using k2c::rows::pack;
+using k2c::rows::store_bits;
+using k2c::rows::unpack;
 
-// PAIRS pairs (a_i, b_i), i.e. pairs u·PAIRS .. u·PAIRS + PAIRS - 1 of a head of dimension d.
-template <Layout L, int PAIRS>
-__device__ __forceinline__ void load_pairs(const bf16* head, int d, int u, float (&a)[PAIRS], float (&b)[PAIRS]) {
-  if constexpr (L == Layout::interleaved && PAIRS == 1) {  // element accesses: any alignment
-    a[0] = __bfloat162float(head[2 * u]);
-    b[0] = __bfloat162float(head[2 * u + 1]);
-  } else if constexpr (L == Layout::interleaved) {
-    float v[2 * PAIRS];
-    load<bf16, 2 * PAIRS>(head + 2 * PAIRS * u, v);
-#pragma unroll
-    for (int i = 0; i < PAIRS; ++i) a[i] = v[2 * i], b[i] = v[2 * i + 1];
-  } else {
-    load<bf16, PAIRS>(head + PAIRS * u, a);
-    load<bf16, PAIRS>(head + d / 2 + PAIRS * u, b);
-  }
-}
-
-template <Layout L, int PAIRS>
-__device__ __forceinline__ void store_pairs(bf16* head, int d, int u, const float (&a)[PAIRS], const float (&b)[PAIRS]) {
-  if constexpr (L == Layout::interleaved && PAIRS == 1) {
-    head[2 * u] = __float2bfloat16(a[0]);
-    head[2 * u + 1] = __float2bfloat16(b[0]);
-  } else if constexpr (L == Layout::interleaved) {
-    float v[2 * PAIRS];
-#pragma unroll
-    for (int i = 0; i < PAIRS; ++i) v[2 * i] = a[i], v[2 * i + 1] = b[i];
-    store<bf16, 2 * PAIRS>(head + 2 * PAIRS * u, v);
-  } else {
-    store<bf16, PAIRS>(head + PAIRS * u, a);
-    store<bf16, PAIRS>(head + d / 2 + PAIRS * u, b);
-  }
-}
-
-template <Layout L, int PAIRS>
-__device__ __forceinline__ void rotate_head(const bf16* in, bf16* out, int d, int u, const float (&c)[PAIRS],
-                                            const float (&s)[PAIRS]) {
-  float a[PAIRS], b[PAIRS];
-  load_pairs<L, PAIRS>(in, d, u, a, b);
-#pragma unroll
-  for (int i = 0; i < PAIRS; ++i) {
-    const float ra = a[i] * c[i] - b[i] * s[i];
-    b[i] = a[i] * s[i] + b[i] * c[i];
-    a[i] = ra;
-  }
-  store_pairs<L, PAIRS>(out, d, u, a, b);
-}
-
-// The elements of one head that a thread rotates, as stored: one 16-byte piece when interleaved,
-// one from each half when half-split.
+// The elements of one head that a thread rotates, kept as the bits they were loaded as (as the
+// row kernels of modules 06 and 07 do: half the registers of floats): one 16-byte piece when
+// interleaved, one from each half when half-split (single elements when PAIRS == 1).
 template <Layout L, int PAIRS>
 struct Slice {
   static constexpr int kFirst = L == Layout::interleaved ? 2 * PAIRS : PAIRS;
-  k2c::rows::Pack<bf16, kFirst> first;
-  k2c::rows::Pack<bf16, PAIRS> second;  // unused when interleaved
+  Bits<bf16, kFirst> first;
+  Bits<bf16, PAIRS> second;  // unused when interleaved
 };
 
 template <Layout L, int PAIRS>
 __device__ __forceinline__ Slice<L, PAIRS> load_slice(const bf16* head, int d, int u) {
-  using k2c::rows::Pack;
-  Slice<L, PAIRS> sl;
-  sl.first = *reinterpret_cast<const Pack<bf16, Slice<L, PAIRS>::kFirst>*>(head + Slice<L, PAIRS>::kFirst * u);
-  if constexpr (L == Layout::half_split)
-    sl.second = *reinterpret_cast<const Pack<bf16, PAIRS>*>(head + d / 2 + PAIRS * u);
+  Slice<L, PAIRS> sl{};
+  if constexpr (L == Layout::interleaved && PAIRS == 1)  // two elements: any alignment
+    sl.first = __bfloat16_as_ushort(head[2 * u]) | static_cast<unsigned>(__bfloat16_as_ushort(head[2 * u + 1])) << 16;
+  else
+    sl.first = load_bits<bf16, Slice<L, PAIRS>::kFirst>(head + Slice<L, PAIRS>::kFirst * u);
+  if constexpr (L == Layout::half_split) sl.second = load_bits<bf16, PAIRS>(head + d / 2 + PAIRS * u);
   return sl;
 }
 
 template <Layout L, int PAIRS>
 __device__ __forceinline__ void rotate_slice(const Slice<L, PAIRS>& sl, bf16* head, int d, int u,
                                              const float (&c)[PAIRS], const float (&s)[PAIRS]) {
-  float a[PAIRS], b[PAIRS];
+  constexpr int kFirst = Slice<L, PAIRS>::kFirst;
+  float first[kFirst], a[PAIRS], b[PAIRS];
+  unpack<bf16, kFirst>(sl.first, first);
+  if constexpr (L == Layout::half_split) unpack<bf16, PAIRS>(sl.second, b);
 #pragma unroll
   for (int i = 0; i < PAIRS; ++i) {
-    if constexpr (L == Layout::interleaved) {
-      a[i] = __bfloat162float(sl.first.v[2 * i]);
-      b[i] = __bfloat162float(sl.first.v[2 * i + 1]);
-    } else {
-      a[i] = __bfloat162float(sl.first.v[i]);
-      b[i] = __bfloat162float(sl.second.v[i]);
-    }
+    if constexpr (L == Layout::interleaved)
+      a[i] = first[2 * i], b[i] = first[2 * i + 1];
+    else
+      a[i] = first[i];
     const float ra = a[i] * c[i] - b[i] * s[i];
     b[i] = a[i] * s[i] + b[i] * c[i];
     a[i] = ra;
   }
-  store_pairs<L, PAIRS>(head, d, u, a, b);
-}
-
-// Rotates `heads` consecutive heads. The vector path loads kBatch heads before storing any: out may
-// alias in (in place), so the compiler may not hoist a later head's load above an earlier head's
-// store by itself, and without this each thread would have one load in flight at a time.
-template <Layout L, int PAIRS>
-__device__ __forceinline__ void rotate_heads(const bf16* in, bf16* out, int heads, int d, int u,
-                                             const float (&c)[PAIRS], const float (&s)[PAIRS]) {
-  int h = 0;
-  if constexpr (PAIRS > 1) {
-    constexpr int kBatch = 4;
-    for (; h + kBatch <= heads; h += kBatch) {
-      Slice<L, PAIRS> sl[kBatch];
+  if constexpr (L == Layout::interleaved && PAIRS == 1) {
+    head[2 * u] = __float2bfloat16(a[0]);
+    head[2 * u + 1] = __float2bfloat16(b[0]);
+  } else if constexpr (L == Layout::interleaved) {
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) sl[j] = load_slice<L, PAIRS>(in + (h + j) * d, d, u);
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) rotate_slice<L, PAIRS>(sl[j], out + (h + j) * d, d, u, c, s);
-    }
+    for (int i = 0; i < PAIRS; ++i) first[2 * i] = a[i], first[2 * i + 1] = b[i];
+    store_bits<bf16, kFirst>(head + kFirst * u, pack<bf16, kFirst>(first));
+  } else {
+    store_bits<bf16, PAIRS>(head + PAIRS * u, pack<bf16, PAIRS>(a));
+    store_bits<bf16, PAIRS>(head + d / 2 + PAIRS * u, pack<bf16, PAIRS>(b));
   }
-  for (; h < heads; ++h) rotate_head<L, PAIRS>(in + h * d, out + h * d, d, u, c, s);
 }
 
-// One thread per (token, group of PAIRS pairs, span of heads); `units` groups per head. The heads
-// of q then those of k form one list of q_heads + kv_heads rows of d elements, and blockIdx.y
-// picks which `span` of them this thread rotates.
-template <Layout L, int PAIRS>
+// Heads a thread rotates with one cos/sin. One would fetch or compute every cos/sin 40 times at
+// the Llama shape (0.85 and 0.62 of the copy rate on an H200). Computing them for 4 heads made
+// 0.92; the table is best read for 2 heads (0.907, against 0.903 for 3 or 4 and 0.896 for 8).
+template <bool kTable>
+constexpr int kHeadsPerThread = kTable ? 2 : 4;
+
+// One thread per (token, group u of PAIRS pairs, G heads j, j + J, ..., j + (G-1)·J), where a
+// token's heads are its q heads followed by its k heads and J = ceil(heads / G). Consecutive
+// threads take consecutive groups, then consecutive j: a warp reads whole 128-byte pieces of
+// neighbouring heads (d = 128), and the grid sweeps q and k in memory order, as a copy does.
+// kTable: cos/sin from the table, else computed (separate kernels: the two paths together would
+// hold registers for both, 108 a thread at d = 128 half-split against about 80).
+template <Layout L, int PAIRS, bool kTable>
 __global__ void rope_kernel(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, long tokens, int seq,
-                            int q_heads, int kv_heads, int d, int span, long offset, float sign,
-                            const float2* __restrict__ cache, double log2_base) {
-  const int units = d / 2 / PAIRS;
+                            int q_heads, int kv_heads, int d, long offset, float sign,
+                            const float2* __restrict__ cache, double log2_base, double ratio) {
+  constexpr int G = kHeadsPerThread<kTable>;
+  const int units = d / 2 / PAIRS, heads = q_heads + kv_heads, J = (heads + G - 1) / G;
+  const long slots = static_cast<long>(J) * units;
   const long idx = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= tokens * units) return;
-  const long token = idx / units;
-  const int u = static_cast<int>(idx % units);
+  if (idx >= tokens * slots) return;
+  const long token = idx / slots;
+  const int r = static_cast<int>(idx % slots), j = r / units, u = r % units;
   const long p = offset + token % seq;
+  auto row = [&](auto* qs, auto* ks, int h) {
+    return h < q_heads ? qs + (token * q_heads + h) * d : ks + (token * kv_heads + h - q_heads) * d;
+  };
+
+  // Every head's slice is loaded before any is stored: out may alias in (in place), so the compiler
+  // may not hoist a later head's load above an earlier head's store by itself.
+  Slice<L, PAIRS> sl[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+    if (j + g * J < heads) sl[g] = load_slice<L, PAIRS>(row(q, k, j + g * J), d, u);
 
   float c[PAIRS], s[PAIRS];
-  if (cache != nullptr) {
-    const float2* row = cache + p * (d / 2) + u * PAIRS;
+  if constexpr (kTable) {
+    const float2* cs = cache + p * (d / 2) + u * PAIRS;
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
-      const float2 cs = row[i];
-      c[i] = cs.x;
-      s[i] = sign * cs.y;
+      const float2 v = cs[i];
+      c[i] = v.x;
+      s[i] = sign * v.y;
     }
   } else {
     // The angle in double, reduced to [-π, π] before the fp32 sincosf: see the top of the file.
-    // A few double operations per (token, pair), shared by every head.
+    // theta of the first pair by exp2, the next ones by one multiplication each (theta_{k+1} =
+    // theta_k · base^(-2/d), a relative error of a few double ulps after 8 steps).
+    constexpr double kTwoPi = 6.283185307179586, kInvTwoPi = 0.15915494309189535;
+    double theta = exp2(-2.0 * (u * PAIRS) / d * log2_base);
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
-      const int pair = u * PAIRS + i;
-      const double angle = static_cast<double>(p) * exp2(-2.0 * pair / d * log2_base);
-      constexpr double kTwoPi = 6.283185307179586;
-      sincosf(static_cast<float>(angle - kTwoPi * rint(angle / kTwoPi)), &s[i], &c[i]);
+      const double angle = static_cast<double>(p) * theta;
+      sincosf(static_cast<float>(fma(-kTwoPi, rint(angle * kInvTwoPi), angle)), &s[i], &c[i]);
       s[i] *= sign;
+      theta *= ratio;
     }
   }
 
-  const int first = static_cast<int>(blockIdx.y) * span;
-  const int last = min(q_heads + kv_heads, first + span);
-  if (first < q_heads) {
-    const std::size_t at = (static_cast<std::size_t>(token) * q_heads + first) * d;
-    rotate_heads<L, PAIRS>(q + at, q_out + at, min(last, q_heads) - first, d, u, c, s);
-  }
-  if (last > q_heads) {
-    const int from = max(first, q_heads) - q_heads;
-    const std::size_t at = (static_cast<std::size_t>(token) * kv_heads + from) * d;
-    rotate_heads<L, PAIRS>(k + at, k_out + at, last - q_heads - from, d, u, c, s);
-  }
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+    if (j + g * J < heads) rotate_slice<L, PAIRS>(sl[g], row(q_out, k_out, j + g * J), d, u, c, s);
 }
 
-// Heads a thread rotates with one cos/sin: all of a token's heads (span = q_heads + kv_heads)
-// computes the angles fewest times, a smaller span starts more threads, each with a shorter chain.
-constexpr int kSpan = 1 << 30;
+template <Layout L, int PAIRS, bool kTable>
+void launch(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, const Shape& sh, long offset, float sign,
+            const float2* cache, double base, cudaStream_t stream) {
+  constexpr int G = kHeadsPerThread<kTable>, kThreads = 256;
+  const long tokens = static_cast<long>(sh.batch) * sh.seq;
+  const long threads = tokens * ((sh.q_heads + sh.kv_heads + G - 1) / G) * (sh.head_dim / 2 / PAIRS);
+  const double log2_base = std::log2(base);
+  rope_kernel<L, PAIRS, kTable><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      q, k, q_out, k_out, tokens, sh.seq, sh.q_heads, sh.kv_heads, sh.head_dim, offset, sign, cache, log2_base,
+      std::exp2(-2.0 / sh.head_dim * log2_base));
+}
 
 template <Layout L, int PAIRS>
 void launch(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, const Shape& sh, long offset, float sign,
-            const float2* cache, double base, cudaStream_t stream, int span = kSpan) {
-  const long tokens = static_cast<long>(sh.batch) * sh.seq;
-  const long threads = tokens * (sh.head_dim / 2 / PAIRS);
-  const int heads = sh.q_heads + sh.kv_heads;
-  span = std::clamp(span, (heads + 65534) / 65535, heads);  // gridDim.y stays within its limit
-  constexpr int kThreads = 256;
-  const dim3 grid(static_cast<unsigned>((threads + kThreads - 1) / kThreads), (heads + span - 1) / span);
-  rope_kernel<L, PAIRS><<<grid, kThreads, 0, stream>>>(q, k, q_out, k_out, tokens, sh.seq, sh.q_heads,
-                                                       sh.kv_heads, sh.head_dim, span, offset, sign, cache,
-                                                       std::log2(base));
+            const float2* cache, double base, cudaStream_t stream) {
+  if (cache != nullptr)
+    launch<L, PAIRS, true>(q, k, q_out, k_out, sh, offset, sign, cache, base, stream);
+  else
+    launch<L, PAIRS, false>(q, k, q_out, k_out, sh, offset, sign, cache, base, stream);
 }
 
 // cache[p · d/2 + k] = (cos, sin)(p · base^(-2k/d)), in double: the table is built once, so its

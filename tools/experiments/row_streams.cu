@@ -557,7 +557,7 @@ int blocks_for(K kernel, int threads, int smem) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  // Sections to run (default all): packed mix bwd copy softmax rmsfwd rmsbwd.
+  // Sections to run (default all): packed mix bwd parts copy softmax rmsfwd rmsbwd.
   auto wanted = [&](const char* section) {
     if (argc < 2) return true;
     for (int i = 1; i < argc; ++i)
@@ -688,6 +688,18 @@ int main(int argc, char** argv) {
   rows_variant(bwd_rows<2, false>, 2, false);
   rows_variant(bwd_rows<2, true>, 2, true);
   rows_variant(bwd_rows<4, true>, 4, true);
+  }
+  // Where the backward's time goes: the ring kernel and the partial-row sum timed alone.
+  if (wanted("parts")) {
+  std::printf("\n-- RMSNorm backward 16384 x 4096 bf16, its two kernels\n");
+  namespace rn = k2c::rmsnorm;
+  rn::forward(x, nullptr, gamma, y2, nullptr, rstd, rows, cols, 1e-6f);
+  report("reference backward (ring + sum)", three, timed([&] { rn::backward(x, gamma, dy, rstd, y, dgamma, partial, rows, cols); }));
+  int partials = 0;
+  report("ring kernel alone", three, timed([&] { partials = rn::backward_ring(x, gamma, dy, rstd, y, partial, rows, cols, 0); }));
+  char name[96];
+  std::snprintf(name, sizeof name, "sum of %d partial rows alone (bytes of the backward)", partials);
+  report(name, three, timed([&] { rn::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, rn::kSumWarps)>>>(partial, dgamma2, partials, cols); }));
   }
   if (wanted("copy")) {
   std::printf("\n-- copies of 128 MiB\n");
