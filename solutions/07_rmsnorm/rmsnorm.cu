@@ -196,6 +196,24 @@ void forward_vec(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y
 }
 
 // ---------------------------------------------------------------------------- backward ---
+// A thread's VEC consecutive dgamma sums into its partial row, as 16-byte stores where VEC allows.
+// Eight scalar stores a vector (each warp instruction then writes 4 bytes in each of 32 sectors)
+// made 6.5 MB of partial rows cost 12 µs, a tenth of the whole backward: on an H200 at 16384 ×
+// 4096 the Hopper ring below measured 0.805 of the copy rate that way and 0.86 with float4 stores.
+template <int VEC>
+__device__ __forceinline__ void store_partial(float* p, const float (&v)[VEC]) {
+  if constexpr (VEC % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += 4) {
+      const float four[4] = {v[i], v[i + 1], v[i + 2], v[i + 3]};
+      store<float, 4>(p + i, four);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = v[i];
+  }
+}
+
 // The persistent grid has at most partials_for(rows, cols) row-groups, so the workspace size
 // depends on the shape only (not on the GPU): min(rows, max(256, 2^22 / cols)) partial rows, so
 // at most max(2^22, 256 · cols) floats (16 MiB up to 16384 columns). That is 1024 partial rows at
@@ -278,9 +296,7 @@ __global__ __launch_bounds__(1024, 1) void backward_kernel(const bf16* __restric
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int c = (it * blockDim.x + threadIdx.x) * VEC;
-    if (c < cols)
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) mine[c + i] = dg[it][i];
+    if (c < cols) store_partial<VEC>(mine + c, dg[it]);
   }
 }
 
@@ -340,7 +356,7 @@ __global__ __launch_bounds__(kRingThreads) void backward_ring_kernel(
   for (int k = 0; k < slots; ++k) issue(k);
 
   // The slots through a generic pointer, so the compiler sees shared-memory loads it may schedule.
-  const unsigned char* ring_ptr = smem + (ring - static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)));
+  unsigned char* ring_ptr = smem + (ring - static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)));
   const int vecs = cols / kVecBf16;
   // gamma, h and dy stay as their bf16 bits (k2c::rows::Bits) and are converted at each use. (Held
   // to 64 registers, 4 blocks of 256 would share an SM instead of 3: that measured 0.75 of the
@@ -398,14 +414,19 @@ __global__ __launch_bounds__(kRingThreads) void backward_ring_kernel(
       }
     }
   }
-  float* mine = partial + static_cast<std::size_t>(blockIdx.x) * cols;
+  // The partial row leaves through the ring, now idle (every copy issued has been waited for), so
+  // that each warp store writes 512 contiguous bytes: 0.6% faster than 16-byte stores straight
+  // from registers, which leave each 32-byte sector half written by one instruction.
+  __syncthreads();
+  float* stage = reinterpret_cast<float*>(ring_ptr);
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int v = it * kRingThreads + threadIdx.x;
-    if (v < vecs)
-#pragma unroll
-      for (int i = 0; i < kVecBf16; ++i) mine[kVecBf16 * v + i] = dg[it][i];
+    if (v < vecs) store_partial<kVecBf16>(stage + kVecBf16 * v, dg[it]);
   }
+  __syncthreads();
+  float4* mine = reinterpret_cast<float4*>(partial + static_cast<std::size_t>(blockIdx.x) * cols);
+  for (int i = threadIdx.x; i < cols / 4; i += kRingThreads) mine[i] = reinterpret_cast<const float4*>(stage)[i];
 #endif
 }
 
@@ -482,9 +503,7 @@ __global__ __launch_bounds__(kSliceThreads) void backward_slice_kernel(
   float* mine = partial + static_cast<std::size_t>(blockIdx.y) * cols;
 #pragma unroll
   for (int v = 0; v < kSliceVectors; ++v)
-    if (column(v) < cols)
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) mine[column(v) + i] = dg[v][i];
+    if (column(v) < cols) store_partial<VEC>(mine + column(v), dg[v]);
 }
 
 // dgamma[c] = Σ_p partial[p][c]. A block covers 32 columns with 32 × 32 threads: a warp reads 32
@@ -499,9 +518,21 @@ __global__ __launch_bounds__(32 * kSumWarps) void sum_partials_kernel(const floa
   __shared__ float sums[kSumWarps][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.0f;
+  // kBatch guarded loads issued together, then added in a fixed order: one trip to memory for up
+  // to 512 partial rows. (A plain loop with #pragma unroll 16 ran its 12 trips at 396 rows in the
+  // remainder loop, one load at a time: 10 µs against 7 with unroll 4.)
+  constexpr int kBatch = 16;
   if (c < cols)
-#pragma unroll 4
-    for (int p = threadIdx.y; p < partials; p += kSumWarps) s += partial[static_cast<std::size_t>(p) * cols + c];
+    for (int first = threadIdx.y; first < partials; first += kBatch * kSumWarps) {
+      float v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int p = first + i * kSumWarps;
+        v[i] = p < partials ? partial[static_cast<std::size_t>(p) * cols + c] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) s += v[i];
+    }
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {

@@ -94,6 +94,97 @@ __global__ __launch_bounds__(256) void add_kernel(const int4* __restrict__ x, co
   }
 }
 
+// ---- the RMSNorm backward's anatomy: the register backward taken apart. Blocks of 256 threads
+// walk rows b, b + grid, ... of h and dy (4096 columns: two 16-byte vectors of each a thread) and
+// write dx. MODE 0 writes h + dy (the add kernel in rows), 1 also reduces a dot product over the
+// row first (two barriers) and uses it, 2 to 5 also accumulate dgamma partial sums and write one
+// partial row per block at the end in different ways (3: not at all).
+template <int MODE>
+__global__ __launch_bounds__(256) void anatomy(const bf16* __restrict__ h, const bf16* __restrict__ dy,
+                                               bf16* __restrict__ dx, float* __restrict__ partial, int rows,
+                                               int cols) {
+  using k2c::rows::Bits;
+  __shared__ k2c::rows::RowScratch scratch;
+  constexpr int kIters = 2;
+  const int vecs = cols / 8;
+  float dg[kIters][8] = {};
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const std::size_t base = static_cast<std::size_t>(row) * cols;
+    Bits<bf16, 8> a[kIters], b[kIters];
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      if (v < vecs) {
+        a[it] = k2c::rows::load_bits<bf16, 8>(h + base + 8 * v);
+        b[it] = k2c::rows::load_bits<bf16, 8>(dy + base + 8 * v);
+      }
+    }
+    float dot = 0.0f;
+    if constexpr (MODE >= 1) {
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        float af[8], bf[8];
+        k2c::rows::unpack<bf16, 8>(a[it], af);
+        k2c::rows::unpack<bf16, 8>(b[it], bf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot += af[i] * bf[i];
+      }
+      dot = k2c::rows::row_all(dot, k2c::rows::Sum{}, scratch) * 1e-9f;
+    }
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      if (v < vecs) {
+        float af[8], bf[8];
+        k2c::rows::unpack<bf16, 8>(a[it], af);
+        k2c::rows::unpack<bf16, 8>(b[it], bf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (MODE >= 2) dg[it][i] += af[i] * bf[i];
+          af[i] = af[i] + bf[i] + dot * af[i];
+        }
+        k2c::rows::store_bits<bf16, 8>(dx + base + 8 * v, k2c::rows::pack<bf16, 8>(af));
+      }
+    }
+  }
+  float* mine = partial + static_cast<std::size_t>(blockIdx.x) * cols;
+  if constexpr (MODE == 2) {  // 8 scalar stores a vector, as the solutions write their partial rows
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      if (v < vecs)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) mine[8 * v + i] = dg[it][i];
+    }
+  } else if constexpr (MODE == 3) {  // accumulated, practically never written
+    float all = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) all += dg[it][i];
+    if (all == 1234.5f) mine[threadIdx.x] = all;
+  } else if constexpr (MODE == 4) {  // two float4 stores a vector
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      if (v < vecs) {
+        reinterpret_cast<float4*>(mine)[2 * v] = make_float4(dg[it][0], dg[it][1], dg[it][2], dg[it][3]);
+        reinterpret_cast<float4*>(mine)[2 * v + 1] = make_float4(dg[it][4], dg[it][5], dg[it][6], dg[it][7]);
+      }
+    }
+  } else if constexpr (MODE == 5) {  // through shared memory: every warp store 512 contiguous bytes
+    __shared__ float4 stage[1024];
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int v = it * 256 + threadIdx.x;
+      stage[2 * v] = make_float4(dg[it][0], dg[it][1], dg[it][2], dg[it][3]);
+      stage[2 * v + 1] = make_float4(dg[it][4], dg[it][5], dg[it][6], dg[it][7]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < cols / 4; i += 256) reinterpret_cast<float4*>(mine)[i] = stage[i];
+  }
+}
+
 // ---- warp rings: warp w of the grid takes rows w, w + warps, ...; its ring holds S rows, each
 // brought in by one bulk copy that completes on the slot's mbarrier. Lane 0 refills a slot as soon
 // as every lane is done reading it, so S - 1 rows are always on their way while one is computed.
@@ -557,7 +648,7 @@ int blocks_for(K kernel, int threads, int smem) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  // Sections to run (default all): packed mix bwd parts copy softmax rmsfwd rmsbwd.
+  // Sections to run (default all): packed mix bwd parts anatomy copy softmax rmsfwd rmsbwd.
   auto wanted = [&](const char* section) {
     if (argc < 2) return true;
     for (int i = 1; i < argc; ++i)
@@ -688,6 +779,28 @@ int main(int argc, char** argv) {
   rows_variant(bwd_rows<2, false>, 2, false);
   rows_variant(bwd_rows<2, true>, 2, true);
   rows_variant(bwd_rows<4, true>, 4, true);
+  }
+  // The backward taken apart (anatomy kernels above) at several grid sizes.
+  if (wanted("anatomy")) {
+  std::printf("\n-- RMSNorm backward's anatomy, 16384 x 4096 bf16 (h, dy in, dx out)\n");
+  const char* what[] = {"h + dy", "h + dy after a row reduction", "reduction, dgamma rows by scalar stores",
+                        "reduction, dgamma accumulated, not written", "reduction, dgamma rows by float4 stores",
+                        "reduction, dgamma rows through shared memory"};
+  for (int grid : {396, 792, 1056, 16384})
+    for (int mode = 0; mode < 6; ++mode) {
+      if (mode >= 2 && grid > 4096) continue;  // partial rows for 4096 blocks at most
+      const double ms = timed([&] {
+        if (mode == 0) anatomy<0><<<grid, 256>>>(x, dy, y, partial, rows, cols);
+        if (mode == 1) anatomy<1><<<grid, 256>>>(x, dy, y, partial, rows, cols);
+        if (mode == 2) anatomy<2><<<grid, 256>>>(x, dy, y, partial, rows, cols);
+        if (mode == 3) anatomy<3><<<grid, 256>>>(x, dy, y, partial, rows, cols);
+        if (mode == 4) anatomy<4><<<grid, 256>>>(x, dy, y, partial, rows, cols);
+        if (mode == 5) anatomy<5><<<grid, 256>>>(x, dy, y, partial, rows, cols);
+      });
+      char name[96];
+      std::snprintf(name, sizeof name, "%s, %d blocks", what[mode], grid);
+      report(name, three, ms);
+    }
   }
   // Where the backward's time goes: the ring kernel and the partial-row sum timed alone.
   if (wanted("parts")) {
