@@ -1,7 +1,8 @@
 // assignments/08_rope/rope.cu — module 08: your implementation (contract: rope.h).
 //
 // Read lectures/08_rope.md first. The angle of a pair depends on the position and the pair index,
-// not on the head: compute (or load) each cos/sin once and use it for every head of q and k.
+// not on the head: compute (or load) each cos/sin once and use it for several heads of q and k,
+// while consecutive threads still work on consecutive memory (lecture section 9).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -25,7 +26,7 @@ void apply(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, const Shape& 
            const float2* cache, int cache_positions, cudaStream_t stream) {
   if (!check_apply_args(q, k, q_out, k_out, shape, position_offset, base, cache, cache_positions)) return;
   (void)layout, (void)direction, (void)stream;
-  K2C_TODO("rope apply: check the shape, then one thread per (token, group of pairs), all heads");
+  K2C_TODO("rope apply: check the shape, then one thread per (token, group of pairs, a few heads)");
 }
 
 }  // namespace k2c::rope

@@ -107,8 +107,9 @@ constexpr int kHeadsPerThread = kTable ? 2 : 4;
 // token's heads are its q heads followed by its k heads and J = ceil(heads / G). Consecutive
 // threads take consecutive groups, then consecutive j: a warp reads whole 128-byte pieces of
 // neighbouring heads (d = 128), and the grid sweeps q and k in memory order, as a copy does.
-// kTable: cos/sin from the table, else computed (separate kernels: the two paths together would
-// hold registers for both, 108 a thread at d = 128 half-split against about 80).
+// kTable: cos/sin from the table, else computed. Separate kernels, so that each holds registers
+// for its own path only: 56 and 72 a thread at d = 128 half-split (a first version with both paths
+// in one kernel, and its slices held as bf16 structs rather than bits, took 108).
 template <Layout L, int PAIRS, bool kTable>
 __global__ void rope_kernel(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, long tokens, int seq,
                             int q_heads, int kv_heads, int d, long offset, float sign,

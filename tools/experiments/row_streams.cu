@@ -810,6 +810,10 @@ int main(int argc, char** argv) {
   report("reference backward (ring + sum)", three, timed([&] { rn::backward(x, gamma, dy, rstd, y, dgamma, partial, rows, cols); }));
   int partials = 0;
   report("ring kernel alone", three, timed([&] { partials = rn::backward_ring(x, gamma, dy, rstd, y, partial, rows, cols, 0); }));
+  report("ring, then the sum as a plain launch (not a dependent one)", three, timed([&] {
+           rn::backward_ring(x, gamma, dy, rstd, y, partial, rows, cols, 0);
+           rn::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, rn::kSumWarps)>>>(partial, dgamma2, partials, cols);
+         }));
   char name[96];
   std::snprintf(name, sizeof name, "sum of %d partial rows alone (bytes of the backward)", partials);
   report(name, three, timed([&] { rn::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, rn::kSumWarps)>>>(partial, dgamma2, partials, cols); }));

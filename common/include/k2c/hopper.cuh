@@ -130,6 +130,17 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ------------------------------------------------------------------ dependent launches -------
+// Programmatic dependent launch (sm_90). A kernel launched with the attribute
+// cudaLaunchAttributeProgrammaticStreamSerialization may start while the kernel before it in the
+// stream is still running: once every block of that one has called launch_dependents() or exited.
+// It must call wait_for_prerequisites() before it reads what the earlier kernel wrote: that waits
+// until the earlier grid has finished and its writes are visible. (Without the attribute the
+// wait returns at once.) What it saves is the gap between the two kernels: the second one's
+// launch and ramp-up overlap the first one's last blocks.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_for_prerequisites() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 // ------------------------------------------------------------------ clusters -----------------
 
 __device__ __forceinline__ std::uint32_t cluster_rank() {
