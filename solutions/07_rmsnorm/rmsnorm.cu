@@ -198,8 +198,9 @@ void forward_vec(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y
 // ---------------------------------------------------------------------------- backward ---
 // A thread's VEC consecutive dgamma sums into its partial row, as 16-byte stores where VEC allows.
 // Eight scalar stores a vector (each warp instruction then writes 4 bytes in each of 32 sectors)
-// made 6.5 MB of partial rows cost 12 µs, a tenth of the whole backward: on an H200 at 16384 ×
-// 4096 the Hopper ring below measured 0.805 of the copy rate that way and 0.86 with float4 stores.
+// made 6.2 MiB of partial rows cost about 12 µs in a stripped-down backward (row_streams
+// 'anatomy'): on an H200 at 16384 × 4096 the Hopper ring below measured 0.805 of the copy rate
+// that way and 0.86 with float4 stores.
 template <int VEC>
 __device__ __forceinline__ void store_partial(float* p, const float (&v)[VEC]) {
   if constexpr (VEC % 4 == 0) {
@@ -417,8 +418,9 @@ __global__ __launch_bounds__(kRingThreads) void backward_ring_kernel(
   // The partial-row sum may start launching now (it waits for this grid to finish before it reads).
   hp::launch_dependents();
   // The partial row leaves through the ring, now idle (every copy issued has been waited for), so
-  // that each warp store writes 512 contiguous bytes: 0.6% faster than 16-byte stores straight
-  // from registers, which leave each 32-byte sector half written by one instruction.
+  // that each warp store writes 512 contiguous bytes, where 16-byte stores straight from registers
+  // leave each 32-byte sector half written by one instruction. The ring kernel alone measured
+  // 0.899 of the copy rate this way against 0.888 (the whole backward: 0.859 against 0.860).
   __syncthreads();
   float* stage = reinterpret_cast<float*>(ring_ptr);
 #pragma unroll
@@ -513,38 +515,68 @@ __global__ __launch_bounds__(kSliceThreads) void backward_slice_kernel(
 // 32 sums of a column meet in shared memory. Few loads per thread and many blocks: this pass is
 // latency-bound (a few MB), and a version with 8 warps per block took ~20 µs for 1024 partial rows
 // of 4096 on an H200. The order is fixed, so the result is deterministic.
+//
+// In general block (x, y) of a grid of gridDim.y rows of blocks sums the partial rows y, y + Y,
+// y + 2Y, ... (Y = gridDim.y) and writes out[y]. With Y = 1 that is dgamma. With Y > 1 it is the
+// first of two passes (sum_partials below), and out is partial itself: block y writes its sums
+// over row y, which only it reads, after all of its warps have read it. (So no __restrict__.)
 constexpr int kSumWarps = 32;
-__global__ __launch_bounds__(32 * kSumWarps) void sum_partials_kernel(const float* __restrict__ partial,
-                                                                      float* __restrict__ dgamma, int partials,
-                                                                      int cols) {
+// Guarded loads a thread issues together before adding them in a fixed order: one trip to memory
+// for up to 512 partial rows. (A plain loop with #pragma unroll 16 ran its 12 trips at 396 rows in
+// the remainder loop, one load at a time: 10 µs against 7 with unroll 4.)
+constexpr int kSumBatch = 16;
+__global__ __launch_bounds__(32 * kSumWarps) void sum_partials_kernel(const float* partial, float* out,
+                                                                      int partials, int cols) {
   __shared__ float sums[kSumWarps][33];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  k2c::hopper::wait_for_prerequisites();  // launched early after the ring: see backward_vec
-#endif
+  k2c::hopper::wait_for_prerequisites();  // launched early after the ring: see sum_partials
   const int c = blockIdx.x * 32 + threadIdx.x;
+  const int step = gridDim.y;
   float s = 0.0f;
-  // kBatch guarded loads issued together, then added in a fixed order: one trip to memory for up
-  // to 512 partial rows. (A plain loop with #pragma unroll 16 ran its 12 trips at 396 rows in the
-  // remainder loop, one load at a time: 10 µs against 7 with unroll 4.)
-  constexpr int kBatch = 16;
   if (c < cols)
-    for (int first = threadIdx.y; first < partials; first += kBatch * kSumWarps) {
-      float v[kBatch];
+    for (int first = threadIdx.y; blockIdx.y + static_cast<long>(first) * step < partials;
+         first += kSumBatch * kSumWarps) {
+      float v[kSumBatch];
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int p = first + i * kSumWarps;
-        v[i] = p < partials ? partial[static_cast<std::size_t>(p) * cols + c] : 0.0f;
+      for (int i = 0; i < kSumBatch; ++i) {
+        const long p = blockIdx.y + static_cast<long>(first + i * kSumWarps) * step;
+        v[i] = p < partials ? partial[p * cols + c] : 0.0f;
       }
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) s += v[i];
+      for (int i = 0; i < kSumBatch; ++i) s += v[i];
     }
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < cols) {
 #pragma unroll
     for (int y = 1; y < kSumWarps; ++y) s += sums[y][threadIdx.x];
-    dgamma[c] = s;
+    out[static_cast<std::size_t>(blockIdx.y) * cols + c] = s;
   }
+}
+
+// dgamma from `partials` partial rows. Short rows give few column blocks (128 columns: 4, on 4
+// SMs) and many partial rows (thousands), so there the rows are first split among up to twice as
+// many blocks as the GPU has SMs, at least 512 rows each, and a second pass adds their sums. On an
+// H200 the backward at 128 columns (64 Mi elements) went from 0.61 to 0.65 of a same-size copy.
+// `dependent`: launched as a programmatic dependent launch of the kernel before it (see the ring).
+void sum_partials(float* partial, float* dgamma, int partials, int cols, bool dependent, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  K2C_CUDA_CHECK(cudaGetDevice(&device));
+  K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int col_blocks = (cols + 31) / 32;
+  const int split = std::clamp(partials / (kSumBatch * kSumWarps), 1, (2 * sms + col_blocks - 1) / col_blocks);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(col_blocks, split);
+  config.blockDim = dim3(32, kSumWarps);
+  config.stream = stream;
+  cudaLaunchAttribute early{};
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &early;
+  config.numAttrs = dependent ? 1 : 0;
+  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, sum_partials_kernel, static_cast<const float*>(partial),
+                                    split > 1 ? partial : dgamma, partials, cols));
+  if (split > 1)
+    sum_partials_kernel<<<col_blocks, dim3(32, kSumWarps), 0, stream>>>(partial, dgamma, split, cols);
 }
 
 // As many row-groups as fit on the GPU at once (all blocks resident, each looping over rows),
@@ -607,19 +639,9 @@ void backward_vec(const bf16* h, const bf16* gamma, const bf16* dy, const float*
   K2C_CUDA_CHECK_LAUNCH();
   // After the ring (sm_90) the sum is a programmatic dependent launch: its blocks are launched
   // while the ring's last blocks finish, and wait for the whole ring before reading. On an H200 at
-  // 16384 × 4096 the backward measured 0.856-0.861 of the copy rate so, 0.849-0.850 with a plain
+  // 16384 × 4096 the backward measured 0.856-0.861 of the copy rate this way, 0.849-0.850 with a plain
   // launch of the sum (same process).
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((cols + 31) / 32);
-  config.blockDim = dim3(32, kSumWarps);
-  config.stream = stream;
-  cudaLaunchAttribute early{};
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = ring ? 1 : 0;
-  config.attrs = &early;
-  config.numAttrs = 1;
-  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, sum_partials_kernel, static_cast<const float*>(partial), dgamma,
-                                    partials, cols));
+  sum_partials(partial, dgamma, partials, cols, ring, stream);
 }
 
 bool vectorizable(int cols, std::initializer_list<const void*> pointers) {

@@ -21,12 +21,13 @@
 //              rounding of the output), and theta_k itself carries a few fp32 ulps that p
 //              multiplies. So the angle is formed in double, reduced to [-π, π] in double, and
 //              only then handed to the fp32 sincosf, whose small argument it handles exactly to
-//              a few ulps: as accurate as the table, at any position.
+//              a few ulps: as accurate as the table at any position below 2^31 (beyond ~2^40
+//              the double angle's own rounding reaches a bf16 rounding's size).
 //
 // Vector accesses: interleaved pairs (2k, 2k+1) are adjacent, so 8 bf16 = 4 pairs per 16-byte
 // load; half-split pairs (k, k + d/2) come from two 16-byte loads of 8 elements each, one per half.
 // Head dims that do not allow it (or unaligned pointers) take one pair at a time.
-#include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include <cuda_bf16.h>
@@ -98,8 +99,9 @@ __device__ __forceinline__ void rotate_slice(const Slice<L, PAIRS>& sl, bf16* he
 }
 
 // Heads a thread rotates with one cos/sin. One would fetch or compute every cos/sin 40 times at
-// the Llama shape (0.85 and 0.62 of the copy rate on an H200). Computing them for 4 heads made
-// 0.92; the table is best read for 2 heads (0.907, against 0.903 for 3 or 4 and 0.896 for 8).
+// the Llama shape (0.85 and 0.62 of the copy rate on an H200). Computed for 3 or 4 heads they made
+// 0.92 (2: 0.845); the table is best read for 2 heads (0.907, against 0.904 for 3 or 4 and 0.896
+// for 8).
 template <bool kTable>
 constexpr int kHeadsPerThread = kTable ? 2 : 4;
 
@@ -119,10 +121,11 @@ __global__ void rope_kernel(const bf16* q, const bf16* k, bf16* q_out, bf16* k_o
   const long slots = static_cast<long>(J) * units;
   const long idx = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= tokens * slots) return;
-  const long token = idx / slots;
-  const int r = static_cast<int>(idx % slots), j = r / units, u = r % units;
+  const long token = idx / slots, r = idx % slots;  // slots may pass 2^31 (long head rows)
+  const int j = static_cast<int>(r / units), u = static_cast<int>(r % units);
   const long p = offset + token % seq;
-  auto row = [&](auto* qs, auto* ks, int h) {
+  auto head = [&](int g) { return j + static_cast<long>(g) * J; };  // may pass 2^31 when g > 0
+  auto row = [&](auto* qs, auto* ks, long h) {
     return h < q_heads ? qs + (token * q_heads + h) * d : ks + (token * kv_heads + h - q_heads) * d;
   };
 
@@ -131,7 +134,7 @@ __global__ void rope_kernel(const bf16* q, const bf16* k, bf16* q_out, bf16* k_o
   Slice<L, PAIRS> sl[G];
 #pragma unroll
   for (int g = 0; g < G; ++g)
-    if (j + g * J < heads) sl[g] = load_slice<L, PAIRS>(row(q, k, j + g * J), d, u);
+    if (head(g) < heads) sl[g] = load_slice<L, PAIRS>(row(q, k, head(g)), d, u);
 
   float c[PAIRS], s[PAIRS];
   if constexpr (kTable) {
@@ -159,7 +162,7 @@ __global__ void rope_kernel(const bf16* q, const bf16* k, bf16* q_out, bf16* k_o
 
 #pragma unroll
   for (int g = 0; g < G; ++g)
-    if (j + g * J < heads) rotate_slice<L, PAIRS>(sl[g], row(q_out, k_out, j + g * J), d, u, c, s);
+    if (head(g) < heads) rotate_slice<L, PAIRS>(sl[g], row(q_out, k_out, head(g)), d, u, c, s);
 }
 
 template <Layout L, int PAIRS, bool kTable>
@@ -212,6 +215,8 @@ void apply(const bf16* q, const bf16* k, bf16* q_out, bf16* k_out, const Shape& 
            long position_offset, Layout layout, Direction direction, double base,
            const float2* cache, int cache_positions, cudaStream_t stream) {
   if (!check_apply_args(q, k, q_out, k_out, shape, position_offset, base, cache, cache_positions)) return;
+  K2C_CHECK(shape.q_heads <= INT_MAX - 8 - shape.kv_heads,
+            "rope: q_heads + kv_heads must stay below 2^31 - 8, got " << shape.q_heads << " + " << shape.kv_heads);
   const float sign = direction == Direction::forward ? 1.0f : -1.0f;
   const int d = shape.head_dim;
   const bool aligned = aligned16(q) && aligned16(k) && aligned16(q_out) && aligned16(k_out);

@@ -134,12 +134,21 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 // Programmatic dependent launch (sm_90). A kernel launched with the attribute
 // cudaLaunchAttributeProgrammaticStreamSerialization may start while the kernel before it in the
 // stream is still running: once every block of that one has called launch_dependents() or exited.
-// It must call wait_for_prerequisites() before it reads what the earlier kernel wrote: that waits
-// until the earlier grid has finished and its writes are visible. (Without the attribute the
+// It must call wait_for_prerequisites() before it touches anything the earlier kernel reads or
+// writes (reads of its results, but also writes that could overtake the earlier kernel's): that
+// waits until the earlier grid has finished and its writes are visible. (Without the attribute the
 // wait returns at once.) What it saves is the gap between the two kernels: the second one's
-// launch and ramp-up overlap the first one's last blocks.
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void wait_for_prerequisites() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// launch and ramp-up overlap the first one's last blocks. Both compile to nothing before sm_90.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 // ------------------------------------------------------------------ clusters -----------------
 
