@@ -61,7 +61,8 @@ template <Layout L, int PAIRS>
 __device__ __forceinline__ Slice<L, PAIRS> load_slice(const bf16* head, int d, int u) {
   Slice<L, PAIRS> sl{};
   if constexpr (L == Layout::interleaved && PAIRS == 1)  // two elements: any alignment
-    sl.first = __bfloat16_as_ushort(head[2 * u]) | static_cast<unsigned>(__bfloat16_as_ushort(head[2 * u + 1])) << 16;
+    sl.first = __bfloat16_as_ushort(head[2 * u]) |
+               static_cast<unsigned>(__bfloat16_as_ushort(head[2 * u + 1])) << 16;
   else
     sl.first = load_bits<bf16, Slice<L, PAIRS>::kFirst>(head + Slice<L, PAIRS>::kFirst * u);
   if constexpr (L == Layout::half_split) sl.second = load_bits<bf16, PAIRS>(head + d / 2 + PAIRS * u);
