@@ -80,11 +80,17 @@ step "grade solutions (seed $SEED)"
 "$BUILD/bin/k2c" grade --impl solutions --build-dir "$BUILD" --seed "$SEED" "${modules[@]}" \
   --json "$OUT/grade.json" --write-reference "$OUT/reference.json" > /tmp/k2c-grade.txt 2>> "$LOG"
 cat /tmp/k2c-grade.txt >> "$LOG"
-# Full marks or the check fails: the reference solutions must meet every goal.
+# Full marks, every required test passed, or the check fails: the reference solutions must meet
+# every goal. Bonus points can make up a module's total for a student, so the total alone would
+# hide a missed goal; a failed bonus test (a stretch goal) is listed without failing the check.
 python3 - "$OUT/grade.json" <<'PY' || status=1
 import json, sys
 r = json.load(open(sys.argv[1]))
-sys.exit(0 if r["points"] == r["max_points"] else 1)
+missed = [(m["id"], t["name"], t.get("bonus", False)) for m in r["modules"] for t in m.get("tests", [])
+          if t["status"] == "failed"]
+for module, test, bonus in missed:
+    print(f"gpu-check: {module} {test} failed{' (bonus)' if bonus else ''}")
+sys.exit(0 if r["points"] == r["max_points"] and not any(not bonus for _, _, bonus in missed) else 1)
 PY
 
 if [ "${K2C_SANITIZE_RUN:-1}" = 1 ]; then

@@ -921,7 +921,7 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 //             128-byte swizzling; full[s] completes on the copies' bytes, empty[s] on one
 //             arrival per consumer warp.
 //   forms     as in grouped_kernel, C[m][n] = Σ_r A(m, r) B(n, r):
-//             forward  A and B K-major: TMA boxes of 128 and 256 rows of 64 r;
+//             forward  A and B K-major: TMA boxes of 128 rows of 64 r, one of A, two of B;
 //             dX       B MN-major (W read untransposed): four boxes of 64 r-rows × 64 n, read
 //                      through MN-major descriptors with wgmma's transpose flag;
 //             dW       A and B MN-major (dY and X, r = the group's rows), the groups splitting r.
@@ -935,6 +935,12 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 //             tile of 24). Where at most 64 of its rows are real (forward, dX), the consumers
 //             split the tile's columns instead of its rows: both read A's first 64 rows, each
 //             multiplies them by its 128 columns of B (m64n128), and the tile takes half the MMAs.
+//   pairs     (forward and dX forms, measured and not used) blocks could run in clusters of two
+//             that take neighbouring tiles of the list, which usually share their B tile (tiles of
+//             a group go down a column first): each block fetches half of B and TMA multicasts it
+//             into both, so that B crosses from L2 once per pair instead of once per tile (module
+//             05's clusters). At this module's shapes their rates were 2.5-11% lower than one block per
+//             tile (tools/experiments/moe_grouped.cu pairs; lecture section 7).
 
 namespace {
 
@@ -946,6 +952,7 @@ constexpr int kHopperBM = 128, kHopperBN = 256, kHopperBK = 64, kHopperThreads =
 constexpr int kHopperTileA = kHopperBM * kHopperBK * 2, kHopperTileB = kHopperBN * kHopperBK * 2;
 constexpr int kHopperStageBytes = kHopperTileA + kHopperTileB;
 constexpr int kHopperBox = 64 * 64 * 2;  // one 64 × 64 box of bf16, 128-byte swizzled: 8 KiB
+constexpr int kHopperBoxB = kHopperBN / 2;  // rows of a forward-form B box: a tile takes two
 
 // Shared memory of a variant: the ring; with kBoxes > 0, kBoxes 64 × 64 boxes of each consumer's
 // 64 × 256 bf16 output slab, staged for TMA stores (all four cost a ring slot: 3 instead of 4);
@@ -978,11 +985,22 @@ struct HopperArgs {
 //
 // kSplitTail: tail tiles with at most 64 real rows split along columns (see "tails" above); false
 // only in tools/experiments/moe_grouped.cu, which measures what the split is worth.
-template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0, bool kSplitTail = true>
+//
+// kCluster = 2 (see "pairs" above): the blocks run in clusters of two, and a cluster takes the
+// tiles 2u and 2u + 1 of the list together. Where both lie in one group and one column of tiles
+// they need the same B tile, and each block fetches half of it and multicasts the half into both;
+// otherwise each fetches its own. A slot may then hold the peer's data, so it is free only when
+// the consumers of both blocks are done with it: empty[s] counts the arrivals of both. The two
+// blocks therefore step through the ring together, which only the forward and dX forms allow
+// (every tile there has the same k blocks); a block whose tile lies past the list's end steps
+// through its k blocks without copies or MMAs.
+template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0, bool kSplitTail = true, int kCluster = 1>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                           const __grid_constant__ CUtensorMap map_c, HopperArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(kCluster == 1 || (kCluster == 2 && kForm != HopperForm::dw),
+                "pairs share B in the forward and dX forms only: dW's tiles differ in length");
   constexpr bool kAT = kForm == HopperForm::dw, kBT = kForm != HopperForm::forward;  // MN-major operands
   constexpr int kHopperStages = HopperSmem<kBoxes>::kStages;
   extern __shared__ unsigned char smem_raw[];
@@ -1005,12 +1023,20 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kHopperStages; ++s) {
       hp::mbarrier_init(full(s), 1);
-      hp::mbarrier_init(empty(s), 2 * 4);  // every consumer warp
+      hp::mbarrier_init(empty(s), kCluster * 2 * 4);  // every consumer warp of the cluster
     }
     hp::fence_barrier_init();
   }
-  __syncthreads();
+  // With pairs, the peer's barriers must be initialised before anyone multicasts into them.
+  if constexpr (kCluster > 1)
+    hp::cluster_sync();
+  else
+    __syncthreads();
   const int total = prefix[p.groups];
+  const int rank = kCluster > 1 ? static_cast<int>(hp::cluster_rank()) : 0;
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
+  // Units of work: unit u is tiles kCluster·u .. kCluster·u + kCluster − 1, this block's the rank-th.
+  const int units = ceil_div(total, kCluster);
   // Tile t → its group, the group's first row, its row count, the tile's origin in C, and the
   // reduction length.
   struct Where {
@@ -1028,24 +1054,49 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     w.r = kForm == HopperForm::dw ? w.rows : p.k;
     return w;
   };
+  // Whether unit u's two tiles read the same B tile (same group, same column of tiles).
+  auto pair_shares_b = [&](int u) {
+    if (kCluster == 1 || kCluster * u + 1 >= total) return false;
+    const Where x = locate(kCluster * u), y = locate(kCluster * u + 1);
+    return x.g == y.g && x.n0 == y.n0;
+  };
+  // Arrives on slot s's empty barrier in every block of the cluster (one arrival per warp).
+  auto release = [&](int s) {
+    hp::mbarrier_arrive(empty(s));
+    if constexpr (kCluster > 1) hp::mbarrier_arrive_cluster(empty(s), rank ^ 1);
+  };
 
   if (warpgroup == 0) {
     hp::setmaxnreg_dec<24>();
     if (threadIdx.x == 0) {
       int it = 0;  // k blocks issued over all tiles: slot it % STAGES, lap it / STAGES
-      for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        const Where w = locate(t);
+      for (int u = cluster; u < units; u += clusters) {
+        const int t = kCluster * u + rank;
+        const bool real = t < total;
+        const Where w = real ? locate(t) : Where{0, 0, 0, 0, 0, p.k};
+        const bool shares_b = pair_shares_b(u);
+        // B's parts: 2 boxes of 128 rows (forward) or 4 of 64 columns (dX); with a shared B tile
+        // this block fetches the parts of its rank for both blocks, else all of them for itself.
+        constexpr int kParts = kForm == HopperForm::forward ? 2 : 4, kPartBytes = kHopperTileB / kParts;
         for (int kb = 0; kb < ceil_div(w.r, kHopperBK); ++kb, ++it) {
           const int s = it % kHopperStages, r0 = kb * kHopperBK;
           hp::mbarrier_wait(empty(s), ((it / kHopperStages) & 1) ^ 1);
+          if (!real) {  // no tile: the slot's phase passes with no bytes
+            hp::mbarrier_arrive(full(s));
+            continue;
+          }
           hp::mbarrier_arrive_expect_tx(full(s), kHopperStageBytes);
-          if constexpr (kForm == HopperForm::forward) {
+          if constexpr (kForm != HopperForm::dw) {
             hp::tma_load_2d(slot_a(s), &map_a, full(s), r0, w.row0 + w.m0);
-            hp::tma_load_2d(slot_b(s), &map_b, full(s), r0, w.g * p.n + w.n0);
-          } else if constexpr (kForm == HopperForm::dx) {
-            hp::tma_load_2d(slot_a(s), &map_a, full(s), r0, w.row0 + w.m0);
-            for (int j = 0; j < 4; ++j)
-              hp::tma_load_2d(slot_b(s) + j * kHopperBox, &map_b, full(s), w.n0 + 64 * j, w.g * p.k + r0);
+            for (int j = 0; j < kParts; ++j) {
+              const std::uint32_t dst = slot_b(s) + j * kPartBytes;
+              const int x = kForm == HopperForm::forward ? r0 : w.n0 + 64 * j;
+              const int y = kForm == HopperForm::forward ? w.g * p.n + w.n0 + kHopperBoxB * j : w.g * p.k + r0;
+              if (!shares_b)
+                hp::tma_load_2d(dst, &map_b, full(s), x, y);
+              else if (j * kCluster / kParts == rank)
+                hp::tma_load_2d_multicast(dst, &map_b, full(s), x, y, (1u << kCluster) - 1);
+            }
           } else {
             for (int j = 0; j < 2; ++j)
               hp::tma_load_2d(slot_a(s) + j * kHopperBox, &map_a, full(s), w.m0 + 64 * j, w.row0 + r0);
@@ -1062,7 +1113,16 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     hp::TmaEpilogue<(kBoxes > 0 ? kBoxes : 4), kDefer> epilogue{staging + consumer * kBoxes * kHopperBox, &map_c, p.n,
                                                             2 + consumer};
     int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int u = cluster; u < units; u += clusters) {
+      const int t = kCluster * u + rank;
+      if (t >= total) {  // the peer's tile is the list's last: keep the ring's laps in step with it
+        for (int kb = 0; kb < ceil_div(p.k, kHopperBK); ++kb, ++it) {
+          const int s = it % kHopperStages;
+          hp::mbarrier_wait(full(s), (it / kHopperStages) & 1);
+          if (lane == 0) release(s);
+        }
+        continue;
+      }
       const Where w = locate(t);
       const int k_blocks = ceil_div(w.r, kHopperBK);
       // A tail tile split along columns: this consumer's columns start 128·consumer further,
@@ -1119,7 +1179,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
           hp::wgmma_commit();
           if constexpr (kBoxes > 0) epilogue.after_k_block(kb);
           hp::wgmma_wait<0>();
-          if (lane == 0) hp::mbarrier_arrive(empty(s));
+          if (lane == 0) release(s);
         }
       };
       if constexpr (kSplitTail && kForm != HopperForm::dw) {
@@ -1161,6 +1221,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       if (threadIdx.x % 128 == 0) hp::bulk_wait_all();
     }
   }
+  // No block of a cluster may exit while its peer can still write into its shared memory or
+  // arrive on its barriers.
+  if constexpr (kCluster > 1) hp::cluster_sync();
 #endif
 }
 
@@ -1178,16 +1241,28 @@ bool hopper_here() {
   return it->second;
 }
 
-template <HopperForm kForm, class OutT, int kBoxes = 0, int kDefer = 0, bool kSplitTail = true>
+template <HopperForm kForm, class OutT, int kBoxes = 0, int kDefer = 0, bool kSplitTail = true, int kCluster = 1>
 void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const HopperArgs& args,
                    cudaStream_t stream) {
-  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer, kSplitTail>;
+  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer, kSplitTail, kCluster>;
   const int smem = HopperSmem<kBoxes>::kBytes + prefix_bytes(args.groups);
   K2C_CHECK(smem <= kSmemLimit, "moe: " << args.groups << " groups do not fit the wgmma kernel's shared memory");
   // The limit is the variant's largest (the most groups), not this call's: a limit set per call
   // could be lowered by another host thread between its set and this launch.
   constexpr int kLimit = std::min(kSmemLimit, HopperSmem<kBoxes>::kBytes + prefix_bytes(kMaxExperts));
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLimit));
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kHopperThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = kCluster > 1 ? 1 : 0;
+  // As many blocks as fit at once (persistent): clusters must fit inside one GPC, so with pairs
+  // not every SM may find a partner. Asked once per device.
   static std::mutex mutex;
   static std::map<int, int> resident_on;
   int device = 0, resident = 0;
@@ -1196,16 +1271,24 @@ void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
     std::lock_guard<std::mutex> lock(mutex);
     int& known = resident_on[device];
     if (known == 0) {
-      int sms = 0, per_sm = 0;
+      int sms = 0, clusters = 0;
       K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kHopperThreads, smem));
-      K2C_CHECK(per_sm > 0, "moe: the wgmma kernel does not fit on this GPU");
-      known = sms * per_sm;
+      if constexpr (kCluster > 1) {
+        cudaLaunchConfig_t probe = config;
+        probe.gridDim = dim3(sms / kCluster * kCluster);
+        probe.dynamicSmemBytes = kLimit;
+        K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &probe));
+      } else {
+        K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&clusters, kernel, kHopperThreads, kLimit));
+        clusters *= sms;
+      }
+      K2C_CHECK(clusters > 0, "moe: the wgmma kernel does not fit on this GPU");
+      known = clusters * kCluster;
     }
     resident = known;
   }
-  kernel<<<resident, kHopperThreads, smem, stream>>>(map_a, map_b, map_c, args);
-  K2C_CUDA_CHECK_LAUNCH();
+  config.gridDim = dim3(resident);
+  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, args));
 }
 
 }  // namespace
@@ -1220,7 +1303,7 @@ void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k,
   if (rows == 0) return;
   const HopperArgs args{groups, offsets, 0, n, k, c, n % 2 == 0 && reinterpret_cast<std::uintptr_t>(c) % 4 == 0};
   const CUtensorMap map_a = hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK);
-  const CUtensorMap map_b = b_transposed ? hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK)
+  const CUtensorMap map_b = b_transposed ? hp::make_tensor_map_bf16(b, groups * n, k, kHopperBoxB, kHopperBK)
                                          : hp::make_tensor_map_bf16(b, groups * k, n, 64, 64);
   // TMA stores C where its rows start on 16 bytes; otherwise the epilogue stores from registers.
   // The whole slab staged at once (four boxes, three ring slots): at this module's shapes it

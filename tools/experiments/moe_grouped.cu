@@ -5,7 +5,8 @@
 //        tools/experiments/moe_grouped.cu common/src/device.cu -lcublas -lcuda -o /tmp/moe_grouped && /tmp/moe_grouped [mode]
 // Modes, each a function below: `loop` the per-expert loop's timing (loop_timing), `boxes` the
 // staged epilogue of Part B, `tails` the split tail tiles, `same` whether splitting them changes
-// any output bit, `profile` three runs of the up projection for a profiler.
+// any output bit, `pairs` clusters of two blocks sharing B tiles, `pingpong` a consumer per tile
+// (lecture 10, exercise 9), `profile` three runs of the up projection for a profiler.
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -66,7 +67,7 @@ struct Problem {
   };
   Forward forward() const {
     return {{kExperts, d_off, 0, n, k, c, true}, hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK),
-            hp::make_tensor_map_bf16(b, kExperts * n, k, kHopperBN, kHopperBK), hp::make_tensor_map_bf16(c, rows, n, 64, 64)};
+            hp::make_tensor_map_bf16(b, kExperts * n, k, kHopperBoxB, kHopperBK), hp::make_tensor_map_bf16(c, rows, n, 64, 64)};
   }
   // cuBLAS once per expert: row-major C_e = A_e · B_eᵀ as column-major C_eᵀ = B_e · A_eᵀ.
   void loop(cublasHandle_t blas) const {
@@ -166,15 +167,40 @@ void boxes() {
   std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
 }
 
+// Times the variants as the graded test times (L2 flushed, medians of 10) in 4 rounds that
+// alternate between them, each round starting one variant later so that none always runs right
+// after another; prints each variant's TFLOP/s per round and the mean time of its middle two
+// rounds, and with the loop as variant 0 the ratio of the loop's mean time to each variant's.
+using Variants = std::vector<std::pair<const char*, std::function<void()>>>;
+void alternate(const Variants& variants, double flops, bool loop_first) {
+  std::vector<std::vector<double>> ms(variants.size());
+  for (int round = 0; round < 4; ++round)
+    for (std::size_t i = 0; i < variants.size(); ++i) {
+      const std::size_t v = (i + round) % variants.size();
+      ms[v].push_back(median_ms(variants[v].second, 10, 2, true));
+    }
+  std::vector<double> mean(variants.size());
+  for (std::size_t v = 0; v < variants.size(); ++v) {
+    std::vector<double> sorted = ms[v];
+    std::sort(sorted.begin(), sorted.end());
+    mean[v] = (sorted[1] + sorted[2]) / 2;
+  }
+  for (std::size_t v = 0; v < variants.size(); ++v) {
+    std::printf("  %-36s", variants[v].first);
+    for (double t : ms[v]) std::printf(" %7.1f", flops / (t * 1e-3) / 1e12);
+    std::printf("   middle mean %.3f ms", mean[v]);
+    if (loop_first) std::printf(", ratio to loop %.3f", mean[0] / mean[v]);
+    std::printf("\n");
+  }
+}
+
 // Tail tiles: Part B as shipped (tail tiles with at most 64 real rows split along columns) against
 // the same kernel computing every tile as 128 rows, and split with the epilogue staged two boxes
 // at a time (four ring slots), beside the loop; up and down projections, three draws of uniform
-// loads; timed as the graded test times (L2 flushed, medians of 10) in 4 rounds that alternate
-// between the variants. Also prints how many of the tiles' rows are real.
+// loads, timed by alternate(). Also prints how many of the tiles' rows are real.
 void tails() {
   cublasHandle_t blas;
   cublasCreate(&blas);
-  auto timed = [](const std::function<void()>& f) { return median_ms(f, 10, 2, true); };
   for (unsigned draw = 1; draw <= 3; ++draw)
     for (bool up : {true, false}) {
       const Problem p(up ? 2816 : 2048, up ? 2048 : 1408, draw);
@@ -184,7 +210,7 @@ void tails() {
         split_rows += (c % kHopperBM != 0 && c % kHopperBM <= 64) ? kHopperBM - 64 : 0;
       }
       const auto [args, map_a, map_b, map_c] = p.forward();
-      const std::vector<std::pair<const char*, std::function<void()>>> variants = {
+      const Variants variants = {
           {"cuBLAS loop", [&] { p.loop(blas); }},
           {"wgmma, 128-row tails", [&] {
              launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, false>(map_a, map_b, map_c, args, nullptr);
@@ -195,33 +221,22 @@ void tails() {
           {"wgmma, split, 2 boxes, 4 slots", [&] {
              launch_hopper<HopperForm::forward, bf16, 2, 0, true>(map_a, map_b, map_c, args, nullptr);
            }}};
-      // Each round starts one variant later, so that none always runs right after another.
-      std::vector<std::vector<double>> ms(variants.size());
-      for (int round = 0; round < 4; ++round)
-        for (std::size_t i = 0; i < variants.size(); ++i) {
-          const std::size_t v = (i + round) % variants.size();
-          ms[v].push_back(timed(variants[v].second));
-        }
       std::printf("loads %u, %s projection (n %d, k %d): rows real / computed %.4f (128-row tails), %.4f (split)\n",
                   draw, up ? "up" : "down", p.n, p.k, double(p.rows) / computed, double(p.rows) / (computed - split_rows));
-      std::vector<double> med(variants.size());
-      for (std::size_t v = 0; v < variants.size(); ++v) {
-        std::printf("  %-30s", variants[v].first);
-        for (double t : ms[v]) std::printf(" %7.1f", p.flops() / (t * 1e-3) / 1e12);
-        std::vector<double> sorted = ms[v];
-        std::sort(sorted.begin(), sorted.end());
-        med[v] = (sorted[1] + sorted[2]) / 2;
-        std::printf("   ratio to loop %.3f\n", med[0] / med[v]);
-      }
+      alternate(variants, p.flops(), true);
     }
   std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
 }
 
-// Whether splitting tail tiles changes any output bit: both variants of the forward and dX forms
-// on the module's up projection (uniform loads) and on tiny groups (0 to 3 rows, n 48, k 64),
-// outputs compared as bytes.
-void same() {
-  auto compare = [](const char* what, int groups, const std::vector<int>& off, int n, int k, bool forward) {
+// Whether two variants of Part B differ in any output bit, on the module's up projection (uniform
+// loads, forward form), the dX form at the down projection's dh = d_out W2 (n 1408, k 2048), and
+// tiny groups (0 to 3 rows, n 48, k 64) in both forms; outputs compared as bytes. `same` compares
+// split tail tiles with 128-row ones, `pairs` clusters of two with one block per tile.
+using Launch = void (*)(const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, const HopperArgs&, cudaStream_t);
+template <HopperForm kForm>
+void compare_variants(Launch first, Launch second) {
+  constexpr bool kForward = kForm == HopperForm::forward;
+  auto compare = [&](const char* what, int groups, const std::vector<int>& off, int n, int k) {
     const int rows = off.back();
     bf16 *a, *b, *c1, *c2;
     int* d_off;
@@ -237,33 +252,298 @@ void same() {
     HopperArgs args2 = args;
     args2.c = c2;
     const CUtensorMap map_a = hp::make_tensor_map_bf16(a, rows, k, kHopperBM, kHopperBK);
-    const CUtensorMap map_b = forward ? hp::make_tensor_map_bf16(b, groups * n, k, kHopperBN, kHopperBK)
-                                      : hp::make_tensor_map_bf16(b, groups * k, n, 64, 64);
+    const CUtensorMap map_b = kForward ? hp::make_tensor_map_bf16(b, groups * n, k, kHopperBoxB, kHopperBK)
+                                       : hp::make_tensor_map_bf16(b, groups * k, n, 64, 64);
     const CUtensorMap map_c1 = hp::make_tensor_map_bf16(c1, rows, n, 64, 64), map_c2 = hp::make_tensor_map_bf16(c2, rows, n, 64, 64);
-    if (forward) {
-      launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, false>(map_a, map_b, map_c1, args, nullptr);
-      launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true>(map_a, map_b, map_c2, args2, nullptr);
-    } else {
-      launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, false>(map_a, map_b, map_c1, args, nullptr);
-      launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true>(map_a, map_b, map_c2, args2, nullptr);
-    }
+    first(map_a, map_b, map_c1, args, nullptr);
+    second(map_a, map_b, map_c2, args2, nullptr);
     std::vector<std::uint16_t> h1(static_cast<std::size_t>(rows) * n), h2(h1.size());
     cudaMemcpy(h1.data(), c1, 2 * h1.size(), cudaMemcpyDeviceToHost);
     cudaMemcpy(h2.data(), c2, 2 * h2.size(), cudaMemcpyDeviceToHost);
     std::size_t differ = 0;
     for (std::size_t i = 0; i < h1.size(); ++i) differ += h1[i] != h2[i];
-    std::printf("%-44s %s: %zu of %zu outputs differ\n", what, forward ? "forward" : "dX", differ, h1.size());
+    std::printf("%-44s %s: %zu of %zu outputs differ\n", what, kForward ? "forward" : "dX", differ, h1.size());
     cudaFree(a), cudaFree(b), cudaFree(c1), cudaFree(c2), cudaFree(d_off);
   };
   const Problem p(2816, 2048, 1);
-  compare("up projection, uniform loads", kExperts, p.off, 2816, 2048, true);
-  compare("dh of the down projection, uniform loads", kExperts, p.off, 1408, 2048, false);
+  if (kForward) compare("up projection, uniform loads", kExperts, p.off, 2816, 2048);
+  else compare("dh of the down projection, uniform loads", kExperts, p.off, 1408, 2048);
   std::mt19937_64 rng(5);
   std::vector<int> off{0};
   for (int g = 0; g < 64; ++g) off.push_back(off.back() + static_cast<int>(rng() % 4));
-  compare("64 groups of 0 to 3 rows, n 48, k 64", 64, off, 48, 64, true);
-  compare("64 groups of 0 to 3 rows, n 48, k 64", 64, off, 48, 64, false);
+  compare("64 groups of 0 to 3 rows, n 48, k 64", 64, off, 48, 64);
   std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
+}
+
+void same() {
+  compare_variants<HopperForm::forward>(launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, false>,
+                                        launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true>);
+  compare_variants<HopperForm::dx>(launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, false>,
+                                   launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true>);
+}
+
+// Pairs: Part B with one block per tile (shipped) against clusters of two that share B tiles,
+// beside the loop; the up and down projections (forward form) and the dX form of dh = d_out W2,
+// three draws of uniform loads, timed by alternate(); then the bit comparison of the two.
+void pairs() {
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  for (unsigned draw = 1; draw <= 3; ++draw)
+    for (int shape = 0; shape < 3; ++shape) {
+      const bool forward = shape < 2;
+      const Problem p(shape == 0 ? 2816 : shape == 1 ? 2048 : 1408, shape == 0 ? 2048 : shape == 1 ? 1408 : 2048, draw);
+      auto [args, map_a, map_b, map_c] = p.forward();
+      if (!forward) map_b = hp::make_tensor_map_bf16(p.b, kExperts * p.k, p.n, 64, 64);
+      Variants variants = {
+          {"cuBLAS loop", [&] { p.loop(blas); }},
+          {"wgmma, one block per tile (shipped)", [&] {
+             if (forward) launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 1>(map_a, map_b, map_c, args, nullptr);
+             else launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true, 1>(map_a, map_b, map_c, args, nullptr);
+           }},
+          {"wgmma, pairs", [&] {
+             if (forward) launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 2>(map_a, map_b, map_c, args, nullptr);
+             else launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true, 2>(map_a, map_b, map_c, args, nullptr);
+           }}};
+      if (!forward) variants.erase(variants.begin());  // the loop times the forward form only
+      std::printf("loads %u, %s (n %d, k %d)\n", draw,
+                  shape == 0 ? "up projection" : shape == 1 ? "down projection" : "dX of dh = d_out W2", p.n, p.k);
+      alternate(variants, p.flops(), forward);
+    }
+  compare_variants<HopperForm::forward>(launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 1>,
+                                        launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 2>);
+  compare_variants<HopperForm::dx>(launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true, 1>,
+                                   launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true, 2>);
+}
+
+// ---- pingpong: each consumer its own 128 × 128 tile (lecture 10, exercise 9) -------------------
+//
+// Part B's producer and ring, but the two consumers no longer split one 128 × 256 tile: consumer c
+// takes every other tile of its block's list (tiles of 128 × 128, c = 0 the even ones), with two
+// m64n128 accumulators for the tile's two 64-row halves. A ring slot holds one k block of one
+// tile (A 128 × 64, B 128 × 64: 32 KiB) and is used by one consumer, so empty[s] counts 4
+// arrivals. The consumers take turns: consumer c starts tile j's main loop once the other one has
+// seen tile j − 1's last slot filled (barrier turn[c]), so one consumer's epilogue overlaps the
+// other's main loop. The turns are also what keeps the slots' parities apart: without them a
+// consumer back early from its epilogue could wait for a slot's lap L while lap L − 1, the other
+// consumer's, is still in flight, and the parity test cannot tell lap L from lap L − 2.
+// kKeepOne: one wgmma group stays in flight (a consumer alone must keep the tensor cores fed).
+constexpr int kPingBN = 128, kPingStageBytes = kHopperTileA + kPingBN * kHopperBK * 2;
+constexpr int kPingStaging = 4 * kHopperBox;  // a consumer's 128 × 128 bf16 tile
+
+#define PP_D8(i)                                                                                        \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+// d[kOff .. kOff + 63] (+)= A(64×16)·B(128×16)ᵀ, both K-major in shared memory.
+template <int kOff>
+__device__ __forceinline__ void pp_wgmma(float (&d)[128], std::uint64_t a, std::uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : PP_D8(kOff), PP_D8(kOff + 8), PP_D8(kOff + 16), PP_D8(kOff + 24), PP_D8(kOff + 32), PP_D8(kOff + 40),
+        PP_D8(kOff + 48), PP_D8(kOff + 56)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+#undef PP_D8
+
+template <int kStages>
+constexpr int ping_smem_bytes() {
+  return kStages * kPingStageBytes + 2 * kPingStaging + (2 * kStages + 2) * 8 + 1024;
+}
+
+template <int kStages, bool kKeepOne>
+__global__ void __launch_bounds__(kHopperThreads, 1)
+    pingpong_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                    const __grid_constant__ CUtensorMap map_c, HopperArgs p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t ring = (smem_addr(smem_raw) + 1023) & ~1023u;
+  const std::uint32_t staging = ring + kStages * kPingStageBytes;
+  const std::uint32_t bars = staging + 2 * kPingStaging;
+  int* prefix = reinterpret_cast<int*>(smem_raw + (bars + 16 * kStages + 16 - smem_addr(smem_raw)));
+  auto slot_a = [&](int s) { return ring + s * kPingStageBytes; };
+  auto slot_b = [&](int s) { return ring + s * kPingStageBytes + kHopperTileA; };
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+  auto turn = [&](int c) { return bars + 8 * (2 * kStages + c); };
+  const int tiles_n = ceil_div(p.n, kPingBN), k_blocks = ceil_div(p.k, kHopperBK);
+  const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
+  if (threadIdx.x < 32)
+    warp_prefix(p.groups, [&](int g) { return ceil_div(p.offsets[g + 1] - p.offsets[g], kHopperBM) * tiles_n; }, prefix);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      hp::mbarrier_init(full(s), 1);
+      hp::mbarrier_init(empty(s), 4);  // the warps of the one consumer that uses the slot
+    }
+    hp::mbarrier_init(turn(0), 1);
+    hp::mbarrier_init(turn(1), 1);
+    hp::fence_barrier_init();
+  }
+  __syncthreads();
+  const int total = prefix[p.groups];
+  struct Where {
+    int g, row0, rows, m0, n0;
+  };
+  auto locate = [&](int t) {
+    Where w;
+    w.g = group_of(prefix, p.groups, t);
+    w.row0 = p.offsets[w.g];
+    w.rows = p.offsets[w.g + 1] - w.row0;
+    const int tiles_m = ceil_div(w.rows, kHopperBM), local = t - prefix[w.g];
+    w.m0 = (local % tiles_m) * kHopperBM;
+    w.n0 = (local / tiles_m) * kPingBN;
+    return w;
+  };
+
+  if (warpgroup == 0) {
+    hp::setmaxnreg_dec<24>();
+    if (threadIdx.x == 0) {
+      int it = 0;
+      for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const Where w = locate(t);
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % kStages;
+          hp::mbarrier_wait(empty(s), ((it / kStages) & 1) ^ 1);
+          hp::mbarrier_arrive_expect_tx(full(s), kPingStageBytes);
+          hp::tma_load_2d(slot_a(s), &map_a, full(s), kb * kHopperBK, w.row0 + w.m0);
+          hp::tma_load_2d(slot_b(s), &map_b, full(s), kb * kHopperBK, w.g * p.n + w.n0);
+        }
+      }
+    }
+  } else {
+    hp::setmaxnreg_inc<240>();
+    const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, g8 = lane / 4, q = lane % 4;
+    const std::uint32_t my_staging = staging + consumer * kPingStaging;
+    float d[128];
+    int j = consumer;  // this tile's place in the block's list
+    for (int t = blockIdx.x + consumer * gridDim.x; t < total; t += 2 * gridDim.x, j += 2) {
+      const Where w = locate(t);
+      const bool half = w.rows - w.m0 <= 64;  // the lower 64 rows are all past the group's end
+      if (j > 0) hp::mbarrier_wait(turn(consumer), ((j - 1) / 2) & 1);  // the other's tile j − 1 is fed
+      auto k_loop = [&](auto half_tile) {
+        constexpr bool kHalf = decltype(half_tile)::value;
+        [[maybe_unused]] int previous = 0;
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          const int it = j * k_blocks + kb, s = it % kStages;
+          hp::mbarrier_wait(full(s), (it / kStages) & 1);
+          if (kb == k_blocks - 1 && threadIdx.x % 128 == 0) hp::mbarrier_arrive(turn(1 - consumer));
+          hp::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kHopperBK / 16; ++kk) {
+            const std::uint64_t b = hp::smem_desc_128b(slot_b(s) + 32 * kk);
+            pp_wgmma<0>(d, hp::smem_desc_128b(slot_a(s) + 32 * kk), b, kb > 0 || kk > 0);
+            if constexpr (!kHalf) pp_wgmma<64>(d, hp::smem_desc_128b(slot_a(s) + 64 * 128 + 32 * kk), b, kb > 0 || kk > 0);
+          }
+          hp::wgmma_commit();
+          if constexpr (kKeepOne) {
+            if (kb > 0) {
+              hp::wgmma_wait<1>();
+              if (lane == 0) hp::mbarrier_arrive(empty(previous));
+            }
+            previous = s;
+          } else {
+            hp::wgmma_wait<0>();
+            if (lane == 0) hp::mbarrier_arrive(empty(s));
+          }
+        }
+        if constexpr (kKeepOne) {
+          hp::wgmma_wait<0>();
+          if (lane == 0 && k_blocks > 0) hp::mbarrier_arrive(empty(previous));
+        }
+      };
+      if (half) k_loop(std::true_type{});
+      else k_loop(std::false_type{});
+
+      // Epilogue: a 64-row half wholly inside the group goes through staging and TMA stores, one
+      // that crosses the group's end is stored from registers, one past it not at all.
+      const bool staged[2] = {w.rows - w.m0 >= 64, w.rows - w.m0 >= 128};
+      const bool leader = threadIdx.x % 128 == 0;
+      if (staged[0]) {
+        if (leader) hp::bulk_wait_read<0>();
+        hp::named_sync(2 + consumer, 128);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (!staged[hh]) continue;
+#pragma unroll
+          for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = warp * 16 + g8 + 8 * h;
+              const std::uint32_t at = my_staging + (2 * hh + jj / 8) * kHopperBox + r * 128 + (((jj % 8) ^ (r % 8)) << 4) + 4 * q;
+              const float* v = d + 64 * hh + 4 * jj + 2 * h;
+              asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::pack_bf16x2(v[0], v[1])));
+            }
+        }
+        hp::fence_proxy_async();
+        hp::named_sync(2 + consumer, 128);
+        if (leader) {
+          for (int hh = 0; hh < 2; ++hh)
+            for (int b = 0; b < 2 && staged[hh]; ++b)
+              if (w.n0 + 64 * b < p.n)
+                hp::tma_store_2d(&map_c, my_staging + (2 * hh + b) * kHopperBox, w.n0 + 64 * b, w.row0 + w.m0 + 64 * hh);
+          hp::bulk_commit();
+        }
+      }
+      bf16* c = static_cast<bf16*>(p.c) + static_cast<long long>(w.row0) * p.n;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        if (staged[hh] || (hh == 1 && half)) continue;
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = w.m0 + 64 * hh + warp * 16 + g8 + 8 * h, col = w.n0 + 8 * jj + 2 * q;
+            if (r < w.rows && col < p.n)
+              store_pair(c + static_cast<long long>(r) * p.n + col, col + 1 < p.n, p.pairs, false, d[64 * hh + 4 * jj + 2 * h],
+                         d[64 * hh + 4 * jj + 2 * h + 1]);
+          }
+      }
+    }
+    if (threadIdx.x % 128 == 0) hp::bulk_wait_all();
+  }
+#endif
+}
+
+template <int kStages, bool kKeepOne>
+void launch_pingpong(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const HopperArgs& args,
+                     cudaStream_t stream) {
+  auto* kernel = pingpong_kernel<kStages, kKeepOne>;
+  const int smem = ping_smem_bytes<kStages>() + prefix_bytes(args.groups);
+  K2C_CHECK(smem <= kSmemLimit, "pingpong: too much shared memory");
+  K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int sms = 0, per_sm = 0;
+  K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kHopperThreads, smem));
+  kernel<<<sms * per_sm, kHopperThreads, smem, stream>>>(map_a, map_b, map_c, args);
+  K2C_CUDA_CHECK_LAUNCH();
+}
+
+// Pingpong against Part B as shipped and the loop, up and down projections, two draws of uniform
+// loads, timed by alternate(); then whether it computes the same bits as Part B.
+void pingpong() {
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  for (unsigned draw = 1; draw <= 2; ++draw)
+    for (bool up : {true, false}) {
+      const Problem p(up ? 2816 : 2048, up ? 2048 : 1408, draw);
+      const auto [args, map_a, map_b, map_c] = p.forward();
+      const Variants variants = {
+          {"cuBLAS loop", [&] { p.loop(blas); }},
+          {"wgmma 128x256 (shipped)", [&] {
+             launch_hopper<HopperForm::forward, bf16, kStagedBoxes>(map_a, map_b, map_c, args, nullptr);
+           }},
+          {"pingpong, 5 slots, 1 in flight", [&] { launch_pingpong<5, true>(map_a, map_b, map_c, args, nullptr); }},
+          {"pingpong, 5 slots, wait 0", [&] { launch_pingpong<5, false>(map_a, map_b, map_c, args, nullptr); }},
+          {"pingpong, 4 slots, 1 in flight", [&] { launch_pingpong<4, true>(map_a, map_b, map_c, args, nullptr); }}};
+      std::printf("loads %u, %s projection (n %d, k %d)\n", draw, up ? "up" : "down", p.n, p.k);
+      alternate(variants, p.flops(), true);
+    }
+  compare_variants<HopperForm::forward>(launch_hopper<HopperForm::forward, bf16, kStagedBoxes>,
+                                        launch_pingpong<5, true>);
 }
 
 // The up projection's Part B kernel, run three times for a profiler (ncu -k regex:hopper_grouped).
@@ -278,14 +558,15 @@ void profile() {
 int main(int argc, char** argv) {
   const std::map<std::string, void (*)()> modes = {{"loop", k2c::moe::loop_timing}, {"same", k2c::moe::same},
                                                    {"profile", k2c::moe::profile},   {"tails", k2c::moe::tails},
-                                                   {"boxes", k2c::moe::boxes}};
+                                                   {"boxes", k2c::moe::boxes},  {"pairs", k2c::moe::pairs},
+                                                   {"pingpong", k2c::moe::pingpong}};
   if (argc < 2) {
     k2c::moe::experiment();
     return 0;
   }
   const auto mode = modes.find(argv[1]);
   if (mode == modes.end()) {
-    std::fprintf(stderr, "unknown mode '%s': loop, same, profile, tails or boxes (none: the tile experiment)\n", argv[1]);
+    std::fprintf(stderr, "unknown mode '%s': loop, same, profile, tails, boxes, pairs or pingpong (none: the tile experiment)\n", argv[1]);
     return 2;
   }
   mode->second();
