@@ -644,7 +644,7 @@ int blocks_for(K kernel, int threads, int smem) {
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
-  // Sections to run (default all): packed mix bwd parts anatomy copy softmax rmsfwd rmsbwd.
+  // Sections to run (default all): packed mix bwd parts anatomy cluster copy softmax rmsfwd rmsbwd.
   auto wanted = [&](const char* section) {
     if (argc < 2) return true;
     for (int i = 1; i < argc; ++i)
@@ -813,6 +813,40 @@ int main(int argc, char** argv) {
   char name[96];
   std::snprintf(name, sizeof name, "sum of %d partial rows alone (bytes of the backward)", partials);
   report(name, three, timed([&] { rn::sum_partials_kernel<<<(cols + 31) / 32, dim3(32, rn::kSumWarps)>>>(partial, dgamma2, partials, cols); }));
+  }
+  // The ring's blocks in clusters that pre-sum their partial rows (backward_ring_kernel's
+  // CLUSTER): the whole backward (ring + dependent sum) per cluster size, in 4 rounds that rotate
+  // the order; then the largest relative difference of dgamma from the unclustered one.
+  if (wanted("cluster")) {
+  std::printf("\n-- RMSNorm backward 16384 x 4096 bf16, partial rows pre-summed by clusters\n");
+  namespace rn = k2c::rmsnorm;
+  rn::forward(x, nullptr, gamma, y2, nullptr, rstd, rows, cols, 1e-6f);
+  auto backward = [&](auto cluster, float* dg) {
+    const int partials = rn::backward_ring<decltype(cluster)::value>(x, gamma, dy, rstd, y, partial, rows, cols, 0);
+    rn::sum_partials(partial, dg, partials, cols, true, 0);
+  };
+  const std::function<void()> variants[3] = {[&] { backward(std::integral_constant<int, 1>{}, dgamma); },
+                                              [&] { backward(std::integral_constant<int, 2>{}, dgamma); },
+                                              [&] { backward(std::integral_constant<int, 4>{}, dgamma); }};
+  const char* names[3] = {"clusters of 1 (no pre-sum)", "clusters of 2", "clusters of 4"};
+  for (int round = 0; round < 4; ++round)
+    for (int i = 0; i < 3; ++i) {
+      const int v = (i + round) % 3;
+      char name[96];
+      std::snprintf(name, sizeof name, "round %d, %s", round, names[v]);
+      report(name, three, timed(variants[v]));
+    }
+  std::vector<float> want(cols), got(cols);
+  backward(std::integral_constant<int, 1>{}, dgamma);
+  cudaMemcpy(want.data(), dgamma, 4 * cols, cudaMemcpyDeviceToHost);
+  for (int v = 1; v < 3; ++v) {
+    variants[v]();
+    cudaMemcpy(got.data(), dgamma, 4 * cols, cudaMemcpyDeviceToHost);
+    double worst = 0;
+    for (int c = 0; c < cols; ++c) worst = std::max(worst, std::fabs(double(got[c]) - want[c]) / std::max(1e-6, std::fabs(double(want[c]))));
+    std::printf("%s: dgamma's largest relative difference from clusters of 1: %.3g (%s)\n", names[v], worst,
+                cudaGetErrorString(cudaDeviceSynchronize()));
+  }
   }
   if (wanted("copy")) {
   std::printf("\n-- copies of 128 MiB\n");
