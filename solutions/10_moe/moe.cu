@@ -994,19 +994,13 @@ struct HopperArgs {
 // blocks therefore step through the ring together, which only the forward and dX forms allow
 // (every tile there has the same k blocks); a block whose tile lies past the list's end steps
 // through its k blocks without copies or MMAs.
-//
-// kLead > 0: consumer 1 starts kLead k blocks after consumer 0 (a one-way named barrier), and the
-// ring keeps it about that far behind, so that at the end of a tile one consumer's epilogue runs
-// while the other still has MMAs to issue, instead of both storing while the tensor cores idle.
-template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0, bool kSplitTail = true, int kCluster = 1,
-          int kLead = 0>
+template <HopperForm kForm, class OutT, int kBoxes, int kDefer = 0, bool kSplitTail = true, int kCluster = 1>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     hopper_grouped_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                           const __grid_constant__ CUtensorMap map_c, HopperArgs p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(kCluster == 1 || (kCluster == 2 && kForm != HopperForm::dw),
                 "pairs share B in the forward and dX forms only: dW's tiles differ in length");
-  static_assert(kLead >= 0 && kLead <= HopperSmem<kBoxes>::kStages, "the leader's first k blocks fit the ring");
   constexpr bool kAT = kForm == HopperForm::dw, kBT = kForm != HopperForm::forward;  // MN-major operands
   constexpr int kHopperStages = HopperSmem<kBoxes>::kStages;
   extern __shared__ unsigned char smem_raw[];
@@ -1118,11 +1112,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     float d[128];
     hp::TmaEpilogue<(kBoxes > 0 ? kBoxes : 4), kDefer> epilogue{staging + consumer * kBoxes * kHopperBox, &map_c, p.n,
                                                             2 + consumer};
-    // With kLead, consumer 0 owes consumer 1 the start signal (named barrier 4) until it has done
-    // kLead k blocks, or has no more.
-    constexpr int kStartBarrier = 4;
-    bool owes_start = kLead > 0 && consumer == 0;
-    if (kLead > 0 && consumer == 1) hp::named_sync(kStartBarrier, 256);
     int it = 0;
     for (int u = cluster; u < units; u += clusters) {
       const int t = kCluster * u + rank;
@@ -1191,10 +1180,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
           if constexpr (kBoxes > 0) epilogue.after_k_block(kb);
           hp::wgmma_wait<0>();
           if (lane == 0) release(s);
-          if (owes_start && it + 1 == kLead) {
-            hp::named_arrive(kStartBarrier, 256);
-            owes_start = false;
-          }
         }
       };
       if constexpr (kSplitTail && kForm != HopperForm::dw) {
@@ -1231,7 +1216,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         }
       }
     }
-    if (owes_start) hp::named_arrive(kStartBarrier, 256);
     if constexpr (kBoxes > 0) {
       epilogue.finish();
       if (threadIdx.x % 128 == 0) hp::bulk_wait_all();
@@ -1257,11 +1241,10 @@ bool hopper_here() {
   return it->second;
 }
 
-template <HopperForm kForm, class OutT, int kBoxes = 0, int kDefer = 0, bool kSplitTail = true, int kCluster = 1,
-          int kLead = 0>
+template <HopperForm kForm, class OutT, int kBoxes = 0, int kDefer = 0, bool kSplitTail = true, int kCluster = 1>
 void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const HopperArgs& args,
                    cudaStream_t stream) {
-  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer, kSplitTail, kCluster, kLead>;
+  auto* kernel = hopper_grouped_kernel<kForm, OutT, kBoxes, kDefer, kSplitTail, kCluster>;
   const int smem = HopperSmem<kBoxes>::kBytes + prefix_bytes(args.groups);
   K2C_CHECK(smem <= kSmemLimit, "moe: " << args.groups << " groups do not fit the wgmma kernel's shared memory");
   // The limit is the variant's largest (the most groups), not this call's: a limit set per call

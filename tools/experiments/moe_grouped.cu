@@ -6,8 +6,7 @@
 // Modes, each a function below: `loop` the per-expert loop's timing (loop_timing), `boxes` the
 // staged epilogue of Part B, `tails` the split tail tiles, `same` whether splitting them changes
 // any output bit, `pairs` clusters of two blocks sharing B tiles, `pingpong` a consumer per tile
-// (lecture 10, exercise 9), `lead` consumer 1 started behind consumer 0, `profile` three runs of
-// the up projection for a profiler.
+// (lecture 10, exercise 9), `profile` three runs of the up projection for a profiler.
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -547,36 +546,6 @@ void pingpong() {
                                         launch_pingpong<5, true>);
 }
 
-// Lead: consumer 1 started 1 or 2 k blocks after consumer 0 (hopper_grouped_kernel's kLead), so
-// that their epilogues do not coincide, against Part B as shipped; up and down projections, two
-// draws of uniform loads, timed by alternate(); then the bit comparison.
-void lead() {
-  cublasHandle_t blas;
-  cublasCreate(&blas);
-  for (unsigned draw = 1; draw <= 2; ++draw)
-    for (bool up : {true, false}) {
-      const Problem p(up ? 2816 : 2048, up ? 2048 : 1408, draw);
-      const auto [args, map_a, map_b, map_c] = p.forward();
-      const Variants variants = {
-          {"cuBLAS loop", [&] { p.loop(blas); }},
-          {"wgmma, consumers together (shipped)", [&] {
-             launch_hopper<HopperForm::forward, bf16, kStagedBoxes>(map_a, map_b, map_c, args, nullptr);
-           }},
-          {"wgmma, consumer 1 a k block behind", [&] {
-             launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 1, 1>(map_a, map_b, map_c, args, nullptr);
-           }},
-          {"wgmma, consumer 1 two k blocks behind", [&] {
-             launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 1, 2>(map_a, map_b, map_c, args, nullptr);
-           }}};
-      std::printf("loads %u, %s projection (n %d, k %d)\n", draw, up ? "up" : "down", p.n, p.k);
-      alternate(variants, p.flops(), true);
-    }
-  compare_variants<HopperForm::forward>(launch_hopper<HopperForm::forward, bf16, kStagedBoxes>,
-                                        launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 1, 2>);
-  compare_variants<HopperForm::dx>(launch_hopper<HopperForm::dx, bf16, kStagedBoxes>,
-                                   launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true, 1, 2>);
-}
-
 // The up projection's Part B kernel, run three times for a profiler (ncu -k regex:hopper_grouped).
 void profile() {
   const Problem p(2816, 2048, 1);
@@ -590,14 +559,14 @@ int main(int argc, char** argv) {
   const std::map<std::string, void (*)()> modes = {{"loop", k2c::moe::loop_timing}, {"same", k2c::moe::same},
                                                    {"profile", k2c::moe::profile},   {"tails", k2c::moe::tails},
                                                    {"boxes", k2c::moe::boxes},  {"pairs", k2c::moe::pairs},
-                                                   {"pingpong", k2c::moe::pingpong}, {"lead", k2c::moe::lead}};
+                                                   {"pingpong", k2c::moe::pingpong}};
   if (argc < 2) {
     k2c::moe::experiment();
     return 0;
   }
   const auto mode = modes.find(argv[1]);
   if (mode == modes.end()) {
-    std::fprintf(stderr, "unknown mode '%s': loop, same, profile, tails, boxes, pairs, pingpong or lead (none: the tile experiment)\n", argv[1]);
+    std::fprintf(stderr, "unknown mode '%s': loop, same, profile, tails, boxes, pairs or pingpong (none: the tile experiment)\n", argv[1]);
     return 2;
   }
   mode->second();

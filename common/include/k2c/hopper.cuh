@@ -129,11 +129,6 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Arrives on named barrier `id` without waiting: the threads that named_sync on it go on once
-// `threads` threads in all have arrived or synced (a one-way signal between warpgroups).
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // ------------------------------------------------------------------ dependent launches -------
 // Programmatic dependent launch (sm_90). A kernel launched with the attribute
