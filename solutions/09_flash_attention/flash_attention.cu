@@ -267,10 +267,13 @@ __device__ __forceinline__ bool tile_needs_mask(Params p, int m0, int n0, int ke
 // thread, the scores 32·BN/32 = BN more. QK_UNROLL unrolls Q·Kᵀ's loop over head_dim; fully
 // unrolled, the compiler issues the next k step's ldmatrix while this step's mma run: 2 to 6 %
 // faster at both head dims over two runs, although at D = 128 it spills 52 bytes (lecture
-// sections 5.5 and 11).
-template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2, int QK_UNROLL = D_ / 16>
+// sections 5.5 and 11). SKIP_HIDDEN: under the causal mask a warp skips the tiles whose keys all lie
+// past its rows' diagonal (the last tile of a query block, for half its warps): their scores would
+// all be masked, and the warp's state would come out of them unchanged.
+template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2, int QK_UNROLL = D_ / 16, bool SKIP_HIDDEN = true>
 struct ForwardTile {
   static constexpr int D = D_, kKeys = KEYS, kWarps = WARPS, kStrips = STRIPS, kQkUnroll = QK_UNROLL;
+  static constexpr bool kSkipHidden = SKIP_HIDDEN;
   static constexpr int kRows = 16 * kStrips * kWarps, kThreads = 32 * kWarps;
   static constexpr int kSmemBytes = (kRows + 4 * kKeys) * D * 2;
   static constexpr int kMinBlocks = kThreads <= 128 ? 2 : 1;  // what the register file allows
@@ -319,6 +322,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Par
     __syncthreads();
     if (j + 1 < n_blocks) load_kv(j + 1);
     tc::cp_async_commit();
+    // The warp's last row, m0 + warp·WM + WM − 1, sees keys up to that row + offset.
+    if (T::kSkipHidden && p.causal && n0 > m0 + warp * WM + WM - 1 + mask.offset) continue;
 
     // S = Q Kᵀ for the warp's 32 rows × BN keys, fp32.
     float s[T::kStrips][NT][4] = {};
@@ -538,7 +543,7 @@ __global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, s
 // warp computes a 16 × D/2 slice of dQ and adds it into the fp32 accumulator in global memory.
 // Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16 (twice with
 // kDqLate), plus lse and D: 161 KiB at D = 128, one block per SM; 97 KiB at D = 64.
-template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 1, int SCORE_UNROLL = D_ / 16, bool DQ_LATE = true>
+template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 2, int SCORE_UNROLL = D_ / 16, bool DQ_LATE = true>
 struct BackwardTile {
   static constexpr int D = D_, kChunks = CHUNKS, kDqStrips = DQ_STRIPS, kScoreUnroll = SCORE_UNROLL;
   static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;

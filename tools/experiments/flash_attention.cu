@@ -8,8 +8,8 @@
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/09_flash_attention \
 //     tools/experiments/flash_attention.cu common/src/device.cu -lcuda -o /tmp/fa && /tmp/fa [mode]
 // No mode: the tile sweep. "unroll": unrolling, dQ and launch-order variants. "hopper_bwd": Part
-// B's wgmma backward beside the shipped mma.sync one. "once": one shipped forward, backward and
-// Part B backward for a profiler.
+// B's wgmma backward beside the shipped mma.sync one. "rounds": close variants in alternating
+// rounds. "once": one shipped forward, backward and Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -96,9 +96,30 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
               2.5 * flops / ms * 1e-9, ms, diff(b, b.dq, b.dq_ref), diff(b, b.dk, b.dk_ref), diff(b, b.dv, b.dv_ref));
 }
 
-// What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, or the wgmma
-// backward beside the shipped one (kept apart: a fault there would end the other runs).
-enum class Mode { tiles, unroll, hopper_backward };
+// What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
+// backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
+// of close variants in alternating rounds.
+enum class Mode { tiles, unroll, hopper_backward, rounds };
+
+// Two variants timed in 4 rounds that alternate which runs first (medians of 10 each); prints the
+// rate per round and the ratio of the middle two rounds' mean times (first / second).
+void rounds(const char* what, double flops, const std::function<void()>& first, const std::function<void()>& second) {
+  std::vector<double> a, b;
+  for (int r = 0; r < 4; ++r) {
+    if (r % 2 == 0) {
+      a.push_back(median_ms(first, 10));
+      b.push_back(median_ms(second, 10));
+    } else {
+      b.push_back(median_ms(second, 10));
+      a.push_back(median_ms(first, 10));
+    }
+  }
+  std::printf("  %-58s", what);
+  for (int r = 0; r < 4; ++r) std::printf(" %6.1f/%6.1f", flops / a[r] * 1e-9, flops / b[r] * 1e-9);
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  std::printf("   second/first rate %.3f\n", (a[1] + a[2]) / (b[1] + b[2]));
+}
 
 template <int D>
 void sweep(bool causal, Mode mode) {
@@ -122,7 +143,32 @@ void sweep(bool causal, Mode mode) {
   std::printf("d = %d, %s\n", D, causal ? "causal" : "not causal");
   using fa::BackwardTile;
   using fa::ForwardTile;
-  if (mode == Mode::hopper_backward) {
+  if (mode == Mode::rounds) {
+    // Forward: the shipped tile (warps skip tiles past their diagonal) against the same tile
+    // computing them; backward: 16-row against 32-row dQ warp tiles (shipped). Outputs compared
+    // once each.
+    fa::Params p = fa::make_params(s);
+    p.wave_heads = g_wave_heads;
+    p.q = b.q, p.k = b.k, p.v = b.v, p.out = b.o, p.lse_out = b.lse;
+    if (causal) {
+      forward_variant("forward", "computing every tile (no skip)", s, b, flops,
+                      fa::launch_forward<ForwardTile<D, 64, 4, 2, D / 16, false>>);
+      rounds("forward: no skip / skip (shipped), TFLOP/s", flops,
+             [&] { fa::launch_forward<ForwardTile<D, 64, 4, 2, D / 16, false>>(p, s, nullptr); },
+             [&] { fa::launch_forward<ForwardTile<D>>(p, s, nullptr); });
+      fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
+    }
+    backward_variant<BackwardTile<D, D / 64, 1, D / 16>>("16-row dQ warp tiles", s, b, flops);
+    fa::Params q = fa::make_params(s);
+    q.wave_heads = g_wave_heads;
+    q.q = b.q, q.k = b.k, q.v = b.v, q.o = b.o_ref, q.dout = b.dout, q.lse_in = b.lse;
+    q.dq = b.dq, q.dk = b.dk, q.dv = b.dv, q.dot = b.work, q.dq_accum = b.work + fa::dot_floats(s);
+    using Narrow = BackwardTile<D, D / 64, 1, D / 16>;
+    using Shipped = BackwardTile<D>;
+    rounds("backward: 16-row dQ tiles / 32-row (shipped), TFLOP/s", 2.5 * flops,
+           [&] { fa::launch_backward<Narrow, fa::backward_kernel<Narrow>>(q, s, nullptr); },
+           [&] { fa::launch_backward<Shipped, fa::backward_kernel<Shipped>>(q, s, nullptr); });
+  } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
   } else if (mode == Mode::unroll) {
@@ -134,8 +180,8 @@ void sweep(bool causal, Mode mode) {
     forward_variant("wgmma", "128 x 64, 2 warpgroups, 2 blocks", s, b, flops, fa::launch_hopper<fa::HopperTile<D, 2, 2>>);
     fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
-    backward_variant<BackwardTile<D, D / 64, 1, D / 16, false>>("dQ after a second barrier", s, b, flops);
-    backward_variant<BackwardTile<D, D / 64, 2, D / 16>>("32-row dQ warp tiles", s, b, flops);
+    backward_variant<BackwardTile<D, D / 64, 2, D / 16, false>>("dQ after a second barrier", s, b, flops);
+    backward_variant<BackwardTile<D, D / 64, 1, D / 16>>("16-row dQ warp tiles", s, b, flops);
     backward_variant<BackwardTile<D, 1, 1, 1>>("1 chunk, K.Q^T rolled", s, b, flops);
     backward_variant<BackwardTile<D, 1, 1, D / 16>>("1 chunk, K.Q^T unrolled fully", s, b, flops);
     backward_variant<BackwardTile<D, 2, 1, D / 16>>("2 chunks, unrolled fully", s, b, flops);
@@ -161,7 +207,7 @@ void sweep(bool causal, Mode mode) {
     backward_variant<BackwardTile<D, 1>>("scores in 1 chunk", s, b, flops);
     backward_variant<BackwardTile<D, 2>>("scores in 2 chunks", s, b, flops);
     backward_variant<BackwardTile<D, 4>>("scores in 4 chunks", s, b, flops);
-    backward_variant<BackwardTile<D, 1, 2>>("1 chunk, dQ in 32-row warp tiles", s, b, flops);
+    backward_variant<BackwardTile<D, 1, 1>>("1 chunk, dQ in 16-row warp tiles", s, b, flops);
   }
 
   for (void* x : {(void*)b.q, (void*)b.k, (void*)b.v, (void*)b.o, (void*)b.o_ref, (void*)b.dout, (void*)b.dq,
@@ -197,7 +243,10 @@ int main(int argc, char** argv) {
   if (arg == "once") {
     once();
   } else {
-    const Mode mode = arg == "unroll" ? Mode::unroll : arg == "hopper_bwd" ? Mode::hopper_backward : Mode::tiles;
+    const Mode mode = arg == "unroll"       ? Mode::unroll
+                      : arg == "hopper_bwd" ? Mode::hopper_backward
+                      : arg == "rounds"     ? Mode::rounds
+                                            : Mode::tiles;
     sweep<128>(true, mode);
     sweep<128>(false, mode);
     sweep<64>(true, mode);
