@@ -263,15 +263,7 @@ void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
                    cudaStream_t stream) {
   auto* kernel = wgmma_kernel<kCluster, kBoxes, kDefer>;
   constexpr int kSmemBytes = Smem<kBoxes>::kBytes;
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
+  hp::ClusterLaunch launch(kCluster, kThreads, kSmemBytes, stream);
   // The opt-in is per device, and so is the number of resident clusters: asked once per device.
   int device = 0;
   K2C_CUDA_CHECK(cudaGetDevice(&device));
@@ -284,14 +276,8 @@ void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
     std::lock_guard<std::mutex> lock(mutex);
     int& known = resident_on[device];
     if (known == 0) {
-      int sms = 0, clusters = 0;
-      K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      // Clusters must fit inside one GPC: not every SM may find a partner.
-      cudaLaunchConfig_t probe = config;
-      probe.gridDim = dim3(sms / kCluster * kCluster);
-      K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &probe));
-      K2C_CHECK(clusters > 0, "no cluster of " << kCluster << " fits on this GPU");
-      known = clusters * kCluster;
+      known = launch.resident_blocks(kernel);
+      K2C_CHECK(known > 0, "no cluster of " << kCluster << " fits on this GPU");
     }
     resident = known;
   }
@@ -302,10 +288,9 @@ void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
   const long long tiles = static_cast<long long>(tc::ceil_div(M, BM)) * tc::ceil_div(N, BN);
   K2C_CHECK(tiles <= 0x7fffffff, "too many tiles: " << M << "x" << N);
   const long long groups = (tiles + kCluster - 1) / kCluster;  // enough to keep every block busy
-  config.gridDim = dim3(static_cast<unsigned>(std::min<long long>(groups * kCluster, resident)));
-  config.stream = stream;
+  launch.config.gridDim = dim3(static_cast<unsigned>(std::min<long long>(groups * kCluster, resident)));
   const bool pairs = N % 2 == 0 && reinterpret_cast<std::uintptr_t>(C) % 4 == 0;
-  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, C, M, N, K, pairs));
+  K2C_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, map_a, map_b, map_c, C, M, N, K, pairs));
 }
 
 }  // namespace

@@ -633,32 +633,13 @@ int backward_ring(const bf16* h, const bf16* gamma, const bf16* dy, const float*
   int blocks = 0;
   with_iters<4>(pow2_at_least((cols / kVecBf16 + kRingThreads - 1) / kRingThreads), [&](auto iters) {
     const auto kernel = backward_ring_kernel<iters(), CLUSTER>;
-    int device = 0, sms = 0, resident = 0;
-    K2C_CUDA_CHECK(cudaGetDevice(&device));
-    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingSmemMax));
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = CLUSTER;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kRingThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = CLUSTER > 1 ? 1 : 0;
-    if constexpr (CLUSTER > 1) {
-      config.gridDim = dim3(sms * 4 / CLUSTER * CLUSTER);  // a probe grid: the answer is per SM set
-      K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
-      resident *= CLUSTER;
-    } else {
-      K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kRingThreads, smem));
-      resident *= sms;
-    }
+    k2c::hopper::ClusterLaunch launch(CLUSTER, kRingThreads, smem, stream);
+    const int resident = launch.resident_blocks(kernel);
     // Whole clusters; blocks past the last row write zero rows (at most partials_for() of them).
     blocks = std::min((partials_for(rows, cols) + CLUSTER - 1) / CLUSTER * CLUSTER, std::max(CLUSTER, resident));
-    config.gridDim = dim3(blocks);
-    K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, h, gamma, dy, rstd, dx, partial, rows, cols, slots));
+    launch.config.gridDim = dim3(blocks);
+    K2C_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, h, gamma, dy, rstd, dx, partial, rows, cols, slots));
   });
   return blocks / CLUSTER;
 }

@@ -1251,18 +1251,8 @@ void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
   // could be lowered by another host thread between its set and this launch.
   constexpr int kLimit = std::min(kSmemLimit, HopperSmem<kBoxes>::kBytes + prefix_bytes(kMaxExperts));
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kLimit));
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCluster;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kHopperThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = kCluster > 1 ? 1 : 0;
-  // As many blocks as fit at once (persistent): clusters must fit inside one GPC, so with pairs
-  // not every SM may find a partner. Asked once per device.
+  hp::ClusterLaunch launch(kCluster, kHopperThreads, smem, stream);
+  // As many blocks as fit at once (persistent), asked once per device.
   static std::mutex mutex;
   static std::map<int, int> resident_on;
   int device = 0, resident = 0;
@@ -1271,24 +1261,13 @@ void launch_hopper(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUt
     std::lock_guard<std::mutex> lock(mutex);
     int& known = resident_on[device];
     if (known == 0) {
-      int sms = 0, clusters = 0;
-      K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      if constexpr (kCluster > 1) {
-        cudaLaunchConfig_t probe = config;
-        probe.gridDim = dim3(sms / kCluster * kCluster);
-        probe.dynamicSmemBytes = kLimit;
-        K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &probe));
-      } else {
-        K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&clusters, kernel, kHopperThreads, kLimit));
-        clusters *= sms;
-      }
-      K2C_CHECK(clusters > 0, "moe: the wgmma kernel does not fit on this GPU");
-      known = clusters * kCluster;
+      known = launch.resident_blocks(kernel);
+      K2C_CHECK(known > 0, "moe: the wgmma kernel does not fit on this GPU");
     }
     resident = known;
   }
-  config.gridDim = dim3(resident);
-  K2C_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, args));
+  launch.config.gridDim = dim3(resident);
+  K2C_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, map_a, map_b, map_c, args));
 }
 
 }  // namespace

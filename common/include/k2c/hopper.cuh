@@ -477,6 +477,48 @@ inline CUtensorMap make_tensor_map_bf16(const void* base, int rows, int cols, in
   return map;
 }
 
+// ------------------------------------------------------------------ cluster launches --------
+
+// cudaLaunchKernelEx's configuration for blocks of `threads` threads and `smem` bytes of dynamic
+// shared memory in clusters of `cluster` along x; with 1 the launch carries no cluster attribute.
+// `config` points at `attribute`, so the object is neither copied nor moved (a copy of `config`
+// made while it lives, e.g. for an occupancy query, is fine).
+struct ClusterLaunch {
+  cudaLaunchAttribute attribute{};
+  cudaLaunchConfig_t config{};
+  ClusterLaunch(int cluster, unsigned threads, int smem, cudaStream_t stream) {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = cluster;
+    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = cluster > 1 ? 1 : 0;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+
+  // How many blocks of `kernel` the current device holds at once with this configuration, in
+  // whole clusters (clusters must fit inside one GPC, so not every SM may find partners).
+  template <class Kernel>
+  int resident_blocks(Kernel kernel) const {
+    int device = 0, sms = 0, count = 0;
+    K2C_CUDA_CHECK(cudaGetDevice(&device));
+    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int cluster = static_cast<int>(attribute.val.clusterDim.x);
+    if (cluster == 1) {
+      K2C_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, config.blockDim.x,
+                                                                   config.dynamicSmemBytes));
+      return count * sms;
+    }
+    cudaLaunchConfig_t probe = config;
+    probe.gridDim = dim3(sms / cluster * cluster);  // any grid of whole clusters
+    K2C_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, kernel, &probe));
+    return count * cluster;
+  }
+};
+
 // ------------------------------------------------------------------ support ----------------
 
 // Defined once per translation unit (anonymous namespace), because the answer is about the flags
