@@ -268,8 +268,9 @@ __device__ __forceinline__ bool tile_needs_mask(Params p, int m0, int n0, int ke
 // unrolled, the compiler issues the next k step's ldmatrix while this step's mma run: 2 to 6 %
 // faster at both head dims over two runs, although at D = 128 it spills 52 bytes (lecture
 // sections 5.5 and 11). SKIP_HIDDEN: under the causal mask a warp skips the tiles whose keys all lie
-// past its rows' diagonal (the last tile of a query block, for half its warps): their scores would
-// all be masked, and the warp's state would come out of them unchanged.
+// past its rows' diagonal (with equal query and key lengths, the last tile of a query block for
+// half its warps): their scores would all be masked, and the warp's state would come out of them
+// unchanged.
 template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2, int QK_UNROLL = D_ / 16, bool SKIP_HIDDEN = true>
 struct ForwardTile {
   static constexpr int D = D_, kKeys = KEYS, kWarps = WARPS, kStrips = STRIPS, kQkUnroll = QK_UNROLL;
@@ -540,7 +541,8 @@ __global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, s
 // transposed, keys as rows: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ. Then Pᵀ and dSᵀ sit in registers in the
 // layout of an A operand for dV += Pᵀ dO and dK += dSᵀ Q, and each warp's dK and dV rows never
 // leave it. Only dQ = dS K needs the other orientation: dSᵀ goes to shared memory once, and each
-// warp computes a 16 × D/2 slice of dQ and adds it into the fp32 accumulator in global memory.
+// warp computes a 16·DQ_STRIPS × D/(2·DQ_STRIPS) slice of dQ (32 × D/4 shipped) and adds it into
+// the fp32 accumulator in global memory.
 // Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16 (twice with
 // kDqLate), plus lse and D: 161 KiB at D = 128, one block per SM; 97 KiB at D = 64.
 template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 2, int SCORE_UNROLL = D_ / 16, bool DQ_LATE = true>

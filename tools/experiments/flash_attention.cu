@@ -101,24 +101,14 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // of close variants in alternating rounds.
 enum class Mode { tiles, unroll, hopper_backward, rounds };
 
-// Two variants timed in 4 rounds that alternate which runs first (medians of 10 each); prints the
-// rate per round and the ratio of the middle two rounds' mean times (first / second).
+// Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
+// back to back); prints the rate per round and the ratio of the middle two rounds' mean times
+// (first / second).
 void rounds(const char* what, double flops, const std::function<void()>& first, const std::function<void()>& second) {
-  std::vector<double> a, b;
-  for (int r = 0; r < 4; ++r) {
-    if (r % 2 == 0) {
-      a.push_back(median_ms(first, 10));
-      b.push_back(median_ms(second, 10));
-    } else {
-      b.push_back(median_ms(second, 10));
-      a.push_back(median_ms(first, 10));
-    }
-  }
+  const auto ms = rotating_rounds({first, second}, 4, [](const std::function<void()>& f) { return median_ms(f, 10); });
   std::printf("  %-58s", what);
-  for (int r = 0; r < 4; ++r) std::printf(" %6.1f/%6.1f", flops / a[r] * 1e-9, flops / b[r] * 1e-9);
-  std::sort(a.begin(), a.end());
-  std::sort(b.begin(), b.end());
-  std::printf("   second/first rate %.3f\n", (a[1] + a[2]) / (b[1] + b[2]));
+  for (int r = 0; r < 4; ++r) std::printf(" %6.1f/%6.1f", flops / ms[0][r] * 1e-9, flops / ms[1][r] * 1e-9);
+  std::printf("   second/first rate %.3f\n", middle_mean(ms[0]) / middle_mean(ms[1]));
 }
 
 template <int D>
@@ -182,9 +172,9 @@ void sweep(bool causal, Mode mode) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<BackwardTile<D, D / 64, 2, D / 16, false>>("dQ after a second barrier", s, b, flops);
     backward_variant<BackwardTile<D, D / 64, 1, D / 16>>("16-row dQ warp tiles", s, b, flops);
-    backward_variant<BackwardTile<D, 1, 1, 1>>("1 chunk, K.Q^T rolled", s, b, flops);
-    backward_variant<BackwardTile<D, 1, 1, D / 16>>("1 chunk, K.Q^T unrolled fully", s, b, flops);
-    backward_variant<BackwardTile<D, 2, 1, D / 16>>("2 chunks, unrolled fully", s, b, flops);
+    backward_variant<BackwardTile<D, 1, 2, 1>>("1 chunk, K.Q^T rolled", s, b, flops);
+    backward_variant<BackwardTile<D, 1, 2, D / 16>>("1 chunk, K.Q^T unrolled fully", s, b, flops);
+    backward_variant<BackwardTile<D, 2, 2, D / 16>>("2 chunks, unrolled fully", s, b, flops);
     g_wave_heads = 1;
     forward_variant("forward", "shipped, heads one after another", s, b, flops, fa::launch_forward<ForwardTile<D>>);
     forward_variant("wgmma", "shipped, heads one after another", s, b, flops, fa::launch_hopper<fa::HopperTile<D>>);

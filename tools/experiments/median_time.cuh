@@ -48,3 +48,24 @@ inline double graded_ms(const std::function<void()>& f) {
   }
   return ms;
 }
+
+// Close variants timed against each other: `rounds` rounds of `time` applied to every variant,
+// each round starting one variant later than the one before, so that none always runs right after
+// another (the GPU's clock moves with what ran just before). Returns each variant's times in round
+// order.
+inline std::vector<std::vector<double>> rotating_rounds(const std::vector<std::function<void()>>& variants,
+                                                        int rounds, const std::function<double(const std::function<void()>&)>& time) {
+  std::vector<std::vector<double>> ms(variants.size());
+  for (int round = 0; round < rounds; ++round)
+    for (std::size_t i = 0; i < variants.size(); ++i) {
+      const std::size_t v = (i + round) % variants.size();
+      ms[v].push_back(time(variants[v]));
+    }
+  return ms;
+}
+
+// The mean of the middle two of four round times: the rounds' median, robust to one outlier.
+inline double middle_mean(std::vector<double> t) {
+  std::sort(t.begin(), t.end());
+  return (t[t.size() / 2 - 1] + t[t.size() / 2]) / 2;
+}

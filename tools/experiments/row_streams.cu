@@ -825,16 +825,16 @@ int main(int argc, char** argv) {
     const int partials = rn::backward_ring<decltype(cluster)::value>(x, gamma, dy, rstd, y, partial, rows, cols, 0);
     rn::sum_partials(partial, dg, partials, cols, true, 0);
   };
-  const std::function<void()> variants[3] = {[&] { backward(std::integral_constant<int, 1>{}, dgamma); },
-                                              [&] { backward(std::integral_constant<int, 2>{}, dgamma); },
-                                              [&] { backward(std::integral_constant<int, 4>{}, dgamma); }};
+  const std::vector<std::function<void()>> variants = {[&] { backward(std::integral_constant<int, 1>{}, dgamma); },
+                                                        [&] { backward(std::integral_constant<int, 2>{}, dgamma); },
+                                                        [&] { backward(std::integral_constant<int, 4>{}, dgamma); }};
   const char* names[3] = {"clusters of 1 (no pre-sum)", "clusters of 2", "clusters of 4"};
+  const auto ms = rotating_rounds(variants, 4, timed);
   for (int round = 0; round < 4; ++round)
-    for (int i = 0; i < 3; ++i) {
-      const int v = (i + round) % 3;
+    for (int v = 0; v < 3; ++v) {
       char name[96];
       std::snprintf(name, sizeof name, "round %d, %s", round, names[v]);
-      report(name, three, timed(variants[v]));
+      report(name, three, ms[v][round]);
     }
   std::vector<float> want(cols), got(cols);
   backward(std::integral_constant<int, 1>{}, dgamma);
