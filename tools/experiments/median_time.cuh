@@ -2,14 +2,17 @@
 // timings of f() after `warmup` calls. By default back to back (no L2 flush between runs, unlike
 // the graded tests' k2c::time_gpu; the experiments compare variants with each other); with
 // flush_l2, a 128 MiB buffer (over twice an H200's L2) is overwritten before each timed run.
+// Also the rotating rounds that compare close variants, and the difference of two bf16 outputs.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 inline double median_ms(const std::function<void()>& f, int reps, int warmup = 3, bool flush_l2 = false) {
@@ -68,4 +71,19 @@ inline std::vector<std::vector<double>> rotating_rounds(const std::vector<std::f
 inline double middle_mean(std::vector<double> t) {
   std::sort(t.begin(), t.end());
   return (t[t.size() / 2 - 1] + t[t.size() / 2]) / 2;
+}
+
+// The largest difference between two device arrays of n bf16 values, absolute or (relative) to
+// |b|, floored at 1e-6; a NaN anywhere gives infinity.
+inline float max_bf16_diff(const __nv_bfloat16* a, const __nv_bfloat16* b, std::size_t n, bool relative) {
+  std::vector<__nv_bfloat16> ha(n), hb(n);
+  cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost);
+  float m = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = __bfloat162float(ha[i]), y = __bfloat162float(hb[i]);
+    const float d = std::fabs(x - y) / (relative ? std::max(std::fabs(y), 1e-6f) : 1.0f);
+    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
+  }
+  return m;
 }

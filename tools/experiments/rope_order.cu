@@ -168,18 +168,7 @@ void report(const char* what, double bytes, double ms) {
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   std::printf("%-60s %8.4f ms %7.0f GB/s  %.3f of the 1 GiB memcpy\n", what, ms, gbs, gbs / g_ceiling);
 }
-float max_diff(const bf16* a, const bf16* b, std::size_t n) {
-  std::vector<bf16> ha(n), hb(n);
-  cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost);
-  cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost);
-  float m = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const float x = __bfloat162float(ha[i]), y = __bfloat162float(hb[i]);
-    const float dd = std::fabs(x - y);
-    if (!(dd <= m)) m = std::isnan(dd) ? INFINITY : dd;
-  }
-  return m;
-}
+float max_diff(const bf16* a, const bf16* b, std::size_t n) { return max_bf16_diff(a, b, n, false); }
 
 int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);

@@ -619,18 +619,7 @@ void report(const char* what, double bytes, double ms) {
   std::printf("%-56s %8.4f ms %7.0f GB/s  %.3f of the 1 GiB memcpy\n", what, ms, gbs, gbs / g_ceiling);
 }
 double timed(const std::function<void()>& f) { return graded_ms(f); }
-float max_diff(const bf16* a, const bf16* b, std::size_t n) {
-  std::vector<bf16> ha(n), hb(n);
-  cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost);
-  cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost);
-  float m = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const float x = __bfloat162float(ha[i]), y = __bfloat162float(hb[i]);
-    const float d = std::fabs(x - y) / std::max(std::fabs(y), 1e-6f);
-    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
-  }
-  return m;
-}
+float max_diff(const bf16* a, const bf16* b, std::size_t n) { return max_bf16_diff(a, b, n, true); }
 template <class K>
 int blocks_for(K kernel, int threads, int smem) {
   int per_sm = 0;
