@@ -1,13 +1,16 @@
 # Kernels to Clusters — a thin wrapper over CMake. Every target brings its own set-up, so on a
 # fresh machine `make grade IMPL=solutions` and `make test` each work as the first command.
 #
-#   make deps                       install the Debian packages this machine lacks (as root),
-#                                   or print the exact command to run
+#   make deps                       check what the build needs by what it does (tools/deps.sh):
+#                                   CMake >= 3.25, C++20, the libraries as CMake finds them;
+#                                   install what is missing (as root, apt-get) or print the
+#                                   command; fails only when a required piece is still missing
 #   make build   [IMPL=...]         configure and build build/<IMPL> (assignments by default)
 #   make test                       the project's own test suite (CPU; GPU tests skip without a GPU)
 #   make grade   [IMPL=...] [MODULES=00,01] [SEED=n] [ARGS="--json r.json ..."]
 #   make bench   [IMPL=...]         every module's benchmark sweep and the SGEMM ladder plot (GPU)
 #   make tune    [IMPL=...]         choose module 04's tile configuration for this GPU
+#   make data                       Part II's token shards: datasets/markov/, datasets/grammar/
 #   make handout OUT=dir            a student tree without solutions/
 #   make clean
 IMPL    ?= assignments
@@ -18,26 +21,12 @@ BUILD   := build/$(IMPL)
 JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 GENERATOR := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 
-DEB_PACKAGES := cmake g++ ninja-build libgtest-dev libbenchmark-dev libcli11-dev \
-                nlohmann-json3-dev libopenmpi-dev openmpi-bin python3-matplotlib
+.PHONY: deps configure build test grade bench tune data handout clean
 
-.PHONY: deps configure build test grade bench tune handout clean
-
+# Tools from pip, conda or a build by hand count as present: apt-get runs only for what is really
+# missing, so a machine that has everything never needs the package manager or its network.
 deps:
-	@missing=""; \
-	for p in $(DEB_PACKAGES); do \
-	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
-	done; \
-	if [ -z "$$missing" ]; then echo "deps: all present"; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "deps: installing$$missing"; \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
-	else \
-	  echo "deps: missing$$missing"; \
-	  echo "      run: sudo apt-get update && sudo apt-get install -y$$missing"; \
-	  command -v dpkg-query >/dev/null || echo "      (not a Debian system: install CMake >= 3.25, GoogleTest, Google Benchmark, CLI11, nlohmann/json, Open MPI)"; \
-	fi
+	@tools/deps.sh
 
 configure: deps
 	@test -f $(BUILD)/CMakeCache.txt || cmake -S . -B $(BUILD) $(GENERATOR) -DK2C_IMPL=$(IMPL)
@@ -69,6 +58,18 @@ bench: build
 tune: build
 	$(BUILD)/bin/k2c_tune_04_register_tiled_matmul --out $(IMPL)/04_register_tiled_matmul/tuned_config.h
 	cmake --build $(BUILD) -j $(JOBS)
+
+# Part II's token data, written from fixed seeds so every machine trains on the same tokens:
+# a Markov chain whose entropy rate (datasets/markov/markov.json) is the exact loss floor, and
+# word-level sentences for readable samples. The generator is course code, not a module, so the
+# build tree only matters for where it lands: build/solutions, or build/assignments in a handout.
+DATA_BUILD := build/$(if $(wildcard solutions),solutions,assignments)
+
+data: deps
+	@test -f $(DATA_BUILD)/CMakeCache.txt || cmake -S . -B $(DATA_BUILD) $(GENERATOR) -DK2C_IMPL=$(notdir $(DATA_BUILD))
+	cmake --build $(DATA_BUILD) --target k2c_datagen -j $(JOBS)
+	$(DATA_BUILD)/bin/k2c_datagen markov --vocab 256 --branching 8 --tokens 4000000 --seed 1 --out datasets/markov
+	$(DATA_BUILD)/bin/k2c_datagen grammar --sentences 200000 --seed 1 --out datasets/grammar
 
 handout: configure
 	@test -n "$(OUT)" || { echo "usage: make handout OUT=dir"; exit 2; }

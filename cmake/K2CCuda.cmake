@@ -4,11 +4,15 @@
 #     the reference timings come from). Never "all": it multiplies build time for nothing.
 #   - one shared CUDA runtime for every target, because student libraries are shared libraries
 #     and must use the same runtime instance as the test program that calls them.
+#   - -DK2C_CUDA=OFF builds the CPU parts only even where nvcc is present (a quick CPU build).
 # Sets K2C_HAS_CUDA.
-include(CheckLanguage)
-check_language(CUDA)
+option(K2C_CUDA "Build the GPU parts when a CUDA compiler is found" ON)
 set(K2C_HAS_CUDA OFF)
-if(CMAKE_CUDA_COMPILER)
+if(K2C_CUDA)
+  include(CheckLanguage)
+  check_language(CUDA)
+endif()
+if(K2C_CUDA AND CMAKE_CUDA_COMPILER)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
     set(k2c_arch 90)
     find_program(K2C_NVIDIA_SMI nvidia-smi)
@@ -39,6 +43,8 @@ if(CMAKE_CUDA_COMPILER)
   # Line tables cost nothing at run time and let compute-sanitizer and ncu point at source lines.
   add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
   set(K2C_HAS_CUDA ON)
+elseif(NOT K2C_CUDA)
+  message(STATUS "k2c: K2C_CUDA=OFF: building the CPU parts only")
 else()
   message(STATUS "k2c: no CUDA compiler found: building the CPU parts only")
 endif()

@@ -1,5 +1,5 @@
-# K2CModule.cmake — k2c_add_module(NN_name KIND gpu|cpu|mpi [RANKS 1 2 ...] [SOURCES more.cu ...]):
-# one call declares a whole module.
+# K2CModule.cmake — k2c_add_module(NN_name KIND gpu|cpu|mpi [RANKS 1 2 ...] [SOURCES more.cu ...]
+#                                  [MODEL]): one call declares a whole module.
 #
 # For module NN_name it builds
 #   k2c_impl_NN_name   the implementation, from ${K2C_IMPL}/NN_name/name.cu, as a SHARED library
@@ -11,10 +11,12 @@
 #                      program; CTest tests discovered at test time, labelled moduleNN and KIND;
 #   k2c_bench_NN_name  autograder/NN_name/bench_name.cu, a Google Benchmark program (if present);
 #   k2c_tune_NN_name   autograder/NN_name/tune_name.cu, a tuner (if present).
+# MODEL: the implementation links the model library k2c_model (the modules of Part II, whose
+# students write a parallel algorithm around the course's layers, loss, optimizer and data).
 # Each module is its own set of targets, so the grader builds them one at a time and a compile
 # error in one module never blocks another.
 function(k2c_add_module id)
-  cmake_parse_arguments(arg "" "KIND" "RANKS;SOURCES" ${ARGN})
+  cmake_parse_arguments(arg "MODEL" "KIND" "RANKS;SOURCES" ${ARGN})
   if(NOT id MATCHES "^([0-9][0-9])_([a-z0-9_]+)$")
     message(FATAL_ERROR "k2c_add_module: '${id}' is not NN_snake_name")
   endif()
@@ -48,8 +50,13 @@ function(k2c_add_module id)
   add_library(k2c_impl_${id} SHARED ${impl_src} ${extra_src})
   target_include_directories(k2c_impl_${id} PUBLIC ${root}/assignments/${id})
   target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers)
+  # The course's NVTX ranges compile to nothing in student code (see k2c/nvtx.h).
+  target_compile_definitions(k2c_impl_${id} PRIVATE K2C_NO_NVTX)
   if(arg_KIND STREQUAL "gpu")
     target_link_libraries(k2c_impl_${id} PUBLIC CUDA::cudart)
+  endif()
+  if(arg_MODEL)
+    target_link_libraries(k2c_impl_${id} PUBLIC k2c_model)
   endif()
   # Export the contract's namespace and nothing else: a student library that defines, say,
   # cublasSgemm_v2 or cudaEventElapsedTime cannot interpose them on the harness that measures it.
@@ -73,16 +80,15 @@ function(k2c_add_module id)
     # backend (CI has no GPU; the NCCL runs happen through the grader on GPU machines).
     target_link_libraries(k2c_test_${id} PRIVATE k2c_dist)
     foreach(n IN LISTS arg_RANKS)
-      add_test(NAME ${id}.np${n}
-               COMMAND ${K2C_MPIEXEC} -np ${n} --oversubscribe $<TARGET_FILE:k2c_test_${id}>)
-      # One MPI job at a time (RESOURCE_LOCK): ranks busy-poll, and a small CI machine
-      # oversubscribed by parallel jobs would crawl towards the deadlines.
-      set_tests_properties(${id}.np${n} PROPERTIES LABELS "module${num};mpi" TIMEOUT 600
-        RESOURCE_LOCK mpi ENVIRONMENT "${K2C_MPI_TEST_ENV}")
+      k2c_add_rank_test(${id}.np${n} ${n} $<TARGET_FILE:k2c_test_${id}>)
+      set_tests_properties(${id}.np${n} PROPERTIES LABELS "module${num};mpi" TIMEOUT 600)
     endforeach()
   else()
-    gtest_discover_tests(k2c_test_${id} DISCOVERY_MODE PRE_TEST
-                         PROPERTIES LABELS "module${num};${arg_KIND}")
+    if(arg_KIND STREQUAL "gpu")
+      k2c_discover_tests(k2c_test_${id} LABELS "module${num};${arg_KIND}" LOCK gpu)
+    else()
+      k2c_discover_tests(k2c_test_${id} LABELS "module${num};${arg_KIND}")
+    endif()
   endif()
 
   # A tuner, for modules whose implementation offers configurations to choose from.

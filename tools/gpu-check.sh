@@ -122,8 +122,7 @@ for n in 4 8; do
   K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np "$n" --build-dir "$BUILD" -b 1M -e 4G -f 4 -n 20 -w 5 -c 1 \
     -o "$OUT/collectives$n.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce|wrong" | tail -8
   step "module 11 tests at $n ranks on NCCL"
-  K2C_BACKEND=nccl NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    mpirun -np "$n" --oversubscribe "$BUILD/bin/k2c_test_11_collectives" 2>&1 | tee -a "$LOG" | tail -4
+  "$BUILD/bin/k2c" run -np "$n" --backend nccl "$BUILD/bin/k2c_test_11_collectives" 2>&1 | tee -a "$LOG" | tail -4
 done
 
 step "plots"

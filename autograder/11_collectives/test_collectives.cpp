@@ -11,7 +11,6 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -216,19 +215,7 @@ TEST_F(CollectivesPerf, AllReduceVsNccl) {
 
   // Median over ranks-synchronised repeats of (issue + complete), the slowest rank's time.
   auto time = [&](const std::function<void()>& op) {
-    for (int i = 0; i < 3; ++i) op(), w.synchronize();
-    std::vector<double> ms;
-    for (int i = 0; i < 15; ++i) {
-      w.barrier();
-      const auto t0 = std::chrono::steady_clock::now();
-      op();
-      w.synchronize();
-      double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(), slowest = 0;
-      MPI_Allreduce(&t, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-      ms.push_back(slowest);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
+    return kd::time_step(w, op, {.warmup = 3, .repeats = 15}).median_ms;
   };
   const double lib_ms = time([&] { w.all_reduce(a.get(), b.get(), count, DType::f32, ReduceOp::sum); });
   const double ring_ms = time([&] { col::ring_all_reduce(p2p, a.get(), b.get(), count, DType::f32, ReduceOp::sum); });

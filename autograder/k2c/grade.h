@@ -4,11 +4,17 @@
 // with the compiler's first errors), run it as a child process with a time limit, read its
 // GoogleTest JSON report, and award the rubric's points. Everything that can go wrong in a
 // module — crash, hang, sticky CUDA error, early exit, missing tests, an impossible figure —
-// costs that module its points and nothing else. evaluate_module is a pure function of the
-// child's exit and report, so it is tested without any GPU.
+// costs that module its points and nothing else, and at most one time limit. evaluate_module
+// is a pure function of the child's exit and report, so it is tested without any GPU.
+//
+// What a submission could do to the grader itself is kept out too (docs/SECURITY.md): its
+// files are staged outside the course tree and their headers checked after the build, its
+// library is read for run-time loading, each test run gets a private copy of the rubric, and
+// the course tree is fingerprinted before grading and after every module.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <ostream>
@@ -47,7 +53,8 @@ struct TestOutcome {
   std::string name;
   double points = 0, max_points = 0;
   bool bonus = false;   // its points come on top of the module's max_points
-  std::string status;   // passed | failed | not implemented | skipped | did not run
+  std::string status;   // passed | failed | not implemented | skipped | did not run | not run
+                        // | withheld (a performance test's points, see withhold_performance)
   std::string message;  // first lines of the failure, or the skip reason
   std::optional<PerfOutcome> perf;
 };
@@ -99,6 +106,25 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
 ModuleSpec main_part(const ModuleSpec& spec);
 ModuleSpec bonus_part(const ModuleSpec& spec);
 ModuleOutcome merge_bonus(const ModuleSpec& spec, const ModuleOutcome& main, const ModuleOutcome& bonus);
+
+// Whether a run's verdict voids its module (crashed, timed out, no report, incomplete, invalid).
+bool voids_module(const ModuleOutcome& m);
+
+// A module's runs (the rank counts and backends of a distributed module; the main and bonus
+// runs of a module with bonus tests), launched in order until one voids the module. The rest
+// are not launched — their verdicts could not change the module's — and come back with status
+// "not run" naming the run that failed, so a faulty submission costs one time limit, not one
+// per run.
+std::vector<std::pair<std::string, ModuleOutcome>> run_until_void(
+    const std::vector<std::string>& labels, const std::function<ModuleOutcome(std::size_t)>& launch);
+
+// The reason of a failed build: the undefined symbols of a failed link on the first line (the
+// mark of a call into a library the module does not link), then the compiler's first errors.
+std::string build_failure_detail(const std::string& log);
+
+// Performance tests that passed lose their points, with `reason` (status "withheld"), and the
+// module says why; correctness points stay. For an implementation whose speed may be borrowed.
+void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::string& reason);
 
 // Reference ratios: <dir>/*.json whose "gpu" equals the device name. Empty object if none.
 nlohmann::json find_reference(const std::string& dir, const std::string& gpu, std::string* file);

@@ -6,6 +6,9 @@
 //   k2c ceilings [--json F]  the ceilings every threshold is measured against, on this GPU
 //   k2c bench [--filter RE]  every module's Google Benchmark sweep, JSON under build/bench/
 //   k2c collectives [-np N] [-b -e -f -n -w -c -o]   module 11's nccl-tests-style sweep
+//   k2c run -np N [--backend mpi|nccl] [--timeout S] PROGRAM [ARGS...]
+//                            start ranks: prints the plain mpirun command, then runs it
+//   k2c train --data DIR ... the single-process trainer (k2c_train; `k2c train --help`)
 //   k2c handout OUT          a student tree without solutions/ that builds and grades
 //
 // Exit status: 0 when grading ran (whatever the score), 2 for errors in the grader's own input
@@ -26,6 +29,7 @@
 
 #include "grade.h"
 #include "intake.h"
+#include "launch.h"
 #include "k2c/rubric.h"
 #include "process.h"
 
@@ -74,6 +78,20 @@ json run_probe(bool ceilings, std::string* error) {
   return json();
 }
 
+// Prints the command, then replaces this process with it, so the ranks' output streams as it
+// runs and the exit status is mpirun's.
+[[noreturn]] void exec_launch(const Launch& l) {
+  std::cerr << "k2c run: " << l.display() << std::endl;
+  for (const auto& [k, v] : l.env) setenv(k.c_str(), v.c_str(), 1);
+  std::vector<std::string> args = l.argv;
+  std::vector<char*> argv_c;
+  for (std::string& a : args) argv_c.push_back(a.data());
+  argv_c.push_back(nullptr);
+  execvp(argv_c[0], argv_c.data());
+  throw std::runtime_error("cannot run " + args[0] + ": " + std::strerror(errno) +
+                           " (Open MPI's mpirun must be on PATH: make deps)");
+}
+
 void copy_handout(const fs::path& root, const fs::path& out) {
   std::error_code ec;
   if (fs::exists(out) && !fs::is_empty(out, ec))
@@ -87,8 +105,17 @@ int main(int argc, char** argv) {
   // `-np N`, as mpirun and nccl-tests users type it, is `--np N` to CLI11 (single-dash options
   // are one letter there).
   std::vector<std::string> arg_store(argv, argv + argc);
-  for (std::string& a : arg_store)
+  // After `run`, only k2c's own options are rewritten: the program's arguments are its own.
+  bool in_run = false;
+  for (std::size_t i = 1; i < arg_store.size(); ++i) {
+    std::string& a = arg_store[i];
+    const bool joined = a.rfind("--np=", 0) == 0 || a.rfind("--backend=", 0) == 0 || a.rfind("--timeout=", 0) == 0;
+    if (in_run && joined) continue;  // an option with its value in one word
+    if (in_run && a != "-np" && a != "--np" && a != "--backend" && a != "--timeout") break;
     if (a == "-np") a = "--np";
+    if (in_run) ++i;  // skip the option's value
+    if (a == "run") in_run = true;
+  }
   std::vector<char*> arg_ptrs;
   for (std::string& a : arg_store) arg_ptrs.push_back(a.data());
   argv = arg_ptrs.data();
@@ -132,6 +159,18 @@ int main(int argc, char** argv) {
   coll_cmd->add_option("--np", coll_ranks, "number of ranks (one GPU each for NCCL); -np also works");
   coll_cmd->add_option("--build-dir", g.build_dir, "build tree holding k2c_collectives");
   coll_cmd->allow_extras();
+  LaunchOptions launch;
+  auto* run_cmd = app.add_subcommand("run",
+      "start a program on N ranks: k2c run -np N [--backend mpi|nccl] PROGRAM [ARGS...] (prints the mpirun command)");
+  run_cmd->add_option("--np", launch.ranks, "number of ranks (one GPU each for NCCL); -np also works");
+  run_cmd->add_option("--backend", launch.backend, "mpi (CPU ranks) or nccl (one GPU a rank); default: the machine's")
+      ->check(CLI::IsMember({"mpi", "nccl"}));
+  run_cmd->add_option("--timeout", launch.dist_timeout_s, "seconds any rank waits on its peers before the job ends (K2C_DIST_TIMEOUT)");
+  // Everything from the first word that is not one of these options on is the program's.
+  run_cmd->prefix_command();
+  auto* train_cmd = app.add_subcommand("train",
+      "train the course's transformer in one process: k2c train --data datasets/markov [...] (k2c_train --help)");
+  train_cmd->prefix_command();
   std::string handout_dir;
   auto* handout_cmd = app.add_subcommand("handout", "write a student tree without solutions/");
   handout_cmd->add_option("out", handout_dir, "destination directory")->required();
@@ -220,21 +259,28 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*coll_cmd) {
-      // Replace this process with mpirun, so the sweep's output streams as it runs.
       const fs::path program = fs::path(g.build_dir) / "bin" / "k2c_collectives";
       const fs::path beside = self_dir() / "k2c_collectives";
       const fs::path bin = fs::exists(program) ? program : beside;
       if (!fs::exists(bin)) throw std::runtime_error("k2c_collectives is not built (it needs MPI)");
-      std::vector<std::string> args = {"mpirun", "-np", std::to_string(coll_ranks), "--oversubscribe", bin.string()};
+      std::vector<std::string> args = {bin.string()};
       for (const std::string& e : coll_cmd->remaining()) args.push_back(e);
-      setenv("NCCL_NVLS_ENABLE", "0", 1);
-      setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
-      setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+      exec_launch(mpirun_command({.ranks = coll_ranks}, args));
+    }
+    if (*run_cmd) {
+      exec_launch(mpirun_command(launch, run_cmd->remaining()));
+    }
+    if (*train_cmd) {
+      // k2c_train is built beside k2c (common/model/apps/train.cpp); its own options follow.
+      const fs::path bin = self_dir() / "k2c_train";
+      if (!fs::exists(bin)) throw std::runtime_error("k2c_train is not built beside " + self_dir().string());
+      std::vector<std::string> args = {bin.string()};
+      for (const std::string& e : train_cmd->remaining()) args.push_back(e);
       std::vector<char*> argv_c;
       for (std::string& a : args) argv_c.push_back(a.data());
       argv_c.push_back(nullptr);
-      execvp("mpirun", argv_c.data());
-      throw std::runtime_error("cannot run mpirun: " + std::string(std::strerror(errno)));
+      execv(argv_c[0], argv_c.data());
+      throw std::runtime_error("cannot run " + bin.string() + ": " + std::strerror(errno));
     }
     if (*handout_cmd) {
       copy_handout(root, handout_dir);
@@ -247,7 +293,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "k2c: " << e.what() << "\n";
     const std::string what = e.what();
-    return what.rfind("unknown module", 0) == 0 || what.rfind("submission", 0) == 0 ? 2 : 1;
+    return what.rfind("unknown module", 0) == 0 || what.rfind("submission", 0) == 0 || what.rfind("run:", 0) == 0 ? 2 : 1;
   }
   return 0;
 }

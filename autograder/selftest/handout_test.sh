@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # handout_test.sh K2C_BIN WORKDIR — `k2c handout` writes a student tree that builds and grades:
-# no solutions/ inside, and its stubs are reported as "not implemented yet" (or as skipped
-# when this machine has no CUDA toolkit to build GPU modules with).
+# no solutions/ inside and no solution code anywhere else (tools/leakcheck.py), and its stubs are
+# reported as "not implemented yet" (or as skipped when this machine has no CUDA toolkit to build
+# GPU modules with).
 set -euo pipefail
 k2c=$1
 work=$2
@@ -10,6 +11,23 @@ rm -rf "$work"
 test ! -e "$work/handout/solutions" || { echo "FAIL: solutions/ is in the handout"; exit 1; }
 test -f "$work/handout/assignments/01_naive_matmul/naive_matmul.cu" || { echo "FAIL: stub missing"; exit 1; }
 test -f "$work/handout/autograder/rubric.json" || { echo "FAIL: rubric missing"; exit 1; }
+# No solution code elsewhere either: no line copied from solutions/, no file that includes it
+# (the experiments built against the solutions stay out, see copy_course).
+project=$(cd "$(dirname "$0")/../.." && pwd)
+command -v python3 >/dev/null || { echo "FAIL: python3 not found, needed for tools/leakcheck.py (make deps)"; exit 1; }
+python3 "$project/tools/leakcheck.py" "$project" "$work/handout" > "$work/leakcheck.txt" ||
+  { cat "$work/leakcheck.txt"; echo "FAIL: the handout carries solution code"; exit 1; }
+tail -n 1 "$work/leakcheck.txt"
+# ...and the check does catch both kinds of leak, in a tree made to leak.
+mkdir -p "$work/leaky/tools"
+cp "$project/solutions/06_softmax/softmax.cu" "$work/leaky/tools/copied.cu"
+echo '#include "../../solutions/08_rope/rope.cu"' > "$work/leaky/tools/includes.cu"
+if python3 "$project/tools/leakcheck.py" "$project" "$work/leaky" > "$work/leaky.txt"; then
+  cat "$work/leaky.txt"; echo "FAIL: leakcheck passed a tree with a solution in it"; exit 1
+fi
+grep -q "tools/copied.cu:[0-9]*: copies solutions/06_softmax/softmax.cu" "$work/leaky.txt" &&
+  grep -q "tools/includes.cu:1: includes" "$work/leaky.txt" ||
+  { cat "$work/leaky.txt"; echo "FAIL: leakcheck missed a leak"; exit 1; }
 
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S "$work/handout" -B "$work/build" "${gen[@]}" -DK2C_IMPL=assignments > "$work/configure.log"

@@ -4,11 +4,20 @@
 // End to end: `k2c grade` on autograder/selftest/fake_course, whose modules crash, hang, exit
 //             early, miss a test, claim an impossible figure, print 50 MiB, hit a sticky device
 //             error, are stubs, or do not compile; each must cost its own module only.
-// Intake:     a submission with a symlink, an unlisted file and an oversized file.
+// Intake:     a submission with a symlink (of the file or of a folder on its way), an unlisted
+//             file and an oversized file; the staging folder lies outside the course tree.
+// Hostile:    `k2c grade --submission` on the fake course's modules 90-97 (submission_rubric.json)
+//             with submissions that link to the solutions, include them, dlopen a library,
+//             rewrite the rubric, call cuBLAS, or hang: each earns no more than honest work.
+// Trust:      the parts those verdicts rest on, each alone: dependency records of both CMake
+//             generators, the include policy, the ELF reader, the course fingerprint, runs that
+//             stop at the first fault, link errors and failing ranks named.
 // CLI:        a malformed rubric and an unknown module are clear errors (exit status 2).
+// docs/SECURITY.md maps each attack and fault to what stops it and to the test here that proves it.
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -28,6 +37,16 @@ namespace {
 
 const fs::path kFake = fs::path(K2C_SELFTEST_DIR) / "fake_course";
 const fs::path kTmp = K2C_SELFTEST_TMP;
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+void write(const fs::path& p, const std::string& text) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p, std::ios::binary) << text;
+}
 
 k2c::ModuleSpec two_test_module() {
   return k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
@@ -207,6 +226,113 @@ TEST(Verdict, CombinedRunsOfADistributedModule) {
   EXPECT_NE(m.detail.find("mpi x4"), std::string::npos);
 }
 
+// A run that voids the module ends its runs: the rest are not launched (a hang would cost one
+// time limit each) and are named as not run.
+TEST(Verdict, RunsStopAtTheFirstFault) {
+  const k2c::ModuleSpec spec = two_test_module();
+  const std::string good = gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")");
+  ProcessResult hang = exited(-1);
+  hang.timed_out = true;
+  int launched = 0;
+  const auto runs = k2c::grader::run_until_void({"mpi x1", "mpi x2", "nccl x2"}, [&](std::size_t i) {
+    ++launched;
+    return i == 0 ? evaluate_module(spec, hang, "", "solutions", 9) : evaluate_module(spec, exited(0), good, "solutions", 9);
+  });
+  EXPECT_EQ(launched, 1);
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_EQ(runs[2].second.status, "not run");
+  const auto m = k2c::grader::combine_runs(spec, runs);
+  EXPECT_EQ(m.status, "timed out");
+  EXPECT_EQ(m.points, 0);
+  EXPECT_NE(m.detail.find("not run: mpi x2, nccl x2 (after the mpi x1 run timed out)"), std::string::npos) << m.detail;
+  // Runs that go well are all launched.
+  launched = 0;
+  k2c::grader::run_until_void({"a", "b"}, [&](std::size_t) {
+    ++launched;
+    return evaluate_module(spec, exited(0), good, "solutions", 9);
+  });
+  EXPECT_EQ(launched, 2);
+
+  // A main run that crashes spares the bonus run; its tests are listed as not run.
+  const auto bonus_spec = k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+    {"id": "50_demo", "title": "demo", "kind": "gpu", "timeout_s": 9, "files": [],
+     "tests": [{"name": "A.Correct", "points": 6}, {"name": "APerf.Rate", "points": 4, "bonus": true}]}]})").modules[0];
+  ProcessResult segv = exited(-1);
+  segv.signal = 11;
+  launched = 0;
+  const auto parts = k2c::grader::run_until_void({"main", "bonus"}, [&](std::size_t) {
+    ++launched;
+    return evaluate_module(k2c::grader::main_part(bonus_spec), segv, "", "assignments", 9);
+  });
+  EXPECT_EQ(launched, 1);
+  const auto merged = k2c::grader::merge_bonus(bonus_spec, parts[0].second, parts[1].second);
+  EXPECT_EQ(merged.status, "crashed");
+  ASSERT_EQ(merged.tests.size(), 1u);
+  EXPECT_EQ(merged.tests[0].status, "not run");
+  EXPECT_NE(merged.detail.find("bonus tests not run (the main run crashed)"), std::string::npos) << merged.detail;
+}
+
+// The one line a failed link shows names what could not be found: usually a library the module
+// does not link.
+TEST(Verdict, LinkErrorNamesTheUndefinedSymbol) {
+  const std::string gnu =
+      "FAILED: lib/libk2c_impl_01_naive_matmul.so\n"
+      "/usr/bin/ld: CMakeFiles/k2c_impl_01.dir/naive_matmul.cu.o: in function `k2c::naive_matmul::sgemm(int)':\n"
+      "tmpxft_0001_naive_matmul.cudafe1.cpp:(.text+0x4a): undefined reference to `cublasSgemm_v2'\n"
+      "/usr/bin/ld: naive_matmul.cu:(.text+0x9c): undefined reference to `cublasSgemm_v2'\n"
+      "/usr/bin/ld: naive_matmul.cu:(.text+0xa0): undefined reference to `cublasCreate_v2'\n"
+      "collect2: error: ld returned 1 exit status\n";
+  const std::string detail = k2c::grader::build_failure_detail(gnu);
+  EXPECT_EQ(detail.substr(0, detail.find('\n')), "link failed: undefined symbols cublasSgemm_v2, cublasCreate_v2");
+  EXPECT_NE(detail.find("collect2: error"), std::string::npos);
+  const std::string lld = "ld.lld: error: undefined symbol: cublasLtMatmul\n>>> referenced by x.cu\n";
+  EXPECT_EQ(k2c::grader::build_failure_detail(lld).substr(0, 47), "link failed: undefined symbol cublasLtMatmul\nld");
+  // A compile error keeps the compiler's own words.
+  EXPECT_EQ(k2c::grader::build_failure_detail("x.cu(3): error: identifier \"y\" is undefined\n"),
+            "x.cu(3): error: identifier \"y\" is undefined");
+}
+
+// A distributed failure names the rank and its message, from the job's log.
+TEST(Verdict, DistributedFailureNamesTheRank) {
+  const k2c::ModuleSpec spec = two_test_module();
+  // A rank threw: the runtime printed "rank r: message" and aborted the job, before any report.
+  ProcessResult aborted = exited(1);
+  aborted.output = "[ RUN      ] A.Correct\nrank 2: all_reduce: 7 elements, expected 8\n"
+                   "--------------------------------------------------------------------------\n"
+                   "MPI_ABORT was invoked on rank 2 in communicator MPI_COMM_WORLD\n";
+  const auto m = evaluate_module(spec, aborted, "", "solutions", 9);
+  EXPECT_EQ(m.status, "no report");
+  EXPECT_NE(m.detail.find("; rank 2: all_reduce: 7 elements, expected 8"), std::string::npos) << m.detail;
+  EXPECT_EQ(m.detail.find("-----"), std::string::npos) << m.detail;
+  // An assertion failed on rank 3: rank 0's report only says "failed on another rank", and so
+  // does rank 1's echo; the test's message names rank 3 and what it saw.
+  ProcessResult failed = exited(1);
+  failed.output = "rank 1: /src/test_x.cpp:40: Failed\nfailed on another rank (see that rank's output)\n\n"
+                  "rank 3: /src/test_x.cpp:52: Expected equality of these values:\n  got\n    Which is: 5\n"
+                  "  want\n    Which is: 6\n[  FAILED  ] A.Correct (3 ms)\n";
+  const auto f = evaluate_module(spec, failed,
+                                 gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")",
+                                              "Failed\\nfailed on another rank (see that rank's output)"),
+                                 "solutions", 9);
+  EXPECT_EQ(f.tests[0].status, "failed");
+  EXPECT_NE(f.tests[0].message.find("rank 3: /src/test_x.cpp:52: Expected equality of these values: / got / Which is: 5 / want"),
+            std::string::npos) << f.tests[0].message;
+}
+
+TEST(Verdict, WithheldPerformanceKeepsCorrectness) {
+  const k2c::ModuleSpec spec = two_test_module();
+  auto m = evaluate_module(spec, exited(0), gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")"),
+                           "assignments", 9);
+  ASSERT_EQ(m.points, 10);
+  k2c::grader::withhold_performance(m, spec, "the implementation loads libraries at run time (dlopen)");
+  EXPECT_EQ(m.points, 6);
+  EXPECT_EQ(m.status, "partial");
+  EXPECT_EQ(m.tests[0].status, "passed");
+  EXPECT_EQ(m.tests[1].status, "withheld");
+  EXPECT_NE(m.detail.find("performance points withheld: the implementation loads libraries at run time (dlopen)"),
+            std::string::npos) << m.detail;
+}
+
 // ---------------------------------------------------------------------------- processes ---
 
 TEST(Process, TimeoutKillsTheGroupAndOutputIsBounded) {
@@ -336,6 +462,379 @@ TEST(Intake, TakesOnlyListedRegularFiles) {
   in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "stage").string());
   EXPECT_EQ(in.problem_for(*mods[0]), "");
   EXPECT_EQ(in.files[0].source, "");
+}
+
+// A folder on the way that is a link is refused as surely as a linked file: the file below it
+// is a regular file, but where the link leads is decided on the grader's machine.
+TEST(Intake, RefusesAnyPathThroughASymbolicLink) {
+  const fs::path root = kTmp / "link_course", sub = kTmp / "link_submission", solutions = kTmp / "link_solutions";
+  fs::remove_all(root);
+  fs::remove_all(sub);
+  fs::remove_all(solutions);
+  write(root / "assignments/80_ok/ok.cpp", "stub");
+  write(solutions / "80_ok/ok.cpp", "the reference");
+  fs::create_directories(sub / "assignments");
+  fs::create_directory_symlink(solutions / "80_ok", sub / "assignments/80_ok");  // -> the reference's folder
+
+  k2c::Rubric rubric = k2c::load_rubric((kFake / "rubric.json").string());
+  const std::vector<const k2c::ModuleSpec*> mods = {rubric.find("80")};
+  auto in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "stage").string());
+  const std::string problem = in.problem_for(*mods[0]);
+  EXPECT_NE(problem.find("assignments/80_ok is a symbolic link"), std::string::npos) << problem;
+  EXPECT_NE(problem.find((solutions / "80_ok").string()), std::string::npos) << problem;  // and where to
+  EXPECT_EQ(slurp(fs::path(in.staged_root) / "assignments/80_ok/ok.cpp"), "stub");
+
+  // The submission's root may itself be reached through a link (an upload folder mounted
+  // elsewhere): only what lies below it must be link-free.
+  fs::remove_all(sub);
+  write(sub / "assignments/80_ok/ok.cpp", "student work");
+  fs::remove(kTmp / "link_to_submission");
+  fs::create_directory_symlink(sub, kTmp / "link_to_submission");
+  in = k2c::grader::take_submission(rubric, mods, (kTmp / "link_to_submission").string(), root.string(),
+                                    (kTmp / "stage").string());
+  EXPECT_EQ(in.problem_for(*mods[0]), "");
+  EXPECT_EQ(slurp(fs::path(in.staged_root) / "assignments/80_ok/ok.cpp"), "student work");
+}
+
+// Staged inside the course, `#include "../../solutions/..."` would reach the reference: the
+// staging folder lies outside the course tree whatever the build folder.
+TEST(Intake, StagesOutsideTheCourseTree) {
+  const fs::path course = kTmp / "stage_course";
+  fs::create_directories(course / "build");
+  const std::string inside = k2c::grader::staging_dir(course.string(), (course / "build/gradescope").string());
+  EXPECT_FALSE(k2c::grader::is_within(inside, course.string())) << inside;
+  // The same build folder gets the same staging folder (its CMake cache names the sources).
+  EXPECT_EQ(inside, k2c::grader::staging_dir(course.string(), (course / "build/gradescope").string()));
+  EXPECT_NE(inside, k2c::grader::staging_dir(course.string(), (course / "build/other").string()));
+  EXPECT_TRUE(fs::is_directory(fs::path(inside).parent_path().parent_path()));
+  EXPECT_EQ(fs::status(fs::path(inside).parent_path().parent_path()).permissions() & fs::perms::all, fs::perms::owner_all);
+  // A build folder outside the course keeps its staging folder beside it.
+  EXPECT_EQ(k2c::grader::staging_dir(course.string(), (kTmp / "elsewhere").string()), (kTmp / "elsewhere/staged").string());
+}
+
+// ------------------------------------------------------------------------------- hostile ---
+
+namespace {
+
+// A copy of the fake course for hostile code to do its worst in. The harness header its stubs
+// include goes into the copy's common/include: the repository's own lies outside the staging
+// tree, out of a submission's reach, as it should.
+fs::path fake_course_copy(const std::string& name) {
+  const fs::path root = kTmp / name;
+  fs::remove_all(root);
+  fs::copy(kFake, root, fs::copy_options::recursive);
+  fs::create_directories(root / "common/include/k2c");
+  fs::copy_file(fs::path(K2C_SELFTEST_DIR) / "../../common/include/k2c/todo.h", root / "common/include/k2c/todo.h");
+  return root;
+}
+
+// Implementations of the fake contract (common/include/fake_gemm.h), honest and otherwise.
+const std::string kHonest = "#include \"fake_gemm.h\"\nint k2c::gemm::answer() { return 42; }\n";
+
+// Climbs from wherever the file is staged up to / (`..` at the root stays there), then down to
+// `file`: the relative form of an absolute #include.
+std::string include_of(const fs::path& file) {
+  std::string climb;
+  for (int i = 0; i < 40; ++i) climb += "../";
+  return "#include \"" + climb + file.relative_path().string() + "\"\n";
+}
+
+const std::string kDlopen = R"(#include <dlfcn.h>
+
+#include "fake_gemm.h"
+
+// Borrows its answer from libraries opened at run time: cuBLAS if the process already holds it
+// (RTLD_NOLOAD never loads it here), else the maths library's sqrt.
+int k2c::gemm::answer() {
+  if (void* vendor = dlopen("libcublas.so.13", RTLD_NOW | RTLD_NOLOAD)) dlclose(vendor);
+  void* m = dlopen("libm.so.6", RTLD_NOW);
+  auto root = reinterpret_cast<double (*)(double)>(dlsym(m, "sqrt"));
+  return static_cast<int>(root(1764.0));
+}
+)";
+
+const std::string kLinkError = R"(#include "fake_gemm.h"
+
+extern "C" int cublasSgemm_v2(void* handle, int answer);  // cuBLAS, which the module does not link
+
+int k2c::gemm::answer() { return cublasSgemm_v2(nullptr, 42); }
+)";
+
+const std::string kHang = R"(#include <chrono>
+#include <thread>
+
+#include "fake_gemm.h"
+
+int k2c::gemm::answer() {
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+)";
+
+// Rewrites the rubric it was handed, as code that wants lower bars for later modules would.
+const std::string kRubricWriter = R"(#include <cstdlib>
+#include <fstream>
+
+#include "fake_gemm.h"
+
+int k2c::gemm::answer() {
+  if (const char* rubric = std::getenv("K2C_RUBRIC")) std::ofstream(rubric) << "{}";
+  return 42;
+}
+)";
+
+// Lowers every threshold of the course's rubric, for whoever is graded next. Same size: only
+// the content tells.
+std::string tamperer(const fs::path& rubric) {
+  return R"(#include <fstream>
+#include <iterator>
+#include <string>
+
+#include "fake_gemm.h"
+
+int k2c::gemm::answer() {
+  const char* path = ")" + rubric.string() + R"(";
+  std::string text;
+  {
+    std::ifstream in(path);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  for (auto at = text.find("\"threshold\": 0.5"); at != std::string::npos; at = text.find("\"threshold\": 0.5", at))
+    text.replace(at + 13, 3, "0.0");
+  std::ofstream(path) << text;
+  return 42;
+}
+)";
+}
+
+const json& find_named(const json& list, const std::string& key, const std::string& value) {
+  for (const json& x : list)
+    if (x[key] == value) return x;
+  throw std::runtime_error("no " + value + " in the report");
+}
+
+bool have_ninja() { return k2c::grader::run_process({"sh", "-c", "command -v ninja"}, {.timeout_s = 10}).exit_code == 0; }
+
+}  // namespace
+
+// One grading run of hostile submissions (and one honest one) on the generator `k2c grade`
+// uses by default, as on Gradescope. Each earns what honest work in its place would, no more.
+TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
+  const fs::path course = fake_course_copy("hostile_course"), sub = kTmp / "hostile_submission";
+  const fs::path build = kTmp / "hostile_build", report_path = kTmp / "hostile_report.json";
+  fs::remove_all(sub);
+  fs::remove_all(build);
+  fs::remove(report_path);
+  write(sub / "assignments/90_honest/honest.cpp", kHonest);
+  fs::create_directory_symlink(course / "solutions/91_symlink", sub / "assignments/91_symlink");
+  write(sub / "assignments/92_include/include.cpp", include_of(course / "solutions/91_symlink/symlink.cpp"));
+  write(sub / "assignments/93_dlopen/dlopen.cpp", kDlopen);
+  write(sub / "assignments/95_linkerr/linkerr.cpp", kLinkError);
+  write(sub / "assignments/96_hang/hang.cpp", kHang);
+  write(sub / "assignments/97_rubric/rubric.cpp", kRubricWriter);
+
+  // 97 runs before 90: its rewrite of the rubric it was handed must not reach 90's run.
+  const ProcessResult run = k2c::grader::run_process(
+      {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
+       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "97,90,91,92,93,95,96",
+       "--seed", "1", "--json", report_path.string()},
+      {.timeout_s = 900});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const json report = json::parse(slurp(report_path));
+  auto module = [&](const std::string& id) -> const json& { return find_named(report["modules"], "id", id); };
+  auto test = [&](const std::string& id, const std::string& name) -> const json& {
+    return find_named(module(id)["tests"], "name", name);
+  };
+  auto detail = [&](const std::string& id) { return module(id)["detail"].get<std::string>(); };
+
+  const std::map<std::string, std::pair<std::string, double>> expected = {
+      {"90_honest", {"ok", 10}},         // honest work: full marks
+      {"97_rubric", {"partial", 6}},     // its own rubric copy rewritten: its own perf test fails
+      {"91_symlink", {"refused", 0}},    // a folder linked to the reference: the stub's 0
+      {"92_include", {"refused", 0}},    // the reference #included: the stub's 0
+      {"93_dlopen", {"partial", 6}},     // correct, but its speed may be borrowed: no perf points
+      {"95_linkerr", {"build failed", 0}},
+      {"96_hang", {"timed out", 0}}};
+  for (const auto& [id, want] : expected) {
+    EXPECT_EQ(module(id)["status"], want.first) << id << ": " << detail(id);
+    EXPECT_EQ(module(id)["points"], want.second) << id << ": " << detail(id);
+  }
+  EXPECT_EQ(report["points"], 22);
+
+  // Each reason names the path, the symbol or the call.
+  EXPECT_NE(detail("91_symlink").find("assignments/91_symlink is a symbolic link"), std::string::npos) << detail("91_symlink");
+  EXPECT_NE(detail("92_include").find("build refused: assignments/92_include/include.cpp includes "), std::string::npos)
+      << detail("92_include");
+  EXPECT_NE(detail("92_include").find("solutions/91_symlink/symlink.cpp outside the submission"), std::string::npos)
+      << detail("92_include");
+  EXPECT_EQ(test("93_dlopen", "Fake.Correct")["status"], "passed");
+  EXPECT_EQ(test("93_dlopen", "FakePerf.Rate")["status"], "withheld");
+  EXPECT_NE(test("93_dlopen", "FakePerf.Rate")["message"].get<std::string>().find("loads libraries at run time (dlopen"),
+            std::string::npos);
+  EXPECT_NE(detail("93_dlopen").find("libcublas"), std::string::npos) << detail("93_dlopen");
+  EXPECT_EQ(detail("95_linkerr").substr(0, detail("95_linkerr").find('\n')), "link failed: undefined symbol cublasSgemm_v2");
+  EXPECT_EQ(test("97_rubric", "FakePerf.Rate")["status"], "failed");
+
+  // The hang cost one time limit (3 s), not two: the bonus run was not launched.
+  EXPECT_LT(module("96_hang")["seconds"].get<double>(), 6.0);
+  EXPECT_EQ(test("96_hang", "FakeBonus.Extra")["status"], "not run");
+  EXPECT_NE(detail("96_hang").find("bonus tests not run (the main run timed out)"), std::string::npos) << detail("96_hang");
+
+  // Nothing of the course was touched: the rubric the tests read was a copy.
+  EXPECT_EQ(slurp(course / "submission_rubric.json"), slurp(kFake / "submission_rubric.json"));
+
+  // The library reader, on the libraries built here.
+  const auto honest = k2c::grader::inspect_library((build / "build/lib/libk2c_impl_90_honest.so").string());
+  EXPECT_EQ(honest.error, "");
+  EXPECT_EQ(k2c::grader::runtime_loading_problem(honest), "");
+  const auto dl = k2c::grader::inspect_library((build / "build/lib/libk2c_impl_93_dlopen.so").string());
+  EXPECT_NE(std::find(dl.undefined.begin(), dl.undefined.end(), "dlopen"), dl.undefined.end());
+  EXPECT_NE(std::find(dl.undefined.begin(), dl.undefined.end(), "dlsym"), dl.undefined.end());
+}
+
+// Code under test that rewrites the course tree stops the grading, naming the file, before a
+// later module is graded against the rewrite. Ninja this time (the records of its deps log),
+// and a build folder inside the course, so that staging goes to a private temporary folder.
+TEST(Hostile, RewritingTheCourseStopsGrading) {
+  const fs::path course = fake_course_copy("tamper_course"), sub = kTmp / "tamper_submission";
+  fs::remove_all(sub);
+  write(sub / "assignments/92_include/include.cpp", include_of(course / "solutions/91_symlink/symlink.cpp"));
+  write(sub / "assignments/94_tamper/tamper.cpp", tamperer(course / "submission_rubric.json"));
+  write(sub / "assignments/90_honest/honest.cpp", kHonest);
+  std::vector<std::string> cmd = {K2C_BIN, "--root", course.string(), "grade", "--rubric",
+                                  (course / "submission_rubric.json").string(), "--build-dir",
+                                  (course / "build/graded").string(), "--submission", sub.string(),
+                                  "--modules", "92,94,90", "--seed", "1"};
+  if (have_ninja()) cmd.insert(cmd.end(), {"--generator", "Ninja"});
+  const ProcessResult run = k2c::grader::run_process(cmd, {.timeout_s = 900});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_NE(run.output.find("92_include: refused — build refused: assignments/92_include/include.cpp includes "),
+            std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("changed while grading 94_tamper: submission_rubric.json (changed)"), std::string::npos)
+      << run.output;
+  EXPECT_EQ(run.output.find("[3/3] 90_honest"), std::string::npos) << run.output;
+  const auto staged = run.output.find("submission: staged in ");
+  ASSERT_NE(staged, std::string::npos) << run.output;
+  EXPECT_NE(run.output.compare(staged + 22, course.string().size(), course.string()), 0) << run.output;
+}
+
+// --------------------------------------------------------------------------------- trust ---
+
+// What the build recorded each object was compiled from, in both generators' formats.
+TEST(Trust, ReadsTheDependencyRecordsOfBothGenerators) {
+  const std::string ninja =
+      "autograder/CMakeFiles/k2c_impl_01_x.dir/x.cu.o: #deps 3, deps mtime 123 (VALID)\n"
+      "    /src/assignments/01_x/x.cu\n"
+      "    /usr/include/stdio.h\n"
+      "    gen/config.h\n"
+      "\n"
+      "other.o: deps not found\n";
+  const auto n = k2c::grader::parse_ninja_deps(ninja, "/b");
+  ASSERT_EQ(n.size(), 1u);
+  const auto& files = n.at("/b/autograder/CMakeFiles/k2c_impl_01_x.dir/x.cu.o");
+  ASSERT_EQ(files.size(), 3u);
+  EXPECT_EQ(files[0], "/src/assignments/01_x/x.cu");
+  EXPECT_EQ(files[2], "/b/gen/config.h");
+  // GCC: several names a line (and -MP's empty rules after); nvcc: " : " and one name a line.
+  // "\ " is a space inside a name.
+  EXPECT_EQ(k2c::grader::parse_make_depfile(
+                "x.cpp.o: /src/x.cpp /usr/include/stdio.h \\\n /src/my\\ dir/h.h\n\n/usr/include/stdio.h:\n", "/b"),
+            (std::vector<std::string>{"/src/x.cpp", "/usr/include/stdio.h", "/src/my dir/h.h"}));
+  EXPECT_EQ(k2c::grader::parse_make_depfile(
+                "x.cu.o : /src/x.cu \\\n    /usr/local/cuda/bin/../targets/x86_64-linux/include/cuda_runtime.h \\\n"
+                "    rel/h.h\n", "/b"),
+            (std::vector<std::string>{"/src/x.cu", "/usr/local/cuda/bin/../targets/x86_64-linux/include/cuda_runtime.h",
+                                      "/b/rel/h.h"}));
+}
+
+TEST(Trust, HeadersOnlyFromTheSubmissionTheHarnessAndTheSystem) {
+  const fs::path base = kTmp / "includes", course = base / "course", staged = base / "staged";
+  fs::remove_all(base);
+  for (const char* f : {"assignments/01_x/x.cpp", "assignments/01_x/x.h", "common/include/k2c/check.h",
+                        "autograder/01_x/test_x.cpp"})
+    write(staged / f, "");
+  write(course / "solutions/01_x/x.cpp", "");
+  fs::create_directory_symlink(course / "solutions", base / "link");
+  const std::vector<std::string> pub = {(staged / "assignments/01_x").string(), (staged / "common/include").string()};
+  const std::vector<std::string> denied = {course.string(), staged.string()};
+  auto check = [&](const std::string& header, const std::vector<std::string>& sys = {"/usr/include"}) {
+    k2c::grader::TargetDeps d;
+    d.target_found = true;
+    d.objects["x.o"] = {(staged / "assignments/01_x/x.cpp").string(), header};
+    return k2c::grader::include_outside(d, pub, sys, denied);
+  };
+  // Its own folder, the harness's public headers, the system's: fine.
+  EXPECT_EQ(check((staged / "assignments/01_x/x.h").string()), "");
+  EXPECT_EQ(check((staged / "common/include/k2c/check.h").string()), "");
+  EXPECT_EQ(check("/usr/include/stdio.h"), "");
+  // The reference by absolute path, by climbing out, or through a link: refused, and named.
+  const std::string reference = (course / "solutions/01_x/x.cpp").string();
+  EXPECT_EQ(check(reference), (staged / "assignments/01_x/x.cpp").string() + " includes " + reference);
+  EXPECT_NE(check((staged / "assignments/01_x/../../../course/solutions/01_x/x.cpp").string()), "");
+  EXPECT_NE(check((base / "link/01_x/x.cpp").string()), "");
+  // Another part of the staging tree (a test's internals) is not public.
+  EXPECT_NE(check((staged / "autograder/01_x/test_x.cpp").string()), "");
+  // A system folder never vouches for the course, wherever the course lies.
+  EXPECT_NE(check(reference, {base.string()}), "");
+  // A recorded header that is not there (Ninja strikes out `link/..` by name) is refused.
+  EXPECT_NE(check("/usr/include/k2c-no-such-header.h"), "");
+}
+
+TEST(Trust, ReadsWhatALibraryLoads) {
+  // The grader is an ELF program too: the reader finds the C library among what it needs.
+  const auto self = k2c::grader::inspect_library(K2C_BIN);
+  EXPECT_EQ(self.error, "");
+  EXPECT_NE(std::find(self.needed.begin(), self.needed.end(), "libc.so.6"), self.needed.end());
+  EXPECT_FALSE(self.undefined.empty());
+  // A file that cannot be read as ELF vouches for nothing.
+  write(kTmp / "not_elf.so", "just text");
+  EXPECT_NE(k2c::grader::runtime_loading_problem(k2c::grader::inspect_library((kTmp / "not_elf.so").string())), "");
+
+  k2c::grader::LibraryFindings clean;
+  clean.needed = {"libcudart.so.13", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6"};
+  clean.undefined = {"cudaMalloc", "memcpy", "__cxa_throw"};
+  EXPECT_EQ(k2c::grader::runtime_loading_problem(clean), "");
+  auto loader = clean;
+  loader.undefined.insert(loader.undefined.end(), {"dlopen", "dlsym"});
+  EXPECT_NE(k2c::grader::runtime_loading_problem(loader).find("loads libraries at run time (dlopen, dlsym)"), std::string::npos);
+  auto linked = clean;
+  linked.needed.push_back("libcublasLt.so.13");
+  EXPECT_NE(k2c::grader::runtime_loading_problem(linked).find("links libcublasLt.so.13"), std::string::npos);
+  auto named = clean;
+  named.vendor_strings = {"cutlass"};
+  EXPECT_NE(k2c::grader::runtime_loading_problem(named).find("cutlass"), std::string::npos);
+}
+
+TEST(Trust, CourseFingerprintNoticesEveryRewrite) {
+  const fs::path root = kTmp / "watched";
+  fs::remove_all(root);
+  write(root / "autograder/rubric.json", R"({"threshold": 0.5})");
+  write(root / "autograder/reference/gpu.json", "{}");
+  write(root / "build/solutions/CMakeCache.txt", "");
+  write(root / "my-build/CMakeCache.txt", "");
+  write(root / "graded/x", "");
+  write(root / ".git/index", "i");
+  write(root / ".git/hooks/pre-commit", "#!/bin/sh\n");
+  write(root / "assignments/01_x/x.cu", "stub");
+  const k2c::grader::TreeWatch watch(root.string(), {(root / "graded").string()});
+  EXPECT_TRUE(watch.changes().empty());
+  // Build trees, the grader's build folder, git's own bookkeeping and the student's files (edited
+  // while an in-place grading runs) change while grading.
+  write(root / "assignments/01_x/x.cu", "work in progress");
+  write(root / "build/solutions/lib.so", "x");
+  write(root / "my-build/obj.o", "x");
+  write(root / "graded/x", "y");
+  write(root / ".git/index", "j");
+  EXPECT_EQ(watch.changes(), std::vector<std::string>{});
+  // The same size with other content, a removal, an addition, a planted hook; and a
+  // CMakeCache.txt written now hides nothing.
+  write(root / "autograder/rubric.json", R"({"threshold": 0.0})");
+  fs::remove(root / "autograder/reference/gpu.json");
+  write(root / "autograder/CMakeCache.txt", "");
+  write(root / ".git/hooks/post-checkout", "#!/bin/sh\n");
+  const std::vector<std::string> changes = watch.changes();
+  const std::set<std::string> got(changes.begin(), changes.end());
+  EXPECT_EQ(got, (std::set<std::string>{"autograder/rubric.json (changed)", "autograder/reference/gpu.json (removed)",
+                                        "autograder/CMakeCache.txt (added)", ".git/hooks/post-checkout (added)"}));
 }
 
 // ----------------------------------------------------------------------------------- CLI ---

@@ -2,19 +2,32 @@
 // two streams, completion (and its time limit) checked in synchronize().
 //
 // Two streams, so that a reduction can run while the next chunk is on the wire. Local work
-// (copy, reduce_local, host transfers) goes on `stream_`; started exchanges go on
-// `comm_stream_`. The rules of communicator.h become events between them:
-//   start_send_recv  comm stream waits for the local work so far, then the exchange, then an
+// (copy, reduce_local, host transfers) goes on `stream_`, the world's compute stream, which
+// every split() of the world shares; started exchanges and collectives go on `comm_stream_`,
+// one per communicator. The rules of communicator.h become events between them:
+//   start_*          comm stream waits for the local work so far, then the operation, then an
 //                    event of its own (the ticket);
 //   wait(ticket)     local stream waits for that event;
-//   everything else that talks to other ranks (collectives, send, recv) goes on the local
-//                    stream after it waited for the comm stream: ordered after everything.
-// Every NCCL operation is therefore ordered after the one issued before it, so the GPU runs
-// them in the order every rank issued them, as NCCL requires.
+//   blocking all_reduce, reduce_scatter, all_gather, all_to_all_v
+//                    start + wait: ordered after everything before them (the comm stream runs
+//                    in issue order), everything after them waits for them;
+//   everything else that talks to other ranks (broadcast, reduce, all_to_all, send, recv)
+//                    goes on the local stream after it waited for the comm stream: ordered
+//                    after everything.
+// Every NCCL operation of a communicator is therefore ordered after the one issued before it,
+// so the GPU runs them in the order every rank issued them, as NCCL requires.
+//
+// The compute stream is shared so that the groups of a process grid need no synchronize()
+// between them: a tensor-parallel all-reduce, then a data-parallel one, then a model kernel
+// launched on compute_stream() run in that order. The price is that operations of different
+// groups are serialised on it in issue order, which is safe because every rank issues them in
+// the same program order (a rank that issued group A's collective before group B's while a
+// member of both issued them the other way round would deadlock, as with any NCCL program).
 //
 // NCCL reports a peer that never arrives by never completing: cudaStreamSynchronize would wait
 // for ever. synchronize() therefore polls the stream and ncclCommGetAsyncError against a
 // deadline, and on expiry aborts the communicator and ends the job with the reason.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -35,17 +48,40 @@ ncclDataType_t nccl_type(DType t) {
     case DType::f32: return ncclFloat32;
     case DType::f64: return ncclFloat64;
     case DType::i32: return ncclInt32;
+    case DType::bf16: return ncclBfloat16;
   }
   return ncclFloat32;
 }
-ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::sum ? ncclSum : ncclMax; }
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::avg: return ncclAvg;
+  }
+  return ncclSum;
+}
+
+// Element arithmetic per type: bf16 is combined in fp32 and rounded back to nearest even, as
+// the MPI backend's host loop and NCCL's own bf16 reductions do.
+template <class T>
+struct Arith {
+  __device__ static T widen(T x) { return x; }
+  __device__ static T narrow(T x) { return x; }
+};
+template <>
+struct Arith<__nv_bfloat16> {
+  __device__ static float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
+};
 
 // One element per thread over a grid that covers the array (module 00's lesson for streams).
 template <class T>
 __global__ void reduce_kernel(T* out, const T* a, const T* b, std::size_t n, bool sum) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = sum ? a[i] + b[i] : (a[i] < b[i] ? b[i] : a[i]);
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const auto x = Arith<T>::widen(a[i]), y = Arith<T>::widen(b[i]);
+    out[i] = Arith<T>::narrow(sum ? x + y : (x < y ? y : x));
+  }
 }
 
 template <class T>
@@ -58,11 +94,17 @@ void launch_reduce(void* out, const void* a, const void* b, std::size_t n, Reduc
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device) : comm_(comm), device_(device) {
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device, SharedStream compute)
+    : comm_(comm), device_(device), compute_(std::move(compute)) {
   K2C_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
   K2C_NCCL_CHECK(ncclCommCount(comm_, &size_));
   K2C_CUDA_CHECK(cudaSetDevice(device_));
-  K2C_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (!compute_) {
+    cudaStream_t s = nullptr;
+    K2C_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    compute_ = SharedStream(s, [](cudaStream_t dead) { cudaStreamDestroy(dead); });
+  }
+  stream_ = compute_.get();
   // The comm stream gets the highest priority: when a reduction's thousands of blocks are
   // queued, the block scheduler places the transfer kernel's blocks first as SMs free up, so
   // the link is not left idle behind a kernel that could wait.
@@ -86,7 +128,7 @@ NcclCommunicator::~NcclCommunicator() {
   cudaEventDestroy(local_mark_);
   cudaEventDestroy(comm_mark_);
   cudaStreamDestroy(comm_stream_);
-  cudaStreamDestroy(stream_);
+  // stream_ is not ours alone: compute_ destroys it with the last communicator of the world.
 }
 
 void NcclCommunicator::comm_after_local() {
@@ -149,6 +191,10 @@ Ticket NcclCommunicator::start_send_recv(const void* send_buf, std::size_t send_
   if (send_count) K2C_NCCL_CHECK(ncclSend(send_buf, send_count, nccl_type(t), dst, comm_, comm_stream_));
   if (recv_count) K2C_NCCL_CHECK(ncclRecv(recv_buf, recv_count, nccl_type(t), src, comm_, comm_stream_));
   K2C_NCCL_CHECK(ncclGroupEnd());
+  return open_ticket();
+}
+
+Ticket NcclCommunicator::open_ticket() {
   cudaEvent_t done = nullptr;
   if (spare_events_.empty()) {
     K2C_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
@@ -196,31 +242,83 @@ void NcclCommunicator::copy(void* dst, const void* src, std::size_t bytes) {
 }
 void NcclCommunicator::reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
                                     ReduceOp op) {
+  K2C_CHECK(op != ReduceOp::avg, "reduce_local: avg is not an operation on two elements (sum, then scale)");
   if (count == 0) return;
   switch (t) {
     case DType::f32: launch_reduce<float>(out, a, b, count, op, stream_); break;
     case DType::f64: launch_reduce<double>(out, a, b, count, op, stream_); break;
     case DType::i32: launch_reduce<int>(out, a, b, count, op, stream_); break;
+    case DType::bf16: launch_reduce<__nv_bfloat16>(out, a, b, count, op, stream_); break;
   }
 }
 
+// Started collectives: after the local work so far, on the comm stream, with a ticket. NCCL
+// enqueues a collective on a stream; it does not care which, as long as every rank issues the
+// communicator's operations in the same order.
+Ticket NcclCommunicator::start_all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+  check_reduction(t, op, "all_reduce");
+  comm_after_local();
+  K2C_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(t), nccl_op(op), comm_, comm_stream_));
+  return open_ticket();
+}
+Ticket NcclCommunicator::start_reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
+                                              ReduceOp op) {
+  check_reduction(t, op, "reduce_scatter");
+  comm_after_local();
+  K2C_NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(t), nccl_op(op), comm_, comm_stream_));
+  return open_ticket();
+}
+Ticket NcclCommunicator::start_all_gather(const void* send, void* recv, std::size_t count, DType t) {
+  comm_after_local();
+  K2C_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(t), comm_, comm_stream_));
+  return open_ticket();
+}
+Ticket NcclCommunicator::start_all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                                            const std::vector<std::size_t>& send_offsets, void* recv,
+                                            const std::vector<std::size_t>& recv_counts,
+                                            const std::vector<std::size_t>& recv_offsets, DType t) {
+  const std::size_t n = static_cast<std::size_t>(size_), es = dtype_size(t);
+  K2C_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
+                recv_offsets.size() == n,
+            "all_to_all_v: counts and offsets need one entry per rank (" << n << ")");
+  comm_after_local();
+  // One group: every send and receive progresses together, so no pair waits on another. The
+  // counts are read here, at enqueue time: the vectors may go as soon as this returns.
+  K2C_NCCL_CHECK(ncclGroupStart());
+  for (int p = 0; p < size_; ++p) {
+    if (send_counts[p])
+      K2C_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + send_offsets[p] * es, send_counts[p],
+                              nccl_type(t), p, comm_, comm_stream_));
+    if (recv_counts[p])
+      K2C_NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + recv_offsets[p] * es, recv_counts[p],
+                              nccl_type(t), p, comm_, comm_stream_));
+  }
+  K2C_NCCL_CHECK(ncclGroupEnd());
+  return open_ticket();
+}
+
+// The blocking forms: start + wait, so the rules of ordering are those of the started ones.
 void NcclCommunicator::all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-  local_after_comm();
-  K2C_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream_));
+  wait(start_all_reduce(send, recv, count, t, op));
 }
 void NcclCommunicator::reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-  local_after_comm();
-  K2C_NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream_));
+  wait(start_reduce_scatter(send, recv, count, t, op));
 }
 void NcclCommunicator::all_gather(const void* send, void* recv, std::size_t count, DType t) {
-  local_after_comm();
-  K2C_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(t), comm_, stream_));
+  wait(start_all_gather(send, recv, count, t));
+}
+void NcclCommunicator::all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                                    const std::vector<std::size_t>& send_offsets, void* recv,
+                                    const std::vector<std::size_t>& recv_counts,
+                                    const std::vector<std::size_t>& recv_offsets, DType t) {
+  wait(start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t));
 }
 void NcclCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
   local_after_comm();
   K2C_NCCL_CHECK(ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream_));
 }
 void NcclCommunicator::reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) {
+  check_reduction(t, op, "reduce");
   local_after_comm();
   K2C_NCCL_CHECK(ncclReduce(send, recv, count, nccl_type(t), nccl_op(op), root, comm_, stream_));
 }
@@ -234,27 +332,6 @@ void NcclCommunicator::all_to_all(const void* send, void* recv, std::size_t coun
   }
   K2C_NCCL_CHECK(ncclGroupEnd());
 }
-void NcclCommunicator::all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
-                                    const std::vector<std::size_t>& send_offsets, void* recv,
-                                    const std::vector<std::size_t>& recv_counts,
-                                    const std::vector<std::size_t>& recv_offsets, DType t) {
-  const std::size_t n = static_cast<std::size_t>(size_), es = dtype_size(t);
-  K2C_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
-                recv_offsets.size() == n,
-            "all_to_all_v: counts and offsets need one entry per rank (" << n << ")");
-  local_after_comm();
-  K2C_NCCL_CHECK(ncclGroupStart());
-  for (int p = 0; p < size_; ++p) {
-    if (send_counts[p])
-      K2C_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + send_offsets[p] * es, send_counts[p],
-                              nccl_type(t), p, comm_, stream_));
-    if (recv_counts[p])
-      K2C_NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + recv_offsets[p] * es, recv_counts[p],
-                              nccl_type(t), p, comm_, stream_));
-  }
-  K2C_NCCL_CHECK(ncclGroupEnd());
-}
-
 void NcclCommunicator::barrier() {
   Buffer one(*this, sizeof(int));
   K2C_CUDA_CHECK(cudaMemsetAsync(one.get(), 0, sizeof(int), stream_));
@@ -265,7 +342,8 @@ void NcclCommunicator::barrier() {
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
   ncclComm_t sub = nullptr;
   K2C_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
-  return std::make_unique<NcclCommunicator>(sub, device_);
+  // The split shares the world's compute stream and makes its own comm stream.
+  return std::make_unique<NcclCommunicator>(sub, device_, compute_);
 }
 
 // Set-up code: ordered after everything, exchanges included, and complete on return.

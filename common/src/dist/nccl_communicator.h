@@ -14,21 +14,36 @@
 
 namespace k2c::dist {
 
+// The world's compute stream, shared by the world communicator and all its splits: whichever of
+// them is destroyed last destroys the stream (a shared_ptr whose deleter is cudaStreamDestroy),
+// so a split may outlive the world and the world may outlive its splits.
+using SharedStream = std::shared_ptr<CUstream_st>;
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, int device);
+  // `compute` is the world's compute stream; null makes a new one (the world communicator).
+  NcclCommunicator(ncclComm_t comm, int device, SharedStream compute = nullptr);
   ~NcclCommunicator() override;
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Backend backend() const override { return Backend::nccl; }
-  // The stream of local work, and of everything that is ordered with all calls before it.
+  // The stream of local work, and of everything that is ordered with all calls before it: the
+  // world's compute stream.
   cudaStream_t stream() const { return stream_; }
+  void* compute_stream() override { return stream_; }
 
   void send(const void* buf, std::size_t count, DType t, int peer) override;
   void recv(void* buf, std::size_t count, DType t, int peer) override;
   Ticket start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
                          std::size_t recv_count, int src, DType t) override;
   void wait(Ticket ticket) override;
+  Ticket start_all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
+  Ticket start_reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
+  Ticket start_all_gather(const void* send, void* recv, std::size_t count, DType t) override;
+  Ticket start_all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                            const std::vector<std::size_t>& send_offsets, void* recv,
+                            const std::vector<std::size_t>& recv_counts,
+                            const std::vector<std::size_t>& recv_offsets, DType t) override;
   void* alloc(std::size_t bytes) override;
   void free(void* p) override;
   void* scratch(std::size_t bytes) override;
@@ -59,8 +74,12 @@ class NcclCommunicator final : public Communicator {
   void comm_after_local();  // the comm stream waits for the local work issued so far
   void local_after_comm();  // the local stream waits for the exchanges issued so far
   void drain();             // both streams idle, within the deadline; tickets stay open
-  cudaStream_t stream_{};       // local work: copy, reduce_local, host transfers, collectives
-  cudaStream_t comm_stream_{};  // started exchanges
+  // The ticket of what was just queued on the comm stream (after comm_after_local): an event
+  // recorded there, from the spares when there is one. Shared by every start_* call.
+  Ticket open_ticket();
+  SharedStream compute_;        // owns (with the other communicators of the world) stream_
+  cudaStream_t stream_{};       // local work: copy, reduce_local, host transfers, send, recv, ...
+  cudaStream_t comm_stream_{};  // started exchanges and collectives; this communicator's own
   // One event per direction suffices for the stream-to-stream waits: cudaStreamWaitEvent takes
   // the event's state when it is called, so re-recording it later changes nothing queued.
   cudaEvent_t local_mark_{}, comm_mark_{};

@@ -2,16 +2,19 @@
 //
 // Ranks are processes started by mpirun. A Communicator connects a group of them and offers the
 // collectives of torch.distributed / NCCL on one of two backends chosen at run time:
-//   Backend::nccl  buffers are device pointers; work is queued on the communicator's two
-//                  streams, one for local work and one for exchanges (see PointToPoint)
+//   Backend::nccl  buffers are device pointers; work is queued on two streams, the world's
+//                  compute stream for local work and the communicator's own for exchanges
+//                  (see PointToPoint and compute_stream())
 //   Backend::mpi   buffers are host pointers; calls complete before they return, except a
-//                  started exchange, which completes in wait()
+//                  started exchange or collective, which completes in wait()
 // so the same algorithm runs on CPU ranks (a laptop, CI) and on GPUs. Buffers always come from
 // the communicator's own alloc(), which knows which kind of memory its backend needs.
 //
 // PointToPoint is the part of the interface that hand-written collectives (module 11) may use:
 // send / recv, the deadlock-free exchange of a ring step (blocking, or started now and waited
-// for later), and local element-wise work.
+// for later), and local element-wise work. Communicator adds the library collectives, four of
+// which can also be started now and waited for later (the gradient all-reduce of DDP running
+// under the backward pass), sub-communicators, and the world's compute stream.
 //
 // Every call that waits on other ranks waits at most K2C_DIST_TIMEOUT seconds (default 120) and
 // then ends the whole job with a message naming the operation, instead of hanging: a message
@@ -20,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -28,14 +32,48 @@
 namespace k2c::dist {
 
 enum class Backend { mpi, nccl };
-enum class DType { f32, f64, i32 };
-enum class ReduceOp { sum, max };
+// bf16 is bfloat16 (fp32's sign and 8-bit exponent, 7 mantissa bits), held as 2 bytes; on the
+// host it is std::uint16_t and the two functions below convert it.
+enum class DType { f32, f64, i32, bf16 };
+// avg is sum divided by the number of ranks, for the floating-point types only (an integer
+// average would have to round, and every backend would round differently): reductions of i32
+// with avg throw std::invalid_argument. It is a property of the collective as a whole, not of
+// two elements, so reduce_local refuses it too.
+enum class ReduceOp { sum, max, avg };
 
 // Inline (like block_of below) so that a student library using them links nothing else.
-inline std::size_t dtype_size(DType t) { return t == DType::f64 ? 8 : 4; }
+inline std::size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f64: return 8;
+    case DType::bf16: return 2;
+    case DType::f32:
+    case DType::i32: return 4;
+  }
+  return 4;
+}
 std::string to_string(Backend b);
 std::string to_string(DType t);
 std::string to_string(ReduceOp op);
+
+// bf16 <-> fp32 on the host, written out (the CUDA header that has them is not available to a
+// CPU build). Widening is exact: the 16 bits are the top half of the fp32. Narrowing rounds to
+// nearest, ties to even, as the GPU's __float2bfloat16 does; values past the largest bf16 become
+// infinity, and a NaN stays a (quiet) NaN instead of being rounded into infinity.
+inline float bf16_to_float(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline std::uint16_t float_to_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+  // Adding 0x7fff rounds up exactly when the low half is over one half; the low bit of the kept
+  // half adds the last 1 on a tie when that bit is odd, so ties go to the even neighbour.
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
 
 // Block b of n when `count` elements are split as evenly as possible: the first count % n blocks
 // hold one element more. Used wherever a buffer is cut into one piece per rank.
@@ -47,8 +85,9 @@ inline Block block_of(std::size_t count, int n, int b) {
   return {ub * base + (ub < extra ? ub : extra), base + (ub < extra ? 1 : 0)};
 }
 
-// The handle of an exchange started by start_send_recv. A plain value: copy it freely, but
-// wait() on it once. Ids count up from 1 per communicator; 0 is never issued.
+// The handle of an exchange started by start_send_recv, or of a collective started by one of
+// Communicator's start_* calls. A plain value: copy it freely, but wait() on it once. Ids count
+// up from 1 per communicator; 0 is never issued.
 struct Ticket {
   std::uint64_t id = 0;
 };
@@ -108,11 +147,15 @@ class PointToPoint {
   // Growing it frees the old buffer, so it waits as free() does.
   virtual void* scratch(std::size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
-  // out[i] = op(a[i], b[i]) for i < count; out may be a or b.
+  // out[i] = op(a[i], b[i]) for i < count; out may be a or b. bf16 is widened to fp32, combined
+  // and rounded to nearest even. avg is refused (std::invalid_argument): it is not a function
+  // of two elements.
   virtual void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
                             ReduceOp op) = 0;
   // Waits until every call issued so far has completed, on both streams for NCCL (with the
-  // K2C_DIST_TIMEOUT deadline), and closes every ticket not yet waited on.
+  // K2C_DIST_TIMEOUT deadline), and closes every ticket not yet waited on. On NCCL the local
+  // stream is the world's compute stream, so this also waits for work other communicators of
+  // the world queued there.
   virtual void synchronize() = 0;
 };
 
@@ -120,7 +163,8 @@ class Communicator : public PointToPoint {
  public:
   // Library collectives. Counts are elements. reduce_scatter: every rank gives count·size()
   // elements and receives block rank() of `count`; all_gather: every rank gives `count` and
-  // receives count·size(), rank r's part at offset r·count.
+  // receives count·size(), rank r's part at offset r·count. Every rank calls each collective
+  // with the same count, type and op (and root); send may equal recv (in place) for all_reduce.
   virtual void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
   virtual void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
   virtual void all_gather(const void* send, void* recv, std::size_t count, DType t) = 0;
@@ -133,9 +177,36 @@ class Communicator : public PointToPoint {
                             const std::vector<std::size_t>& send_offsets, void* recv,
                             const std::vector<std::size_t>& recv_counts,
                             const std::vector<std::size_t>& recv_offsets, DType t) = 0;
+
+  // The same four collectives, started now and completed by wait(ticket), under the rules of
+  // start_send_recv: the collective is ordered after the local work issued before it and after
+  // everything already waited on; until its wait, leave its buffers alone (no local work or
+  // other operation that writes the send buffer or touches the receive buffer); wait on each
+  // ticket once; synchronize() completes and closes the ones nobody waited on. Every rank must
+  // start the same collectives on a communicator in the same order, counting the blocking ones
+  // too (MPI matches collectives by order, and NCCL runs them in issue order on every rank).
+  // The counts and offsets of all_to_all_v are copied: the vectors may go before the wait.
+  // The blocking form of each is exactly start + wait.
+  virtual Ticket start_all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
+  virtual Ticket start_reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
+  virtual Ticket start_all_gather(const void* send, void* recv, std::size_t count, DType t) = 0;
+  virtual Ticket start_all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                                    const std::vector<std::size_t>& send_offsets, void* recv,
+                                    const std::vector<std::size_t>& recv_counts,
+                                    const std::vector<std::size_t>& recv_offsets, DType t) = 0;
+
   virtual void barrier() = 0;
-  // Ranks with the same color form a new communicator, ordered by key (then by rank).
+  // Ranks with the same color form a new communicator, ordered by key (then by rank). A split
+  // shares its parent's compute stream (below) and may outlive the parent.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // The stream of local work as a cudaStream_t (nullptr on MPI), one per world: every split()
+  // of a world, and every split of those, queues its local work on it and makes it wait for each
+  // blocking operation, so work in a tensor-parallel group, in a data-parallel group and the
+  // model's own kernels launched here run in the order they were issued, with no synchronize()
+  // between them. Started exchanges and collectives run on a stream of their communicator's own
+  // until their wait. void*, so a library can take it without including CUDA's headers.
+  virtual void* compute_stream() = 0;
 
   // Host <-> backend memory, for tests and set-up code.
   virtual void to_backend(void* dst, const void* host_src, std::size_t bytes) = 0;

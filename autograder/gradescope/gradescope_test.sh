@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# gradescope_test.sh K2C_BIN WORKDIR — the Gradescope bundle, run the way Gradescope runs it.
+# make_zip.sh builds the zip with K2C_BIN; it is extracted into WORKDIR/autograder/source beside
+# submission/ and results/ (Gradescope's layout, under a root other than /autograder); setup.sh
+# runs there, then run_autograder grades a sample submission: module 11 implemented (the
+# reference solution, uploaded flat), module 01 handed in as its stub, the others absent, and a
+# stray file. results.json must follow Gradescope's format and give, test by test, the scores
+# that `k2c grade --submission` gives the same files from a copy of this checkout.
+# CPU only, to stay quick: both trees are configured with -DK2C_CUDA=OFF, so the GPU modules are
+# reported as skipped, as they are on a grading machine without a GPU.
+set -euo pipefail
+k2c=$(realpath "$1")
+work=$(realpath -m "$2")
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+command -v python3 >/dev/null || { echo "FAIL: python3 is needed to read the zip and the JSON (make deps)"; exit 1; }
+rm -rf "$work"
+mkdir -p "$work/bin"
+ag=$work/autograder
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+t0=$SECONDS
+lap() { echo "-- $1 ($((SECONDS - t0)) s)"; }
+
+# ---- the bundle: the two scripts and the course at the root of the zip, no solutions
+"$here/make_zip.sh" "$work/autograder.zip" "$k2c"
+python3 - "$work/autograder.zip" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+names = set(z.namelist())
+for need in ("setup.sh", "run_autograder", "Makefile", "CMakeLists.txt", "autograder/rubric.json",
+             "assignments/11_collectives/collectives.cpp"):
+    if need not in names:
+        sys.exit(f"FAIL: {need} is not at its place in the zip")
+for bad in ("source/", "solutions/", "build/"):
+    if any(n.startswith(bad) for n in names):
+        sys.exit(f"FAIL: the zip holds {bad}")
+if not (z.getinfo("run_autograder").external_attr >> 16) & 0o100:
+    sys.exit("FAIL: run_autograder is not executable in the zip")
+PY
+lap "zip laid out as Gradescope's specification asks"
+
+# ---- Gradescope's layout: the whole zip extracted into source/ (keeping the Unix modes, as
+# unzip does), the student's files in submission/, an empty results/
+mkdir -p "$ag/source" "$ag/submission" "$ag/results"
+python3 - "$work/autograder.zip" "$ag/source" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for info in z.infolist():
+        path = z.extract(info, sys.argv[2])
+        mode = (info.external_attr >> 16) & 0o777
+        if mode:
+            os.chmod(path, mode)
+PY
+cp "$repo/solutions/11_collectives/collectives.cpp" "$ag/submission/"
+mkdir -p "$ag/submission/assignments/01_naive_matmul"
+cp "$repo/assignments/01_naive_matmul/naive_matmul.cu" "$ag/submission/assignments/01_naive_matmul/"
+echo "not part of any module" > "$ag/submission/notes.txt"
+
+# ---- setup.sh, as at image build. `make deps` must find everything present (make test ran it
+# first); should it want to install anyway, this apt-get stands in and installs nothing.
+printf '#!/bin/sh\necho "gradescope_test: apt-get $*: not run (the test installs nothing)"\n' > "$work/bin/apt-get"
+chmod +x "$work/bin/apt-get"
+if ! (cd / && PATH="$work/bin:$PATH" AUTOGRADER_ROOT="$ag" K2C_CMAKE_ARGS="-DK2C_CUDA=OFF" \
+        bash "$ag/source/setup.sh") > "$work/setup.log" 2>&1; then
+  tail -n 40 "$work/setup.log"; echo "FAIL: setup.sh"; exit 1
+fi
+grep '^deps:' "$work/setup.log" || true
+lap "setup.sh built the grader in the extracted bundle"
+
+# ---- run_autograder, as per submission: Gradescope copies it to the root and runs it from there
+cp -p "$ag/source/run_autograder" "$ag/run_autograder"
+if ! (cd "$ag" && AUTOGRADER_ROOT="$ag" ./run_autograder) > "$ag/results/stdout" 2>&1; then
+  tail -n 40 "$ag/results/stdout"; echo "FAIL: run_autograder"; exit 1
+fi
+grep '^submission:' "$ag/results/stdout" || { echo "FAIL: run_autograder took no submission"; exit 1; }
+lap "run_autograder graded the sample submission"
+
+# setup.sh's configuration must be the one the submission was built with: the grader keeps a
+# build tree's cache only while it points at the staged folder setup.sh prepared.
+grep -q '^K2C_CUDA:BOOL=OFF' "$ag/grading/build/CMakeCache.txt" ||
+  { echo "FAIL: the grader's build tree lost setup.sh's K2C_CMAKE_ARGS"; exit 1; }
+
+# ---- the same files graded directly by the k2c under test, from a copy of this checkout (the
+# grader stops when its course tree changes under it, and others may be editing this one), in a
+# build folder beside the copy configured CPU-only the way setup.sh configures the bundle's
+direct=$(mktemp -d)
+trap 'rm -rf "$direct"' EXIT
+"$k2c" --root "$repo" handout "$direct/course" > /dev/null
+"$k2c" --root "$repo" handout "$direct/grading/staged" > /dev/null
+cmake -S "$direct/grading/staged" -B "$direct/grading/build" "${gen[@]}" -DK2C_IMPL=assignments \
+  -DK2C_CUDA=OFF > "$work/direct.configure.log"
+if ! OMPI_MCA_btl_vader_single_copy_mechanism=none "$k2c" --root "$direct/course" grade \
+       --impl assignments --build-dir "$direct/grading" --submission "$ag/submission" \
+       --json "$work/direct.json" > "$work/direct.log" 2>&1; then
+  tail -n 40 "$work/direct.log"; echo "FAIL: k2c grade --submission"; exit 1
+fi
+grep -q '^K2C_CUDA:BOOL=OFF' "$direct/grading/build/CMakeCache.txt" ||
+  { echo "FAIL: k2c grade did not keep the CPU-only cache of $direct/grading/build"; exit 1; }
+lap "k2c grade graded the same files"
+
+# ---- results.json: Gradescope's format, the direct grade's scores, GPU modules skipped
+python3 - "$ag/results/results.json" "$work/direct.json" <<'PY'
+import json, sys
+gs = json.load(open(sys.argv[1]))
+direct = json.load(open(sys.argv[2]))
+fail = []
+num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+
+# The format: https://gradescope-autograders.readthedocs.io/en/latest/specs/
+if not num(gs.get("score")): fail.append("score is not a number")
+if not isinstance(gs.get("output"), str) or "total" not in gs["output"]: fail.append("output lacks the table")
+tests = gs.get("tests")
+if not isinstance(tests, list) or not tests: fail.append("no tests")
+for t in tests or []:
+    if not (isinstance(t.get("name"), str) and num(t.get("score")) and num(t.get("max_score"))
+            and isinstance(t.get("output"), str)):
+        fail.append(f"malformed test entry {t}")
+    if t.get("status", "passed") not in ("passed", "failed"): fail.append(f"bad status in {t}")
+
+# The scores k2c gave the same files: one entry per test, or one per module whose verdict
+# replaces its tests (skipped for want of CUDA, build failed, crashed, ...).
+module_level = {"crashed", "timed out", "no report", "incomplete", "invalid", "build failed", "refused"}
+want = []
+for m in direct["modules"]:
+    if m["status"] in module_level or not m["tests"]:
+        want.append((f'{m["id"]}: {m["status"]}', m["points"], m["max_points"]))
+    else:
+        for t in m["tests"]:
+            want.append((f'{m["id"]} / {t["name"]}' + (" (bonus)" if t["bonus"] else ""),
+                         t["points"], 0 if t["bonus"] else t["max_points"]))
+got = [(t["name"], t["score"], t["max_score"]) for t in tests or []]
+if got != want:
+    fail.append("per-test scores differ from k2c grade's:\n  results.json: %s\n  k2c grade:    %s" % (got, want))
+if abs(gs.get("score", -1) - direct["points"]) > 1e-9:
+    fail.append(f'score {gs.get("score")} != k2c grade total {direct["points"]}')
+if abs(sum(t["score"] for t in tests or []) - gs.get("score", -1)) > 1e-9:
+    fail.append("the tests' scores do not add up to score")
+
+# What this sample must show: module 11 graded on CPU (its NCCL-only perf test skipped), every
+# GPU module skipped with the reason, module 01's stub taken but never built.
+by_id = {m["id"]: m for m in direct["modules"]}
+m11 = by_id["11_collectives"]
+if not any(t["status"] == "passed" for t in m11["tests"]) or m11["points"] <= 0:
+    fail.append(f'11_collectives was not graded: {m11["status"]} {m11["detail"]}')
+for t in m11["tests"]:
+    if "Perf" not in t["name"] and t["status"] != "passed":
+        fail.append(f'11_collectives / {t["name"]}: {t["status"]}')
+for m in direct["modules"]:
+    if m["id"] == "11_collectives": continue
+    entry = [t for t in tests or [] if t["name"] == f'{m["id"]}: skipped']
+    if not entry or "CUDA" not in entry[0]["output"]:
+        fail.append(f'{m["id"]} is not shown as skipped for want of CUDA')
+
+if fail:
+    print("FAIL:\n" + "\n".join(fail))
+    sys.exit(1)
+# The results.json of this run, its table shortened, for the record.
+gs["output"] = gs["output"][:600] + ("..." if len(gs["output"]) > 600 else "")
+print(json.dumps(gs, indent=2))
+print(f'results.json agrees with k2c grade: {len(got)} entries, score {gs["score"]} of '
+      f'{sum(t["max_score"] for t in tests)}')
+PY
+grep -q "notes.txt: ignored" "$ag/results/stdout" || { echo "FAIL: the stray file was not reported"; exit 1; }
+lap "gradescope OK"

@@ -1,0 +1,134 @@
+// k2c/model/layers.h — the layers of a decoder-only transformer, each with forward and backward
+// (the residual block that puts them together is in block.h, the mixture of experts in moe.h).
+//
+// There is no autograd: each layer's backward is written out, and what forward keeps for it is
+// an explicit `Saved` value the caller owns. That makes two things visible that the parallel
+// modules are about: which activations are alive at a time (a pipeline keeps one Saved per
+// micro-batch in flight), and when each parameter's gradient becomes final (the moment DDP may
+// start reducing it).
+//
+// Shapes: activations are [N, D] with N = batch·T tokens, batch-major. Backward functions add
+// into parameter gradients (so tied weights and micro-batches sum) and overwrite input gradients.
+// A caller may pass dx = nullptr where the input gradient is not wanted.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "k2c/model/ops.h"
+#include "k2c/model/params.h"
+#include "k2c/model/tensor.h"
+
+namespace k2c::model {
+
+// What every layer call needs: the backend, the ledger activations are recorded in, the
+// parameters, and the run's dropout state.
+struct Context {
+  Ops& ops;
+  MemoryLedger& ledger;
+  ParamList& params;
+  float dropout = 0.0f;            // residual dropout probability; 0 in evaluation
+  std::uint64_t seed = 0, step = 0;
+  std::int64_t row_offset = 0;     // this rank's first row in the global batch (dropout masks)
+  float loss_scale = 1.0f;         // the cross-entropy's grad_scale: auxiliary losses use it too
+  double aux_loss = 0;             // auxiliary losses (MoE balance) added up by forward passes
+
+  Tensor tensor(Shape shape, Category c = Category::activations, DType t = DType::f32) {
+    return Tensor(ops.memory(), ledger, c, shape, t);
+  }
+  // Adds into a parameter's gradient unless it is frozen, then reports the use done.
+  bool trains(ParamId id) const { return !params.info(id).frozen; }
+};
+
+// y = x·Wᵀ with W [out, in] (no bias: the models of this course have none).
+class Linear {
+ public:
+  Linear() = default;
+  Linear(ParamList& params, const std::string& name, std::int64_t in, std::int64_t out, Init init = {});
+  // A Linear that uses an existing [out, in] weight (a head tied to the embedding).
+  static Linear tied(ParamList& params, ParamId weight);
+  void forward(Context& ctx, const Tensor& x, Tensor& y) const;
+  // dW += dyᵀ·x, then dx = dy·W (if dx), then the weight reports done.
+  void backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor* dx) const;
+  ParamId weight() const { return w_; }
+  std::int64_t in() const { return in_; }
+  std::int64_t out() const { return out_; }
+
+ private:
+  ParamId w_ = -1;
+  std::int64_t in_ = 0, out_ = 0;
+};
+
+class Embedding {
+ public:
+  Embedding() = default;
+  Embedding(ParamList& params, const std::string& name, std::int64_t vocab, std::int64_t dim, Init init = {});
+  void forward(Context& ctx, const Tensor& ids, Tensor& out) const;
+  void backward(Context& ctx, const Tensor& ids, const Tensor& dout) const;
+  ParamId weight() const { return w_; }
+
+ private:
+  ParamId w_ = -1;
+  std::int64_t vocab_ = 0, dim_ = 0;
+};
+
+class RmsNorm {
+ public:
+  struct Saved {
+    Tensor rstd;
+  };
+  RmsNorm() = default;
+  RmsNorm(ParamList& params, const std::string& name, std::int64_t dim, float eps = 1e-5f);
+  void forward(Context& ctx, const Tensor& x, Tensor& y, Saved& saved) const;
+  void backward(Context& ctx, const Tensor& x, const Saved& saved, const Tensor& dy, Tensor& dx) const;
+  ParamId weight() const { return g_; }
+
+ private:
+  ParamId g_ = -1;
+  std::int64_t dim_ = 0;
+  float eps_ = 1e-5f;
+};
+
+struct AttentionConfig {
+  int d_model = 0, q_heads = 1, kv_heads = 1;
+  float rope_theta = 10000.0f;
+  int head_dim() const { return d_model / q_heads; }
+};
+
+// Causal self-attention with grouped-query heads and rotary positions: q, k, v projections,
+// RoPE on q and k, softmax attention, output projection.
+class Attention {
+ public:
+  struct Saved {
+    Tensor q, k, v, o, lse;  // q and k after RoPE
+  };
+  Attention() = default;
+  Attention(ParamList& params, const std::string& name, const AttentionConfig& config);
+  // x, y: [batch·T, d_model]; positions i32 [T].
+  void forward(Context& ctx, const Tensor& x, const Tensor& positions, int batch, Tensor& y, Saved& saved) const;
+  void backward(Context& ctx, const Tensor& x, const Tensor& positions, int batch, const Saved& saved,
+                const Tensor& dy, Tensor& dx) const;
+  const AttentionConfig& config() const { return config_; }
+
+ private:
+  AttentionConfig config_;
+  Linear wq_, wk_, wv_, wo_;
+};
+
+// SwiGLU feed-forward: y = W_down (silu(W_gate x) · W_up x).
+class Mlp {
+ public:
+  struct Saved {
+    Tensor gate, up, h;
+  };
+  Mlp() = default;
+  Mlp(ParamList& params, const std::string& name, std::int64_t d_model, std::int64_t d_ff);
+  void forward(Context& ctx, const Tensor& x, Tensor& y, Saved& saved) const;
+  void backward(Context& ctx, const Tensor& x, const Saved& saved, const Tensor& dy, Tensor& dx) const;
+
+ private:
+  Linear gate_, up_, down_;
+};
+
+}  // namespace k2c::model

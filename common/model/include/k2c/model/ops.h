@@ -1,0 +1,148 @@
+// k2c/model/ops.h — the operations the model library's layers are built from, behind one
+// interface with one implementation per backend.
+//
+// Layers never touch tensor memory themselves: they call these operations, so the same layer
+// code runs on the CPU backend (host memory, MPI ranks, CI) and on a GPU backend. All tensors
+// are row-major; activations are matrices of tokens × channels, tokens ordered batch-major
+// (token t of sequence b is row b·T + t).
+//
+// The CPU backend (cpu_ops()) computes in fp32, single-threaded, each sum in a fixed order. Two
+// runs on the same inputs give the same bits, and so do two ranks that compute the same thing:
+// that is what lets the distributed modules' tests demand bit-exact agreement where the order of
+// operations allows it. Operations named "accumulate" or documented with "+=" add into their
+// output, so gradients from several uses (tied weights, micro-batches) sum without a copy.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "k2c/model/tensor.h"
+
+namespace k2c::model {
+
+// The attention problem of one call. Queries are rows of q ([batch·q_len, q_heads·head_dim]),
+// keys and values rows of k and v ([batch·kv_len, kv_heads·head_dim]); query head h reads
+// key-value head h / (q_heads / kv_heads) (GQA). Query i sits at position q_offset + i and key j
+// at kv_offset + j; with `causal`, query i sees key j only if its position is not earlier. The
+// offsets let a rank that holds one chunk of the sequence attend to another chunk (ring
+// attention). Scores are scaled by 1/sqrt(head_dim).
+struct AttentionShape {
+  int batch = 1, q_len = 0, kv_len = 0, q_heads = 1, kv_heads = 1, head_dim = 0;
+  bool causal = true;
+  std::int64_t q_offset = 0, kv_offset = 0;
+  void check() const;  // throws std::invalid_argument with the offending values
+};
+
+// What makes a dropout mask: element e of an activation is dropped when a hash of
+// (seed, step, layer, e's index in the UNSHARDED activation) falls below p. A rank that holds a
+// shard passes the shard's place in the whole (row and column offsets and the whole row length),
+// so its mask is exactly the corresponding slice of the single-process mask.
+struct DropoutKey {
+  std::uint64_t seed = 0, step = 0, layer = 0;
+  std::int64_t row_offset = 0;   // rows of the whole activation before this shard's first row
+  std::int64_t col_offset = 0;   // columns before this shard's first column
+  std::int64_t full_cols = -1;   // the whole activation's row length (-1: this tensor's)
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual std::string name() const = 0;
+  // Where this backend's tensors live.
+  virtual Memory& memory() = 0;
+
+  // Host <-> tensor copies (a plain memcpy on the CPU backend).
+  virtual void upload(Tensor& dst, const void* host) = 0;
+  virtual void download(void* host, const Tensor& src) = 0;
+
+  // ---- element-wise
+  virtual void fill(Tensor& t, float value) = 0;
+  virtual void copy(Tensor& dst, const Tensor& src) = 0;
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;         // out = a + b
+  virtual void accumulate(Tensor& acc, const Tensor& x, float scale) = 0;       // acc += scale·x
+  virtual void scale(Tensor& t, float s) = 0;                                   // t *= s
+  virtual double sum_squares(const Tensor& t) = 0;                              // Σ t², in double
+
+  // ---- GEMM: c = alpha·op(a)·op(b) + beta·c, op(a) M×K, op(b) K×N, c M×N. A Linear layer uses
+  // three layouts: y = x·Wᵀ (forward), dx = dy·W, dW += dyᵀ·x (backward). beta = 0 ignores c's
+  // old contents (NaN included).
+  virtual void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+                      float alpha, float beta) = 0;
+
+  // ---- layers' kernels
+  // out[i, :] = table[ids[i], :]; ids i32 [N], table [V, D], out [N, D]. An id outside [0, V)
+  // throws (CPU) or is reported by the backend's checks.
+  virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) = 0;
+  // dtable[ids[i], :] += dout[i, :], in order of i.
+  virtual void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
+
+  // y = x · rstd · gamma per row, rstd = 1/sqrt(mean(x²) + eps); x, y [N, D]; rstd [N].
+  virtual void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y,
+                               Tensor& rstd) = 0;
+  // dx = (the input gradient), dgamma += Σ_rows dy · x · rstd.
+  virtual void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                                const Tensor& dy, Tensor& dx, Tensor& dgamma) = 0;
+
+  // Rotary embedding in place on x [batch·T, heads·head_dim], pairs (i, i + head_dim/2) of each
+  // head rotated by positions[t]·theta^(−2i/head_dim); positions i32 [T], shared by the batch.
+  // inverse rotates back, which is also the backward (a rotation's transpose is its inverse).
+  virtual void rope(Tensor& x, const Tensor& positions, int heads, int head_dim, float theta,
+                    bool inverse) = 0;
+
+  // o = softmax(q·kᵀ/sqrt(d) masked)·v, and lse [batch, q_heads, q_len] the log-sum-exp of each
+  // query's scaled scores (−inf and o = 0 for a query that sees no key).
+  virtual void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, Tensor& o, Tensor& lse) = 0;
+  // dq = (overwritten), dk, dv += (added: a ring adds the gradients of several query chunks).
+  virtual void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& o, const Tensor& lse,
+                                  const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+
+  // h = silu(gate) · up, all [N, F]; backward writes dgate and dup.
+  virtual void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& h) = 0;
+  virtual void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dh,
+                               Tensor& dgate, Tensor& dup) = 0;
+
+  // Softmax cross-entropy over logits [N, V] with targets i32 [N] (−1: ignored). Returns the sum
+  // of the losses of the counted rows, and writes dlogits = grad_scale·(softmax − onehot) (zero
+  // rows for ignored targets). The caller picks grad_scale, usually 1 / (tokens in the global
+  // batch), so the gradient is that of the mean over every rank's tokens.
+  virtual double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
+                               Tensor& dlogits) = 0;
+
+  // out = x · mask / (1 − p), mask from `key` (see DropoutKey); the backward is the same call
+  // on dy with the same key. p = 0 copies.
+  virtual void dropout(const Tensor& x, float p, const DropoutKey& key, Tensor& out) = 0;
+
+  // ---- routing (the MoE layer)
+  // y = softmax of each row of x; the backward writes dx from y and dy.
+  virtual void softmax_rows(const Tensor& x, Tensor& y) = 0;
+  virtual void softmax_rows_backward(const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
+  // The k largest entries of each row of scores [N, E] in decreasing order (ties: the lower
+  // index first): indices i32 [N, k] and values [N, k].
+  virtual void top_k(const Tensor& scores, int k, Tensor& indices, Tensor& values) = 0;
+  // out[r, :] = src[rows[r], :]; rows i32 [R], out [R, D].
+  virtual void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) = 0;
+  // out[rows[r], :] += scale[r] · src[r, :] in order of r (scale null: 1); src [R, D].
+  virtual void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) = 0;
+  // out[r] = a[r, :] · b[r, :].
+  virtual void row_dot(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+  // x[r, :] *= scale[r].
+  virtual void scale_rows(Tensor& x, const Tensor& scale) = 0;
+
+  // ---- optimizer updates on flat fp32 buffers (parameters, gradients, state of equal length)
+  virtual void sgd_step(Tensor& param, const Tensor& grad, Tensor* momentum, float lr,
+                        float beta, float weight_decay) = 0;
+  // AdamW with bias correction at step t (1-based), decoupled weight decay.
+  virtual void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr,
+                          float beta1, float beta2, float eps, float weight_decay, int t) = 0;
+};
+
+// The CPU backend: fp32, single-threaded, fixed summation order, host memory.
+Ops& cpu_ops();
+
+// The mask value (0 or 1/(1 − p)) that dropout applies to element (row, col) of an activation
+// whose rows are `cols` long, under `key`: the definition every backend follows.
+float dropout_scale(const DropoutKey& key, float p, std::int64_t row, std::int64_t col, std::int64_t cols);
+
+}  // namespace k2c::model

@@ -1,0 +1,118 @@
+// k2c/model/params.h — a model's parameters: flat fp32 buffers with a view per tensor.
+//
+// Layers register their parameters while the model is built; materialize() then allocates one
+// flat buffer of values and one of gradients, in registration order, and gives each parameter a
+// view into both. Flat buffers are what the distributed modules work on: DDP packs gradient
+// buckets from contiguous ranges, ZeRO cuts the buffers into one shard per rank.
+//
+//   frozen   a parameter that is not trained: no gradient slot, skipped by optimizers and by the
+//            gradient-ready callback
+//   shared   a parameter used by several layers (tied weights): each use adds its gradient, and
+//            the gradient is final after the last one
+//
+// Backward protocol: the model calls begin_backward(), each layer calls grad_done(id) after it
+// has added its contribution to a parameter's gradient, and when a parameter's last use is done
+// the gradient-ready callback fires for it, exactly once per backward. end_backward() checks
+// that every trainable parameter got there (a missing or repeated call is a bug in the model).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "k2c/model/ops.h"
+#include "k2c/model/tensor.h"
+
+namespace k2c::model {
+
+using ParamId = int;
+
+// Where a parameter sits inside a larger, unsharded one. A tensor-parallel rank registers only
+// its block of a weight: rank r of n in a column-parallel layer holds the [out/n, in] block of a
+// [out, in] weight at offset (r·out/n, 0), in a row-parallel layer the [out, in/n] block at
+// (0, r·in/n). `full` is the unsharded shape (same rank as the parameter) and offset[d] the first
+// index of the block in dimension d, so the block spans offset[d] .. offset[d] + shape[d] − 1
+// there. Offsets past the rank stay 0.
+struct ShardOf {
+  Shape full;
+  std::array<std::int64_t, 4> offset{};
+};
+
+// How a parameter starts: zeros, ones, or normal(0, std) drawn from (seed, name, element index),
+// so a parameter's initial values do not depend on what else the model holds or in which order.
+//
+// With `shard` set, the parameter is a block of the unsharded weight described there, and the
+// "element index" is the row-major index in the FULL shape: element (i0, i1, ...) of the block
+// starts as element (offset0 + i0, offset1 + i1, ...) of the full weight. Register the shard under
+// the unsharded weight's name (the name is hashed into the draw), and every rank starts from
+// exactly its slice of the weights that one process would make. ParamList::add rejects a shard
+// of another rank or one that does not fit inside `full` (std::invalid_argument).
+struct Init {
+  enum Kind { zeros, ones, normal } kind = normal;
+  float std = 0.02f;
+  std::optional<ShardOf> shard{};
+};
+
+struct ParamInfo {
+  std::string name;
+  Shape shape;
+  Init init;
+  bool frozen = false;
+  int uses = 1;                  // layers that add to its gradient in one backward
+  std::int64_t offset = 0;       // elements before it in the flat value buffer
+  std::int64_t grad_offset = -1; // elements before it in the flat gradient buffer; −1 if frozen
+};
+
+class ParamList {
+ public:
+  // Registers a parameter; init.shard (if set) is validated against `shape` here.
+  ParamId add(std::string name, Shape shape, Init init, bool frozen = false);
+  // One more layer uses parameter `id` (a tied weight); returns id.
+  ParamId share(ParamId id);
+  void freeze(ParamId id);  // before materialize()
+
+  // Allocates the flat buffers (ledger categories: parameters, gradients), initialises the values
+  // from `seed` and zeroes the gradients. After this, no parameter can be added.
+  void materialize(Ops& ops, MemoryLedger& ledger, std::uint64_t seed);
+  bool materialized() const { return !values_.empty(); }
+
+  int size() const { return static_cast<int>(info_.size()); }
+  const ParamInfo& info(ParamId id) const { return info_.at(id); }
+  Tensor& value(ParamId id);
+  Tensor& grad(ParamId id);  // throws std::logic_error for a frozen parameter
+  Tensor& flat_values() { return values_; }
+  Tensor& flat_grads() { return grads_; }
+  std::int64_t numel() const { return value_count_; }
+  std::int64_t trainable_numel() const { return grad_count_; }
+  std::vector<ParamId> trainable() const;
+
+  void zero_grads(Ops& ops);
+
+  // ---- backward protocol
+  using ReadyFn = std::function<void(ParamId)>;
+  void on_grad_ready(ReadyFn fn) { ready_ = std::move(fn); }
+  void begin_backward();
+  void grad_done(ParamId id);
+  void end_backward();
+  // Leaves a backward that an exception interrupted, so the next one can begin.
+  void cancel_backward() { in_backward_ = false; }
+
+ private:
+  std::vector<ParamInfo> info_;
+  std::int64_t value_count_ = 0, grad_count_ = 0;
+  Tensor values_, grads_;
+  std::vector<Tensor> value_views_, grad_views_;
+  std::vector<int> done_;
+  bool in_backward_ = false;
+  ReadyFn ready_;
+};
+
+// The normal(0, 1) value that Init::normal scales for element `index` of a parameter whose name
+// hashes to `name_hash`: the rule a sharded model follows to start from the same weights.
+float init_normal(std::uint64_t seed, std::uint64_t name_hash, std::uint64_t index);
+std::uint64_t name_hash(const std::string& name);
+
+}  // namespace k2c::model

@@ -1,0 +1,549 @@
+// cpu_ops.cpp — the CPU backend of k2c/model/ops.h: fp32, single-threaded, every sum in a fixed
+// order (ascending index), so the same inputs give the same bits on every run and every rank.
+//
+// Written for clarity over speed: the CPU backend trains tiny models in tests; the sizes that
+// need speed run on the GPU backend.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "k2c/model/ops.h"
+
+namespace k2c::model {
+
+void AttentionShape::check() const {
+  auto bad = [&](const std::string& why) {
+    throw std::invalid_argument("attention: " + why + " (batch " + std::to_string(batch) +
+                                ", q_len " + std::to_string(q_len) + ", kv_len " +
+                                std::to_string(kv_len) + ", q_heads " + std::to_string(q_heads) +
+                                ", kv_heads " + std::to_string(kv_heads) + ", head_dim " +
+                                std::to_string(head_dim) + ")");
+  };
+  if (batch < 1 || q_len < 0 || kv_len < 0 || head_dim < 1) bad("sizes must be positive");
+  if (q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0)
+    bad("q_heads must be a positive multiple of kv_heads");
+}
+
+namespace {
+
+// splitmix64's finaliser: a bijection of 64-bit values that spreads every input bit over the
+// output, the same counter-based idea as k2c/random.h.
+std::uint64_t mix(std::uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+void same_shape(const Tensor& a, const Tensor& b, const char* what) {
+  if (!(a.shape() == b.shape()))
+    throw std::invalid_argument(std::string(what) + ": shapes differ, " + a.shape().str() + " and " +
+                                b.shape().str());
+}
+
+// Rows and row length of a tensor seen as a matrix (all leading dimensions are rows).
+struct Matrix {
+  std::int64_t rows, cols;
+};
+Matrix as_matrix(const Tensor& t) {
+  const std::int64_t cols = t.rank() ? t.dim(t.rank() - 1) : 0;
+  return {cols ? t.numel() / cols : 0, cols};
+}
+
+class CpuOps final : public Ops {
+ public:
+  std::string name() const override { return "cpu"; }
+  Memory& memory() override { return host_; }
+
+  void upload(Tensor& dst, const void* host) override { std::memcpy(dst.raw(), host, dst.bytes()); }
+  void download(void* host, const Tensor& src) override { std::memcpy(host, src.raw(), src.bytes()); }
+
+  // ---- element-wise
+
+  void fill(Tensor& t, float value) override {
+    float* p = t.f32();
+    for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = value;
+  }
+
+  void copy(Tensor& dst, const Tensor& src) override {
+    if (dst.numel() != src.numel() || dst.dtype() != src.dtype())
+      throw std::invalid_argument("copy: " + src.shape().str() + " into " + dst.shape().str());
+    std::memcpy(dst.raw(), src.raw(), src.bytes());
+  }
+
+  void add(const Tensor& a, const Tensor& b, Tensor& out) override {
+    same_shape(a, b, "add");
+    same_shape(a, out, "add");
+    const float *x = a.f32(), *y = b.f32();
+    float* o = out.f32();
+    for (std::int64_t i = 0; i < a.numel(); ++i) o[i] = x[i] + y[i];
+  }
+
+  void accumulate(Tensor& acc, const Tensor& x, float s) override {
+    same_shape(acc, x, "accumulate");
+    float* a = acc.f32();
+    const float* p = x.f32();
+    for (std::int64_t i = 0; i < x.numel(); ++i) a[i] += s * p[i];
+  }
+
+  void scale(Tensor& t, float s) override {
+    float* p = t.f32();
+    for (std::int64_t i = 0; i < t.numel(); ++i) p[i] *= s;
+  }
+
+  double sum_squares(const Tensor& t) override {
+    const float* p = t.f32();
+    double s = 0;
+    for (std::int64_t i = 0; i < t.numel(); ++i) s += static_cast<double>(p[i]) * p[i];
+    return s;
+  }
+
+  // ---- GEMM
+
+  void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha,
+              float beta) override {
+    const Matrix ma = as_matrix(a), mb = as_matrix(b), mc = as_matrix(c);
+    const std::int64_t M = ta ? ma.cols : ma.rows, K = ta ? ma.rows : ma.cols;
+    const std::int64_t Kb = tb ? mb.cols : mb.rows, N = tb ? mb.rows : mb.cols;
+    if (K != Kb || mc.rows != M || mc.cols != N)
+      throw std::invalid_argument("matmul: op(a) " + std::to_string(M) + "x" + std::to_string(K) +
+                                  ", op(b) " + std::to_string(Kb) + "x" + std::to_string(N) +
+                                  ", c " + c.shape().str());
+    const float *A = a.f32(), *B = b.f32();
+    float* C = c.f32();
+    std::vector<float> acc(static_cast<std::size_t>(N));
+    for (std::int64_t i = 0; i < M; ++i) {
+      // Every element sums over k in ascending order, whichever loop form reaches it fastest.
+      if (tb) {
+        for (std::int64_t j = 0; j < N; ++j) {
+          float s = 0;
+          for (std::int64_t k = 0; k < K; ++k)
+            s += (ta ? A[k * M + i] : A[i * K + k]) * B[j * K + k];
+          acc[j] = s;
+        }
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (std::int64_t k = 0; k < K; ++k) {
+          const float aik = ta ? A[k * M + i] : A[i * K + k];
+          const float* brow = B + k * N;
+          for (std::int64_t j = 0; j < N; ++j) acc[j] += aik * brow[j];
+        }
+      }
+      float* crow = C + i * N;
+      for (std::int64_t j = 0; j < N; ++j)
+        crow[j] = beta == 0.0f ? alpha * acc[j] : alpha * acc[j] + beta * crow[j];
+    }
+  }
+
+  // ---- embedding
+
+  void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
+    const Matrix t = as_matrix(table);
+    out.expect({ids.numel(), t.cols}, "embedding output");
+    const std::int32_t* id = ids.i32();
+    for (std::int64_t i = 0; i < ids.numel(); ++i) {
+      if (id[i] < 0 || id[i] >= t.rows)
+        throw std::out_of_range("embedding: id " + std::to_string(id[i]) + " outside [0, " +
+                                std::to_string(t.rows) + ")");
+      std::memcpy(out.f32() + i * t.cols, table.f32() + id[i] * t.cols, t.cols * sizeof(float));
+    }
+  }
+
+  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) override {
+    const Matrix t = as_matrix(dtable);
+    dout.expect({ids.numel(), t.cols}, "embedding output gradient");
+    const std::int32_t* id = ids.i32();
+    for (std::int64_t i = 0; i < ids.numel(); ++i) {
+      if (id[i] < 0 || id[i] >= t.rows) throw std::out_of_range("embedding: id out of range");
+      float* row = dtable.f32() + id[i] * t.cols;
+      const float* g = dout.f32() + i * t.cols;
+      for (std::int64_t j = 0; j < t.cols; ++j) row[j] += g[j];
+    }
+  }
+
+  // ---- RMSNorm
+
+  void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y,
+                       Tensor& rstd) override {
+    const Matrix m = as_matrix(x);
+    gamma.expect({m.cols}, "rmsnorm gamma");
+    same_shape(x, y, "rmsnorm");
+    rstd.expect({m.rows}, "rmsnorm rstd");
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const float* xr = x.f32() + r * m.cols;
+      float ss = 0;
+      for (std::int64_t j = 0; j < m.cols; ++j) ss += xr[j] * xr[j];
+      const float rs = 1.0f / std::sqrt(ss / static_cast<float>(m.cols) + eps);
+      rstd.f32()[r] = rs;
+      float* yr = y.f32() + r * m.cols;
+      for (std::int64_t j = 0; j < m.cols; ++j) yr[j] = xr[j] * rs * gamma.f32()[j];
+    }
+  }
+
+  void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                        Tensor& dx, Tensor& dgamma) override {
+    const Matrix m = as_matrix(x);
+    same_shape(x, dy, "rmsnorm backward");
+    same_shape(x, dx, "rmsnorm backward");
+    dgamma.expect({m.cols}, "rmsnorm dgamma");
+    gamma.expect({m.cols}, "rmsnorm gamma");
+    rstd.expect({m.rows}, "rmsnorm rstd");
+    const float* g = gamma.f32();
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const float *xr = x.f32() + r * m.cols, *dyr = dy.f32() + r * m.cols;
+      const float rs = rstd.f32()[r];
+      // y = x·rs·g with rs = (mean x² + eps)^(-1/2): dx_j = rs·(g_j dy_j − x_j·rs²·c), where
+      // c = mean over k of g_k dy_k x_k.
+      float c = 0;
+      for (std::int64_t k = 0; k < m.cols; ++k) c += g[k] * dyr[k] * xr[k];
+      c /= static_cast<float>(m.cols);
+      float* dxr = dx.f32() + r * m.cols;
+      for (std::int64_t j = 0; j < m.cols; ++j) {
+        dxr[j] = rs * (g[j] * dyr[j] - xr[j] * rs * rs * c);
+        dgamma.f32()[j] += dyr[j] * xr[j] * rs;
+      }
+    }
+  }
+
+  // ---- RoPE
+
+  void rope(Tensor& x, const Tensor& positions, int heads, int head_dim, float theta,
+            bool inverse) override {
+    const Matrix m = as_matrix(x);
+    const std::int64_t T = positions.numel();
+    if (head_dim % 2 || m.cols != static_cast<std::int64_t>(heads) * head_dim || T == 0 || m.rows % T)
+      throw std::invalid_argument("rope: x " + x.shape().str() + " is not [batch*" +
+                                  std::to_string(T) + ", " + std::to_string(heads) + "*" +
+                                  std::to_string(head_dim) + "] with an even head_dim");
+    const int half = head_dim / 2;
+    std::vector<double> inv_freq(half);
+    for (int i = 0; i < half; ++i) inv_freq[i] = std::pow(static_cast<double>(theta), -2.0 * i / head_dim);
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const double pos = positions.i32()[r % T];
+      for (int i = 0; i < half; ++i) {
+        const double angle = pos * inv_freq[i];
+        const float c = static_cast<float>(std::cos(angle));
+        const float s = static_cast<float>(inverse ? -std::sin(angle) : std::sin(angle));
+        for (int h = 0; h < heads; ++h) {
+          float* p = x.f32() + r * m.cols + static_cast<std::int64_t>(h) * head_dim;
+          const float x0 = p[i], x1 = p[i + half];
+          p[i] = x0 * c - x1 * s;
+          p[i + half] = x0 * s + x1 * c;
+        }
+      }
+    }
+  }
+
+  // ---- attention
+
+  void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                         Tensor& o, Tensor& lse) override {
+    check_attention(s, q, k, v);
+    o.expect(q.shape(), "attention output");
+    lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
+    const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+    std::vector<float> p(static_cast<std::size_t>(s.kv_len));
+    for (int b = 0; b < s.batch; ++b)
+      for (int h = 0; h < s.q_heads; ++h)
+        for (int i = 0; i < s.q_len; ++i) {
+          const float* qi = row(q, s, b, i, h, s.q_heads, s.q_len);
+          const int kh = h / (s.q_heads / s.kv_heads);
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int j = 0; j < s.kv_len; ++j) {
+            if (!visible(s, i, j)) continue;
+            p[j] = scale * dot(qi, row(k, s, b, j, kh, s.kv_heads, s.kv_len), s.head_dim);
+            mx = std::max(mx, p[j]);
+          }
+          float* oi = const_cast<float*>(row(o, s, b, i, h, s.q_heads, s.q_len));
+          std::fill(oi, oi + s.head_dim, 0.0f);
+          float& l = lse.f32()[(static_cast<std::int64_t>(b) * s.q_heads + h) * s.q_len + i];
+          if (mx == -std::numeric_limits<float>::infinity()) {  // sees no key
+            l = mx;
+            continue;
+          }
+          float sum = 0;
+          for (int j = 0; j < s.kv_len; ++j)
+            if (visible(s, i, j)) sum += std::exp(p[j] - mx);
+          l = mx + std::log(sum);
+          for (int j = 0; j < s.kv_len; ++j) {
+            if (!visible(s, i, j)) continue;
+            const float w = std::exp(p[j] - l);
+            const float* vj = row(v, s, b, j, kh, s.kv_heads, s.kv_len);
+            for (int d = 0; d < s.head_dim; ++d) oi[d] += w * vj[d];
+          }
+        }
+  }
+
+  void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& o, const Tensor& lse, const Tensor& dout,
+                          Tensor& dq, Tensor& dk, Tensor& dv) override {
+    check_attention(s, q, k, v);
+    same_shape(q, o, "attention backward");
+    same_shape(q, dout, "attention backward");
+    same_shape(q, dq, "attention backward dq");
+    same_shape(k, dk, "attention backward dk");
+    same_shape(v, dv, "attention backward dv");
+    lse.expect({s.batch, s.q_heads, s.q_len}, "attention backward lse");
+    const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+    for (int b = 0; b < s.batch; ++b)
+      for (int h = 0; h < s.q_heads; ++h)
+        for (int i = 0; i < s.q_len; ++i) {
+          const int kh = h / (s.q_heads / s.kv_heads);
+          const float* qi = row(q, s, b, i, h, s.q_heads, s.q_len);
+          const float* doi = row(dout, s, b, i, h, s.q_heads, s.q_len);
+          float* dqi = const_cast<float*>(row(dq, s, b, i, h, s.q_heads, s.q_len));
+          std::fill(dqi, dqi + s.head_dim, 0.0f);
+          const float l = lse.f32()[(static_cast<std::int64_t>(b) * s.q_heads + h) * s.q_len + i];
+          if (l == -std::numeric_limits<float>::infinity()) continue;
+          // D_i = dO_i · O_i equals Σ_j P_ij dP_ij: the softmax backward's row term.
+          const float Di = dot(doi, row(o, s, b, i, h, s.q_heads, s.q_len), s.head_dim);
+          for (int j = 0; j < s.kv_len; ++j) {
+            if (!visible(s, i, j)) continue;
+            const float* kj = row(k, s, b, j, kh, s.kv_heads, s.kv_len);
+            const float* vj = row(v, s, b, j, kh, s.kv_heads, s.kv_len);
+            const float pij = std::exp(scale * dot(qi, kj, s.head_dim) - l);
+            const float dsij = pij * (dot(doi, vj, s.head_dim) - Di);
+            float* dkj = const_cast<float*>(row(dk, s, b, j, kh, s.kv_heads, s.kv_len));
+            float* dvj = const_cast<float*>(row(dv, s, b, j, kh, s.kv_heads, s.kv_len));
+            for (int d = 0; d < s.head_dim; ++d) {
+              dvj[d] += pij * doi[d];
+              dqi[d] += scale * dsij * kj[d];
+              dkj[d] += scale * dsij * qi[d];
+            }
+          }
+        }
+  }
+
+  // ---- SwiGLU
+
+  void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& h) override {
+    same_shape(gate, up, "swiglu");
+    same_shape(gate, h, "swiglu");
+    const float *g = gate.f32(), *u = up.f32();
+    for (std::int64_t i = 0; i < gate.numel(); ++i) h.f32()[i] = silu(g[i]) * u[i];
+  }
+
+  void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dh, Tensor& dgate,
+                       Tensor& dup) override {
+    same_shape(gate, up, "swiglu backward");
+    same_shape(gate, dh, "swiglu backward");
+    same_shape(gate, dgate, "swiglu backward");
+    same_shape(gate, dup, "swiglu backward");
+    for (std::int64_t i = 0; i < gate.numel(); ++i) {
+      const float g = gate.f32()[i], u = up.f32()[i], d = dh.f32()[i];
+      const float sg = 1.0f / (1.0f + std::exp(-g));
+      dgate.f32()[i] = d * u * sg * (1.0f + g * (1.0f - sg));  // silu'(g) = σ(g)(1 + g(1 − σ(g)))
+      dup.f32()[i] = d * g * sg;
+    }
+  }
+
+  // ---- loss
+
+  double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
+                       Tensor& dlogits) override {
+    const Matrix m = as_matrix(logits);
+    targets.expect({m.rows}, "cross-entropy targets", DType::i32);
+    same_shape(logits, dlogits, "cross-entropy gradient");
+    double total = 0;
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const float* z = logits.f32() + r * m.cols;
+      float* dz = dlogits.f32() + r * m.cols;
+      const std::int32_t t = targets.i32()[r];
+      if (t < 0) {
+        std::fill(dz, dz + m.cols, 0.0f);
+        continue;
+      }
+      if (t >= m.cols)
+        throw std::out_of_range("cross-entropy: target " + std::to_string(t) + " outside [0, " +
+                                std::to_string(m.cols) + ")");
+      float mx = z[0];
+      for (std::int64_t j = 1; j < m.cols; ++j) mx = std::max(mx, z[j]);
+      float sum = 0;
+      for (std::int64_t j = 0; j < m.cols; ++j) sum += std::exp(z[j] - mx);
+      const float lse = mx + std::log(sum);
+      total += static_cast<double>(lse) - z[t];
+      for (std::int64_t j = 0; j < m.cols; ++j)
+        dz[j] = grad_scale * (std::exp(z[j] - lse) - (j == t ? 1.0f : 0.0f));
+    }
+    return total;
+  }
+
+  // ---- dropout
+
+  void dropout(const Tensor& x, float p, const DropoutKey& key, Tensor& out) override {
+    same_shape(x, out, "dropout");
+    if (!(p >= 0.0f && p < 1.0f)) throw std::invalid_argument("dropout: p must be in [0, 1)");
+    const Matrix m = as_matrix(x);
+    for (std::int64_t r = 0; r < m.rows; ++r)
+      for (std::int64_t c = 0; c < m.cols; ++c)
+        out.f32()[r * m.cols + c] = x.f32()[r * m.cols + c] * dropout_scale(key, p, r, c, m.cols);
+  }
+
+  // ---- routing
+
+  void softmax_rows(const Tensor& x, Tensor& y) override {
+    same_shape(x, y, "softmax");
+    const Matrix m = as_matrix(x);
+    if (m.cols == 0 && m.rows > 0) throw std::invalid_argument("softmax: rows of length 0");
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const float* xr = x.f32() + r * m.cols;
+      float* yr = y.f32() + r * m.cols;
+      float mx = xr[0], sum = 0;
+      for (std::int64_t j = 1; j < m.cols; ++j) mx = std::max(mx, xr[j]);
+      for (std::int64_t j = 0; j < m.cols; ++j) sum += yr[j] = std::exp(xr[j] - mx);
+      for (std::int64_t j = 0; j < m.cols; ++j) yr[j] /= sum;
+    }
+  }
+
+  void softmax_rows_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    same_shape(y, dy, "softmax backward");
+    same_shape(y, dx, "softmax backward");
+    const Matrix m = as_matrix(y);
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const float *yr = y.f32() + r * m.cols, *dyr = dy.f32() + r * m.cols;
+      float dot = 0;  // dx = y ⊙ (dy − Σ y dy)
+      for (std::int64_t j = 0; j < m.cols; ++j) dot += yr[j] * dyr[j];
+      for (std::int64_t j = 0; j < m.cols; ++j) dx.f32()[r * m.cols + j] = yr[j] * (dyr[j] - dot);
+    }
+  }
+
+  void top_k(const Tensor& scores, int k, Tensor& indices, Tensor& values) override {
+    const Matrix m = as_matrix(scores);
+    if (k < 1 || k > m.cols)
+      throw std::invalid_argument("top_k: k = " + std::to_string(k) + " with " + std::to_string(m.cols) + " scores a row");
+    indices.expect({m.rows, k}, "top_k indices", DType::i32);
+    values.expect({m.rows, k}, "top_k values");
+    std::vector<int> order(static_cast<std::size_t>(m.cols));
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const float* s = scores.f32() + r * m.cols;
+      for (int j = 0; j < m.cols; ++j) order[j] = j;
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return s[a] > s[b]; });
+      for (int j = 0; j < k; ++j) {
+        indices.i32()[r * k + j] = order[j];
+        values.f32()[r * k + j] = s[order[j]];
+      }
+    }
+  }
+
+  void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) override {
+    const Matrix m = as_matrix(src);
+    out.expect({rows.numel(), m.cols}, "gather_rows output");
+    for (std::int64_t r = 0; r < rows.numel(); ++r) {
+      const std::int32_t i = rows.i32()[r];
+      if (i < 0 || i >= m.rows) throw std::out_of_range("gather_rows: row " + std::to_string(i));
+      std::memcpy(out.f32() + r * m.cols, src.f32() + i * m.cols, m.cols * sizeof(float));
+    }
+  }
+
+  void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) override {
+    const Matrix m = as_matrix(out);
+    src.expect({rows.numel(), m.cols}, "scatter_add_rows source");
+    if (scale) scale->expect({rows.numel()}, "scatter_add_rows scale");
+    for (std::int64_t r = 0; r < rows.numel(); ++r) {
+      const std::int32_t i = rows.i32()[r];
+      if (i < 0 || i >= m.rows) throw std::out_of_range("scatter_add_rows: row " + std::to_string(i));
+      const float s = scale ? scale->f32()[r] : 1.0f;
+      for (std::int64_t j = 0; j < m.cols; ++j) out.f32()[i * m.cols + j] += s * src.f32()[r * m.cols + j];
+    }
+  }
+
+  void row_dot(const Tensor& a, const Tensor& b, Tensor& out) override {
+    same_shape(a, b, "row_dot");
+    const Matrix m = as_matrix(a);
+    out.expect({m.rows}, "row_dot output");
+    for (std::int64_t r = 0; r < m.rows; ++r)
+      out.f32()[r] = dot(a.f32() + r * m.cols, b.f32() + r * m.cols, static_cast<int>(m.cols));
+  }
+
+  void scale_rows(Tensor& x, const Tensor& scale) override {
+    const Matrix m = as_matrix(x);
+    scale.expect({m.rows}, "scale_rows scale");
+    for (std::int64_t r = 0; r < m.rows; ++r)
+      for (std::int64_t j = 0; j < m.cols; ++j) x.f32()[r * m.cols + j] *= scale.f32()[r];
+  }
+
+  // ---- optimizers
+
+  void sgd_step(Tensor& param, const Tensor& grad, Tensor* momentum, float lr, float beta,
+                float weight_decay) override {
+    same_shape(param, grad, "sgd");
+    if (momentum) same_shape(param, *momentum, "sgd momentum");
+    float *p = param.f32(), *mo = momentum ? momentum->f32() : nullptr;
+    for (std::int64_t i = 0; i < param.numel(); ++i) {
+      float g = grad.f32()[i] + weight_decay * p[i];
+      if (mo) g = mo[i] = beta * mo[i] + g;
+      p[i] -= lr * g;
+    }
+  }
+
+  void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, int t) override {
+    same_shape(param, grad, "adamw");
+    same_shape(param, m, "adamw");
+    same_shape(param, v, "adamw");
+    if (t < 1) throw std::invalid_argument("adamw: step numbers start at 1");
+    const float c1 = 1.0f - static_cast<float>(std::pow(beta1, t));
+    const float c2 = 1.0f - static_cast<float>(std::pow(beta2, t));
+    float *p = param.f32(), *mm = m.f32(), *vv = v.f32();
+    for (std::int64_t i = 0; i < param.numel(); ++i) {
+      const float g = grad.f32()[i];
+      mm[i] = beta1 * mm[i] + (1.0f - beta1) * g;
+      vv[i] = beta2 * vv[i] + (1.0f - beta2) * g * g;
+      // Decoupled weight decay (Loshchilov & Hutter): the decay does not pass through the moments.
+      p[i] -= lr * (weight_decay * p[i] + (mm[i] / c1) / (std::sqrt(vv[i] / c2) + eps));
+    }
+  }
+
+ private:
+  static float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+  static float dot(const float* a, const float* b, int n) {
+    float s = 0;
+    for (int i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+  }
+
+  static bool visible(const AttentionShape& s, int i, int j) {
+    return !s.causal || s.kv_offset + j <= s.q_offset + i;
+  }
+
+  // Head `h` of token t of sequence b in a [batch·len, heads·head_dim] tensor.
+  static const float* row(const Tensor& t, const AttentionShape& s, int b, int tok, int h, int heads,
+                          int len) {
+    return t.f32() + ((static_cast<std::int64_t>(b) * len + tok) * heads + h) * s.head_dim;
+  }
+
+  static void check_attention(const AttentionShape& s, const Tensor& q, const Tensor& k,
+                              const Tensor& v) {
+    s.check();
+    q.expect({static_cast<std::int64_t>(s.batch) * s.q_len, static_cast<std::int64_t>(s.q_heads) * s.head_dim}, "attention q");
+    k.expect({static_cast<std::int64_t>(s.batch) * s.kv_len, static_cast<std::int64_t>(s.kv_heads) * s.head_dim}, "attention k");
+    v.expect(k.shape(), "attention v");
+  }
+
+  HostMemory host_;
+};
+
+}  // namespace
+
+float dropout_scale(const DropoutKey& key, float p, std::int64_t row, std::int64_t col,
+                    std::int64_t cols) {
+  if (p == 0.0f) return 1.0f;
+  const std::int64_t full = key.full_cols < 0 ? cols : key.full_cols;
+  const std::uint64_t index =
+      static_cast<std::uint64_t>((key.row_offset + row) * full + key.col_offset + col);
+  const std::uint64_t h = mix(mix(mix(mix(key.seed) + key.step) + key.layer) + index);
+  const float u = static_cast<float>(h >> 40) * 0x1.0p-24f;  // 24 random bits in [0, 1)
+  return u < p ? 0.0f : 1.0f / (1.0f - p);
+}
+
+Ops& cpu_ops() {
+  static CpuOps ops;
+  return ops;
+}
+
+}  // namespace k2c::model

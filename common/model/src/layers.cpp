@@ -1,0 +1,166 @@
+// layers.cpp — see k2c/model/layers.h.
+#include "k2c/model/layers.h"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace k2c::model {
+
+// ---------------------------------------------------------------------------------------------
+// Linear
+
+Linear::Linear(ParamList& params, const std::string& name, std::int64_t in, std::int64_t out, Init init)
+    : w_(params.add(name + ".weight", {out, in}, init)), in_(in), out_(out) {}
+
+Linear Linear::tied(ParamList& params, ParamId weight) {
+  Linear l;
+  l.w_ = params.share(weight);
+  l.out_ = params.info(weight).shape[0];
+  l.in_ = params.info(weight).shape[1];
+  return l;
+}
+
+void Linear::forward(Context& ctx, const Tensor& x, Tensor& y) const {
+  ctx.ops.matmul(x, false, ctx.params.value(w_), true, y, 1.0f, 0.0f);
+}
+
+void Linear::backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor* dx) const {
+  if (ctx.trains(w_)) ctx.ops.matmul(dy, true, x, false, ctx.params.grad(w_), 1.0f, 1.0f);
+  if (dx) ctx.ops.matmul(dy, false, ctx.params.value(w_), false, *dx, 1.0f, 0.0f);
+  ctx.params.grad_done(w_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+
+Embedding::Embedding(ParamList& params, const std::string& name, std::int64_t vocab, std::int64_t dim, Init init)
+    : w_(params.add(name + ".weight", {vocab, dim}, init)), vocab_(vocab), dim_(dim) {}
+
+void Embedding::forward(Context& ctx, const Tensor& ids, Tensor& out) const {
+  ctx.ops.embedding_forward(ids, ctx.params.value(w_), out);
+}
+
+void Embedding::backward(Context& ctx, const Tensor& ids, const Tensor& dout) const {
+  if (ctx.trains(w_)) ctx.ops.embedding_backward(ids, dout, ctx.params.grad(w_));
+  ctx.params.grad_done(w_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RmsNorm
+
+RmsNorm::RmsNorm(ParamList& params, const std::string& name, std::int64_t dim, float eps)
+    : g_(params.add(name + ".weight", {dim}, {Init::ones})), dim_(dim), eps_(eps) {}
+
+void RmsNorm::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& saved) const {
+  saved.rstd = ctx.tensor({x.numel() / dim_});
+  ctx.ops.rmsnorm_forward(x, ctx.params.value(g_), eps_, y, saved.rstd);
+}
+
+void RmsNorm::backward(Context& ctx, const Tensor& x, const Saved& saved, const Tensor& dy, Tensor& dx) const {
+  if (ctx.trains(g_)) {
+    ctx.ops.rmsnorm_backward(x, ctx.params.value(g_), saved.rstd, dy, dx, ctx.params.grad(g_));
+  } else {
+    Tensor scratch = ctx.tensor({dim_});  // the backend always writes dgamma; a frozen one is dropped
+    ctx.ops.fill(scratch, 0.0f);
+    ctx.ops.rmsnorm_backward(x, ctx.params.value(g_), saved.rstd, dy, dx, scratch);
+  }
+  ctx.params.grad_done(g_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+Attention::Attention(ParamList& params, const std::string& name, const AttentionConfig& c) : config_(c) {
+  if (c.q_heads < 1 || c.kv_heads < 1 || c.q_heads % c.kv_heads || c.d_model % c.q_heads ||
+      c.head_dim() % 2)
+    throw std::invalid_argument("attention '" + name + "': d_model " + std::to_string(c.d_model) +
+                                ", q_heads " + std::to_string(c.q_heads) + ", kv_heads " +
+                                std::to_string(c.kv_heads) +
+                                " (q_heads must divide d_model into even head sizes, kv_heads q_heads)");
+  const std::int64_t kv = static_cast<std::int64_t>(c.kv_heads) * c.head_dim();
+  wq_ = Linear(params, name + ".wq", c.d_model, c.d_model);
+  wk_ = Linear(params, name + ".wk", c.d_model, kv);
+  wv_ = Linear(params, name + ".wv", c.d_model, kv);
+  wo_ = Linear(params, name + ".wo", c.d_model, c.d_model);
+}
+
+namespace {
+AttentionShape shape_of(const AttentionConfig& c, int batch, std::int64_t T) {
+  AttentionShape s;
+  s.batch = batch;
+  s.q_len = s.kv_len = static_cast<int>(T);
+  s.q_heads = c.q_heads;
+  s.kv_heads = c.kv_heads;
+  s.head_dim = c.head_dim();
+  s.causal = true;
+  return s;
+}
+}  // namespace
+
+void Attention::forward(Context& ctx, const Tensor& x, const Tensor& positions, int batch, Tensor& y,
+                        Saved& s) const {
+  const std::int64_t N = x.dim(0), kv = static_cast<std::int64_t>(config_.kv_heads) * config_.head_dim();
+  s.q = ctx.tensor({N, config_.d_model});
+  s.k = ctx.tensor({N, kv});
+  s.v = ctx.tensor({N, kv});
+  s.o = ctx.tensor({N, config_.d_model});
+  s.lse = ctx.tensor({batch, config_.q_heads, positions.numel()});
+  wq_.forward(ctx, x, s.q);
+  wk_.forward(ctx, x, s.k);
+  wv_.forward(ctx, x, s.v);
+  ctx.ops.rope(s.q, positions, config_.q_heads, config_.head_dim(), config_.rope_theta, false);
+  ctx.ops.rope(s.k, positions, config_.kv_heads, config_.head_dim(), config_.rope_theta, false);
+  ctx.ops.attention_forward(shape_of(config_, batch, positions.numel()), s.q, s.k, s.v, s.o, s.lse);
+  wo_.forward(ctx, s.o, y);
+}
+
+void Attention::backward(Context& ctx, const Tensor& x, const Tensor& positions, int batch, const Saved& s,
+                         const Tensor& dy, Tensor& dx) const {
+  Tensor dout = ctx.tensor(s.o.shape()), dq = ctx.tensor(s.q.shape()), dk = ctx.tensor(s.k.shape()),
+         dv = ctx.tensor(s.v.shape());
+  wo_.backward(ctx, s.o, dy, &dout);
+  ctx.ops.fill(dk, 0.0f);  // attention_backward adds into dk and dv
+  ctx.ops.fill(dv, 0.0f);
+  ctx.ops.attention_backward(shape_of(config_, batch, positions.numel()), s.q, s.k, s.v, s.o, s.lse,
+                             dout, dq, dk, dv);
+  // Through RoPE: the rotation's transpose is its inverse.
+  ctx.ops.rope(dq, positions, config_.q_heads, config_.head_dim(), config_.rope_theta, true);
+  ctx.ops.rope(dk, positions, config_.kv_heads, config_.head_dim(), config_.rope_theta, true);
+  // The projections saw x before RoPE; x is the same for all three, so their input gradients add.
+  Tensor part = ctx.tensor(x.shape());
+  wv_.backward(ctx, x, dv, &dx);
+  wk_.backward(ctx, x, dk, &part);
+  ctx.ops.accumulate(dx, part, 1.0f);
+  wq_.backward(ctx, x, dq, &part);
+  ctx.ops.accumulate(dx, part, 1.0f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mlp
+
+Mlp::Mlp(ParamList& params, const std::string& name, std::int64_t d_model, std::int64_t d_ff)
+    : gate_(params, name + ".gate", d_model, d_ff), up_(params, name + ".up", d_model, d_ff),
+      down_(params, name + ".down", d_ff, d_model) {}
+
+void Mlp::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
+  const std::int64_t N = x.dim(0);
+  s.gate = ctx.tensor({N, gate_.out()});
+  s.up = ctx.tensor({N, up_.out()});
+  s.h = ctx.tensor({N, up_.out()});
+  gate_.forward(ctx, x, s.gate);
+  up_.forward(ctx, x, s.up);
+  ctx.ops.swiglu_forward(s.gate, s.up, s.h);
+  down_.forward(ctx, s.h, y);
+}
+
+void Mlp::backward(Context& ctx, const Tensor& x, const Saved& s, const Tensor& dy, Tensor& dx) const {
+  Tensor dh = ctx.tensor(s.h.shape()), dgate = ctx.tensor(s.gate.shape()), dup = ctx.tensor(s.up.shape());
+  down_.backward(ctx, s.h, dy, &dh);
+  ctx.ops.swiglu_backward(s.gate, s.up, dh, dgate, dup);
+  Tensor part = ctx.tensor(x.shape());
+  up_.backward(ctx, x, dup, &dx);
+  gate_.backward(ctx, x, dgate, &part);
+  ctx.ops.accumulate(dx, part, 1.0f);
+}
+
+}  // namespace k2c::model

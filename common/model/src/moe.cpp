@@ -1,0 +1,226 @@
+// moe.cpp — see k2c/model/moe.h.
+#include "k2c/model/moe.h"
+
+#include <stdexcept>
+
+namespace k2c::model {
+
+Routing Routing::plan(const std::vector<std::int32_t>& expert, int tokens, int top_k, int experts) {
+  if (expert.size() != static_cast<std::size_t>(tokens) * top_k)
+    throw std::invalid_argument("routing: " + std::to_string(expert.size()) + " assignments for " +
+                                std::to_string(tokens) + " tokens x top " + std::to_string(top_k));
+  Routing r;
+  r.tokens = tokens, r.top_k = top_k, r.experts = experts;
+  r.expert = expert;
+  r.counts.assign(experts, 0);
+  for (std::int32_t e : expert) {
+    if (e < 0 || e >= experts) throw std::out_of_range("routing: expert " + std::to_string(e));
+    ++r.counts[e];
+  }
+  r.offsets.assign(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) r.offsets[e + 1] = r.offsets[e] + r.counts[e];
+  // A counting sort by expert keeps assignments in token order inside each expert.
+  std::vector<std::int64_t> next(r.offsets.begin(), r.offsets.end() - 1);
+  r.token_of_row.assign(expert.size(), 0);
+  r.row_of.assign(expert.size(), 0);
+  for (std::size_t a = 0; a < expert.size(); ++a) {
+    const std::int64_t row = next[expert[a]]++;
+    r.token_of_row[row] = static_cast<std::int32_t>(a / top_k);
+    r.row_of[a] = static_cast<std::int32_t>(row);
+  }
+  return r;
+}
+
+Moe::Moe(ParamList& params, const std::string& name, const MoeConfig& c) : config_(c) {
+  if (c.experts < 1 || c.top_k < 1 || c.top_k > c.experts || c.d_expert < 1 || c.d_model < 1)
+    throw std::invalid_argument("moe '" + name + "': " + std::to_string(c.experts) + " experts, top " +
+                                std::to_string(c.top_k) + ", width " + std::to_string(c.d_expert));
+  router_ = Linear(params, name + ".router", c.d_model, c.experts);
+  gate_ = params.add(name + ".experts.gate.weight", {c.experts, c.d_expert, c.d_model}, {});
+  up_ = params.add(name + ".experts.up.weight", {c.experts, c.d_expert, c.d_model}, {});
+  down_ = params.add(name + ".experts.down.weight", {c.experts, c.d_model, c.d_expert}, {});
+  has_shared_ = c.shared_experts > 0;
+  if (has_shared_) shared_ = Mlp(params, name + ".shared", c.d_model, c.d_expert * c.shared_experts);
+}
+
+// Expert e's [rows, cols] slice of a stacked weight (or of its gradient).
+Tensor Moe::expert_view(ParamId id, int e, bool grad, Context& ctx) const {
+  Tensor& t = grad ? ctx.params.grad(id) : ctx.params.value(id);
+  const std::int64_t rows = t.dim(1), cols = t.dim(2);
+  return Tensor::view(t.f32() + e * rows * cols, {rows, cols});
+}
+
+void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
+  const std::int64_t N = x.dim(0);
+  const int E = config_.experts, k = config_.top_k;
+  Tensor logits = ctx.tensor({N, E});
+  router_.forward(ctx, x, logits);
+  s.probs = ctx.tensor({N, E});
+  ctx.ops.softmax_rows(logits, s.probs);
+  s.top_idx = ctx.tensor({N, k}, Category::activations, DType::i32);
+  s.top_val = ctx.tensor({N, k});
+  ctx.ops.top_k(s.probs, k, s.top_idx, s.top_val);
+  // The plan is host bookkeeping of N·k integers (a device backend downloads them once).
+  std::vector<std::int32_t> idx(static_cast<std::size_t>(N) * k);
+  ctx.ops.download(idx.data(), s.top_idx);
+  s.routing = Routing::plan(idx, static_cast<int>(N), k, E);
+  std::vector<float> val(idx.size()), w(idx.size());
+  ctx.ops.download(val.data(), s.top_val);
+  for (std::int64_t n = 0; n < N; ++n) {
+    float sum = 0;
+    for (int j = 0; j < k; ++j) sum += val[n * k + j];
+    for (int j = 0; j < k; ++j) w[n * k + j] = config_.normalize_top_k ? val[n * k + j] / sum : val[n * k + j];
+  }
+  s.weights = ctx.tensor({N, k});
+  ctx.ops.upload(s.weights, w.data());
+  std::vector<float> w_row(idx.size());
+  for (std::size_t a = 0; a < idx.size(); ++a) w_row[s.routing.row_of[a]] = w[a];
+  s.token_of_row = ctx.tensor({N * k}, Category::activations, DType::i32);
+  s.weight_of_row = ctx.tensor({N * k});
+  ctx.ops.upload(s.token_of_row, s.routing.token_of_row.data());
+  ctx.ops.upload(s.weight_of_row, w_row.data());
+  // Balance: f_e from the counts, P_e the mean probability (downloaded: E numbers a token).
+  std::vector<float> probs(static_cast<std::size_t>(N) * E);
+  ctx.ops.download(probs.data(), s.probs);
+  double balance = 0;
+  for (int e = 0; e < E; ++e) {
+    double p = 0;
+    for (std::int64_t n = 0; n < N; ++n) p += probs[n * E + e];
+    balance += static_cast<double>(s.routing.counts[e]) / (N * k) * (p / N);
+  }
+  s.balance_loss = config_.balance_coef * E * balance;
+}
+
+namespace {
+// A dispatcher's plan must cover exactly the rows it hands over, with experts that exist.
+void check_plan(const std::vector<std::int64_t>& offsets, int first, int experts, std::int64_t rows) {
+  if (offsets.empty() || offsets.front() != 0 || offsets.back() != rows || first < 0 ||
+      first + static_cast<std::int64_t>(offsets.size()) - 1 > experts)
+    throw std::invalid_argument("moe experts: offsets for " + std::to_string(offsets.size() - 1) +
+                                " experts from " + std::to_string(first) + " must start at 0 and end at the " +
+                                std::to_string(rows) + " rows given, within " + std::to_string(experts) + " experts");
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e)
+    if (offsets[e + 1] < offsets[e]) throw std::invalid_argument("moe experts: offsets must not decrease");
+}
+}  // namespace
+
+void Moe::experts_forward(Context& ctx, const std::vector<std::int64_t>& offsets, int first, const Tensor& xp,
+                          Saved& s) const {
+  const std::int64_t R = xp.dim(0), d = config_.d_model, F = config_.d_expert;
+  check_plan(offsets, first, config_.experts, R);
+  s.gate = ctx.tensor({R, F});
+  s.up = ctx.tensor({R, F});
+  s.h = ctx.tensor({R, F});
+  s.yp = ctx.tensor({R, d});
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const std::int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+    if (c == 0) continue;
+    const int ex = first + static_cast<int>(e);
+    Tensor x_e = Tensor::view(xp.f32() + r0 * d, {c, d}), g_e = Tensor::view(s.gate.f32() + r0 * F, {c, F}),
+           u_e = Tensor::view(s.up.f32() + r0 * F, {c, F}), h_e = Tensor::view(s.h.f32() + r0 * F, {c, F}),
+           y_e = Tensor::view(s.yp.f32() + r0 * d, {c, d});
+    ctx.ops.matmul(x_e, false, expert_view(gate_, ex, false, ctx), true, g_e, 1.0f, 0.0f);
+    ctx.ops.matmul(x_e, false, expert_view(up_, ex, false, ctx), true, u_e, 1.0f, 0.0f);
+    ctx.ops.swiglu_forward(g_e, u_e, h_e);
+    ctx.ops.matmul(h_e, false, expert_view(down_, ex, false, ctx), true, y_e, 1.0f, 0.0f);
+  }
+}
+
+void Moe::experts_backward(Context& ctx, const std::vector<std::int64_t>& offsets, int first, const Tensor& xp,
+                           const Saved& s, const Tensor& dyp, Tensor& dxp) const {
+  const std::int64_t d = config_.d_model, F = config_.d_expert;
+  check_plan(offsets, first, config_.experts, xp.dim(0));
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const std::int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+    if (c == 0) continue;
+    const int ex = first + static_cast<int>(e);
+    Tensor x_e = Tensor::view(xp.f32() + r0 * d, {c, d}), g_e = Tensor::view(s.gate.f32() + r0 * F, {c, F}),
+           u_e = Tensor::view(s.up.f32() + r0 * F, {c, F}), h_e = Tensor::view(s.h.f32() + r0 * F, {c, F}),
+           dy_e = Tensor::view(dyp.f32() + r0 * d, {c, d}), dx_e = Tensor::view(dxp.f32() + r0 * d, {c, d});
+    Tensor dh = ctx.tensor({c, F}), dg = ctx.tensor({c, F}), du = ctx.tensor({c, F}), part = ctx.tensor({c, d});
+    if (ctx.trains(down_)) {
+      Tensor g = expert_view(down_, ex, true, ctx);
+      ctx.ops.matmul(dy_e, true, h_e, false, g, 1.0f, 1.0f);
+    }
+    ctx.ops.matmul(dy_e, false, expert_view(down_, ex, false, ctx), false, dh, 1.0f, 0.0f);
+    ctx.ops.swiglu_backward(g_e, u_e, dh, dg, du);
+    if (ctx.trains(gate_)) {
+      Tensor g = expert_view(gate_, ex, true, ctx);
+      ctx.ops.matmul(dg, true, x_e, false, g, 1.0f, 1.0f);
+    }
+    if (ctx.trains(up_)) {
+      Tensor g = expert_view(up_, ex, true, ctx);
+      ctx.ops.matmul(du, true, x_e, false, g, 1.0f, 1.0f);
+    }
+    ctx.ops.matmul(dg, false, expert_view(gate_, ex, false, ctx), false, dx_e, 1.0f, 0.0f);
+    ctx.ops.matmul(du, false, expert_view(up_, ex, false, ctx), false, part, 1.0f, 0.0f);
+    ctx.ops.accumulate(dx_e, part, 1.0f);
+  }
+  // Every expert's slice is final now, including those that got no rows.
+  ctx.params.grad_done(down_);
+  ctx.params.grad_done(up_);
+  ctx.params.grad_done(gate_);
+}
+
+void Moe::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
+  route(ctx, x, s);
+  ctx.aux_loss += s.balance_loss;
+  s.xp = ctx.tensor({s.token_of_row.numel(), config_.d_model});
+  ctx.ops.gather_rows(x, s.token_of_row, s.xp);
+  experts_forward(ctx, s.routing.offsets, 0, s.xp, s);
+  if (has_shared_) {
+    s.shared_out = ctx.tensor(y.shape());
+    shared_.forward(ctx, x, s.shared_out, s.shared);
+    ctx.ops.copy(y, s.shared_out);
+  } else {
+    ctx.ops.fill(y, 0.0f);
+  }
+  ctx.ops.scatter_add_rows(s.yp, s.token_of_row, &s.weight_of_row, y);  // combine
+}
+
+void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Tensor& dx) const {
+  const std::int64_t N = x.dim(0), R = s.xp.dim(0), d = config_.d_model;
+  const int E = config_.experts, k = config_.top_k;
+  // Combine: y[n] += w_row · yp[row]  =>  dyp[row] = w_row · dy[n], dw_row = dy[n] · yp[row].
+  Tensor dy_rows = ctx.tensor({R, d}), dw_row = ctx.tensor({R}), dyp = ctx.tensor({R, d}), dxp = ctx.tensor({R, d});
+  ctx.ops.gather_rows(dy, s.token_of_row, dy_rows);
+  ctx.ops.row_dot(dy_rows, s.yp, dw_row);
+  ctx.ops.copy(dyp, dy_rows);
+  ctx.ops.scale_rows(dyp, s.weight_of_row);
+  experts_backward(ctx, s.routing.offsets, 0, s.xp, s, dyp, dxp);
+  if (has_shared_) {
+    shared_.backward(ctx, x, s.shared, dy, dx);
+  } else {
+    ctx.ops.fill(dx, 0.0f);
+  }
+  ctx.ops.scatter_add_rows(dxp, s.token_of_row, nullptr, dx);  // un-permute
+
+  // Back through the weights to the router probabilities (host work on N·k and N·E numbers).
+  std::vector<float> dw_rows(R), val(static_cast<std::size_t>(N) * k), dprobs(static_cast<std::size_t>(N) * E, 0.0f);
+  ctx.ops.download(dw_rows.data(), dw_row);
+  ctx.ops.download(val.data(), s.top_val);
+  for (std::int64_t n = 0; n < N; ++n) {
+    float sum = 0, wdw = 0;
+    for (int j = 0; j < k; ++j) sum += val[n * k + j];
+    for (int j = 0; j < k; ++j) wdw += val[n * k + j] / sum * dw_rows[s.routing.row_of[n * k + j]];
+    for (int j = 0; j < k; ++j) {
+      const float dw = dw_rows[s.routing.row_of[n * k + j]];
+      // w_j = v_j / Σv  =>  dv_j = (dw_j − Σ_i w_i dw_i) / Σv
+      dprobs[n * E + s.routing.expert[n * k + j]] += config_.normalize_top_k ? (dw - wdw) / sum : dw;
+    }
+  }
+  // The balance term coef·E·Σ_e f_e·mean_n(p_ne) adds coef·E·f_e/N to every dp_ne; it is weighted
+  // like the loss it joins (loss_scale per token, N tokens here).
+  const double w_aux = static_cast<double>(ctx.loss_scale) * N;
+  for (int e = 0; e < E; ++e) {
+    const float g = static_cast<float>(w_aux * config_.balance_coef * E * s.routing.counts[e] / double(N * k) / N);
+    for (std::int64_t n = 0; n < N; ++n) dprobs[n * E + e] += g;
+  }
+  Tensor dp = ctx.tensor({N, E}), dlogits = ctx.tensor({N, E}), part = ctx.tensor(x.shape());
+  ctx.ops.upload(dp, dprobs.data());
+  ctx.ops.softmax_rows_backward(s.probs, dp, dlogits);
+  router_.backward(ctx, x, dlogits, &part);
+  ctx.ops.accumulate(dx, part, 1.0f);
+}
+
+}  // namespace k2c::model

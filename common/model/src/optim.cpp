@@ -1,0 +1,125 @@
+// optim.cpp — see k2c/model/optim.h.
+#include "k2c/model/optim.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace k2c::model {
+
+namespace {
+
+float decay_for(const ParamInfo& p, float wd) { return p.shape.rank >= 2 ? wd : 0.0f; }
+
+// The part of one trainable parameter that lies in an optimizer's range, as 1-D views of its
+// values, its gradient and the range's state. The views start at different places because the
+// three buffers are indexed differently: the value buffer also holds frozen parameters (offset),
+// the gradient buffer does not (grad_offset), and the state starts at the range's begin.
+struct Piece {
+  const ParamInfo* info;
+  Tensor value, grad;
+  std::int64_t state_at = 0, count = 0;  // first state element, and how many
+};
+
+void check_range(const char* who, const ParamList& params, std::int64_t begin, std::int64_t end) {
+  if (!params.materialized()) throw std::logic_error(std::string(who) + ": materialize the parameters first");
+  const std::int64_t n = params.trainable_numel();
+  if (begin < 0 || begin > end || end > n)
+    throw std::invalid_argument(std::string(who) + ": range [" + std::to_string(begin) + ", " +
+                                std::to_string(end) + ") is not inside the gradient buffer [0, " +
+                                std::to_string(n) + ")");
+}
+
+// State of `count` elements in the optimizer category, zeroed; none at all for an empty range
+// (some memories refuse zero-byte allocations).
+Tensor zero_state(Ops& ops, MemoryLedger& ledger, std::int64_t count) {
+  if (count == 0) return {};
+  Tensor t(ops.memory(), ledger, Category::optimizer, {count});
+  ops.fill(t, 0.0f);
+  return t;
+}
+
+// The pieces of the trainable parameters inside gradient range [begin, end), in registration
+// order. Parameters are visited one at a time as before, so a full range steps each one whole.
+std::vector<Piece> pieces(ParamList& params, std::int64_t begin, std::int64_t end) {
+  std::vector<Piece> out;
+  if (begin == end) return out;
+  float* values = params.flat_values().f32();
+  float* grads = params.flat_grads().f32();
+  for (ParamId id : params.trainable()) {
+    const ParamInfo& p = params.info(id);
+    const std::int64_t lo = std::max(begin, p.grad_offset);
+    const std::int64_t hi = std::min(end, p.grad_offset + p.shape.numel());
+    if (lo >= hi) continue;
+    const std::int64_t count = hi - lo;
+    out.push_back({&p, Tensor::view(values + p.offset + (lo - p.grad_offset), {count}),
+                   Tensor::view(grads + lo, {count}), lo - begin, count});
+  }
+  return out;
+}
+
+Tensor state_view(Tensor& state, const Piece& piece) {
+  return Tensor::view(state.f32() + piece.state_at, {piece.count});
+}
+
+}  // namespace
+
+AdamW::AdamW(ParamList& params, Ops& ops, MemoryLedger& ledger, AdamWConfig config)
+    : AdamW(params, ops, ledger, config, 0, params.trainable_numel()) {}
+
+AdamW::AdamW(ParamList& params, Ops& ops, MemoryLedger& ledger, AdamWConfig config, std::int64_t begin,
+             std::int64_t end)
+    : params_(params), ops_(ops), config_(config), begin_(begin), end_(end) {
+  check_range("AdamW", params, begin, end);
+  m_ = zero_state(ops, ledger, end - begin);
+  v_ = zero_state(ops, ledger, end - begin);
+}
+
+void AdamW::step(float lr) {
+  ++t_;  // counts for an empty range too: every rank's bias correction must agree
+  for (Piece& piece : pieces(params_, begin_, end_)) {
+    Tensor m = state_view(m_, piece), v = state_view(v_, piece);
+    // Weight decay is a property of the whole parameter (its rank), not of the piece's 1-D view.
+    ops_.adamw_step(piece.value, piece.grad, m, v, lr, config_.beta1, config_.beta2, config_.eps,
+                    decay_for(*piece.info, config_.weight_decay), t_);
+  }
+}
+
+Sgd::Sgd(ParamList& params, Ops& ops, MemoryLedger& ledger, float momentum, float weight_decay)
+    : Sgd(params, ops, ledger, momentum, weight_decay, 0, params.trainable_numel()) {}
+
+Sgd::Sgd(ParamList& params, Ops& ops, MemoryLedger& ledger, float momentum, float weight_decay,
+         std::int64_t begin, std::int64_t end)
+    : params_(params), ops_(ops), beta_(momentum), weight_decay_(weight_decay), begin_(begin), end_(end) {
+  check_range("Sgd", params, begin, end);
+  if (momentum > 0) momentum_ = zero_state(ops, ledger, end - begin);
+}
+
+void Sgd::step(float lr) {
+  for (Piece& piece : pieces(params_, begin_, end_)) {
+    Tensor m = momentum_.empty() ? Tensor() : state_view(momentum_, piece);
+    ops_.sgd_step(piece.value, piece.grad, momentum_.empty() ? nullptr : &m, lr, beta_,
+                  decay_for(*piece.info, weight_decay_));
+  }
+}
+
+double global_grad_norm(ParamList& params, Ops& ops) {
+  return params.trainable_numel() ? std::sqrt(ops.sum_squares(params.flat_grads())) : 0.0;
+}
+
+double clip_grad_norm(ParamList& params, Ops& ops, double max_norm) {
+  const double norm = global_grad_norm(params, ops);
+  if (max_norm > 0 && norm > max_norm) ops.scale(params.flat_grads(), static_cast<float>(max_norm / norm));
+  return norm;
+}
+
+float cosine_lr(int step, int warmup, int total, float max_lr, float min_lr) {
+  if (warmup > 0 && step < warmup) return max_lr * static_cast<float>(step + 1) / static_cast<float>(warmup);
+  if (step >= total) return min_lr;
+  const double progress = static_cast<double>(step - warmup) / std::max(1, total - warmup);
+  return static_cast<float>(min_lr + 0.5 * (max_lr - min_lr) * (1.0 + std::cos(3.141592653589793 * progress)));
+}
+
+}  // namespace k2c::model

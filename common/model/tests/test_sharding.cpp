@@ -1,0 +1,276 @@
+// test_sharding.cpp — what the sharded modules build on: a parameter registered as a block of an
+// unsharded weight starts from exactly that block's values (tensor parallelism), and optimizers
+// that each own a range of the flat gradient buffer step the same bits as one optimizer over all
+// of it (ZeRO), frozen parameters and ranges that cut through parameters included.
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "k2c/model/optim.h"
+#include "k2c/model/params.h"
+
+namespace k2c::model {
+namespace {
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// One parameter "w" with the given shape and init, materialized from `seed`; an unrelated
+// parameter is registered first so that w's place in the flat buffer differs from index 0.
+struct OneWeight {
+  MemoryLedger ledger;
+  ParamList params;
+  ParamId w;
+  OneWeight(Shape shape, Init init, std::uint64_t seed = 7) {
+    params.add("before", {3}, {});
+    w = params.add("w", shape, std::move(init));
+    params.materialize(cpu_ops(), ledger, seed);
+  }
+  const float* data() { return params.value(w).f32(); }
+};
+
+TEST(ShardInit, ColumnAndRowShardsAreSlicesOfTheFullWeight) {
+  const Init normal{Init::normal, 0.5f};
+  OneWeight full({6, 10}, normal);
+
+  // Columns 3..6 of every row: a block that is not contiguous in the full weight.
+  OneWeight cols({6, 4}, {Init::normal, 0.5f, ShardOf{{6, 10}, {0, 3}}});
+  for (int r = 0; r < 6; ++r)
+    for (int c = 0; c < 4; ++c)
+      ASSERT_TRUE(same_bits(cols.data()[r * 4 + c], full.data()[r * 10 + 3 + c])) << "row " << r << " col " << c;
+
+  // Rows 4..5: one contiguous stretch of the full weight.
+  OneWeight rows({2, 10}, {Init::normal, 0.5f, ShardOf{{6, 10}, {4, 0}}});
+  EXPECT_EQ(std::memcmp(rows.data(), full.data() + 4 * 10, 2 * 10 * sizeof(float)), 0);
+
+  // A "shard" that is the whole weight at offset 0 is the unsharded weight.
+  OneWeight whole({6, 10}, {Init::normal, 0.5f, ShardOf{{6, 10}, {0, 0}}});
+  EXPECT_EQ(std::memcmp(whole.data(), full.data(), 60 * sizeof(float)), 0);
+
+  // Without the shard description the block would start from the full weight's first elements.
+  OneWeight unsharded({6, 4}, normal);
+  EXPECT_NE(std::memcmp(unsharded.data(), cols.data(), 24 * sizeof(float)), 0);
+}
+
+TEST(ShardInit, ThreeDimensionalBlockOfStackedExperts) {
+  // Experts 1..2 of 4, rows 0..2 of 3, columns 2..3 of 5: every dimension offset or cut.
+  OneWeight full({4, 3, 5}, {Init::normal, 1.0f}, 11);
+  OneWeight block({2, 3, 2}, {Init::normal, 1.0f, ShardOf{{4, 3, 5}, {1, 0, 2}}}, 11);
+  for (int e = 0; e < 2; ++e)
+    for (int r = 0; r < 3; ++r)
+      for (int c = 0; c < 2; ++c)
+        ASSERT_TRUE(same_bits(block.data()[(e * 3 + r) * 2 + c], full.data()[((1 + e) * 3 + r) * 5 + 2 + c]))
+            << e << ", " << r << ", " << c;
+}
+
+TEST(ShardInit, ConstantInitsIgnoreTheShard) {
+  OneWeight ones({2, 3}, {Init::ones, 0.02f, ShardOf{{4, 6}, {2, 3}}});
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(ones.data()[i], 1.0f);
+}
+
+TEST(ShardInit, BadShardsAreRejectedWhenAdded) {
+  ParamList p;
+  auto add = [&](Shape shape, ShardOf shard) { p.add("w", shape, {Init::normal, 0.02f, shard}); };
+  // Not the same rank as the full shape.
+  EXPECT_THROW(add({6, 4}, ShardOf{{60}, {0}}), std::invalid_argument);
+  EXPECT_THROW(add({6}, ShardOf{{6, 10}, {0, 0}}), std::invalid_argument);
+  // Past the end of a dimension, by one element.
+  EXPECT_THROW(add({6, 4}, ShardOf{{6, 10}, {0, 7}}), std::invalid_argument);
+  EXPECT_THROW(add({2, 10}, ShardOf{{6, 10}, {5, 0}}), std::invalid_argument);
+  // Larger than the full weight, negative offsets, an offset past the rank.
+  EXPECT_THROW(add({7, 10}, ShardOf{{6, 10}, {0, 0}}), std::invalid_argument);
+  EXPECT_THROW(add({2, 4}, ShardOf{{6, 10}, {-1, 0}}), std::invalid_argument);
+  EXPECT_THROW(add({2, 4}, ShardOf{{6, 10}, {0, 0, 1, 0}}), std::invalid_argument);
+  // The message names the parameter and both shapes.
+  try {
+    add({6, 4}, ShardOf{{6, 10}, {0, 7}});
+    FAIL() << "an overflowing shard was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'w'"), std::string::npos) << what;
+    EXPECT_NE(what.find("[6, 10]"), std::string::npos) << what;
+    EXPECT_NE(what.find("[6, 4]"), std::string::npos) << what;
+  }
+  // Rejected shards registered nothing; a shard that ends exactly at the edge is fine.
+  EXPECT_EQ(p.size(), 0);
+  EXPECT_NO_THROW(add({6, 4}, ShardOf{{6, 10}, {0, 6}}));
+}
+
+// ---- optimizers over ranges
+
+// Parameters of mixed ranks (decayed and not) with a frozen one in the middle, so that gradient
+// offsets and value offsets differ for everything after it. Gradient layout:
+//   a [3, 4] at [0, 12)   g [5] at [12, 17)   (frozen [4, 2]: no slot)   b [2, 3, 2] at [17, 29)
+//   c [7] at [29, 36)
+struct Mixed {
+  MemoryLedger ledger;
+  ParamList params;
+  ParamId frozen;
+  Mixed() {
+    params.add("a", {3, 4}, {Init::normal, 0.5f});
+    params.add("g", {5}, {Init::normal, 0.5f});
+    frozen = params.add("frozen", {4, 2}, {Init::normal, 0.5f}, /*frozen=*/true);
+    params.add("b", {2, 3, 2}, {Init::normal, 0.5f});
+    params.add("c", {7}, {Init::normal, 0.5f});
+    params.materialize(cpu_ops(), ledger, 3);
+  }
+  std::vector<float> values() {
+    const Tensor& v = params.flat_values();
+    return {v.f32(), v.f32() + v.numel()};
+  }
+};
+
+// The same random gradients for step s on every list.
+std::vector<float> random_grads(std::int64_t n, int s) {
+  std::mt19937 gen(1000 + s);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> g(static_cast<std::size_t>(n));
+  for (float& x : g) x = dist(gen);
+  return g;
+}
+
+float lr_at(int s) { return 0.01f * static_cast<float>(s + 1); }
+
+using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
+
+// Ranges that together cover [0, 36): boundaries inside a, g, b and c, one range inside g alone,
+// an empty range; the second partition is three ranges and an empty one.
+const std::vector<Ranges> kPartitions = {
+    {{0, 7}, {7, 13}, {13, 16}, {16, 16}, {16, 31}, {31, 36}},
+    {{0, 13}, {13, 16}, {16, 16}, {16, 36}},
+};
+
+void expect_bitwise(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << what;
+}
+
+TEST(ShardOptim, FullAdamWIsTheSameUpdateAsBefore) {
+  // The update as it was before ranges existed: one adamw_step per trainable parameter over its
+  // whole shaped views. The full-range optimizer must give the same bits.
+  Mixed ref, full;
+  MemoryLedger state_ledger;
+  const AdamWConfig cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  const std::int64_t n = ref.params.trainable_numel();
+  HostMemory host;
+  Tensor m(host, state_ledger, Category::optimizer, {n}), v(host, state_ledger, Category::optimizer, {n});
+  cpu_ops().fill(m, 0.0f);
+  cpu_ops().fill(v, 0.0f);
+  AdamW opt(full.params, cpu_ops(), full.ledger, cfg);
+  for (int s = 0; s < 5; ++s) {
+    const std::vector<float> g = random_grads(n, s);
+    cpu_ops().upload(ref.params.flat_grads(), g.data());
+    cpu_ops().upload(full.params.flat_grads(), g.data());
+    for (ParamId id : ref.params.trainable()) {
+      const ParamInfo& p = ref.params.info(id);
+      Tensor pm = Tensor::view(m.f32() + p.grad_offset, p.shape), pv = Tensor::view(v.f32() + p.grad_offset, p.shape);
+      cpu_ops().adamw_step(ref.params.value(id), ref.params.grad(id), pm, pv, lr_at(s), cfg.beta1, cfg.beta2,
+                           cfg.eps, p.shape.rank >= 2 ? cfg.weight_decay : 0.0f, s + 1);
+    }
+    opt.step(lr_at(s));
+  }
+  expect_bitwise(full.values(), ref.values(), "values");
+  expect_bitwise({opt.first_moment().f32(), opt.first_moment().f32() + n}, {m.f32(), m.f32() + n}, "m");
+  EXPECT_EQ(opt.begin(), 0);
+  EXPECT_EQ(opt.end(), n);
+}
+
+TEST(ShardOptim, AdamWRangesMatchOneFullOptimizerBitForBit) {
+  for (const Ranges& ranges : kPartitions) {
+    Mixed ref, sharded;
+    const std::int64_t n = ref.params.trainable_numel();
+    ASSERT_EQ(n, 36);
+    const std::vector<float> frozen_before = {sharded.params.value(sharded.frozen).f32(),
+                                              sharded.params.value(sharded.frozen).f32() + 8};
+    AdamW full(ref.params, cpu_ops(), ref.ledger);
+    std::vector<MemoryLedger> ledgers(ranges.size());
+    std::vector<AdamW> shards;
+    for (std::size_t r = 0; r < ranges.size(); ++r)
+      shards.emplace_back(sharded.params, cpu_ops(), ledgers[r], AdamWConfig{}, ranges[r].first, ranges[r].second);
+    for (int s = 0; s < 5; ++s) {
+      const std::vector<float> g = random_grads(n, s);
+      cpu_ops().upload(ref.params.flat_grads(), g.data());
+      cpu_ops().upload(sharded.params.flat_grads(), g.data());
+      full.step(lr_at(s));
+      for (AdamW& opt : shards) opt.step(lr_at(s));
+    }
+    expect_bitwise(sharded.values(), ref.values(), "values after 5 steps");
+    // The ranges' moments laid end to end are the full optimizer's moments.
+    std::vector<float> m, v;
+    for (std::size_t r = 0; r < ranges.size(); ++r) {
+      AdamW& opt = shards[r];
+      const std::int64_t count = ranges[r].second - ranges[r].first;
+      EXPECT_EQ(opt.steps(), 5);
+      EXPECT_EQ(ledgers[r].current(Category::optimizer), static_cast<std::size_t>(8 * count));
+      EXPECT_EQ(opt.first_moment().numel(), count);
+      if (count == 0) continue;
+      m.insert(m.end(), opt.first_moment().f32(), opt.first_moment().f32() + count);
+      v.insert(v.end(), opt.second_moment().f32(), opt.second_moment().f32() + count);
+    }
+    expect_bitwise(m, {full.first_moment().f32(), full.first_moment().f32() + n}, "first moment");
+    expect_bitwise(v, {full.second_moment().f32(), full.second_moment().f32() + n}, "second moment");
+    // The frozen parameter in the middle was never touched.
+    expect_bitwise({sharded.params.value(sharded.frozen).f32(), sharded.params.value(sharded.frozen).f32() + 8},
+                   frozen_before, "frozen parameter");
+  }
+}
+
+TEST(ShardOptim, ARangeStepsOnlyItsOwnElements) {
+  // Range [10, 20) of the gradients: a[10..11], all of g, b[0..2]. In the value buffer b starts
+  // after the frozen parameter, so b's pieces sit 8 elements later than their gradients.
+  Mixed m;
+  const std::vector<float> before = m.values();
+  AdamW opt(m.params, cpu_ops(), m.ledger, {}, 10, 20);
+  const std::vector<float> g(36, 1.0f);
+  cpu_ops().upload(m.params.flat_grads(), g.data());
+  opt.step(0.1f);
+  const std::vector<float> after = m.values();
+  for (std::size_t i = 0; i < after.size(); ++i) {
+    // Value indices: a [0, 12), g [12, 17), frozen [17, 25), b [25, 37), c [37, 44).
+    const bool stepped = (i >= 10 && i < 17) || (i >= 25 && i < 28);
+    EXPECT_EQ(!same_bits(after[i], before[i]), stepped) << "value element " << i;
+  }
+}
+
+TEST(ShardOptim, SgdRangesMatchOneFullOptimizer) {
+  for (const Ranges& ranges : kPartitions) {
+    Mixed ref, sharded;
+    const std::int64_t n = ref.params.trainable_numel();
+    Sgd full(ref.params, cpu_ops(), ref.ledger, 0.9f, 0.05f);
+    std::vector<MemoryLedger> ledgers(ranges.size());
+    std::vector<Sgd> shards;
+    for (std::size_t r = 0; r < ranges.size(); ++r)
+      shards.emplace_back(sharded.params, cpu_ops(), ledgers[r], 0.9f, 0.05f, ranges[r].first, ranges[r].second);
+    for (int s = 0; s < 5; ++s) {
+      const std::vector<float> g = random_grads(n, s);
+      cpu_ops().upload(ref.params.flat_grads(), g.data());
+      cpu_ops().upload(sharded.params.flat_grads(), g.data());
+      full.step(lr_at(s));
+      for (Sgd& opt : shards) opt.step(lr_at(s));
+    }
+    expect_bitwise(sharded.values(), ref.values(), "values after 5 steps");
+    for (std::size_t r = 0; r < ranges.size(); ++r)
+      EXPECT_EQ(ledgers[r].current(Category::optimizer),
+                static_cast<std::size_t>(4 * (ranges[r].second - ranges[r].first)));
+  }
+}
+
+TEST(ShardOptim, InvalidRangesAreRejected) {
+  Mixed m;
+  const std::int64_t n = m.params.trainable_numel();  // 36: the frozen parameter has no slot
+  for (auto [b, e] : Ranges{{-1, 4}, {5, 4}, {0, n + 1}, {n + 1, n + 1}, {0, m.params.numel()}}) {
+    EXPECT_THROW(AdamW(m.params, cpu_ops(), m.ledger, {}, b, e), std::invalid_argument) << b << ", " << e;
+    EXPECT_THROW(Sgd(m.params, cpu_ops(), m.ledger, 0.9f, 0.0f, b, e), std::invalid_argument) << b << ", " << e;
+  }
+  EXPECT_EQ(m.ledger.current(Category::optimizer), 0u) << "a rejected range allocated state";
+  EXPECT_NO_THROW(AdamW(m.params, cpu_ops(), m.ledger, {}, n, n));
+  ParamList unmade;
+  unmade.add("w", {4}, {});
+  EXPECT_THROW(AdamW(unmade, cpu_ops(), m.ledger, {}, 0, 0), std::logic_error);
+}
+
+}  // namespace
+}  // namespace k2c::model
