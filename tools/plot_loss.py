@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""plot_loss.py LOG.csv [LOG2.csv ...] [--png out.png] [--floor NATS]
+"""plot_loss.py LOG.csv [LOG2.csv ...] [--png out.png] [--floor NATS | --floor markov.json]
 
 Loss curves from k2c_train's CSV logs (columns step, loss, val_loss, ...), one line per log and
 the validation points on top, so runs of different configurations or parallel layouts can be
-compared at a glance. --floor draws a horizontal line, e.g. the Markov data's entropy rate from
-datasets/markov/markov.json.
+compared at a glance. --floor draws a horizontal line at the lowest achievable loss: a number, or
+the Markov data's markov.json, whose entropy rate is that floor.
 """
 import argparse
 import csv
+import json
 import os
 import sys
 
@@ -28,8 +29,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--png", default="loss.png")
-    ap.add_argument("--floor", type=float, help="the lowest achievable loss, drawn as a line")
+    ap.add_argument("--floor", help="the lowest achievable loss, drawn as a line: NATS or a markov.json")
     args = ap.parse_args()
+    floor = None
+    if args.floor:
+        if args.floor.endswith(".json"):
+            with open(args.floor) as f:
+                floor = float(json.load(f)["entropy_rate_nats"])
+        else:
+            floor = float(args.floor)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -43,8 +51,8 @@ def main():
         line, = ax.plot(steps, loss, lw=1.2, label=f"{name} (train)")
         if val:
             ax.plot(val_steps, val, "o", color=line.get_color(), ms=4, label=f"{name} (validation)")
-    if args.floor is not None:
-        ax.axhline(args.floor, color="gray", ls="--", lw=1, label=f"floor {args.floor:.3f}")
+    if floor is not None:
+        ax.axhline(floor, color="gray", ls="--", lw=1, label=f"floor {floor:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     ax.grid(alpha=0.3)

@@ -29,6 +29,9 @@
 
 #include "k2c/model/data.h"
 #include "k2c/model/train.h"
+#if K2C_MODEL_CUDA
+#include "k2c/model/cuda_ops.h"
+#endif
 
 namespace fs = std::filesystem;
 using namespace k2c::model;
@@ -124,7 +127,7 @@ int main(int argc, char** argv) {
   auto* seed_opt = app.add_option("--seed", seed, "initialisation, data order and dropout seed");
   app.add_option("--dropout", dropout, "residual dropout probability");
   app.add_flag("--checkpoint-activations", checkpoint_activations, "recompute each block's forward in backward");
-  app.add_option("--backend", backend, "cpu (the GPU backend comes with the capstone)")->check(CLI::IsMember({"cpu", "gpu"}));
+  app.add_option("--backend", backend, "cpu, or gpu (first version: fp32, plain kernels)")->check(CLI::IsMember({"cpu", "gpu"}));
   app.add_option("--log", log_path, "CSV log, one row per step");
   app.add_option("--checkpoint", checkpoint, "checkpoint file, written at the end (and every --set checkpoint_every)");
   app.add_flag("--resume", resume, "continue from --checkpoint");
@@ -150,8 +153,13 @@ int main(int argc, char** argv) {
     c.log_path = log_path;
     c.checkpoint_path = checkpoint;
     if (resume && checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
-    if (backend == "gpu")
-      throw UsageError("--backend gpu: this build's model library has the CPU backend only");
+#if K2C_MODEL_CUDA
+    if (backend == "gpu" && !cuda_device_present()) throw UsageError("--backend gpu: no CUDA device is visible");
+    Ops& ops = backend == "gpu" ? cuda_ops() : cpu_ops();
+#else
+    if (backend == "gpu") throw UsageError("--backend gpu: this build has no CUDA toolkit (the CPU backend only)");
+    Ops& ops = cpu_ops();
+#endif
 
     const fs::path dir = data_dir;
     const fs::path train_shard = shard_in(dir, "train"), val_shard = shard_in(dir, "val");
@@ -166,7 +174,7 @@ int main(int argc, char** argv) {
     c.model.check();
     TokenLoader train({train_shard}, {c.model.seq_len, c.batch, 0, 1, c.seed});
     TokenLoader val({val_shard}, {c.model.seq_len, c.batch, 0, 1, c.seed + 1});
-    Trainer trainer(c, cpu_ops(), std::move(train), std::move(val));
+    Trainer trainer(c, ops, std::move(train), std::move(val));
     if (resume) {
       trainer.load(checkpoint);
       std::cout << "resumed from " << checkpoint << " at step " << trainer.steps_done() << "\n";

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "k2c/model/mask.h"
 #include "k2c/model/ops.h"
 
 namespace k2c::model {
@@ -29,15 +30,6 @@ void AttentionShape::check() const {
 }
 
 namespace {
-
-// splitmix64's finaliser: a bijection of 64-bit values that spreads every input bit over the
-// output, the same counter-based idea as k2c/random.h.
-std::uint64_t mix(std::uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 void same_shape(const Tensor& a, const Tensor& b, const char* what) {
   if (!(a.shape() == b.shape()))
@@ -532,13 +524,9 @@ class CpuOps final : public Ops {
 
 float dropout_scale(const DropoutKey& key, float p, std::int64_t row, std::int64_t col,
                     std::int64_t cols) {
-  if (p == 0.0f) return 1.0f;
   const std::int64_t full = key.full_cols < 0 ? cols : key.full_cols;
-  const std::uint64_t index =
-      static_cast<std::uint64_t>((key.row_offset + row) * full + key.col_offset + col);
-  const std::uint64_t h = mix(mix(mix(mix(key.seed) + key.step) + key.layer) + index);
-  const float u = static_cast<float>(h >> 40) * 0x1.0p-24f;  // 24 random bits in [0, 1)
-  return u < p ? 0.0f : 1.0f / (1.0f - p);
+  const std::uint64_t index = static_cast<std::uint64_t>((key.row_offset + row) * full + key.col_offset + col);
+  return mask::scale(key.seed, key.step, key.layer, index, p);
 }
 
 Ops& cpu_ops() {

@@ -1,4 +1,5 @@
 // params.cpp — see k2c/model/params.h.
+#include "k2c/model/mask.h"
 #include "k2c/model/params.h"
 
 #include <cmath>
@@ -7,13 +8,6 @@
 namespace k2c::model {
 
 namespace {
-
-std::uint64_t mix(std::uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 // Throws unless `shard` describes a block of the same rank as `shape` that lies inside its full
 // shape: a shard that pokes out would silently draw another weight's (or no weight's) values.
@@ -58,7 +52,7 @@ std::uint64_t name_hash(const std::string& name) {
 
 float init_normal(std::uint64_t seed, std::uint64_t hash, std::uint64_t index) {
   // Box-Muller on two independent uniforms in (0, 1] drawn from the counter.
-  const std::uint64_t a = mix(mix(seed ^ hash) + 2 * index), b = mix(mix(seed ^ hash) + 2 * index + 1);
+  const std::uint64_t a = mask::mix(mask::mix(seed ^ hash) + 2 * index), b = mask::mix(mask::mix(seed ^ hash) + 2 * index + 1);
   const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;
   const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;
   return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));

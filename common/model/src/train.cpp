@@ -1,4 +1,5 @@
 // train.cpp — see k2c/model/train.h.
+#include "k2c/model/mask.h"
 #include "k2c/model/train.h"
 
 #include <chrono>
@@ -50,13 +51,6 @@ Header header_for(const ModelConfig& m, int step, int adam_steps, std::int64_t v
   h.rope_theta = m.rope_theta, h.norm_eps = m.norm_eps;
   h.step = step, h.adam_steps = adam_steps, h.values = values, h.trainable = trainable;
   return h;
-}
-
-std::uint64_t mix(std::uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
 }
 
 }  // namespace
@@ -224,7 +218,7 @@ std::vector<std::int32_t> Trainer::sample(std::vector<std::int32_t> tokens, int 
       for (int j = 1; j < V; ++j) mx = std::max<double>(mx, z[j]);
       std::vector<double> p(V);
       for (int j = 0; j < V; ++j) total += p[j] = std::exp((z[j] - mx) / temperature);
-      double u = static_cast<double>(mix(seed + n) >> 11) * 0x1.0p-53 * total;
+      double u = static_cast<double>(mask::mix(seed + n) >> 11) * 0x1.0p-53 * total;
       for (pick = 0; pick < V - 1 && u >= p[pick]; ++pick) u -= p[pick];
     }
     tokens.push_back(pick);
