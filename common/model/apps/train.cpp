@@ -1,7 +1,7 @@
 // train.cpp — k2c_train: train the course's decoder-only transformer in one process.
 //
 //   k2c_train --data datasets/markov [--config tiny|FILE] [--steps N] [--batch B] [--lr X]
-//             [--seed S] [--log run.csv] [--checkpoint ckpt.bin [--resume]] [--samples N]
+//             [--seed S] [--log run.csv [--plot loss.png]] [--checkpoint ckpt.bin [--resume]] [--samples N]
 //             [--dropout P] [--checkpoint-activations] [--set key=value ...]
 //
 // --data names a folder written by k2c_datagen (`make data`): its *_train.bin and *_val.bin
@@ -18,6 +18,7 @@
 // Exit status: 0 after training, 2 for bad arguments or data that does not fit, 1 otherwise.
 #include <CLI/CLI.hpp>
 
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -111,7 +112,7 @@ fs::path shard_in(const fs::path& dir, const std::string& kind) {
 
 int main(int argc, char** argv) {
   CLI::App app{"k2c_train — train the course's transformer in one process"};
-  std::string data_dir, config_name = "tiny", backend = "cpu", log_path, checkpoint;
+  std::string data_dir, config_name = "tiny", backend = "cpu", log_path, checkpoint, plot_path;
   std::vector<std::string> settings;
   int steps = -1, batch = -1, samples = 3;
   double lr = -1;
@@ -129,6 +130,7 @@ int main(int argc, char** argv) {
   app.add_flag("--checkpoint-activations", checkpoint_activations, "recompute each block's forward in backward");
   app.add_option("--backend", backend, "cpu, or gpu (first version: fp32, plain kernels)")->check(CLI::IsMember({"cpu", "gpu"}));
   app.add_option("--log", log_path, "CSV log, one row per step");
+  app.add_option("--plot", plot_path, "draw the loss curve into this PNG at the end (needs --log and matplotlib)");
   app.add_option("--checkpoint", checkpoint, "checkpoint file, written at the end (and every --set checkpoint_every)");
   app.add_flag("--resume", resume, "continue from --checkpoint");
   app.add_option("--samples", samples, "sampled continuations printed at the end");
@@ -153,6 +155,7 @@ int main(int argc, char** argv) {
     c.log_path = log_path;
     c.checkpoint_path = checkpoint;
     if (resume && checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
+    if (!plot_path.empty() && log_path.empty()) throw UsageError("--plot needs --log FILE (the curve is drawn from it)");
 #if K2C_MODEL_CUDA
     if (backend == "gpu" && !cuda_device_present()) throw UsageError("--backend gpu: no CUDA device is visible");
     Ops& ops = backend == "gpu" ? cuda_ops() : cpu_ops();
@@ -182,6 +185,15 @@ int main(int argc, char** argv) {
     trainer.run(std::cout, 10);
     std::cout << "memory (peak over the run):\n" << trainer.ledger().report();
     if (!log_path.empty()) std::cout << "log: " << log_path << "  (plot: python3 tools/plot_loss.py " << log_path << ")\n";
+    if (!plot_path.empty()) {
+      // The course's plotting script, with the data's loss floor when the data has one.
+      // A python3 with matplotlib: the first on PATH, else the system's (as the Makefile does).
+      std::string cmd = "py=python3; $py -c 'import matplotlib' 2>/dev/null || py=/usr/bin/python3; $py '" K2C_SOURCE_DIR
+                        "/tools/plot_loss.py' '" + log_path + "' --png '" + plot_path + "'";
+      for (const auto& e : fs::directory_iterator(dir))
+        if (e.path().filename() == "markov.json") cmd += " --floor '" + e.path().string() + "'";
+      if (std::system(cmd.c_str()) != 0) std::cout << "plot: not drawn (tools/plot_loss.py needs python3 with matplotlib)\n";
+    }
     if (!checkpoint.empty()) std::cout << "checkpoint: " << checkpoint << "\n";
     for (int i = 0; i < samples; ++i) {
       const TokenBatch b = TokenLoader({val_shard}, {c.model.seq_len, 1, 0, 1, c.seed + 100 + i}).next();
