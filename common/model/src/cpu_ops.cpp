@@ -13,6 +13,7 @@
 
 #include "k2c/model/mask.h"
 #include "k2c/model/ops.h"
+#include "op_checks.h"
 
 namespace k2c::model {
 
@@ -31,20 +32,9 @@ void AttentionShape::check() const {
 
 namespace {
 
-void same_shape(const Tensor& a, const Tensor& b, const char* what) {
-  if (!(a.shape() == b.shape()))
-    throw std::invalid_argument(std::string(what) + ": shapes differ, " + a.shape().str() + " and " +
-                                b.shape().str());
-}
-
-// Rows and row length of a tensor seen as a matrix (all leading dimensions are rows).
-struct Matrix {
-  std::int64_t rows, cols;
-};
-Matrix as_matrix(const Tensor& t) {
-  const std::int64_t cols = t.rank() ? t.dim(t.rank() - 1) : 0;
-  return {cols ? t.numel() / cols : 0, cols};
-}
+using checks::as_matrix;
+using checks::Matrix;
+using checks::same_shape;
 
 class CpuOps final : public Ops {
  public:
@@ -98,13 +88,7 @@ class CpuOps final : public Ops {
 
   void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha,
               float beta) override {
-    const Matrix ma = as_matrix(a), mb = as_matrix(b), mc = as_matrix(c);
-    const std::int64_t M = ta ? ma.cols : ma.rows, K = ta ? ma.rows : ma.cols;
-    const std::int64_t Kb = tb ? mb.cols : mb.rows, N = tb ? mb.rows : mb.cols;
-    if (K != Kb || mc.rows != M || mc.cols != N)
-      throw std::invalid_argument("matmul: op(a) " + std::to_string(M) + "x" + std::to_string(K) +
-                                  ", op(b) " + std::to_string(Kb) + "x" + std::to_string(N) +
-                                  ", c " + c.shape().str());
+    const auto [M, N, K] = checks::gemm_dims(a, ta, b, tb, c);
     const float *A = a.f32(), *B = b.f32();
     float* C = c.f32();
     std::vector<float> acc(static_cast<std::size_t>(N));
@@ -234,7 +218,7 @@ class CpuOps final : public Ops {
 
   void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
                          Tensor& o, Tensor& lse) override {
-    check_attention(s, q, k, v);
+    checks::attention_args(s, q, k, v);
     o.expect(q.shape(), "attention output");
     lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
@@ -273,7 +257,7 @@ class CpuOps final : public Ops {
   void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& o, const Tensor& lse, const Tensor& dout,
                           Tensor& dq, Tensor& dk, Tensor& dv) override {
-    check_attention(s, q, k, v);
+    checks::attention_args(s, q, k, v);
     same_shape(q, o, "attention backward");
     same_shape(q, dout, "attention backward");
     same_shape(q, dq, "attention backward dq");
@@ -507,14 +491,6 @@ class CpuOps final : public Ops {
   static const float* row(const Tensor& t, const AttentionShape& s, int b, int tok, int h, int heads,
                           int len) {
     return t.f32() + ((static_cast<std::int64_t>(b) * len + tok) * heads + h) * s.head_dim;
-  }
-
-  static void check_attention(const AttentionShape& s, const Tensor& q, const Tensor& k,
-                              const Tensor& v) {
-    s.check();
-    q.expect({static_cast<std::int64_t>(s.batch) * s.q_len, static_cast<std::int64_t>(s.q_heads) * s.head_dim}, "attention q");
-    k.expect({static_cast<std::int64_t>(s.batch) * s.kv_len, static_cast<std::int64_t>(s.kv_heads) * s.head_dim}, "attention k");
-    v.expect(k.shape(), "attention v");
   }
 
   HostMemory host_;

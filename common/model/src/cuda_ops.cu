@@ -20,6 +20,7 @@
 #include "k2c/check.h"
 #include "k2c/model/cuda_ops.h"
 #include "k2c/model/mask.h"
+#include "op_checks.h"
 
 namespace k2c::model {
 
@@ -28,17 +29,9 @@ namespace {
 constexpr int kThreads = 256;
 int blocks_for(std::int64_t n) { return static_cast<int>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535)); }
 
-struct Matrix {
-  std::int64_t rows, cols;
-};
-Matrix as_matrix(const Tensor& t) {
-  const std::int64_t cols = t.rank() ? t.dim(t.rank() - 1) : 0;
-  return {cols ? t.numel() / cols : 0, cols};
-}
-void same_shape(const Tensor& a, const Tensor& b, const char* what) {
-  if (!(a.shape() == b.shape()))
-    throw std::invalid_argument(std::string(what) + ": shapes differ, " + a.shape().str() + " and " + b.shape().str());
-}
+using checks::as_matrix;
+using checks::Matrix;
+using checks::same_shape;
 
 class DeviceMemory final : public Memory {
  public:
@@ -436,12 +429,8 @@ class CudaOps final : public Ops {
   }
 
   void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) override {
-    const Matrix ma = as_matrix(a), mb = as_matrix(b), mc = as_matrix(c);
-    const std::int64_t M = ta ? ma.cols : ma.rows, K = ta ? ma.rows : ma.cols;
-    const std::int64_t Kb = tb ? mb.cols : mb.rows, N = tb ? mb.rows : mb.cols;
-    if (K != Kb || mc.rows != M || mc.cols != N)
-      throw std::invalid_argument("matmul: op(a) " + std::to_string(M) + "x" + std::to_string(K) + ", op(b) " +
-                                  std::to_string(Kb) + "x" + std::to_string(N) + ", c " + c.shape().str());
+    const auto [M, N, K] = checks::gemm_dims(a, ta, b, tb, c);
+    const Matrix ma = as_matrix(a), mb = as_matrix(b);
     if (M == 0 || N == 0) return;
     if (K == 0) {  // cuBLAS leaves C alone when K is 0; the contract is c = beta·c
       if (beta == 0.0f) fill(c, 0.0f);
@@ -503,7 +492,7 @@ class CudaOps final : public Ops {
 
   void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o,
                          Tensor& lse) override {
-    check_attention(s, q, k, v);
+    checks::attention_args(s, q, k, v);
     o.expect(q.shape(), "attention output");
     lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
     if (s.q_len == 0) return;
@@ -513,7 +502,7 @@ class CudaOps final : public Ops {
   }
   void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
-    check_attention(s, q, k, v);
+    checks::attention_args(s, q, k, v);
     same_shape(q, o, "attention backward");
     same_shape(q, dout, "attention backward");
     same_shape(q, dq, "attention backward dq");
@@ -658,12 +647,6 @@ class CudaOps final : public Ops {
     if (bytes > 48 * 1024)
       throw std::invalid_argument("attention (first GPU version): at most 12288 keys a call, got " + std::to_string(s.kv_len));
     return bytes;
-  }
-  static void check_attention(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v) {
-    s.check();
-    q.expect({static_cast<std::int64_t>(s.batch) * s.q_len, static_cast<std::int64_t>(s.q_heads) * s.head_dim}, "attention q");
-    k.expect({static_cast<std::int64_t>(s.batch) * s.kv_len, static_cast<std::int64_t>(s.kv_heads) * s.head_dim}, "attention k");
-    v.expect(k.shape(), "attention v");
   }
   void clear_flag() { K2C_CUDA_CHECK(cudaMemset(flag_, 0, sizeof(int))); }
   bool flag_set() {

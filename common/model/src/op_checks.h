@@ -1,0 +1,49 @@
+// op_checks.h — the argument checks every backend of ops.h makes, in one place (private to
+// common/model/src): each backend checks the same shapes with the same messages, and only the
+// computation differs.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "k2c/model/ops.h"
+
+namespace k2c::model::checks {
+
+inline void same_shape(const Tensor& a, const Tensor& b, const char* what) {
+  if (!(a.shape() == b.shape()))
+    throw std::invalid_argument(std::string(what) + ": shapes differ, " + a.shape().str() + " and " + b.shape().str());
+}
+
+// Rows and row length of a tensor seen as a matrix (all leading dimensions are rows).
+struct Matrix {
+  std::int64_t rows, cols;
+};
+inline Matrix as_matrix(const Tensor& t) {
+  const std::int64_t cols = t.rank() ? t.dim(t.rank() - 1) : 0;
+  return {cols ? t.numel() / cols : 0, cols};
+}
+
+// c = op(a)·op(b): the problem's M, N, K, after checking that the three shapes agree.
+struct GemmDims {
+  std::int64_t M, N, K;
+};
+inline GemmDims gemm_dims(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
+  const Matrix ma = as_matrix(a), mb = as_matrix(b), mc = as_matrix(c);
+  const std::int64_t M = ta ? ma.cols : ma.rows, K = ta ? ma.rows : ma.cols;
+  const std::int64_t Kb = tb ? mb.cols : mb.rows, N = tb ? mb.rows : mb.cols;
+  if (K != Kb || mc.rows != M || mc.cols != N)
+    throw std::invalid_argument("matmul: op(a) " + std::to_string(M) + "x" + std::to_string(K) + ", op(b) " +
+                                std::to_string(Kb) + "x" + std::to_string(N) + ", c " + c.shape().str());
+  return {M, N, K};
+}
+
+inline void attention_args(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v) {
+  s.check();
+  q.expect({static_cast<std::int64_t>(s.batch) * s.q_len, static_cast<std::int64_t>(s.q_heads) * s.head_dim}, "attention q");
+  k.expect({static_cast<std::int64_t>(s.batch) * s.kv_len, static_cast<std::int64_t>(s.kv_heads) * s.head_dim}, "attention k");
+  v.expect(k.shape(), "attention v");
+}
+
+}  // namespace k2c::model::checks
