@@ -257,13 +257,7 @@ class CpuOps final : public Ops {
   void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& o, const Tensor& lse, const Tensor& dout,
                           Tensor& dq, Tensor& dk, Tensor& dv) override {
-    checks::attention_args(s, q, k, v);
-    same_shape(q, o, "attention backward");
-    same_shape(q, dout, "attention backward");
-    same_shape(q, dq, "attention backward dq");
-    same_shape(k, dk, "attention backward dk");
-    same_shape(v, dv, "attention backward dv");
-    lse.expect({s.batch, s.q_heads, s.q_len}, "attention backward lse");
+    checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
     for (int b = 0; b < s.batch; ++b)
       for (int h = 0; h < s.q_heads; ++h)

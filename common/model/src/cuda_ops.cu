@@ -502,13 +502,7 @@ class CudaOps final : public Ops {
   }
   void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
-    checks::attention_args(s, q, k, v);
-    same_shape(q, o, "attention backward");
-    same_shape(q, dout, "attention backward");
-    same_shape(q, dq, "attention backward dq");
-    same_shape(k, dk, "attention backward dk");
-    same_shape(v, dv, "attention backward dv");
-    lse.expect({s.batch, s.q_heads, s.q_len}, "attention backward lse");
+    checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     if (s.q_len == 0) return;
     const dim3 grid(s.q_len, s.q_heads, s.batch);
     attention_backward_kernel<<<grid, kThreads, score_bytes(s)>>>(args(s), q.f32(), k.f32(), v.f32(), o.f32(), lse.f32(),

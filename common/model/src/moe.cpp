@@ -116,9 +116,8 @@ void Moe::experts_forward(Context& ctx, const std::vector<std::int64_t>& offsets
     const std::int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
     if (c == 0) continue;
     const int ex = first + static_cast<int>(e);
-    Tensor x_e = Tensor::view(xp.f32() + r0 * d, {c, d}), g_e = Tensor::view(s.gate.f32() + r0 * F, {c, F}),
-           u_e = Tensor::view(s.up.f32() + r0 * F, {c, F}), h_e = Tensor::view(s.h.f32() + r0 * F, {c, F}),
-           y_e = Tensor::view(s.yp.f32() + r0 * d, {c, d});
+    Tensor x_e = xp.rows(r0, c), g_e = s.gate.rows(r0, c), u_e = s.up.rows(r0, c), h_e = s.h.rows(r0, c),
+           y_e = s.yp.rows(r0, c);
     ctx.ops.matmul(x_e, false, expert_view(gate_, ex, false, ctx), true, g_e, 1.0f, 0.0f);
     ctx.ops.matmul(x_e, false, expert_view(up_, ex, false, ctx), true, u_e, 1.0f, 0.0f);
     ctx.ops.swiglu_forward(g_e, u_e, h_e);
@@ -134,9 +133,8 @@ void Moe::experts_backward(Context& ctx, const std::vector<std::int64_t>& offset
     const std::int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
     if (c == 0) continue;
     const int ex = first + static_cast<int>(e);
-    Tensor x_e = Tensor::view(xp.f32() + r0 * d, {c, d}), g_e = Tensor::view(s.gate.f32() + r0 * F, {c, F}),
-           u_e = Tensor::view(s.up.f32() + r0 * F, {c, F}), h_e = Tensor::view(s.h.f32() + r0 * F, {c, F}),
-           dy_e = Tensor::view(dyp.f32() + r0 * d, {c, d}), dx_e = Tensor::view(dxp.f32() + r0 * d, {c, d});
+    Tensor x_e = xp.rows(r0, c), g_e = s.gate.rows(r0, c), u_e = s.up.rows(r0, c), h_e = s.h.rows(r0, c),
+           dy_e = dyp.rows(r0, c), dx_e = dxp.rows(r0, c);
     Tensor dh = ctx.tensor({c, F}), dg = ctx.tensor({c, F}), du = ctx.tensor({c, F}), part = ctx.tensor({c, d});
     if (ctx.trains(down_)) {
       Tensor g = expert_view(down_, ex, true, ctx);

@@ -46,4 +46,16 @@ inline void attention_args(const AttentionShape& s, const Tensor& q, const Tenso
   v.expect(k.shape(), "attention v");
 }
 
+inline void attention_backward_args(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& o, const Tensor& lse, const Tensor& dout, const Tensor& dq,
+                                    const Tensor& dk, const Tensor& dv) {
+  attention_args(s, q, k, v);
+  same_shape(q, o, "attention backward");
+  same_shape(q, dout, "attention backward");
+  same_shape(q, dq, "attention backward dq");
+  same_shape(k, dk, "attention backward dk");
+  same_shape(v, dv, "attention backward dv");
+  lse.expect({s.batch, s.q_heads, s.q_len}, "attention backward lse");
+}
+
 }  // namespace k2c::model::checks

@@ -182,6 +182,13 @@ Tensor Tensor::reshaped(Shape shape) const {
   return view(data_, shape, dtype_);
 }
 
+Tensor Tensor::rows(std::int64_t begin, std::int64_t count) const {
+  if (rank() != 2 || begin < 0 || count < 0 || begin + count > dim(0))
+    throw std::out_of_range("rows [" + std::to_string(begin) + ", " + std::to_string(begin + count) + ") of " +
+                            shape_.str());
+  return view(f32() + begin * dim(1), {count, dim(1)});
+}
+
 void Tensor::expect(const Shape& shape, const char* what, DType dtype) const {
   if (!(shape_ == shape) || dtype_ != dtype)
     throw std::invalid_argument(std::string(what) + ": expected " + to_string(dtype) + " " +
