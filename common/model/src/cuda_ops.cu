@@ -1,20 +1,36 @@
-// cuda_ops.cu — the GPU backend of k2c/model/ops.h, first version: every operation on the device,
-// fp32 storage, GEMMs on cuBLAS, and one plain kernel for each other operation.
+// cuda_ops.cu — the GPU backend of k2c/model/ops.h: every operation on the device, tensors in
+// fp32 (activations, master weights, gradients, optimizer state), in one of two kinds of math:
 //
-// What this version is for: the layers, the parameter list, the optimizers and the trainer run
-// unchanged on a GPU, and each operation is checked against the CPU backend on the same inputs
-// (common/model/tests/test_cuda_ops.cpp). The kernels are written for clarity; the fast path
-// (bf16 activations, cuBLASLt, a tiled attention, one compute stream shared with the
-// communicator) replaces them one at a time behind the same interface. Reductions that the CPU
-// backend does in a fixed order are done here with atomics where that is simplest
-// (embedding and RMSNorm weight gradients, scatters): the GPU backend promises agreement within
-// rounding, not bits.
+//   GpuMath::fp32  GEMMs in plain fp32 (cuBLAS SGEMM) and a straightforward kernel for every
+//                  other operation, attention included: the reference the tests hold tightly
+//                  against the CPU backend.
+//   GpuMath::bf16  the fast path: the operands of every GEMM are rounded to bf16 on their way in
+//                  and multiplied on the tensor cores with fp32 accumulation and fp32 results
+//                  (mixed precision as training frameworks do it), and attention is computed by
+//                  batched tensor-core GEMMs over blocks of the score matrix: the causal mask's
+//                  empty blocks are never computed, the softmax runs in fp32 between the GEMMs,
+//                  and backward recomputes the scores from the log-sum-exp instead of storing
+//                  them (src/cuda_attention.cuh tells the story).
+//
+// Element-wise and row-wise operations (norms, RoPE, SwiGLU, cross-entropy, dropout, AdamW) are
+// the same plain kernels in both modes: they are memory-bound and fp32 costs them a factor of
+// two in bytes at most. Reductions that the CPU backend does in a fixed order are done here with
+// atomics where that is simplest (embedding gradients, scatters): the GPU backend promises
+// agreement within rounding, not bits. Every launch and every cuBLAS call goes to one stream
+// (cuda_ops_use_stream), so a communicator that orders its work against that stream sees the
+// model's work in order.
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "k2c/check.h"
@@ -26,6 +42,10 @@ namespace k2c::model {
 
 namespace {
 
+// The stream every operation of both GPU backends is issued to (nullptr: the legacy default
+// stream, which orders against every other blocking stream of the device).
+cudaStream_t g_stream = nullptr;
+
 constexpr int kThreads = 256;
 int blocks_for(std::int64_t n) { return static_cast<int>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 65535)); }
 
@@ -33,17 +53,60 @@ using checks::as_matrix;
 using checks::Matrix;
 using checks::same_shape;
 
+// Device memory with a cache of freed blocks, as training frameworks keep one: a step allocates
+// and frees the same activation sizes every time, and cudaMalloc / cudaFree are slow and
+// cudaFree waits for the whole device. A freed block goes back to a free list by size and the
+// next request of that size takes it. That is safe in stream order: every kernel that read the
+// old tensor was queued before any kernel that writes the new one, on the same stream. Blocks are
+// rounded up (to 512 bytes, or to 2 MiB above 2 MiB) so that near sizes share; when the device
+// runs out, the cache is released and the allocation tried once more.
 class DeviceMemory final : public Memory {
  public:
+  ~DeviceMemory() override {
+    release_cache();
+    for (auto& [p, bytes] : live_) cudaFree(p);
+  }
   void* alloc(std::size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    const std::size_t size = rounded(bytes);
     void* p = nullptr;
-    if (bytes) K2C_CUDA_CHECK(cudaMalloc(&p, bytes));
+    if (auto it = free_.find(size); it != free_.end()) {
+      p = it->second;
+      free_.erase(it);
+      cached_ -= size;
+    } else if (cudaMalloc(&p, size) != cudaSuccess) {
+      cudaGetLastError();  // clear the out-of-memory error, release what is cached, try again
+      release_cache();
+      K2C_CUDA_CHECK(cudaMalloc(&p, size));
+    }
+    live_[p] = size;
     return p;
   }
   void free(void* p) override {
-    if (p) cudaFree(p);
+    if (!p) return;
+    const auto it = live_.find(p);
+    if (it == live_.end()) return;  // not ours: nothing to do
+    free_.emplace(it->second, p);
+    cached_ += it->second;
+    live_.erase(it);
   }
   bool on_device() const override { return true; }
+
+ private:
+  static std::size_t rounded(std::size_t bytes) {
+    const std::size_t unit = bytes > (std::size_t{2} << 20) ? (std::size_t{2} << 20) : 512;
+    return (bytes + unit - 1) / unit * unit;
+  }
+  void release_cache() {
+    if (free_.empty()) return;
+    cudaDeviceSynchronize();
+    for (auto& [size, p] : free_) cudaFree(p);
+    free_.clear();
+    cached_ = 0;
+  }
+  std::unordered_map<void*, std::size_t> live_;
+  std::unordered_multimap<std::size_t, void*> free_;
+  std::size_t cached_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -127,23 +190,36 @@ __global__ void rmsnorm_backward_kernel(const float* x, const float* g, const fl
   float c = 0;
   for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) c += g[j] * dy[o + j] * x[o + j];
   c = block_sum(c, scratch) / cols;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-    dx[o + j] = rs * (g[j] * dy[o + j] - x[o + j] * rs * rs * c);
-    atomicAdd(&dg[j], dy[o + j] * x[o + j] * rs);
-  }
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) dx[o + j] = rs * (g[j] * dy[o + j] - x[o + j] * rs * rs * c);
+}
+// dgamma += Σ_rows dy·x·rstd: a thread a column over a run of kRowRun rows (neighbouring threads
+// read neighbouring columns), one atomic per thread and run rather than one per element.
+constexpr int kRowRun = 256;
+__global__ void rmsnorm_dgamma_kernel(const float* x, const float* rstd, const float* dy, float* dg, std::int64_t rows,
+                                      std::int64_t cols) {
+  const std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= cols) return;
+  const std::int64_t r0 = blockIdx.y * static_cast<std::int64_t>(kRowRun), r1 = min(rows, r0 + kRowRun);
+  float acc = 0;
+  for (std::int64_t r = r0; r < r1; ++r) acc += dy[r * cols + j] * x[r * cols + j] * rstd[r];
+  atomicAdd(&dg[j], acc);
 }
 
+// One thread a (row, pair) for every head of the row: the angle (computed in double, as the CPU
+// backend does) depends on the position and the pair only, so it is computed once, not per head.
 __global__ void rope_kernel(float* x, const int* pos, std::int64_t rows, int T, int heads, int hd, float theta, bool inverse) {
   const int half = hd / 2;
-  K2C_FOR_EACH(e, rows * heads * half) {
-    const std::int64_t r = e / (heads * half);
-    const int h = static_cast<int>(e / half % heads), i = static_cast<int>(e % half);
+  K2C_FOR_EACH(e, rows * half) {
+    const std::int64_t r = e / half;
+    const int i = static_cast<int>(e % half);
     const double angle = pos[r % T] * pow(static_cast<double>(theta), -2.0 * i / hd);
     const float c = static_cast<float>(cos(angle)), s = static_cast<float>(inverse ? -sin(angle) : sin(angle));
-    float* p = x + r * heads * hd + static_cast<std::int64_t>(h) * hd;
-    const float x0 = p[i], x1 = p[i + half];
-    p[i] = x0 * c - x1 * s;
-    p[i + half] = x0 * s + x1 * c;
+    for (int h = 0; h < heads; ++h) {
+      float* p = x + r * heads * hd + static_cast<std::int64_t>(h) * hd;
+      const float x0 = p[i], x1 = p[i + half];
+      p[i] = x0 * c - x1 * s;
+      p[i + half] = x0 * s + x1 * c;
+    }
   }
 }
 
@@ -377,14 +453,16 @@ __global__ void scale_rows_kernel(float* x, const float* s, std::int64_t rows, s
   K2C_FOR_EACH(e, rows * cols) x[e] *= s[e / cols];
 }
 
+#include "cuda_attention.cuh"
+
 // ---------------------------------------------------------------------------------------------
 // the backend
 
 class CudaOps final : public Ops {
  public:
-  CudaOps() {
+  explicit CudaOps(GpuMath math) : math_(math) {
     K2C_CUBLAS_CHECK(cublasCreate(&blas_));
-    // Plain fp32 products, as the CPU backend computes them (TF32 would need an opt-in anyway).
+    // fp32 mode: plain fp32 products, as the CPU backend computes them (no TF32).
     K2C_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
     K2C_CUDA_CHECK(cudaMalloc(&flag_, sizeof(int)));
     K2C_CUDA_CHECK(cudaMalloc(&sum_, sizeof(double)));
@@ -394,21 +472,23 @@ class CudaOps final : public Ops {
     cudaFree(flag_);
     cudaFree(sum_);
   }
-  std::string name() const override { return "cuda"; }
+  std::string name() const override { return math_ == GpuMath::bf16 ? "cuda (bf16 tensor cores)" : "cuda (fp32)"; }
   Memory& memory() override { return device_; }
 
   void upload(Tensor& dst, const void* host) override {
-    K2C_CUDA_CHECK(cudaMemcpy(dst.raw(), host, dst.bytes(), cudaMemcpyHostToDevice));
+    K2C_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), host, dst.bytes(), cudaMemcpyHostToDevice, g_stream));
+    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));  // the caller may reuse `host` at once
   }
   void download(void* host, const Tensor& src) override {
-    K2C_CUDA_CHECK(cudaMemcpy(host, src.raw(), src.bytes(), cudaMemcpyDeviceToHost));
+    K2C_CUDA_CHECK(cudaMemcpyAsync(host, src.raw(), src.bytes(), cudaMemcpyDeviceToHost, g_stream));
+    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
   }
 
   void fill(Tensor& t, float v) override { launch(fill_kernel, t.numel(), t.f32(), t.numel(), v); }
   void copy(Tensor& dst, const Tensor& src) override {
     if (dst.numel() != src.numel() || dst.dtype() != src.dtype())
       throw std::invalid_argument("copy: " + src.shape().str() + " into " + dst.shape().str());
-    K2C_CUDA_CHECK(cudaMemcpy(dst.raw(), src.raw(), src.bytes(), cudaMemcpyDeviceToDevice));
+    K2C_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.bytes(), cudaMemcpyDeviceToDevice, g_stream));
   }
   void add(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "add");
@@ -421,10 +501,11 @@ class CudaOps final : public Ops {
   }
   void scale(Tensor& t, float s) override { launch(scale_kernel, t.numel(), t.f32(), s, t.numel()); }
   double sum_squares(const Tensor& t) override {
-    K2C_CUDA_CHECK(cudaMemset(sum_, 0, sizeof(double)));
+    K2C_CUDA_CHECK(cudaMemsetAsync(sum_, 0, sizeof(double), g_stream));
     launch(sum_squares_kernel, t.numel(), t.f32(), t.numel(), sum_);
     double s = 0;
-    K2C_CUDA_CHECK(cudaMemcpy(&s, sum_, sizeof s, cudaMemcpyDeviceToHost));
+    K2C_CUDA_CHECK(cudaMemcpyAsync(&s, sum_, sizeof s, cudaMemcpyDeviceToHost, g_stream));
+    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
     return s;
   }
 
@@ -437,7 +518,18 @@ class CudaOps final : public Ops {
       else scale(c, beta);
       return;
     }
+    K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
     // Row-major C (M×N) is column-major Cᵀ (N×M) = op(B)ᵀ·op(A)ᵀ: swap the operands, keep the ops.
+    if (math_ == GpuMath::bf16) {
+      const __nv_bfloat16* a16 = to_bf16(a, ws_, kGemmA);
+      const __nv_bfloat16* b16 = to_bf16(b, ws_, kGemmB);
+      K2C_CUBLAS_CHECK(cublasGemmEx(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, b16,
+                                    CUDA_R_16BF, static_cast<int>(mb.cols), a16, CUDA_R_16BF, static_cast<int>(ma.cols),
+                                    &beta, c.f32(), CUDA_R_32F, static_cast<int>(N), CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+      return;
+    }
     K2C_CUBLAS_CHECK(cublasSgemm(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                                  static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, b.f32(),
                                  static_cast<int>(mb.cols), a.f32(), static_cast<int>(ma.cols), &beta, c.f32(),
@@ -463,7 +555,7 @@ class CudaOps final : public Ops {
     gamma.expect({m.cols}, "rmsnorm gamma");
     same_shape(x, y, "rmsnorm");
     rstd.expect({m.rows}, "rmsnorm rstd");
-    if (m.rows) rmsnorm_forward_kernel<<<rows_grid(m.rows), kThreads>>>(x.f32(), gamma.f32(), eps, y.f32(), rstd.f32(), m.cols);
+    if (m.rows) rmsnorm_forward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), eps, y.f32(), rstd.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
   void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy, Tensor& dx,
@@ -474,9 +566,13 @@ class CudaOps final : public Ops {
     dgamma.expect({m.cols}, "rmsnorm dgamma");
     gamma.expect({m.cols}, "rmsnorm gamma");
     rstd.expect({m.rows}, "rmsnorm rstd");
-    if (m.rows)
-      rmsnorm_backward_kernel<<<rows_grid(m.rows), kThreads>>>(x.f32(), gamma.f32(), rstd.f32(), dy.f32(), dx.f32(),
-                                                               dgamma.f32(), m.cols);
+    if (m.rows == 0) return;
+    rmsnorm_backward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), rstd.f32(), dy.f32(),
+                                                                        dx.f32(), dgamma.f32(), m.cols);
+    K2C_CUDA_CHECK_LAUNCH();
+    const dim3 grid(static_cast<unsigned>((m.cols + kThreads - 1) / kThreads),
+                    static_cast<unsigned>((m.rows + kRowRun - 1) / kRowRun));
+    rmsnorm_dgamma_kernel<<<grid, kThreads, 0, g_stream>>>(x.f32(), rstd.f32(), dy.f32(), dgamma.f32(), m.rows, m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
 
@@ -486,7 +582,7 @@ class CudaOps final : public Ops {
     if (head_dim % 2 || m.cols != static_cast<std::int64_t>(heads) * head_dim || T == 0 || m.rows % T)
       throw std::invalid_argument("rope: x " + x.shape().str() + " is not [batch*" + std::to_string(T) + ", " +
                                   std::to_string(heads) + "*" + std::to_string(head_dim) + "] with an even head_dim");
-    launch(rope_kernel, m.rows * heads * (head_dim / 2), x.f32(), positions.i32(), m.rows, static_cast<int>(T), heads,
+    launch(rope_kernel, m.rows * (head_dim / 2), x.f32(), positions.i32(), m.rows, static_cast<int>(T), heads,
            head_dim, theta, inverse);
   }
 
@@ -496,16 +592,26 @@ class CudaOps final : public Ops {
     o.expect(q.shape(), "attention output");
     lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
     if (s.q_len == 0) return;
+    if (math_ == GpuMath::bf16 && blocked_attention_fits(s)) {
+      K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
+      attention_.forward(s, q, k, v, o, lse);
+      return;
+    }
     const dim3 grid(s.q_len, s.q_heads, s.batch);
-    attention_forward_kernel<<<grid, kThreads, score_bytes(s)>>>(args(s), q.f32(), k.f32(), v.f32(), o.f32(), lse.f32());
+    attention_forward_kernel<<<grid, kThreads, score_bytes(s), g_stream>>>(args(s), q.f32(), k.f32(), v.f32(), o.f32(), lse.f32());
     K2C_CUDA_CHECK_LAUNCH();
   }
   void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
     checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     if (s.q_len == 0) return;
+    if (math_ == GpuMath::bf16 && blocked_attention_fits(s)) {
+      K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
+      attention_.backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+      return;
+    }
     const dim3 grid(s.q_len, s.q_heads, s.batch);
-    attention_backward_kernel<<<grid, kThreads, score_bytes(s)>>>(args(s), q.f32(), k.f32(), v.f32(), o.f32(), lse.f32(),
+    attention_backward_kernel<<<grid, kThreads, score_bytes(s), g_stream>>>(args(s), q.f32(), k.f32(), v.f32(), o.f32(), lse.f32(),
                                                                   dout.f32(), dq.f32(), dk.f32(), dv.f32());
     K2C_CUDA_CHECK_LAUNCH();
   }
@@ -528,16 +634,14 @@ class CudaOps final : public Ops {
     targets.expect({m.rows}, "cross-entropy targets", DType::i32);
     same_shape(logits, dlogits, "cross-entropy gradient");
     if (m.rows == 0) return 0;
-    double* losses = nullptr;
-    K2C_CUDA_CHECK(cudaMalloc(&losses, m.rows * sizeof(double)));
+    auto* losses = static_cast<double*>(ws_.get(kLosses, m.rows * sizeof(double)));
     clear_flag();
-    cross_entropy_kernel<<<rows_grid(m.rows), kThreads>>>(logits.f32(), targets.i32(), grad_scale, dlogits.f32(), losses,
+    cross_entropy_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(logits.f32(), targets.i32(), grad_scale, dlogits.f32(), losses,
                                                          m.cols, flag_);
     K2C_CUDA_CHECK_LAUNCH();
     std::vector<double> host(static_cast<std::size_t>(m.rows));
-    const cudaError_t copied = cudaMemcpy(host.data(), losses, host.size() * sizeof(double), cudaMemcpyDeviceToHost);
-    cudaFree(losses);
-    K2C_CUDA_CHECK(copied);
+    K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));
+    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
     if (flag_set())
       throw std::out_of_range("cross-entropy: a target outside [0, " + std::to_string(m.cols) + ")");
     double total = 0;  // summed on the host in row order, like the CPU backend
@@ -557,14 +661,14 @@ class CudaOps final : public Ops {
     same_shape(x, y, "softmax");
     const Matrix m = as_matrix(x);
     if (m.cols == 0 && m.rows > 0) throw std::invalid_argument("softmax: rows of length 0");
-    if (m.rows) softmax_kernel<<<rows_grid(m.rows), kThreads>>>(x.f32(), y.f32(), m.cols);
+    if (m.rows) softmax_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), y.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
   void softmax_rows_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
     same_shape(y, dy, "softmax backward");
     same_shape(y, dx, "softmax backward");
     const Matrix m = as_matrix(y);
-    if (m.rows) softmax_backward_kernel<<<rows_grid(m.rows), kThreads>>>(y.f32(), dy.f32(), dx.f32(), m.cols);
+    if (m.rows) softmax_backward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(y.f32(), dy.f32(), dx.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
   void top_k(const Tensor& scores, int k, Tensor& indices, Tensor& values) override {
@@ -595,7 +699,7 @@ class CudaOps final : public Ops {
     same_shape(a, b, "row_dot");
     const Matrix m = as_matrix(a);
     out.expect({m.rows}, "row_dot output");
-    if (m.rows) row_dot_kernel<<<rows_grid(m.rows), kThreads>>>(a.f32(), b.f32(), out.f32(), m.cols);
+    if (m.rows) row_dot_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(a.f32(), b.f32(), out.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
   void scale_rows(Tensor& x, const Tensor& s) override {
@@ -625,7 +729,7 @@ class CudaOps final : public Ops {
   template <class Kernel, class... Args>
   void launch(Kernel kernel, std::int64_t n, Args... args) {
     if (n <= 0) return;
-    kernel<<<blocks_for(n), kThreads>>>(args...);
+    kernel<<<blocks_for(n), kThreads, 0, g_stream>>>(args...);
     K2C_CUDA_CHECK_LAUNCH();
   }
   static unsigned rows_grid(std::int64_t rows) {
@@ -642,15 +746,19 @@ class CudaOps final : public Ops {
       throw std::invalid_argument("attention (first GPU version): at most 12288 keys a call, got " + std::to_string(s.kv_len));
     return bytes;
   }
-  void clear_flag() { K2C_CUDA_CHECK(cudaMemset(flag_, 0, sizeof(int))); }
+  void clear_flag() { K2C_CUDA_CHECK(cudaMemsetAsync(flag_, 0, sizeof(int), g_stream)); }
   bool flag_set() {
     int f = 0;
-    K2C_CUDA_CHECK(cudaMemcpy(&f, flag_, sizeof f, cudaMemcpyDeviceToHost));
+    K2C_CUDA_CHECK(cudaMemcpyAsync(&f, flag_, sizeof f, cudaMemcpyDeviceToHost, g_stream));
+    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
     return f != 0;
   }
 
+  GpuMath math_;
   DeviceMemory device_;
   cublasHandle_t blas_{};
+  Workspace ws_;  // bf16 operands, score blocks, pointer arrays, per-row losses
+  BlockedAttention attention_{blas_, ws_};
   int* flag_ = nullptr;   // set by kernels that find an index out of range
   double* sum_ = nullptr;
 };
@@ -662,9 +770,17 @@ bool cuda_device_present() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-Ops& cuda_ops() {
-  static CudaOps ops;
+Ops& cuda_ops(GpuMath math) {
+  if (math == GpuMath::fp32) {
+    static CudaOps ops(GpuMath::fp32);
+    return ops;
+  }
+  static CudaOps ops(GpuMath::bf16);
   return ops;
+}
+
+void cuda_ops_use_stream(void* stream) {
+  g_stream = static_cast<cudaStream_t>(stream);
 }
 
 }  // namespace k2c::model

@@ -1,12 +1,15 @@
-// test_cuda_ops.cpp — the GPU backend against the CPU backend on the same inputs: every
-// operation of ops.h, a whole training step of a small transformer (dense and MoE), and a few
-// optimizer steps. The GPU backend sums in other orders (and with atomics), so results agree
-// within a tolerance scaled to each value, never bit for bit. Skipped (reported as skipped)
-// without a GPU.
+// test_cuda_ops.cpp — the GPU backends against the CPU backend on the same inputs. The fp32
+// backend (CudaOps tests): every operation of ops.h, a whole training step of a small
+// transformer (dense and MoE), and a few optimizer steps, within a tolerance scaled to each
+// value (the GPU sums in other orders and with atomics, so never bit for bit). The bf16 fast
+// path (CudaOpsBf16 tests): the GEMM layouts, the blocked attention on shapes that take each of
+// its branches (chunked causal, one chunk, full, GQA), and a training step, within bf16's
+// rounding measured against the size of the values. Skipped (reported as skipped) without a GPU.
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include "k2c/model/cuda_ops.h"
@@ -19,19 +22,22 @@ namespace {
 #define REQUIRE_DEVICE() \
   if (!cuda_device_present()) GTEST_SKIP() << "needs a CUDA device"
 
+Ops& gpu() { return cuda_ops(GpuMath::fp32); }
+
 // A host vector on either backend.
 struct Pair {
   Tensor cpu, gpu;
 };
+Ops& fast() { return cuda_ops(GpuMath::bf16); }
 
 class Both {
  public:
   MemoryLedger ledger;
   Pair make(Shape s, const std::vector<float>& v) {
     Pair p{Tensor(cpu_ops().memory(), ledger, Category::activations, s),
-           Tensor(cuda_ops().memory(), ledger, Category::activations, s)};
+           Tensor(gpu().memory(), ledger, Category::activations, s)};
     cpu_ops().upload(p.cpu, v.data());
-    cuda_ops().upload(p.gpu, v.data());
+    gpu().upload(p.gpu, v.data());
     return p;
   }
   Pair random(Shape s, float scale = 1.0f) {
@@ -42,9 +48,9 @@ class Both {
   }
   Pair ints(Shape s, const std::vector<std::int32_t>& v) {
     Pair p{Tensor(cpu_ops().memory(), ledger, Category::activations, s, DType::i32),
-           Tensor(cuda_ops().memory(), ledger, Category::activations, s, DType::i32)};
+           Tensor(gpu().memory(), ledger, Category::activations, s, DType::i32)};
     cpu_ops().upload(p.cpu, v.data());
-    cuda_ops().upload(p.gpu, v.data());
+    gpu().upload(p.gpu, v.data());
     return p;
   }
   Pair zeros(Shape s) { return make(s, std::vector<float>(static_cast<std::size_t>(s.numel()), 0.0f)); }
@@ -60,7 +66,7 @@ std::vector<float> host(const Tensor& t, Ops& ops) {
 }
 
 void expect_close(const Pair& p, const char* what, float tol = 1e-4f) {
-  const std::vector<float> a = host(p.cpu, cpu_ops()), b = host(p.gpu, cuda_ops());
+  const std::vector<float> a = host(p.cpu, cpu_ops()), b = host(p.gpu, gpu());
   ASSERT_EQ(a.size(), b.size());
   int bad = 0;
   for (std::size_t i = 0; i < a.size(); ++i)
@@ -73,19 +79,19 @@ TEST(CudaOps, ElementwiseMatmulAndReductions) {
   REQUIRE_DEVICE();
   Both t;
   Pair a = t.random({37, 19}), b = t.random({37, 19}), out = t.zeros({37, 19});
-  for (Ops* ops : {&cpu_ops(), &cuda_ops()}) {
-    const bool g = ops == &cuda_ops();
+  for (Ops* ops : {&cpu_ops(), &gpu()}) {
+    const bool g = ops == &gpu();
     ops->add(g ? a.gpu : a.cpu, g ? b.gpu : b.cpu, g ? out.gpu : out.cpu);
     ops->accumulate(g ? out.gpu : out.cpu, g ? a.gpu : a.cpu, -0.5f);
     ops->scale(g ? out.gpu : out.cpu, 3.0f);
   }
   expect_close(out, "add/accumulate/scale");
-  EXPECT_NEAR(cpu_ops().sum_squares(a.cpu), cuda_ops().sum_squares(a.gpu), 1e-6 * cpu_ops().sum_squares(a.cpu));
+  EXPECT_NEAR(cpu_ops().sum_squares(a.cpu), gpu().sum_squares(a.gpu), 1e-6 * cpu_ops().sum_squares(a.cpu));
   // All three GEMM layouts of a Linear layer, with beta 0 over NaN and beta 1.
   Pair x = t.random({13, 29}), w = t.random({17, 29}), y = t.make({13, 17}, std::vector<float>(13 * 17, NAN));
   Pair dy = t.random({13, 17}), dx = t.zeros({13, 29}), dw = t.random({17, 29});
-  for (Ops* ops : {&cpu_ops(), &cuda_ops()}) {
-    const bool g = ops == &cuda_ops();
+  for (Ops* ops : {&cpu_ops(), &gpu()}) {
+    const bool g = ops == &gpu();
     ops->matmul(g ? x.gpu : x.cpu, false, g ? w.gpu : w.cpu, true, g ? y.gpu : y.cpu, 1.0f, 0.0f);
     ops->matmul(g ? dy.gpu : dy.cpu, false, g ? w.gpu : w.cpu, false, g ? dx.gpu : dx.cpu, 1.0f, 0.0f);
     ops->matmul(g ? dy.gpu : dy.cpu, true, g ? x.gpu : x.cpu, false, g ? dw.gpu : dw.cpu, 1.0f, 1.0f);
@@ -100,7 +106,7 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   Both t;
   auto run = [&](auto&& f) {
     f(cpu_ops(), false);
-    f(cuda_ops(), true);
+    f(gpu(), true);
   };
   auto pick = [](Pair& p, bool g) -> Tensor& { return g ? p.gpu : p.cpu; };
   // Embedding (repeated ids), RMSNorm, SwiGLU, softmax, dropout, row ops.
@@ -143,7 +149,7 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   run([&](Ops& o, bool g) { o.top_k(pick(p, g), 3, pick(topi, g), pick(topv, g)); });
   std::vector<std::int32_t> ci(18), gi(18);
   cpu_ops().download(ci.data(), topi.cpu);
-  cuda_ops().download(gi.data(), topi.gpu);
+  gpu().download(gi.data(), topi.gpu);
   EXPECT_EQ(ci, gi);
   Pair rows = t.ints({5}, {2, 0, 2, 5, 1}), gathered = t.zeros({5, 9}), scat = t.zeros({6, 9}), sc = t.random({5}),
        dots = t.zeros({5});
@@ -159,7 +165,7 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   // Out-of-range indices are refused, not read.
   Pair wrong = t.ints({2}, {0, 9});
   Pair out2 = t.zeros({2, 11});
-  EXPECT_THROW(cuda_ops().embedding_forward(wrong.gpu, table.gpu, out2.gpu), std::out_of_range);
+  EXPECT_THROW(gpu().embedding_forward(wrong.gpu, table.gpu, out2.gpu), std::out_of_range);
 }
 
 TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {
@@ -172,8 +178,8 @@ TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {
   Pair pos = t.ints({5}, {4, 5, 6, 7, 8}), q = t.random({10, 32}), k = t.random({14, 16}), v = t.random({14, 16}),
        o = t.zeros({10, 32}), lse = t.zeros({2, 4, 5}), dout = t.random({10, 32}), dq = t.zeros({10, 32}),
        dk = t.zeros({14, 16}), dv = t.zeros({14, 16});
-  for (Ops* ops : {&cpu_ops(), &cuda_ops()}) {
-    const bool g = ops == &cuda_ops();
+  for (Ops* ops : {&cpu_ops(), &gpu()}) {
+    const bool g = ops == &gpu();
     ops->rope(pick(q, g), pick(pos, g), 4, 8, 10000.0f, false);
     ops->attention_forward(a, pick(q, g), pick(k, g), pick(v, g), pick(o, g), pick(lse, g));
     ops->attention_backward(a, pick(q, g), pick(k, g), pick(v, g), pick(o, g), pick(lse, g), pick(dout, g), pick(dq, g),
@@ -187,7 +193,7 @@ TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {
   expect_close(dv, "attention dv", 1e-3f);
   Pair z = t.random({6, 40}, 3.0f), dz = t.zeros({6, 40}), tg = t.ints({6}, {3, -1, 39, 0, 17, 17});
   const double lc = cpu_ops().cross_entropy(z.cpu, tg.cpu, 0.25f, dz.cpu);
-  const double lg = cuda_ops().cross_entropy(z.gpu, tg.gpu, 0.25f, dz.gpu);
+  const double lg = gpu().cross_entropy(z.gpu, tg.gpu, 0.25f, dz.gpu);
   EXPECT_NEAR(lc, lg, 1e-5 * std::abs(lc));
   expect_close(dz, "cross-entropy gradient");
 }
@@ -196,11 +202,11 @@ TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {
 void check_model(const ModelConfig& c) {
   MemoryLedger lc, lg;
   ParamList pc, pg;
-  Context cc{cpu_ops(), lc, pc}, cg{cuda_ops(), lg, pg};
+  Context cc{cpu_ops(), lc, pc}, cg{gpu(), lg, pg};
   Transformer mc(pc, c), mg(pg, c);
   pc.materialize(cpu_ops(), lc, 5);
-  pg.materialize(cuda_ops(), lg, 5);
-  AdamW oc(pc, cpu_ops(), lc), og(pg, cuda_ops(), lg);
+  pg.materialize(gpu(), lg, 5);
+  AdamW oc(pc, cpu_ops(), lc), og(pg, gpu(), lg);
   std::vector<std::int32_t> ids, targets;
   std::mt19937 r(3);
   for (int i = 0; i < 2 * c.seq_len; ++i) ids.push_back(static_cast<std::int32_t>(r() % c.vocab));
@@ -208,10 +214,10 @@ void check_model(const ModelConfig& c) {
   Tensor ic = cc.tensor({2 * c.seq_len}, Category::activations, DType::i32), tc = cc.tensor({2 * c.seq_len}, Category::activations, DType::i32);
   Tensor ig = cg.tensor({2 * c.seq_len}, Category::activations, DType::i32), tg = cg.tensor({2 * c.seq_len}, Category::activations, DType::i32);
   cpu_ops().upload(ic, ids.data()), cpu_ops().upload(tc, targets.data());
-  cuda_ops().upload(ig, ids.data()), cuda_ops().upload(tg, targets.data());
+  gpu().upload(ig, ids.data()), gpu().upload(tg, targets.data());
   for (int step = 0; step < 3; ++step) {
     pc.zero_grads(cpu_ops());
-    pg.zero_grads(cuda_ops());
+    pg.zero_grads(gpu());
     const double a = mc.train_step(cc, ic, tc, 2, 1.0f / (2 * c.seq_len), step == 1);
     const double b = mg.train_step(cg, ig, tg, 2, 1.0f / (2 * c.seq_len), step == 1);
     EXPECT_NEAR(a, b, 1e-4 * std::abs(a)) << "loss at step " << step;
@@ -239,6 +245,121 @@ TEST(CudaOps, MoeTrainingStepMatchesTheCpu) {
   c.vocab = 40, c.d_model = 32, c.n_layers = 1, c.q_heads = 4, c.kv_heads = 4, c.seq_len = 12;
   c.experts = 4, c.top_k = 2, c.shared_experts = 1, c.d_expert = 24;
   check_model(c);
+}
+
+// ---- the bf16 fast path
+
+// Within bf16's rounding, judged two ways. As a whole: the relative difference ‖gpu − cpu‖ / ‖cpu‖
+// at most `whole` (rounding the operands of every product to 8 bits of mantissa puts it near
+// 0.3%; a wrong index, a missed block or a wrong scale puts it at tens of percent). Element by
+// element: every difference at most `each`·(|value| + the values' root mean square), loose enough
+// for a sum that cancels to a small value, tight enough for a stray or missing term. NaN fails.
+void expect_close_bf16(const Pair& p, const char* what, double whole, double each) {
+  const std::vector<float> a = host(p.cpu, cpu_ops()), b = host(p.gpu, gpu());
+  ASSERT_EQ(a.size(), b.size());
+  double ss = 0, diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ss += static_cast<double>(a[i]) * a[i];
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+  }
+  ASSERT_GT(ss, 0.0) << what << ": the reference is all zeros, which proves nothing";
+  const double rms = std::sqrt(ss / static_cast<double>(a.size()));
+  EXPECT_LE(std::sqrt(diff / ss), whole) << what << ": relative difference of the whole (NaN fails)";
+  int bad = 0;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (const double tol = each * (std::abs(a[i]) + rms); !(std::abs(static_cast<double>(a[i]) - b[i]) <= tol) && ++bad <= 5)
+      ADD_FAILURE() << what << "[" << i << "]: cpu " << a[i] << ", gpu " << b[i] << " (tolerance " << tol << ")";
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(CudaOpsBf16, GemmLayouts) {
+  REQUIRE_DEVICE();
+  Both t;
+  Pair x = t.random({67, 130}), w = t.random({45, 130}), y = t.make({67, 45}, std::vector<float>(67 * 45, NAN));
+  Pair dy = t.random({67, 45}), dx = t.zeros({67, 130}), dw = t.random({45, 130});
+  for (Ops* ops : {&cpu_ops(), &fast()}) {
+    const bool g = ops == &fast();
+    ops->matmul(g ? x.gpu : x.cpu, false, g ? w.gpu : w.cpu, true, g ? y.gpu : y.cpu, 1.0f, 0.0f);
+    ops->matmul(g ? dy.gpu : dy.cpu, false, g ? w.gpu : w.cpu, false, g ? dx.gpu : dx.cpu, 0.5f, 0.0f);
+    ops->matmul(g ? dy.gpu : dy.cpu, true, g ? x.gpu : x.cpu, false, g ? dw.gpu : dw.cpu, 1.0f, 1.0f);
+  }
+  expect_close_bf16(y, "y = x Wt", 1e-2, 2e-2);
+  expect_close_bf16(dx, "dx = 0.5 dy W", 1e-2, 2e-2);
+  expect_close_bf16(dw, "dW += dyT x", 1e-2, 2e-2);
+}
+
+// Forward and backward of one attention shape on the CPU and on the fast path; dk and dv start
+// from small random values, since backward adds into them (an overwrite would show).
+void check_blocked_attention(const AttentionShape& a) {
+  Both t;
+  const std::int64_t qrows = std::int64_t{a.batch} * a.q_len, krows = std::int64_t{a.batch} * a.kv_len;
+  const std::int64_t qc = std::int64_t{a.q_heads} * a.head_dim, kc = std::int64_t{a.kv_heads} * a.head_dim;
+  Pair q = t.random({qrows, qc}), k = t.random({krows, kc}), v = t.random({krows, kc}), o = t.zeros({qrows, qc}),
+       lse = t.zeros({a.batch, a.q_heads, a.q_len}), dout = t.random({qrows, qc}), dq = t.zeros({qrows, qc}),
+       dk = t.random({krows, kc}, 0.05f), dv = t.random({krows, kc}, 0.05f);  // small: the gradient must dominate
+  auto pick = [](Pair& p, bool g) -> Tensor& { return g ? p.gpu : p.cpu; };
+  for (Ops* ops : {&cpu_ops(), &fast()}) {
+    const bool g = ops == &fast();
+    ops->attention_forward(a, pick(q, g), pick(k, g), pick(v, g), pick(o, g), pick(lse, g));
+    ops->attention_backward(a, pick(q, g), pick(k, g), pick(v, g), pick(o, g), pick(lse, g), pick(dout, g), pick(dq, g),
+                            pick(dk, g), pick(dv, g));
+  }
+  expect_close_bf16(o, "attention output", 1e-2, 1e-1);
+  expect_close_bf16(lse, "attention lse", 1e-2, 1e-2);
+  expect_close_bf16(dq, "attention dq", 1e-2, 1e-1);
+  expect_close_bf16(dk, "attention dk (added)", 1e-2, 1e-1);
+  expect_close_bf16(dv, "attention dv (added)", 1e-2, 1e-1);
+}
+
+TEST(CudaOpsBf16, BlockedAttentionMatchesTheCpu) {
+  REQUIRE_DEVICE();
+  // The fast path runs on a stream of the caller's, as it would on a communicator's.
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cuda_ops_use_stream(stream);
+  AttentionShape a;
+  a.batch = 1, a.q_len = a.kv_len = 1024, a.q_heads = 2, a.kv_heads = 1, a.head_dim = 64;  // 8 chunks of 128, GQA
+  check_blocked_attention(a);
+  a.batch = 2, a.q_len = a.kv_len = 512, a.q_heads = a.kv_heads = 4, a.head_dim = 64;  // 4 chunks of 128
+  check_blocked_attention(a);
+  a.batch = 3, a.q_len = a.kv_len = 192, a.q_heads = 6, a.kv_heads = 2, a.head_dim = 32;  // one chunk (192 < 2·128), GQA groups of 3
+  check_blocked_attention(a);
+  a.batch = 2, a.q_len = a.kv_len = 100, a.q_heads = 4, a.kv_heads = 2, a.head_dim = 16;  // one chunk, T not a multiple of 8
+  check_blocked_attention(a);
+  a.causal = false, a.q_len = a.kv_len = 80;  // the whole score matrix
+  check_blocked_attention(a);
+  a.causal = true, a.q_len = 24, a.kv_len = 40, a.q_offset = 16;  // not one sequence: the plain kernel
+  check_blocked_attention(a);
+  cuda_ops_use_stream(nullptr);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+TEST(CudaOpsBf16, TrainingStepCloseToTheCpu) {
+  REQUIRE_DEVICE();
+  ModelConfig c;  // T 128: attention takes the blocked path with two chunks
+  c.vocab = 64, c.d_model = 64, c.n_layers = 2, c.q_heads = 4, c.kv_heads = 2, c.d_ff = 96, c.seq_len = 128;
+  MemoryLedger lc, lg;
+  ParamList pc, pg;
+  Context cc{cpu_ops(), lc, pc}, cg{fast(), lg, pg};
+  Transformer mc(pc, c), mg(pg, c);
+  pc.materialize(cpu_ops(), lc, 9);
+  pg.materialize(fast(), lg, 9);
+  std::vector<std::int32_t> ids, targets;
+  std::mt19937 r(4);
+  for (int i = 0; i < 2 * c.seq_len; ++i) ids.push_back(static_cast<std::int32_t>(r() % c.vocab));
+  for (int i = 0; i < 2 * c.seq_len; ++i) targets.push_back(ids[(i + 7) % ids.size()]);
+  Tensor ic = cc.tensor({2 * c.seq_len}, Category::activations, DType::i32), tc = cc.tensor({2 * c.seq_len}, Category::activations, DType::i32);
+  Tensor ig = cg.tensor({2 * c.seq_len}, Category::activations, DType::i32), tg = cg.tensor({2 * c.seq_len}, Category::activations, DType::i32);
+  cpu_ops().upload(ic, ids.data()), cpu_ops().upload(tc, targets.data());
+  fast().upload(ig, ids.data()), fast().upload(tg, targets.data());
+  pc.zero_grads(cpu_ops());
+  pg.zero_grads(fast());
+  const double a = mc.train_step(cc, ic, tc, 2, 1.0f / (2 * c.seq_len));
+  const double b = mg.train_step(cg, ig, tg, 2, 1.0f / (2 * c.seq_len));
+  EXPECT_NEAR(a, b, 2e-3 * std::abs(a)) << "loss";
+  expect_close_bf16({Tensor::view(pc.flat_grads().raw(), pc.flat_grads().shape()),
+                     Tensor::view(pg.flat_grads().raw(), pg.flat_grads().shape())},
+                    "gradients", 3e-2, 1e-1);
 }
 
 }  // namespace

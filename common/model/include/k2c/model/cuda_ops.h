@@ -1,16 +1,26 @@
 // k2c/model/cuda_ops.h — the GPU backend of the model library (library k2c_model_cuda, built
-// where the CUDA toolkit is): every operation of ops.h on the current device. First version:
-// fp32 storage, cuBLAS GEMMs, one plain kernel per other operation (src/cuda_ops.cu says what
-// the fast path will change). Agreement with the CPU backend is within rounding, not in bits.
+// where the CUDA toolkit is): every operation of ops.h on the current device, tensors in fp32.
+// Two kinds of math (src/cuda_ops.cu says more):
+//   GpuMath::bf16  the fast path: GEMM operands rounded to bf16 for the tensor cores (fp32
+//                  accumulation and results), attention as blocked tensor-core GEMMs;
+//   GpuMath::fp32  every product in fp32 and plain kernels: the tight reference for tests.
+// Agreement with the CPU backend is within rounding (bf16's for the fast path), not in bits.
 #pragma once
 
 #include "k2c/model/ops.h"
 
 namespace k2c::model {
 
+enum class GpuMath { fp32, bf16 };
+
 // Whether this process sees a CUDA device (tests skip without one).
 bool cuda_device_present();
-// The process's GPU backend, made on first use (throws k2c::Error when no device is present).
-Ops& cuda_ops();
+// The process's GPU backend of that math, made on first use (throws k2c::Error when no device
+// is present).
+Ops& cuda_ops(GpuMath math = GpuMath::bf16);
+// Issues every later operation of both GPU backends to `stream` (a cudaStream_t; nullptr: the
+// legacy default stream) — for instance a communicator's compute stream, so that collectives
+// ordered against that stream see the model's results.
+void cuda_ops_use_stream(void* stream);
 
 }  // namespace k2c::model

@@ -1,0 +1,28 @@
+// timed_ops.cpp — TimedOps::report (the rest is in the header).
+#include "k2c/model/timed_ops.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+namespace k2c::model {
+
+std::string TimedOps::report() const {
+  std::vector<std::pair<std::string, Entry>> rows(entries_.begin(), entries_.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+  double total = 0;
+  for (const auto& r : rows) total += r.second.seconds;
+  std::string out;
+  char line[160];
+  std::snprintf(line, sizeof line, "%-22s %10s %7s %7s\n", "operation", "ms", "share", "calls");
+  out += line;
+  for (const auto& [name, e] : rows) {
+    std::snprintf(line, sizeof line, "%-22s %10.3f %6.1f%% %7ld\n", name.c_str(), e.seconds * 1e3,
+                  total > 0 ? 100.0 * e.seconds / total : 0.0, e.calls);
+    out += line;
+  }
+  std::snprintf(line, sizeof line, "%-22s %10.3f\n", "total", total * 1e3);
+  return out + line;
+}
+
+}  // namespace k2c::model
