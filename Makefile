@@ -11,7 +11,10 @@
 #   make bench   [IMPL=...]         every module's benchmark sweep and the SGEMM ladder plot (GPU)
 #   make tune    [IMPL=...]         choose module 04's tile configuration for this GPU
 #   make data                       Part II's token shards: datasets/markov/, datasets/grammar/
-#   make handout OUT=dir            a student tree without solutions/
+#   make handout OUT=dir            a student tree without solutions/, with the students' README
+#                                   (docs/README.handout.md as its README.md)
+#   make figures                    rewrite the measured figures and tables of the docs from
+#                                   autograder/reference/h200.json (make test checks them)
 #   make clean
 IMPL    ?= assignments
 MODULES ?=
@@ -21,7 +24,7 @@ BUILD   := build/$(IMPL)
 JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 GENERATOR := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
 
-.PHONY: deps configure build test grade bench tune data handout clean
+.PHONY: deps configure build test grade bench tune data handout figures clean
 
 # Tools from pip, conda or a build by hand count as present: apt-get runs only for what is really
 # missing, so a machine that has everything never needs the package manager or its network.
@@ -49,7 +52,7 @@ grade: configure
 bench: build
 	$(BUILD)/bin/k2c bench --build-dir $(BUILD)
 	@py=python3; $$py -c "import matplotlib" 2>/dev/null || { test -x /usr/bin/python3 && py=/usr/bin/python3; }; \
-	$$py tools/plot_ladder.py $(BUILD)/bench --png $(BUILD)/bench/sgemm_ladder.png --readme /dev/null || true; \
+	$$py tools/plot_ladder.py $(BUILD)/bench --png $(BUILD)/bench/sgemm_ladder.png || true; \
 	$$py tools/plot_bandwidth.py $(BUILD)/bench --png $(BUILD)/bench/bandwidth.png || true; \
 	$$py tools/plot_attention.py $(BUILD)/bench --png $(BUILD)/bench/attention.png || true; \
 	$$py tools/plot_moe.py $(BUILD)/bench --png $(BUILD)/bench/moe.png || true
@@ -75,6 +78,11 @@ handout: configure
 	@test -n "$(OUT)" || { echo "usage: make handout OUT=dir"; exit 2; }
 	cmake --build $(BUILD) --target k2c -j $(JOBS)
 	$(BUILD)/bin/k2c handout $(OUT)
+
+# Every measured number in the lectures, handouts and README sits between markers that
+# tools/figures.py fills from the reference file; CTest's docs.figures fails when one is stale.
+figures:
+	python3 tools/figures.py --write
 
 clean:
 	rm -rf build

@@ -14,8 +14,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
-# python3 runs make test's check that the student handout holds no solution code
-# (tools/leakcheck.py); ninja only speeds builds up; matplotlib only draws make bench's plots.
+# python3 runs make test's checks that the student handout holds no solution code
+# (tools/leakcheck.py) and that the docs' figures match the reference file (tools/figures.py);
+# ninja only speeds builds up; matplotlib only draws make bench's plots.
 required=(cmake compiler python3 gtest benchmark cli11 nlohmann_json mpi mpirun)
 optional=(ninja matplotlib)
 libraries=(gtest benchmark cli11 nlohmann_json mpi mpirun)   # found by cmake/deps_probe

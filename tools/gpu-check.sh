@@ -126,7 +126,7 @@ for n in 4 8; do
 done
 
 step "plots"
-python3 tools/plot_ladder.py /tmp/k2c-bench --png "$OUT/sgemm_ladder.png" --readme /dev/null >> "$LOG" 2>&1
+python3 tools/plot_ladder.py /tmp/k2c-bench --png "$OUT/sgemm_ladder.png" >> "$LOG" 2>&1
 python3 tools/plot_bandwidth.py /tmp/k2c-bench --png "$OUT/bandwidth.png" >> "$LOG" 2>&1
 # PyTorch's attention backends beside module 09, where PyTorch is installed (it says so if not;
 # K2C_TORCH=0 leaves it out).

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Draw the GEMM ladders from the benchmark JSON of modules 01-05, and refresh the README tables.
+"""Draw the GEMM ladders from the benchmark JSON of modules 01-05.
 
-    tools/plot_ladder.py BENCH_DIR [--png lectures/figures/sgemm_ladder.png] [--readme README.md]
+    tools/plot_ladder.py BENCH_DIR [--png lectures/figures/sgemm_ladder.png]
 
 BENCH_DIR holds Google Benchmark JSON written by `k2c bench` (one file per module). Every
 BM_<module>_sgemm/<variant>/<n> entry (fp32, modules 01-04) and BM_<module>_bf16gemm/<variant>/<n>
 entry (bf16 tensor cores, module 05) becomes a point; each variant is a line of TFLOP/s by size,
-cuBLAS (version 0 of each ladder) included. The figure has one panel per ladder. The README's
-tables between <!-- ladder:begin --> and <!-- ladder:end --> (fp32) and <!-- bf16:begin --> and
-<!-- bf16:end --> are rewritten with the same numbers. matplotlib is needed for the PNG only.
+cuBLAS (version 0 of each ladder) included. The figure has one panel per ladder, and the same
+numbers are printed as a table. The README's ladder tables come from the reference file instead
+(`autograder/reference/h200.json`, under `gemm_ladder`), written by tools/figures.py.
+matplotlib is needed for the PNG only.
 """
 import argparse
 import json
@@ -28,7 +29,6 @@ LADDERS = {
 ap = argparse.ArgumentParser()
 ap.add_argument("bench_dir")
 ap.add_argument("--png", default="lectures/figures/sgemm_ladder.png")
-ap.add_argument("--readme", default="README.md")
 args = ap.parse_args()
 
 rates, gpu = {}, "GPU"  # rates[ladder][variant][n]
@@ -74,31 +74,22 @@ try:
     fig.savefig(args.png, dpi=120)
     print(f"wrote {args.png}")
 except ImportError:
-    print("matplotlib not found: no plot (the tables are still written)")
+    print("matplotlib not found: no plot (the table is still printed)")
 
-readme = pathlib.Path(args.readme)
-text = readme.read_text() if readme.is_file() else ""
 for ladder in ladders:
-    title, _, marker, _, best, best_label = LADDERS[ladder]
+    title, _, _, _, best, best_label = LADDERS[ladder]
     variants = variants_of(ladder)
     sizes = sorted({n for v, _ in variants for n in rates[ladder][v]})
     cublas = rates[ladder].get("cublas", {})
     ratio_cols = [(v, f"{label.split()[0]} / cuBLAS") for v, label in variants if v != "cublas"]
     if best:
         ratio_cols = [(best, best_label)]
-    head = "| n | " + " | ".join(label for _, label in variants) + " | " + \
-        " | ".join(label for _, label in ratio_cols) + " |"
-    rows = [f"{title} on {gpu}, TFLOP/s (Google Benchmark: CUDA-event time of each run after an L2 flush, mean of 3 to 10 runs):",
-            "", head, "|" + "---|" * (len(variants) + len(ratio_cols) + 1)]
+    print(f"{title} on {gpu}, TFLOP/s")
+    print("| n | " + " | ".join(label for _, label in variants) + " | " +
+          " | ".join(label for _, label in ratio_cols) + " |")
     for n in sizes:
         cells = [f"{rates[ladder][v][n]:.2f}" if n in rates[ladder][v] else "" for v, _ in variants]
-        pcts = []
         for v, _ in ratio_cols:
             r = rates[ladder].get(v, {}).get(n)
-            pcts.append(f"{100 * r / cublas[n]:.0f}%" if r and n in cublas else "")
-        rows.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(pcts) + " |")
-    text, count = re.subn(rf"(<!-- {marker}:begin -->\n).*?(<!-- {marker}:end -->)",
-                          lambda m: m.group(1) + "\n".join(rows) + "\n" + m.group(2), text, flags=re.S)
-    print(f"{readme}: {marker} table " + ("updated" if count == 1 else "not written (no markers)"))
-if readme.is_file():
-    readme.write_text(text)
+            cells.append(f"{100 * r / cublas[n]:.0f}%" if r and n in cublas else "")
+        print(f"| {n} | " + " | ".join(cells) + " |")

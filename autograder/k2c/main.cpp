@@ -97,6 +97,10 @@ void copy_handout(const fs::path& root, const fs::path& out) {
   if (fs::exists(out) && !fs::is_empty(out, ec))
     throw std::runtime_error("handout: " + out.string() + " exists and is not empty");
   copy_course(root.string(), out.string());
+  // Students get their own README: the course's speaks of grading the solutions, which a handout
+  // does not ship.
+  if (const fs::path students = root / "docs" / "README.handout.md"; fs::exists(students))
+    fs::copy_file(students, out / "README.md", fs::copy_options::overwrite_existing);
 }
 
 }  // namespace

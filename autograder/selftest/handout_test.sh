@@ -11,6 +11,12 @@ rm -rf "$work"
 test ! -e "$work/handout/solutions" || { echo "FAIL: solutions/ is in the handout"; exit 1; }
 test -f "$work/handout/assignments/01_naive_matmul/naive_matmul.cu" || { echo "FAIL: stub missing"; exit 1; }
 test -f "$work/handout/autograder/rubric.json" || { echo "FAIL: rubric missing"; exit 1; }
+# The students' README, which never sends them to grade solutions they do not have.
+cmp -s "$work/handout/README.md" "$(dirname "$0")/../../docs/README.handout.md" ||
+  { echo "FAIL: the handout's README is not docs/README.handout.md"; exit 1; }
+if grep -n "IMPL=solutions" "$work/handout/README.md" "$work/handout"/assignments/*/README.md; then
+  echo "FAIL: the handout's READMEs mention grading solutions it does not ship"; exit 1
+fi
 # No solution code elsewhere either: no line copied from solutions/, no file that includes it
 # (the experiments built against the solutions stay out, see copy_course).
 project=$(cd "$(dirname "$0")/../.." && pwd)

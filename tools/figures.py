@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Measured figures in the docs, generated from the reference file and checked against it.
+
+    tools/figures.py --write [--reference FILE] [FILE.md ...]   rewrite every figure and table
+    tools/figures.py --check [--reference FILE] [FILE.md ...]   exit 1, naming file:line of each
+                                                                stale or broken one
+
+Every number in a lecture, a handout or the README that was measured on the reference GPU lives
+in `autograder/reference/h200.json` and nowhere else. The Markdown holds a marker around it, and
+this tool writes what sits between the markers. Markers are HTML comments, so they do not show
+when the Markdown is rendered:
+
+  <!--fig:PATH|FMT-->VALUE<!--/fig-->
+      One number. PATH walks the reference file: keys joined by '/', a whole number indexing a
+      list (`modules/06_softmax/SoftmaxPerf.FastVsCopy/ratio`,
+      `collectives/2_final/results/9/busbw_gbs`). A key that itself holds a '/' (`TFLOP/s`)
+      is written as it is. FMT is a Python format spec (`.3f`, `.0f`, `,.0f`, `.1%`); without
+      `|FMT` the value is written with `.3g`. VALUE is what the tool writes.
+
+  <!--table:ID-->
+  ...
+  <!--/table-->
+      A whole table, rewritten. ID is a module id (`06_softmax`: that module's performance tests,
+      with achieved rate, ceiling of the same run, ratio, the rubric's student bar and goal), `all`
+      (every module's tests, the README's results table) or a GEMM ladder
+      (`gemm_ladder/sgemm`, `gemm_ladder/bf16gemm`: TFLOP/s by size and version).
+
+Without FILE arguments the tool scans every Markdown file of the course tree (build trees and
+hidden folders apart). Markers inside code (backticks or fenced blocks) are examples, left alone.
+`make figures` runs --write; `make test` runs --check (CTest `docs.figures`). Standard library
+only.
+"""
+import argparse
+import json
+import os
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SKIP_DIRS = {"build", "out", "node_modules", "__pycache__"}
+
+FIG = re.compile(r"<!--fig:(?P<spec>[^\n]*?)-->(?P<value>[^<\n]*)<!--/fig-->")
+FIG_OPEN = re.compile(r"<!--fig:")
+TABLE = re.compile(r"(?P<open><!--table:(?P<id>[^>]*?)-->\n)(?P<body>.*?)(?P<close><!--/table-->)", re.S)
+TABLE_OPEN = re.compile(r"<!--table:")
+
+LADDERS = {
+    "sgemm": ("SGEMM ladder", [("cublas", "0 cuBLAS"), ("naive", "1 naive"), ("coalesced", "2 coalesced"),
+                               ("tile32", "3a tile 32x32"), ("tiled", "3 tiled"),
+                               ("register_tiled", "4 register-tiled")], [("register_tiled", "4 / cuBLAS")]),
+    "bf16gemm": ("bf16 tensor-core ladder", [("cublas", "0 cuBLAS bf16"), ("mma_sync", "5A mma.sync"),
+                                             ("wgmma", "5B wgmma")],
+                 [("mma_sync", "5A / cuBLAS"), ("wgmma", "5B / cuBLAS")]),
+}
+
+
+class FigureError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Looking a path up in the reference file
+
+def lookup(node, parts, path):
+    """The value at `parts` below `node`. Keys may hold '/', so at each level every way of
+    joining the next components into one key is tried, shortest first."""
+    if not parts:
+        return node
+    if isinstance(node, list):
+        if not parts[0].isdigit() or int(parts[0]) >= len(node):
+            raise FigureError(f"{path}: '{parts[0]}' is not an index of a list of {len(node)}")
+        return lookup(node[int(parts[0])], parts[1:], path)
+    if isinstance(node, dict):
+        for n in range(1, len(parts) + 1):
+            key = "/".join(parts[:n])
+            if key in node:
+                try:
+                    return lookup(node[key], parts[n:], path)
+                except FigureError:
+                    if n == len(parts):
+                        raise
+                    continue
+        raise FigureError(f"{path}: no key '{parts[0]}' here (keys: {', '.join(sorted(node)[:8])}"
+                          f"{', ...' if len(node) > 8 else ''})")
+    raise FigureError(f"{path}: '{parts[0]}' goes below a {type(node).__name__} value")
+
+
+def render_fig(ref, spec):
+    path, _, fmt = spec.rpartition("|") if "|" in spec else (spec, "", "")
+    path, fmt = path.strip(), fmt.strip() or ".3g"
+    value = lookup(ref, [p for p in path.split("/") if p != ""], path)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise FigureError(f"{path}: a {type(value).__name__}, not a number or a string")
+    if isinstance(value, str):
+        return value if fmt == ".3g" else format(value, fmt)
+    try:
+        return format(value, fmt)
+    except ValueError as e:
+        raise FigureError(f"{path}: format '{fmt}': {e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+def num(x):
+    """Figures in tables: four significant digits, no exponent."""
+    return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.0f}"
+
+
+def rubric_perf(rubric):
+    """(module, test) -> the rubric's perf entry and points."""
+    return {(m["id"], t["name"]): (t["perf"], t["points"], t.get("bonus", False))
+            for m in rubric["modules"] for t in m["tests"] if "perf" in t}
+
+
+def goal_cells(perf):
+    """Student bar and goal of one test; tests worth no points only record a figure."""
+    if perf is None:
+        return "", ""
+    p, points, bonus = perf
+    if points <= 0:
+        return "recorded", "recorded"
+    tag = " (bonus)" if bonus else ""
+    return f"{p['threshold']:.3g}{tag}", f"{p['goal']:.3g}"
+
+
+def measured_on(ref, module=None):
+    date = ref.get("module_dates", {}).get(module, ref["date"]) if module else ref["date"]
+    toolkit = ref.get("toolkit") or f"CUDA runtime {ref.get('cuda_runtime')}"
+    return f"{ref['gpu']}, {toolkit}, measured {date}"
+
+
+def table_module(ref, rubric, module):
+    tests = ref.get("modules", {}).get(module)
+    if not tests:
+        raise FigureError(f"table '{module}': no module of that id in the reference file")
+    perf = rubric_perf(rubric)
+    rows = [f"{measured_on(ref, module)} (`autograder/reference/h200.json`):", "",
+            "| test | achieved | ceiling (same run) | ratio | student bar | goal |",
+            "|---|---:|---|---:|---:|---:|"]
+    for name, r in sorted(tests.items()):
+        bar, goal = goal_cells(perf.get((module, name)))
+        rows.append(f"| `{name}` | {num(r['achieved'])} {r['unit']} | {num(r['ceiling'])} {r['unit']} "
+                    f"({r['ceiling_name']}) | {r['ratio']:.3f} | {bar} | {goal} |")
+    return rows
+
+
+def table_all(ref, rubric):
+    perf = rubric_perf(rubric)
+    later = "".join(f"; {m}: {d}" for m, d in sorted(ref.get("module_dates", {}).items()))
+    rows = [f"{measured_on(ref)}{later}.", "",
+            "| module | test | achieved | ceiling (same run) | ratio | goal |",
+            "|---|---|---|---|---|---|"]
+    for module, tests in sorted(ref["modules"].items()):
+        for name, r in sorted(tests.items()):
+            _, goal = goal_cells(perf.get((module, name)))
+            rows.append(f"| {module} | {name} | {num(r['achieved'])} {r['unit']} | "
+                        f"{num(r['ceiling'])} {r['unit']} ({r['ceiling_name']}) | {r['ratio']:.3f} | {goal} |")
+    return rows
+
+
+def table_ladder(ref, which):
+    if which not in LADDERS:
+        raise FigureError(f"table 'gemm_ladder/{which}': ladders are {', '.join(LADDERS)}")
+    ladder = ref.get("gemm_ladder", {})
+    rates = ladder.get("results", {}).get(which)
+    if not rates:
+        raise FigureError(f"table 'gemm_ladder/{which}': no such results in the reference file")
+    title, variants, ratios = LADDERS[which]
+    variants = [(v, label) for v, label in variants if v in rates]
+    ratios = [(v, label) for v, label in ratios if v in rates]
+    sizes = sorted({int(n) for v, _ in variants for n in rates[v]})
+    cublas = rates.get("cublas", {})
+    rows = [f"{title} on {ladder.get('gpu', ref['gpu'])}, TFLOP/s (Google Benchmark: CUDA-event time of each run after an L2 flush, mean of 3 to 10 runs):", "",
+            "| n | " + " | ".join(label for _, label in variants + ratios) + " |",
+            "|" + "---|" * (len(variants) + len(ratios) + 1)]
+    for n in sizes:
+        cells = [f"{rates[v][str(n)]:.2f}" if str(n) in rates[v] else "" for v, _ in variants]
+        for v, _ in ratios:
+            r, c = rates[v].get(str(n)), cublas.get(str(n))
+            cells.append(f"{100 * r / c:.0f}%" if r and c else "")
+        rows.append(f"| {n} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def render_table(ref, rubric, table_id):
+    table_id = table_id.strip()
+    if table_id == "all":
+        rows = table_all(ref, rubric)
+    elif table_id.startswith("gemm_ladder/"):
+        rows = table_ladder(ref, table_id.split("/", 1)[1])
+    else:
+        rows = table_module(ref, rubric, table_id)
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+def markdown_files(root):
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        for f in sorted(filenames):
+            if f.endswith(".md"):
+                yield pathlib.Path(dirpath) / f
+
+
+def line_of(text, pos):
+    return text.count("\n", 0, pos) + 1
+
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+INLINE_CODE = re.compile(r"`[^`\n]+`")
+
+
+def code_spans(text):
+    """Fenced blocks and inline code: markers shown there as examples are text, not figures."""
+    spans = [m.span() for m in FENCE.finditer(text)]
+    spans += [m.span() for m in INLINE_CODE.finditer(text)
+              if not any(a <= m.start() < b for a, b in spans)]
+    return spans
+
+
+def in_code(spans, pos):
+    return any(a <= pos < b for a, b in spans)
+
+
+def process(path, ref, rubric, write, shown):
+    """Problems found in one file (after rewriting it, with write)."""
+    text = path.read_text(encoding="utf-8")
+    if "<!--fig:" not in text and "<!--table:" not in text:
+        return 0, []
+    problems, count = [], 0
+    code = code_spans(text)
+
+    def fig(m):
+        nonlocal count
+        if in_code(code, m.start()):
+            return m.group(0)
+        count += 1
+        where = f"{shown}:{line_of(text, m.start())}"
+        try:
+            want = render_fig(ref, m.group("spec"))
+        except FigureError as e:
+            problems.append(f"{where}: {e}")
+            return m.group(0)
+        if m.group("value") != want:
+            if not write:
+                problems.append(f"{where}: stale figure {m.group('spec')}: the text says "
+                                f"'{m.group('value')}', the reference file gives '{want}'")
+            return f"<!--fig:{m.group('spec')}-->{want}<!--/fig-->"
+        return m.group(0)
+
+    def table(m):
+        nonlocal count
+        if in_code(code, m.start()):
+            return m.group(0)
+        count += 1
+        where = f"{shown}:{line_of(text, m.start())}"
+        try:
+            want = render_table(ref, rubric, m.group("id"))
+        except FigureError as e:
+            problems.append(f"{where}: {e}")
+            return m.group(0)
+        if m.group("body") != want:
+            if not write:
+                old, new_rows = m.group("body").splitlines(), want.splitlines()
+                first = next((i for i, (a, b) in enumerate(zip(old, new_rows)) if a != b),
+                             min(len(old), len(new_rows)))
+                shown_row = new_rows[first] if first < len(new_rows) else "(fewer rows)"
+                problems.append(f"{shown}:{line_of(text, m.start()) + 1 + first}: stale table "
+                                f"'{m.group('id')}': the file gives {shown_row}")
+            return m.group("open") + want + m.group("close")
+        return m.group(0)
+
+    new = TABLE.sub(table, text)
+    code = code_spans(new)
+    new = FIG.sub(fig, new)
+    code = code_spans(new)
+    # A marker that opens and never closes would hide text from the reader: report it.
+    for opener, closed, what in ((FIG_OPEN, FIG, "fig"), (TABLE_OPEN, TABLE, "table")):
+        complete = {m.start() for m in closed.finditer(new)}
+        for m in opener.finditer(new):
+            if m.start() not in complete and not in_code(code, m.start()):
+                problems.append(f"{shown}:{line_of(new, m.start())}: <!--{what}:...--> without its "
+                                f"closing <!--/{what}--> (a table's opening marker ends its line)")
+    if write and new != text:
+        path.write_text(new, encoding="utf-8")
+    problems.sort(key=lambda p: int(p.split(":")[1]) if p.split(":")[1].isdigit() else 0)
+    return count, problems
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite every figure and table")
+    mode.add_argument("--check", action="store_true", help="exit 1 if any figure or table is stale")
+    ap.add_argument("--reference", default=str(ROOT / "autograder/reference/h200.json"))
+    ap.add_argument("--rubric", default=str(ROOT / "autograder/rubric.json"))
+    ap.add_argument("files", nargs="*", help="Markdown files (default: the whole course tree)")
+    args = ap.parse_args(argv)
+
+    ref = json.loads(pathlib.Path(args.reference).read_text(encoding="utf-8"))
+    rubric = json.loads(pathlib.Path(args.rubric).read_text(encoding="utf-8"))
+    files = [pathlib.Path(f) for f in args.files] or list(markdown_files(ROOT))
+    total, problems, touched = 0, [], 0
+    for path in files:
+        try:
+            shown = path.resolve().relative_to(ROOT)
+        except ValueError:
+            shown = path
+        count, found = process(path, ref, rubric, args.write, shown)
+        total += count
+        touched += count > 0
+        problems += found
+    for p in problems:
+        print(p, file=sys.stderr)
+    verb = "written" if args.write else "checked"
+    print(f"figures.py: {total} figures and tables in {touched} files {verb} against "
+          f"{pathlib.Path(args.reference).name}; {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
