@@ -10,7 +10,9 @@
 //                  batched tensor-core GEMMs over blocks of the score matrix: the causal mask's
 //                  empty blocks are never computed, the softmax runs in fp32 between the GEMMs,
 //                  and backward recomputes the scores from the log-sum-exp instead of storing
-//                  them (src/cuda_attention.cuh tells the story).
+//                  them (src/cuda_attention.cuh tells the story); for head_dim 64 and 128 a fused
+//                  FlashAttention-2 kernel pair on mma.sync takes over, and the scores never
+//                  reach memory (src/cuda_flash.cuh).
 //
 // Element-wise and row-wise operations (norms, RoPE, SwiGLU, cross-entropy, dropout, AdamW) are
 // the same plain kernels in both modes: they are memory-bound and fp32 costs them a factor of
@@ -454,6 +456,7 @@ __global__ void scale_rows_kernel(float* x, const float* s, std::int64_t rows, s
 }
 
 #include "cuda_attention.cuh"
+#include "cuda_flash.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // the backend
@@ -592,6 +595,10 @@ class CudaOps final : public Ops {
     o.expect(q.shape(), "attention output");
     lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
     if (s.q_len == 0) return;
+    if (math_ == GpuMath::bf16 && flash_fits(s)) {
+      flash_.forward(s, q, k, v, o, lse);
+      return;
+    }
     if (math_ == GpuMath::bf16 && blocked_attention_fits(s)) {
       K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
       attention_.forward(s, q, k, v, o, lse);
@@ -605,6 +612,10 @@ class CudaOps final : public Ops {
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
     checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     if (s.q_len == 0) return;
+    if (math_ == GpuMath::bf16 && flash_fits(s)) {
+      flash_.backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+      return;
+    }
     if (math_ == GpuMath::bf16 && blocked_attention_fits(s)) {
       K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
       attention_.backward(s, q, k, v, o, lse, dout, dq, dk, dv);
@@ -758,7 +769,8 @@ class CudaOps final : public Ops {
   DeviceMemory device_;
   cublasHandle_t blas_{};
   Workspace ws_;  // bf16 operands, score blocks, pointer arrays, per-row losses
-  BlockedAttention attention_{blas_, ws_};
+  BlockedAttention attention_{blas_, ws_};  // head_dim a multiple of 8
+  FlashAttention flash_{ws_};                // head_dim 64 or 128
   int* flag_ = nullptr;   // set by kernels that find an index out of range
   double* sum_ = nullptr;
 };

@@ -3,7 +3,7 @@
 // transformer (dense and MoE), and a few optimizer steps, within a tolerance scaled to each
 // value (the GPU sums in other orders and with atomics, so never bit for bit). The bf16 fast
 // path (CudaOpsBf16 tests): the GEMM layouts, the blocked attention on shapes that take each of
-// its branches (chunked causal, one chunk, full, GQA), and a training step, within bf16's
+// its branches (fused kernels; blocked GEMMs chunked, in one chunk, full; GQA), and a training step, within bf16's
 // rounding measured against the size of the values. Skipped (reported as skipped) without a GPU.
 #include <cmath>
 #include <random>
@@ -318,15 +318,24 @@ TEST(CudaOpsBf16, BlockedAttentionMatchesTheCpu) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   cuda_ops_use_stream(stream);
   AttentionShape a;
-  a.batch = 1, a.q_len = a.kv_len = 1024, a.q_heads = 2, a.kv_heads = 1, a.head_dim = 64;  // 8 chunks of 128, GQA
+  // Fused kernels (head_dim 64 or 128): GQA, a long causal sequence, a length that is not a
+  // multiple of the 64-row tile, no mask.
+  a.batch = 1, a.q_len = a.kv_len = 1024, a.q_heads = 2, a.kv_heads = 1, a.head_dim = 64;
   check_blocked_attention(a);
-  a.batch = 2, a.q_len = a.kv_len = 512, a.q_heads = a.kv_heads = 4, a.head_dim = 64;  // 4 chunks of 128
+  a.batch = 2, a.q_len = a.kv_len = 100, a.q_heads = 3, a.kv_heads = 3, a.head_dim = 128;
   check_blocked_attention(a);
-  a.batch = 3, a.q_len = a.kv_len = 192, a.q_heads = 6, a.kv_heads = 2, a.head_dim = 32;  // one chunk (192 < 2·128), GQA groups of 3
+  a.causal = false, a.q_len = a.kv_len = 77, a.head_dim = 64;
   check_blocked_attention(a);
-  a.batch = 2, a.q_len = a.kv_len = 100, a.q_heads = 4, a.kv_heads = 2, a.head_dim = 16;  // one chunk, T not a multiple of 8
+  a.causal = true;
+  // Blocked GEMMs (other multiples of 8): 4 chunks of 128, one chunk with GQA groups of 3, a
+  // length that is not a multiple of 8, the whole score matrix.
+  a.batch = 2, a.q_len = a.kv_len = 512, a.q_heads = a.kv_heads = 4, a.head_dim = 32;
   check_blocked_attention(a);
-  a.causal = false, a.q_len = a.kv_len = 80;  // the whole score matrix
+  a.batch = 3, a.q_len = a.kv_len = 192, a.q_heads = 6, a.kv_heads = 2, a.head_dim = 32;
+  check_blocked_attention(a);
+  a.batch = 2, a.q_len = a.kv_len = 100, a.q_heads = 4, a.kv_heads = 2, a.head_dim = 16;
+  check_blocked_attention(a);
+  a.causal = false, a.q_len = a.kv_len = 80;
   check_blocked_attention(a);
   a.causal = true, a.q_len = 24, a.kv_len = 40, a.q_offset = 16;  // not one sequence: the plain kernel
   check_blocked_attention(a);
@@ -334,10 +343,7 @@ TEST(CudaOpsBf16, BlockedAttentionMatchesTheCpu) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
-TEST(CudaOpsBf16, TrainingStepCloseToTheCpu) {
-  REQUIRE_DEVICE();
-  ModelConfig c;  // T 128: attention takes the blocked path with two chunks
-  c.vocab = 64, c.d_model = 64, c.n_layers = 2, c.q_heads = 4, c.kv_heads = 2, c.d_ff = 96, c.seq_len = 128;
+void check_fast_training(const ModelConfig& c) {
   MemoryLedger lc, lg;
   ParamList pc, pg;
   Context cc{cpu_ops(), lc, pc}, cg{fast(), lg, pg};
@@ -360,6 +366,15 @@ TEST(CudaOpsBf16, TrainingStepCloseToTheCpu) {
   expect_close_bf16({Tensor::view(pc.flat_grads().raw(), pc.flat_grads().shape()),
                      Tensor::view(pg.flat_grads().raw(), pg.flat_grads().shape())},
                     "gradients", 3e-2, 1e-1);
+}
+
+TEST(CudaOpsBf16, TrainingStepCloseToTheCpu) {
+  REQUIRE_DEVICE();
+  ModelConfig c;  // head_dim 16, T 128: attention on blocked GEMMs
+  c.vocab = 64, c.d_model = 64, c.n_layers = 2, c.q_heads = 4, c.kv_heads = 2, c.d_ff = 96, c.seq_len = 128;
+  check_fast_training(c);
+  c.d_model = 128, c.q_heads = 2, c.kv_heads = 1;  // head_dim 64: the fused kernels
+  check_fast_training(c);
 }
 
 }  // namespace

@@ -1,0 +1,377 @@
+// cuda_flash.cuh — the GPU backend's fused attention (GpuMath::bf16, head_dim 64 or 128): the
+// FlashAttention-2 scheme on mma.sync bf16 tensor cores, so the T×T scores never reach memory.
+// Included by cuda_ops.cu only, after cuda_attention.cuh (it uses that file's helpers).
+//
+// Forward: a block of 4 warps owns 64 queries of one (sequence, head); each warp 16 of them. The
+// queries stay in registers while 64-key tiles of K and V pass through shared memory: S = Q·Kᵀ
+// for the tile (m16n8k16 MMAs), a running max and sum per query row (the online softmax), and
+// O += P·V with P taken straight from the score registers (the accumulator of one MMA has the
+// layout of the next one's A operand, two 8-column tiles making one 16-wide step). Causal
+// blocks stop at the diagonal tile. O is divided by the row sum at the end and the log-sum-exp
+// is kept for backward.
+//
+// Backward: a block owns 64 keys; each warp 16 of them, with K and V in registers. Query tiles
+// from the diagonal down pass through shared memory: Sᵀ = K·Qᵀ and P from the saved log-sum-exp,
+// dPᵀ = V·dOᵀ, dSᵀ = P(dP − D) with D = rowsum(dO·O); dV += Pᵀ·dO and dK += dSᵀ·Q accumulate in
+// registers for the whole pass, and dQ += dS·K goes out through fp32 atomics (several key blocks
+// add into one query row). Rows and keys past the sequence's end are zero-filled and masked, so
+// any length works.
+#pragma once
+
+namespace flash {
+
+constexpr int kTile = 64;      // queries per forward block, keys per backward block, and tile length
+constexpr int kWarpsPer = 4;   // 16 rows each
+constexpr int kBlock = 32 * kWarpsPer;
+
+struct Args {
+  int T, heads, kv_heads;
+  bool causal;
+  float scale;  // 1/sqrt(head_dim)
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void ldsm4(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm4_t(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+// c (16×8 fp32) += a (16×16 bf16, row) · b (16×8 bf16, col).
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Rows [row0, row0 + 64) of one head of a [sequences·T, heads·D] bf16 tensor into a shared tile
+// with rows `ld` elements apart (D + 8: the padding puts the 8 rows an ldmatrix reads in 8
+// different bank groups). Rows past T are zeros.
+template <int D>
+__device__ void load_tile(__nv_bfloat16* tile, int ld, const __nv_bfloat16* src, std::int64_t seq_row0, int row0, int T,
+                          int heads, int h) {
+  constexpr int kVecs = D / 8;  // 16-byte vectors per row
+  for (int e = threadIdx.x; e < kTile * kVecs; e += kBlock) {
+    const int r = e / kVecs, c = (e % kVecs) * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row0 + r < T)
+      v = *reinterpret_cast<const uint4*>(src + ((seq_row0 + row0 + r) * heads + h) * static_cast<std::int64_t>(D) + c);
+    *reinterpret_cast<uint4*>(tile + r * ld + c) = v;
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                         const __nv_bfloat16* v, float* o, float* lse) {
+  constexpr int LD = D + 8;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  auto* Qs = reinterpret_cast<__nv_bfloat16*>(shared_raw);
+  __nv_bfloat16* Ks = Qs + kTile * LD;
+  __nv_bfloat16* Vs = Ks + kTile * LD;
+  const int tiles = (a.T + kTile - 1) / kTile;
+  const int qt = tiles - 1 - static_cast<int>(blockIdx.x);  // the longest causal rows first
+  const int h = blockIdx.y, b = blockIdx.z, kh = h / (a.heads / a.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const std::int64_t seq = static_cast<std::int64_t>(b) * a.T;
+  load_tile<D>(Qs, LD, q, seq, qt * kTile, a.T, a.heads, h);
+  __syncthreads();
+  unsigned qf[D / 16][4];
+  for (int kk = 0; kk < D / 16; ++kk) ldsm4(qf[kk], Qs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+
+  const float sl = a.scale * 1.4426950408889634f;  // exp(x·scale) = exp2(x·sl)
+  float acc[D / 8][4] = {};
+  float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
+  const int qrow[2] = {qt * kTile + warp * 16 + g, qt * kTile + warp * 16 + g + 8};
+  const int kv_tiles = a.causal ? qt + 1 : tiles;
+  for (int j = 0; j < kv_tiles; ++j) {
+    __syncthreads();  // every warp is done with the previous K and V
+    load_tile<D>(Ks, LD, k, seq, j * kTile, a.T, a.kv_heads, kh);
+    load_tile<D>(Vs, LD, v, seq, j * kTile, a.T, a.kv_heads, kh);
+    __syncthreads();
+    float s[8][4] = {};
+    for (int kk = 0; kk < D / 16; ++kk)
+      for (int np = 0; np < 4; ++np) {
+        unsigned bf[4];
+        ldsm4(bf, Ks + (np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
+        mma(s[2 * np], qf[kk], bf[0], bf[1]);
+        mma(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+      }
+    // Mask, then the online softmax of each of this thread's two rows.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int key = j * kTile + nt * 8 + 2 * t + (e & 1), r = e / 2;
+        if (key >= a.T || (a.causal && key > qrow[r])) s[nt][e] = -INFINITY;
+        tile_max[r] = fmaxf(tile_max[r], s[nt][e]);
+      }
+    float rescale[2];
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float m_new = fmaxf(mx[r], tile_max[r]);
+      rescale[r] = m_new == -INFINITY ? 1.0f : exp2f((mx[r] - m_new) * sl);  // exp2(−inf) = 0 for a first tile
+      mx[r] = m_new;
+      sum[r] *= rescale[r];
+    }
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        s[nt][e] = mx[r] == -INFINITY ? 0.0f : exp2f((s[nt][e] - mx[r]) * sl);
+        sum[r] += s[nt][e];
+      }
+    for (int dn = 0; dn < D / 8; ++dn) {
+      acc[dn][0] *= rescale[0], acc[dn][1] *= rescale[0];
+      acc[dn][2] *= rescale[1], acc[dn][3] *= rescale[1];
+    }
+    for (int kk = 0; kk < 4; ++kk) {  // 16 keys a step
+      const unsigned pf[4] = {pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
+                              pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      for (int dp = 0; dp < D / 16; ++dp) {
+        unsigned bf[4];
+        ldsm4_t(bf, Vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dp * 16 + (lane / 16) * 8);
+        mma(acc[2 * dp], pf, bf[0], bf[1]);
+        mma(acc[2 * dp + 1], pf, bf[2], bf[3]);
+      }
+    }
+  }
+  for (int r = 0; r < 2; ++r) {
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+  }
+  for (int r = 0; r < 2; ++r) {
+    if (qrow[r] >= a.T) continue;
+    const float inv = sum[r] > 0 ? 1.0f / sum[r] : 0.0f;
+    float* orow = o + ((seq + qrow[r]) * a.heads + h) * static_cast<std::int64_t>(D);
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<float2*>(orow + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * inv, acc[dn][2 * r + 1] * inv);
+    if (t == 0)
+      lse[(static_cast<std::int64_t>(b) * a.heads + h) * a.T + qrow[r]] =
+          sum[r] > 0 ? mx[r] * a.scale + logf(sum[r]) : -INFINITY;
+  }
+}
+
+// D_i = Σ_d dO·O of each query row, [sequences, heads, T]: one warp a row.
+__global__ void delta_kernel(const float* o, const float* dout, float* delta, std::int64_t rows, int T, int heads, int hd) {
+  const std::int64_t r = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;  // (b·T + t)·heads + h
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  float d = 0;
+  for (int c = lane; c < hd; c += 32) d += o[r * hd + c] * dout[r * hd + c];
+  for (int off = 16; off; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
+  const std::int64_t h = r % heads, bt = r / heads, b = bt / T, t = bt % T;
+  if (lane == 0) delta[(b * heads + h) * T + t] = d;
+}
+
+// dk_out / dv_out: [sequences·T, out_heads·D] fp32, head `out_head`; `add` adds into them (the
+// layer's tensors) instead of writing (a per-query-head scratch that sum_groups_kernel folds).
+template <int D>
+__global__ void __launch_bounds__(kBlock) backward_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                          const __nv_bfloat16* v, const __nv_bfloat16* dout,
+                                                          const float* lse, const float* delta, float* dq, float* dk_out,
+                                                          float* dv_out, int out_heads, bool add) {
+  constexpr int LD = D + 8, LDS = kTile + 8;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  auto* Ks = reinterpret_cast<__nv_bfloat16*>(shared_raw);
+  __nv_bfloat16* Vs = Ks + kTile * LD;
+  __nv_bfloat16* Qs = Vs + kTile * LD;
+  __nv_bfloat16* dOs = Qs + kTile * LD;
+  __nv_bfloat16* dSs = dOs + kTile * LD;  // [key][query]
+  auto* lse_s = reinterpret_cast<float*>(dSs + kTile * LDS);
+  float* delta_s = lse_s + kTile;
+  const int tiles = (a.T + kTile - 1) / kTile;
+  const int jt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kh = h / (a.heads / a.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const std::int64_t seq = static_cast<std::int64_t>(b) * a.T;
+  const std::int64_t row_stats = (static_cast<std::int64_t>(b) * a.heads + h) * a.T;
+  load_tile<D>(Ks, LD, k, seq, jt * kTile, a.T, a.kv_heads, kh);
+  load_tile<D>(Vs, LD, v, seq, jt * kTile, a.T, a.kv_heads, kh);
+  __syncthreads();
+  unsigned kf[D / 16][4], vf[D / 16][4];
+  for (int kk = 0; kk < D / 16; ++kk) {
+    ldsm4(kf[kk], Ks + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+    ldsm4(vf[kk], Vs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+  }
+  float dka[D / 8][4] = {}, dva[D / 8][4] = {};
+  const int key[2] = {jt * kTile + warp * 16 + g, jt * kTile + warp * 16 + g + 8};
+
+  for (int i = a.causal ? jt : 0; i < tiles; ++i) {
+    __syncthreads();  // every warp is done with the previous query tile and dS
+    load_tile<D>(Qs, LD, q, seq, i * kTile, a.T, a.heads, h);
+    load_tile<D>(dOs, LD, dout, seq, i * kTile, a.T, a.heads, h);
+    for (int e = threadIdx.x; e < kTile; e += kBlock) {
+      const int qi = i * kTile + e;
+      lse_s[e] = qi < a.T ? lse[row_stats + qi] : INFINITY;  // a row past the end: P = 0
+      delta_s[e] = qi < a.T ? delta[row_stats + qi] : 0.0f;
+    }
+    __syncthreads();
+    float st[8][4] = {}, dpt[8][4] = {};  // this warp's 16 keys × the tile's 64 queries
+    for (int kk = 0; kk < D / 16; ++kk)
+      for (int np = 0; np < 4; ++np) {
+        unsigned bq[4], bo[4];
+        const int off = (np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8;
+        ldsm4(bq, Qs + off);
+        ldsm4(bo, dOs + off);
+        mma(st[2 * np], kf[kk], bq[0], bq[1]);
+        mma(st[2 * np + 1], kf[kk], bq[2], bq[3]);
+        mma(dpt[2 * np], vf[kk], bo[0], bo[1]);
+        mma(dpt[2 * np + 1], vf[kk], bo[2], bo[3]);
+      }
+    // P and dS, transposed (rows: keys, columns: queries); dS written to shared memory for dQ.
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int ql = nt * 8 + 2 * t + (e & 1), qi = i * kTile + ql, kr = key[e / 2];
+        const bool seen = kr < a.T && qi < a.T && (!a.causal || kr <= qi);
+        const float p = seen ? __expf(st[nt][e] * a.scale - lse_s[ql]) : 0.0f;
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - delta_s[ql]);
+      }
+    for (int nt = 0; nt < 8; ++nt)
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<unsigned*>(dSs + (warp * 16 + g + 8 * r) * LDS + nt * 8 + 2 * t) =
+            pack(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+    // dV += Pᵀ·dO and dK += dSᵀ·Q: 16 queries a step, operands from registers and shared memory.
+    for (int kk = 0; kk < 4; ++kk) {
+      const unsigned pf[4] = {pack(st[2 * kk][0], st[2 * kk][1]), pack(st[2 * kk][2], st[2 * kk][3]),
+                              pack(st[2 * kk + 1][0], st[2 * kk + 1][1]), pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+      const unsigned sf[4] = {pack(dpt[2 * kk][0], dpt[2 * kk][1]), pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                              pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+      for (int dp = 0; dp < D / 16; ++dp) {
+        unsigned bo[4], bq[4];
+        const int off = (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dp * 16 + (lane / 16) * 8;
+        ldsm4_t(bo, dOs + off);
+        ldsm4_t(bq, Qs + off);
+        mma(dva[2 * dp], pf, bo[0], bo[1]);
+        mma(dva[2 * dp + 1], pf, bo[2], bo[3]);
+        mma(dka[2 * dp], sf, bq[0], bq[1]);
+        mma(dka[2 * dp + 1], sf, bq[2], bq[3]);
+      }
+    }
+    __syncthreads();  // dS complete
+    // dQ for this warp's 16 queries of the tile: dS (queries × the block's 64 keys) · K.
+    float dqa[D / 8][4] = {};
+    for (int kk = 0; kk < 4; ++kk) {
+      unsigned af[4];
+      const int mi = lane / 8;
+      ldsm4_t(af, dSs + (kk * 16 + (mi / 2) * 8 + lane % 8) * LDS + warp * 16 + (mi % 2) * 8);
+      for (int dp = 0; dp < D / 16; ++dp) {
+        unsigned bk[4];
+        ldsm4_t(bk, Ks + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dp * 16 + (lane / 16) * 8);
+        mma(dqa[2 * dp], af, bk[0], bk[1]);
+        mma(dqa[2 * dp + 1], af, bk[2], bk[3]);
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      const int qi = i * kTile + warp * 16 + g + 8 * r;
+      if (qi >= a.T) continue;
+      float* dqrow = dq + ((seq + qi) * a.heads + h) * static_cast<std::int64_t>(D);
+      for (int dn = 0; dn < D / 8; ++dn) {
+        atomicAdd(dqrow + dn * 8 + 2 * t, dqa[dn][2 * r] * a.scale);
+        atomicAdd(dqrow + dn * 8 + 2 * t + 1, dqa[dn][2 * r + 1] * a.scale);
+      }
+    }
+  }
+  const int out_head = out_heads == a.heads ? h : kh;
+  for (int r = 0; r < 2; ++r) {
+    if (key[r] >= a.T) continue;
+    const std::int64_t row = ((seq + key[r]) * out_heads + out_head) * static_cast<std::int64_t>(D);
+    for (int dn = 0; dn < D / 8; ++dn)
+      for (int c = 0; c < 2; ++c) {
+        const std::int64_t at = row + dn * 8 + 2 * t + c;
+        const float dkv = dka[dn][2 * r + c] * a.scale, dvv = dva[dn][2 * r + c];
+        dk_out[at] = add ? dk_out[at] + dkv : dkv;
+        dv_out[at] = add ? dv_out[at] + dvv : dvv;
+      }
+  }
+}
+
+}  // namespace flash
+
+// Whether the fused kernels take this call (on top of blocked_attention_fits).
+bool flash_fits(const AttentionShape& s) { return blocked_attention_fits(s) && (s.head_dim == 64 || s.head_dim == 128); }
+
+class FlashAttention {
+ public:
+  explicit FlashAttention(Workspace& ws) : ws_(ws) {}
+
+  void forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) {
+    const __nv_bfloat16 *q16 = to_bf16(q, ws_, kAttnQ), *k16 = to_bf16(k, ws_, kAttnK), *v16 = to_bf16(v, ws_, kAttnV);
+    const dim3 grid((s.q_len + flash::kTile - 1) / flash::kTile, s.q_heads, s.batch);
+    if (s.head_dim == 64) launch_forward<64>(grid, args(s), q16, k16, v16, o.f32(), lse.f32());
+    else launch_forward<128>(grid, args(s), q16, k16, v16, o.f32(), lse.f32());
+  }
+
+  void backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+    const __nv_bfloat16 *q16 = to_bf16(q, ws_, kAttnQ), *k16 = to_bf16(k, ws_, kAttnK), *v16 = to_bf16(v, ws_, kAttnV),
+                        *do16 = to_bf16(dout, ws_, kAttnDo);
+    const std::int64_t rows = static_cast<std::int64_t>(s.batch) * s.q_len * s.q_heads;
+    auto* delta = static_cast<float*>(ws_.get(kDelta, static_cast<std::size_t>(rows) * sizeof(float)));
+    flash::delta_kernel<<<blocks_for(rows * 32), kThreads, 0, g_stream>>>(o.f32(), dout.f32(), delta, rows, s.q_len,
+                                                                         s.q_heads, s.head_dim);
+    K2C_CUDA_CHECK_LAUNCH();
+    K2C_CUDA_CHECK(cudaMemsetAsync(dq.raw(), 0, dq.bytes(), g_stream));  // dQ arrives by atomics
+    // One query head per key-value head: dK and dV add straight into the layer's tensors.
+    // Otherwise each query head writes its own slice and sum_groups_kernel folds the groups.
+    const int group = s.q_heads / s.kv_heads;
+    float *dk_dst = dk.f32(), *dv_dst = dv.f32();
+    if (group > 1) {
+      const std::size_t bytes = static_cast<std::size_t>(q.numel()) * sizeof(float);
+      dk_dst = static_cast<float*>(ws_.get(kGroupDk, bytes));
+      dv_dst = static_cast<float*>(ws_.get(kGroupDv, bytes));
+    }
+    const int out_heads = group > 1 ? s.q_heads : s.kv_heads;
+    const dim3 grid((s.q_len + flash::kTile - 1) / flash::kTile, s.q_heads, s.batch);
+    if (s.head_dim == 64)
+      launch_backward<64>(grid, args(s), q16, k16, v16, do16, lse.f32(), delta, dq.f32(), dk_dst, dv_dst, out_heads, group == 1);
+    else
+      launch_backward<128>(grid, args(s), q16, k16, v16, do16, lse.f32(), delta, dq.f32(), dk_dst, dv_dst, out_heads, group == 1);
+    if (group > 1) {
+      const std::int64_t tokens = static_cast<std::int64_t>(s.batch) * s.q_len;
+      for (auto [src, dst] : {std::pair{dk_dst, dk.f32()}, std::pair{dv_dst, dv.f32()}}) {
+        sum_groups_kernel<<<blocks_for(tokens * s.kv_heads * s.head_dim), kThreads, 0, g_stream>>>(
+            src, dst, tokens, s.kv_heads, group, s.head_dim);
+        K2C_CUDA_CHECK_LAUNCH();
+      }
+    }
+  }
+
+ private:
+  static flash::Args args(const AttentionShape& s) {
+    return {s.q_len, s.q_heads, s.kv_heads, s.causal, 1.0f / std::sqrt(static_cast<float>(s.head_dim))};
+  }
+  template <int D>
+  static void launch_forward(dim3 grid, flash::Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                             const __nv_bfloat16* v, float* o, float* lse) {
+    constexpr int bytes = 3 * flash::kTile * (D + 8) * 2;
+    static const bool ready = [] {
+      return cudaFuncSetAttribute(flash::forward_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
+    }();
+    if (!ready) throw std::runtime_error("flash attention: cannot reserve " + std::to_string(bytes) + " bytes of shared memory");
+    flash::forward_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, o, lse);
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+  template <int D>
+  static void launch_backward(dim3 grid, flash::Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                              const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse, const float* delta,
+                              float* dq, float* dk, float* dv, int out_heads, bool add) {
+    constexpr int bytes = 4 * flash::kTile * (D + 8) * 2 + flash::kTile * (flash::kTile + 8) * 2 + 2 * flash::kTile * 4;
+    static const bool ready = [] {
+      return cudaFuncSetAttribute(flash::backward_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
+    }();
+    if (!ready) throw std::runtime_error("flash attention: cannot reserve " + std::to_string(bytes) + " bytes of shared memory");
+    flash::backward_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv, out_heads, add);
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+
+  Workspace& ws_;
+};
