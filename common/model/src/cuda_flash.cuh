@@ -10,12 +10,14 @@
 // blocks stop at the diagonal tile. O is divided by the row sum at the end and the log-sum-exp
 // is kept for backward.
 //
-// Backward: a block owns 64 keys; each warp 16 of them, with K and V in registers. Query tiles
-// from the diagonal down pass through shared memory: Sᵀ = K·Qᵀ and P from the saved log-sum-exp,
-// dPᵀ = V·dOᵀ, dSᵀ = P(dP − D) with D = rowsum(dO·O); dV += Pᵀ·dO and dK += dSᵀ·Q accumulate in
-// registers for the whole pass, and dQ += dS·K goes out through fp32 atomics (several key blocks
-// add into one query row). Rows and keys past the sequence's end are zero-filled and masked, so
-// any length works.
+// Backward, in two kernels. dK and dV: a block owns 64 keys, each warp 16 of them, with K and V
+// in registers; query tiles from the diagonal down pass through shared memory: Sᵀ = K·Qᵀ and P
+// from the saved log-sum-exp, dPᵀ = V·dOᵀ, dSᵀ = P(dP − D) with D = rowsum(dO·O); dV += Pᵀ·dO and
+// dK += dSᵀ·Q accumulate in registers and are written once. dQ: a block owns 64 queries, as in
+// forward, recomputes S and dP against each key tile and accumulates dQ += dS·K in registers.
+// Two more products than adding dQ from the key side, but no atomics: at 64-row tiles those
+// came to a hundred million per layer of the benchmark's model and cost more than the products.
+// Rows and keys past the sequence's end are zero-filled and masked, so any length works.
 #pragma once
 
 namespace flash {
@@ -23,6 +25,7 @@ namespace flash {
 constexpr int kTile = 64;      // queries per forward block, keys per backward block, and tile length
 constexpr int kWarpsPer = 4;   // 16 rows each
 constexpr int kBlock = 32 * kWarpsPer;
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = exp2(x·log2(e)): exp2 is one MUFU instruction
 
 struct Args {
   int T, heads, kv_heads;
@@ -56,18 +59,27 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {
 
 // Rows [row0, row0 + 64) of one head of a [sequences·T, heads·D] bf16 tensor into a shared tile
 // with rows `ld` elements apart (D + 8: the padding puts the 8 rows an ldmatrix reads in 8
-// different bank groups). Rows past T are zeros.
+// different bank groups), by asynchronous 16-byte copies (cp.async): every thread issues all of
+// its copies at once and the block computes on the previous tile while they fly. Rows past T are
+// zero-filled (a copy of 0 source bytes). The caller commits the group and waits for it.
 template <int D>
 __device__ void load_tile(__nv_bfloat16* tile, int ld, const __nv_bfloat16* src, std::int64_t seq_row0, int row0, int T,
                           int heads, int h) {
   constexpr int kVecs = D / 8;  // 16-byte vectors per row
+#pragma unroll
   for (int e = threadIdx.x; e < kTile * kVecs; e += kBlock) {
     const int r = e / kVecs, c = (e % kVecs) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row0 + r < T)
-      v = *reinterpret_cast<const uint4*>(src + ((seq_row0 + row0 + r) * heads + h) * static_cast<std::int64_t>(D) + c);
-    *reinterpret_cast<uint4*>(tile + r * ld + c) = v;
+    const bool inside = row0 + r < T;
+    const __nv_bfloat16* from =
+        inside ? src + ((seq_row0 + row0 + r) * heads + h) * static_cast<std::int64_t>(D) + c : src;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(tile + r * ld + c)), "l"(from),
+                 "r"(inside ? 16 : 0));
   }
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void wait_groups() {  // all but the N most recent groups have landed
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 template <int D>
@@ -76,28 +88,41 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   auto* Qs = reinterpret_cast<__nv_bfloat16*>(shared_raw);
-  __nv_bfloat16* Ks = Qs + kTile * LD;
-  __nv_bfloat16* Vs = Ks + kTile * LD;
+  __nv_bfloat16* KVs = Qs + kTile * LD;  // two buffers of (K, V)
   const int tiles = (a.T + kTile - 1) / kTile;
   const int qt = tiles - 1 - static_cast<int>(blockIdx.x);  // the longest causal rows first
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (a.heads / a.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const std::int64_t seq = static_cast<std::int64_t>(b) * a.T;
+  auto load_kv = [&](int j) {
+    __nv_bfloat16* buf = KVs + (j % 2) * 2 * kTile * LD;
+    load_tile<D>(buf, LD, k, seq, j * kTile, a.T, a.kv_heads, kh);
+    load_tile<D>(buf + kTile * LD, LD, v, seq, j * kTile, a.T, a.kv_heads, kh);
+    commit();
+  };
   load_tile<D>(Qs, LD, q, seq, qt * kTile, a.T, a.heads, h);
+  commit();
+  load_kv(0);
+  wait_groups<1>();  // Q has landed; the first K and V may still be on their way
   __syncthreads();
   unsigned qf[D / 16][4];
   for (int kk = 0; kk < D / 16; ++kk) ldsm4(qf[kk], Qs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
 
-  const float sl = a.scale * 1.4426950408889634f;  // exp(x·scale) = exp2(x·sl)
+  const float sl = a.scale * kLog2e;  // exp(x·scale) = exp2(x·sl)
   float acc[D / 8][4] = {};
   float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
   const int qrow[2] = {qt * kTile + warp * 16 + g, qt * kTile + warp * 16 + g + 8};
   const int kv_tiles = a.causal ? qt + 1 : tiles;
   for (int j = 0; j < kv_tiles; ++j) {
-    __syncthreads();  // every warp is done with the previous K and V
-    load_tile<D>(Ks, LD, k, seq, j * kTile, a.T, a.kv_heads, kh);
-    load_tile<D>(Vs, LD, v, seq, j * kTile, a.T, a.kv_heads, kh);
-    __syncthreads();
+    if (j + 1 < kv_tiles) {
+      load_kv(j + 1);  // into the other buffer, which every warp finished with last iteration
+      wait_groups<1>();
+    } else {
+      wait_groups<0>();
+    }
+    __syncthreads();  // tile j is in shared memory for every warp
+    const __nv_bfloat16* Ks = KVs + (j % 2) * 2 * kTile * LD;
+    const __nv_bfloat16* Vs = Ks + kTile * LD;
     float s[8][4] = {};
     for (int kk = 0; kk < D / 16; ++kk)
       for (int np = 0; np < 4; ++np) {
@@ -106,15 +131,25 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
         mma(s[2 * np], qf[kk], bf[0], bf[1]);
         mma(s[2 * np + 1], qf[kk], bf[2], bf[3]);
       }
-    // Mask, then the online softmax of each of this thread's two rows.
+    // Mask (only the diagonal tile and a tile past the end need it: the issue slots it would
+    // take on every tile are what this kernel is short of), then the online softmax of each of
+    // this thread's two rows.
+    if ((a.causal && j == qt) || (j + 1) * kTile > a.T) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = j * kTile + nt * 8 + 2 * t + (e & 1);
+          if (key >= a.T || (a.causal && key > qrow[e / 2])) s[nt][e] = -INFINITY;
+        }
+    }
     float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
     for (int nt = 0; nt < 8; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int key = j * kTile + nt * 8 + 2 * t + (e & 1), r = e / 2;
-        if (key >= a.T || (a.causal && key > qrow[r])) s[nt][e] = -INFINITY;
-        tile_max[r] = fmaxf(tile_max[r], s[nt][e]);
-      }
-    float rescale[2];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
+    float rescale[2], shift[2];
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
@@ -122,13 +157,16 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
       rescale[r] = m_new == -INFINITY ? 1.0f : exp2f((mx[r] - m_new) * sl);  // exp2(−inf) = 0 for a first tile
       mx[r] = m_new;
       sum[r] *= rescale[r];
+      shift[r] = m_new == -INFINITY ? 0.0f : m_new * sl;  // p = exp2(s·sl − shift): one FFMA and one MUFU
     }
+#pragma unroll
     for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        s[nt][e] = mx[r] == -INFINITY ? 0.0f : exp2f((s[nt][e] - mx[r]) * sl);
-        sum[r] += s[nt][e];
+        s[nt][e] = exp2f(fmaf(s[nt][e], sl, -shift[e / 2]));
+        sum[e / 2] += s[nt][e];
       }
+#pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
       acc[dn][0] *= rescale[0], acc[dn][1] *= rescale[0];
       acc[dn][2] *= rescale[1], acc[dn][3] *= rescale[1];
@@ -143,6 +181,7 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
         mma(acc[2 * dp + 1], pf, bf[2], bf[3]);
       }
     }
+    __syncthreads();  // done with this buffer: the next iteration's copy may overwrite it
   }
   for (int r = 0; r < 2; ++r) {
     sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
@@ -175,26 +214,39 @@ __global__ void delta_kernel(const float* o, const float* dout, float* delta, st
 // dk_out / dv_out: [sequences·T, out_heads·D] fp32, head `out_head`; `add` adds into them (the
 // layer's tensors) instead of writing (a per-query-head scratch that sum_groups_kernel folds).
 template <int D>
-__global__ void __launch_bounds__(kBlock) backward_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                                          const __nv_bfloat16* v, const __nv_bfloat16* dout,
-                                                          const float* lse, const float* delta, float* dq, float* dk_out,
-                                                          float* dv_out, int out_heads, bool add) {
-  constexpr int LD = D + 8, LDS = kTile + 8;
+__global__ void __launch_bounds__(kBlock) dkdv_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                      const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse,
+                                                      const float* delta, float* dk_out, float* dv_out, int out_heads,
+                                                      bool add) {
+  constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   auto* Ks = reinterpret_cast<__nv_bfloat16*>(shared_raw);
   __nv_bfloat16* Vs = Ks + kTile * LD;
-  __nv_bfloat16* Qs = Vs + kTile * LD;
-  __nv_bfloat16* dOs = Qs + kTile * LD;
-  __nv_bfloat16* dSs = dOs + kTile * LD;  // [key][query]
-  auto* lse_s = reinterpret_cast<float*>(dSs + kTile * LDS);
-  float* delta_s = lse_s + kTile;
+  __nv_bfloat16* QdOs = Vs + kTile * LD;                               // two buffers of (Q, dO)
+  auto* stats = reinterpret_cast<float*>(QdOs + 4 * kTile * LD);      // two buffers of (lse, D)
   const int tiles = (a.T + kTile - 1) / kTile;
   const int jt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kh = h / (a.heads / a.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const std::int64_t seq = static_cast<std::int64_t>(b) * a.T;
   const std::int64_t row_stats = (static_cast<std::int64_t>(b) * a.heads + h) * a.T;
+  auto load_q = [&](int i) {
+    __nv_bfloat16* buf = QdOs + (i % 2) * 2 * kTile * LD;
+    load_tile<D>(buf, LD, q, seq, i * kTile, a.T, a.heads, h);
+    load_tile<D>(buf + kTile * LD, LD, dout, seq, i * kTile, a.T, a.heads, h);
+    commit();
+    float* st = stats + (i % 2) * 2 * kTile;  // read after the barrier that follows the wait
+    for (int e = threadIdx.x; e < kTile; e += kBlock) {
+      const int qi = i * kTile + e;
+      st[e] = qi < a.T ? lse[row_stats + qi] * kLog2e : INFINITY;  // a row past the end: P = 0
+      st[kTile + e] = qi < a.T ? delta[row_stats + qi] : 0.0f;
+    }
+  };
+  const int first = a.causal ? jt : 0;
   load_tile<D>(Ks, LD, k, seq, jt * kTile, a.T, a.kv_heads, kh);
   load_tile<D>(Vs, LD, v, seq, jt * kTile, a.T, a.kv_heads, kh);
+  commit();
+  if (first < tiles) load_q(first);
+  wait_groups<1>();
   __syncthreads();
   unsigned kf[D / 16][4], vf[D / 16][4];
   for (int kk = 0; kk < D / 16; ++kk) {
@@ -202,18 +254,21 @@ __global__ void __launch_bounds__(kBlock) backward_kernel(Args a, const __nv_bfl
     ldsm4(vf[kk], Vs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
   }
   float dka[D / 8][4] = {}, dva[D / 8][4] = {};
+  const float sl = a.scale * kLog2e;
   const int key[2] = {jt * kTile + warp * 16 + g, jt * kTile + warp * 16 + g + 8};
 
-  for (int i = a.causal ? jt : 0; i < tiles; ++i) {
-    __syncthreads();  // every warp is done with the previous query tile and dS
-    load_tile<D>(Qs, LD, q, seq, i * kTile, a.T, a.heads, h);
-    load_tile<D>(dOs, LD, dout, seq, i * kTile, a.T, a.heads, h);
-    for (int e = threadIdx.x; e < kTile; e += kBlock) {
-      const int qi = i * kTile + e;
-      lse_s[e] = qi < a.T ? lse[row_stats + qi] : INFINITY;  // a row past the end: P = 0
-      delta_s[e] = qi < a.T ? delta[row_stats + qi] : 0.0f;
+  for (int i = first; i < tiles; ++i) {
+    if (i + 1 < tiles) {
+      load_q(i + 1);
+      wait_groups<1>();
+    } else {
+      wait_groups<0>();
     }
     __syncthreads();
+    const __nv_bfloat16* Qs = QdOs + (i % 2) * 2 * kTile * LD;
+    const __nv_bfloat16* dOs = Qs + kTile * LD;
+    const float* lse_s = stats + (i % 2) * 2 * kTile;
+    const float* delta_s = lse_s + kTile;
     float st[8][4] = {}, dpt[8][4] = {};  // this warp's 16 keys × the tile's 64 queries
     for (int kk = 0; kk < D / 16; ++kk)
       for (int np = 0; np < 4; ++np) {
@@ -226,19 +281,22 @@ __global__ void __launch_bounds__(kBlock) backward_kernel(Args a, const __nv_bfl
         mma(dpt[2 * np], vf[kk], bo[0], bo[1]);
         mma(dpt[2 * np + 1], vf[kk], bo[2], bo[3]);
       }
-    // P and dS, transposed (rows: keys, columns: queries); dS written to shared memory for dQ.
+    // P and dS, transposed (rows: keys, columns: queries).
+    // Masks only on the diagonal tile and at the end of the sequence (lse_s holds lse·log2(e)).
+    const bool edge = (a.causal && i == jt) || (i + 1) * kTile > a.T || (jt + 1) * kTile > a.T;
+#pragma unroll
     for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int ql = nt * 8 + 2 * t + (e & 1), qi = i * kTile + ql, kr = key[e / 2];
-        const bool seen = kr < a.T && qi < a.T && (!a.causal || kr <= qi);
-        const float p = seen ? __expf(st[nt][e] * a.scale - lse_s[ql]) : 0.0f;
+        const int ql = nt * 8 + 2 * t + (e & 1);
+        float p = exp2f(fmaf(st[nt][e], sl, -lse_s[ql]));
+        if (edge) {
+          const int qi = i * kTile + ql, kr = key[e / 2];
+          if (!(kr < a.T && qi < a.T && (!a.causal || kr <= qi))) p = 0.0f;
+        }
         st[nt][e] = p;
         dpt[nt][e] = p * (dpt[nt][e] - delta_s[ql]);
       }
-    for (int nt = 0; nt < 8; ++nt)
-      for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<unsigned*>(dSs + (warp * 16 + g + 8 * r) * LDS + nt * 8 + 2 * t) =
-            pack(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
     // dV += Pᵀ·dO and dK += dSᵀ·Q: 16 queries a step, operands from registers and shared memory.
     for (int kk = 0; kk < 4; ++kk) {
       const unsigned pf[4] = {pack(st[2 * kk][0], st[2 * kk][1]), pack(st[2 * kk][2], st[2 * kk][3]),
@@ -256,29 +314,7 @@ __global__ void __launch_bounds__(kBlock) backward_kernel(Args a, const __nv_bfl
         mma(dka[2 * dp + 1], sf, bq[2], bq[3]);
       }
     }
-    __syncthreads();  // dS complete
-    // dQ for this warp's 16 queries of the tile: dS (queries × the block's 64 keys) · K.
-    float dqa[D / 8][4] = {};
-    for (int kk = 0; kk < 4; ++kk) {
-      unsigned af[4];
-      const int mi = lane / 8;
-      ldsm4_t(af, dSs + (kk * 16 + (mi / 2) * 8 + lane % 8) * LDS + warp * 16 + (mi % 2) * 8);
-      for (int dp = 0; dp < D / 16; ++dp) {
-        unsigned bk[4];
-        ldsm4_t(bk, Ks + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dp * 16 + (lane / 16) * 8);
-        mma(dqa[2 * dp], af, bk[0], bk[1]);
-        mma(dqa[2 * dp + 1], af, bk[2], bk[3]);
-      }
-    }
-    for (int r = 0; r < 2; ++r) {
-      const int qi = i * kTile + warp * 16 + g + 8 * r;
-      if (qi >= a.T) continue;
-      float* dqrow = dq + ((seq + qi) * a.heads + h) * static_cast<std::int64_t>(D);
-      for (int dn = 0; dn < D / 8; ++dn) {
-        atomicAdd(dqrow + dn * 8 + 2 * t, dqa[dn][2 * r] * a.scale);
-        atomicAdd(dqrow + dn * 8 + 2 * t + 1, dqa[dn][2 * r + 1] * a.scale);
-      }
-    }
+    __syncthreads();  // done with this buffer
   }
   const int out_head = out_heads == a.heads ? h : kh;
   for (int r = 0; r < 2; ++r) {
@@ -291,6 +327,106 @@ __global__ void __launch_bounds__(kBlock) backward_kernel(Args a, const __nv_bfl
         dk_out[at] = add ? dk_out[at] + dkv : dkv;
         dv_out[at] = add ? dv_out[at] + dvv : dvv;
       }
+  }
+}
+
+// dQ_i = scale · Σ_j dS_ij·K_j for one 64-query tile, the key tiles streaming past as in forward:
+// S and dP recomputed (two more products than a kernel that also adds dQ from the key side
+// through atomics, and cheaper than the atomics), dS = P(dP − D) in registers, dQ accumulated in
+// registers and written once.
+template <int D>
+__global__ void __launch_bounds__(kBlock) dq_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                    const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse,
+                                                    const float* delta, float* dq) {
+  constexpr int LD = D + 8;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  auto* Qs = reinterpret_cast<__nv_bfloat16*>(shared_raw);
+  __nv_bfloat16* dOs = Qs + kTile * LD;
+  __nv_bfloat16* KVs = dOs + kTile * LD;  // two buffers of (K, V)
+  const int tiles = (a.T + kTile - 1) / kTile;
+  const int qt = tiles - 1 - static_cast<int>(blockIdx.x);
+  const int h = blockIdx.y, b = blockIdx.z, kh = h / (a.heads / a.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const std::int64_t seq = static_cast<std::int64_t>(b) * a.T;
+  const std::int64_t row_stats = (static_cast<std::int64_t>(b) * a.heads + h) * a.T;
+  auto load_kv = [&](int j) {
+    __nv_bfloat16* buf = KVs + (j % 2) * 2 * kTile * LD;
+    load_tile<D>(buf, LD, k, seq, j * kTile, a.T, a.kv_heads, kh);
+    load_tile<D>(buf + kTile * LD, LD, v, seq, j * kTile, a.T, a.kv_heads, kh);
+    commit();
+  };
+  load_tile<D>(Qs, LD, q, seq, qt * kTile, a.T, a.heads, h);
+  load_tile<D>(dOs, LD, dout, seq, qt * kTile, a.T, a.heads, h);
+  commit();
+  load_kv(0);
+  wait_groups<1>();
+  __syncthreads();
+  unsigned qf[D / 16][4], of[D / 16][4];
+  for (int kk = 0; kk < D / 16; ++kk) {
+    ldsm4(qf[kk], Qs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+    ldsm4(of[kk], dOs + (warp * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+  }
+  const int qrow[2] = {qt * kTile + warp * 16 + g, qt * kTile + warp * 16 + g + 8};
+  float row_lse[2], row_delta[2];
+  for (int r = 0; r < 2; ++r) {
+    row_lse[r] = qrow[r] < a.T ? lse[row_stats + qrow[r]] * kLog2e : INFINITY;
+    row_delta[r] = qrow[r] < a.T ? delta[row_stats + qrow[r]] : 0.0f;
+  }
+  float acc[D / 8][4] = {};
+  const float sl = a.scale * kLog2e;
+  const int kv_tiles = a.causal ? qt + 1 : tiles;
+  for (int j = 0; j < kv_tiles; ++j) {
+    if (j + 1 < kv_tiles) {
+      load_kv(j + 1);
+      wait_groups<1>();
+    } else {
+      wait_groups<0>();
+    }
+    __syncthreads();
+    const __nv_bfloat16* Ks = KVs + (j % 2) * 2 * kTile * LD;
+    const __nv_bfloat16* Vs = Ks + kTile * LD;
+    float s[8][4] = {}, dp[8][4] = {};
+    for (int kk = 0; kk < D / 16; ++kk)
+      for (int np = 0; np < 4; ++np) {
+        unsigned bk[4], bv[4];
+        const int off = (np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8;
+        ldsm4(bk, Ks + off);
+        ldsm4(bv, Vs + off);
+        mma(s[2 * np], qf[kk], bk[0], bk[1]);
+        mma(s[2 * np + 1], qf[kk], bk[2], bk[3]);
+        mma(dp[2 * np], of[kk], bv[0], bv[1]);
+        mma(dp[2 * np + 1], of[kk], bv[2], bv[3]);
+      }
+    const bool edge = (a.causal && j == qt) || (j + 1) * kTile > a.T || (qt + 1) * kTile > a.T;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        float p = exp2f(fmaf(s[nt][e], sl, -row_lse[r]));
+        if (edge) {
+          const int key = j * kTile + nt * 8 + 2 * t + (e & 1);
+          if (!(key < a.T && qrow[r] < a.T && (!a.causal || key <= qrow[r]))) p = 0.0f;
+        }
+        dp[nt][e] = p * (dp[nt][e] - row_delta[r]);
+      }
+    for (int kk = 0; kk < 4; ++kk) {
+      const unsigned sf[4] = {pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
+                              pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+      for (int dn = 0; dn < D / 16; ++dn) {
+        unsigned bk[4];
+        ldsm4_t(bk, Ks + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dn * 16 + (lane / 16) * 8);
+        mma(acc[2 * dn], sf, bk[0], bk[1]);
+        mma(acc[2 * dn + 1], sf, bk[2], bk[3]);
+      }
+    }
+    __syncthreads();  // done with this buffer
+  }
+  for (int r = 0; r < 2; ++r) {
+    if (qrow[r] >= a.T) continue;
+    float* row = dq + ((seq + qrow[r]) * a.heads + h) * static_cast<std::int64_t>(D);
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<float2*>(row + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * a.scale, acc[dn][2 * r + 1] * a.scale);
   }
 }
 
@@ -319,7 +455,6 @@ class FlashAttention {
     flash::delta_kernel<<<blocks_for(rows * 32), kThreads, 0, g_stream>>>(o.f32(), dout.f32(), delta, rows, s.q_len,
                                                                          s.q_heads, s.head_dim);
     K2C_CUDA_CHECK_LAUNCH();
-    K2C_CUDA_CHECK(cudaMemsetAsync(dq.raw(), 0, dq.bytes(), g_stream));  // dQ arrives by atomics
     // One query head per key-value head: dK and dV add straight into the layer's tensors.
     // Otherwise each query head writes its own slice and sum_groups_kernel folds the groups.
     const int group = s.q_heads / s.kv_heads;
@@ -352,7 +487,7 @@ class FlashAttention {
   template <int D>
   static void launch_forward(dim3 grid, flash::Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
                              const __nv_bfloat16* v, float* o, float* lse) {
-    constexpr int bytes = 3 * flash::kTile * (D + 8) * 2;
+    constexpr int bytes = 5 * flash::kTile * (D + 8) * 2;  // Q and two (K, V) buffers
     static const bool ready = [] {
       return cudaFuncSetAttribute(flash::forward_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
     }();
@@ -364,12 +499,16 @@ class FlashAttention {
   static void launch_backward(dim3 grid, flash::Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse, const float* delta,
                               float* dq, float* dk, float* dv, int out_heads, bool add) {
-    constexpr int bytes = 4 * flash::kTile * (D + 8) * 2 + flash::kTile * (flash::kTile + 8) * 2 + 2 * flash::kTile * 4;
+    // dK/dV: K, V and two (Q, dO) buffers with their row statistics; dQ: Q, dO and two (K, V).
+    constexpr int bytes = 6 * flash::kTile * (D + 8) * 2 + 4 * flash::kTile * 4;
     static const bool ready = [] {
-      return cudaFuncSetAttribute(flash::backward_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
+      return cudaFuncSetAttribute(flash::dkdv_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess &&
+             cudaFuncSetAttribute(flash::dq_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
     }();
     if (!ready) throw std::runtime_error("flash attention: cannot reserve " + std::to_string(bytes) + " bytes of shared memory");
-    flash::backward_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dq, dk, dv, out_heads, add);
+    flash::dkdv_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dk, dv, out_heads, add);
+    K2C_CUDA_CHECK_LAUNCH();
+    flash::dq_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dq);
     K2C_CUDA_CHECK_LAUNCH();
   }
 
