@@ -587,21 +587,28 @@ class CudaOps final : public Ops {
       return;
     }
     K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
-    // Row-major C (M×N) is column-major Cᵀ (N×M) = op(B)ᵀ·op(A)ᵀ: swap the operands, keep the ops.
     if (math_ == GpuMath::bf16) {
-      const __nv_bfloat16* a16 = to_bf16(a, ws_, kGemmA);
-      const __nv_bfloat16* b16 = to_bf16(b, ws_, kGemmB);
-      K2C_CUBLAS_CHECK(cublasGemmEx(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                    static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, b16,
-                                    CUDA_R_16BF, static_cast<int>(mb.cols), a16, CUDA_R_16BF, static_cast<int>(ma.cols),
-                                    &beta, c.f32(), CUDA_R_32F, static_cast<int>(N), CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+      gemm16(to_bf16(a, ws_, kGemmA), ta, ma.cols, to_bf16(b, ws_, kGemmB), tb, mb.cols, c, M, N, K, alpha, beta);
       return;
     }
+    // Row-major C (M×N) is column-major Cᵀ (N×M) = op(B)ᵀ·op(A)ᵀ: swap the operands, keep the ops.
     K2C_CUBLAS_CHECK(cublasSgemm(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                                  static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, b.f32(),
                                  static_cast<int>(mb.cols), a.f32(), static_cast<int>(ma.cols), &beta, c.f32(),
                                  static_cast<int>(N)));
+  }
+
+  void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dw, Tensor* dx) override {
+    if (math_ != GpuMath::bf16) return Ops::linear_backward(x, w, dy, dw, dx);
+    // dy rounded once for both products; checked as the two matmul calls would be.
+    const Matrix mx = as_matrix(x), mw = as_matrix(w), my = as_matrix(dy);
+    if (dw) checks::gemm_dims(dy, true, x, false, *dw);
+    if (dx) checks::gemm_dims(dy, false, w, false, *dx);
+    if (my.rows == 0 || my.cols == 0 || (!dw && !dx)) return Ops::linear_backward(x, w, dy, dw, dx);  // empty
+    K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
+    const __nv_bfloat16* dy16 = to_bf16(dy, ws_, kLinearDy);
+    if (dw) gemm16(dy16, true, my.cols, to_bf16(x, ws_, kGemmB), false, mx.cols, *dw, my.cols, mx.cols, my.rows, 1.0f, 1.0f);
+    if (dx) gemm16(dy16, false, my.cols, to_bf16(w, ws_, kGemmB), false, mw.cols, *dx, my.rows, mw.cols, my.cols, 1.0f, 0.0f);
   }
 
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
@@ -808,6 +815,15 @@ class CudaOps final : public Ops {
   }
 
  private:
+  // c (M×N fp32) = alpha·op(a)·op(b) + beta·c on bf16 operands (row-major, rows lda and ldb long),
+  // fp32 accumulation. Row-major C is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: the operands swap places.
+  void gemm16(const __nv_bfloat16* a, bool ta, std::int64_t lda, const __nv_bfloat16* b, bool tb, std::int64_t ldb,
+              Tensor& c, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, float beta) {
+    K2C_CUBLAS_CHECK(cublasGemmEx(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                  static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, b, CUDA_R_16BF,
+                                  static_cast<int>(ldb), a, CUDA_R_16BF, static_cast<int>(lda), &beta, c.f32(), CUDA_R_32F,
+                                  static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
   static float4* f4(const Tensor& t) { return reinterpret_cast<float4*>(const_cast<float*>(t.f32())); }
   template <class Kernel, class... Args>
   void launch(Kernel kernel, std::int64_t n, Args... args) {

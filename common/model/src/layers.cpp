@@ -25,8 +25,7 @@ void Linear::forward(Context& ctx, const Tensor& x, Tensor& y) const {
 }
 
 void Linear::backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor* dx) const {
-  if (ctx.trains(w_)) ctx.ops.matmul(dy, true, x, false, ctx.params.grad(w_), 1.0f, 1.0f);
-  if (dx) ctx.ops.matmul(dy, false, ctx.params.value(w_), false, *dx, 1.0f, 0.0f);
+  ctx.ops.linear_backward(x, ctx.params.value(w_), dy, ctx.trains(w_) ? &ctx.params.grad(w_) : nullptr, dx);
   ctx.params.grad_done(w_);
 }
 

@@ -68,6 +68,13 @@ class Ops {
   // old contents (NaN included).
   virtual void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                       float alpha, float beta) = 0;
+  // The backward of a Linear layer y = x·Wᵀ: dW += dyᵀ·x where dw is given, then dx = dy·W where
+  // dx is given. By default those two matmul calls; a backend may share work between them (the
+  // GPU's fast path rounds dy to bf16 once for both products instead of once for each).
+  virtual void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dw, Tensor* dx) {
+    if (dw) matmul(dy, true, x, false, *dw, 1.0f, 1.0f);
+    if (dx) matmul(dy, false, w, false, *dx, 1.0f, 0.0f);
+  }
 
   // ---- layers' kernels
   // out[i, :] = table[ids[i], :]; ids i32 [N], table [V, D], out [N, D]. An id outside [0, V)

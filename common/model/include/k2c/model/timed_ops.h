@@ -48,6 +48,9 @@ class TimedOps final : public Ops {
     time(ta ? "matmul dW (aT b)" : tb ? "matmul fwd (a bT)" : "matmul dX (a b)",
          [&] { inner_.matmul(a, ta, b, tb, c, alpha, beta); });
   }
+  void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dw, Tensor* dx) override {
+    time("linear backward (dW, dX)", [&] { inner_.linear_backward(x, w, dy, dw, dx); });
+  }
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
     time("embedding", [&] { inner_.embedding_forward(ids, table, out); });
   }
