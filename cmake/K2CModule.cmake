@@ -12,7 +12,10 @@
 #   k2c_bench_NN_name  autograder/NN_name/bench_name.cu, a Google Benchmark program (if present);
 #   k2c_tune_NN_name   autograder/NN_name/tune_name.cu, a tuner (if present).
 # MODEL: the implementation links the model library k2c_model (the modules of Part II, whose
-# students write a parallel algorithm around the course's layers, loss, optimizer and data).
+# students write a parallel algorithm around the course's layers, loss, optimizer and data). Their
+# test program also links the GPU backend k2c_model_cuda where it is built (K2C_MODEL_CUDA=1, for
+# the performance tests on NCCL), and autograder/NN_name/name_bench.cpp, if present, becomes the
+# program k2c_name (MPI and the model library, like the tests).
 # Each module is its own set of targets, so the grader builds them one at a time and a compile
 # error in one module never blocks another.
 function(k2c_add_module id)
@@ -75,6 +78,10 @@ function(k2c_add_module id)
     K2C_MODULE_ID="${id}" K2C_IMPL_NAME="${K2C_IMPL}"
     K2C_RUBRIC_DEFAULT="${root}/autograder/rubric.json")
   target_link_libraries(k2c_test_${id} PRIVATE k2c_impl_${id} k2c_testing)
+  if(arg_MODEL AND TARGET k2c_model_cuda)
+    target_link_libraries(k2c_test_${id} PRIVATE k2c_model_cuda)
+    target_compile_definitions(k2c_test_${id} PRIVATE K2C_MODEL_CUDA=1)
+  endif()
   if(arg_KIND STREQUAL "mpi")
     # One CTest test per rank count, each running the whole program under mpirun on the MPI
     # backend (CI has no GPU; the NCCL runs happen through the grader on GPU machines).
@@ -95,6 +102,15 @@ function(k2c_add_module id)
   if(EXISTS ${root}/autograder/${id}/tune_${name}.cu)
     add_executable(k2c_tune_${id} ${root}/autograder/${id}/tune_${name}.cu)
     target_link_libraries(k2c_tune_${id} PRIVATE k2c_impl_${id} k2c_cuda k2c_core)
+  endif()
+
+  if(arg_MODEL AND arg_KIND STREQUAL "mpi" AND EXISTS ${root}/autograder/${id}/${name}_bench.cpp)
+    add_executable(k2c_${name} ${root}/autograder/${id}/${name}_bench.cpp)
+    target_link_libraries(k2c_${name} PRIVATE k2c_impl_${id} k2c_dist)
+    if(TARGET k2c_model_cuda)
+      target_link_libraries(k2c_${name} PRIVATE k2c_model_cuda)
+      target_compile_definitions(k2c_${name} PRIVATE K2C_MODEL_CUDA=1)
+    endif()
   endif()
 
   if(benchmark_FOUND AND EXISTS ${root}/autograder/${id}/bench_${name}.cu)

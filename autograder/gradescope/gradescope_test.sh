@@ -3,8 +3,8 @@
 # make_zip.sh builds the zip with K2C_BIN; it is extracted into WORKDIR/autograder/source beside
 # submission/ and results/ (Gradescope's layout, under a root other than /autograder); setup.sh
 # runs there, then run_autograder grades a sample submission: module 11 implemented (the
-# reference solution, uploaded flat), module 01 handed in as its stub, the others absent, and a
-# stray file. results.json must follow Gradescope's format and give, test by test, the scores
+# reference solution, uploaded flat), module 01 handed in as its stub, the others absent (the
+# MPI modules 12 and on are then graded as their stubs), and a stray file. results.json must follow Gradescope's format and give, test by test, the scores
 # that `k2c grade --submission` gives the same files from a copy of this checkout.
 # CPU only, to stay quick: both trees are configured with -DK2C_CUDA=OFF, so the GPU modules are
 # reported as skipped, as they are on a grading machine without a GPU.
@@ -99,10 +99,11 @@ grep -q '^K2C_CUDA:BOOL=OFF' "$direct/grading/build/CMakeCache.txt" ||
 lap "k2c grade graded the same files"
 
 # ---- results.json: Gradescope's format, the direct grade's scores, GPU modules skipped
-python3 - "$ag/results/results.json" "$work/direct.json" <<'PY'
+python3 - "$ag/results/results.json" "$work/direct.json" "$repo/autograder/rubric.json" <<'PY'
 import json, sys
 gs = json.load(open(sys.argv[1]))
 direct = json.load(open(sys.argv[2]))
+kind = {m["id"]: m.get("kind", "gpu") for m in json.load(open(sys.argv[3]))["modules"]}
 fail = []
 num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -136,8 +137,9 @@ if abs(gs.get("score", -1) - direct["points"]) > 1e-9:
 if abs(sum(t["score"] for t in tests or []) - gs.get("score", -1)) > 1e-9:
     fail.append("the tests' scores do not add up to score")
 
-# What this sample must show: module 11 graded on CPU (its NCCL-only perf test skipped), every
-# GPU module skipped with the reason, module 01's stub taken but never built.
+# What this sample must show: module 11 graded on CPU (its NCCL-only perf test skipped), the
+# other MPI modules (absent: their stubs graded) "not implemented yet", every GPU module skipped
+# with the reason, module 01's stub taken but never built.
 by_id = {m["id"]: m for m in direct["modules"]}
 m11 = by_id["11_collectives"]
 if not any(t["status"] == "passed" for t in m11["tests"]) or m11["points"] <= 0:
@@ -147,6 +149,10 @@ for t in m11["tests"]:
         fail.append(f'11_collectives / {t["name"]}: {t["status"]}')
 for m in direct["modules"]:
     if m["id"] == "11_collectives": continue
+    if kind.get(m["id"]) == "mpi":
+        if m["status"] != "not implemented yet":
+            fail.append(f'{m["id"]}: its stub graded "{m["status"]}" ({m["detail"]}), not "not implemented yet"')
+        continue
     entry = [t for t in tests or [] if t["name"] == f'{m["id"]}: skipped']
     if not entry or "CUDA" not in entry[0]["output"]:
         fail.append(f'{m["id"]} is not shown as skipped for want of CUDA')

@@ -43,19 +43,22 @@ Tensor zero_state(Ops& ops, MemoryLedger& ledger, std::int64_t count) {
 
 // The pieces of the trainable parameters inside gradient range [begin, end), in registration
 // order. Parameters are visited one at a time as before, so a full range steps each one whole.
-std::vector<Piece> pieces(ParamList& params, std::int64_t begin, std::int64_t end) {
+// Values and gradients come from the flat buffers, or, where the caller holds its own copies of
+// the range (`own_values`, `own_grads`: element k is gradient element begin + k), from those.
+std::vector<Piece> pieces(ParamList& params, std::int64_t begin, std::int64_t end, float* own_values = nullptr,
+                          float* own_grads = nullptr) {
   std::vector<Piece> out;
   if (begin == end) return out;
-  float* values = params.flat_values().f32();
-  float* grads = params.flat_grads().f32();
+  float* values = own_values ? nullptr : params.flat_values().f32();
+  float* grads = own_grads ? own_grads - begin : params.flat_grads().f32();
   for (ParamId id : params.trainable()) {
     const ParamInfo& p = params.info(id);
     const std::int64_t lo = std::max(begin, p.grad_offset);
     const std::int64_t hi = std::min(end, p.grad_offset + p.shape.numel());
     if (lo >= hi) continue;
     const std::int64_t count = hi - lo;
-    out.push_back({&p, Tensor::view(values + p.offset + (lo - p.grad_offset), {count}),
-                   Tensor::view(grads + lo, {count}), lo - begin, count});
+    float* value = own_values ? own_values + (lo - begin) : values + p.offset + (lo - p.grad_offset);
+    out.push_back({&p, Tensor::view(value, {count}), Tensor::view(grads + lo, {count}), lo - begin, count});
   }
   return out;
 }
@@ -77,14 +80,32 @@ AdamW::AdamW(ParamList& params, Ops& ops, MemoryLedger& ledger, AdamWConfig conf
   v_ = zero_state(ops, ledger, end - begin);
 }
 
+namespace {
+// One AdamW update of each piece at step t.
+void adamw_pieces(Ops& ops, const AdamWConfig& c, Tensor& m_state, Tensor& v_state, int t, float lr,
+                  std::vector<Piece> parts) {
+  for (Piece& piece : parts) {
+    Tensor m = state_view(m_state, piece), v = state_view(v_state, piece);
+    // Weight decay is a property of the whole parameter (its rank), not of the piece's 1-D view.
+    ops.adamw_step(piece.value, piece.grad, m, v, lr, c.beta1, c.beta2, c.eps, decay_for(*piece.info, c.weight_decay),
+                   t);
+  }
+}
+}  // namespace
+
 void AdamW::step(float lr) {
   ++t_;  // counts for an empty range too: every rank's bias correction must agree
-  for (Piece& piece : pieces(params_, begin_, end_)) {
-    Tensor m = state_view(m_, piece), v = state_view(v_, piece);
-    // Weight decay is a property of the whole parameter (its rank), not of the piece's 1-D view.
-    ops_.adamw_step(piece.value, piece.grad, m, v, lr, config_.beta1, config_.beta2, config_.eps,
-                    decay_for(*piece.info, config_.weight_decay), t_);
-  }
+  adamw_pieces(ops_, config_, m_, v_, t_, lr, pieces(params_, begin_, end_));
+}
+
+void AdamW::step(float lr, Tensor& values, const Tensor& grads) {
+  const std::int64_t n = end_ - begin_;
+  if (values.numel() != n || grads.numel() != n)
+    throw std::invalid_argument("AdamW::step: the range [" + std::to_string(begin_) + ", " + std::to_string(end_) +
+                                ") has " + std::to_string(n) + " elements, but values hold " +
+                                std::to_string(values.numel()) + " and gradients " + std::to_string(grads.numel()));
+  ++t_;
+  adamw_pieces(ops_, config_, m_, v_, t_, lr, pieces(params_, begin_, end_, values.f32(), grads.f32()));
 }
 
 Sgd::Sgd(ParamList& params, Ops& ops, MemoryLedger& ledger, float momentum, float weight_decay)

@@ -2,6 +2,7 @@
 #include "k2c/model/mask.h"
 #include "k2c/model/params.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -78,7 +79,7 @@ void ParamList::freeze(ParamId id) {
   info_.at(id).frozen = true;
 }
 
-void ParamList::materialize(Ops& ops, MemoryLedger& ledger, std::uint64_t seed) {
+void ParamList::materialize(Ops& ops, MemoryLedger& ledger, std::uint64_t seed, ParamStorage storage) {
   if (materialized()) throw std::logic_error("materialize() called twice");
   value_count_ = grad_count_ = 0;
   for (ParamInfo& p : info_) {
@@ -87,40 +88,86 @@ void ParamList::materialize(Ops& ops, MemoryLedger& ledger, std::uint64_t seed) 
     p.grad_offset = p.frozen ? -1 : grad_count_;
     if (!p.frozen) grad_count_ += p.shape.numel();
   }
-  values_ = Tensor(ops.memory(), ledger, Category::params, {value_count_});
-  grads_ = Tensor(ops.memory(), ledger, Category::grads, {grad_count_});
-  // Initial values are made on the host and uploaded: the rule lives in one place for every backend.
-  std::vector<float> host(static_cast<std::size_t>(value_count_));
-  for (const ParamInfo& p : info_) {
-    const std::uint64_t h = name_hash(p.name);
-    // A shard draws each element at its index in the unsharded weight, so that the shards of all
-    // ranks together hold exactly what one process would have made.
-    const ShardOf* shard = p.init.shard ? &*p.init.shard : nullptr;
-    for (std::int64_t i = 0; i < p.shape.numel(); ++i)
-      host[p.offset + i] =
-          p.init.kind == Init::zeros  ? 0.0f
-          : p.init.kind == Init::ones ? 1.0f
-                                      : p.init.std * init_normal(seed, h, shard ? full_index(i, p.shape, *shard)
-                                                                                : static_cast<std::uint64_t>(i));
+  materialized_ = true;
+  seed_ = seed;
+  if (storage.values) {
+    values_ = Tensor(ops.memory(), ledger, Category::params, {value_count_});
+    // Initial values are made on the host and uploaded: the rule lives in one place for every backend.
+    std::vector<float> host(static_cast<std::size_t>(value_count_));
+    initial_values(0, value_count_, host.data());
+    ops.upload(values_, host.data());
   }
-  ops.upload(values_, host.data());
+  if (storage.grads) grads_ = Tensor(ops.memory(), ledger, Category::grads, {grad_count_});
   for (const ParamInfo& p : info_) {
-    value_views_.push_back(Tensor::view(values_.f32() + p.offset, p.shape));
-    grad_views_.push_back(p.frozen ? Tensor() : Tensor::view(grads_.f32() + p.grad_offset, p.shape));
+    value_views_.push_back(storage.values ? Tensor::view(values_.f32() + p.offset, p.shape) : Tensor());
+    grad_views_.push_back(p.frozen || !storage.grads ? Tensor() : Tensor::view(grads_.f32() + p.grad_offset, p.shape));
   }
   zero_grads(ops);
   done_.assign(info_.size(), 0);
 }
 
+void ParamList::initial_values(std::int64_t begin, std::int64_t end, float* host) const {
+  if (!materialized()) throw std::logic_error("initial_values() before materialize()");
+  if (begin < 0 || begin > end || end > value_count_)
+    throw std::invalid_argument("initial_values: range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") is not inside the value buffer [0, " + std::to_string(value_count_) + ")");
+  for (const ParamInfo& p : info_) {
+    const std::int64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.shape.numel());
+    if (lo >= hi) continue;
+    const std::uint64_t h = name_hash(p.name);
+    // A shard draws each element at its index in the unsharded weight, so that the shards of all
+    // ranks together hold exactly what one process would have made.
+    const ShardOf* shard = p.init.shard ? &*p.init.shard : nullptr;
+    for (std::int64_t at = lo; at < hi; ++at) {
+      const std::int64_t i = at - p.offset;
+      host[at - begin] =
+          p.init.kind == Init::zeros  ? 0.0f
+          : p.init.kind == Init::ones ? 1.0f
+                                      : p.init.std * init_normal(seed_, h, shard ? full_index(i, p.shape, *shard)
+                                                                                 : static_cast<std::uint64_t>(i));
+    }
+  }
+}
+
+namespace {
+// Caller-managed storage is bound only where the flat buffer was left out: a view that pointed
+// away from a flat buffer that still exists would leave two copies silently disagreeing.
+void check_bind(const ParamList& params, ParamId id, bool flat_exists, const char* what) {
+  if (!params.materialized()) throw std::logic_error(std::string(what) + " before materialize()");
+  if (flat_exists)
+    throw std::logic_error(std::string(what) + "('" + params.info(id).name +
+                           "'): the flat buffer exists; materialize without it to bind memory of your own");
+}
+}  // namespace
+
+void ParamList::bind_value(ParamId id, float* data) {
+  check_bind(*this, id, !values_.empty(), "bind_value");
+  value_views_.at(id) = data ? Tensor::view(data, info_[id].shape) : Tensor();
+}
+
+void ParamList::bind_grad(ParamId id, float* data) {
+  check_bind(*this, id, !grads_.empty(), "bind_grad");
+  if (info_.at(id).frozen) throw std::logic_error("bind_grad('" + info_[id].name + "'): the parameter is frozen");
+  grad_views_.at(id) = data ? Tensor::view(data, info_[id].shape) : Tensor();
+}
+
 Tensor& ParamList::value(ParamId id) {
   if (!materialized()) throw std::logic_error("parameters used before materialize()");
-  return value_views_.at(id);
+  Tensor& v = value_views_.at(id);
+  if (v.empty() && info_[id].shape.numel() > 0)
+    throw std::logic_error("parameter '" + info_[id].name + "' has no values bound (a layer ran before its "
+                           "parameters were gathered, or after they were freed)");
+  return v;
 }
 
 Tensor& ParamList::grad(ParamId id) {
   if (!materialized()) throw std::logic_error("parameters used before materialize()");
   if (info_.at(id).frozen) throw std::logic_error("parameter '" + info_[id].name + "' is frozen: no gradient");
-  return grad_views_.at(id);
+  Tensor& g = grad_views_.at(id);
+  if (g.empty() && info_[id].shape.numel() > 0)
+    throw std::logic_error("parameter '" + info_[id].name + "' has no gradient memory bound (its layer's backward "
+                           "ran before a bucket was bound to it)");
+  return g;
 }
 
 std::vector<ParamId> ParamList::trainable() const {
@@ -131,7 +178,7 @@ std::vector<ParamId> ParamList::trainable() const {
 }
 
 void ParamList::zero_grads(Ops& ops) {
-  if (grad_count_ > 0) ops.fill(grads_, 0.0f);
+  if (!grads_.empty()) ops.fill(grads_, 0.0f);
 }
 
 void ParamList::begin_backward() {

@@ -61,8 +61,14 @@ ModelConfig ModelConfig::dense_135m() {
 
 Transformer::Transformer(ParamList& params, const ModelConfig& config) : config_(config) {
   config.check();
+  // Each layer's parameters are the ids registered while it is built.
+  auto layer = [&](auto&& build) {
+    const ParamId first = params.size();
+    build();
+    layer_params_.push_back({first, params.size()});
+  };
   const Init emb{Init::normal, config.init_std};
-  embed_ = Embedding(params, "embed", config.vocab, config.d_model, emb);
+  layer([&] { embed_ = Embedding(params, "embed", config.vocab, config.d_model, emb); });
   BlockConfig bc;
   bc.attention = {config.d_model, config.q_heads, config.kv_heads, config.rope_theta};
   bc.d_ff = config.d_ff;
@@ -70,10 +76,21 @@ Transformer::Transformer(ParamList& params, const ModelConfig& config) : config_
   bc.moe = {config.d_model, config.experts, config.top_k, config.d_expert, config.shared_experts, true,
             config.balance_coef};
   for (int i = 0; i < config.n_layers; ++i)
-    blocks_.emplace_back(params, "blocks." + std::to_string(i), bc, i);
-  final_norm_ = RmsNorm(params, "final_norm", config.d_model, config.norm_eps);
-  head_ = config.tied_head ? Linear::tied(params, embed_.weight())
-                           : Linear(params, "head", config.d_model, config.vocab, emb);
+    layer([&] { blocks_.emplace_back(params, "blocks." + std::to_string(i), bc, i); });
+  layer([&] { final_norm_ = RmsNorm(params, "final_norm", config.d_model, config.norm_eps); });
+  layer([&] {
+    head_ = config.tied_head ? Linear::tied(params, embed_.weight())
+                             : Linear(params, "head", config.d_model, config.vocab, emb);
+  });
+}
+
+Transformer::LayerParams Transformer::layer_params(int l) const { return layer_params_.at(static_cast<std::size_t>(l)); }
+
+std::vector<int> Transformer::layer_uses(int l) const {
+  if (l < 0 || l >= layer_count())
+    throw std::out_of_range("transformer: layer " + std::to_string(l) + " of " + std::to_string(layer_count()));
+  if (config_.tied_head && l == layer_count() - 1) return {0, l};
+  return {l};
 }
 
 void Transformer::forward(Context& ctx, const Tensor& ids, int batch, bool checkpoint, Saved& s) const {
@@ -86,19 +103,28 @@ void Transformer::forward(Context& ctx, const Tensor& ids, int batch, bool check
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
   std::iota(pos.begin(), pos.end(), 0);
   ctx.ops.upload(s.positions, pos.data());
+  const int L = static_cast<int>(blocks_.size());
   s.x0 = ctx.tensor({N, config_.d_model});
+  event(ctx, 0, LayerEvent::before_forward);
   embed_.forward(ctx, ids, s.x0);
+  event(ctx, 0, LayerEvent::after_forward);
   s.blocks.clear();
   s.blocks.resize(blocks_.size());
   const Tensor* x = &s.x0;
-  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+  for (int i = 0; i < L; ++i) {
+    event(ctx, i + 1, LayerEvent::before_forward);
     blocks_[i].forward(ctx, *x, s.positions, batch, checkpoint, s.blocks[i]);
+    event(ctx, i + 1, LayerEvent::after_forward);
     x = &s.blocks[i].out;
   }
   s.xf = ctx.tensor({N, config_.d_model});
+  event(ctx, L + 1, LayerEvent::before_forward);
   final_norm_.forward(ctx, *x, s.xf, s.final_norm);
+  event(ctx, L + 1, LayerEvent::after_forward);
   s.logits = ctx.tensor({N, config_.vocab});
+  event(ctx, L + 2, LayerEvent::before_forward);
   head_.forward(ctx, s.xf, s.logits);
+  event(ctx, L + 2, LayerEvent::after_forward);
 }
 
 double Transformer::train_step(Context& ctx, const Tensor& ids, const Tensor& targets, int batch,
@@ -120,20 +146,29 @@ double Transformer::train_step(Context& ctx, const Tensor& ids, const Tensor& ta
     }
   } guard{ctx.params};
   ctx.params.begin_backward();
+  const int L = static_cast<int>(blocks_.size());
   Tensor dx = ctx.tensor({N, d}), dprev = ctx.tensor({N, d});
   {
     Tensor dxf = ctx.tensor({N, d});
+    event(ctx, L + 2, LayerEvent::before_backward);
     head_.backward(ctx, s.xf, dlogits, &dxf);
+    event(ctx, L + 2, LayerEvent::after_backward);
     const Tensor& last = blocks_.empty() ? s.x0 : s.blocks.back().out;
+    event(ctx, L + 1, LayerEvent::before_backward);
     final_norm_.backward(ctx, last, s.final_norm, dxf, dx);
+    event(ctx, L + 1, LayerEvent::after_backward);
   }
-  for (std::size_t i = blocks_.size(); i-- > 0;) {
+  for (int i = L; i-- > 0;) {
     const Tensor& input = i == 0 ? s.x0 : s.blocks[i - 1].out;
+    event(ctx, i + 1, LayerEvent::before_backward);
     blocks_[i].backward(ctx, input, s.positions, batch, s.blocks[i], dx, dprev);
+    event(ctx, i + 1, LayerEvent::after_backward);
     std::swap(dx, dprev);
     s.blocks[i].out = Tensor();  // the next block down no longer needs this block's output
   }
+  event(ctx, 0, LayerEvent::before_backward);
   embed_.backward(ctx, ids, dx);
+  event(ctx, 0, LayerEvent::after_backward);
   guard.done = true;
   ctx.params.end_backward();
   return loss;

@@ -285,6 +285,38 @@ TEST(Optim, SgdWithMomentum) {
   EXPECT_NEAR(p.flat_values().f32()[1], 1.0f + 0.1f * (1.0f + 1.5f), 1e-6f);
 }
 
+TEST(Model, LayersAreContiguousRangesAndReportTheirEvents) {
+  for (bool tied : {false, true}) {
+    ModelConfig c = small_config();
+    c.tied_head = tied;
+    ModelRun r(c, 2);
+    const int layers = r.model.layer_count(), L = c.n_layers;
+    ASSERT_EQ(layers, L + 3);
+    // Layers own consecutive ids that tile the flat buffer in order; a tied head owns none.
+    ParamId next = 0;
+    for (int l = 0; l < layers; ++l) {
+      const Transformer::LayerParams p = r.model.layer_params(l);
+      EXPECT_EQ(p.first, next) << "layer " << l;
+      EXPECT_EQ(p.last == p.first, tied && l == layers - 1) << "layer " << l;
+      next = p.last;
+      EXPECT_EQ(r.model.layer_uses(l), (tied && l == layers - 1 ? std::vector<int>{0, l} : std::vector<int>{l}));
+    }
+    EXPECT_EQ(next, r.params.size());
+    EXPECT_THROW(r.model.layer_uses(layers), std::out_of_range);
+
+    // Forward runs the layers up, backward down, each bracketed by its two events.
+    std::vector<std::pair<int, LayerEvent>> seen;
+    r.ctx.on_layer = [&](int l, LayerEvent e) { seen.emplace_back(l, e); };
+    r.step();
+    std::vector<std::pair<int, LayerEvent>> want;
+    for (int l = 0; l < layers; ++l)
+      want.insert(want.end(), {{l, LayerEvent::before_forward}, {l, LayerEvent::after_forward}});
+    for (int l = layers; l-- > 0;)
+      want.insert(want.end(), {{l, LayerEvent::before_backward}, {l, LayerEvent::after_backward}});
+    EXPECT_EQ(seen, want);
+  }
+}
+
 TEST(Model, ConfigRejectsBadShapes) {
   ModelConfig c = small_config();
   c.q_heads = 3;  // 16 / 3 is not whole

@@ -1,7 +1,10 @@
 // test_sharding.cpp — what the sharded modules build on: a parameter registered as a block of an
 // unsharded weight starts from exactly that block's values (tensor parallelism), and optimizers
 // that each own a range of the flat gradient buffer step the same bits as one optimizer over all
-// of it (ZeRO), frozen parameters and ranges that cut through parameters included.
+// of it (ZeRO), frozen parameters and ranges that cut through parameters included; a parameter
+// list without flat buffers, whose views the caller binds, starts from the same values and
+// steps the same bits (ZeRO-2 and 3).
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -270,6 +273,100 @@ TEST(ShardOptim, InvalidRangesAreRejected) {
   ParamList unmade;
   unmade.add("w", {4}, {});
   EXPECT_THROW(AdamW(unmade, cpu_ops(), m.ledger, {}, 0, 0), std::logic_error);
+}
+
+// ---- storage the caller manages (ZeRO-2 and 3)
+
+// Mixed's parameters, laid out but with neither flat buffer: nothing in the ledger, every view
+// unbound until the caller binds it.
+struct Unbacked {
+  MemoryLedger ledger;
+  ParamList params;
+  Unbacked() {
+    params.add("a", {3, 4}, {Init::normal, 0.5f});
+    params.add("g", {5}, {Init::normal, 0.5f});
+    params.add("frozen", {4, 2}, {Init::normal, 0.5f}, /*frozen=*/true);
+    params.add("b", {2, 3, 2}, {Init::normal, 0.5f});
+    params.add("c", {7}, {Init::normal, 0.5f});
+    params.materialize(cpu_ops(), ledger, 3, {.values = false, .grads = false});
+  }
+};
+
+TEST(ShardStorage, InitialValuesOfAnyRangeMatchTheFlatBuffer) {
+  Mixed flat;
+  Unbacked own;
+  EXPECT_EQ(own.ledger.current(Category::params) + own.ledger.current(Category::grads), 0u);
+  EXPECT_TRUE(own.params.flat_values().empty());
+  EXPECT_EQ(own.params.info(3).offset, flat.params.info(3).offset) << "the layout does not depend on storage";
+  const std::vector<float> want = flat.values();
+  for (auto [b, e] : Ranges{{0, 44}, {0, 0}, {5, 30}, {43, 44}}) {
+    std::vector<float> got(static_cast<std::size_t>(e - b));
+    own.params.initial_values(b, e, got.data());
+    expect_bitwise(got, {want.begin() + b, want.begin() + e}, "range [" + std::to_string(b) + ", " + std::to_string(e) + ")");
+  }
+  std::vector<float> sink(1);
+  EXPECT_THROW(own.params.initial_values(40, 45, sink.data()), std::invalid_argument);
+}
+
+TEST(ShardStorage, ViewsAreUsableOnlyWhileBound) {
+  Unbacked own;
+  EXPECT_THROW(own.params.value(0), std::logic_error);
+  EXPECT_THROW(own.params.grad(0), std::logic_error);
+  std::vector<float> v(12, 1.0f), g(12, 0.0f);
+  own.params.bind_value(0, v.data());
+  own.params.bind_grad(0, g.data());
+  EXPECT_EQ(own.params.value(0).f32(), v.data());
+  EXPECT_EQ(own.params.grad(0).shape(), (Shape{3, 4}));
+  own.params.bind_value(0, nullptr);
+  EXPECT_THROW(own.params.value(0), std::logic_error) << "an unbound view must not be read";
+  EXPECT_THROW(own.params.bind_grad(2, g.data()), std::logic_error) << "a frozen parameter has no gradient";
+  // Where the flat buffer exists, a second home for a parameter is refused.
+  Mixed flat;
+  EXPECT_THROW(flat.params.bind_value(0, v.data()), std::logic_error);
+  EXPECT_THROW(flat.params.bind_grad(0, g.data()), std::logic_error);
+}
+
+TEST(ShardStorage, AdamWOnTheCallersCopiesMatchesTheFlatBuffers) {
+  // Two ranges over gradient elements [0, 36), one cutting g and b; the own copies hold the
+  // trainable values only, so b's values follow g's directly (the frozen parameter is skipped).
+  Mixed ref;
+  Unbacked own;
+  const std::int64_t n = ref.params.trainable_numel();
+  AdamW full(ref.params, cpu_ops(), ref.ledger);
+  const Ranges ranges = {{0, 14}, {14, 36}};
+  std::vector<AdamW> shards;
+  std::vector<std::vector<float>> values, grads;
+  for (auto [b, e] : ranges) {
+    shards.emplace_back(own.params, cpu_ops(), own.ledger, AdamWConfig{}, b, e);
+    std::vector<float> v(static_cast<std::size_t>(e - b));
+    for (std::int64_t k = b; k < e; ++k) {
+      const std::int64_t at = k < 17 ? k : k + 8;  // gradient element -> value element
+      own.params.initial_values(at, at + 1, &v[static_cast<std::size_t>(k - b)]);
+    }
+    values.push_back(v);
+    grads.emplace_back(v.size());
+  }
+  EXPECT_EQ(own.ledger.current(Category::optimizer), static_cast<std::size_t>(8 * n));
+  for (int s = 0; s < 5; ++s) {
+    const std::vector<float> g = random_grads(n, s);
+    cpu_ops().upload(ref.params.flat_grads(), g.data());
+    full.step(lr_at(s));
+    for (std::size_t r = 0; r < ranges.size(); ++r) {
+      std::copy(g.begin() + ranges[r].first, g.begin() + ranges[r].second, grads[r].begin());
+      Tensor v = Tensor::view(values[r].data(), {static_cast<std::int64_t>(values[r].size())});
+      Tensor gr = Tensor::view(grads[r].data(), {static_cast<std::int64_t>(grads[r].size())});
+      shards[r].step(lr_at(s), v, gr);
+    }
+  }
+  std::vector<float> got = values[0], want;
+  got.insert(got.end(), values[1].begin(), values[1].end());
+  const std::vector<float> all = ref.values();
+  want.insert(want.end(), all.begin(), all.begin() + 17);
+  want.insert(want.end(), all.begin() + 25, all.end());
+  expect_bitwise(got, want, "trainable values after 5 steps");
+  std::vector<float> wrong(3);
+  Tensor w = Tensor::view(wrong.data(), {3});
+  EXPECT_THROW(shards[0].step(0.1f, w, w), std::invalid_argument);
 }
 
 }  // namespace

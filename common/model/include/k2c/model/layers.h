@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -21,6 +22,9 @@
 #include "k2c/model/tensor.h"
 
 namespace k2c::model {
+
+// The moments around a layer's work at which Transformer calls Context::on_layer.
+enum class LayerEvent { before_forward, after_forward, before_backward, after_backward };
 
 // What every layer call needs: the backend, the ledger activations are recorded in, the
 // parameters, and the run's dropout state.
@@ -33,6 +37,10 @@ struct Context {
   std::int64_t row_offset = 0;     // this rank's first row in the global batch (dropout masks)
   float loss_scale = 1.0f;         // the cross-entropy's grad_scale: auxiliary losses use it too
   double aux_loss = 0;             // auxiliary losses (MoE balance) added up by forward passes
+  // Called, if set, before and after each forward and each backward of a Transformer's layers
+  // (numbered as Transformer::layer_count() says): where ZeRO-3 gathers a layer's parameters
+  // just before the layer runs and frees them after it.
+  std::function<void(int layer, LayerEvent event)> on_layer;
 
   Tensor tensor(Shape shape, Category c = Category::activations, DType t = DType::f32) {
     return Tensor(ops.memory(), ledger, c, shape, t);

@@ -14,6 +14,8 @@
 // gradient slot, gradient element g of a parameter is value element g − grad_offset + offset:
 // the range's values are contiguous in the value buffer only when no frozen parameter lies
 // inside it. An empty range holds no state and steps nothing (its state tensors are empty).
+// A rank that holds no flat buffer (ZeRO-2 and 3, see ParamStorage) passes the range's
+// values and gradients to step() in buffers of its own instead.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,10 @@ class AdamW {
   AdamW(ParamList& params, Ops& ops, MemoryLedger& ledger, AdamWConfig config, std::int64_t begin,
         std::int64_t end);
   void step(float lr);  // one update of every trainable element in the range
+  // The same update on the caller's copies of the range: `values` and `grads` hold end − begin
+  // elements each, element k being gradient element begin + k (values of frozen parameters are
+  // not in it). Throws std::invalid_argument on another length.
+  void step(float lr, Tensor& values, const Tensor& grads);
   int steps() const { return t_; }
   std::int64_t begin() const { return begin_; }
   std::int64_t end() const { return end_; }

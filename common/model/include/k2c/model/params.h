@@ -14,6 +14,12 @@
 // has added its contribution to a parameter's gradient, and when a parameter's last use is done
 // the gradient-ready callback fires for it, exactly once per backward. end_backward() checks
 // that every trainable parameter got there (a missing or repeated call is a bug in the model).
+//
+// Storage the caller manages (ZeRO). materialize() may leave out either flat buffer; each
+// parameter's view of it is then empty until the caller binds it to memory of its own
+// (bind_value, bind_grad), and value() or grad() of an unbound parameter throws, naming it. A
+// ZeRO-2 rank binds a layer's gradient views to a bucket for the layer's backward; a ZeRO-3 rank
+// binds the value views to the layer's gathered parameters for as long as the layer runs.
 #pragma once
 
 #include <array>
@@ -66,6 +72,11 @@ struct ParamInfo {
   std::int64_t grad_offset = -1; // elements before it in the flat gradient buffer; −1 if frozen
 };
 
+// Which flat buffers ParamList::materialize() allocates (see "Storage the caller manages").
+struct ParamStorage {
+  bool values = true, grads = true;
+};
+
 class ParamList {
  public:
   // Registers a parameter; init.shard (if set) is validated against `shape` here.
@@ -74,21 +85,34 @@ class ParamList {
   ParamId share(ParamId id);
   void freeze(ParamId id);  // before materialize()
 
-  // Allocates the flat buffers (ledger categories: parameters, gradients), initialises the values
-  // from `seed` and zeroes the gradients. After this, no parameter can be added.
-  void materialize(Ops& ops, MemoryLedger& ledger, std::uint64_t seed);
-  bool materialized() const { return !values_.empty(); }
+  // Lays the parameters out (offsets), allocates the flat buffers `storage` asks for (ledger
+  // categories: parameters, gradients), initialises the values from `seed` and zeroes the
+  // gradients. After this, no parameter can be added.
+  void materialize(Ops& ops, MemoryLedger& ledger, std::uint64_t seed, ParamStorage storage = {});
+  bool materialized() const { return materialized_; }
+  // Points parameter id's value (gradient) view at `data`, numel() floats of the caller's in
+  // this backend's memory, or unbinds it (nullptr). Only where materialize() left the flat
+  // buffer out (std::logic_error otherwise); a frozen parameter has no gradient to bind.
+  void bind_value(ParamId id, float* data);
+  void bind_grad(ParamId id, float* data);
+  // Value elements [begin, end) of the flat layout as materialize() initialised them, into
+  // `host`: a rank that holds only a shard of the values starts from the same bits.
+  void initial_values(std::int64_t begin, std::int64_t end, float* host) const;
 
   int size() const { return static_cast<int>(info_.size()); }
   const ParamInfo& info(ParamId id) const { return info_.at(id); }
+  // Both throw std::logic_error for a view that is not bound (see above); grad() also for a
+  // frozen parameter.
   Tensor& value(ParamId id);
-  Tensor& grad(ParamId id);  // throws std::logic_error for a frozen parameter
+  Tensor& grad(ParamId id);
+  // Empty where materialize() left them out.
   Tensor& flat_values() { return values_; }
   Tensor& flat_grads() { return grads_; }
   std::int64_t numel() const { return value_count_; }
   std::int64_t trainable_numel() const { return grad_count_; }
   std::vector<ParamId> trainable() const;
 
+  // Zeroes the flat gradient buffer (bound gradient memory is its owner's to zero).
   void zero_grads(Ops& ops);
 
   // ---- backward protocol
@@ -102,6 +126,8 @@ class ParamList {
 
  private:
   std::vector<ParamInfo> info_;
+  bool materialized_ = false;
+  std::uint64_t seed_ = 0;
   std::int64_t value_count_ = 0, grad_count_ = 0;
   Tensor values_, grads_;
   std::vector<Tensor> value_views_, grad_views_;

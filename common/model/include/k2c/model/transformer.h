@@ -5,6 +5,12 @@
 // The head is untied by default (its own [vocab, d_model] weight); `tied_head` shares the
 // embedding's weight instead. train_step runs forward, the fused softmax cross-entropy and
 // backward, adding into the gradients; the parameters' gradient-ready callbacks fire during it.
+//
+// Layer by layer. The model is a sequence of layers in the order forward runs them: 0 the
+// embedding, 1 .. n_layers the blocks, n_layers + 1 the final norm, n_layers + 2 the head.
+// Forward and train_step call ctx.on_layer (if set) around each layer's forward and backward,
+// and each layer's parameters are one contiguous stretch of the flat buffers: the units ZeRO
+// shards, gathers and frees.
 #pragma once
 
 #include <cstdint>
@@ -61,7 +67,25 @@ class Transformer {
   // Summed loss, no backward.
   double evaluate(Context& ctx, const Tensor& ids, const Tensor& targets, int batch) const;
 
+  // ---- layer by layer (see the top of this file)
+  int layer_count() const { return config_.n_layers + 3; }
+  // The parameters layer l registered: ids [first, last), consecutive, so after materialize()
+  // their values (and, none being frozen, their gradients) are one contiguous range of the flat
+  // buffers. A tied head registered none.
+  struct LayerParams {
+    ParamId first = 0, last = 0;
+  };
+  LayerParams layer_params(int l) const;
+  // The layers whose parameters layer l uses: {l}, and for a tied head {0, l} (the embedding's
+  // weight). Throws std::out_of_range outside [0, layer_count()).
+  std::vector<int> layer_uses(int l) const;
+
  private:
+  // Calls ctx.on_layer if set.
+  static void event(Context& ctx, int layer, LayerEvent e) {
+    if (ctx.on_layer) ctx.on_layer(layer, e);
+  }
+  std::vector<LayerParams> layer_params_;
   ModelConfig config_;
   Embedding embed_;
   std::vector<Block> blocks_;
