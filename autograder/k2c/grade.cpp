@@ -225,6 +225,24 @@ std::string module_status(const std::vector<TestOutcome>& all) {
   return passed > 0 ? "partial" : "failed";
 }
 
+// Where an untouched stub should be started: the K2C_TODO that the first not-implemented test
+// ran into (its message, after the marker, is "what (FILE:LINE)"), with the path from
+// assignments/ on (the file was compiled from a staging copy, whose folder means nothing to the
+// student). Empty if none.
+std::string todo_location(const std::vector<TestOutcome>& tests) {
+  for (const TestOutcome& t : tests) {
+    if (t.status != "not implemented") continue;
+    const std::size_t close = t.message.rfind(')');
+    const std::size_t open = close == std::string::npos ? std::string::npos : t.message.rfind('(', close);
+    if (open == std::string::npos) continue;
+    std::string where = t.message.substr(open + 1, close - open - 1);
+    if (where.find(':') == std::string::npos) continue;
+    if (const std::size_t a = where.rfind("assignments/"); a != std::string::npos) where = where.substr(a);
+    return where;
+  }
+  return "";
+}
+
 }  // namespace
 
 double GradeReport::points() const {
@@ -397,6 +415,8 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
     }
     if (not_implemented > 0)
       m.detail += (m.detail.empty() ? "" : "; ") + std::to_string(not_implemented) + " not implemented yet";
+    if (const std::string at = todo_location(m.tests); m.status == "not implemented yet" && !at.empty())
+      m.detail += "; start at " + at;
   }
   return m;
 }
@@ -453,6 +473,8 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
   m.detail = "runs: " + runs_text;
   for (const TestOutcome& t : m.tests)
     if (t.status == "skipped") m.detail += "; " + t.name + " skipped (" + t.message + ")";
+  if (const std::string at = todo_location(m.tests); m.status == "not implemented yet" && !at.empty())
+    m.detail += "; start at " + at;
   return m;
 }
 

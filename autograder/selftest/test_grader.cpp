@@ -111,13 +111,16 @@ TEST(Verdict, PerfTestWithoutFiguresEarnsNothing) {
 }
 
 TEST(Verdict, NotImplemented) {
-  const std::string marker = k2c::kNotImplementedMarker;
+  // The stub's K2C_TODO, compiled from a staging copy: the detail says where to start, from
+  // assignments/ on.
+  const std::string todo = std::string(k2c::kNotImplementedMarker) +
+                           " write it (/tmp/k2c-0/b/staged/assignments/01_naive_matmul/naive_matmul.cu:42)";
   const auto m = evaluate_module(two_test_module(), exited(1),
-                                 gtest_report("COMPLETED", R"(, "failures": [{"failure": ")" + marker + R"( write it"}])",
-                                              marker + " write it"),
+                                 gtest_report("COMPLETED", R"(, "failures": [{"failure": ")" + todo + R"("}])", todo),
                                  "assignments", 9);
   EXPECT_EQ(m.status, "not implemented yet");
   EXPECT_EQ(m.points, 0);
+  EXPECT_NE(m.detail.find("start at assignments/01_naive_matmul/naive_matmul.cu:42"), std::string::npos) << m.detail;
 }
 
 TEST(Verdict, SkippedWithoutDevice) {
