@@ -1,6 +1,8 @@
 // grade.cpp — see grade.h.
 #include "grade.h"
 
+#include <pwd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -177,6 +179,11 @@ class PrivateCopy {
     }
     path_ = name;
   }
+  // Hands the copy to the user the test runs as, who may rewrite it: only its own run reads it.
+  void give_to(int uid, int gid) const {
+    if (uid >= 0 && chown(path_.c_str(), static_cast<uid_t>(uid), static_cast<gid_t>(gid)) != 0)
+      throw std::runtime_error("cannot hand " + path_ + " to user " + std::to_string(uid));
+  }
   ~PrivateCopy() { unlink(path_.c_str()); }
   PrivateCopy(const PrivateCopy&) = delete;
   PrivateCopy& operator=(const PrivateCopy&) = delete;
@@ -242,6 +249,106 @@ std::string todo_location(const std::vector<TestOutcome>& tests) {
   }
   return "";
 }
+
+// Who runs the code under test. A grader running as root hands it an unprivileged account
+// (nobody by default), so that a submission can write neither the course, nor the build tree
+// (a later module's programs), nor the grader, nor read the grader's memory. That needs the
+// account to reach what the tests read (the course and build trees: every folder on the way
+// searchable by others, files readable under the umask) and the GPU (device nodes open to all);
+// where it cannot, the code runs as root and the report says why.
+struct Runner {
+  int uid = -1, gid = -1;  // -1: the grader's own user
+  std::string name, note;
+};
+
+bool searchable_by_others(const fs::path& path, std::string& blocked) {
+  fs::path at;
+  for (const fs::path& part : fs::absolute(path).lexically_normal()) {
+    at /= part;
+    struct stat st {};
+    if (stat(at.c_str(), &st) != 0) return true;  // not made yet: created by the grader, umask rules
+    if (S_ISDIR(st.st_mode) && !(st.st_mode & S_IXOTH)) {
+      blocked = at.string();
+      return false;
+    }
+  }
+  return true;
+}
+
+Runner choose_runner(const GradeOptions& o) {
+  Runner r;
+  if (geteuid() != 0) {
+    r.name = "the grader's own user";
+    return r;
+  }
+  if (o.run_as == "self") {
+    r.name = "root";
+    r.note = "as asked (--run-as self)";
+    return r;
+  }
+  const std::string name = o.run_as.empty() ? "nobody" : o.run_as;
+  const passwd* pw = getpwnam(name.c_str());
+  if (pw == nullptr) {
+    if (!o.run_as.empty()) throw std::runtime_error("--run-as " + name + ": no such user");
+    r.name = "root";
+    r.note = "this machine has no user nobody (--run-as USER names another)";
+    return r;
+  }
+  r.name = "root";
+  const mode_t mask = umask(022);
+  umask(mask);
+  std::string blocked;
+  if (mask & 005) {
+    r.note = name + " could not read what the build writes (umask " + std::to_string(mask) + ")";
+    return r;
+  }
+  for (const std::string& dir : {o.root, o.build_dir})
+    if (!searchable_by_others(dir, blocked)) {
+      r.note = name + " cannot reach " + blocked + " (not searchable by others)";
+      return r;
+    }
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev", ec)) {
+    const std::string f = e.path().filename().string();
+    struct stat st {};
+    if (f.rfind("nvidia", 0) == 0 && stat(e.path().c_str(), &st) == 0 && S_ISCHR(st.st_mode) &&
+        (st.st_mode & (S_IROTH | S_IWOTH)) != (S_IROTH | S_IWOTH)) {
+      r.note = name + " could not open " + e.path().string() + " (the GPU)";
+      return r;
+    }
+  }
+  r.uid = static_cast<int>(pw->pw_uid);
+  r.gid = static_cast<int>(pw->pw_gid);
+  r.name = name;
+  return r;
+}
+
+// A folder for one run of a test program as `runner`: its working directory and HOME, where
+// its report is written; owned by the runner, 0700, removed afterwards.
+class RunFolder {
+ public:
+  explicit RunFolder(const Runner& runner) {
+    std::error_code ec;
+    fs::path dir = fs::temp_directory_path(ec);
+    if (ec) dir = "/tmp";
+    std::string name = (dir / "k2c-run-XXXXXX").string();
+    if (mkdtemp(name.data()) == nullptr)
+      throw std::runtime_error("cannot create a folder in " + dir.string() + ": " + std::strerror(errno));
+    path_ = name;
+    if (runner.uid >= 0 && chown(path_.c_str(), static_cast<uid_t>(runner.uid), static_cast<gid_t>(runner.gid)) != 0)
+      throw std::runtime_error("cannot hand " + path_.string() + " to " + runner.name + ": " + std::strerror(errno));
+  }
+  ~RunFolder() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  RunFolder(const RunFolder&) = delete;
+  RunFolder& operator=(const RunFolder&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
 
 }  // namespace
 
@@ -630,6 +737,9 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   report.impl = o.impl;
   report.seed = o.seed;
   report.sanitize = o.sanitize;
+  const Runner runner = choose_runner(o);
+  report.runner = runner.name + (runner.note.empty() ? "" : ": " + runner.note);
+  progress << "code under test runs as " << report.runner << "\n";
 
   std::string source_root = o.root;
   std::optional<Intake> intake;
@@ -784,9 +894,13 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     auto run_once = [&](const std::vector<std::string>& prefix, const std::string& suffix,
                         const std::vector<std::pair<std::string, std::string>>& extra_env,
                         const ModuleSpec& part, const std::string& filter) {
-      const fs::path json_path = build / "reports" / (spec.id + suffix + ".json");
-      fs::create_directories(json_path.parent_path());
-      fs::remove(json_path);
+      // The run's own folder (working directory, HOME, report), the runner's; the report is kept
+      // in the build tree afterwards, for whoever wants to read it.
+      const RunFolder folder(runner);
+      const fs::path json_path = folder.path() / "report.json";
+      const fs::path kept = build / "reports" / (spec.id + suffix + ".json");
+      fs::create_directories(kept.parent_path());
+      fs::remove(kept);
       std::vector<std::string> cmd = prefix;
       cmd.push_back(program.string());
       cmd.push_back("--gtest_output=json:" + json_path.string());
@@ -794,11 +908,17 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       // The rubric the test reads its thresholds from, as a copy for this run alone: whatever
       // the code under test writes to it reaches no later run, module or submission.
       const PrivateCopy rubric_copy(rubric_text, "k2c-rubric-XXXXXX.json");
+      rubric_copy.give_to(runner.uid, runner.gid);
       auto all_env = env;
       all_env.emplace_back("K2C_RUBRIC", rubric_copy.path());
+      all_env.emplace_back("HOME", folder.path().string());
       all_env.insert(all_env.end(), extra_env.begin(), extra_env.end());
-      const ProcessResult r = run_process(cmd, {.env = all_env, .timeout_s = timeout});
+      const ProcessResult r = run_process(
+          cmd, {.env = all_env, .cwd = folder.path().string(), .timeout_s = timeout, .uid = runner.uid, .gid = runner.gid});
+      // Whatever it left running, detached from its process group, dies before the next run.
+      if (runner.uid >= 0) kill_all_of_user(runner.uid, runner.gid);
       gtest_json = fs::exists(json_path) ? read_file(json_path) : "";
+      if (!gtest_json.empty()) std::ofstream(kept) << gtest_json;
       ModuleOutcome out = evaluate_module(part, r, gtest_json, o.impl, timeout);
       if (o.sanitize) {  // the sanitizer's own verdict, for the record
         const auto at = r.output.rfind("ERROR SUMMARY:");
@@ -946,7 +1066,7 @@ void print_table(const GradeReport& r, std::ostream& out) {
 }
 
 json to_json(const GradeReport& r) {
-  json j = {{"impl", r.impl}, {"seed", r.seed}, {"gpu", r.gpu}, {"gpu_reason", r.gpu_reason},
+  json j = {{"impl", r.impl}, {"seed", r.seed}, {"gpu", r.gpu}, {"gpu_reason", r.gpu_reason}, {"runner", r.runner},
             {"cuda_runtime", r.cuda_runtime}, {"sanitize", r.sanitize},
             {"reference_file", r.reference_file}, {"points", r.points()},
             {"max_points", r.max_points()}, {"modules", json::array()}, {"ceilings", json::object()}};

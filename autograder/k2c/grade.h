@@ -40,6 +40,9 @@ struct GradeOptions {
   bool sanitize = false;
   std::string submission_dir;
   std::string generator;      // CMake generator for a first configure ("" = CMake's default)
+  // The user that test programs (code under test) run as when the grader runs as root: "" for
+  // the default, nobody; "self" to keep root. Ignored when the grader is not root.
+  std::string run_as;
   int jobs = 0;
 };
 
@@ -77,6 +80,7 @@ struct GradeReport {
   std::string gpu_reason;
   std::string cuda_runtime;
   std::string reference_file;  // the reference timings shown, "" if none matches the GPU
+  std::string runner;          // who ran the code under test, and why that user
   bool sanitize = false;
   std::vector<ModuleOutcome> modules;
   std::map<std::string, std::pair<double, std::string>> ceilings;  // name -> (value, unit)

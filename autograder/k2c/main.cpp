@@ -147,6 +147,8 @@ int main(int argc, char** argv) {
   grade_cmd->add_option("--rubric", g.rubric_path, "rubric (default: <root>/autograder/rubric.json)");
   grade_cmd->add_option("--generator", g.generator, "CMake generator for a new build tree");
   grade_cmd->add_option("-j,--jobs", g.jobs, "parallel build jobs");
+  grade_cmd->add_option("--run-as", g.run_as,
+                        "as root: the user test programs run as (default nobody; 'self' keeps root)");
 
   auto* info_cmd = app.add_subcommand("info", "devices, toolkit, and what can be graded here");
   std::string ceilings_json;

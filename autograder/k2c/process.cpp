@@ -2,6 +2,7 @@
 #include "process.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -68,6 +69,14 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
     if (!o.cwd.empty() && chdir(o.cwd.c_str()) != 0) _exit(127);
     for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
+    // Code under test as an unprivileged user: groups first, then the group, then the user (after
+    // setuid nothing else could be changed). Any failure ends the child before it runs anything.
+    if ((o.gid >= 0 && (setgroups(0, nullptr) != 0 || setgid(static_cast<gid_t>(o.gid)) != 0)) ||
+        (o.uid >= 0 && setuid(static_cast<uid_t>(o.uid)) != 0)) {
+      const std::string msg = "cannot switch to user " + std::to_string(o.uid) + ": " + std::strerror(errno) + "\n";
+      (void)!write(STDERR_FILENO, msg.data(), msg.size());
+      _exit(125);
+    }
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -120,6 +129,18 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
   if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
   return r;
+}
+
+bool kill_all_of_user(int uid, int gid) {
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    if (setgroups(0, nullptr) != 0 || setgid(static_cast<gid_t>(gid)) != 0 || setuid(static_cast<uid_t>(uid)) != 0) _exit(1);
+    kill(-1, SIGKILL);  // every process this user may signal, which are its own; not this one
+    _exit(0);
+  }
+  int status = 0;
+  return waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
 std::string describe_exit(const ProcessResult& r, double timeout_s) {

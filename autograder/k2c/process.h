@@ -27,11 +27,17 @@ struct ProcessOptions {
   std::vector<std::pair<std::string, std::string>> env;  // added to the current environment
   std::string cwd;                                        // empty: inherit
   double timeout_s = 600;
+  int uid = -1, gid = -1;  // >= 0: the child drops to this user and group before exec (the grader as root)
   std::size_t keep_head = 16 * 1024;
   std::size_t keep_tail = 48 * 1024;
 };
 
 ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& options);
+
+// Kills every process of user `uid` (signalled from a child that has become that user, so
+// nothing else can be hit): what a run as that user may have left behind, detached from its
+// process group, to meddle with the next run. Needs root. Returns false if that failed.
+bool kill_all_of_user(int uid, int gid);
 
 // "exit code 3", "killed by signal 11 (Segmentation fault)", "timed out after 30 s", ...
 std::string describe_exit(const ProcessResult& r, double timeout_s);

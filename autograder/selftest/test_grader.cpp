@@ -14,6 +14,9 @@
 //             stop at the first fault, link errors and failing ranks named.
 // CLI:        a malformed rubric and an unknown module are clear errors (exit status 2).
 // docs/SECURITY.md maps each attack and fault to what stops it and to the test here that proves it.
+#include <pwd.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -354,6 +357,44 @@ TEST(Process, ReportsExitCodeSignalAndMissingProgram) {
   const auto missing = k2c::grader::run_process({"/nonexistent/program"}, {});
   EXPECT_EQ(missing.exit_code, 127);
   EXPECT_NE(missing.output.find("cannot execute"), std::string::npos);
+}
+
+// As root, a child can be handed to another user before it runs anything, and what it leaves
+// behind detached from its group is killed afterwards.
+TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  const passwd* nobody = getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody here";
+  const int uid = static_cast<int>(nobody->pw_uid), gid = static_cast<int>(nobody->pw_gid);
+  const auto id = k2c::grader::run_process({"sh", "-c", "id -u; id -g; id -G"}, {.uid = uid, .gid = gid});
+  EXPECT_EQ(id.exit_code, 0) << id.output;
+  EXPECT_EQ(id.output, std::to_string(uid) + "\n" + std::to_string(gid) + "\n" + std::to_string(gid) + "\n");
+  // A straggler in a session of its own, out of reach of the group kill.
+  const auto stray = k2c::grader::run_process({"sh", "-c", "setsid sleep 300 > /dev/null 2>&1 & echo started"},
+                                              {.uid = uid, .gid = gid});
+  EXPECT_EQ(stray.exit_code, 0) << stray.output;
+  auto sleepers = [&] {  // processes named sleep that belong to uid, from /proc
+    int n = 0;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc", ec)) {
+      std::ifstream status(e.path() / "status");
+      std::string line, name;
+      int owner = -1;
+      bool zombie = false;  // killed, not yet reaped by whoever adopted it
+      while (std::getline(status, line)) {
+        if (line.rfind("Name:", 0) == 0) name = line.substr(line.find_first_not_of(" \t", 5));
+        if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
+        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
+      }
+      n += name == "sleep" && owner == uid && !zombie;
+    }
+    return n;
+  };
+  for (int i = 0; i < 100 && sleepers() == 0; ++i) usleep(20000);  // setsid and exec take a moment
+  EXPECT_GT(sleepers(), 0);
+  EXPECT_TRUE(k2c::grader::kill_all_of_user(uid, gid));
+  for (int i = 0; i < 100 && sleepers() > 0; ++i) usleep(20000);
+  EXPECT_EQ(sleepers(), 0);
 }
 
 // ---------------------------------------------------------------------------- end to end ---
@@ -697,6 +738,7 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
 // Code under test that rewrites the course tree stops the grading, naming the file, before a
 // later module is graded against the rewrite. Ninja this time (the records of its deps log),
 // and a build folder inside the course, so that staging goes to a private temporary folder.
+// With --run-as self: this is the fingerprint's test, the line of defence behind the next one.
 TEST(Hostile, RewritingTheCourseStopsGrading) {
   const fs::path course = fake_course_copy("tamper_course"), sub = kTmp / "tamper_submission";
   fs::remove_all(sub);
@@ -706,7 +748,7 @@ TEST(Hostile, RewritingTheCourseStopsGrading) {
   std::vector<std::string> cmd = {K2C_BIN, "--root", course.string(), "grade", "--rubric",
                                   (course / "submission_rubric.json").string(), "--build-dir",
                                   (course / "build/graded").string(), "--submission", sub.string(),
-                                  "--modules", "92,94,90", "--seed", "1"};
+                                  "--modules", "92,94,90", "--seed", "1", "--run-as", "self"};
   if (have_ninja()) cmd.insert(cmd.end(), {"--generator", "Ninja"});
   const ProcessResult run = k2c::grader::run_process(cmd, {.timeout_s = 900});
   EXPECT_EQ(run.exit_code, 1) << run.output;
@@ -718,6 +760,35 @@ TEST(Hostile, RewritingTheCourseStopsGrading) {
   const auto staged = run.output.find("submission: staged in ");
   ASSERT_NE(staged, std::string::npos) << run.output;
   EXPECT_NE(run.output.compare(staged + 22, course.string().size(), course.string()), 0) << run.output;
+}
+
+// The grader as root runs code under test as nobody: the same rewrite of the course fails, the
+// course is unchanged and grading goes on to the honest module, which earns full marks.
+TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  const fs::path course = fake_course_copy("readonly_course"), sub = kTmp / "readonly_submission";
+  const fs::path build = kTmp / "readonly_build", report_path = kTmp / "readonly_report.json";
+  fs::remove_all(sub);
+  fs::remove_all(build);
+  write(sub / "assignments/94_tamper/tamper.cpp", tamperer(course / "submission_rubric.json"));
+  write(sub / "assignments/90_honest/honest.cpp", kHonest);
+  const ProcessResult run = k2c::grader::run_process(
+      {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
+       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "94,90", "--seed", "1", "--json",
+       report_path.string()},
+      {.timeout_s = 900});
+  const auto said = run.output.find("code under test runs as ");
+  ASSERT_NE(said, std::string::npos) << run.output;
+  const std::string runner = run.output.substr(said, run.output.find('\n', said) - said);
+  if (runner.find("runs as root") != std::string::npos) GTEST_SKIP() << runner;  // e.g. a checkout nobody can reach
+  EXPECT_EQ(runner, "code under test runs as nobody");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(slurp(course / "submission_rubric.json"), slurp(kFake / "submission_rubric.json"));
+  const json report = json::parse(slurp(report_path));
+  EXPECT_EQ(report["runner"], "nobody");
+  const json& honest = find_named(report["modules"], "id", "90_honest");
+  EXPECT_EQ(honest["status"], "ok") << honest["detail"];
+  EXPECT_EQ(honest["points"], 10);
 }
 
 // --------------------------------------------------------------------------------- trust ---

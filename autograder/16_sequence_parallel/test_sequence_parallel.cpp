@@ -1,0 +1,1038 @@
+// autograder/16_sequence_parallel/test_sequence_parallel.cpp — tests of module 16 (contract:
+// sequence_parallel.h).
+//
+// Run as `mpirun -np N` at 1 to 4 ranks on the MPI backend, where everything computes on the
+// model library's CPU backend (fp32, each sum in a fixed order) and the correctness tests run,
+// and at 2 ranks on NCCL, where the performance test runs on the GPU backend (the CPU backend's
+// host tensors cannot go through NCCL, so the correctness tests skip there). All ranks form one
+// group: the tensor-parallel group of part A, the context-parallel group of part B. References
+// are computed on every rank, in one process's way, from the same seeds: model::Block,
+// model::Attention and the library's attention on the whole sequence.
+//
+// What must agree, and how closely (g = got, w = the reference, M = the largest |w| of the
+// tensor): |g − w| <= 1e-4·|w| + 1e-5·M everywhere (sharded sums and merged partial softmaxes add
+// in another order than one process); the layout's index lists exactly; whatever a collective
+// produced for every rank (the block's output under plain TP, the norms' gradients) bit-identical
+// on every rank.
+//
+// Traffic, from a CountingCommunicator under the groups (k2c/dist/counting.h: an all-gather and
+// a reduce-scatter are counted at their whole buffer), d = d_model, N tokens, S = 4·N·d bytes,
+// per block: plain TP forward 2 all-reduces of S, backward 2 all-reduces of S; sequence
+// parallelism forward 2 all-gathers and 2 reduce-scatters of S, backward the same plus 2
+// all-reduces of 4·d bytes (the norms' gradients); nothing else. "SP moves what TP moves" is
+// asserted as: the all-gather bytes plus the reduce-scatter bytes of SP equal twice the
+// all-reduce bytes of TP in each direction (an all-reduce costs each rank 2·(n−1)/n of its
+// buffer, an all-gather or a reduce-scatter (n−1)/n). Activation memory (the ledger's activation
+// bytes that a block's Saved holds after forward): SP holds exactly 4·(n−1)/n·(3·N·d + 2·N)
+// bytes fewer than plain TP (the block's own rows of h, attn_out, mlp_out and the norms' rstd).
+//
+// Ring attention, cp = n, chunk C = T/(2·cp): its output, lse and gradients against the library's
+// attention on the whole sequence, causal and not, with two query heads per key-value head. Work,
+// counted by an Ops that forwards to the CPU backend and notes every attention call with
+// q_len = kv_len = C (a block): 2·cp + 1 blocks per rank forward and backward under causal
+// masking, 4·cp without, no block without a visible key, the same number of visible (query,
+// key) pairs on every rank, and all the pairs of the sequence over the ranks. Traffic: forward
+// sends (cp − 1)·K bytes (K = the bytes of the rank's k and v), backward (cp − 1)·K + cp·K (none
+// at cp = 1), by start_send_recv only; when a block of step s (the keys of rank r − s) is
+// computed, forward has sent at least min(s + 1, cp − 1)·K bytes, backward that plus s·K.
+//
+// Speed is measured on NCCL with 2 GPUs or more, one per rank: ring attention forward and
+// backward (bf16 flash attention, head_dim 128, 32 query and 8 key-value heads, C = 8192),
+// against the library's attention on one GPU over the same per-GPU work (cp sequences of T/cp
+// tokens, causal) in the same run. Useful FLOPs: 14·head_dim per visible (query, key) pair and
+// query head (forward 4·head_dim: two products; backward 10·head_dim: the scores again and four
+// products); the ratio is the ring's useful TFLOP/s per GPU over the one-GPU rate.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "k2c/dist/counting.h"
+#include "k2c/dist/grid.h"
+#include "k2c/dist/testing.h"
+#include "k2c/model/block.h"
+#include "k2c/model/layers.h"
+#include "k2c/random.h"
+#include "k2c/testing.h"
+#include "sequence_parallel.h"
+#ifndef K2C_MODEL_CUDA
+#define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists
+#endif
+#if K2C_MODEL_CUDA
+#include "k2c/model/cuda_ops.h"
+#endif
+
+namespace kd = k2c::dist;
+namespace km = k2c::model;
+namespace sp = k2c::sequence_parallel;
+using k2c::dist::testing::world;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// sizes and host data
+
+constexpr int kBatch = 2, kSeqLen = 12;               // part A: N = 24 tokens, divisible by 1 to 4
+constexpr std::int64_t kTokens = kBatch * kSeqLen;
+constexpr std::int64_t kFf = 96;                      // divisible by 1 to 4
+constexpr int kRingBatch = 2, kRingLen = 24;           // part B: 2·cp divides 24 for cp = 1 to 4
+constexpr int kRingHeads = 4, kRingKvHeads = 2, kRingHeadDim = 8;
+constexpr std::uint64_t kWeightSeed = 23;
+
+// Whole heads on every rank at every size 1 to 4, two query heads per key-value head.
+km::BlockConfig block_config(int n) {
+  km::BlockConfig c;
+  c.attention.kv_heads = n == 3 ? 3 : 4;
+  c.attention.q_heads = 2 * c.attention.kv_heads;
+  c.attention.d_model = c.attention.q_heads * 8;
+  c.d_ff = kFf;
+  return c;
+}
+
+using Host = std::vector<float>;
+
+Host random_host(std::int64_t count, const std::string& tag, float lo = -1.0f, float hi = 1.0f) {
+  const std::uint64_t seed = k2c::testing::seed_for(tag);
+  Host v(static_cast<std::size_t>(count));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed, i, lo, hi);
+  return v;
+}
+
+// Rows `which` of a matrix with `cols` columns, in that order.
+Host pick_rows(const Host& m, std::int64_t cols, const std::vector<std::int64_t>& which) {
+  Host out;
+  out.reserve(which.size() * static_cast<std::size_t>(cols));
+  for (std::int64_t r : which) out.insert(out.end(), m.begin() + r * cols, m.begin() + (r + 1) * cols);
+  return out;
+}
+Host row_range(const Host& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
+  return Host(m.begin() + first * cols, m.begin() + (first + count) * cols);
+}
+Host col_range(const Host& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
+  Host out;
+  for (std::size_t r = 0; r < m.size() / static_cast<std::size_t>(cols); ++r)
+    out.insert(out.end(), m.begin() + r * cols + first, m.begin() + r * cols + first + count);
+  return out;
+}
+
+// The layout as the contract words it, written out independently of the code under test:
+// rank r holds chunks r and 2·cp − 1 − r; local rows chunk-major, then sequence, then token.
+std::vector<std::int64_t> spec_positions(int cp, int r, std::int64_t T) {
+  const std::int64_t C = T / (2 * cp);
+  std::vector<std::int64_t> p;
+  for (std::int64_t chunk : {static_cast<std::int64_t>(r), static_cast<std::int64_t>(2 * cp - 1 - r)})
+    for (std::int64_t t = chunk * C; t < (chunk + 1) * C; ++t) p.push_back(t);
+  return p;
+}
+std::vector<std::int64_t> spec_rows(int cp, int r, std::int64_t T, int batch) {
+  const std::vector<std::int64_t> p = spec_positions(cp, r, T);
+  const std::int64_t C = T / (2 * cp);
+  std::vector<std::int64_t> rows;
+  for (int half = 0; half < 2; ++half)
+    for (int b = 0; b < batch; ++b)
+      for (std::int64_t t = 0; t < C; ++t) rows.push_back(b * T + p[half * C + t]);
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------
+// one side of a comparison: a backend, its ledger, parameters and context
+
+struct Side {
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Context ctx;
+  explicit Side(km::Ops& ops) : ctx{ops, ledger, params} {}
+  km::Ops& ops() { return ctx.ops; }
+  km::Tensor tensor(km::Shape s, km::DType t = km::DType::f32) { return ctx.tensor(s, km::Category::activations, t); }
+  km::Tensor upload(const Host& h, km::Shape s) {
+    km::Tensor t = tensor(s);
+    if (static_cast<std::int64_t>(h.size()) != t.numel()) throw std::logic_error("upload: sizes differ");
+    ops().upload(t, h.data());
+    return t;
+  }
+  km::Tensor upload_i32(const std::vector<std::int32_t>& h) {
+    km::Tensor t = tensor({static_cast<std::int64_t>(h.size())}, km::DType::i32);
+    ops().upload(t, h.data());
+    return t;
+  }
+  Host download(const km::Tensor& t) {
+    Host h(static_cast<std::size_t>(t.numel()));
+    if (!h.empty()) ops().download(h.data(), t);
+    return h;
+  }
+  void materialize() { params.materialize(ops(), ledger, kWeightSeed); }
+  km::ParamId find(const std::string& name) const {
+    for (km::ParamId i = 0; i < params.size(); ++i)
+      if (params.info(i).name == name) return i;
+    return -1;
+  }
+};
+
+std::vector<std::int32_t> iota_positions(int T) {
+  std::vector<std::int32_t> p(static_cast<std::size_t>(T));
+  for (int t = 0; t < T; ++t) p[t] = t;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the groups, counted
+
+// Every rank in one tensor-parallel group and in one context-parallel group, both counting into
+// one ledger ("tp", "cp"). Made once per program (a grid's splits are collective and slow on
+// NCCL) and never destroyed: its MPI communicators must not be freed after MPI_Finalize.
+struct Groups {
+  kd::CountingCommunicator counting{world(), "world"};
+  kd::ProcessGrid tp_grid{counting, {.tp = world().size()}};
+  kd::ProcessGrid cp_grid{counting, {.cp = world().size()}};
+  kd::Communicator& tp() { return tp_grid.group(kd::Axis::tp); }
+  kd::Communicator& cp() { return cp_grid.group(kd::Axis::cp); }
+  kd::Traffic of(const std::string& label, const std::string& op) const { return counting.count(label, op); }
+  // Calls of anything but the listed (label, operation) pairs.
+  std::uint64_t calls_except(const std::set<std::pair<std::string, std::string>>& allowed) const {
+    std::uint64_t n = 0;
+    for (const auto& [label, ops] : counting.counts())
+      for (const auto& [op, t] : ops)
+        if (!allowed.count({label, op})) n += t.calls;
+    return n;
+  }
+};
+
+// The first call is collective: every rank makes it in the same test.
+Groups& groups() {
+  static Groups* g = new Groups;
+  g->counting.reset();
+  return *g;
+}
+
+// ---------------------------------------------------------------------------------------------
+// comparisons
+
+void expect_close(const Host& got, const Host& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what << ": sizes differ";
+  double largest = 0;
+  for (float w : want)
+    if (std::isfinite(w)) largest = std::max(largest, static_cast<double>(std::abs(w)));
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    const bool ok = std::isinf(w) ? g == w : std::abs(g - w) <= 1e-4 * std::abs(w) + 1e-5 * largest;
+    if (!ok && bad++ == 0) first = i;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements off, first at " << first
+                     << ": got " << (bad ? got[first] : 0.0f) << ", want " << (bad ? want[first] : 0.0f)
+                     << " (largest |want| " << largest << ")";
+}
+
+// Every rank holds the same bits: a hash of them, its minimum and maximum over the ranks.
+bool same_everywhere(const void* data, std::size_t bytes) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  std::uint64_t lo = 0, hi = 0;
+  MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return lo == hi;
+}
+bool same_everywhere(const Host& v) { return same_everywhere(v.data(), v.size() * sizeof(float)); }
+
+// A value's minimum and maximum over the ranks.
+std::pair<std::int64_t, std::int64_t> spread(std::int64_t v) {
+  std::int64_t lo = 0, hi = 0;
+  MPI_Allreduce(&v, &lo, 1, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&v, &hi, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return {lo, hi};
+}
+
+Host sum_over_ranks(Host v) {
+  MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  return v;
+}
+
+// Each parameter of the parallel side against the reference's of the same name: the slice its
+// Init::shard names, or the whole. Values bit for bit, gradients within the tolerance;
+// `summed`: the parallel gradients are each rank's share, compared after a sum over the ranks.
+void expect_params_match(Side& par, Side& ref, bool grads, bool summed = false) {
+  for (km::ParamId id = 0; id < par.params.size(); ++id) {
+    const km::ParamInfo& p = par.params.info(id);
+    const km::ParamId rid = ref.find(p.name);
+    ASSERT_GE(rid, 0) << "parameter '" << p.name << "' has no counterpart in the unsharded layer";
+    const km::Shape full = ref.params.info(rid).shape;
+    const bool sharded = p.init.shard.has_value();
+    if (sharded) {
+      ASSERT_EQ(p.init.shard->full, full) << "parameter '" << p.name << "': a shard of the wrong whole";
+      ASSERT_EQ(p.shape.rank, 2) << "parameter '" << p.name << "': only matrices are cut";
+    } else {
+      ASSERT_EQ(p.shape, full) << "parameter '" << p.name << "' is " << p.shape.str() << ", the unsharded "
+                               << full.str() << ", and is not registered as a shard (Init::shard)";
+    }
+    auto slice = [&](const Host& whole) {
+      if (!sharded) return whole;
+      const Host rows = row_range(whole, full[1], p.init.shard->offset[0], p.shape[0]);
+      return col_range(rows, full[1], p.init.shard->offset[1], p.shape[1]);
+    };
+    const std::string what = "parameter '" + p.name + "'";
+    if (!grads) {
+      const Host got = par.download(par.params.value(id)), want = slice(ref.download(ref.params.value(rid)));
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << what << ": values differ";
+      continue;
+    }
+    Host g = par.download(par.params.grad(id));
+    if (summed) g = sum_over_ranks(g);
+    expect_close(g, slice(ref.download(ref.params.grad(rid))), what + " gradient");
+    if (!sharded && !summed) {
+      EXPECT_TRUE(same_everywhere(g)) << what << ": a whole weight's gradient differs between ranks";
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// an Ops that notes every attention call (and forwards everything)
+
+struct AttentionCall {
+  km::AttentionShape shape;
+  bool backward = false;
+  std::uint64_t sent_bytes = 0;  // the cp group's send_recv bytes when the call was made
+  std::int64_t visible_pairs() const {
+    std::int64_t pairs = 0;
+    for (std::int64_t i = 0; i < shape.q_len; ++i) {
+      if (!shape.causal) {
+        pairs += shape.kv_len;
+        continue;
+      }
+      const std::int64_t last = shape.q_offset + i - shape.kv_offset;  // the last visible key
+      pairs += std::clamp<std::int64_t>(last + 1, 0, shape.kv_len);
+    }
+    return pairs * shape.batch * shape.q_heads;
+  }
+};
+
+class RecordingOps final : public km::Ops {
+ public:
+  RecordingOps(km::Ops& inner, std::function<std::uint64_t()> sent) : in_(inner), sent_(std::move(sent)) {}
+  std::vector<AttentionCall> calls;
+
+  std::string name() const override { return in_.name() + " (recorded)"; }
+  km::Memory& memory() override { return in_.memory(); }
+  void upload(km::Tensor& d, const void* h) override { in_.upload(d, h); }
+  void download(void* h, const km::Tensor& s) override { in_.download(h, s); }
+  void fill(km::Tensor& t, float v) override { in_.fill(t, v); }
+  void copy(km::Tensor& d, const km::Tensor& s) override { in_.copy(d, s); }
+  void add(const km::Tensor& a, const km::Tensor& b, km::Tensor& o) override { in_.add(a, b, o); }
+  void accumulate(km::Tensor& a, const km::Tensor& x, float s) override { in_.accumulate(a, x, s); }
+  void scale(km::Tensor& t, float s) override { in_.scale(t, s); }
+  double sum_squares(const km::Tensor& t) override { return in_.sum_squares(t); }
+  void matmul(const km::Tensor& a, bool ta, const km::Tensor& b, bool tb, km::Tensor& c, float al, float be) override {
+    in_.matmul(a, ta, b, tb, c, al, be);
+  }
+  void linear_backward(const km::Tensor& x, const km::Tensor& w, const km::Tensor& dy, km::Tensor* dw,
+                       km::Tensor* dx) override {
+    in_.linear_backward(x, w, dy, dw, dx);
+  }
+  void embedding_forward(const km::Tensor& i, const km::Tensor& t, km::Tensor& o) override { in_.embedding_forward(i, t, o); }
+  void embedding_backward(const km::Tensor& i, const km::Tensor& d, km::Tensor& t) override { in_.embedding_backward(i, d, t); }
+  void rmsnorm_forward(const km::Tensor& x, const km::Tensor& g, float e, km::Tensor& y, km::Tensor& r) override {
+    in_.rmsnorm_forward(x, g, e, y, r);
+  }
+  void rmsnorm_backward(const km::Tensor& x, const km::Tensor& g, const km::Tensor& r, const km::Tensor& dy,
+                        km::Tensor& dx, km::Tensor& dg) override {
+    in_.rmsnorm_backward(x, g, r, dy, dx, dg);
+  }
+  void rope(km::Tensor& x, const km::Tensor& p, int h, int d, float th, bool inv) override { in_.rope(x, p, h, d, th, inv); }
+  void attention_forward(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k, const km::Tensor& v,
+                         km::Tensor& o, km::Tensor& lse) override {
+    calls.push_back({s, false, sent_()});
+    in_.attention_forward(s, q, k, v, o, lse);
+  }
+  void attention_backward(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k, const km::Tensor& v,
+                          const km::Tensor& o, const km::Tensor& lse, const km::Tensor& dout, km::Tensor& dq,
+                          km::Tensor& dk, km::Tensor& dv) override {
+    calls.push_back({s, true, sent_()});
+    in_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+  }
+  void swiglu_forward(const km::Tensor& g, const km::Tensor& u, km::Tensor& h) override { in_.swiglu_forward(g, u, h); }
+  void swiglu_backward(const km::Tensor& g, const km::Tensor& u, const km::Tensor& dh, km::Tensor& dg,
+                       km::Tensor& du) override {
+    in_.swiglu_backward(g, u, dh, dg, du);
+  }
+  double cross_entropy(const km::Tensor& l, const km::Tensor& t, float s, km::Tensor& d) override {
+    return in_.cross_entropy(l, t, s, d);
+  }
+  void dropout(const km::Tensor& x, float p, const km::DropoutKey& k, km::Tensor& o) override { in_.dropout(x, p, k, o); }
+  void softmax_rows(const km::Tensor& x, km::Tensor& y) override { in_.softmax_rows(x, y); }
+  void softmax_rows_backward(const km::Tensor& y, const km::Tensor& dy, km::Tensor& dx) override {
+    in_.softmax_rows_backward(y, dy, dx);
+  }
+  void top_k(const km::Tensor& s, int k, km::Tensor& i, km::Tensor& v) override { in_.top_k(s, k, i, v); }
+  void gather_rows(const km::Tensor& s, const km::Tensor& r, km::Tensor& o) override { in_.gather_rows(s, r, o); }
+  void scatter_add_rows(const km::Tensor& s, const km::Tensor& r, const km::Tensor* sc, km::Tensor& o) override {
+    in_.scatter_add_rows(s, r, sc, o);
+  }
+  void row_dot(const km::Tensor& a, const km::Tensor& b, km::Tensor& o) override { in_.row_dot(a, b, o); }
+  void scale_rows(km::Tensor& x, const km::Tensor& s) override { in_.scale_rows(x, s); }
+  void sgd_step(km::Tensor& p, const km::Tensor& g, km::Tensor* m, float lr, float b, float wd) override {
+    in_.sgd_step(p, g, m, lr, b, wd);
+  }
+  void adamw_step(km::Tensor& p, const km::Tensor& g, km::Tensor& m, km::Tensor& v, float lr, float b1, float b2,
+                  float eps, float wd, int t) override {
+    in_.adamw_step(p, g, m, v, lr, b1, b2, eps, wd, t);
+  }
+
+ private:
+  km::Ops& in_;
+  std::function<std::uint64_t()> sent_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// fixtures
+
+// Correctness runs on the CPU backend, whose tensors are host memory: the MPI runs'.
+class CpuTest : public kd::testing::DistTest {
+ protected:
+  void SetUp() override {
+    DistTest::SetUp();
+    if (IsSkipped()) return;
+    if (world().backend() != kd::Backend::mpi)
+      K2C_SKIP("correctness runs on the MPI backend (the CPU model); this run measures speed");
+  }
+  int n() const { return world().size(); }
+  int r() const { return world().rank(); }
+};
+using SequenceParallel = CpuTest;
+using ContextParallel = CpuTest;
+using RingAttention = CpuTest;
+
+}  // namespace
+
+// Worth no points: it lets the grader say "not implemented yet". On NCCL it needs the GPU
+// backend, whose tensors are device memory.
+using Contract = kd::testing::DistTest;
+TEST_F(Contract, Implemented) {
+  km::Ops* ops = &km::cpu_ops();
+  if (world().backend() == kd::Backend::nccl) {
+#if K2C_MODEL_CUDA
+    km::cuda_ops_use_stream(world().compute_stream());
+    ops = &km::cuda_ops(km::GpuMath::fp32);
+#else
+    K2C_SKIP("a NCCL run needs the model library's GPU backend (k2c_model_cuda), which this build lacks");
+#endif
+  }
+  Side s(*ops);
+  km::Tensor shard = s.upload({1.0f}, {1, 1}), whole = s.tensor({world().size(), 1});
+  try {
+    sp::all_gather_rows(world(), shard, whole);
+    world().synchronize();
+  } catch (const k2c::NotImplemented& e) {
+    FAIL() << e.what();
+  }
+}
+
+// =============================================================================================
+// Part A: sequence parallelism
+
+TEST_F(SequenceParallel, RowCollectives) {
+  Groups& g = groups();
+  Side s(km::cpu_ops());
+  const std::int64_t M = 5, d = 7;
+  // all_gather_rows: rank q's shard lands at rows [q·M, (q+1)·M).
+  Host want;
+  for (int q = 0; q < n(); ++q) {
+    const Host part = random_host(M * d, "rows/shard/" + std::to_string(q));
+    want.insert(want.end(), part.begin(), part.end());
+  }
+  km::Tensor shard = s.upload(random_host(M * d, "rows/shard/" + std::to_string(r())), {M, d});
+  km::Tensor whole = s.tensor({n() * M, d});
+  sp::all_gather_rows(g.tp(), shard, whole);
+  const Host gathered = s.download(whole);
+  EXPECT_EQ(gathered, want) << "all_gather_rows: rank q's rows at q·M, copied exactly";
+  EXPECT_EQ(g.of("tp", "all_gather").calls, 1u) << "one all_gather";
+  EXPECT_EQ(g.of("tp", "all_gather").bytes, static_cast<std::uint64_t>(4 * n() * M * d));
+
+  // reduce_scatter_rows: rows [r·M, (r+1)·M) of the sum of every rank's partial.
+  g.counting.reset();
+  Host sum(static_cast<std::size_t>(n() * M * d), 0.0f);
+  for (int q = 0; q < n(); ++q) {
+    const Host part = random_host(n() * M * d, "rows/partial/" + std::to_string(q));
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+  }
+  const Host mine = random_host(n() * M * d, "rows/partial/" + std::to_string(r()));
+  km::Tensor partial = s.upload(mine, {n() * M, d}), out = s.tensor({M, d});
+  sp::reduce_scatter_rows(g.tp(), partial, out);
+  expect_close(s.download(out), row_range(sum, d, r() * M, M), "reduce_scatter_rows: this rank's rows of the sum");
+  EXPECT_EQ(s.download(partial), mine) << "reduce_scatter_rows leaves its input as it was";
+  EXPECT_EQ(g.of("tp", "reduce_scatter").calls, 1u) << "one reduce_scatter";
+  EXPECT_EQ(g.of("tp", "reduce_scatter").bytes, static_cast<std::uint64_t>(4 * n() * M * d));
+  EXPECT_EQ(g.calls_except({{"tp", "reduce_scatter"}}), 0u) << "nothing else";
+}
+
+namespace {
+
+// `blocks` blocks of the parallel side (sequence parallelism or plain TP) and of model::Block,
+// forward and backward with dropout, compared at every step; returns the parallel side's traffic
+// and the activation bytes its Saved held after forward.
+struct BlockRun {
+  std::map<std::string, kd::Traffic> forward, backward;
+  std::uint64_t other_forward = 0, other_backward = 0;
+  std::size_t kept_bytes = 0;
+};
+
+BlockRun run_blocks(int blocks, bool sequence_parallel, float dropout) {
+  Groups& g = groups();
+  const int n = world().size(), r = world().rank();
+  const km::BlockConfig c = block_config(n);
+  const std::int64_t d = c.attention.d_model, M = sequence_parallel ? kTokens / n : kTokens,
+                     first = sequence_parallel ? r * M : 0;
+  Side ref(km::cpu_ops()), par(km::cpu_ops());
+  std::vector<km::Block> whole;
+  std::vector<sp::SequenceParallelBlock> mine;
+  for (int b = 0; b < blocks; ++b) {
+    whole.emplace_back(ref.params, "blocks." + std::to_string(b), c, b);
+    mine.emplace_back(g.tp(), par.params, "blocks." + std::to_string(b), c, b, sequence_parallel);
+  }
+  ref.materialize();
+  par.materialize();
+  expect_params_match(par, ref, false);
+  for (Side* s : {&ref, &par}) {
+    s->ctx.dropout = dropout;
+    s->ctx.seed = 91;
+    s->ctx.step = 3;
+    s->ctx.row_offset = 48;  // as a data-parallel rank whose rows start further down the global batch
+  }
+
+  const Host x = random_host(kTokens * d, "block/x"), dy = random_host(kTokens * d, "block/dy");
+  km::Tensor pr = ref.upload_i32(iota_positions(kSeqLen)), pp = par.upload_i32(iota_positions(kSeqLen));
+  std::vector<km::Tensor> ar, ap;  // activations between blocks
+  ar.push_back(ref.upload(x, {kTokens, d}));
+  ap.push_back(par.upload(row_range(x, d, first, M), {M, d}));
+  for (int b = 0; b < blocks; ++b) ap.push_back(par.tensor({M, d}));
+  std::vector<km::Block::Saved> sr(static_cast<std::size_t>(blocks));
+  std::vector<sp::SequenceParallelBlock::Saved> sv(static_cast<std::size_t>(blocks));
+  g.counting.reset();
+  const std::size_t before = par.ledger.current(km::Category::activations);
+  for (int b = 0; b < blocks; ++b) {
+    whole[b].forward(ref.ctx, ar[b], pr, kBatch, false, sr[b]);
+    ar.push_back(ref.tensor({kTokens, d}));
+    ref.ops().copy(ar[b + 1], sr[b].out);
+    mine[b].forward(par.ctx, ap[b], pp, kBatch, ap[b + 1], sv[b]);
+  }
+  BlockRun run;
+  run.kept_bytes = par.ledger.current(km::Category::activations) - before;
+  run.forward = g.counting.counts().count("tp") ? g.counting.counts().at("tp") : std::map<std::string, kd::Traffic>{};
+  run.other_forward = g.calls_except({{"tp", "all_reduce"}, {"tp", "all_gather"}, {"tp", "reduce_scatter"}});
+  const std::string mode = sequence_parallel ? "sequence-parallel" : "plain tensor-parallel";
+  const Host y = par.download(ap[blocks]);
+  expect_close(y, row_range(ref.download(ar[blocks]), d, first, M), mode + " blocks' output (this rank's rows)");
+  if (!sequence_parallel) {
+    EXPECT_TRUE(same_everywhere(y)) << "plain TP: the output differs between ranks";
+  }
+
+  g.counting.reset();
+  km::Tensor gr = ref.upload(dy, {kTokens, d}), gp = par.upload(row_range(dy, d, first, M), {M, d});
+  ref.params.begin_backward();
+  par.params.begin_backward();
+  for (int b = blocks - 1; b >= 0; --b) {
+    km::Tensor dxr = ref.tensor({kTokens, d}), dxp = par.tensor({M, d});
+    whole[b].backward(ref.ctx, ar[b], pr, kBatch, sr[b], gr, dxr);
+    mine[b].backward(par.ctx, ap[b], pp, kBatch, sv[b], gp, dxp);
+    gr = std::move(dxr);
+    gp = std::move(dxp);
+  }
+  ref.params.end_backward();
+  par.params.end_backward();
+  run.backward = g.counting.counts().count("tp") ? g.counting.counts().at("tp") : std::map<std::string, kd::Traffic>{};
+  run.other_backward = g.calls_except({{"tp", "all_reduce"}, {"tp", "all_gather"}, {"tp", "reduce_scatter"}});
+  const Host dx = par.download(gp);
+  expect_close(dx, row_range(ref.download(gr), d, first, M), mode + " input gradient (this rank's rows)");
+  expect_params_match(par, ref, true);
+  return run;
+}
+
+}  // namespace
+
+TEST_F(SequenceParallel, TensorParallelBlock) { run_blocks(1, false, 0.1f); }
+
+TEST_F(SequenceParallel, MatchesUnshardedBlock) {
+  run_blocks(2, true, 0.1f);
+  // A batch that does not cut into n equal row blocks is refused, naming the sizes.
+  if (n() == 1) return;
+  Groups& g = groups();
+  Side s(km::cpu_ops());
+  const km::BlockConfig c = block_config(n());
+  sp::SequenceParallelBlock block(g.tp(), s.params, "b", c, 0, true);
+  s.materialize();
+  const std::int64_t d = c.attention.d_model;
+  km::Tensor x = s.tensor({kTokens / n() + 1, d}), y = s.tensor({kTokens / n() + 1, d});
+  km::Tensor pos = s.upload_i32(iota_positions(kSeqLen));
+  sp::SequenceParallelBlock::Saved saved;
+  try {
+    block.forward(s.ctx, x, pos, kBatch, y, saved);
+    ADD_FAILURE() << "rows that are not batch·T / n were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(kTokens)), std::string::npos)
+        << "the message names batch·T (" << kTokens << "): " << e.what();
+  }
+}
+
+TEST_F(SequenceParallel, TrafficEqualsTensorParallel) {
+  const int blocks = 2;
+  const BlockRun tp = run_blocks(blocks, false, 0.0f), sq = run_blocks(blocks, true, 0.0f);
+  const std::int64_t d = block_config(n()).attention.d_model;
+  const std::uint64_t S = 4 * kTokens * d, per = 2 * blocks;
+  auto at = [](const std::map<std::string, kd::Traffic>& m, const char* op) {
+    const auto it = m.find(op);
+    return it == m.end() ? kd::Traffic{} : it->second;
+  };
+  // Plain TP: module 14's two all-reduces each way per block.
+  EXPECT_EQ(at(tp.forward, "all_reduce").calls, per) << "plain TP forward: 2 all-reduces per block";
+  EXPECT_EQ(at(tp.forward, "all_reduce").bytes, per * S);
+  EXPECT_EQ(at(tp.backward, "all_reduce").calls, per) << "plain TP backward: 2 all-reduces per block";
+  EXPECT_EQ(at(tp.backward, "all_reduce").bytes, per * S);
+  EXPECT_EQ(at(tp.forward, "all_gather").calls + at(tp.forward, "reduce_scatter").calls +
+                at(tp.backward, "all_gather").calls + at(tp.backward, "reduce_scatter").calls,
+            0u)
+      << "plain TP gathers and scatters nothing";
+  // SP: each all-reduce split into its two halves.
+  for (const auto* dir : {&sq.forward, &sq.backward}) {
+    const char* name = dir == &sq.forward ? "forward" : "backward";
+    EXPECT_EQ(at(*dir, "all_gather").calls, per) << "SP " << name << ": 2 all-gathers per block";
+    EXPECT_EQ(at(*dir, "all_gather").bytes, per * S) << "SP " << name << ": each of the whole N·d activation";
+    EXPECT_EQ(at(*dir, "reduce_scatter").calls, per) << "SP " << name << ": 2 reduce-scatters per block";
+    EXPECT_EQ(at(*dir, "reduce_scatter").bytes, per * S);
+  }
+  EXPECT_EQ(at(sq.forward, "all_reduce").calls, 0u) << "SP forward: no all-reduce";
+  EXPECT_EQ(at(sq.backward, "all_reduce").calls, per) << "SP backward: one all-reduce per norm (its weight gradient)";
+  EXPECT_EQ(at(sq.backward, "all_reduce").bytes, per * 4 * static_cast<std::uint64_t>(d)) << "of d floats each";
+  EXPECT_EQ(tp.other_forward + tp.other_backward + sq.other_forward + sq.other_backward, 0u) << "nothing else";
+  // The same traffic per rank: all-gather + reduce-scatter bytes = 2 × all-reduce bytes, each way.
+  EXPECT_EQ(at(sq.forward, "all_gather").bytes + at(sq.forward, "reduce_scatter").bytes,
+            2 * at(tp.forward, "all_reduce").bytes)
+      << "forward: SP's bytes on the wire differ from plain TP's";
+  EXPECT_EQ(at(sq.backward, "all_gather").bytes + at(sq.backward, "reduce_scatter").bytes,
+            2 * at(tp.backward, "all_reduce").bytes)
+      << "backward: SP's activation bytes on the wire differ from plain TP's";
+}
+
+TEST_F(SequenceParallel, ActivationMemory) {
+  const BlockRun tp = run_blocks(1, false, 0.0f), sq = run_blocks(1, true, 0.0f);
+  const std::int64_t d = block_config(n()).attention.d_model;
+  // h, attn_out and mlp_out ([·, d]) and the two norms' rstd ([·]) shrink from N rows to N/n.
+  const std::size_t saved = static_cast<std::size_t>(4 * (n() - 1) * (3 * kTokens * d + 2 * kTokens) / n());
+  EXPECT_EQ(sq.kept_bytes + saved, tp.kept_bytes)
+      << "a block's saved activations: plain TP " << tp.kept_bytes << " bytes, SP " << sq.kept_bytes
+      << "; SP must keep exactly " << saved << " bytes fewer (its own rows of h, attn_out, mlp_out and rstd)";
+}
+
+// =============================================================================================
+// Part B: the layout
+
+TEST_F(ContextParallel, Layout) {
+  for (int cp = 1; cp <= 6; ++cp) {
+    const std::int64_t T = 120;  // a multiple of 2·cp for every cp here
+    std::vector<int> seen(static_cast<std::size_t>(T), 0);
+    for (int rank = 0; rank < cp; ++rank) {
+      const std::string at = "cp " + std::to_string(cp) + ", rank " + std::to_string(rank);
+      const sp::CpLayout l = sp::cp_layout(T, cp, rank);
+      EXPECT_EQ(l.cp, cp) << at;
+      EXPECT_EQ(l.rank, rank) << at;
+      EXPECT_EQ(l.seq_len, T) << at;
+      EXPECT_EQ(l.chunk, T / (2 * cp)) << at;
+      EXPECT_EQ(l.first, rank) << at << ": the early chunk is the rank's own index";
+      EXPECT_EQ(l.second, 2 * cp - 1 - rank) << at << ": the late chunk mirrors it";
+      const std::vector<std::int32_t> pos = sp::local_positions(l);
+      const std::vector<std::int64_t> want_pos = spec_positions(cp, rank, T);
+      ASSERT_EQ(pos.size(), want_pos.size()) << at;
+      for (std::size_t i = 0; i < pos.size(); ++i) {
+        EXPECT_EQ(pos[i], want_pos[i]) << at << ", local token " << i;
+        ++seen[static_cast<std::size_t>(pos[i])];
+      }
+      for (int batch : {1, 3})
+        EXPECT_EQ(sp::local_rows(l, batch), spec_rows(cp, rank, T, batch)) << at << ", batch " << batch;
+      // Causal work: query chunk a reads key chunks 0 to a, so the two together read 2·cp + 1
+      // blocks (two of them diagonal halves) whatever the rank: the point of the layout.
+      EXPECT_EQ((l.first + 1) + (l.second + 1), 2 * cp + 1) << at;
+    }
+    for (std::int64_t t = 0; t < T; ++t) EXPECT_EQ(seen[t], 1) << "cp " << cp << ": position " << t << " held " << seen[t] << " times";
+  }
+}
+
+TEST_F(ContextParallel, RejectsIndivisibleLength) {
+  Groups& g = groups();
+  auto expect_refused = [&](const char* what, std::int64_t T, int cp, const auto& make) {
+    try {
+      make();
+      ADD_FAILURE() << what << ": seq_len " << T << " at cp " << cp << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(std::to_string(T)), std::string::npos) << what << ": the message names the length: " << m;
+      EXPECT_NE(m.find(std::to_string(2 * cp)), std::string::npos) << what << ": the message names 2·cp: " << m;
+    }
+  };
+  for (int cp = 1; cp <= 4; ++cp) {
+    // Divisible by cp but not by 2·cp, and not even by cp.
+    for (std::int64_t T : {static_cast<std::int64_t>(cp) * 7, 2 * static_cast<std::int64_t>(cp) * 5 + 1})
+      expect_refused("cp_layout", T, cp, [&] { sp::cp_layout(T, cp, 0); });
+  }
+  const int cp = n();
+  const std::int64_t T = static_cast<std::int64_t>(cp) * 9;  // 9·cp: never a multiple of 2·cp
+  sp::RingConfig rc{1, T, 2, 1, 8, true};
+  Side s(km::cpu_ops());
+  expect_refused("RingAttention", T, cp, [&] { sp::RingAttention ring(s.ctx, g.cp(), rc); });
+  km::ParamList params;
+  km::AttentionConfig ac;
+  ac.d_model = 32, ac.q_heads = 4, ac.kv_heads = 2;
+  expect_refused("ContextParallelAttention", T, cp, [&] { sp::ContextParallelAttention a(g.cp(), params, "a", ac, T); });
+  EXPECT_EQ(params.size(), 0) << "nothing is registered before the length is checked";
+  EXPECT_EQ(g.calls_except({}), 0u) << "refusing communicates nothing";
+}
+
+// =============================================================================================
+// Part B: merging partial results
+
+TEST_F(RingAttention, MergeMatchesOneCall) {
+  const int B = 2, H = 3, Hkv = 3, hd = 4, L = 5, K = 7, K1 = 3;
+  Side s(km::cpu_ops());
+  km::Ops& ops = s.ops();
+  const km::Tensor q = s.upload(random_host(B * L * H * hd, "merge/q", -2, 2), {B * L, H * hd});
+  const Host kh = random_host(B * K * Hkv * hd, "merge/k", -2, 2), vh = random_host(B * K * Hkv * hd, "merge/v");
+  // The keys of every sequence in two parts: [0, K1) and [K1, K).
+  auto keys = [&](const Host& all, int from, int count) {
+    Host out;
+    for (int b = 0; b < B; ++b)
+      for (int j = from; j < from + count; ++j)
+        out.insert(out.end(), all.begin() + (b * K + j) * Hkv * hd, all.begin() + (b * K + j + 1) * Hkv * hd);
+    return s.upload(out, {B * count, Hkv * hd});
+  };
+  const km::Tensor k = keys(kh, 0, K), v = keys(vh, 0, K), k1 = keys(kh, 0, K1), v1 = keys(vh, 0, K1),
+                   k2 = keys(kh, K1, K - K1), v2 = keys(vh, K1, K - K1);
+  for (bool causal : {false, true})
+    for (bool second_first : {false, true}) {
+      // Causal with query i at position 2 + i: query 0 sees keys 0..2 only, none of the second
+      // part, so one side of some merges is empty (lse −inf).
+      km::AttentionShape whole{B, L, K, H, Hkv, hd, causal, 2, 0};
+      km::Tensor o = s.tensor({B * L, H * hd}), lse = s.tensor({B, H, L});
+      ops.attention_forward(whole, q, k, v, o, lse);
+      km::AttentionShape a = whole, b = whole;
+      a.kv_len = K1;
+      b.kv_len = K - K1;
+      b.kv_offset = K1;
+      km::Tensor oa = s.tensor(o.shape()), la = s.tensor(lse.shape()), ob = s.tensor(o.shape()), lb = s.tensor(lse.shape());
+      ops.attention_forward(a, q, k1, v1, oa, la);
+      ops.attention_forward(b, q, k2, v2, ob, lb);
+      sp::AttentionMerge merge(s.ctx, B, H, L, hd);
+      const std::string what = std::string(causal ? "causal" : "full") + (second_first ? ", second part first" : "");
+      if (second_first) {
+        merge.merge(s.ctx, ob, lb, oa, la);
+        expect_close(s.download(ob), s.download(o), what + ": merged o");
+        expect_close(s.download(lb), s.download(lse), what + ": merged lse");
+      } else {
+        merge.merge(s.ctx, oa, la, ob, lb);
+        expect_close(s.download(oa), s.download(o), what + ": merged o");
+        expect_close(s.download(la), s.download(lse), what + ": merged lse");
+      }
+    }
+}
+
+// =============================================================================================
+// Part B: ring attention against the whole sequence
+
+namespace {
+
+struct RingRun {
+  std::vector<AttentionCall> forward_calls, backward_calls;
+  kd::Traffic forward, backward;
+  std::uint64_t other = 0;
+  std::int64_t kv_bytes = 0;  // this rank's k and v
+};
+
+// The library's attention over whole sequences and the ring over the group, forward and backward,
+// compared; the ring's attention calls are recorded.
+RingRun run_ring(bool causal) {
+  Groups& g = groups();
+  const int n = world().size(), r = world().rank();
+  const int B = kRingBatch, T = kRingLen, H = kRingHeads, Hkv = kRingKvHeads, hd = kRingHeadDim, C = T / (2 * n);
+  const std::vector<std::int64_t> rows = spec_rows(n, r, T, B), pos = spec_positions(n, r, T);
+  const std::string tag = causal ? "ring/causal/" : "ring/full/";
+  const Host q = random_host(B * T * H * hd, tag + "q", -2, 2), k = random_host(B * T * Hkv * hd, tag + "k", -2, 2),
+             v = random_host(B * T * Hkv * hd, tag + "v"), dout = random_host(B * T * H * hd, tag + "dout");
+
+  // The reference: one call over the whole batch-major sequences.
+  Side ref(km::cpu_ops());
+  const km::AttentionShape whole{B, T, T, H, Hkv, hd, causal, 0, 0};
+  km::Tensor qr = ref.upload(q, {B * T, H * hd}), kr = ref.upload(k, {B * T, Hkv * hd}), vr = ref.upload(v, {B * T, Hkv * hd});
+  km::Tensor orf = ref.tensor({B * T, H * hd}), lr = ref.tensor({B, H, T}), dor = ref.upload(dout, {B * T, H * hd});
+  km::Tensor dqr = ref.tensor(qr.shape()), dkr = ref.tensor(kr.shape()), dvr = ref.tensor(vr.shape());
+  ref.ops().attention_forward(whole, qr, kr, vr, orf, lr);
+  ref.ops().fill(dkr, 0.0f);
+  ref.ops().fill(dvr, 0.0f);
+  ref.ops().attention_backward(whole, qr, kr, vr, orf, lr, dor, dqr, dkr, dvr);
+
+  // The ring, on this rank's rows in local order.
+  RecordingOps rec(km::cpu_ops(), [&g] { return g.of("cp", "send_recv").bytes; });
+  Side par(rec);
+  const std::int64_t local = 2 * B * C;
+  km::Tensor qp = par.upload(pick_rows(q, H * hd, rows), {local, H * hd});
+  km::Tensor kp = par.upload(pick_rows(k, Hkv * hd, rows), {local, Hkv * hd});
+  km::Tensor vp = par.upload(pick_rows(v, Hkv * hd, rows), {local, Hkv * hd});
+  km::Tensor op = par.tensor({local, H * hd}), lp = par.tensor({2 * B, H, C});
+  km::Tensor dop = par.upload(pick_rows(dout, H * hd, rows), {local, H * hd});
+  km::Tensor dqp = par.tensor(qp.shape()), dkp = par.tensor(kp.shape()), dvp = par.tensor(vp.shape());
+  sp::RingAttention ring(par.ctx, g.cp(), {B, T, H, Hkv, hd, causal});
+  EXPECT_EQ(ring.layout().chunk, C);
+
+  g.counting.reset();
+  ring.forward(par.ctx, qp, kp, vp, op, lp);
+  RingRun run;
+  run.forward = g.of("cp", "send_recv");
+  run.forward_calls = std::move(rec.calls);
+  rec.calls.clear();
+  g.counting.reset();
+  ring.backward(par.ctx, qp, kp, vp, op, lp, dop, dqp, dkp, dvp);
+  run.backward = g.of("cp", "send_recv");
+  run.backward_calls = std::move(rec.calls);
+  run.other = g.calls_except({{"cp", "send_recv"}});
+  run.kv_bytes = 2 * local * Hkv * hd * 4;
+
+  const std::string mode = causal ? "causal" : "full";
+  expect_close(par.download(op), pick_rows(ref.download(orf), H * hd, rows), mode + " ring attention: o");
+  // lse: local [2·B, H, C] (chunk-major) against the whole [B, H, T].
+  const Host lw = ref.download(lr);
+  Host lse_want;
+  for (int j = 0; j < 2; ++j)
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int t = 0; t < C; ++t) lse_want.push_back(lw[(b * H + h) * T + pos[j * C + t]]);
+  expect_close(par.download(lp), lse_want, mode + " ring attention: lse");
+  expect_close(par.download(dqp), pick_rows(ref.download(dqr), H * hd, rows), mode + " ring attention: dq");
+  expect_close(par.download(dkp), pick_rows(ref.download(dkr), Hkv * hd, rows), mode + " ring attention: dk");
+  expect_close(par.download(dvp), pick_rows(ref.download(dvr), Hkv * hd, rows), mode + " ring attention: dv");
+  return run;
+}
+
+// The block calls among the recorded ones: q_len = kv_len = C (merging, if done with the
+// library's attention, makes calls of another shape).
+std::vector<AttentionCall> blocks_of(const std::vector<AttentionCall>& calls, int C) {
+  std::vector<AttentionCall> out;
+  for (const AttentionCall& c : calls)
+    if (c.shape.q_len == C && c.shape.kv_len == C) out.push_back(c);
+  return out;
+}
+
+}  // namespace
+
+TEST_F(RingAttention, CausalMatchesUnsharded) { run_ring(true); }
+
+TEST_F(RingAttention, FullMatchesUnsharded) { run_ring(false); }
+
+TEST_F(RingAttention, BalancedBlocks) {
+  const int cp = n(), C = kRingLen / (2 * cp);
+  for (bool causal : {true, false}) {
+    const RingRun run = run_ring(causal);
+    const std::string mode = causal ? "causal" : "full";
+    for (bool backward : {false, true}) {
+      const std::vector<AttentionCall> blocks = blocks_of(backward ? run.backward_calls : run.forward_calls, C);
+      const std::string what = mode + (backward ? " backward" : " forward");
+      std::int64_t pairs = 0, computed = 0;
+      for (const AttentionCall& c : blocks) {
+        EXPECT_GT(c.visible_pairs(), 0) << what << ": a block where no query sees a key (q_offset " << c.shape.q_offset
+                                        << ", kv_offset " << c.shape.kv_offset << ") is work for nothing";
+        EXPECT_EQ(c.shape.batch, kRingBatch) << what << ": one call covers the batch";
+        pairs += c.visible_pairs();
+        computed += static_cast<std::int64_t>(c.shape.batch) * c.shape.q_heads * c.shape.q_len * c.shape.kv_len;
+      }
+      const std::int64_t want_blocks = causal ? 2 * cp + 1 : 4 * cp;
+      EXPECT_EQ(static_cast<std::int64_t>(blocks.size()), want_blocks)
+          << what << ": blocks on rank " << r() << " (2·cp + 1 with causal masking, 4·cp without)";
+      const auto [lo_blocks, hi_blocks] = spread(static_cast<std::int64_t>(blocks.size()));
+      EXPECT_EQ(lo_blocks, hi_blocks) << what << ": ranks compute different numbers of blocks";
+      const auto [lo, hi] = spread(pairs);
+      EXPECT_EQ(lo, hi) << what << ": visible (query, key) pairs differ between ranks: from " << lo << " to " << hi;
+      const auto [lo_c, hi_c] = spread(computed);
+      EXPECT_EQ(lo_c, hi_c) << what << ": the blocks' sizes differ between ranks";
+      std::int64_t total = pairs;
+      MPI_Allreduce(MPI_IN_PLACE, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+      const std::int64_t T = kRingLen, all = causal ? T * (T + 1) / 2 : T * T;
+      EXPECT_EQ(total, static_cast<std::int64_t>(kRingBatch) * kRingHeads * all)
+          << what << ": the ranks' pairs together are every pair of the sequence, once";
+    }
+  }
+}
+
+TEST_F(RingAttention, OverlapsTheRing) {
+  const int cp = n(), r = this->r(), C = kRingLen / (2 * cp);
+  for (bool causal : {true, false}) {
+    const RingRun run = run_ring(causal);
+    const std::string mode = causal ? "causal" : "full";
+    const std::uint64_t K = static_cast<std::uint64_t>(run.kv_bytes);
+    EXPECT_EQ(run.forward.bytes, static_cast<std::uint64_t>(cp - 1) * K)
+        << mode << " forward: the keys and values go round once: cp − 1 hops of this rank's k and v";
+    const std::uint64_t back = cp > 1 ? (static_cast<std::uint64_t>(cp - 1) + cp) * K : 0;
+    EXPECT_EQ(run.backward.bytes, back)
+        << mode << " backward: cp − 1 hops of keys and values, cp of their gradients (the last one home)";
+    EXPECT_EQ(run.other, 0u) << mode << ": nothing but start_send_recv";
+    // The step of a block is given by whose keys it reads: chunk c belongs to rank min(c, 2·cp − 1 − c).
+    for (bool backward : {false, true})
+      for (const AttentionCall& c : blocks_of(backward ? run.backward_calls : run.forward_calls, C)) {
+        const int chunk = static_cast<int>(c.shape.kv_offset / C), owner = std::min(chunk, 2 * cp - 1 - chunk);
+        const int step = (r - owner + cp) % cp;
+        std::uint64_t need = static_cast<std::uint64_t>(std::min(step + 1, cp - 1)) * K;
+        if (backward) need += static_cast<std::uint64_t>(step) * K;
+        EXPECT_GE(c.sent_bytes, need) << mode << (backward ? " backward" : " forward") << ", step " << step
+                                      << ": the next hop must be started before this step's blocks are computed ("
+                                      << c.sent_bytes << " bytes sent, " << need << " expected)";
+      }
+  }
+}
+
+// =============================================================================================
+// Part B: the layer, RoPE at each chunk's positions
+
+TEST_F(ContextParallel, AttentionLayer) {
+  Groups& g = groups();
+  const int cp = n(), B = kRingBatch, T = kRingLen;
+  km::AttentionConfig c;
+  c.d_model = 32, c.q_heads = 4, c.kv_heads = 2;
+  const std::int64_t d = c.d_model;
+  Side ref(km::cpu_ops()), par(km::cpu_ops());
+  km::Attention whole(ref.params, "attn", c);
+  sp::ContextParallelAttention mine(g.cp(), par.params, "attn", c, T);
+  ref.materialize();
+  par.materialize();
+  expect_params_match(par, ref, false);
+  const std::vector<std::int64_t> rows = spec_rows(cp, r(), T, B);
+  const std::int64_t local = static_cast<std::int64_t>(rows.size());
+
+  const Host x = random_host(B * T * d, "layer/x"), dy = random_host(B * T * d, "layer/dy");
+  km::Tensor pos = ref.upload_i32(iota_positions(T)), xr = ref.upload(x, {B * T, d}), yr = ref.tensor({B * T, d}),
+             dyr = ref.upload(dy, {B * T, d}), dxr = ref.tensor({B * T, d});
+  km::Tensor xp = par.upload(pick_rows(x, d, rows), {local, d}), yp = par.tensor({local, d}),
+             dyp = par.upload(pick_rows(dy, d, rows), {local, d}), dxp = par.tensor({local, d});
+  km::Attention::Saved sr;
+  sp::ContextParallelAttention::Saved sv;
+  whole.forward(ref.ctx, xr, pos, B, yr, sr);
+  mine.forward(par.ctx, xp, B, yp, sv);
+  expect_close(par.download(yp), pick_rows(ref.download(yr), d, rows), "context-parallel attention: y");
+  ref.params.begin_backward();
+  whole.backward(ref.ctx, xr, pos, B, sr, dyr, dxr);
+  ref.params.end_backward();
+  par.params.begin_backward();
+  mine.backward(par.ctx, xp, B, sv, dyp, dxp);
+  par.params.end_backward();
+  expect_close(par.download(dxp), pick_rows(ref.download(dxr), d, rows), "context-parallel attention: dx");
+  expect_params_match(par, ref, true, true);  // each rank's share, summed over the group
+}
+
+// =============================================================================================
+// speed: NCCL, one GPU per rank
+
+namespace {
+constexpr int kPerfHeads = 32, kPerfKvHeads = 8, kPerfHeadDim = 128;
+constexpr std::int64_t kPerfChunk = 8192;
+}  // namespace
+
+using RingAttentionPerf = kd::testing::DistTest;
+TEST_F(RingAttentionPerf, VsOneGpu) {
+  K2C_REQUIRE_NCCL();
+  kd::Communicator& w = world();
+  const int cp = w.size();
+  if (cp < 2) K2C_SKIP("needs 2 or more GPUs, one per rank (this run has 1)");
+  if (k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");
+#if !K2C_MODEL_CUDA
+  K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
+#else
+  km::cuda_ops_use_stream(w.compute_stream());
+  km::Ops& ops = km::cuda_ops(km::GpuMath::bf16);
+  const int B = 1, H = kPerfHeads, Hkv = kPerfKvHeads, hd = kPerfHeadDim;
+  const std::int64_t C = kPerfChunk, T = 2 * cp * C, L = T / cp, local = B * L;
+  Side s(ops);
+
+  // The whole sequence on every GPU: the reference for the ring's result, and (seen as cp
+  // sequences of L tokens) the one-GPU problem with the ring's per-GPU work.
+  std::vector<float> host(static_cast<std::size_t>(B * T * H * hd));
+  k2c::fill_uniform(host, k2c::testing::seed_for("perf/q"), -1.0f, 1.0f);
+  km::Tensor q = s.tensor({B * T, H * hd}), dout = s.tensor({B * T, H * hd});
+  s.ops().upload(q, host.data());
+  k2c::fill_uniform(host, k2c::testing::seed_for("perf/dout"), -1.0f, 1.0f);
+  s.ops().upload(dout, host.data());
+  host.resize(static_cast<std::size_t>(B * T * Hkv * hd));
+  km::Tensor k = s.tensor({B * T, Hkv * hd}), v = s.tensor({B * T, Hkv * hd});
+  k2c::fill_uniform(host, k2c::testing::seed_for("perf/k"), -1.0f, 1.0f);
+  s.ops().upload(k, host.data());
+  k2c::fill_uniform(host, k2c::testing::seed_for("perf/v"), -1.0f, 1.0f);
+  s.ops().upload(v, host.data());
+
+  // This rank's rows, gathered on the device.
+  std::vector<std::int32_t> rows32;
+  for (std::int64_t row : spec_rows(cp, w.rank(), T, B)) rows32.push_back(static_cast<std::int32_t>(row));
+  const km::Tensor rows = s.upload_i32(rows32);
+  auto gather = [&](const km::Tensor& all) {
+    km::Tensor mine = s.tensor({local, all.dim(1)});
+    s.ops().gather_rows(all, rows, mine);
+    return mine;
+  };
+  km::Tensor ql = gather(q), kl = gather(k), vl = gather(v), dol = gather(dout);
+  km::Tensor ol = s.tensor(ql.shape()), ll = s.tensor({2 * B, H, C}), dql = s.tensor(ql.shape()),
+             dkl = s.tensor(kl.shape()), dvl = s.tensor(vl.shape());
+  const sp::RingAttention ring(s.ctx, w, {B, T, H, Hkv, hd, true});
+  auto step_ring = [&] {
+    ring.forward(s.ctx, ql, kl, vl, ol, ll);
+    ring.backward(s.ctx, ql, kl, vl, ol, ll, dol, dql, dkl, dvl);
+  };
+  const km::AttentionShape one{cp * B, static_cast<int>(L), static_cast<int>(L), H, Hkv, hd, true, 0, 0};
+  km::Tensor o1 = s.tensor(q.shape()), l1 = s.tensor({cp * B, H, L}), dq1 = s.tensor(q.shape()),
+             dk1 = s.tensor(k.shape()), dv1 = s.tensor(v.shape());
+  auto step_one = [&] {
+    s.ops().attention_forward(one, q, k, v, o1, l1);
+    s.ops().fill(dk1, 0.0f);
+    s.ops().fill(dv1, 0.0f);
+    s.ops().attention_backward(one, q, k, v, o1, l1, dout, dq1, dk1, dv1);
+  };
+  const kd::TimeStepOptions opt{.warmup = 2, .repeats = 7};
+  const double t1 = kd::time_step(w, step_one, opt).median_ms;
+  const double tr = kd::time_step(w, step_ring, opt).median_ms;
+
+  // The timed ring must compute the right thing: against the library on the whole sequence.
+  const km::AttentionShape all{B, static_cast<int>(T), static_cast<int>(T), H, Hkv, hd, true, 0, 0};
+  km::Tensor lw = s.tensor({B, H, T});
+  s.ops().attention_forward(all, q, k, v, o1, lw);
+  s.ops().fill(dk1, 0.0f);
+  s.ops().fill(dv1, 0.0f);
+  s.ops().attention_backward(all, q, k, v, o1, lw, dout, dq1, dk1, dv1);
+  std::size_t wrong = 0;
+  std::mt19937_64 fresh(std::random_device{}());
+  for (auto [got, whole_t] : {std::pair{&ol, &o1}, std::pair{&dql, &dq1}, std::pair{&dkl, &dk1}, std::pair{&dvl, &dv1}}) {
+    const Host a = s.download(*got), b = s.download(gather(*whole_t));
+    double ss = 0;
+    for (float e : b) ss += static_cast<double>(e) * e;
+    const double rms = std::sqrt(ss / static_cast<double>(b.size()));
+    for (int i = 0; i < 4096; ++i) {
+      const std::size_t e = fresh() % a.size();
+      wrong += !(std::abs(a[e] - b[e]) <= 2e-2 * rms + 1e-3 * std::abs(b[e]));
+    }
+  }
+  EXPECT_EQ(wrong, 0u) << "the timed ring attention disagrees with the library's attention on the whole sequence";
+
+  // Useful work: 14·head_dim FLOPs per visible (query, key) pair and query head.
+  const double per_pair = 14.0 * hd;
+  const double pairs_ring = static_cast<double>(B) * H * T * (T + 1) / 2 / cp;
+  const double pairs_one = static_cast<double>(cp) * B * H * L * (L + 1) / 2;
+  const double ring_tflops = per_pair * pairs_ring / (tr * 1e9), one_tflops = per_pair * pairs_one / (t1 * 1e9);
+  if (w.rank() == 0) {
+    K2C_EXPECT_PERF(ring_tflops, one_tflops,
+                    "causal attention forward + backward, " + std::to_string(T) + " tokens over " + std::to_string(cp) +
+                        " GPUs, " + std::to_string(H) + "/" + std::to_string(Hkv) + " heads of " + std::to_string(hd) +
+                        ": ring " + std::to_string(tr) + " ms (" + std::to_string(ring_tflops) +
+                        " TFLOP/s per GPU), one GPU on the same work " + std::to_string(t1) + " ms (" +
+                        std::to_string(one_tflops) + " TFLOP/s)");
+  }
+#endif
+}
