@@ -15,6 +15,7 @@
 // (a malformed rubric, an unknown module, a bad submission directory), 1 for other failures.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -64,7 +65,11 @@ void write_json(const std::string& path, const json& j) {
 json run_probe(bool ceilings, std::string* error) {
   const fs::path probe = self_dir() / "k2c_probe";
   if (!fs::exists(probe)) {
-    *error = "k2c_probe was not built (no CUDA toolkit in this build)";
+#ifdef K2C_BUILT_WITH_CUDA
+    *error = "k2c_probe is not built yet: cmake --build <build folder> --target k2c_probe";
+#else
+    *error = "this build has no CUDA toolkit (nvcc was not found when it was configured, or -DK2C_CUDA=OFF)";
+#endif
     return json();
   }
   std::vector<std::string> cmd = {probe.string()};
@@ -224,11 +229,31 @@ int main(int argc, char** argv) {
         std::cout << "device:        " << probe["device"]["name"].get<std::string>() << ", sm_"
                   << probe["device"]["cc"].get<std::string>() << ", " << probe["device"]["sms"] << " SMs\n";
       const bool gpu = !probe.is_null() && probe["device"].value("present", false);
+      const int gpus = gpu ? probe["device"].value("count", 1) : 0;
+      const std::string why_no_gpu =
+          probe.is_null() ? err : gpu ? "" : probe["device"].value("reason", std::string("no CUDA device"));
       const k2c::Rubric rubric = k2c::load_rubric((fs::path(root) / "autograder" / "rubric.json").string());
       std::cout << "modules:\n";
-      for (const auto& m : rubric.modules)
-        std::cout << "  " << m.id << "  " << m.points() << " points, " << m.kind << ": "
-                  << (m.kind == "cpu" || gpu ? "fully gradable here" : "GPU tests will be skipped here") << "\n";
+      for (const auto& m : rubric.modules) {
+        std::string can;
+        if (m.kind == "cpu") {
+          can = "fully gradable here";
+        } else if (m.kind == "gpu") {
+          can = gpu ? "fully gradable here" : "GPU tests will be skipped here (" + why_no_gpu + ")";
+        } else {  // mpi: runs on CPU ranks, and NCCL runs that need a GPU per rank
+          int nccl = 0;
+          for (const auto& r : m.runs)
+            if (r.backend == "nccl") nccl = std::max(nccl, r.ranks);
+          if (!on_path("mpirun"))
+            can = "needs mpirun (Open MPI): make deps";
+          else if (nccl == 0 || gpus >= nccl)
+            can = "fully gradable here";
+          else
+            can = "MPI runs gradable here; the NCCL run needs " + std::to_string(nccl) + " GPUs (" +
+                  (gpus ? "this machine has " + std::to_string(gpus) : why_no_gpu) + "): skipped";
+        }
+        std::cout << "  " << m.id << "  " << m.points() << " points, " << m.kind << ": " << can << "\n";
+      }
       return 0;
     }
     if (*ceilings_cmd) {

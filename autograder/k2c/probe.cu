@@ -4,6 +4,7 @@
 #include <cstring>
 #include <iostream>
 
+#include <cuda_runtime.h>
 #include <nlohmann/json.hpp>
 
 #include "k2c/ceilings.h"
@@ -12,8 +13,10 @@
 int main(int argc, char** argv) {
   const bool ceilings = argc > 1 && std::strcmp(argv[1], "--ceilings") == 0;
   const k2c::DeviceInfo& d = k2c::device_info();
+  int count = 0;
+  if (d.present && cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   nlohmann::json j;
-  j["device"] = {{"present", d.present}, {"reason", d.reason}, {"name", d.name},
+  j["device"] = {{"present", d.present}, {"count", count}, {"reason", d.reason}, {"name", d.name},
                  {"cc", std::to_string(d.cc_major) + std::to_string(d.cc_minor)},
                  {"sms", d.sms}, {"clock_ghz", d.clock_ghz}, {"l2_bytes", d.l2_bytes},
                  {"global_bytes", d.global_bytes}, {"driver", d.driver_version},
