@@ -1,6 +1,7 @@
 // grade.cpp — see grade.h.
 #include "grade.h"
 
+#include <fcntl.h>
 #include <pwd.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -302,7 +303,9 @@ Runner choose_runner(const GradeOptions& o) {
     r.note = name + " could not read what the build writes (umask " + std::to_string(mask) + ")";
     return r;
   }
-  for (const std::string& dir : {o.root, o.build_dir})
+  std::error_code tmp_ec;
+  const fs::path tmp = fs::temp_directory_path(tmp_ec);  // the run folders and rubric copies
+  for (const std::string& dir : {o.root, o.build_dir, tmp_ec ? std::string("/tmp") : tmp.string()})
     if (!searchable_by_others(dir, blocked)) {
       r.note = name + " cannot reach " + blocked + " (not searchable by others)";
       return r;
@@ -317,10 +320,41 @@ Runner choose_runner(const GradeOptions& o) {
       return r;
     }
   }
+  if (pw->pw_uid == 0) {  // another name for root: nothing to drop (and no one to clean up after)
+    r.note = name + " is root";
+    return r;
+  }
+  // A trial switch: without the capability to change users (a container that dropped it, a user
+  // namespace without that uid) every run would fail before it starts.
+  const ProcessResult trial =
+      run_process({"true"}, {.timeout_s = 30, .uid = static_cast<int>(pw->pw_uid), .gid = static_cast<int>(pw->pw_gid)});
+  if (trial.exit_code != 0) {
+    r.note = "cannot switch to " + name + " (" + first_lines(trial.output.empty() ? describe_exit(trial, 30) : trial.output, 1) + ")";
+    return r;
+  }
   r.uid = static_cast<int>(pw->pw_uid);
   r.gid = static_cast<int>(pw->pw_gid);
   r.name = name;
   return r;
+}
+
+// The GoogleTest report a run left in its folder, which the code under test could have replaced
+// with a link (to a file only the grader may read, a FIFO that never ends, /dev/zero): opened
+// without following links and without blocking, read only if it is a plain file, and only its
+// first 64 MiB. Empty when there is no such file.
+std::string read_report(const fs::path& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return "";
+  struct stat st {};
+  std::string text;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    constexpr std::size_t kMax = std::size_t{64} << 20;
+    char buf[65536];
+    ssize_t n = 0;
+    while (text.size() < kMax && (n = read(fd, buf, sizeof buf)) > 0) text.append(buf, static_cast<std::size_t>(n));
+  }
+  close(fd);
+  return text;
 }
 
 // A folder for one run of a test program as `runner`: its working directory and HOME, where
@@ -912,12 +946,16 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       auto all_env = env;
       all_env.emplace_back("K2C_RUBRIC", rubric_copy.path());
       all_env.emplace_back("HOME", folder.path().string());
+      // This run's mark, which its descendants inherit: what is still running with it afterwards
+      // is killed, and nothing else of the same user.
+      const std::string run_mark = folder.path().filename().string();
+      all_env.emplace_back("K2C_RUN", run_mark);
       all_env.insert(all_env.end(), extra_env.begin(), extra_env.end());
       const ProcessResult r = run_process(
           cmd, {.env = all_env, .cwd = folder.path().string(), .timeout_s = timeout, .uid = runner.uid, .gid = runner.gid});
       // Whatever it left running, detached from its process group, dies before the next run.
-      if (runner.uid >= 0) kill_all_of_user(runner.uid, runner.gid);
-      gtest_json = fs::exists(json_path) ? read_file(json_path) : "";
+      if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
+      gtest_json = read_report(json_path);
       if (!gtest_json.empty()) std::ofstream(kept) << gtest_json;
       ModuleOutcome out = evaluate_module(part, r, gtest_json, o.impl, timeout);
       if (o.sanitize) {  // the sanitizer's own verdict, for the record

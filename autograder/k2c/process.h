@@ -34,10 +34,12 @@ struct ProcessOptions {
 
 ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& options);
 
-// Kills every process of user `uid` (signalled from a child that has become that user, so
-// nothing else can be hit): what a run as that user may have left behind, detached from its
-// process group, to meddle with the next run. Needs root. Returns false if that failed.
-bool kill_all_of_user(int uid, int gid);
+// Kills what a run left behind, detached from its process group, to meddle with later runs: every
+// process of user `uid` whose environment holds K2C_RUN=`marker` (the grader sets a fresh marker
+// for each run; descendants inherit it). Processes of other runs as the same user (a second
+// grader on the machine) are left alone. Reading other users' environments needs root. Returns
+// the number of processes killed.
+int kill_run_leftovers(int uid, const std::string& marker);
 
 // "exit code 3", "killed by signal 11 (Segmentation fault)", "timed out after 30 s", ...
 std::string describe_exit(const ProcessResult& r, double timeout_s);

@@ -359,8 +359,9 @@ TEST(Process, ReportsExitCodeSignalAndMissingProgram) {
   EXPECT_NE(missing.output.find("cannot execute"), std::string::npos);
 }
 
-// As root, a child can be handed to another user before it runs anything, and what it leaves
-// behind detached from its group is killed afterwards.
+// As root, a child can be handed to another user before it runs anything, and what a run leaves
+// behind detached from its group is killed afterwards, by its mark: another run's processes of
+// the same user are left alone.
 TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
   const passwd* nobody = getpwnam("nobody");
@@ -369,32 +370,41 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   const auto id = k2c::grader::run_process({"sh", "-c", "id -u; id -g; id -G"}, {.uid = uid, .gid = gid});
   EXPECT_EQ(id.exit_code, 0) << id.output;
   EXPECT_EQ(id.output, std::to_string(uid) + "\n" + std::to_string(gid) + "\n" + std::to_string(gid) + "\n");
-  // A straggler in a session of its own, out of reach of the group kill.
-  const auto stray = k2c::grader::run_process({"sh", "-c", "setsid sleep 300 > /dev/null 2>&1 & echo started"},
-                                              {.uid = uid, .gid = gid});
-  EXPECT_EQ(stray.exit_code, 0) << stray.output;
-  auto sleepers = [&] {  // processes named sleep that belong to uid, from /proc
+  // Two stragglers in sessions of their own, out of reach of the group kill: one from "our" run,
+  // one from another run of the same user.
+  const std::string ours = "selftest-ours-" + std::to_string(getpid()), theirs = "selftest-theirs-" + std::to_string(getpid());
+  for (const std::string& mark : {ours, theirs}) {
+    // The shell waits a moment before it exits: the group kill at its end must find the sleeper
+    // already in its own session.
+    const auto stray = k2c::grader::run_process({"sh", "-c", "setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo started"},
+                                                {.env = {{"K2C_RUN", mark}}, .uid = uid, .gid = gid});
+    EXPECT_EQ(stray.exit_code, 0) << stray.output;
+  }
+  auto sleepers = [&](const std::string& mark) {  // live processes of uid carrying the mark, from /proc
     int n = 0;
     std::error_code ec;
     for (const auto& e : fs::directory_iterator("/proc", ec)) {
-      std::ifstream status(e.path() / "status");
-      std::string line, name;
+      std::ifstream status(e.path() / "status"), environ(e.path() / "environ", std::ios::binary);
+      std::string line, entry;
       int owner = -1;
-      bool zombie = false;  // killed, not yet reaped by whoever adopted it
+      bool zombie = false, marked = false;  // a zombie: killed, not yet reaped by whoever adopted it
       while (std::getline(status, line)) {
-        if (line.rfind("Name:", 0) == 0) name = line.substr(line.find_first_not_of(" \t", 5));
         if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
         if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
       }
-      n += name == "sleep" && owner == uid && !zombie;
+      while (!marked && std::getline(environ, entry, '\0')) marked = entry == "K2C_RUN=" + mark;
+      n += owner == uid && marked && !zombie;
     }
     return n;
   };
-  for (int i = 0; i < 100 && sleepers() == 0; ++i) usleep(20000);  // setsid and exec take a moment
-  EXPECT_GT(sleepers(), 0);
-  EXPECT_TRUE(k2c::grader::kill_all_of_user(uid, gid));
-  for (int i = 0; i < 100 && sleepers() > 0; ++i) usleep(20000);
-  EXPECT_EQ(sleepers(), 0);
+  for (int i = 0; i < 100 && (sleepers(ours) == 0 || sleepers(theirs) == 0); ++i) usleep(20000);
+  EXPECT_GT(sleepers(ours), 0);
+  EXPECT_GT(k2c::grader::kill_run_leftovers(uid, ours), 0);
+  for (int i = 0; i < 100 && sleepers(ours) > 0; ++i) usleep(20000);
+  EXPECT_EQ(sleepers(ours), 0);
+  EXPECT_GT(sleepers(theirs), 0) << "another run's process was killed";
+  EXPECT_EQ(k2c::grader::kill_run_leftovers(0, theirs), 0) << "root's processes are never a run's leftovers";
+  k2c::grader::kill_run_leftovers(uid, theirs);
 }
 
 // ---------------------------------------------------------------------------- end to end ---

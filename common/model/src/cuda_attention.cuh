@@ -184,22 +184,27 @@ __device__ int computed_cols(const BlockAttn& a, int t) { return a.causal ? (t /
 
 // rows = sequences·heads·T, row r = ((b·heads + h)·T + t). P gets exp(scale·s − lse) on the
 // visible columns and 0 on the masked ones the PV GEMM reads.
+// One warp a row, the warps striding over the rows (the grid is capped at 65535 blocks).
+#define K2C_FOR_EACH_WARP_ROW(r, rows)                                                                        \
+  for (std::int64_t r = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32; r < (rows); \
+       r += static_cast<std::int64_t>(gridDim.x) * blockDim.x / 32)
+
 __global__ void block_softmax_kernel(BlockAttn a, const float* S, __nv_bfloat16* P, float* lse, std::int64_t rows) {
-  const std::int64_t r = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (r >= rows) return;
-  const int t = static_cast<int>(r % a.T), cols = computed_cols(a, t), seen = a.causal ? t + 1 : a.T;
-  const float* s = S + r * a.T;
-  float mx = -INFINITY;
-  for (int j = lane; j < seen; j += 32) mx = fmaxf(mx, s[j]);
-  for (int o = 16; o; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0;
-  for (int j = lane; j < seen; j += 32) sum += __expf(a.scale * (s[j] - mx));
-  for (int o = 16; o; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float l = a.scale * mx + __logf(sum);
-  __nv_bfloat16* p = P + r * a.T;
-  for (int j = lane; j < cols; j += 32) p[j] = __float2bfloat16(j < seen ? __expf(a.scale * s[j] - l) : 0.0f);
-  if (lane == 0) lse[r] = l;
+  K2C_FOR_EACH_WARP_ROW(r, rows) {
+    const int t = static_cast<int>(r % a.T), cols = computed_cols(a, t), seen = a.causal ? t + 1 : a.T;
+    const float* s = S + r * a.T;
+    float mx = -INFINITY;
+    for (int j = lane; j < seen; j += 32) mx = fmaxf(mx, s[j]);
+    for (int o = 16; o; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0;
+    for (int j = lane; j < seen; j += 32) sum += __expf(a.scale * (s[j] - mx));
+    for (int o = 16; o; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float l = a.scale * mx + __logf(sum);
+    __nv_bfloat16* p = P + r * a.T;
+    for (int j = lane; j < cols; j += 32) p[j] = __float2bfloat16(j < seen ? __expf(a.scale * s[j] - l) : 0.0f);
+    if (lane == 0) lse[r] = l;
+  }
 }
 
 // Backward of the same row: P from the recomputed scores and lse, D = dO·O of the row's query,
@@ -208,24 +213,24 @@ __global__ void block_softmax_kernel(BlockAttn a, const float* S, __nv_bfloat16*
 __global__ void block_softmax_backward_kernel(BlockAttn a, int hd, const float* S, const float* dP, const float* lse,
                                               const float* o, const float* dout, __nv_bfloat16* P,
                                               __nv_bfloat16* dS, std::int64_t rows) {
-  const std::int64_t r = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (r >= rows) return;
-  const int t = static_cast<int>(r % a.T), cols = computed_cols(a, t), seen = a.causal ? t + 1 : a.T;
-  const std::int64_t bh = r / a.T, b = bh / a.heads, h = bh % a.heads;
-  const std::int64_t orow = ((b * a.T + t) * a.heads + h) * hd;
-  float d = 0;
-  for (int k = lane; k < hd; k += 32) d += o[orow + k] * dout[orow + k];
-  for (int off = 16; off; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
-  const float l = lse[r];
-  const float* s = S + r * a.T;
-  const float* dp = dP + r * a.T;
-  __nv_bfloat16* p = P + r * a.T;
-  __nv_bfloat16* ds = dS + r * a.T;
-  for (int j = lane; j < cols; j += 32) {
-    const float pj = j < seen ? __expf(a.scale * s[j] - l) : 0.0f;
-    p[j] = __float2bfloat16(pj);
-    ds[j] = __float2bfloat16(pj * (dp[j] - d) * a.scale);
+  K2C_FOR_EACH_WARP_ROW(r, rows) {
+    const int t = static_cast<int>(r % a.T), cols = computed_cols(a, t), seen = a.causal ? t + 1 : a.T;
+    const std::int64_t bh = r / a.T, b = bh / a.heads, h = bh % a.heads;
+    const std::int64_t orow = ((b * a.T + t) * a.heads + h) * hd;
+    float d = 0;
+    for (int k = lane; k < hd; k += 32) d += o[orow + k] * dout[orow + k];
+    for (int off = 16; off; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
+    const float l = lse[r];
+    const float* s = S + r * a.T;
+    const float* dp = dP + r * a.T;
+    __nv_bfloat16* p = P + r * a.T;
+    __nv_bfloat16* ds = dS + r * a.T;
+    for (int j = lane; j < cols; j += 32) {
+      const float pj = j < seen ? __expf(a.scale * s[j] - l) : 0.0f;
+      p[j] = __float2bfloat16(pj);
+      ds[j] = __float2bfloat16(pj * (dp[j] - d) * a.scale);
+    }
   }
 }
 

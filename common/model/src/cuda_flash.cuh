@@ -201,14 +201,14 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
 
 // D_i = Σ_d dO·O of each query row, [sequences, heads, T]: one warp a row.
 __global__ void delta_kernel(const float* o, const float* dout, float* delta, std::int64_t rows, int T, int heads, int hd) {
-  const std::int64_t r = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;  // (b·T + t)·heads + h
   const int lane = threadIdx.x % 32;
-  if (r >= rows) return;
-  float d = 0;
-  for (int c = lane; c < hd; c += 32) d += o[r * hd + c] * dout[r * hd + c];
-  for (int off = 16; off; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
-  const std::int64_t h = r % heads, bt = r / heads, b = bt / T, t = bt % T;
-  if (lane == 0) delta[(b * heads + h) * T + t] = d;
+  K2C_FOR_EACH_WARP_ROW(r, rows) {  // r = (b·T + t)·heads + h
+    float d = 0;
+    for (int c = lane; c < hd; c += 32) d += o[r * hd + c] * dout[r * hd + c];
+    for (int off = 16; off; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
+    const std::int64_t h = r % heads, bt = r / heads, b = bt / T, t = bt % T;
+    if (lane == 0) delta[(b * heads + h) * T + t] = d;
+  }
 }
 
 // dk_out / dv_out: [sequences·T, out_heads·D] fp32, head `out_head`; `add` adds into them (the

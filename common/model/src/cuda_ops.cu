@@ -604,7 +604,8 @@ class CudaOps final : public Ops {
     const Matrix mx = as_matrix(x), mw = as_matrix(w), my = as_matrix(dy);
     if (dw) checks::gemm_dims(dy, true, x, false, *dw);
     if (dx) checks::gemm_dims(dy, false, w, false, *dx);
-    if (my.rows == 0 || my.cols == 0 || (!dw && !dx)) return Ops::linear_backward(x, w, dy, dw, dx);  // empty
+    if (my.rows == 0 || my.cols == 0 || mx.cols == 0 || mw.cols == 0 || (!dw && !dx))
+      return Ops::linear_backward(x, w, dy, dw, dx);  // an empty product: matmul's rules for it
     K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
     const __nv_bfloat16* dy16 = to_bf16(dy, ws_, kLinearDy);
     if (dw) gemm16(dy16, true, my.cols, to_bf16(x, ws_, kGemmB), false, mx.cols, *dw, my.cols, mx.cols, my.rows, 1.0f, 1.0f);
@@ -880,6 +881,9 @@ Ops& cuda_ops(GpuMath math) {
 }
 
 void cuda_ops_use_stream(void* stream) {
+  // Work queued on the old stream must be done before the new one can reuse the memory it used
+  // (the allocator's cache and the workspace rely on stream order, and two streams have none).
+  if (g_stream != static_cast<cudaStream_t>(stream)) K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
   g_stream = static_cast<cudaStream_t>(stream);
 }
 

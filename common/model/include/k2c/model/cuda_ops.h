@@ -20,7 +20,9 @@ bool cuda_device_present();
 Ops& cuda_ops(GpuMath math = GpuMath::bf16);
 // Issues every later operation of both GPU backends to `stream` (a cudaStream_t; nullptr: the
 // legacy default stream) — for instance a communicator's compute stream, so that collectives
-// ordered against that stream see the model's results.
+// ordered against that stream see the model's results. Waits for the old stream first. The
+// backends reuse a freed tensor's memory in stream order: a tensor handed to a started
+// collective must live until that collective's wait().
 void cuda_ops_use_stream(void* stream);
 
 }  // namespace k2c::model
