@@ -773,15 +773,22 @@ TEST(Hostile, RewritingTheCourseStopsGrading) {
   EXPECT_NE(run.output.compare(staged + 22, course.string().size(), course.string()), 0) << run.output;
 }
 
-// The grader as root runs code under test as nobody: the same rewrite of the course fails, the
-// course is unchanged and grading goes on to the honest module, which earns full marks.
+// The grader as root runs code under test as nobody: the same rewrite of the course fails, so
+// does a file dropped into the build tree, the course is unchanged and grading goes on to the
+// honest module, which earns full marks.
 TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
   const fs::path course = fake_course_copy("readonly_course"), sub = kTmp / "readonly_submission";
   const fs::path build = kTmp / "readonly_build", report_path = kTmp / "readonly_report.json";
   fs::remove_all(sub);
   fs::remove_all(build);
-  write(sub / "assignments/94_tamper/tamper.cpp", tamperer(course / "submission_rubric.json"));
+  // The rewrite of the course's rubric, and a file dropped into the build tree (where a later
+  // module's programs are built).
+  std::string attack = tamperer(course / "submission_rubric.json");
+  const fs::path dropped = build / "build" / "dropped-by-submission";
+  attack.replace(attack.find("  std::ofstream(path) << text;"), 29,
+                 "  std::ofstream(path) << text;\n  std::ofstream(\"" + dropped.string() + "\") << \"x\";");
+  write(sub / "assignments/94_tamper/tamper.cpp", attack);
   write(sub / "assignments/90_honest/honest.cpp", kHonest);
   const ProcessResult run = k2c::grader::run_process(
       {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
@@ -795,6 +802,7 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
   EXPECT_EQ(runner, "code under test runs as nobody");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_EQ(slurp(course / "submission_rubric.json"), slurp(kFake / "submission_rubric.json"));
+  EXPECT_FALSE(fs::exists(dropped)) << "code under test wrote into the build tree";
   const json report = json::parse(slurp(report_path));
   EXPECT_EQ(report["runner"], "nobody");
   const json& honest = find_named(report["modules"], "id", "90_honest");
