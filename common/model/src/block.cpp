@@ -67,19 +67,20 @@ void Block::backward(Context& ctx, const Tensor& x, const Tensor& positions, int
   Internals& in = *saved.internals;
   const Shape shape = x.shape();
   // out = h + drop(mlp(norm2(h)))
-  Tensor g = ctx.tensor(shape), dn = ctx.tensor(shape), dh = ctx.tensor(shape);
-  if (ctx.dropout > 0) ctx.ops.dropout(dout, ctx.dropout, residual_key(saved.dropout, index_, 1), g);
-  else ctx.ops.copy(g, dout);
+  // Without dropout a branch's output gradient is the residual's own: used as it is, not copied.
+  Tensor dropped = ctx.dropout > 0 ? ctx.tensor(shape) : Tensor(), dn = ctx.tensor(shape), dh = ctx.tensor(shape);
+  if (ctx.dropout > 0) ctx.ops.dropout(dout, ctx.dropout, residual_key(saved.dropout, index_, 1), dropped);
+  const Tensor& g_mlp = ctx.dropout > 0 ? dropped : dout;
   if (is_moe_)
-    moe_.backward(ctx, in.n2, in.moe, g, dn);
+    moe_.backward(ctx, in.n2, in.moe, g_mlp, dn);
   else
-    mlp_.backward(ctx, in.n2, in.mlp, g, dn);
+    mlp_.backward(ctx, in.n2, in.mlp, g_mlp, dn);
   norm2_.backward(ctx, in.h, in.norm2, dn, dh);
   ctx.ops.accumulate(dh, dout, 1.0f);
   // h = x + drop(attn(norm1(x)))
-  if (ctx.dropout > 0) ctx.ops.dropout(dh, ctx.dropout, residual_key(saved.dropout, index_, 0), g);
-  else ctx.ops.copy(g, dh);
-  attn_.backward(ctx, in.n1, positions, batch, in.attn, g, dn);
+  if (ctx.dropout > 0) ctx.ops.dropout(dh, ctx.dropout, residual_key(saved.dropout, index_, 0), dropped);
+  const Tensor& g_attn = ctx.dropout > 0 ? dropped : dh;
+  attn_.backward(ctx, in.n1, positions, batch, in.attn, g_attn, dn);
   norm1_.backward(ctx, x, in.norm1, dn, dx);
   ctx.ops.accumulate(dx, dh, 1.0f);
   saved.internals.reset();  // backward is done with them

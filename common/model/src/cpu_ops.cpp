@@ -30,6 +30,22 @@ void AttentionShape::check() const {
     bad("q_heads must be a positive multiple of kv_heads");
 }
 
+// The shared-input Linear operations, for every backend that has nothing better: plain matmul calls.
+void Ops::shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
+  if (ws.size() != ys.size()) throw std::invalid_argument("shared_linear_forward: one output per weight");
+  for (std::size_t i = 0; i < ws.size(); ++i) matmul(x, false, *ws[i], true, *ys[i], 1.0f, 0.0f);
+}
+
+void Ops::shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                                 std::span<Tensor* const> dws, Tensor* dx) {
+  if (ws.size() != dys.size() || ws.size() != dws.size())
+    throw std::invalid_argument("shared_linear_backward: one output gradient and one weight gradient per weight");
+  for (std::size_t i = 0; i < ws.size(); ++i)
+    if (dws[i]) matmul(*dys[i], true, x, false, *dws[i], 1.0f, 1.0f);
+  if (dx)
+    for (std::size_t i = 0; i < ws.size(); ++i) matmul(*dys[i], false, *ws[i], false, *dx, 1.0f, i == 0 ? 0.0f : 1.0f);
+}
+
 namespace {
 
 using checks::as_matrix;

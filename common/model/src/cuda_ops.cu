@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -388,10 +389,39 @@ __global__ void swiglu_backward4_kernel(const float4* g, const float4* u, const 
   }
 }
 
-// One block a row: log-sum-exp, the row's loss into loss[row], the gradient written.
+// Online softmax (as in FlashAttention): fold x into a running (max m, sum s of exp(· − m)).
+__device__ __forceinline__ void lse_add(float& m, float& s, float x) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;
+    m = x;
+  } else if (x != -INFINITY) {  // (−inf − −inf would be NaN)
+    s += expf(x - m);
+  }
+}
+// Two running pairs merged; a pair that saw nothing is (−inf, 0).
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) return;
+  s = s * expf(m - mx) + s2 * expf(m2 - mx);
+  m = mx;
+}
+// The block's (max, sum) pair, returned to every thread: warps by shuffles, then the warps' pairs.
+__device__ void block_lse(float& m, float& s) {
+  __shared__ float wm[kThreads / 32], ws[kThreads / 32];
+  for (int o = 16; o > 0; o /= 2) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  if (threadIdx.x % 32 == 0) wm[threadIdx.x / 32] = m, ws[threadIdx.x / 32] = s;
+  __syncthreads();
+  m = wm[0], s = ws[0];
+  for (int w = 1; w < kThreads / 32; ++w) lse_merge(m, s, wm[w], ws[w]);
+  __syncthreads();
+}
+
+// One block a row, two passes over the logits instead of three: the log-sum-exp in one online
+// pass, then the gradient (the row is 128 KiB at a 32k vocabulary, so the second read mostly hits
+// L2). Rows of a multiple of 4 go a float4 at a time (the caller checks the alignment).
+template <bool kVec4>
 __global__ void cross_entropy_kernel(const float* z, const int* t, float scale, float* dz, double* loss, std::int64_t cols,
                                      int* bad) {
-  __shared__ float scratch[kThreads];
   const std::int64_t o = blockIdx.x * cols;
   const int target = t[blockIdx.x];
   if (target < 0 || target >= cols) {
@@ -402,13 +432,32 @@ __global__ void cross_entropy_kernel(const float* z, const int* t, float scale, 
     }
     return;
   }
-  float mx = -INFINITY;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) mx = fmaxf(mx, z[o + j]);
-  mx = block_max(mx, scratch);
-  float s = 0;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) s += expf(z[o + j] - mx);
-  const float lse = mx + logf(block_sum(s, scratch));
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) dz[o + j] = scale * (expf(z[o + j] - lse) - (j == target ? 1.0f : 0.0f));
+  float m = -INFINITY, s = 0;
+  if constexpr (kVec4) {
+    const float4* z4 = reinterpret_cast<const float4*>(z + o);
+    for (std::int64_t j = threadIdx.x; j < cols / 4; j += blockDim.x) {
+      const float4 v = z4[j];
+      lse_add(m, s, v.x), lse_add(m, s, v.y), lse_add(m, s, v.z), lse_add(m, s, v.w);
+    }
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) lse_add(m, s, z[o + j]);
+  }
+  block_lse(m, s);
+  const float lse = m + logf(s);
+  if constexpr (kVec4) {
+    const float4* z4 = reinterpret_cast<const float4*>(z + o);
+    float4* d4 = reinterpret_cast<float4*>(dz + o);
+    for (std::int64_t j = threadIdx.x; j < cols / 4; j += blockDim.x) {
+      const float4 v = z4[j];
+      float4 g = make_float4(scale * expf(v.x - lse), scale * expf(v.y - lse), scale * expf(v.z - lse), scale * expf(v.w - lse));
+      d4[j] = g;
+    }
+    __syncthreads();  // the target's element is corrected after every thread has written its own
+    if (threadIdx.x == 0) dz[o + target] = scale * (expf(z[o + target] - lse) - 1.0f);
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x)
+      dz[o + j] = scale * (expf(z[o + j] - lse) - (j == target ? 1.0f : 0.0f));
+  }
   if (threadIdx.x == 0) loss[blockIdx.x] = static_cast<double>(lse) - z[o + target];
 }
 
@@ -612,6 +661,45 @@ class CudaOps final : public Ops {
     if (dx) gemm16(dy16, false, my.cols, to_bf16(w, ws_, kGemmB), false, mw.cols, *dx, my.rows, mw.cols, my.cols, 1.0f, 0.0f);
   }
 
+  void shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) override {
+    if (math_ != GpuMath::bf16 || ws.size() != ys.size()) return Ops::shared_linear_forward(x, ws, ys);
+    const Matrix mx = as_matrix(x);
+    for (std::size_t i = 0; i < ws.size(); ++i) checks::gemm_dims(x, false, *ws[i], true, *ys[i]);
+    if (mx.rows == 0 || mx.cols == 0) return Ops::shared_linear_forward(x, ws, ys);  // matmul's rules
+    K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
+    const __nv_bfloat16* x16 = to_bf16(x, ws_, kGemmA);  // once for every projection
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      const std::int64_t N = as_matrix(*ws[i]).rows;
+      if (N > 0) gemm16(x16, false, mx.cols, to_bf16(*ws[i], ws_, kGemmB), true, mx.cols, *ys[i], mx.rows, N, mx.cols, 1.0f, 0.0f);
+    }
+  }
+  void shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                              std::span<Tensor* const> dws, Tensor* dx) override {
+    if (math_ != GpuMath::bf16 || ws.size() != dys.size() || ws.size() != dws.size())
+      return Ops::shared_linear_backward(x, ws, dys, dws, dx);
+    const Matrix mx = as_matrix(x);
+    bool empty = mx.rows == 0 || mx.cols == 0;
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      if (dws[i]) checks::gemm_dims(*dys[i], true, x, false, *dws[i]);
+      if (dx) checks::gemm_dims(*dys[i], false, *ws[i], false, *dx);
+      empty = empty || as_matrix(*dys[i]).cols == 0;
+    }
+    if (empty || ws.empty()) return Ops::shared_linear_backward(x, ws, dys, dws, dx);  // matmul's rules
+    K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
+    const __nv_bfloat16* x16 = nullptr;
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      const Matrix my = as_matrix(*dys[i]);
+      const __nv_bfloat16* dy16 = to_bf16(*dys[i], ws_, kLinearDy);  // once for both of its products
+      if (dws[i]) {
+        if (!x16) x16 = to_bf16(x, ws_, kGemmA);  // once for every weight gradient
+        gemm16(dy16, true, my.cols, x16, false, mx.cols, *dws[i], my.cols, mx.cols, my.rows, 1.0f, 1.0f);
+      }
+      if (dx)
+        gemm16(dy16, false, my.cols, to_bf16(*ws[i], ws_, kGemmB), false, mx.cols, *dx, my.rows, mx.cols, my.cols, 1.0f,
+               i == 0 ? 0.0f : 1.0f);
+    }
+  }
+
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
     const Matrix t = as_matrix(table);
     out.expect({ids.numel(), t.cols}, "embedding output");
@@ -726,8 +814,12 @@ class CudaOps final : public Ops {
     if (m.rows == 0) return 0;
     auto* losses = static_cast<double*>(ws_.get(kLosses, m.rows * sizeof(double)));
     clear_flag();
-    cross_entropy_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(logits.f32(), targets.i32(), grad_scale, dlogits.f32(), losses,
-                                                         m.cols, flag_);
+    if (vectorizable(m.cols, {logits.raw(), dlogits.raw()}))
+      cross_entropy_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(logits.f32(), targets.i32(), grad_scale,
+                                                                              dlogits.f32(), losses, m.cols, flag_);
+    else
+      cross_entropy_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(logits.f32(), targets.i32(), grad_scale,
+                                                                               dlogits.f32(), losses, m.cols, flag_);
     K2C_CUDA_CHECK_LAUNCH();
     std::vector<double> host(static_cast<std::size_t>(m.rows));
     K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 namespace k2c::model {
 
@@ -27,6 +28,25 @@ void Linear::forward(Context& ctx, const Tensor& x, Tensor& y) const {
 void Linear::backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor* dx) const {
   ctx.ops.linear_backward(x, ctx.params.value(w_), dy, ctx.trains(w_) ? &ctx.params.grad(w_) : nullptr, dx);
   ctx.params.grad_done(w_);
+}
+
+void Linear::forward_shared(Context& ctx, const Tensor& x, std::initializer_list<const Linear*> layers,
+                            std::initializer_list<Tensor*> ys) {
+  std::vector<const Tensor*> ws;
+  for (const Linear* l : layers) ws.push_back(&ctx.params.value(l->w_));
+  ctx.ops.shared_linear_forward(x, ws, std::span<Tensor* const>(ys.begin(), ys.size()));
+}
+
+void Linear::backward_shared(Context& ctx, const Tensor& x, std::initializer_list<const Linear*> layers,
+                             std::initializer_list<const Tensor*> dys, Tensor* dx) {
+  std::vector<const Tensor*> ws;
+  std::vector<Tensor*> dws;
+  for (const Linear* l : layers) {
+    ws.push_back(&ctx.params.value(l->w_));
+    dws.push_back(ctx.trains(l->w_) ? &ctx.params.grad(l->w_) : nullptr);
+  }
+  ctx.ops.shared_linear_backward(x, ws, std::span<const Tensor* const>(dys.begin(), dys.size()), dws, dx);
+  for (const Linear* l : layers) ctx.params.grad_done(l->w_);  // in the order given, as one backward each would
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -104,9 +124,7 @@ void Attention::forward(Context& ctx, const Tensor& x, const Tensor& positions, 
   s.v = ctx.tensor({N, kv});
   s.o = ctx.tensor({N, config_.d_model});
   s.lse = ctx.tensor({batch, config_.q_heads, positions.numel()});
-  wq_.forward(ctx, x, s.q);
-  wk_.forward(ctx, x, s.k);
-  wv_.forward(ctx, x, s.v);
+  Linear::forward_shared(ctx, x, {&wq_, &wk_, &wv_}, {&s.q, &s.k, &s.v});
   ctx.ops.rope(s.q, positions, config_.q_heads, config_.head_dim(), config_.rope_theta, false);
   ctx.ops.rope(s.k, positions, config_.kv_heads, config_.head_dim(), config_.rope_theta, false);
   ctx.ops.attention_forward(shape_of(config_, batch, positions.numel()), s.q, s.k, s.v, s.o, s.lse);
@@ -126,12 +144,7 @@ void Attention::backward(Context& ctx, const Tensor& x, const Tensor& positions,
   ctx.ops.rope(dq, positions, config_.q_heads, config_.head_dim(), config_.rope_theta, true);
   ctx.ops.rope(dk, positions, config_.kv_heads, config_.head_dim(), config_.rope_theta, true);
   // The projections saw x before RoPE; x is the same for all three, so their input gradients add.
-  Tensor part = ctx.tensor(x.shape());
-  wv_.backward(ctx, x, dv, &dx);
-  wk_.backward(ctx, x, dk, &part);
-  ctx.ops.accumulate(dx, part, 1.0f);
-  wq_.backward(ctx, x, dq, &part);
-  ctx.ops.accumulate(dx, part, 1.0f);
+  Linear::backward_shared(ctx, x, {&wv_, &wk_, &wq_}, {&dv, &dk, &dq}, &dx);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -146,8 +159,7 @@ void Mlp::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
   s.gate = ctx.tensor({N, gate_.out()});
   s.up = ctx.tensor({N, up_.out()});
   s.h = ctx.tensor({N, up_.out()});
-  gate_.forward(ctx, x, s.gate);
-  up_.forward(ctx, x, s.up);
+  Linear::forward_shared(ctx, x, {&gate_, &up_}, {&s.gate, &s.up});
   ctx.ops.swiglu_forward(s.gate, s.up, s.h);
   down_.forward(ctx, s.h, y);
 }
@@ -156,10 +168,7 @@ void Mlp::backward(Context& ctx, const Tensor& x, const Saved& s, const Tensor& 
   Tensor dh = ctx.tensor(s.h.shape()), dgate = ctx.tensor(s.gate.shape()), dup = ctx.tensor(s.up.shape());
   down_.backward(ctx, s.h, dy, &dh);
   ctx.ops.swiglu_backward(s.gate, s.up, dh, dgate, dup);
-  Tensor part = ctx.tensor(x.shape());
-  up_.backward(ctx, x, dup, &dx);
-  gate_.backward(ctx, x, dgate, &part);
-  ctx.ops.accumulate(dx, part, 1.0f);
+  Linear::backward_shared(ctx, x, {&up_, &gate_}, {&dup, &dgate}, &dx);
 }
 
 }  // namespace k2c::model

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
@@ -59,6 +60,13 @@ class Linear {
   void forward(Context& ctx, const Tensor& x, Tensor& y) const;
   // dW += dyᵀ·x, then dx = dy·W (if dx), then the weight reports done.
   void backward(Context& ctx, const Tensor& x, const Tensor& dy, Tensor* dx) const;
+  // Several Linear layers that read the same x (q, k and v; gate and up), as one shared-input
+  // operation of the backend: ys[i] = x·W_iᵀ; backward adds each dW_i, writes dx = Σ dy_i·W_i and
+  // reports the weights done in the order given.
+  static void forward_shared(Context& ctx, const Tensor& x, std::initializer_list<const Linear*> layers,
+                             std::initializer_list<Tensor*> ys);
+  static void backward_shared(Context& ctx, const Tensor& x, std::initializer_list<const Linear*> layers,
+                              std::initializer_list<const Tensor*> dys, Tensor* dx);
   ParamId weight() const { return w_; }
   std::int64_t in() const { return in_; }
   std::int64_t out() const { return out_; }

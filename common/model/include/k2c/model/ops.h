@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "k2c/model/tensor.h"
@@ -75,6 +76,16 @@ class Ops {
     if (dw) matmul(dy, true, x, false, *dw, 1.0f, 1.0f);
     if (dx) matmul(dy, false, w, false, *dx, 1.0f, 0.0f);
   }
+  // Several Linear layers that read one input (attention's q, k and v projections; the MLP's
+  // gate and up): ys[i] = x·W_iᵀ. By default one matmul each; the GPU's fast path rounds x to
+  // bf16 once for all of them.
+  virtual void shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys);
+  // Their backward: dW_i += dy_iᵀ·x for each dws[i] given (null: a frozen weight), then, where dx
+  // is given, dx = dy_0·W_0 + dy_1·W_1 + … summed in order of i into dx (one GEMM each, the later
+  // ones with beta = 1, so no separate accumulate pass). By default matmul calls; the GPU's fast
+  // path rounds x and each dy to bf16 once.
+  virtual void shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws,
+                                      std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx);
 
   // ---- layers' kernels
   // out[i, :] = table[ids[i], :]; ids i32 [N], table [V, D], out [N, D]. An id outside [0, V)

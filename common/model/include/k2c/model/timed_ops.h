@@ -51,6 +51,13 @@ class TimedOps final : public Ops {
   void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dw, Tensor* dx) override {
     time("linear backward (dW, dX)", [&] { inner_.linear_backward(x, w, dy, dw, dx); });
   }
+  void shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) override {
+    time("matmul fwd (a bT)", [&] { inner_.shared_linear_forward(x, ws, ys); });
+  }
+  void shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                              std::span<Tensor* const> dws, Tensor* dx) override {
+    time("linear backward (dW, dX)", [&] { inner_.shared_linear_backward(x, ws, dys, dws, dx); });
+  }
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
     time("embedding", [&] { inner_.embedding_forward(ids, table, out); });
   }
