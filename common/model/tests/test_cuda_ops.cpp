@@ -196,6 +196,16 @@ TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {
   const double lg = gpu().cross_entropy(z.gpu, tg.gpu, 0.25f, dz.gpu);
   EXPECT_NEAR(lc, lg, 1e-5 * std::abs(lc));
   expect_close(dz, "cross-entropy gradient");
+  // Rows the float4 path cannot take (37 columns) and rows longer than a block's pass (2052),
+  // the gradients poisoned with NaN first: every element must be written.
+  for (const std::int64_t cols : {37, 2052}) {
+    Pair zz = t.random({5, cols}, 4.0f), tt = t.ints({5}, {0, static_cast<std::int32_t>(cols - 1), -1, 11, 5});
+    Pair dd = t.make({5, cols}, std::vector<float>(static_cast<std::size_t>(5 * cols), NAN));
+    const double c = cpu_ops().cross_entropy(zz.cpu, tt.cpu, 0.5f, dd.cpu);
+    const double g = gpu().cross_entropy(zz.gpu, tt.gpu, 0.5f, dd.gpu);
+    EXPECT_NEAR(c, g, 1e-5 * std::abs(c)) << cols << " columns";
+    expect_close(dd, cols == 37 ? "cross-entropy gradient (37 columns)" : "cross-entropy gradient (2052 columns)");
+  }
 }
 
 // A whole training step and three AdamW steps of a small model on both backends.
@@ -286,6 +296,35 @@ TEST(CudaOpsBf16, GemmLayouts) {
   expect_close_bf16(y, "y = x Wt", 1e-2, 2e-2);
   expect_close_bf16(dx, "dx = 0.5 dy W", 1e-2, 2e-2);
   expect_close_bf16(dw, "dW += dyT x", 1e-2, 2e-2);
+}
+
+// Three projections of one input (q, k, v of a GQA layer: two widths), one of them frozen: the
+// fast path's shared-input operations against the CPU's plain matmuls. dx starts as NaN (it is
+// written, not added) and the trained dW from random values (they are added to).
+TEST(CudaOpsBf16, SharedInputLinears) {
+  REQUIRE_DEVICE();
+  Both t;
+  Pair x = t.random({53, 96}), wq = t.random({96, 96}), wk = t.random({24, 96}), wv = t.random({24, 96});
+  Pair q = t.make({53, 96}, std::vector<float>(53 * 96, NAN)), k = t.make({53, 24}, std::vector<float>(53 * 24, NAN)),
+       v = t.make({53, 24}, std::vector<float>(53 * 24, NAN));
+  Pair dq = t.random({53, 96}), dk = t.random({53, 24}), dv = t.random({53, 24});
+  Pair dwq = t.random({96, 96}), dwv = t.random({24, 96}), dx = t.make({53, 96}, std::vector<float>(53 * 96, NAN));
+  auto pick = [](Pair& p, bool g) -> Tensor* { return g ? &p.gpu : &p.cpu; };
+  for (Ops* ops : {&cpu_ops(), &fast()}) {
+    const bool g = ops == &fast();
+    const std::vector<const Tensor*> ws{pick(wv, g), pick(wk, g), pick(wq, g)};
+    const std::vector<Tensor*> ys{pick(v, g), pick(k, g), pick(q, g)};
+    ops->shared_linear_forward(*pick(x, g), ws, ys);
+    const std::vector<const Tensor*> dys{pick(dv, g), pick(dk, g), pick(dq, g)};
+    const std::vector<Tensor*> dws{pick(dwv, g), nullptr, pick(dwq, g)};  // wk frozen
+    ops->shared_linear_backward(*pick(x, g), ws, dys, dws, pick(dx, g));
+  }
+  expect_close_bf16(q, "q = x Wqt", 1e-2, 2e-2);
+  expect_close_bf16(k, "k = x Wkt", 1e-2, 2e-2);
+  expect_close_bf16(v, "v = x Wvt", 1e-2, 2e-2);
+  expect_close_bf16(dwq, "dWq += dqT x", 1e-2, 2e-2);
+  expect_close_bf16(dwv, "dWv += dvT x", 1e-2, 2e-2);
+  expect_close_bf16(dx, "dx = dv Wv + dk Wk + dq Wq", 1e-2, 2e-2);
 }
 
 // Forward and backward of one attention shape on the CPU and on the fast path; dk and dv start
