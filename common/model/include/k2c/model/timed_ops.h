@@ -4,7 +4,9 @@
 // On a GPU the operations are asynchronous, so each one is bracketed by `sync` (for the CUDA
 // backend, a device synchronise): the figures are the time each operation takes on its own,
 // without the overlap a normal step gets, and the step runs slower while it is being timed.
-// Use it for one profiled step next to the timed ones, never for the timed ones themselves.
+// Use it for one profiled step next to the timed ones, never for the timed ones themselves. Each
+// operation is also an NVTX range of the same name where the NVTX headers are found, so
+// `nsys profile k2c_model_bench` shows the profiled step with the table's names.
 #pragma once
 
 #include <chrono>
@@ -13,6 +15,7 @@
 #include <string>
 
 #include "k2c/model/ops.h"
+#include "k2c/nvtx.h"
 
 namespace k2c::model {
 
@@ -122,6 +125,7 @@ class TimedOps final : public Ops {
   void time(const char* what, F&& f) {
     sync_();
     const auto t0 = std::chrono::steady_clock::now();
+    K2C_NVTX_RANGE(what);  // the same names on an nsys timeline as in the table
     f();
     sync_();
     Entry& e = entries_[what];
