@@ -14,7 +14,8 @@
 #   make handout OUT=dir            a student tree without solutions/, with the students' README
 #                                   (docs/README.handout.md as its README.md)
 #   make figures                    rewrite the measured figures and tables of the docs from
-#                                   autograder/reference/h200.json (make test checks them)
+#                                   autograder/reference/h200.json and lab/results/h200.json
+#                                   (make test checks them)
 #   make clean
 IMPL    ?= assignments
 MODULES ?=

@@ -1,5 +1,5 @@
 # K2CModule.cmake — k2c_add_module(NN_name KIND gpu|cpu|mpi [RANKS 1 2 ...] [SOURCES more.cu ...]
-#                                  [MODEL]): one call declares a whole module.
+#                                  [MODEL] [USES NN_other ...]): one call declares a whole module.
 #
 # For module NN_name it builds
 #   k2c_impl_NN_name   the implementation, from ${K2C_IMPL}/NN_name/name.cu, as a SHARED library
@@ -16,10 +16,14 @@
 # test program also links the GPU backend k2c_model_cuda where it is built (K2C_MODEL_CUDA=1, for
 # the performance tests on NCCL), and autograder/NN_name/name_bench.cpp, if present, becomes the
 # program k2c_name (MPI and the model library, like the tests).
+# USES: the implementation also links the implementations of the modules listed (declared
+# earlier), from the same tree: the capstone composes the student's own parallel algorithms of
+# 12–17, so a build from assignments/ runs the student's code and one from solutions/ the
+# reference's. Only their contracts' namespaces are visible, as for any caller.
 # Each module is its own set of targets, so the grader builds them one at a time and a compile
 # error in one module never blocks another.
 function(k2c_add_module id)
-  cmake_parse_arguments(arg "MODEL" "KIND" "RANKS;SOURCES" ${ARGN})
+  cmake_parse_arguments(arg "MODEL" "KIND" "RANKS;SOURCES;USES" ${ARGN})
   if(NOT id MATCHES "^([0-9][0-9])_([a-z0-9_]+)$")
     message(FATAL_ERROR "k2c_add_module: '${id}' is not NN_snake_name")
   endif()
@@ -61,6 +65,12 @@ function(k2c_add_module id)
   if(arg_MODEL)
     target_link_libraries(k2c_impl_${id} PUBLIC k2c_model)
   endif()
+  foreach(used IN LISTS arg_USES)
+    if(NOT TARGET k2c_impl_${used})
+      message(FATAL_ERROR "k2c_add_module(${id}): USES ${used}, which is not a module declared before it")
+    endif()
+    target_link_libraries(k2c_impl_${id} PUBLIC k2c_impl_${used})
+  endforeach()
   # Export the contract's namespace and nothing else: a student library that defines, say,
   # cublasSgemm_v2 or cudaEventElapsedTime cannot interpose them on the harness that measures it.
   set(exports ${CMAKE_BINARY_DIR}/exports/${id}.map)

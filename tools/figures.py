@@ -2,11 +2,13 @@
 """Measured figures in the docs, generated from the reference file and checked against it.
 
     tools/figures.py --write [--reference FILE] [FILE.md ...]   rewrite every figure and table
-    tools/figures.py --check [--reference FILE] [FILE.md ...]   exit 1, naming file:line of each
+    tools/figures.py --check [--reference FILE] [--without DIR] [FILE.md ...]
+                                                                exit 1, naming file:line of each
                                                                 stale or broken one
 
 Every number in a lecture, a handout or the README that was measured on the reference GPU lives
-in `autograder/reference/h200.json` and nowhere else. The Markdown holds a marker around it, and
+in `autograder/reference/h200.json` (graded runs, benchmark sweeps) or in
+`lab/results/h200.json` (the research programs of lab/), and nowhere else. The Markdown holds a marker around it, and
 this tool writes what sits between the markers. Markers are HTML comments, so they do not show
 when the Markdown is rendered:
 
@@ -16,6 +18,11 @@ when the Markdown is rendered:
       `collectives/2_final/results/9/busbw_gbs`). A key that itself holds a '/' (`TFLOP/s`)
       is written as it is. FMT is a Python format spec (`.3f`, `.0f`, `,.0f`, `.1%`); without
       `|FMT` the value is written with `.3g`. VALUE is what the tool writes.
+
+  <!--fig:FILE.json:PATH|FMT-->VALUE<!--/fig-->
+      The same, read from another JSON file of the course tree, named by its path from the
+      top (`lab/results/h200.json:row_streams/copies/...`): what the research programs of lab/
+      measured lives there, apart from the graded runs.
 
   <!--table:ID-->
   ...
@@ -27,8 +34,10 @@ when the Markdown is rendered:
 
 Without FILE arguments the tool scans every Markdown file of the course tree (build trees and
 hidden folders apart). Markers inside code (backticks or fenced blocks) are examples, left alone.
-`make figures` runs --write; `make test` runs --check (CTest `docs.figures`). Standard library
-only.
+`make figures` runs --write; `make test` runs --check (CTest `docs.figures`). A tree shipped
+without a folder (a student handout has no lab/) passes `--without lab`: figures read from files
+under it, where those files are absent, are left as written and counted as unchecked; anywhere
+else a missing file is an error. Standard library only.
 """
 import argparse
 import json
@@ -86,9 +95,48 @@ def lookup(node, parts, path):
     raise FigureError(f"{path}: '{parts[0]}' goes below a {type(node).__name__} value")
 
 
-def render_fig(ref, spec):
+# A marker that reads another file than the reference names it by its path from the top of the
+# tree, then ':' (no key of the reference file looks like that).
+NAMED = re.compile(r"(?P<file>[\w.-]+(?:/[\w.-]+)*\.json):(?P<path>.*)", re.S)
+
+
+class Unchecked(Exception):
+    """A figure from a file under a folder this tree was shipped without (--without)."""
+
+
+class References:
+    """The reference file and the other files markers name, each read once."""
+
+    def __init__(self, default, without=()):
+        self.default = default
+        self.without = [d.strip("/") for d in without]
+        self.named = {}
+
+    def split(self, path):
+        """(the JSON a marker's PATH reads, the PATH within it)."""
+        m = NAMED.fullmatch(path)
+        if not m:
+            return self.default, path
+        name = m.group("file")
+        if name not in self.named:
+            if ".." in name.split("/"):
+                raise FigureError(f"{name}: a file outside the course tree")
+            file = ROOT / name
+            if not file.is_file():
+                if any(name.startswith(d + "/") for d in self.without):
+                    raise Unchecked(name)
+                raise FigureError(f"{name}: no such file in the course tree")
+            try:
+                self.named[name] = json.loads(file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise FigureError(f"{name}: not JSON: {e}")
+        return self.named[name], m.group("path")
+
+
+def render_fig(refs, spec):
     path, _, fmt = spec.rpartition("|") if "|" in spec else (spec, "", "")
     path, fmt = path.strip(), fmt.strip() or ".3g"
+    ref, path = refs.split(path)
     value = lookup(ref, [p for p in path.split("/") if p != ""], path)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise FigureError(f"{path}: a {type(value).__name__}, not a number or a string")
@@ -226,22 +274,26 @@ def in_code(spans, pos):
     return any(a <= pos < b for a, b in spans)
 
 
-def process(path, ref, rubric, write, shown):
-    """Problems found in one file (after rewriting it, with write)."""
+def process(path, refs, rubric, write, shown):
+    """(markers, markers left unchecked, problems) of one file, after rewriting it with write."""
     text = path.read_text(encoding="utf-8")
     if "<!--fig:" not in text and "<!--table:" not in text:
-        return 0, []
-    problems, count = [], 0
+        return 0, 0, []
+    ref = refs.default
+    problems, count, unchecked = [], 0, 0
     code = code_spans(text)
 
     def fig(m):
-        nonlocal count
+        nonlocal count, unchecked
         if in_code(code, m.start()):
             return m.group(0)
         count += 1
         where = f"{shown}:{line_of(text, m.start())}"
         try:
-            want = render_fig(ref, m.group("spec"))
+            want = render_fig(refs, m.group("spec"))
+        except Unchecked:
+            unchecked += 1
+            return m.group(0)
         except FigureError as e:
             problems.append(f"{where}: {e}")
             return m.group(0)
@@ -288,7 +340,7 @@ def process(path, ref, rubric, write, shown):
     if write and new != text:
         path.write_text(new, encoding="utf-8")
     problems.sort(key=lambda p: int(p.split(":")[1]) if p.split(":")[1].isdigit() else 0)
-    return count, problems
+    return count, unchecked, problems
 
 
 def main(argv=None):
@@ -298,27 +350,34 @@ def main(argv=None):
     mode.add_argument("--check", action="store_true", help="exit 1 if any figure or table is stale")
     ap.add_argument("--reference", default=str(ROOT / "autograder/reference/h200.json"))
     ap.add_argument("--rubric", default=str(ROOT / "autograder/rubric.json"))
+    ap.add_argument("--without", action="append", default=[], metavar="DIR",
+                    help="this tree was shipped without DIR (a handout without lab/): figures "
+                         "from files under it are left unchecked")
     ap.add_argument("files", nargs="*", help="Markdown files (default: the whole course tree)")
     args = ap.parse_args(argv)
 
-    ref = json.loads(pathlib.Path(args.reference).read_text(encoding="utf-8"))
+    refs = References(json.loads(pathlib.Path(args.reference).read_text(encoding="utf-8")),
+                      args.without)
     rubric = json.loads(pathlib.Path(args.rubric).read_text(encoding="utf-8"))
     files = [pathlib.Path(f) for f in args.files] or list(markdown_files(ROOT))
-    total, problems, touched = 0, [], 0
+    total, unchecked, problems, touched = 0, 0, [], 0
     for path in files:
         try:
             shown = path.resolve().relative_to(ROOT)
         except ValueError:
             shown = path
-        count, found = process(path, ref, rubric, args.write, shown)
+        count, skipped, found = process(path, refs, rubric, args.write, shown)
         total += count
+        unchecked += skipped
         touched += count > 0
         problems += found
     for p in problems:
         print(p, file=sys.stderr)
     verb = "written" if args.write else "checked"
+    sources = ", ".join([pathlib.Path(args.reference).name] + sorted(refs.named))
+    left = f" ({unchecked} left unchecked: their files are not in this tree)" if unchecked else ""
     print(f"figures.py: {total} figures and tables in {touched} files {verb} against "
-          f"{pathlib.Path(args.reference).name}; {len(problems)} problem(s)")
+          f"{sources}{left}; {len(problems)} problem(s)")
     return 1 if problems else 0
 
 

@@ -10,8 +10,9 @@
 # K2C_MODULES=06,07 grades those modules only (K2C_SANITIZE_MODULES likewise for the
 # compute-sanitizer run, default: the same); K2C_BENCH_FILTER=RE runs only the
 # matching benchmarks; K2C_TARGETS="a b" builds only those targets (and the grader);
-# K2C_EXPERIMENT=name also builds and runs tools/experiments/name.cu (with the arguments in
-# K2C_EXPERIMENT_ARGS, e.g. the sections to run).
+# K2C_EXPERIMENT=name also builds and runs lab/name.cu (with the arguments in
+# K2C_EXPERIMENT_ARGS, e.g. the sections to run); what it prints lands in experiment.txt, and
+# figures worth keeping go into lab/results/h200.json.
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
 # tuned_config.h, sgemm_ladder.png, bandwidth.png, attention.png (with torch_attention.json where
 # PyTorch is installed), bench.tar.gz (Google Benchmark JSON per module), and on
@@ -55,7 +56,7 @@ if [ -n "${K2C_EXPERIMENT:-}" ]; then
   step "experiment $K2C_EXPERIMENT"
   nvcc -O3 -std=c++20 -arch=sm_${ARCH}a -Icommon/include -Iassignments/05_tensor_core_matmul \
     -Iassignments/06_softmax -Iassignments/07_rmsnorm -Iassignments/08_rope -Iassignments/09_flash_attention -Iassignments/10_moe \
-    "tools/experiments/$K2C_EXPERIMENT.cu" common/src/device.cu -lcublas -lcuda -o /tmp/k2c-experiment >> "$LOG" 2>&1 &&
+    "lab/$K2C_EXPERIMENT.cu" common/src/device.cu -lcublas -lcuda -o /tmp/k2c-experiment >> "$LOG" 2>&1 &&
     timeout -s KILL 300 /tmp/k2c-experiment ${K2C_EXPERIMENT_ARGS:-} 2>&1 | tee "$OUT/experiment.txt" >> "$LOG"
 fi
 modules=(); [ -n "${K2C_MODULES:-}" ] && modules=(--modules "$K2C_MODULES")

@@ -10,11 +10,11 @@ PROJECT is the course tree with solutions/, HANDOUT a tree written by `k2c hando
   common to tell. Comments count too: a solution's explanation is part of it. Every handout
   file is searched for these lines.
 * Includes. A handout file that #includes a path through solutions/ was written against the
-  reference code (an experiment); it would not even build in the handout.
+  reference code (a research program of lab/); it would not even build in the handout.
 
 Exit status 1, and each finding as FILE:LINE, when either check finds anything; 0 otherwise.
-Used by autograder/selftest/handout_test.sh; the files to leave out are listed in copy_course
-(autograder/k2c/intake.cpp).
+Used by autograder/selftest/handout_test.sh; the folders a handout leaves out (solutions/, lab/)
+are listed in copy_course (autograder/k2c/intake.cpp).
 """
 import os
 import re

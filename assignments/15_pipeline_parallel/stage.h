@@ -27,6 +27,12 @@
 //
 // The stage also keeps its own counts (live micro-batches, their peak, the passes it ran in
 // order), so tests can hold a schedule against what actually ran.
+//
+// forward and backward are virtual so that another kind of stage can run under the same
+// schedules: the capstone (module 18) derives a stage whose blocks are tensor- and
+// expert-parallel. A derived stage registers its own layers (the protected constructor registers
+// none), keeps what its micro-batches leave wherever it likes, and calls count_forward and
+// count_backward so that the counts above stay true.
 #pragma once
 
 #include <algorithm>
@@ -90,14 +96,7 @@ class Stage {
   // where one stage holds both (stages == 1): across stages the two copies would need their
   // gradients summed between the first and the last stage, which this course leaves out.
   Stage(ParamList& params, const ModelConfig& config, Span blocks, int stage, int stages)
-      : config_(config), span_(blocks), first_(stage == 0), last_(stage == stages - 1) {
-    config.check();
-    if (stages < 1 || stage < 0 || stage >= stages)
-      throw std::invalid_argument("pipeline stage " + std::to_string(stage) + " of " + std::to_string(stages));
-    if (blocks.first < 0 || blocks.last > config.n_layers || blocks.first > blocks.last)
-      throw std::invalid_argument("pipeline stage " + std::to_string(stage) + ": blocks [" +
-                                  std::to_string(blocks.first) + ", " + std::to_string(blocks.last) +
-                                  ") outside the model's " + std::to_string(config.n_layers));
+      : Stage(config, blocks, stage, stages) {
     if (config.tied_head && stages > 1)
       throw std::invalid_argument("pipeline: a head tied to the embedding needs both on one stage (" +
                                   std::to_string(stages) + " stages); set tied_head = false");
@@ -118,6 +117,8 @@ class Stage {
     }
   }
 
+  virtual ~Stage() = default;
+
   bool is_first() const { return first_; }
   bool is_last() const { return last_; }
   Span blocks() const { return span_; }
@@ -132,8 +133,8 @@ class Stage {
   // the last, `output` receives this stage's result, to send on. The last stage computes the
   // cross-entropy with gradient scale `grad_scale` and returns the summed loss of the micro-batch's
   // tokens (without an MoE balance term, as Transformer::train_step); other stages return 0.
-  double forward(Context& ctx, const MicroBatch& mb, Tensor input, float grad_scale, bool recompute, Saved& saved,
-                 Tensor& output) {
+  virtual double forward(Context& ctx, const MicroBatch& mb, Tensor input, float grad_scale, bool recompute,
+                         Saved& saved, Tensor& output) {
     if (saved.live)
       throw std::logic_error("pipeline stage: forward of micro-batch " + std::to_string(mb.index) +
                              " into a Saved still holding micro-batch " + std::to_string(saved.micro_batch));
@@ -154,9 +155,7 @@ class Stage {
     const Scope scope(ctx, mb, grad_scale);
     const double loss = run_forward(ctx, mb, grad_scale, recompute, saved, &output);
     saved.live = true;
-    ++live_;
-    peak_live_ = std::max(peak_live_, live_);
-    log_.push_back({Pass::forward, mb.index});
+    count_forward(mb.index);
     return loss;
   }
 
@@ -165,7 +164,7 @@ class Stage {
   // starts from the loss it kept). Adds into the parameters' gradients (their gradient-ready
   // callbacks fire), writes the gradient of this stage's input to `dinput` (left empty on the
   // first stage) and releases everything `saved` held.
-  void backward(Context& ctx, const MicroBatch& mb, Saved& saved, const Tensor& dout, Tensor& dinput) {
+  virtual void backward(Context& ctx, const MicroBatch& mb, Saved& saved, const Tensor& dout, Tensor& dinput) {
     if (!saved.live || saved.micro_batch != mb.index)
       throw std::logic_error("pipeline stage: backward of micro-batch " + std::to_string(mb.index) +
                              " without its forward (the Saved holds " +
@@ -221,8 +220,7 @@ class Stage {
     guard.done = true;
     ctx.params.end_backward();
     saved = Saved();
-    --live_;
-    log_.push_back({Pass::backward, mb.index});
+    count_backward(mb.index);
   }
 
   // ---- what ran, for tests and benchmarks
@@ -236,6 +234,31 @@ class Stage {
   void reset_counts() {
     peak_live_ = live_;
     log_.clear();
+  }
+
+ protected:
+  // For a derived stage: checks the place and the span as the public constructor does, and
+  // registers no layer.
+  Stage(const ModelConfig& config, Span blocks, int stage, int stages)
+      : config_(config), span_(blocks), first_(stage == 0), last_(stage == stages - 1) {
+    config.check();
+    if (stages < 1 || stage < 0 || stage >= stages)
+      throw std::invalid_argument("pipeline stage " + std::to_string(stage) + " of " + std::to_string(stages));
+    if (blocks.first < 0 || blocks.last > config.n_layers || blocks.first > blocks.last)
+      throw std::invalid_argument("pipeline stage " + std::to_string(stage) + ": blocks [" +
+                                  std::to_string(blocks.first) + ", " + std::to_string(blocks.last) +
+                                  ") outside the model's " + std::to_string(config.n_layers));
+  }
+  // The counts of the top of the file: a forward of micro-batch k has left its activations
+  // here; a backward has released them.
+  void count_forward(int k) {
+    ++live_;
+    peak_live_ = std::max(peak_live_, live_);
+    log_.push_back({Pass::forward, k});
+  }
+  void count_backward(int k) {
+    --live_;
+    log_.push_back({Pass::backward, k});
   }
 
  private:

@@ -55,7 +55,7 @@ TEST(RooflineMath, MatmulIntensity) {
 }
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) {
+TEST(RooflineContract, Implemented) {
   const bool gpu = k2c::testing::gpu_available();
   k2c::DeviceBuffer<float> a(gpu ? 4 : 0), b(gpu ? 4 : 0);
   float* dummy = reinterpret_cast<float*>(256);  // never dereferenced: no device to launch on
@@ -87,7 +87,7 @@ static void check_copy(std::size_t n) {
                          << " element(s) past the end of dst";
 }
 
-TEST(Copy, AllSizes) {
+TEST(RooflineCopy, AllSizes) {
   K2C_REQUIRE_GPU();
   std::vector<std::size_t> sizes = {1, 2, 3, 4, 5, 7, 8, 31, 33, 1000, 4097, 65536,
                                     (1u << 20) + 3, 12'345'679};
@@ -99,7 +99,7 @@ TEST(Copy, AllSizes) {
   }
 }
 
-TEST(Copy, StaysInBounds) {
+TEST(RooflineCopy, StaysInBounds) {
   K2C_REQUIRE_GPU();
   rl::copy(nullptr, nullptr, 0);  // n == 0 is a no-op, even with null pointers
   for (std::size_t n : {1u, 3u, 4u, 6u, 255u, 257u, 1025u}) check_copy(n);
@@ -107,7 +107,7 @@ TEST(Copy, StaysInBounds) {
 
 // ===================================================================== FMA (GPU, correct) ===
 
-TEST(Fma, MatchesReference) {
+TEST(RooflineFma, MatchesReference) {
   K2C_REQUIRE_GPU();
   for (auto [n, iters] : {std::pair<std::size_t, int>{1, 0}, {7, 1}, {1000, 37}, {100'003, 256}}) {
     SCOPED_TRACE("n=" + std::to_string(n) + " iters=" + std::to_string(iters));
@@ -125,7 +125,7 @@ TEST(Fma, MatchesReference) {
 
 // ======================================================================== performance ======
 
-TEST(CopyPerf, VsMemcpy) {
+TEST(RooflineCopyPerf, VsMemcpy) {
   K2C_REQUIRE_TIMING();
   // 1 GiB per buffer: ~18× the H200's L2, so the copy runs from HBM.
   const std::size_t bytes = std::size_t{1} << 30, n = bytes / sizeof(float);
@@ -147,7 +147,7 @@ TEST(CopyPerf, VsMemcpy) {
                   "1 GiB, median of " + std::to_string(t.repeats) + " runs");
 }
 
-TEST(FmaPerf, VsPeak) {
+TEST(RooflineFmaPerf, VsPeak) {
   K2C_REQUIRE_TIMING();
   const k2c::DeviceInfo& d = k2c::device_info();
   const std::size_t n = static_cast<std::size_t>(d.sms) * 2048 * 2;  // 2 full waves of threads

@@ -15,18 +15,18 @@ constexpr st::SgemmFn kTile32 = k2c::tiled_matmul::matmul_tile32;
 constexpr st::SgemmFn kMatmul = k2c::tiled_matmul::matmul;
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) {
+TEST(TiledMatmulContract, Implemented) {
   st::check_implemented(kTile32);
   st::check_implemented(kMatmul);
 }
 
-TEST(Tile32, FixedShapes) {
+TEST(TiledMatmulTile32, FixedShapes) {
   K2C_REQUIRE_GPU();
   for (const st::Case& c : st::fixed_cases()) st::check_case(kTile32, c);
   for (const st::Case& c : st::beta_zero_cases()) st::check_case(kTile32, c);
 }
 
-TEST(Tile32, RandomShapes) {
+TEST(TiledMatmulTile32, RandomShapes) {
   K2C_REQUIRE_GPU();
   for (const st::Case& c : st::random_cases(k2c::testing::seed_for("shapes"), 10, 300))
     st::check_case(kTile32, c);

@@ -41,23 +41,23 @@ static void for_each_config(const std::function<void(st::SgemmFn)>& check) {
 }
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) { st::check_implemented(kMatmul); }
+TEST(RegisterTiledMatmulContract, Implemented) { st::check_implemented(kMatmul); }
 
-TEST(RegisterTiled, ConfigsAreListed) {
+TEST(RegisterTiledMatmul, ConfigsAreListed) {
   ASSERT_GE(rt::config_count(), 1);
   EXPECT_THROW(rt::config(rt::config_count()), std::invalid_argument);
   EXPECT_THROW(rt::matmul_config(-1, 1, 1, 1, 1.0f, nullptr, nullptr, 0.0f, nullptr),
                std::invalid_argument);
 }
 
-TEST(RegisterTiled, EveryConfigFixedShapes) {
+TEST(RegisterTiledMatmul, EveryConfigFixedShapes) {
   K2C_REQUIRE_GPU();
   for_each_config([](st::SgemmFn fn) {
     for (const st::Case& c : st::fixed_cases()) st::check_case(fn, c);
   });
 }
 
-TEST(RegisterTiled, EveryConfigRandomShapes) {
+TEST(RegisterTiledMatmul, EveryConfigRandomShapes) {
   K2C_REQUIRE_GPU();
   const auto cases = st::random_cases(k2c::testing::seed_for("shapes"), 6, 400);
   for_each_config([&](st::SgemmFn fn) {
@@ -65,7 +65,7 @@ TEST(RegisterTiled, EveryConfigRandomShapes) {
   });
 }
 
-TEST(RegisterTiled, BetaZeroIgnoresC) {
+TEST(RegisterTiledMatmul, BetaZeroIgnoresC) {
   K2C_REQUIRE_GPU();
   for_each_config([](st::SgemmFn fn) {
     for (const st::Case& c : st::beta_zero_cases()) st::check_case(fn, c);
@@ -82,13 +82,13 @@ static void expect_rate_at(int n, int repeats) {
                       std::to_string(repeats) + " runs");
 }
 
-TEST(RegisterTiledPerf, At4096) {
+TEST(RegisterTiledMatmulPerf, At4096) {
   K2C_REQUIRE_TIMING();
   expect_rate_at(4096, 20);
 }
 
 // Recorded for the reference table; no points.
-TEST(RegisterTiledPerf, At1024) { K2C_REQUIRE_TIMING(); expect_rate_at(1024, 20); }
-TEST(RegisterTiledPerf, At2048) { K2C_REQUIRE_TIMING(); expect_rate_at(2048, 20); }
-TEST(RegisterTiledPerf, At4000) { K2C_REQUIRE_TIMING(); expect_rate_at(4000, 20); }
-TEST(RegisterTiledPerf, At8192) { K2C_REQUIRE_TIMING(); expect_rate_at(8192, 10); }
+TEST(RegisterTiledMatmulPerf, At1024) { K2C_REQUIRE_TIMING(); expect_rate_at(1024, 20); }
+TEST(RegisterTiledMatmulPerf, At2048) { K2C_REQUIRE_TIMING(); expect_rate_at(2048, 20); }
+TEST(RegisterTiledMatmulPerf, At4000) { K2C_REQUIRE_TIMING(); expect_rate_at(4000, 20); }
+TEST(RegisterTiledMatmulPerf, At8192) { K2C_REQUIRE_TIMING(); expect_rate_at(8192, 10); }

@@ -202,7 +202,7 @@ void expect_rate(Fn<bf16> fn, int n, int repeats, const std::string& what) {
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) {
+TEST(TensorCoreMatmulContract, Implemented) {
   const bool gpu = k2c::testing::gpu_available();
   k2c::DeviceBuffer<bf16> a(gpu ? 8 : 0), b(gpu ? 8 : 0), c(gpu ? 8 : 0);
   bf16* dummy = reinterpret_cast<bf16*>(256);  // never dereferenced: no device to launch on
@@ -210,17 +210,17 @@ TEST(Contract, Implemented) {
                                      gpu ? c.data() : dummy, nullptr));
 }
 
-TEST(TensorCore, FixedShapesBf16Out) {
+TEST(TensorCoreMatmul, FixedShapesBf16Out) {
   K2C_REQUIRE_GPU();
   check_shapes(part_a<bf16>(), kFixed);
 }
 
-TEST(TensorCore, FixedShapesFp32Out) {
+TEST(TensorCoreMatmul, FixedShapesFp32Out) {
   K2C_REQUIRE_GPU();
   check_shapes(part_a<float>(), kFixed);
 }
 
-TEST(TensorCore, RandomShapes) {
+TEST(TensorCoreMatmul, RandomShapes) {
   K2C_REQUIRE_GPU();
   const auto seed = k2c::testing::seed_for("shapes");
   check_shapes(part_a<bf16>(), random_shapes(seed, 6, 700, true));
@@ -228,7 +228,7 @@ TEST(TensorCore, RandomShapes) {
   check_shape(part_a<bf16>(), kManyTiles[0]);
 }
 
-TEST(TensorCore, OddKAndUnalignedPointers) {
+TEST(TensorCoreMatmul, OddKAndUnalignedPointers) {
   K2C_REQUIRE_GPU();
   check_shapes(part_a<bf16>(), kOddK);
   check_shapes(part_a<float>(), kOddK);
@@ -241,7 +241,7 @@ TEST(TensorCore, OddKAndUnalignedPointers) {
   check_shape(part_a<float>(), {65, 32, 136}, 1);
 }
 
-TEST(TensorCore, EmptyAndZeroK) {
+TEST(TensorCoreMatmul, EmptyAndZeroK) {
   K2C_REQUIRE_GPU();
   check_shape(part_a<bf16>(), {37, 45, 0});   // C = 0
   check_shape(part_a<float>(), {8, 300, 0});
@@ -251,7 +251,7 @@ TEST(TensorCore, EmptyAndZeroK) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
-TEST(TensorCore, RejectsBadArguments) {
+TEST(TensorCoreMatmul, RejectsBadArguments) {
   K2C_REQUIRE_GPU();
   k2c::DeviceBuffer<bf16> buf(64);
   // The checks are given in the stub: the points come with a working matmul().
@@ -262,25 +262,25 @@ TEST(TensorCore, RejectsBadArguments) {
                std::invalid_argument);
 }
 
-TEST(TensorCorePerf, At8192) {
+TEST(TensorCoreMatmulPerf, At8192) {
   K2C_REQUIRE_TIMING();
   expect_rate(part_a<bf16>(), 8192, 10, "mma.sync");
 }
 
 // Recorded for the reference table.
-TEST(TensorCorePerf, At4096) {
+TEST(TensorCoreMatmulPerf, At4096) {
   K2C_REQUIRE_TIMING();
   expect_rate(part_a<bf16>(), 4096, 20, "mma.sync");
 }
 
 // ---- Part B (bonus): wgmma, skipped with the reason where it cannot run ----------------------
 
-TEST(Hopper, FixedShapes) {
+TEST(TensorCoreMatmulHopper, FixedShapes) {
   REQUIRE_HOPPER();
   check_shapes<bf16>(tcm::matmul_hopper, kFixed);
 }
 
-TEST(Hopper, RandomShapes) {
+TEST(TensorCoreMatmulHopper, RandomShapes) {
   REQUIRE_HOPPER();
   check_shapes<bf16>(tcm::matmul_hopper,
                      random_shapes(k2c::testing::seed_for("hopper shapes"), 6, 1100, true));
@@ -289,7 +289,7 @@ TEST(Hopper, RandomShapes) {
   for (std::size_t i = 1; i < kManyTiles.size(); ++i) check_shape<bf16>(tcm::matmul_hopper, kManyTiles[i]);
 }
 
-TEST(Hopper, RejectsWhatTmaCannotAddress) {
+TEST(TensorCoreMatmulHopper, RejectsWhatTmaCannotAddress) {
   REQUIRE_HOPPER();
   k2c::DeviceBuffer<bf16> buf(4096);
   // K % 8 != 0: rows would not start on 16 bytes.
@@ -300,13 +300,13 @@ TEST(Hopper, RejectsWhatTmaCannotAddress) {
                std::invalid_argument);
 }
 
-TEST(HopperPerf, At8192) {
+TEST(TensorCoreMatmulHopperPerf, At8192) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
   expect_rate(tcm::matmul_hopper, 8192, 10, "wgmma");
 }
 
-TEST(HopperPerf, At4096) {
+TEST(TensorCoreMatmulHopperPerf, At4096) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
   expect_rate(tcm::matmul_hopper, 4096, 20, "wgmma");

@@ -81,7 +81,7 @@ void check_version(sm::Version v) {
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) {
+TEST(SoftmaxContract, Implemented) {
   const bool gpu = k2c::testing::gpu_available();
   k2c::DeviceBuffer<float> a(gpu ? 64 : 0), b(gpu ? 64 : 0);
   float* dummy = reinterpret_cast<float*>(256);  // never dereferenced: no device to launch on

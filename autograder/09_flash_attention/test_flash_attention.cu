@@ -387,7 +387,7 @@ struct ArgBuffers {
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) {
+TEST(FlashAttentionContract, Implemented) {
   const bool gpu = k2c::testing::gpu_available();
   k2c::DeviceBuffer<bf16> buf(gpu ? 64 * 8 : 0);
   k2c::DeviceBuffer<float> lse(gpu ? 8 : 0);
@@ -397,7 +397,7 @@ TEST(Contract, Implemented) {
                                      gpu ? lse.data() : reinterpret_cast<float*>(256)));
 }
 
-TEST(Arguments, Rejected) {
+TEST(FlashAttentionArguments, Rejected) {
   K2C_REQUIRE_GPU();
   ArgBuffers a;
   bf16* x = a.x;
@@ -418,7 +418,7 @@ TEST(Arguments, Rejected) {
   EXPECT_THROW(fa::naive_forward(ok, x, x, x, x, lse.data(), nullptr), std::invalid_argument);
 }
 
-TEST(Naive, Forward) {
+TEST(FlashAttentionNaive, Forward) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : {make_shape(1, 2, 2, 1, 1, 64, false), make_shape(1, 2, 2, 65, 65, 128, true),
                          make_shape(2, 4, 1, 300, 300, 64, true), make_shape(1, 2, 2, 100, 17, 128, true),
@@ -426,32 +426,32 @@ TEST(Naive, Forward) {
     check_forward(s, Path::naive);
 }
 
-TEST(Forward, SequenceLengths) {
+TEST(FlashAttentionForward, SequenceLengths) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : length_shapes()) check_forward(s);
 }
 
-TEST(Forward, CausalUnequalLengths) {
+TEST(FlashAttentionForward, CausalUnequalLengths) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : unequal_shapes()) check_forward(s);
 }
 
-TEST(Forward, GroupedQueryHeads) {
+TEST(FlashAttentionForward, GroupedQueryHeads) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : grouped_shapes()) check_forward(s);
 }
 
-TEST(Forward, RandomShapes) {
+TEST(FlashAttentionForward, RandomShapes) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : random_shapes(seed_for("shapes"), 8)) check_forward(s);
 }
 
-TEST(Backward, SequenceLengths) {
+TEST(FlashAttentionBackward, SequenceLengths) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : length_shapes()) check_backward(s);
 }
 
-TEST(Backward, CausalUnequalAndGrouped) {
+TEST(FlashAttentionBackward, CausalUnequalAndGrouped) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : unequal_shapes()) check_backward(s);
   for (const Shape& s : grouped_shapes()) check_backward(s);
@@ -460,33 +460,33 @@ TEST(Backward, CausalUnequalAndGrouped) {
   check_backward(make_shape(1, 2, 1, 0, 70, 64, false));
 }
 
-TEST(ForwardPerf, Causal128) {
+TEST(FlashAttentionForwardPerf, Causal128) {
   K2C_REQUIRE_TIMING();
   expect_rate(Pass::forward, perf_shape(128, true), 20);
 }
 
-TEST(BackwardPerf, Causal128) {
+TEST(FlashAttentionBackwardPerf, Causal128) {
   K2C_REQUIRE_TIMING();
   expect_rate(Pass::backward, perf_shape(128, true), 10);
 }
 
 // Recorded for the reference table.
-TEST(ForwardPerf, NonCausal128) {
+TEST(FlashAttentionForwardPerf, NonCausal128) {
   K2C_REQUIRE_TIMING();
   expect_rate(Pass::forward, perf_shape(128, false), 10);
 }
 
-TEST(ForwardPerf, Causal64) {
+TEST(FlashAttentionForwardPerf, Causal64) {
   K2C_REQUIRE_TIMING();
   expect_rate(Pass::forward, perf_shape(64, true), 20);
 }
 
-TEST(BackwardPerf, NonCausal128) {
+TEST(FlashAttentionBackwardPerf, NonCausal128) {
   K2C_REQUIRE_TIMING();
   expect_rate(Pass::backward, perf_shape(128, false), 5);
 }
 
-TEST(NaivePerf, Causal128) {
+TEST(FlashAttentionNaivePerf, Causal128) {
   K2C_REQUIRE_TIMING();
   expect_rate(Pass::naive, perf_shape(128, true), 3);
 }
@@ -501,7 +501,7 @@ TEST(NaivePerf, Causal128) {
   } while (0)
 
 // Part B's entry points keep forward()'s and backward()'s checks (given in the stub).
-TEST(Hopper, Forward) {
+TEST(FlashAttentionHopper, Forward) {
   REQUIRE_HOPPER();
   {
     ArgBuffers a;
@@ -519,7 +519,7 @@ TEST(Hopper, Forward) {
 
 // The wgmma backward on the mma.sync backward's fixed shapes, random shapes of its own and no
 // queries at all.
-TEST(Hopper, Backward) {
+TEST(FlashAttentionHopper, Backward) {
   REQUIRE_HOPPER();
   {
     ArgBuffers a;
@@ -538,25 +538,25 @@ TEST(Hopper, Backward) {
   check_backward(make_shape(1, 2, 1, 0, 70, 64, false), Path::hopper);
 }
 
-TEST(HopperPerf, Causal128) {
+TEST(FlashAttentionHopperPerf, Causal128) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
   expect_rate(Pass::hopper, perf_shape(128, true), 20);
 }
 
-TEST(HopperPerf, NonCausal128) {
+TEST(FlashAttentionHopperPerf, NonCausal128) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
   expect_rate(Pass::hopper, perf_shape(128, false), 10);
 }
 
-TEST(HopperPerf, BackwardCausal128) {
+TEST(FlashAttentionHopperPerf, BackwardCausal128) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
   expect_rate(Pass::hopper_backward, perf_shape(128, true), 10);
 }
 
-TEST(HopperPerf, BackwardNonCausal128) {
+TEST(FlashAttentionHopperPerf, BackwardNonCausal128) {
   K2C_REQUIRE_TIMING();
   REQUIRE_HOPPER();
   expect_rate(Pass::hopper_backward, perf_shape(128, false), 5);

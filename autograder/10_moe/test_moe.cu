@@ -642,7 +642,7 @@ void expect_grouped_rate(bool up, bool skewed, int repeats, bool hopper = false)
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
-TEST(Contract, Implemented) {
+TEST(MoeContract, Implemented) {
   const bool gpu = k2c::testing::gpu_available();
   k2c::DeviceBuffer<float> f(gpu ? 64 : 0);
   k2c::DeviceBuffer<int> i(gpu ? 64 : 0);
@@ -651,7 +651,7 @@ TEST(Contract, Implemented) {
   K2C_EXPECT_IMPLEMENTED(moe::route(moe::RouterConfig{4, 1}, 1, fp, nullptr, fp + 16, ip, fp + 32));
 }
 
-TEST(Arguments, Rejected) {
+TEST(MoeArguments, Rejected) {
   K2C_REQUIRE_GPU();
   k2c::DeviceBuffer<float> f(256);
   k2c::DeviceBuffer<int> iv(256);
@@ -694,7 +694,7 @@ TEST(Arguments, Rejected) {
   EXPECT_THROW(moe::forward_workspace_bytes(l, 4), std::invalid_argument);
 }
 
-TEST(Router, Softmax) {
+TEST(MoeRouter, Softmax) {
   K2C_REQUIRE_GPU();
   using moe::Score;
   for (const RouteCase& rc : std::vector<RouteCase>{{{8, 2, Score::softmax, 1, 1, true, 1.0f}, 300, false},
@@ -707,7 +707,7 @@ TEST(Router, Softmax) {
     check_route(rc, "softmax");
 }
 
-TEST(Router, SigmoidGroupsBias) {
+TEST(MoeRouter, SigmoidGroupsBias) {
   K2C_REQUIRE_GPU();
   using moe::Score;
   for (const RouteCase& rc : std::vector<RouteCase>{{{256, 8, Score::sigmoid, 8, 4, true, 2.5f}, 300, true},
@@ -730,7 +730,7 @@ TEST(Router, SigmoidGroupsBias) {
   EXPECT_EQ(expert.download(), ref.expert);
 }
 
-TEST(Balance, LossAndGradient) {
+TEST(MoeBalance, LossAndGradient) {
   K2C_REQUIRE_GPU();
   for (auto [tokens, experts, top_k] : {std::tuple{300, 8, 2}, {1000, 64, 6}, {1, 4, 4}, {77, 33, 5}}) {
     SCOPED_TRACE("tokens " + std::to_string(tokens) + " experts " + std::to_string(experts));
@@ -752,7 +752,7 @@ TEST(Balance, LossAndGradient) {
   }
 }
 
-TEST(Dispatch, OrderCountsCapacity) {
+TEST(MoeDispatch, OrderCountsCapacity) {
   K2C_REQUIRE_GPU();
   std::mt19937_64 rng(seed_for("dispatch"));
   struct Case {
@@ -803,7 +803,7 @@ TEST(Dispatch, OrderCountsCapacity) {
   }
 }
 
-TEST(Permute, RoundTripAndCombine) {
+TEST(MoePermute, RoundTripAndCombine) {
   K2C_REQUIRE_GPU();
   std::mt19937_64 rng(seed_for("permute"));
   for (auto [tokens, hidden, experts, top_k] : {std::tuple{500, 64, 8, 1}, {300, 2048, 64, 6}, {1, 8, 1, 1}, {129, 200, 7, 3}}) {
@@ -847,7 +847,7 @@ TEST(Permute, RoundTripAndCombine) {
   }
 }
 
-TEST(GroupedGemm, Forward) {
+TEST(MoeGroupedGemm, Forward) {
   K2C_REQUIRE_GPU();
   std::mt19937_64 rng(seed_for("grouped"));
   check_grouped_gemm({300}, 64, 128, true, false, false);
@@ -862,7 +862,7 @@ TEST(GroupedGemm, Forward) {
   check_grouped_gemm({64}, 5, 2048, true, true, false);      // a router's shape: few columns, long rows
 }
 
-TEST(GroupedGemm, WeightGrad) {
+TEST(MoeGroupedGemm, WeightGrad) {
   K2C_REQUIRE_GPU();
   std::mt19937_64 rng(seed_for("weight grad"));
   check_weight_grad({300}, 64, 128);
@@ -872,12 +872,12 @@ TEST(GroupedGemm, WeightGrad) {
   check_weight_grad({1000}, 5, 64);  // the router's dW: dlogits [T][E]ᵀ · x
 }
 
-TEST(Layer, Forward) {
+TEST(MoeLayer, Forward) {
   K2C_REQUIRE_GPU();
   for (const LayerCase& lc : layer_cases()) check_layer_forward(lc);
 }
 
-TEST(Layer, Backward) {
+TEST(MoeLayer, Backward) {
   K2C_REQUIRE_GPU();
   const auto cases = layer_cases();
   for (const LayerCase& lc : cases) check_layer_backward(lc, false);
@@ -903,31 +903,31 @@ bool use_hopper() {
   return cudaDeviceSynchronize() == cudaSuccess;
 }
 
-TEST(GroupedPerf, UpProjection) {
+TEST(MoeGroupedPerf, UpProjection) {
   K2C_REQUIRE_TIMING();
   expect_grouped_rate(true, false, 20, use_hopper());
 }
 
 // Recorded for the reference table.
-TEST(GroupedPerf, DownProjection) {
+TEST(MoeGroupedPerf, DownProjection) {
   K2C_REQUIRE_TIMING();
   expect_grouped_rate(false, false, 20, use_hopper());
 }
 
-TEST(GroupedPerf, SkewedLoads) {
+TEST(MoeGroupedPerf, SkewedLoads) {
   K2C_REQUIRE_TIMING();
   expect_grouped_rate(true, true, 10, use_hopper());
 }
 
 // grouped_gemm() itself, the kernel every GPU runs.
-TEST(GroupedPerf, PortableUpProjection) {
+TEST(MoeGroupedPerf, PortableUpProjection) {
   K2C_REQUIRE_TIMING();
   expect_grouped_rate(true, false, 20, false);
 }
 
 // The layer's forward + backward at the module's shape against the naive layer in the same
 // run; both outputs are compared at sampled tokens. Rate: the layer's FLOPs per second.
-TEST(LayerPerf, ForwardBackward) {
+TEST(MoeLayerPerf, ForwardBackward) {
   K2C_REQUIRE_TIMING();
   const moe::RouterConfig c{kExperts, kTopK, moe::Score::softmax, 1, 1, false, 1.0f};
   const int T = kTokens, d = kHidden, f = kFfn, sf = kSharedFfn, E = kExperts;
@@ -1008,7 +1008,7 @@ TEST(LayerPerf, ForwardBackward) {
     if (!moe::hopper_supported(&why_)) K2C_SKIP("Part B: " + why_);        \
   } while (0)
 
-TEST(Hopper, GroupedGemm) {
+TEST(MoeHopper, GroupedGemm) {
   REQUIRE_HOPPER();
   std::mt19937_64 rng(seed_for("hopper grouped"));
   check_grouped_gemm({300}, 64, 128, true, false, false, true, 0);

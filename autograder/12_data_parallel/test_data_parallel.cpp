@@ -60,6 +60,7 @@ namespace kd = k2c::dist;
 namespace km = k2c::model;
 using k2c::ddp_harness::Replica;
 using k2c::dist::testing::world;
+using k2c::dist::testing::same_on_all_ranks;
 
 namespace {
 
@@ -71,7 +72,7 @@ constexpr double kTol = 1e-4;  // relative to a tensor's largest entry (see the 
 // Bucket sizes, chosen against the model's gradient bytes (about 350 KiB trainable): 1 MiB holds
 // everything (one bucket), 256 KiB splits it in two, 40 KiB makes many buckets and is smaller than
 // the 64 KiB embedding, and 1000 bytes gives almost every tensor its own bucket while two 256-byte
-// norm gains still share one. Buckets.Plan checks that these are what they claim.
+// norm gains still share one. DataParallelBuckets.Plan checks that these are what they claim.
 const std::vector<std::size_t>& bucket_sizes() {
   static const std::vector<std::size_t> sizes = {std::size_t{1} << 20, 256 << 10, 40 << 10, 1000};
   return sizes;
@@ -171,18 +172,7 @@ const Trajectory& reference(bool whole, int rows, int ranks, int micros, int ste
 }
 
 // ---------------------------------------------------------------------------------------------
-// Comparisons
-
-// Collective: every rank must call it, with data of the same length.
-bool same_on_all_ranks(const std::vector<float>& v) {
-  std::uint64_t h = 1469598103934665603ull;
-  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
-  for (std::size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
-  std::uint64_t lo = 0, hi = 0;
-  MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
-  return lo == hi;
-}
+// Comparisons (same_on_all_ranks: k2c/dist/testing.h)
 
 // Parameter p's slice of a flat buffer: of the values (offset) or of the gradients (grad_offset).
 struct Slice {
@@ -363,8 +353,8 @@ std::uint64_t other_calls(const kd::CountingCommunicator& c, const std::string& 
 
 // Worth no points: it lets the grader say "not implemented yet". plan_buckets is host arithmetic,
 // so the probe runs on either backend.
-using Contract = kd::testing::DistTest;
-TEST_F(Contract, Implemented) {
+using DataParallelContract = kd::testing::DistTest;
+TEST_F(DataParallelContract, Implemented) {
   std::unique_ptr<Replica> slot;
   Replica& r = make_replica(slot, km::cpu_ops(), world().rank());
   try {
@@ -374,8 +364,8 @@ TEST_F(Contract, Implemented) {
   }
 }
 
-using Broadcast = kd::testing::DistTest;
-TEST_F(Broadcast, FromRankZero) {
+using DataParallelBroadcast = kd::testing::DistTest;
+TEST_F(DataParallelBroadcast, FromRankZero) {
   REQUIRE_MPI_BACKEND();
   kd::Communicator& w = world();
   std::unique_ptr<Replica> mine_slot, rank0_slot;
@@ -397,8 +387,8 @@ TEST_F(Broadcast, FromRankZero) {
   EXPECT_EQ(other_calls(counting, "broadcast"), 0u) << "other traffic than broadcasts:\n" << counting.report();
 }
 
-using Naive = kd::testing::DistTest;
-TEST_F(Naive, StepsMatchOneProcess) {
+using DataParallelNaive = kd::testing::DistTest;
+TEST_F(DataParallelNaive, StepsMatchOneProcess) {
   REQUIRE_MPI_BACKEND();
   const RunOptions o{.mode = Mode::naive};
   std::unique_ptr<Replica> slot;
@@ -406,8 +396,8 @@ TEST_F(Naive, StepsMatchOneProcess) {
   check_trajectory(got, slot->params, o.rows, 1, describe(o, 0));
 }
 
-using Buckets = kd::testing::DistTest;
-TEST_F(Buckets, Plan) {  // host arithmetic only: any backend
+using DataParallelBuckets = kd::testing::DistTest;
+TEST_F(DataParallelBuckets, Plan) {  // host arithmetic only: any backend
   std::unique_ptr<Replica> slot;
   Replica& r = make_replica(slot, km::cpu_ops(), world().rank());
   const km::ParamList& params = r.params;
@@ -459,8 +449,8 @@ TEST_F(Buckets, Plan) {  // host arithmetic only: any backend
   EXPECT_TRUE(embed_alone) << "the embedding (larger than a 40 KiB bucket) must have a bucket of its own";
 }
 
-using Bucketed = kd::testing::DistTest;
-TEST_F(Bucketed, StepsMatchOneProcess) {
+using DataParallelBucketed = kd::testing::DistTest;
+TEST_F(DataParallelBucketed, StepsMatchOneProcess) {
   REQUIRE_MPI_BACKEND();
   for (std::size_t bytes : bucket_sizes()) {
     const RunOptions o{.mode = Mode::bucketed, .bucket_bytes = bytes};
@@ -494,7 +484,7 @@ class OperationProbe final : public k2c::ddp_harness::ForwardingOps {
   const kd::CountingCommunicator& counting_;
 };
 
-TEST_F(Bucketed, OverlapsBackward) {
+TEST_F(DataParallelBucketed, OverlapsBackward) {
   REQUIRE_MPI_BACKEND();
   // "As soon as its last gradient is final", measured in operations: a first run with a callback of
   // the test's own records after how many operations of the step each parameter's gradient became
@@ -555,8 +545,8 @@ TEST_F(Bucketed, OverlapsBackward) {
   }
 }
 
-using Accumulation = kd::testing::DistTest;
-TEST_F(Accumulation, MicroBatchesMatchOneBatch) {
+using DataParallelAccumulation = kd::testing::DistTest;
+TEST_F(DataParallelAccumulation, MicroBatchesMatchOneBatch) {
   REQUIRE_MPI_BACKEND();
   // Three micro-batches of 12 sequences (over all ranks) against one batch of 36.
   constexpr int kMicros = 3, kBig = kRows * kMicros;
@@ -597,8 +587,8 @@ TEST_F(Accumulation, MicroBatchesMatchOneBatch) {
   }
 }
 
-using Traffic = kd::testing::DistTest;
-TEST_F(Traffic, BytesPerStepMatchFormula) {
+using DataParallelTraffic = kd::testing::DistTest;
+TEST_F(DataParallelTraffic, BytesPerStepMatchFormula) {
   REQUIRE_MPI_BACKEND();
   kd::CountingCommunicator counting(world(), "world");
   const int n = world().size();

@@ -57,6 +57,8 @@
 namespace kd = k2c::dist;
 namespace km = k2c::model;
 using k2c::dist::testing::world;
+using k2c::dist::testing::failed_anywhere;
+using k2c::dist::testing::same_on_all_ranks;
 using k2c::zero::ZeroConfig;
 using namespace k2c::zero::reference;
 
@@ -87,24 +89,8 @@ float lr_at(int step, int steps) { return km::cosine_lr(step, 2, steps, 1e-2f, 1
 // ---------------------------------------------------------------------------------------------
 // comparisons
 
-// Whether the running test failed on any rank: a rank that stops early leaves the others waiting
-// in their next collective, so all ranks decide together.
-bool failed_anywhere() {
-  int failed = ::testing::Test::HasFailure() ? 1 : 0, any = 0;
-  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  return any != 0;
-}
-
-// Every rank must hold the same bits: compare a checksum's min and max over the ranks.
-bool identical_on_all_ranks(const std::vector<float>& v) {
-  std::uint64_t h = 1469598103934665603ull;
-  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
-  for (std::size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
-  std::uint64_t lo = 0, hi = 0;
-  MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
-  return lo == hi;
-}
+// failed_anywhere (k2c/dist/testing.h) decides an early stop: a rank that stopped alone would
+// leave the others waiting in their next collective.
 
 // Bit for bit, or within |got − want| <= 1e-6 + 1e-4·|want|: gradients summed in another order
 // differ in their last bits, and AdamW's normalised update passes relative differences on
@@ -145,7 +131,7 @@ Observed run_against_ddp(const km::ModelConfig& c, ZeroConfig config, int steps,
     if (exact) EXPECT_EQ(zl, dl) << at << ": the loss differs from data parallelism's";
     const std::vector<float> got = z.zero->gather_values();
     expect_same_values(got, ddp.values(), exact, at);
-    EXPECT_TRUE(identical_on_all_ranks(got)) << at << ": ranks disagree on the parameters";
+    EXPECT_TRUE(same_on_all_ranks(got)) << at << ": ranks disagree on the parameters";
     if (failed_anywhere()) break;
   }
   Observed o;
@@ -182,8 +168,8 @@ km::Ops& gpu_ops() {
 
 // Worth no points: it lets the grader say "not implemented yet". One stage-1 step, on the CPU
 // backend on MPI and on the GPU backend on NCCL (whose collectives need device memory).
-using Contract = kd::testing::DistTest;
-TEST_F(Contract, Implemented) {
+using ZeroContract = kd::testing::DistTest;
+TEST_F(ZeroContract, Implemented) {
   km::Ops* ops = &km::cpu_ops();
   if (world().backend() == kd::Backend::nccl) {
 #if K2C_MODEL_CUDA

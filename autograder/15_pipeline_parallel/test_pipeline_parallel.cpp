@@ -58,6 +58,7 @@ namespace ps = k2c::pipeline_stage;
 namespace kd = k2c::dist;
 namespace km = k2c::model;
 using k2c::dist::testing::world;
+using k2c::dist::testing::failed_anywhere;
 using k2c::pipeline_harness::split;
 using k2c::pipeline_harness::test_model;
 using k2c::pipeline_harness::upload_i32;
@@ -226,14 +227,8 @@ void expect_bits(km::ParamList& params, km::Ops& ops, const Named& want, bool gr
   }
 }
 
-// Whether a failure was recorded on any rank: a rank that stopped early while its neighbours
-// went on would leave them waiting for its messages, so every early stop is agreed on first.
-bool failed_anywhere() {
-  int mine = ::testing::Test::HasFailure() ? 1 : 0, any = 0;
-  MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  return any != 0;
-}
-
+// Every early stop is agreed on first (failed_anywhere, k2c/dist/testing.h): a rank that stopped
+// while its neighbours went on would leave them waiting for its messages.
 // Trains kSteps steps on this rank's stage with `schedule` and m micro-batches and holds each
 // step against the reference.
 void check_against_reference(pp::Schedule schedule, int m, bool recompute) {
@@ -309,8 +304,8 @@ struct Footprint {
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet".
-using Contract = kd::testing::DistTest;
-TEST_F(Contract, Implemented) {
+using PipelineParallelContract = kd::testing::DistTest;
+TEST_F(PipelineParallelContract, Implemented) {
   kd::Communicator& w = world();
   kd::PointToPointView p2p(w);
   StageRank r(km::cpu_ops(), test_model(), w.rank(), w.size());
@@ -326,8 +321,8 @@ TEST_F(Contract, Implemented) {
 // ---------------------------------------------------------------------------------------------
 // The split (local: every rank checks the same cases)
 
-using StageSplit = kd::testing::DistTest;
-TEST_F(StageSplit, BlocksPerStage) {
+using PipelineParallelStageSplit = kd::testing::DistTest;
+TEST_F(PipelineParallelStageSplit, BlocksPerStage) {
   for (int layers : {1, 2, 3, 5, 7, 8, 12, 13, 32}) {
     for (int stages = 1; stages <= std::min(layers, 9); ++stages) {
       int next = 0;
@@ -359,15 +354,15 @@ TEST_F(StageSplit, BlocksPerStage) {
 // ---------------------------------------------------------------------------------------------
 // Bit-exact against the unsplit model
 
-using Pipeline = kd::testing::DistTest;
+using PipelineParallel = kd::testing::DistTest;
 
-TEST_F(Pipeline, GpipeMatchesOneProcess) { check_against_reference(pp::Schedule::gpipe, 4, false); }
+TEST_F(PipelineParallel, GpipeMatchesOneProcess) { check_against_reference(pp::Schedule::gpipe, 4, false); }
 
-TEST_F(Pipeline, OneFOneBMatchesOneProcess) { check_against_reference(pp::Schedule::one_f_one_b, 6, false); }
+TEST_F(PipelineParallel, OneFOneBMatchesOneProcess) { check_against_reference(pp::Schedule::one_f_one_b, 6, false); }
 
 // Fewer micro-batches than stages: 1F1B's warm-up is cut short (w = m on the early stages) and
 // the steady state may be empty; m = 1 is no pipelining at all, and must still be right.
-TEST_F(Pipeline, FewMicroBatches) {
+TEST_F(PipelineParallel, FewMicroBatches) {
   const int p = world().size();
   std::vector<int> ms = {1};
   if (p >= 3) ms.push_back(p - 1);
@@ -384,7 +379,7 @@ TEST_F(Pipeline, FewMicroBatches) {
 
 // Recomputation keeps only each micro-batch's input and runs the stage's forward again in
 // backward: the same bits, and a lower activation peak (checked with GPipe, where it matters most).
-TEST_F(Pipeline, Recompute) {
+TEST_F(PipelineParallel, Recompute) {
   check_against_reference(pp::Schedule::gpipe, 4, true);
   if (failed_anywhere()) return;
   check_against_reference(pp::Schedule::one_f_one_b, 4, true);
@@ -409,7 +404,7 @@ TEST_F(Pipeline, Recompute) {
 // ---------------------------------------------------------------------------------------------
 // The trace
 
-TEST_F(Pipeline, TraceIsValid) {
+TEST_F(PipelineParallel, TraceIsValid) {
   kd::Communicator& w = world();
   kd::PointToPointView p2p(w);
   const int s = w.rank(), p = w.size(), m = 5;
@@ -497,7 +492,7 @@ TEST_F(Pipeline, TraceIsValid) {
 // ---------------------------------------------------------------------------------------------
 // Memory
 
-TEST_F(Pipeline, PeakActivations) {
+TEST_F(PipelineParallel, PeakActivations) {
   kd::Communicator& w = world();
   kd::PointToPointView p2p(w);
   const int s = w.rank(), p = w.size(), m = 6;
@@ -565,8 +560,8 @@ TEST_F(Pipeline, PeakActivations) {
 // ---------------------------------------------------------------------------------------------
 // Performance: NCCL, one GPU per stage
 
-using PipelinePerf = kd::testing::DistTest;
-TEST_F(PipelinePerf, StepVsIdeal) {
+using PipelineParallelPerf = kd::testing::DistTest;
+TEST_F(PipelineParallelPerf, StepVsIdeal) {
   K2C_REQUIRE_NCCL();
   kd::Communicator& w = world();
   if (w.size() < 2) K2C_SKIP("needs 2 or more GPUs, one per stage (this run has 1)");

@@ -508,7 +508,7 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
       p.ceiling = number_property(j, "k2c_ceiling", &ok);
       p.unit = ts.perf->unit;
       p.ceiling_name = ts.perf->ceiling;
-      p.required = impl == "solutions" ? ts.perf->goal : ts.perf->threshold;
+      p.required = ts.perf->required(impl);
       if (!ok || !(p.ceiling > 0) || !std::isfinite(p.achieved)) {
         // A failed measurement costs this test, not the module's correctness points.
         if (t.status == "passed") --passed, ++failed;

@@ -40,8 +40,9 @@ struct Intake {
   std::string problem_for(const ModuleSpec& m) const;
 };
 
-// Copies the course at `root` to `dest` without .git, build/, solutions/ and out/ (and without
-// any folder that contains `dest`): the staging tree of a submission, and a student handout.
+// Copies the course at `root` to `dest` without .git, build/, solutions/, out/ and lab/ (and
+// without any folder that contains `dest`): the staging tree of a submission, and a student
+// handout.
 void copy_course(const std::string& root, const std::string& dest);
 
 // Looks for each file at DIR/<rubric path>, then at DIR/<basename> (Gradescope uploads are

@@ -9,6 +9,8 @@ work=$2
 rm -rf "$work"
 "$k2c" handout "$work/handout"
 test ! -e "$work/handout/solutions" || { echo "FAIL: solutions/ is in the handout"; exit 1; }
+# lab/'s programs compile the solutions into themselves: the handout never has the folder.
+test ! -e "$work/handout/lab" || { echo "FAIL: lab/ is in the handout"; exit 1; }
 test -f "$work/handout/assignments/01_naive_matmul/naive_matmul.cu" || { echo "FAIL: stub missing"; exit 1; }
 test -f "$work/handout/autograder/rubric.json" || { echo "FAIL: rubric missing"; exit 1; }
 # The students' README, which never sends them to grade solutions they do not have.
@@ -17,8 +19,7 @@ cmp -s "$work/handout/README.md" "$(dirname "$0")/../../docs/README.handout.md" 
 if grep -n "IMPL=solutions" "$work/handout/README.md" "$work/handout"/assignments/*/README.md; then
   echo "FAIL: the handout's READMEs mention grading solutions it does not ship"; exit 1
 fi
-# No solution code elsewhere either: no line copied from solutions/, no file that includes it
-# (the experiments built against the solutions stay out, see copy_course).
+# No solution code elsewhere either: no line copied from solutions/, no file that includes it.
 project=$(cd "$(dirname "$0")/../.." && pwd)
 command -v python3 >/dev/null || { echo "FAIL: python3 not found, needed for tools/leakcheck.py (make deps)"; exit 1; }
 python3 "$project/tools/leakcheck.py" "$project" "$work/handout" > "$work/leakcheck.txt" ||
@@ -43,6 +44,12 @@ fi
 # CMake wraps long messages over lines: join them before looking.
 tr -s ' \n' '  ' < "$work/solutions.log" | grep -q "is not part of this tree" || { echo "FAIL: unclear error for missing solutions"; exit 1; }
 cmake --build "$work/build" --target k2c > "$work/build.log"
+# The lectures' figures check out in the handout too, those from lab/results/ (not shipped) left
+# as written: docs.figures is registered with --without lab where solutions/ is absent.
+ctest --test-dir "$work/build" -R '^docs\.figures$' -V > "$work/figures.log" ||
+  { cat "$work/figures.log"; echo "FAIL: docs.figures in the handout"; exit 1; }
+grep -q "left unchecked" "$work/figures.log" ||
+  { cat "$work/figures.log"; echo "FAIL: docs.figures in the handout did not leave lab/'s figures aside"; exit 1; }
 
 # 00 and 01 stand for the single-file modules; 05 has two files and a bonus part built for sm_90a;
 # 09 and 10 keep their bonus part in their one file.

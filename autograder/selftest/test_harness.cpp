@@ -1,8 +1,12 @@
 // test_harness.cpp — the project's own tests of common/: comparison, references, random
 // numbers, the rubric parser and K2C_TODO. CPU only; they run everywhere, CI included.
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -586,6 +590,16 @@ TEST(Rubric, ParsesAndLooksUp) {
   EXPECT_EQ(r.modules[0].find_test("P.Q")->perf->goal, 0.9);
 }
 
+// The one rule for a performance test's bar, which the tests and the grader both call.
+TEST(Rubric, RequiredBarIsTheGoalForSolutionsOnly) {
+  const k2c::PerfSpec& p = *k2c::parse_rubric(kGood).modules[0].find_test("P.Q")->perf;
+  EXPECT_EQ(p.required("solutions"), 0.9);
+  EXPECT_EQ(p.required("assignments"), 0.5);
+  EXPECT_EQ(p.required(""), 0.5);  // anything but the reference tree is held to the student bar
+  EXPECT_STREQ(k2c::PerfSpec::required_name("solutions"), "reference goal");
+  EXPECT_STREQ(k2c::PerfSpec::required_name("assignments"), "student bar");
+}
+
 TEST(Rubric, ErrorsNameTheField) {
   const std::string g = kGood;
   const std::pair<std::string, std::string> cases[] = {
@@ -614,6 +628,30 @@ TEST(Rubric, TheCourseRubricIsValid) {
   const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
   EXPECT_GE(r.modules.size(), 2u);
   for (const auto& m : r.modules) EXPECT_GT(m.points(), 0) << m.id;
+}
+
+// Every suite starts with its module's name, compared without the number, underscores or case
+// (07_rmsnorm: RmsNormPerf), so no two modules share a suite and a test's name alone says which
+// module it belongs to: what a filter, a report or a reader sees.
+TEST(Rubric, SuitesNameTheirModule) {
+  const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
+  auto folded = [](std::string_view s) {
+    std::string out;
+    for (char c : s)
+      if (c != '_') out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return out;
+  };
+  std::map<std::string, std::string> owner;  // suite -> module
+  for (const auto& m : r.modules) {
+    const std::string name = folded(std::string_view(m.id).substr(m.id.find('_') + 1));
+    for (const auto& t : m.tests) {
+      const std::string suite = t.name.substr(0, t.name.find('.'));
+      EXPECT_EQ(folded(suite).rfind(name, 0), 0u)
+          << m.id << ": suite '" << suite << "' of " << t.name << " does not start with the module's name";
+      const auto [it, fresh] = owner.emplace(suite, m.id);
+      EXPECT_TRUE(fresh || it->second == m.id) << "suite '" << suite << "' is in " << it->second << " and " << m.id;
+    }
+  }
 }
 
 TEST(Rubric, MissingFileIsAnError) {

@@ -88,17 +88,13 @@ const TestSpec* current_test_spec() {
   }
 }
 
-double required_ratio(const PerfSpec& p) {
-  return context().impl == "solutions" ? p.goal : p.threshold;
-}
-
 ::testing::AssertionResult check_perf(double achieved, double ceiling, const std::string& detail) {
   const TestSpec* spec = current_test_spec();
   if (spec == nullptr || !spec->perf)
     return ::testing::AssertionFailure() << "the rubric gives this test no perf entry";
   const PerfSpec& p = *spec->perf;
   const double ratio = ceiling > 0 ? achieved / ceiling : 0;
-  const double bar = required_ratio(p);
+  const double bar = p.required(context().impl);
   using ::testing::Test;
   auto exact = [](double v) {  // all 17 digits: small figures must not round to 0
     std::ostringstream os;
@@ -118,7 +114,7 @@ double required_ratio(const PerfSpec& p) {
   os.precision(4);
   os << achieved << " " << p.unit << " = " << ratio << " of " << p.ceiling << " (" << ceiling
      << " " << p.unit << " measured in this run); required " << bar << " ("
-     << (context().impl == "solutions" ? "reference goal" : "student bar") << ")";
+     << PerfSpec::required_name(context().impl) << ")";
   if (!detail.empty()) os << "; " << detail;
   std::printf("[ k2c perf ] %s\n", os.str().c_str());
   if (!(ceiling > 0) || !(achieved > 0))

@@ -55,7 +55,7 @@ struct Tile {
   static_assert(kSmemBytes <= 227 * 1024, "the stages fit in one SM's shared memory");
 };
 
-// Measured on an H200 (tools/experiments/tensor_core.cu, 8192³): 256×128 with 4 warps × 2 and 4
+// Measured on an H200 (lab/tensor_core.cu, 8192³): 256×128 with 4 warps × 2 and 4
 // stages 402 TFLOP/s; 128×256 with 3 stages 377; 16 warps of 64×32 tiles 347 (more warps, but
 // each reads more shared memory per MMA); 128×128 with 4 warps 373.
 using Reference = Tile<256, 128, 4, 2, 4>;

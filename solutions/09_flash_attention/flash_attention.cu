@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Par
 // alignment slack), so two
 // blocks fit an SM and their softmax and matrix phases interleave; registers are then capped at
 // 128 per thread (2 · 256 threads), which costs a few spilled bytes at D = 128 and still
-// measured fastest (tools/experiments/flash_attention.cu: one warpgroup per block, or one block
+// measured fastest (lab/flash_attention.cu: one warpgroup per block, or one block
 // per SM, were 16 % and 13 % slower; a one-warpgroup kernel that issued the next tile's Q·Kᵀ
 // before this tile's softmax, FA3's overlap, made ptxas serialise its wgmmas and ran 10 % slower
 // than the same kernel without it).
@@ -1250,7 +1250,7 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
   if (!backward_params("flash_attention backward", s, q, k, v, o, dout, lse, dq, dk, dv, workspace, stream, p)) return;
   // BackwardTile's defaults: the scores in D/64 chunks, their head_dim loop unrolled fully, 16-row
   // dQ warp tiles, dQ one step late. Each measured fastest or level with the fastest within the
-  // run-to-run spread at both head dims (tools/experiments/flash_attention.cu, lecture section
+  // run-to-run spread at both head dims (lab/flash_attention.cu, lecture section
   // 11), although at D = 128 it spills: ptxas's register allocation moves with small changes of
   // the code around it, so measure rather than read the spill count.
   if (s.head_dim == 64) launch_backward<BackwardTile<64>, backward_kernel<BackwardTile<64>>>(p, s, stream);

@@ -533,7 +533,7 @@ struct Tile {
 };
 
 // 128×256 with 8 warps of 64×64, 4 stages, one block per SM. Measured on an H200 at the module's
-// up projection (tools/experiments/moe_grouped.cu): 328.9 TFLOP/s; module 05's 256×128 313.1;
+// up projection (lab/moe_grouped.cu): 328.9 TFLOP/s; module 05's 256×128 313.1;
 // 128×128 with 4 warps and 2 blocks per SM 320.4; with 8 warps 294.5; 256×128 with 3 stages 316.8.
 using Reference = Tile<128, 256, 2, 4, 4, 1>;
 
@@ -940,7 +940,7 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 //             a group go down a column first): each block fetches half of B and TMA multicasts it
 //             into both, so that B crosses from L2 once per pair instead of once per tile (module
 //             05's clusters). At this module's shapes their rates were 2.5-11% lower than one block per
-//             tile (tools/experiments/moe_grouped.cu pairs; lecture section 7).
+//             tile (lab/moe_grouped.cu pairs; lecture section 7).
 
 namespace {
 
@@ -984,7 +984,7 @@ struct HopperArgs {
 // wgmma groups are issued (hopper::TmaEpilogue; module 05 measures the choices).
 //
 // kSplitTail: tail tiles with at most 64 real rows split along columns (see "tails" above); false
-// only in tools/experiments/moe_grouped.cu, which measures what the split is worth.
+// only in lab/moe_grouped.cu, which measures what the split is worth.
 //
 // kCluster = 2 (see "pairs" above): the blocks run in clusters of two, and a cluster takes the
 // tiles 2u and 2u + 1 of the list together. Where both lie in one group and one column of tiles
@@ -1287,7 +1287,7 @@ void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k,
   // TMA stores C where its rows start on 16 bytes; otherwise the epilogue stores from registers.
   // The whole slab staged at once (four boxes, three ring slots): at this module's shapes it
   // measured ahead of two boxes at a time with four slots, which module 05's longer K prefers
-  // (tools/experiments/moe_grouped.cu boxes).
+  // (lab/moe_grouped.cu boxes).
   if (n % 8 == 0 && reinterpret_cast<std::uintptr_t>(c) % 16 == 0) {
     const CUtensorMap map_c = hp::make_tensor_map_bf16(c, rows, n, 64, 64);
     if (b_transposed) launch_hopper<HopperForm::forward, bf16, kStagedBoxes>(map_a, map_b, map_c, args, stream);

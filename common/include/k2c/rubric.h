@@ -27,6 +27,19 @@ struct PerfSpec {
   double threshold = 0;    // student bar: full points at ratio >= threshold
   double goal = 0;         // what the reference solution must reach (>= threshold)
   double max_ratio = 0;    // a ratio above this is physically impossible: the result is invalid
+
+  // The bar code from the tree `impl` ("solutions" or "assignments") must clear: the reference
+  // solutions are held to the goal, student code to the threshold. The one home of that rule:
+  // the tests (k2c::testing::check_perf) and the grader (evaluate_module) both ask here, so the
+  // verdict a test prints and the one the grader recomputes cannot drift apart.
+  double required(std::string_view impl) const { return held_to_goal(impl) ? goal : threshold; }
+  // What that bar is called in messages.
+  static const char* required_name(std::string_view impl) {
+    return held_to_goal(impl) ? "reference goal" : "student bar";
+  }
+
+ private:
+  static bool held_to_goal(std::string_view impl) { return impl == "solutions"; }
 };
 
 struct TestSpec {

@@ -31,7 +31,7 @@ std::vector<Case> fixed_cases();
 std::vector<Case> beta_zero_cases();
 std::vector<Case> random_cases(std::uint64_t seed, int count, int max_dim);
 
-// The body of each SGEMM module's Contract.Implemented test: calls fn on a 1×1×1 problem (dummy,
+// The body of each SGEMM module's <Module>Contract.Implemented test: calls fn on a 1×1×1 problem (dummy,
 // never dereferenced pointers when there is no GPU); fails with the grader's marker for a stub.
 void check_implemented(SgemmFn fn);
 

@@ -3,7 +3,7 @@
 // - K2C_REQUIRE_GPU(): skip (reported as skipped, never as passed) when no CUDA device exists.
 // - seed(): the run's seed (K2C_SEED, set by `k2c grade --seed`; fixed by default so plain
 //   ctest runs are reproducible). Tests draw shapes and data from it.
-// - K2C_EXPECT_IMPLEMENTED(call): the Contract.Implemented probe (see below).
+// - K2C_EXPECT_IMPLEMENTED(call): the <Module>Contract.Implemented probe (see below).
 // - expect_perf(achieved, ceiling): the one place a performance figure is judged. It records
 //   the figure for the grader (GoogleTest properties in the JSON report) and fails the test
 //   below the rubric's bar or above its physical limit.
@@ -53,12 +53,9 @@ bool sanitizing();  // K2C_SANITIZE=1: running under compute-sanitizer, timings 
 // The rubric entry of the running test; fails the test (and returns nullptr) when absent.
 const TestSpec* current_test_spec();
 
-// The bar the running test must clear: the rubric's goal for the reference solutions, its
-// threshold for student code.
-double required_ratio(const PerfSpec& p);
-
 // Records achieved / ceiling for the grader and returns failure when the ratio is below the
-// bar or above max_ratio. Units as in the rubric entry (the caller converts).
+// bar (PerfSpec::required: the goal for the reference solutions, the threshold for student
+// code) or above max_ratio. Units as in the rubric entry (the caller converts).
 ::testing::AssertionResult check_perf(double achieved, double ceiling, const std::string& detail = "");
 
 }  // namespace k2c::testing
@@ -85,7 +82,7 @@ double required_ratio(const PerfSpec& p);
     if (::k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer"); \
   } while (0)
 
-// For a module's Contract.Implemented test, which tells "not implemented yet" apart from
+// For a module's <Module>Contract.Implemented test (SoftmaxContract.Implemented), which tells "not implemented yet" apart from
 // "implemented" even on a machine without a GPU: `call` runs the student function (on dummy,
 // never dereferenced pointers when there is no device). A stub throws k2c::NotImplemented and
 // the test fails with the grader's marker; real code fails to reach a device and throws

@@ -98,16 +98,6 @@ void apply_line(TrainConfig& c, const std::string& line, const std::string& wher
   }
 }
 
-// The one shard of `kind` (train or val) in a k2c_datagen folder.
-fs::path shard_in(const fs::path& dir, const std::string& kind) {
-  if (!fs::is_directory(dir)) throw UsageError("--data " + dir.string() + ": not a folder (run `make data` first)");
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() > kind.size() + 5 && name.ends_with("_" + kind + ".bin")) return e.path();
-  }
-  throw UsageError("--data " + dir.string() + ": no *_" + kind + ".bin shard there (run `make data` first)");
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {

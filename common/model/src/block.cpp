@@ -75,14 +75,12 @@ void Block::backward(Context& ctx, const Tensor& x, const Tensor& positions, int
     moe_.backward(ctx, in.n2, in.moe, g_mlp, dn);
   else
     mlp_.backward(ctx, in.n2, in.mlp, g_mlp, dn);
-  norm2_.backward(ctx, in.h, in.norm2, dn, dh);
-  ctx.ops.accumulate(dh, dout, 1.0f);
+  norm2_.backward(ctx, in.h, in.norm2, dn, dh, &dout);  // dh = through the norm + around it
   // h = x + drop(attn(norm1(x)))
   if (ctx.dropout > 0) ctx.ops.dropout(dh, ctx.dropout, residual_key(saved.dropout, index_, 0), dropped);
   const Tensor& g_attn = ctx.dropout > 0 ? dropped : dh;
   attn_.backward(ctx, in.n1, positions, batch, in.attn, g_attn, dn);
-  norm1_.backward(ctx, x, in.norm1, dn, dx);
-  ctx.ops.accumulate(dx, dh, 1.0f);
+  norm1_.backward(ctx, x, in.norm1, dn, dx, &dh);
   saved.internals.reset();  // backward is done with them
 }
 

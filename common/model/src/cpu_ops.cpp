@@ -46,6 +46,12 @@ void Ops::shared_linear_backward(const Tensor& x, std::span<const Tensor* const>
     for (std::size_t i = 0; i < ws.size(); ++i) matmul(*dys[i], false, *ws[i], false, *dx, 1.0f, i == 0 ? 0.0f : 1.0f);
 }
 
+void Ops::rmsnorm_backward_add(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                               const Tensor& residual_dy, Tensor& dx, Tensor& dgamma) {
+  rmsnorm_backward(x, gamma, rstd, dy, dx, dgamma);
+  accumulate(dx, residual_dy, 1.0f);
+}
+
 namespace {
 
 using checks::as_matrix;

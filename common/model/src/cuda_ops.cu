@@ -219,15 +219,19 @@ __global__ void rmsnorm_forward_kernel(const float* x, const float* g, float eps
   if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
   for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) y[blockIdx.x * cols + j] = xr[j] * rs * g[j];
 }
-__global__ void rmsnorm_backward_kernel(const float* x, const float* g, const float* rstd, const float* dy, float* dx,
-                                        float* dg, std::int64_t cols) {
+// residual (may be null) is added to dx in the same pass.
+__global__ void rmsnorm_backward_kernel(const float* x, const float* g, const float* rstd, const float* dy,
+                                        const float* residual, float* dx, std::int64_t cols) {
   __shared__ float scratch[kThreads];
   const std::int64_t o = blockIdx.x * cols;
   const float rs = rstd[blockIdx.x];
   float c = 0;
   for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) c += g[j] * dy[o + j] * x[o + j];
   c = block_sum(c, scratch) / cols;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) dx[o + j] = rs * (g[j] * dy[o + j] - x[o + j] * rs * rs * c);
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float d = rs * (g[j] * dy[o + j] - x[o + j] * rs * rs * c);
+    dx[o + j] = residual ? d + residual[o + j] : d;
+  }
 }
 // dgamma += Σ_rows dy·x·rstd: a thread a column over a run of kRowRun rows (neighbouring threads
 // read neighbouring columns), one atomic per thread and run rather than one per element.
@@ -257,6 +261,35 @@ __global__ void rope_kernel(float* x, const int* pos, std::int64_t rows, int T, 
       p[i] = x0 * c - x1 * s;
       p[i + half] = x0 * s + x1 * c;
     }
+  }
+}
+
+// The fast form, where head_dim is a multiple of 8 and x 16-byte aligned: the angles' cosines and
+// sines are computed once per call into a table of [T][head_dim/2] (in double, as above), and a
+// thread rotates four pairs of one head with two float4 loads. The loop above has a thread walk
+// the heads one after another with 4-byte accesses, which keeps too few bytes in flight to reach
+// the memory's rate; same arithmetic, same results.
+__global__ void rope_table_kernel(float2* cs, const int* pos, int T, int hd, float theta, bool inverse) {
+  const int half = hd / 2;
+  K2C_FOR_EACH(e, static_cast<std::int64_t>(T) * half) {
+    const int i = static_cast<int>(e % half);
+    const double angle = pos[e / half] * pow(static_cast<double>(theta), -2.0 * i / hd);
+    cs[e] = make_float2(static_cast<float>(cos(angle)), static_cast<float>(inverse ? -sin(angle) : sin(angle)));
+  }
+}
+__global__ void rope4_kernel(float* x, const float2* cs, std::int64_t rows, int T, int heads, int hd) {
+  const int half = hd / 2, quads = half / 4;
+  K2C_FOR_EACH(e, rows * heads * quads) {
+    const std::int64_t r = e / (static_cast<std::int64_t>(heads) * quads);
+    const int h = static_cast<int>(e / quads % heads), i = static_cast<int>(e % quads) * 4;
+    float* p = x + (r * heads + h) * hd + i;
+    const float2* c = cs + (r % T) * half + i;
+    float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + half);
+    const float2 c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+    const float4 a2 = make_float4(a.x * c0.x - b.x * c0.y, a.y * c1.x - b.y * c1.y, a.z * c2.x - b.z * c2.y, a.w * c3.x - b.w * c3.y);
+    b = make_float4(a.x * c0.y + b.x * c0.x, a.y * c1.y + b.y * c1.x, a.z * c2.y + b.z * c2.x, a.w * c3.y + b.w * c3.x);
+    *reinterpret_cast<float4*>(p) = a2;
+    *reinterpret_cast<float4*>(p + half) = b;
   }
 }
 
@@ -724,6 +757,15 @@ class CudaOps final : public Ops {
   }
   void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy, Tensor& dx,
                         Tensor& dgamma) override {
+    rmsnorm_backward_into(x, gamma, rstd, dy, nullptr, dx, dgamma);
+  }
+  void rmsnorm_backward_add(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                            const Tensor& residual_dy, Tensor& dx, Tensor& dgamma) override {
+    same_shape(x, residual_dy, "rmsnorm backward (residual gradient)");
+    rmsnorm_backward_into(x, gamma, rstd, dy, &residual_dy, dx, dgamma);
+  }
+  void rmsnorm_backward_into(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                             const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
     const Matrix m = as_matrix(x);
     same_shape(x, dy, "rmsnorm backward");
     same_shape(x, dx, "rmsnorm backward");
@@ -731,8 +773,8 @@ class CudaOps final : public Ops {
     gamma.expect({m.cols}, "rmsnorm gamma");
     rstd.expect({m.rows}, "rmsnorm rstd");
     if (m.rows == 0) return;
-    rmsnorm_backward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), rstd.f32(), dy.f32(),
-                                                                        dx.f32(), dgamma.f32(), m.cols);
+    rmsnorm_backward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(
+        x.f32(), gamma.f32(), rstd.f32(), dy.f32(), residual_dy ? residual_dy->f32() : nullptr, dx.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
     const dim3 grid(static_cast<unsigned>((m.cols + kThreads - 1) / kThreads),
                     static_cast<unsigned>((m.rows + kRowRun - 1) / kRowRun));
@@ -746,6 +788,13 @@ class CudaOps final : public Ops {
     if (head_dim % 2 || m.cols != static_cast<std::int64_t>(heads) * head_dim || T == 0 || m.rows % T)
       throw std::invalid_argument("rope: x " + x.shape().str() + " is not [batch*" + std::to_string(T) + ", " +
                                   std::to_string(heads) + "*" + std::to_string(head_dim) + "] with an even head_dim");
+    if (head_dim % 8 == 0 && vectorizable(m.rows * m.cols, {x.raw()})) {
+      auto* cs = static_cast<float2*>(ws_.get(kRope, static_cast<std::size_t>(T) * (head_dim / 2) * sizeof(float2)));
+      launch(rope_table_kernel, T * (head_dim / 2), cs, positions.i32(), static_cast<int>(T), head_dim, theta, inverse);
+      launch(rope4_kernel, m.rows * heads * (head_dim / 8), x.f32(), static_cast<const float2*>(cs), m.rows,
+             static_cast<int>(T), heads, head_dim);
+      return;
+    }
     launch(rope_kernel, m.rows * (head_dim / 2), x.f32(), positions.i32(), m.rows, static_cast<int>(T), heads,
            head_dim, theta, inverse);
   }

@@ -586,4 +586,14 @@ std::vector<std::string> read_vocab(const fs::path& path) {
   return words;
 }
 
+fs::path shard_in(const fs::path& dir, const std::string& kind) {
+  if (!fs::is_directory(dir))
+    throw std::invalid_argument("--data " + dir.string() + ": not a folder (run `make data` first)");
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > kind.size() + 5 && name.ends_with("_" + kind + ".bin")) return e.path();
+  }
+  throw std::invalid_argument("--data " + dir.string() + ": no *_" + kind + ".bin shard there (run `make data` first)");
+}
+
 }  // namespace k2c::model

@@ -75,14 +75,18 @@ void RmsNorm::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& saved) co
   ctx.ops.rmsnorm_forward(x, ctx.params.value(g_), eps_, y, saved.rstd);
 }
 
-void RmsNorm::backward(Context& ctx, const Tensor& x, const Saved& saved, const Tensor& dy, Tensor& dx) const {
-  if (ctx.trains(g_)) {
-    ctx.ops.rmsnorm_backward(x, ctx.params.value(g_), saved.rstd, dy, dx, ctx.params.grad(g_));
-  } else {
-    Tensor scratch = ctx.tensor({dim_});  // the backend always writes dgamma; a frozen one is dropped
+void RmsNorm::backward(Context& ctx, const Tensor& x, const Saved& saved, const Tensor& dy, Tensor& dx,
+                       const Tensor* residual_dy) const {
+  Tensor scratch;  // the backend always writes dgamma; a frozen one's is dropped
+  if (!ctx.trains(g_)) {
+    scratch = ctx.tensor({dim_});
     ctx.ops.fill(scratch, 0.0f);
-    ctx.ops.rmsnorm_backward(x, ctx.params.value(g_), saved.rstd, dy, dx, scratch);
   }
+  Tensor& dgamma = ctx.trains(g_) ? ctx.params.grad(g_) : scratch;
+  if (residual_dy)
+    ctx.ops.rmsnorm_backward_add(x, ctx.params.value(g_), saved.rstd, dy, *residual_dy, dx, dgamma);
+  else
+    ctx.ops.rmsnorm_backward(x, ctx.params.value(g_), saved.rstd, dy, dx, dgamma);
   ctx.params.grad_done(g_);
 }
 

@@ -186,6 +186,19 @@ TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {
                             pick(dk, g), pick(dv, g));
   }
   expect_close(q, "rope");
+  // A head size that is not a multiple of 8 takes the element-wise kernel, and inverse undoes it.
+  Pair odd = t.random({10, 12});
+  for (Ops* ops : {&cpu_ops(), &gpu()}) {
+    const bool g = ops == &gpu();
+    ops->rope(pick(odd, g), pick(pos, g), 2, 6, 500.0f, false);
+  }
+  expect_close(odd, "rope (head_dim 6)");
+  Pair back = t.random({10, 32});
+  const std::vector<float> before = host(back.gpu, gpu());
+  gpu().rope(back.gpu, pos.gpu, 4, 8, 10000.0f, false);
+  gpu().rope(back.gpu, pos.gpu, 4, 8, 10000.0f, true);
+  const std::vector<float> after = host(back.gpu, gpu());
+  for (std::size_t i = 0; i < before.size(); ++i) EXPECT_NEAR(after[i], before[i], 1e-5f) << "rope then inverse rope, " << i;
   expect_close(o, "attention");
   expect_close(lse, "attention lse");
   expect_close(dq, "attention dq", 1e-3f);

@@ -3,6 +3,7 @@
 // K2C_RUBRIC_DEFAULT, like common/src/test_main.cpp.
 #include <mpi.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 
@@ -37,9 +38,24 @@ void DistTest::SetUp() {
 }
 
 void DistTest::TearDown() {
-  int failed = HasFailure() ? 1 : 0, any = 0;
+  const bool failed = HasFailure();
+  if (failed_anywhere() && !failed) ADD_FAILURE() << "failed on another rank (see that rank's output)";
+}
+
+bool failed_anywhere() {
+  int failed = ::testing::Test::HasFailure() ? 1 : 0, any = 0;
   MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (any && !failed) ADD_FAILURE() << "failed on another rank (see that rank's output)";
+  return any != 0;
+}
+
+bool same_on_all_ranks(const void* data, std::size_t bytes) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a's offset basis and prime
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  std::uint64_t lo = 0, hi = 0;
+  MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return lo == hi;
 }
 
 }  // namespace k2c::dist::testing

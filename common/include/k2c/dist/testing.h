@@ -5,7 +5,18 @@
 // derives from DistTest, whose TearDown makes the ranks agree: a test fails on every rank if it
 // failed on any, so rank 0's report tells the truth about all of them. Performance tests time
 // with time_step (k2c/dist/timing.h, included here).
+//
+// The checks every distributed module's tests share (modules 12 to 17): whether the ranks hold
+// the same bits (same_on_all_ranks), whether a test failed on any rank (failed_anywhere), and
+// host data compared within a tolerance or bit for bit (expect_close, expect_bits).
 #pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -31,5 +42,48 @@ class DistTest : public ::testing::Test {
       K2C_SKIP("needs the NCCL backend (this run uses " +                                    \
                ::k2c::dist::to_string(::k2c::dist::testing::world().backend()) + ")");       \
   } while (0)
+
+// Collective (every rank calls it, with as many bytes): true when every rank holds the same
+// bytes. Each rank hashes its own (FNV-1a, 64 bits); the minimum and maximum of the hashes over
+// the ranks are equal exactly when all agree (but for a hash collision). Through MPI, so it
+// works on either backend, with host data.
+bool same_on_all_ranks(const void* data, std::size_t bytes);
+inline bool same_on_all_ranks(const std::vector<float>& v) {
+  return same_on_all_ranks(v.data(), v.size() * sizeof(float));
+}
+
+// Collective: true when the running test has failed on any rank, so that every rank can stop
+// at the same point (a rank that returns early alone would leave the others in a collective).
+bool failed_anywhere();
+
+// Fails the test, naming `what`, the count of bad elements and the first, unless every element
+// is within rel·|want| + of_max·(largest finite |want|) of want. An infinite want must be met
+// exactly (a fully masked attention row's +inf log-sum-exp); a NaN anywhere fails.
+inline void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what,
+                         double rel = 1e-4, double of_max = 1e-5) {
+  ASSERT_EQ(got.size(), want.size()) << what << ": sizes differ";
+  double largest = 0;
+  for (float w : want)
+    if (std::isfinite(w)) largest = std::max(largest, static_cast<double>(std::abs(w)));
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    const bool ok = std::isinf(w) ? g == w : std::abs(g - w) <= rel * std::abs(w) + of_max * largest;
+    if (!ok && bad++ == 0) first = i;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements off, first at " << first
+                     << ": got " << (bad ? got[first] : 0.0f) << ", want " << (bad ? want[first] : 0.0f)
+                     << " (largest |want| " << largest << ")";
+}
+
+// Fails the test unless got and want hold the same bits (-0 is not 0, a NaN only its own bits).
+inline void expect_bits(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what << ": sizes differ";
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0 && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements differ in bits, first at "
+                     << first << ": got " << (bad ? got[first] : 0.0f) << ", want " << (bad ? want[first] : 0.0f);
+}
 
 }  // namespace k2c::dist::testing

@@ -216,4 +216,9 @@ std::string decode(std::span<const std::int32_t> tokens, const std::vector<std::
 void write_vocab(const std::filesystem::path& path, const std::vector<std::string>& words);
 std::vector<std::string> read_vocab(const std::filesystem::path& path);
 
+// The one shard of `kind` ("train" or "val": a file *_<kind>.bin) in a k2c_datagen folder, for the
+// trainers' --data. Throws std::invalid_argument naming the folder when it is not one or holds no
+// such shard (the way out: `make data`).
+std::filesystem::path shard_in(const std::filesystem::path& dir, const std::string& kind);
+
 }  // namespace k2c::model

@@ -97,7 +97,10 @@ class RmsNorm {
   RmsNorm() = default;
   RmsNorm(ParamList& params, const std::string& name, std::int64_t dim, float eps = 1e-5f);
   void forward(Context& ctx, const Tensor& x, Tensor& y, Saved& saved) const;
-  void backward(Context& ctx, const Tensor& x, const Saved& saved, const Tensor& dy, Tensor& dx) const;
+  // dx = the norm's input gradient, plus residual_dy where given (the gradient that went around
+  // the norm in a residual block, added in the same pass on the GPU).
+  void backward(Context& ctx, const Tensor& x, const Saved& saved, const Tensor& dy, Tensor& dx,
+                const Tensor* residual_dy = nullptr) const;
   ParamId weight() const { return g_; }
 
  private:

@@ -100,6 +100,10 @@ class Ops {
   // dx = (the input gradient), dgamma += Σ_rows dy · x · rstd.
   virtual void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd,
                                 const Tensor& dy, Tensor& dx, Tensor& dgamma) = 0;
+  // The same, then dx += residual_dy: a pre-norm block's x + f(norm(x)) sends its gradient both
+  // through the norm and around it. By default the two operations; the GPU adds in the same pass.
+  virtual void rmsnorm_backward_add(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                                    const Tensor& residual_dy, Tensor& dx, Tensor& dgamma);
 
   // Rotary embedding in place on x [batch·T, heads·head_dim], pairs (i, i + head_dim/2) of each
   // head rotated by positions[t]·theta^(−2i/head_dim); positions i32 [T], shared by the batch.

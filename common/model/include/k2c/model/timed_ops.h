@@ -74,6 +74,10 @@ class TimedOps final : public Ops {
                         Tensor& dg) override {
     time("rmsnorm backward", [&] { inner_.rmsnorm_backward(x, g, rstd, dy, dx, dg); });
   }
+  void rmsnorm_backward_add(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy, const Tensor& r,
+                            Tensor& dx, Tensor& dg) override {
+    time("rmsnorm backward", [&] { inner_.rmsnorm_backward_add(x, g, rstd, dy, r, dx, dg); });
+  }
   void rope(Tensor& x, const Tensor& positions, int heads, int hd, float theta, bool inverse) override {
     time("rope", [&] { inner_.rope(x, positions, heads, hd, theta, inverse); });
   }

@@ -1,9 +1,9 @@
-// tools/experiments/tensor_peak.cu — how fast the tensor cores go when a kernel does nothing but
+// lab/tensor_peak.cu — how fast the tensor cores go when a kernel does nothing but
 // issue matrix instructions: mma.sync m16n8k16 (what module 05's Part A is built on) and wgmma
 // m64n256k16 (Part B), bf16 operands, fp32 accumulators, random data, with cuBLAS bf16 at 8192³
 // timed in the same process. These are the instruction paths' ceilings that lecture 05 compares
 // its kernels with: no loads, no stores, no address arithmetic, only the multiplies.
-//   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include tools/experiments/tensor_peak.cu \
+//   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include lab/tensor_peak.cu \
 //        common/src/device.cu -lcublas -lcuda -o /tmp/tensor_peak && /tmp/tensor_peak
 #include <cstdint>
 #include <cstdio>

@@ -1,4 +1,4 @@
-// tools/experiments/flash_attention.cu — tile and register-budget variants of module 09's
+// lab/flash_attention.cu — tile and register-budget variants of module 09's
 // kernels at the graded shape (B 4, H 32, N 4096, bf16), causal and not, d = 64 and 128. The
 // reference solution is included directly so its TU-internal kernels can be launched with tiles
 // it does not pick itself; every variant's output is compared with the shipped configuration's
@@ -6,7 +6,7 @@
 // 09 quotes what this measured. Build and run on an H100/H200 (tools/gpu-check.sh does it with
 // K2C_EXPERIMENT=flash_attention, and passes K2C_EXPERIMENT_ARGS):
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/09_flash_attention \
-//     tools/experiments/flash_attention.cu common/src/device.cu -lcuda -o /tmp/fa && /tmp/fa [mode]
+//     lab/flash_attention.cu common/src/device.cu -lcuda -o /tmp/fa && /tmp/fa [mode]
 // No mode: the tile sweep. "unroll": unrolling, dQ and launch-order variants. "hopper_bwd": Part
 // B's wgmma backward beside the shipped mma.sync one. "rounds": close variants in alternating
 // rounds. "once": one shipped forward, backward and Part B backward for a profiler.
@@ -18,7 +18,7 @@
 
 #include "k2c/random.h"
 #include "median_time.cuh"
-#include "../../solutions/09_flash_attention/flash_attention.cu"
+#include "../solutions/09_flash_attention/flash_attention.cu"
 
 namespace fa = k2c::flash_attention;
 using bf16 = __nv_bfloat16;
@@ -183,7 +183,8 @@ void sweep(bool causal, Mode mode) {
   } else {
     forward_variant("forward", "128 rows x 64 keys, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 2>>);
     // The tile sweep: every variant takes the solution's current defaults for the loop unrolling
-    // and the backward's dQ placement (an earlier sweep, recorded in h200.json, predates them).
+    // and the backward's dQ placement (an earlier sweep, recorded in lab/results/h200.json,
+    // predates them).
     forward_variant("forward", "128 x 32, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 32, 4, 2>>);
     forward_variant("forward", "128 x 128, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 128, 4, 2>>);
     forward_variant("forward", "128 x 64, 8 warps x 16", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 8, 1>>);

@@ -1,7 +1,7 @@
-// tools/experiments/precision.cpp — how much accuracy a dot product loses to low-precision inputs
+// lab/precision.cpp — how much accuracy a dot product loses to low-precision inputs
 // and to a low-precision accumulator. Plain C++20, no GPU: lecture 05 (section 9) quotes what it
 // prints. Build and run anywhere:
-//   g++ -O2 -std=c++20 tools/experiments/precision.cpp -o /tmp/precision && /tmp/precision
+//   g++ -O2 -std=c++20 lab/precision.cpp -o /tmp/precision && /tmp/precision
 //
 // For each length K, `kSamples` dot products of fp32 vectors drawn uniformly from [-1, 1) are
 // computed four ways:

@@ -1,9 +1,9 @@
-// tools/experiments/tensor_core.cu — tile-shape sweep of module 05's Part A kernel beside
+// lab/tensor_core.cu — tile-shape sweep of module 05's Part A kernel beside
 // cuBLAS and Part B, at 4096³ and 8192³ (bf16 in and out, C = A·Bᵀ). The reference solution is
 // included directly so its TU-internal kernel can be launched with tiles it does not pick
 // itself. Lecture 05 quotes what this measured. Build and run on an H100/H200:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/05_tensor_core_matmul \
-//     tools/experiments/tensor_core.cu common/src/device.cu -lcublas -lcuda -o /tmp/tc && /tmp/tc
+//     lab/tensor_core.cu common/src/device.cu -lcublas -lcuda -o /tmp/tc && /tmp/tc
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -15,8 +15,8 @@
 
 #include "k2c/random.h"
 #include "median_time.cuh"
-#include "../../solutions/05_tensor_core_matmul/hopper_matmul.cu"
-#include "../../solutions/05_tensor_core_matmul/tensor_core_matmul.cu"
+#include "../solutions/05_tensor_core_matmul/hopper_matmul.cu"
+#include "../solutions/05_tensor_core_matmul/tensor_core_matmul.cu"
 
 using bf16 = __nv_bfloat16;
 namespace tcm = k2c::tensor_core_matmul;

@@ -1,4 +1,4 @@
-// tools/experiments/bandwidth.cu — launch-configuration and design sweep for the memory-bound
+// lab/bandwidth.cu — launch-configuration and design sweep for the memory-bound
 // kernels of modules 06–08 at the graded shape (16384 × 4096 bf16). The reference solutions are
 // included directly, so their TU-internal kernels can be launched with block shapes and grids the
 // solutions do not pick themselves, beside cudaMemcpy of the same bytes. Also here, the designs
@@ -7,15 +7,15 @@
 // (softmax_hints), and rows streamed through a shared-memory ring with cp.async (*_cpa). Lecture
 // 06 section 7.3 and its last exercise quote what they measured. Build and run on a GPU machine:
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/06_softmax \
-//     -Iassignments/07_rmsnorm -Iassignments/08_rope tools/experiments/bandwidth.cu -o /tmp/bw && /tmp/bw
+//     -Iassignments/07_rmsnorm -Iassignments/08_rope lab/bandwidth.cu -o /tmp/bw && /tmp/bw
 #include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <vector>
 
-#include "../../solutions/06_softmax/softmax.cu"
-#include "../../solutions/07_rmsnorm/rmsnorm.cu"
-#include "../../solutions/08_rope/rope.cu"
+#include "../solutions/06_softmax/softmax.cu"
+#include "../solutions/07_rmsnorm/rmsnorm.cu"
+#include "../solutions/08_rope/rope.cu"
 
 using bf16 = __nv_bfloat16;
 

@@ -1,8 +1,8 @@
-// tools/experiments/moe_grouped.cu — tile shapes of module 10's grouped GEMM at the module's
+// lab/moe_grouped.cu — tile shapes of module 10's grouped GEMM at the module's
 // shape (16384 tokens × top-6 over 64 experts, uniform loads), against cuBLAS once per expert.
 // It compiles the reference solution into itself to reach the kernel's tile parameter:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/10_moe \
-//        tools/experiments/moe_grouped.cu common/src/device.cu -lcublas -lcuda -o /tmp/moe_grouped && /tmp/moe_grouped [mode]
+//        lab/moe_grouped.cu common/src/device.cu -lcublas -lcuda -o /tmp/moe_grouped && /tmp/moe_grouped [mode]
 // Modes, each a function below: `loop` the per-expert loop's timing (loop_timing), `boxes` the
 // staged epilogue of Part B, `tails` the split tail tiles, `same` whether splitting them changes
 // any output bit, `pairs` clusters of two blocks sharing B tiles, `pingpong` a consumer per tile
@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "../../solutions/10_moe/moe.cu"
+#include "../solutions/10_moe/moe.cu"
 #include "k2c/random.h"
 #include "median_time.cuh"
 

@@ -1,4 +1,4 @@
-// tools/experiments/rope_order.cu — RoPE at the graded shape (B4 S4096, heads 32/8, d 128,
+// lab/rope_order.cu — RoPE at the graded shape (B4 S4096, heads 32/8, d 128,
 // half-split, out of place) in the order memory is laid out. The earlier reference gave each
 // thread one token and 8 pairs and walked all 40 heads with one cos/sin (rope_token below), so at
 // any moment the GPU touched a little of every token: its accesses were scattered over the whole
@@ -7,10 +7,9 @@
 // are fetched (table, from L2) or computed per thread. The solution adopted this design (G = 2
 // with the table, 4 on the fly) and is timed first. Timed as the graded tests time (L2 overwritten
 // before each run, median of 30), as a fraction of the 1 GiB memcpy rate measured in the same
-// process; the figures one H200 gave are in autograder/reference/h200.json under
-// row_streams.rope. Build and run on an H100 or H200:
+// process; the figures one H200 gave are in lab/results/h200.json under row_streams.rope. Build and run on an H100 or H200:
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/08_rope \
-//     tools/experiments/rope_order.cu common/src/device.cu -o /tmp/ro && /tmp/ro
+//     lab/rope_order.cu common/src/device.cu -o /tmp/ro && /tmp/ro
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "../../solutions/08_rope/rope.cu"
+#include "../solutions/08_rope/rope.cu"
 #include "k2c/random.h"
 #include "median_time.cuh"
 

@@ -1,4 +1,4 @@
-// tools/experiments/row_streams.cu — designs for modules 06 and 07 at the graded shape (16384 ×
+// lab/row_streams.cu — designs for modules 06 and 07 at the graded shape (16384 ×
 // 4096 bf16) that keep more bytes in flight than the register kernels: rows streamed into shared
 // memory by the bulk copy engine (cp.async.bulk, sm_90), in a ring per warp (softmax, RMSNorm
 // forward) or per block (RMSNorm backward, adopted by the solution); and the register kernels with
@@ -9,17 +9,17 @@
 // backward kernel by kernel. Beside them: cudaMemcpy of several sizes and plain copy kernels of
 // the graded bytes, and the reference solutions, all timed as the graded tests time (L2
 // overwritten before each run, median of 30). The numbers one H200 gave are in
-// autograder/reference/h200.json under "row_streams". Build and run on an H100 or H200:
+// lab/results/h200.json under "row_streams". Build and run on an H100 or H200:
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include -Iassignments/06_softmax \
-//     -Iassignments/07_rmsnorm tools/experiments/row_streams.cu common/src/device.cu -o /tmp/rs && /tmp/rs [sections]
+//     -Iassignments/07_rmsnorm lab/row_streams.cu common/src/device.cu -o /tmp/rs && /tmp/rs [sections]
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
-#include "../../solutions/06_softmax/softmax.cu"
-#include "../../solutions/07_rmsnorm/rmsnorm.cu"
+#include "../solutions/06_softmax/softmax.cu"
+#include "../solutions/07_rmsnorm/rmsnorm.cu"
 #include "k2c/hopper.cuh"
 #include "k2c/random.h"
 #include "median_time.cuh"

@@ -1,4 +1,4 @@
-// tools/experiments/median_time.cuh — the timer of the experiments: median of `reps` CUDA-event
+// lab/median_time.cuh — the timer of the experiments: median of `reps` CUDA-event
 // timings of f() after `warmup` calls. By default back to back (no L2 flush between runs, unlike
 // the graded tests' k2c::time_gpu; the experiments compare variants with each other); with
 // flush_l2, a 128 MiB buffer (over twice an H200's L2) is overwritten before each timed run.

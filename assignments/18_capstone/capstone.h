@@ -1,0 +1,150 @@
+// assignments/18_capstone/capstone.h — the contract of module 18 (do not edit).
+//
+// The capstone trains the course's decoder-only transformer (k2c/model/transformer.h: RMSNorm,
+// RoPE, GQA attention, SwiGLU or a mixture of experts with a shared expert, untied head, AdamW,
+// cosine schedule, gradient clipping) on a grid of ranks dp × tp × pp × ep, any axis 1. Nothing
+// in it is a new algorithm: every axis is a module you wrote.
+//
+//   dp   module 12   data parallelism: DataParallel's buckets, over the dp group
+//   tp   module 14   ParallelBlock, VocabParallelEmbedding, a ColumnParallelLinear head and
+//                    vocab_parallel_cross_entropy, over the tp group
+//   pp   module 15   stage_blocks and train_step's 1F1B (or GPipe) schedule, over the pp group
+//   ep   module 17   ExpertParallelMoe in every block and reduce_gradients, over the ep group
+//
+// What you write is the composition: the process grid and its groups, one pipeline stage whose
+// blocks hold the parallel layers of this rank's place in the grid, the group over which each
+// parameter's gradient is reduced, a clipping norm that counts every weight of the model exactly
+// once, and the checkpoint of a rank's part of the state. The course's program around it
+// (autograder/18_capstone/capstone_bench.cpp, `k2c_capstone`) parses flags, prints the progress
+// line, writes the logs, samples and times.
+//
+// The grid. World rank r is laid out as k2c/dist/grid.h says (tp fastest, then ep, pp, dp):
+// tp groups are neighbours, on one node. Your library links no more than the model library and
+// headers, so it makes the groups itself, each with one world.split(). Ranks that see different tokens are the "data ranks": the
+// D = dp·ep ranks of one (pp, tp) place; data rank d = dp_coord·ep + ep_coord reads rows
+// [d·B/D, (d+1)·B/D) of each global batch of B sequences (model::TokenLoader with dp_rank d and
+// dp_size D), and cuts them into `micro_batches` micro-batches for the pipeline.
+//
+// Which sizes must divide: B by D·micro_batches; n_layers by nothing, but pp <= n_layers; q_heads,
+// kv_heads, d_ff and vocab by tp; experts by ep. ep > 1 needs a mixture of experts, and tp > 1
+// a dense model (module 14's block has no experts) and no dropout. The constructor refuses
+// anything else with std::invalid_argument naming the values.
+//
+// Results. On the CPU backend a grid trains the same model on the same tokens as one process
+// (model::Trainer): at grid 1 the same operations in the same order, so the same bits; on other
+// grids sums are taken in another order (gradients over ranks, row-parallel products, the norm),
+// so the loss curves agree within the tolerance the tests state, and every rank holding a copy
+// of a value holds the same bits.
+//
+// Tests: autograder/18_capstone/test_capstone.cpp. Lecture: lectures/18_capstone.md.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "k2c/dist/communicator.h"
+#include "k2c/dist/grid.h"
+#include "k2c/model/data.h"
+#include "k2c/model/train.h"
+
+namespace k2c::capstone {
+
+// ---- given: the grid flag
+
+// "dp2,tp2,pp2,ep2", in any order, any axis left out meaning 1; "1" (or "") is one rank. Also
+// accepts "x" between axes ("dp2xtp2"). Throws std::invalid_argument naming what it could not read.
+inline dist::GridShape parse_grid(const std::string& text) {
+  dist::GridShape g;
+  if (text.empty() || text == "1") return g;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    const std::string axis = text.substr(i, 2);
+    i += 2;
+    std::size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(text.substr(i), &used);
+    } catch (...) {
+      used = 0;
+    }
+    if (used == 0 || n < 1) throw std::invalid_argument("grid '" + text + "': '" + axis + "' needs a size >= 1");
+    i += used;
+    if (axis == "dp") g.dp = n;
+    else if (axis == "tp") g.tp = n;
+    else if (axis == "pp") g.pp = n;
+    else if (axis == "ep") g.ep = n;
+    else throw std::invalid_argument("grid '" + text + "': unknown axis '" + axis + "' (dp, tp, pp or ep)");
+    if (i < text.size() && (text[i] == ',' || text[i] == 'x')) ++i;
+  }
+  return g;
+}
+
+inline std::string grid_name(const dist::GridShape& g) {
+  std::string s;
+  auto add = [&](const char* axis, int n) {
+    if (n > 1) s += (s.empty() ? "" : ",") + std::string(axis) + std::to_string(n);
+  };
+  add("dp", g.dp), add("tp", g.tp), add("pp", g.pp), add("ep", g.ep);
+  return s.empty() ? "1" : s;
+}
+
+// ---- the run
+
+struct CapstoneConfig {
+  model::TrainConfig train;      // model, steps, global batch, learning rate, clip, AdamW, seed
+  dist::GridShape grid;          // cp must stay 1
+  int micro_batches = 1;         // per step and data rank, for the pipeline
+  bool one_f_one_b = true;       // the pipeline schedule; false: GPipe
+  std::size_t bucket_bytes = 1u << 20;  // DataParallel's buckets
+};
+
+// Makes the data rank's loader: `validation` false for training batches, true for held-out
+// ones; the loader's config must be {seq_len, global batch, data_rank, data_ranks, any seed}.
+using LoaderFactory = std::function<model::TokenLoader(bool validation, int data_rank, int data_ranks)>;
+
+// The trainer of one rank. Every call is collective over the world: every rank makes it.
+class GridTrainer {
+ public:
+  // Builds the grid over `world` (its size must be config.grid.total()), this rank's stage and
+  // its parameters, initialised from config.train.seed so that each rank starts from exactly its
+  // part of the weights one process would make, and the optimizer over them. `ops` computes.
+  GridTrainer(dist::Communicator& world, model::Ops& ops, const CapstoneConfig& config, const LoaderFactory& data);
+  ~GridTrainer();
+  GridTrainer(const GridTrainer&) = delete;
+  GridTrainer& operator=(const GridTrainer&) = delete;
+
+  // One optimizer step: the pipeline schedule over this data rank's micro-batches, the gradients
+  // reduced over their groups, clipped to config.train.clip by the norm of the whole model's
+  // gradient, AdamW at cosine_lr. The record's loss (the mean over the global batch, without
+  // the MoE balance term), grad_norm (before clipping) and lr are the same on every rank;
+  // seconds, tokens_per_s (global tokens) are this rank's; mfu is left 0.
+  model::StepRecord step();
+  // Mean loss per token over the first `batches` validation batches, on every rank.
+  double evaluate(int batches);
+
+  // The parameters as one process would hold them: model::Transformer's flat layout, on every
+  // rank.
+  std::vector<float> gather_values();
+
+  // Checkpoints: each rank writes (reads) its part of the state (parameters, AdamW moments and
+  // steps, the step count) to `path` on one rank, to path + ".rank<r>" on more. load throws
+  // std::runtime_error for a missing or foreign file, or one written on another grid.
+  void save(const std::filesystem::path& path);
+  void load(const std::filesystem::path& path);
+
+  int steps_done() const;
+  // This rank's place in the grid, indexed by dist::Axis (k2c/dist/grid.h's layout).
+  dist::GridCoords coords() const;
+  model::MemoryLedger& ledger();
+
+ private:
+  struct Impl;  // yours: define it in capstone.cpp
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace k2c::capstone

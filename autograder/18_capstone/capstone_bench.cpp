@@ -1,0 +1,238 @@
+// capstone_bench.cpp — k2c_capstone: train the course's transformer on a dp × tp × pp × ep grid.
+//
+//   k2c run -np 8 build/solutions/bin/k2c_capstone --grid dp2,tp2,pp2 --data datasets/grammar
+//           [--config tiny|tiny-moe|dense-135m|moe-135m] [--steps N] [--batch B]
+//           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
+//           [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
+//           [--samples N] [--peak-tflops P]
+//
+// `k2c run` prints the plain mpirun command it starts; on several nodes, run that command with a
+// host list (mpirun -H node1:8,node2:8 ...) or under srun: the grid puts each tp group on
+// neighbouring ranks, so keep tp within a node. Without --data the run trains on a Markov chain
+// made on the fly (vocabulary 256, 4 successors per token), whose entropy rate it prints: the
+// floor of the loss.
+//
+// Rank 0 prints one progress line per step (step, loss, validation loss, learning rate,
+// gradient norm, tokens/s, MFU when --peak-tflops gives the hardware's peak, peak memory of the
+// rank's ledger), writes the CSV log that tools/plot_loss.py draws (several logs overlay on one
+// figure) and a JSON summary, and at the end samples continuations of validation prompts from
+// the model gathered onto one rank (words, with the grammar data's vocabulary).
+//
+// Exit status: 0 after training, 2 for bad arguments, 1 otherwise.
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "capstone.h"
+#include "k2c/dist/runtime.h"
+#include "k2c/model/data.h"
+#include "k2c/model/train.h"
+
+namespace fs = std::filesystem;
+namespace kc = k2c::capstone;
+namespace km = k2c::model;
+
+namespace {
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The presets. moe-135m keeps dense-135m's trunk and replaces each MLP with 32 experts of width
+// 512, top 4, and one shared expert: about the same FLOPs per token as the dense model's d_ff.
+km::ModelConfig preset(const std::string& name) {
+  km::ModelConfig m = name.starts_with("dense-135m") || name.starts_with("moe-135m") ? km::ModelConfig::dense_135m()
+                                                                                     : km::ModelConfig::tiny();
+  if (name == "tiny-moe" || name == "moe-135m") {
+    m.experts = name == "tiny-moe" ? 4 : 32;
+    m.top_k = name == "tiny-moe" ? 2 : 4;
+    m.shared_experts = 1;
+    m.d_expert = name == "tiny-moe" ? 32 : 512;
+  } else if (name != "tiny" && name != "dense-135m") {
+    throw UsageError("--config " + name + ": one of tiny, tiny-moe, dense-135m, moe-135m");
+  }
+  return m;
+}
+
+struct Options {
+  std::string grid = "1", data, config = "tiny", log, json, checkpoint;
+  int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3;
+  double lr = 3e-3, clip = 1.0, peak_tflops = 0;
+  std::uint64_t seed = 1;
+  bool resume = false, gpipe = false;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError(a + " needs a value");
+      return argv[++i];
+    };
+    auto number = [&]() {
+      const std::string v = value();
+      try {
+        std::size_t used = 0;
+        const double d = std::stod(v, &used);
+        if (used == v.size()) return d;
+      } catch (...) {
+      }
+      throw UsageError(a + ": '" + v + "' is not a number");
+    };
+    if (a == "--grid") o.grid = value();
+    else if (a == "--data") o.data = value();
+    else if (a == "--config") o.config = value();
+    else if (a == "--log") o.log = value();
+    else if (a == "--json") o.json = value();
+    else if (a == "--checkpoint") o.checkpoint = value();
+    else if (a == "--steps") o.steps = static_cast<int>(number());
+    else if (a == "--batch") o.batch = static_cast<int>(number());
+    else if (a == "--micro-batches") o.micro_batches = static_cast<int>(number());
+    else if (a == "--eval-every") o.eval_every = static_cast<int>(number());
+    else if (a == "--samples") o.samples = static_cast<int>(number());
+    else if (a == "--lr") o.lr = number();
+    else if (a == "--clip") o.clip = number();
+    else if (a == "--peak-tflops") o.peak_tflops = number();
+    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
+    else if (a == "--resume") o.resume = true;
+    else if (a == "--gpipe") o.gpipe = true;
+    else throw UsageError("unknown argument '" + a + "' (see the top of autograder/18_capstone/capstone_bench.cpp)");
+  }
+  if (o.resume && o.checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
+  return o;
+}
+
+int run(k2c::dist::Communicator& world, const Options& o) {
+  const bool root = world.rank() == 0;
+  kc::CapstoneConfig config;
+  km::TrainConfig& c = config.train;
+  c.model = preset(o.config);
+  c.steps = o.steps, c.batch = o.batch, c.lr = static_cast<float>(o.lr), c.min_lr = c.lr / 10;
+  c.clip = static_cast<float>(o.clip), c.seed = o.seed;
+  config.grid = kc::parse_grid(o.grid);
+  config.micro_batches = o.micro_batches;
+  config.one_f_one_b = !o.gpipe;
+
+  // The data: a k2c_datagen folder, or a Markov chain made here (the same on every rank).
+  std::vector<std::uint16_t> train_tokens, val_tokens;
+  std::optional<fs::path> train_shard, val_shard;
+  std::vector<std::string> vocab;
+  std::uint32_t data_vocab = 0;
+  if (!o.data.empty()) {
+    train_shard = km::shard_in(o.data, "train");
+    val_shard = km::shard_in(o.data, "val");
+    for (const auto& e : fs::directory_iterator(o.data))
+      if (e.path().filename().string().ends_with("_vocab.txt")) vocab = km::read_vocab(e.path());
+    data_vocab = km::read_shard(*train_shard).vocab;
+  } else {
+    km::MarkovSource source(o.seed, c.model.vocab, 4);
+    train_tokens = source.sample(400000);
+    val_tokens = source.sample(50000);
+    data_vocab = static_cast<std::uint32_t>(c.model.vocab);
+    if (root) std::printf("data: a Markov chain of %d tokens, entropy rate (the loss floor) %.4f nats\n",
+                          c.model.vocab, source.entropy_rate());
+  }
+  if (data_vocab > static_cast<std::uint32_t>(c.model.vocab)) c.model.vocab = static_cast<int>(data_vocab);
+  // A vocabulary cut over tp must divide: round it up (the extra ids are never targets).
+  const int tp = config.grid.tp;
+  c.model.vocab = (c.model.vocab + tp - 1) / tp * tp;
+  auto loader = [&](bool validation, int rank, int ranks) {
+    const km::LoaderConfig lc{c.model.seq_len, c.batch, rank, ranks, c.seed + (validation ? 1 : 0)};
+    if (train_shard) return km::TokenLoader({validation ? *val_shard : *train_shard}, lc);
+    return km::TokenLoader(validation ? val_tokens : train_tokens, data_vocab, lc);
+  };
+
+  kc::GridTrainer trainer(world, km::cpu_ops(), config, loader);
+  if (o.resume) trainer.load(o.checkpoint);
+  if (root) {
+    std::printf("model: %s\ngrid: %s on %d ranks, %d micro-batches (%s), batch %d x %d tokens\n",
+                c.model.describe().c_str(), kc::grid_name(config.grid).c_str(), world.size(), o.micro_batches,
+                o.gpipe ? "GPipe" : "1F1B", c.batch, c.model.seq_len);
+    if (o.resume) std::printf("resumed from %s at step %d\n", o.checkpoint.c_str(), trainer.steps_done());
+  }
+  std::ofstream log;
+  if (root && !o.log.empty()) {
+    const bool fresh = !o.resume || !fs::exists(o.log);
+    log.open(o.log, fresh ? std::ios::trunc : std::ios::app);
+    if (!log) throw std::runtime_error("cannot write the log " + o.log);
+    if (fresh) log << "step,loss,val_loss,lr,grad_norm,tokens_per_s,mfu,seconds\n";
+  }
+  std::vector<km::StepRecord> records;
+  const double flops_per_token = c.model.train_flops_per_token();
+  while (trainer.steps_done() < c.steps) {
+    km::StepRecord r = trainer.step();
+    const bool last = trainer.steps_done() == c.steps;
+    if ((o.eval_every > 0 && trainer.steps_done() % o.eval_every == 0) || last) r.val_loss = trainer.evaluate(8);
+    // MFU: model FLOPs of the step over the time, against the peak of every GPU of the grid.
+    if (o.peak_tflops > 0) r.mfu = r.tokens_per_s * flops_per_token / (o.peak_tflops * 1e12 * world.size());
+    records.push_back(r);
+    if (!root) continue;
+    char val[32] = "", mfu[32] = "";
+    if (r.val_loss >= 0) std::snprintf(val, sizeof val, "  val %.4f", r.val_loss);
+    if (o.peak_tflops > 0) std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * r.mfu);
+    std::printf("step %5d/%d  loss %.4f%s  lr %.2e  |g| %.3f  %.0f tok/s%s  mem %.1f MiB\n", r.step + 1, c.steps,
+                r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, mfu, trainer.ledger().peak_total() / 1048576.0);
+    std::fflush(stdout);
+    if (log) {
+      log << r.step << ',' << r.loss << ',';
+      if (r.val_loss >= 0) log << r.val_loss;
+      log << ',' << r.lr << ',' << r.grad_norm << ',' << r.tokens_per_s << ',' << r.mfu << ',' << r.seconds << '\n';
+    }
+  }
+  if (!o.checkpoint.empty()) trainer.save(o.checkpoint);
+  const std::vector<float> values = trainer.gather_values();
+  if (!root) return 0;
+  std::cout << "memory of rank 0 (peak over the run):\n" << trainer.ledger().report();
+  if (!o.log.empty()) std::printf("log: %s  (plot: python3 tools/plot_loss.py %s)\n", o.log.c_str(), o.log.c_str());
+  if (!o.json.empty()) {
+    std::ofstream j(o.json);
+    j << "{\n  \"grid\": \"" << kc::grid_name(config.grid) << "\", \"ranks\": " << world.size()
+      << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches << ",\n  \"steps\": [";
+    for (std::size_t i = 0; i < records.size(); ++i)
+      j << (i ? ",\n    " : "\n    ") << "{\"step\": " << records[i].step << ", \"loss\": " << records[i].loss
+        << ", \"val_loss\": " << records[i].val_loss << ", \"grad_norm\": " << records[i].grad_norm
+        << ", \"tokens_per_s\": " << records[i].tokens_per_s << ", \"mfu\": " << records[i].mfu << "}";
+    j << "\n  ],\n  \"peak_memory_bytes_rank0\": " << trainer.ledger().peak_total() << "\n}\n";
+  }
+  // Samples: the gathered weights in a one-process trainer on this rank.
+  if (o.samples > 0) {
+    km::Trainer one(c, km::cpu_ops(), loader(false, 0, 1), loader(true, 0, 1));
+    km::cpu_ops().upload(one.params().flat_values(), values.data());
+    for (int i = 0; i < o.samples; ++i) {
+      const km::TokenBatch b = loader(true, 0, 1).batch_at(100 + i);
+      const std::vector<std::int32_t> prompt(b.inputs.begin(), b.inputs.begin() + std::min(8, c.model.seq_len));
+      const std::vector<std::int32_t> out = one.sample(prompt, 2 * c.model.seq_len, 0.8f, c.seed + i);
+      std::cout << "sample " << i + 1 << ": ";
+      if (vocab.empty()) {
+        for (std::size_t k = 0; k < out.size(); ++k) std::cout << (k == prompt.size() ? " | " : k ? " " : "") << out[k];
+        std::cout << "\n";
+      } else {
+        std::cout << km::decode(std::span<const std::int32_t>(prompt), vocab) << " | "
+                  << km::decode(std::span<const std::int32_t>(out).subspan(prompt.size()), vocab) << "\n";
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "k2c_capstone: " << e.what() << "\n";
+    return 2;
+  }
+  int status = 0;
+  const int rc = k2c::dist::run(argc, argv, [&](k2c::dist::Communicator& world) { status = run(world, o); });
+  return rc ? rc : status;
+}

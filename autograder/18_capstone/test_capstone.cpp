@@ -1,0 +1,316 @@
+// autograder/18_capstone/test_capstone.cpp — tests of module 18 (contract: capstone.h).
+//
+// Run as `mpirun -np n` at the rank counts the rubric lists (1, 2 and 4); each grid test runs at
+// the rank count its grid needs and skips at the others. Every rank computes on the model
+// library's CPU backend.
+//
+// The reference is the model library's single-process trainer (model::Trainer) over the same
+// tokens, computed on every rank: the same model (initialised from the same seed), the same
+// global batches, AdamW, cosine schedule and clipping. The grids train the tiny configuration
+// (d 64, 2 layers, 4 heads of which 2 key-value, T 32, vocabulary 256; its MoE variant has 4
+// experts of width 32, top 2, one shared) for 20 steps of 8 sequences on Markov data, with
+// clipping at 0.5 so that it acts on most steps.
+//
+// What must agree (the loss is the mean over the global batch, the gradient norm the whole
+// model's before clipping):
+//   - grid 1: every step's loss and norm, and every parameter after 20 steps, bit for bit
+//     (the same operations in the same order);
+//   - pp 2 with one micro-batch: the same bits for the losses (each stage runs the unsplit
+//     model's operations on exact copies of the activations); the norm, summed per stage in
+//     another order, and so the parameters, within the tolerance below (the reference measured
+//     the same bits for the parameters too: the clipping factor rounds to the same float);
+//   - every other grid: sums over ranks in another order, so each step's loss within
+//     kLossTol·max(1, loss) of the reference and the norm within kNormTol relative, and the
+//     parameters after 20 steps within atol kParamAtol + rtol kParamRtol;
+//   - on every grid, every rank reports the same bits for the loss and the norm.
+// The tolerances are 20 to 40 times the largest differences the reference showed over these
+// grids (loss 1.3e-8 relative, norm 1.5e-7, parameters 2.4e-6 absolute and 1.8e-7 in relative
+// L2: rounding differences of fp32 sums that AdamW carries on for 20 steps); a gradient reduced
+// over the wrong group or scaled twice misses them by orders of magnitude.
+//
+// Training: the tiny model on a Markov chain of 32 tokens must come within 0.05 nats of the
+// chain's own loss on the validation tokens (the floor no model can beat) on dp 2 in 300 steps.
+// Resume: 12 steps in one run equal 6 steps, a checkpoint and 6 more in a new trainer, bit for bit.
+#include <mpi.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "capstone.h"
+#include "k2c/compare.h"
+#include "k2c/dist/testing.h"
+#include "k2c/model/data.h"
+#include "k2c/model/train.h"
+#include "k2c/testing.h"
+
+namespace kc = k2c::capstone;
+namespace kd = k2c::dist;
+namespace km = k2c::model;
+using k2c::dist::testing::world;
+
+namespace {
+
+constexpr int kSteps = 20;
+constexpr double kLossTol = 5e-7, kNormTol = 5e-6, kParamAtol = 5e-5, kParamRtol = 1e-4, kParamL2 = 5e-6;
+
+// The models: dense, a mixture of experts, and the same without the balance term (see dp 2 × ep 2).
+enum class Model { dense, moe, moe_unbalanced };
+
+km::TrainConfig tiny_config(Model model) {
+  km::TrainConfig c;
+  c.model = km::ModelConfig::tiny();
+  if (model != Model::dense) c.model.experts = 4, c.model.top_k = 2, c.model.shared_experts = 1, c.model.d_expert = 32;
+  if (model == Model::moe_unbalanced) c.model.balance_coef = 0.0f;
+  c.steps = kSteps, c.batch = 8, c.lr = 3e-3f, c.min_lr = 3e-4f, c.warmup = 5, c.clip = 0.5f;
+  c.eval_every = 0;
+  return c;
+}
+
+// The tokens every run reads, and loaders over them for any data rank.
+struct Data {
+  std::vector<std::uint16_t> train, val;
+  std::uint32_t vocab;
+  Data(int vocab, int branching, std::uint64_t seed) : vocab(static_cast<std::uint32_t>(vocab)) {
+    km::MarkovSource source(seed, vocab, branching);
+    train = source.sample(60000);
+    val = source.sample(20000);
+  }
+  km::TokenLoader loader(const km::TrainConfig& c, bool validation, int rank, int ranks) const {
+    return km::TokenLoader(validation ? val : train, vocab,
+                           {c.model.seq_len, c.batch, rank, ranks, validation ? 102u : 101u});
+  }
+  kc::LoaderFactory factory(const km::TrainConfig& c) const {
+    return [this, c](bool validation, int rank, int ranks) { return loader(c, validation, rank, ranks); };
+  }
+};
+
+const Data& tiny_data() {
+  static const Data d(256, 4, 7);
+  return d;
+}
+
+// The single-process run of a configuration: every step's record and the final parameters.
+struct Reference {
+  std::vector<km::StepRecord> steps;
+  std::vector<float> values;
+};
+
+const Reference& reference(Model model) {
+  static std::map<Model, Reference> cache;
+  auto it = cache.find(model);
+  if (it != cache.end()) return it->second;
+  const km::TrainConfig c = tiny_config(model);
+  const Data& d = tiny_data();
+  km::Trainer trainer(c, km::cpu_ops(), d.loader(c, false, 0, 1), d.loader(c, true, 0, 1));
+  Reference r;
+  for (int s = 0; s < kSteps; ++s) r.steps.push_back(trainer.step());
+  r.values.resize(static_cast<std::size_t>(trainer.params().numel()));
+  km::cpu_ops().download(r.values.data(), trainer.params().flat_values());
+  return cache.emplace(model, std::move(r)).first->second;
+}
+
+// Every rank holds the same bits of a value.
+bool same_on_every_rank(double v) {
+  double lo = v, hi = v;
+  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return lo == hi;
+}
+
+enum class Match { bits, loss_bits, tolerance };
+
+// Trains `grid` for kSteps and holds it against the single-process reference.
+void expect_grid_matches(const std::string& grid, Model model, int micro_batches, Match match) {
+  const kd::GridShape shape = kc::parse_grid(grid);
+  if (world().size() != shape.total())
+    K2C_SKIP("grid " + grid + " needs " + std::to_string(shape.total()) + " ranks; this run has " +
+             std::to_string(world().size()));
+  const Reference& ref = reference(model);
+  kc::CapstoneConfig config;
+  config.train = tiny_config(model);
+  config.grid = shape;
+  config.micro_batches = micro_batches;
+  kc::GridTrainer trainer(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+  for (int s = 0; s < kSteps; ++s) {
+    const km::StepRecord r = trainer.step();
+    const km::StepRecord& w = ref.steps[static_cast<std::size_t>(s)];
+    ASSERT_TRUE(same_on_every_rank(r.loss) && same_on_every_rank(r.grad_norm)) << "step " << s;
+    EXPECT_EQ(r.lr, w.lr) << "step " << s;
+    if (match == Match::tolerance) {
+      ASSERT_NEAR(r.loss, w.loss, kLossTol * std::max(1.0, w.loss)) << "step " << s;
+    } else {
+      ASSERT_EQ(r.loss, w.loss) << "step " << s << " (bit for bit)";
+    }
+    if (match == Match::bits) {
+      ASSERT_EQ(r.grad_norm, w.grad_norm) << "step " << s << " (bit for bit)";
+    } else {
+      ASSERT_NEAR(r.grad_norm, w.grad_norm, kNormTol * w.grad_norm) << "step " << s;
+    }
+  }
+  const std::vector<float> got = trainer.gather_values();
+  ASSERT_EQ(got.size(), ref.values.size());
+  if (match == Match::bits) {
+    EXPECT_TRUE(got == ref.values) << "the parameters after " << kSteps << " steps differ from the reference's";
+  } else {
+    const std::vector<double> want(ref.values.begin(), ref.values.end());
+    const k2c::CompareReport rep = k2c::compare(got, want, {kParamAtol, kParamRtol, kParamL2});
+    EXPECT_TRUE(rep.ok) << "parameters after " << kSteps << " steps: " << rep.summary();
+  }
+}
+
+}  // namespace
+
+// Worth no points: it lets the grader say "not implemented yet".
+using CapstoneContract = kd::testing::DistTest;
+TEST_F(CapstoneContract, Implemented) {
+  kc::CapstoneConfig config;
+  config.train = tiny_config(Model::dense);
+  config.grid.dp = world().size();
+  try {
+    kc::GridTrainer trainer(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+    (void)trainer.step();
+  } catch (const k2c::NotImplemented& e) {
+    FAIL() << e.what();
+  }
+}
+
+using Capstone = kd::testing::DistTest;
+
+TEST_F(Capstone, ParsesGrids) {
+  const kd::GridShape g = kc::parse_grid("dp2,tp2,pp3,ep4");
+  EXPECT_EQ(g.dp, 2);
+  EXPECT_EQ(g.tp, 2);
+  EXPECT_EQ(g.pp, 3);
+  EXPECT_EQ(g.ep, 4);
+  EXPECT_EQ(g.cp, 1);
+  EXPECT_EQ(kc::parse_grid("dp2xpp2").total(), 4);
+  EXPECT_EQ(kc::parse_grid("1").total(), 1);
+  EXPECT_EQ(kc::grid_name(kc::parse_grid("tp2,dp2")), "dp2,tp2");
+  EXPECT_THROW(kc::parse_grid("dp0"), std::invalid_argument);
+  EXPECT_THROW(kc::parse_grid("xy2"), std::invalid_argument);
+}
+
+TEST_F(Capstone, OneRankMatchesLibraryTrainer) { expect_grid_matches("1", Model::dense, 1, Match::bits); }
+TEST_F(Capstone, OneRankMoeMatchesLibraryTrainer) { expect_grid_matches("1", Model::moe, 1, Match::bits); }
+TEST_F(Capstone, GridDp2MatchesOneRank) { expect_grid_matches("dp2", Model::dense, 1, Match::tolerance); }
+TEST_F(Capstone, GridTp2MatchesOneRank) { expect_grid_matches("tp2", Model::dense, 1, Match::tolerance); }
+TEST_F(Capstone, GridPp2MatchesOneRank) { expect_grid_matches("pp2", Model::dense, 1, Match::loss_bits); }
+TEST_F(Capstone, GridPp2MicroBatchesMatchOneRank) {
+  expect_grid_matches("pp2", Model::dense, 4, Match::tolerance);
+}
+// With ep alone the ep group is every data rank: the balance term is one process's.
+TEST_F(Capstone, GridEp2MatchesOneRank) { expect_grid_matches("ep2", Model::moe, 1, Match::tolerance); }
+TEST_F(Capstone, GridDp2Tp2MatchesOneRank) { expect_grid_matches("dp2,tp2", Model::dense, 1, Match::tolerance); }
+TEST_F(Capstone, GridDp2Pp2MatchesOneRank) { expect_grid_matches("dp2,pp2", Model::dense, 2, Match::tolerance); }
+TEST_F(Capstone, GridTp2Pp2MatchesOneRank) { expect_grid_matches("tp2,pp2", Model::dense, 2, Match::tolerance); }
+// Under dp × ep each ep group balances its own tokens (the mean of the groups' terms is not the
+// term of all tokens), so this grid is compared without the balance term.
+TEST_F(Capstone, GridDp2Ep2MatchesOneRank) {
+  expect_grid_matches("dp2,ep2", Model::moe_unbalanced, 1, Match::tolerance);
+}
+
+// A configuration the grid cannot run is refused on every rank before anything is communicated.
+TEST_F(Capstone, RefusesGridsThatDoNotFit) {
+  const int n = world().size();
+  auto refuses = [&](kc::CapstoneConfig c, const char* why) {
+    EXPECT_THROW(kc::GridTrainer(world(), km::cpu_ops(), c, tiny_data().factory(c.train)), std::invalid_argument)
+        << why;
+  };
+  kc::CapstoneConfig c;
+  c.train = tiny_config(Model::dense);
+  c.grid.dp = n + 1;
+  refuses(c, "a grid of another size than the world");
+  c.grid = {.dp = n};
+  c.micro_batches = 3;
+  refuses(c, "a batch that does not split into micro-batches");
+  c.micro_batches = 1;
+  c.grid = {.ep = n};
+  if (n > 1) refuses(c, "expert parallelism without experts");
+  c.train = tiny_config(Model::moe);
+  c.grid = {.tp = n};
+  if (n > 1) refuses(c, "tensor parallelism of a mixture of experts");
+}
+
+// The tiny model on a chain of 32 tokens with 4 successors each reaches the chain's own loss.
+TEST_F(Capstone, MarkovReachesTheEntropyFloor) {
+  if (world().size() != 2) K2C_SKIP("runs on dp 2 (2 ranks); this run has " + std::to_string(world().size()));
+  kc::CapstoneConfig config;
+  km::TrainConfig& c = config.train;
+  c.model.vocab = 32, c.model.d_model = 32, c.model.n_layers = 1, c.model.q_heads = 2, c.model.kv_heads = 1;
+  c.model.d_ff = 64, c.model.seq_len = 16;
+  c.batch = 16, c.steps = 300, c.lr = 1e-2f, c.min_lr = 1e-3f, c.warmup = 10;
+  c.adamw.weight_decay = 0.0f;
+  config.grid = {.dp = 2};
+  const Data data(32, 4, 11);
+  kc::GridTrainer trainer(world(), km::cpu_ops(), config, data.factory(c));
+  // The chain's own loss on exactly the validation tokens the model is evaluated on.
+  km::MarkovSource source(11, 32, 4);
+  const km::TransitionMatrix P = source.transition_matrix();
+  const int batches = 16;
+  double floor = 0, n = 0;
+  const km::TokenLoader val = data.loader(c, true, 0, 1);
+  for (int i = 0; i < batches; ++i) {
+    const km::TokenBatch b = val.batch_at(i);
+    for (std::size_t t = 0; t < b.targets.size(); ++t, ++n) floor -= std::log(P[b.inputs[t]][b.targets[t]]);
+  }
+  floor /= n;
+  while (trainer.steps_done() < c.steps) (void)trainer.step();
+  const double loss = trainer.evaluate(batches);
+  EXPECT_TRUE(same_on_every_rank(loss));
+  EXPECT_LT(loss - floor, 0.05) << "validation loss " << loss << ", floor " << floor;
+  EXPECT_GT(loss - floor, -0.02) << "no model beats the chain that made the data";
+}
+
+// 12 steps straight equal 6 steps, a checkpoint, and 6 more in a trainer that loads it.
+TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
+  const int n = world().size();
+  kc::CapstoneConfig config;
+  config.train = tiny_config(Model::dense);
+  config.train.steps = 12;
+  config.grid = n == 4 ? kc::parse_grid("dp2,pp2") : kd::GridShape{.pp = n};
+  config.micro_batches = 2;
+  // A folder of this job's own (rank 0's process id), so that runs as other users or at the same
+  // time never share one.
+  long job = static_cast<long>(getpid());
+  MPI_Bcast(&job, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / ("k2c_capstone_resume_" + std::to_string(job));
+  if (world().rank() == 0) std::filesystem::create_directories(dir);
+  world().barrier();
+  const std::filesystem::path ckpt = dir / ("np" + std::to_string(n) + ".bin");
+  std::vector<double> straight, resumed;
+  {
+    kc::GridTrainer t(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+    while (t.steps_done() < 12) straight.push_back(t.step().loss);
+  }
+  {
+    kc::GridTrainer t(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+    while (t.steps_done() < 6) resumed.push_back(t.step().loss);
+    t.save(ckpt);
+  }
+  {
+    kc::GridTrainer t(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+    t.load(ckpt);
+    EXPECT_EQ(t.steps_done(), 6);
+    while (t.steps_done() < 12) resumed.push_back(t.step().loss);
+  }
+  EXPECT_EQ(straight, resumed) << "the resumed curve differs from the uninterrupted one";
+  // Another grid's checkpoint is refused.
+  if (n > 1) {
+    kc::CapstoneConfig other = config;
+    other.grid = {.dp = n};
+    kc::GridTrainer t(world(), km::cpu_ops(), other, tiny_data().factory(other.train));
+    EXPECT_THROW(t.load(ckpt), std::runtime_error);
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
