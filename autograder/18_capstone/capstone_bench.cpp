@@ -19,6 +19,7 @@
 // the model gathered onto one rank (words, with the grammar data's vocabulary).
 //
 // Exit status: 0 after training, 2 for bad arguments, 1 otherwise.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -33,6 +34,10 @@
 #include "k2c/dist/runtime.h"
 #include "k2c/model/data.h"
 #include "k2c/model/train.h"
+#if K2C_MODEL_CUDA
+#include "k2c/ceilings.h"
+#include "k2c/model/cuda_ops.h"
+#endif
 
 namespace fs = std::filesystem;
 namespace kc = k2c::capstone;
@@ -149,7 +154,22 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     return km::TokenLoader(validation ? val_tokens : train_tokens, data_vocab, lc);
   };
 
-  kc::GridTrainer trainer(world, km::cpu_ops(), config, loader);
+  // The model's operations: the CPU backend on MPI; on NCCL the GPU backend (bf16 tensor cores),
+  // on the communicator's compute stream so that collectives are ordered after what they read.
+  // There, the ceiling of the ratio: cuBLAS's bf16 GEMM rate, measured here before training.
+  km::Ops* ops = &km::cpu_ops();
+  double cublas = 0;
+  if (world.backend() == k2c::dist::Backend::nccl) {
+#if K2C_MODEL_CUDA
+    km::cuda_ops_use_stream(world.compute_stream());
+    ops = &km::cuda_ops();
+    cublas = k2c::bf16_gemm_rate(8192);
+    if (root) std::printf("cuBLAS bf16 GEMM on this GPU (this run): %.1f TFLOP/s\n", cublas / 1e12);
+#else
+    throw std::runtime_error("the NCCL backend needs the model's GPU backend (k2c_model_cuda), not built here");
+#endif
+  }
+  kc::GridTrainer trainer(world, *ops, config, loader);
   if (o.resume) trainer.load(o.checkpoint);
   if (root) {
     std::printf("model: %s\ngrid: %s on %d ranks, %d micro-batches (%s), batch %d x %d tokens\n",
@@ -189,6 +209,18 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   if (!o.checkpoint.empty()) trainer.save(o.checkpoint);
   const std::vector<float> values = trainer.gather_values();
   if (!root) return 0;
+  // The steady rate: the median step after the first two (allocation, warm-up).
+  double median_tps = 0;
+  if (records.size() > 2) {
+    std::vector<double> tps;
+    for (std::size_t i = 2; i < records.size(); ++i) tps.push_back(records[i].tokens_per_s);
+    std::nth_element(tps.begin(), tps.begin() + static_cast<std::ptrdiff_t>(tps.size() / 2), tps.end());
+    median_tps = tps[tps.size() / 2];
+    const double model_rate = median_tps * flops_per_token / world.size();  // per GPU
+    std::printf("median %.0f tokens/s, model FLOP rate %.1f TFLOP/s per rank", median_tps, model_rate / 1e12);
+    if (cublas > 0) std::printf(", %.3f of cuBLAS bf16 (%.1f TFLOP/s in this run)", model_rate / cublas, cublas / 1e12);
+    std::printf("\n");
+  }
   std::cout << "memory of rank 0 (peak over the run):\n" << trainer.ledger().report();
   if (!o.log.empty()) std::printf("log: %s  (plot: python3 tools/plot_loss.py %s)\n", o.log.c_str(), o.log.c_str());
   if (!o.json.empty()) {
@@ -199,7 +231,10 @@ int run(k2c::dist::Communicator& world, const Options& o) {
       j << (i ? ",\n    " : "\n    ") << "{\"step\": " << records[i].step << ", \"loss\": " << records[i].loss
         << ", \"val_loss\": " << records[i].val_loss << ", \"grad_norm\": " << records[i].grad_norm
         << ", \"tokens_per_s\": " << records[i].tokens_per_s << ", \"mfu\": " << records[i].mfu << "}";
-    j << "\n  ],\n  \"peak_memory_bytes_rank0\": " << trainer.ledger().peak_total() << "\n}\n";
+    j << "\n  ],\n  \"median_tokens_per_s\": " << median_tps << ", \"model_tflops_per_rank\": "
+      << median_tps * flops_per_token / world.size() / 1e12 << ", \"cublas_bf16_tflops\": " << cublas / 1e12
+      << ", \"ratio\": " << (cublas > 0 ? median_tps * flops_per_token / world.size() / cublas : 0)
+      << ",\n  \"peak_memory_bytes_rank0\": " << trainer.ledger().peak_total() << "\n}\n";
   }
   // Samples: the gathered weights in a one-process trainer on this rank.
   if (o.samples > 0) {

@@ -1,0 +1,216 @@
+// autograder/19_inference/inference_bench.cpp — k2c_inference: serving a trace co-located and
+// disaggregated, and the bandwidth the disaggregated cache transfer needs.
+//
+//   mpirun -np 1|2 k2c_inference [-n 32] [-r 20] [-p 16,256] [-o 8,64] [-b 8] [--pages 0]
+//                                [--page 16] [--split 256] [--model tiny|small] [--cost]
+//                                [--seed 1] [-j out.json]
+//   (or: k2c run -np 2 build/solutions/bin/k2c_inference ...)
+//
+// One rank serves the trace (-n requests, Poisson arrivals at -r per second, prompt and output
+// lengths uniform in the -p and -o ranges) with continuous batching of at most -b sequences and
+// prints time to first token and time per output token (median and p99), throughput, the steps
+// and the peak of pages in use. Two ranks also serve it disaggregated (rank 0 prefills, rank 1
+// decodes) and print the same figures side by side, the cache bytes sent per request, the
+// bandwidth that transfer needs at the trace's request rate (bytes per request × rate) and the
+// bandwidth a send of one request's cache gets between the two ranks, measured here.
+//
+// Step times are measured (wall time of each step) unless --cost replaces them with the tests'
+// cost model, which makes the output reproducible and independent of the machine. --pages 0 sizes
+// the cache for -b requests of the longest context. On NCCL the model runs on the GPU backend
+// (bf16 GEMMs), the "small" model by default; on MPI on the CPU backend, the "tiny" one.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "inference.h"
+#include "k2c/dist/runtime.h"
+#include "k2c/dist/timing.h"
+#ifndef K2C_MODEL_CUDA
+#define K2C_MODEL_CUDA 0
+#endif
+#if K2C_MODEL_CUDA
+#include "k2c/model/cuda_ops.h"
+#endif
+
+namespace kd = k2c::dist;
+namespace km = k2c::model;
+namespace inf = k2c::inference;
+
+namespace {
+
+struct Options {
+  int requests = 32, max_batch = 8, pages = 0, page = 16, split = 256;
+  double rate = 20;
+  int min_prompt = 16, max_prompt = 256, min_output = 8, max_output = 64;
+  std::string model;
+  bool cost = false;
+  std::uint64_t seed = 1;
+  std::string json;
+};
+
+std::pair<int, int> parse_range(const std::string& s) {
+  const std::size_t comma = s.find(',');
+  if (comma == std::string::npos) throw std::invalid_argument("expected MIN,MAX, got '" + s + "'");
+  return {std::stoi(s.substr(0, comma)), std::stoi(s.substr(comma + 1))};
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "-n") o.requests = std::stoi(value());
+    else if (a == "-r") o.rate = std::stod(value());
+    else if (a == "-p") std::tie(o.min_prompt, o.max_prompt) = parse_range(value());
+    else if (a == "-o") std::tie(o.min_output, o.max_output) = parse_range(value());
+    else if (a == "-b") o.max_batch = std::stoi(value());
+    else if (a == "--pages") o.pages = std::stoi(value());
+    else if (a == "--page") o.page = std::stoi(value());
+    else if (a == "--split") o.split = std::stoi(value());
+    else if (a == "--model") o.model = value();
+    else if (a == "--cost") o.cost = true;
+    else if (a == "--seed") o.seed = std::stoull(value());
+    else if (a == "-j") o.json = value();
+    else throw std::invalid_argument("unknown option '" + a + "' (see the top of inference_bench.cpp)");
+  }
+  return o;
+}
+
+km::ModelConfig model_named(const std::string& name, int context) {
+  km::ModelConfig m;  // "tiny": the library's test model
+  if (name == "small") {
+    m.vocab = 8192;
+    m.d_model = 512;
+    m.n_layers = 8;
+    m.q_heads = 8;
+    m.kv_heads = 2;
+    m.d_ff = 1376;
+  } else if (name != "tiny") {
+    throw std::invalid_argument("--model tiny or small, got '" + name + "'");
+  }
+  m.seq_len = context;
+  return m;
+}
+
+// The tests' cost model (autograder/19_inference/test_inference.cpp), in seconds.
+double step_cost(const inf::StepInfo& s) {
+  switch (s.kind) {
+    case inf::StepInfo::Kind::prefill: return 0.010 + 0.001 * double(s.tokens);
+    case inf::StepInfo::Kind::decode: return 0.004 + 0.0005 * s.sequences + 1e-5 * double(s.context);
+    case inf::StepInfo::Kind::transfer: return 0.002 + 1e-10 * double(s.bytes);
+  }
+  return 0;
+}
+
+std::string figures(const char* label, const inf::ServeReport& r) {
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "%-14s TTFT p50 %8.2f ms  p99 %8.2f ms   TPOT p50 %7.2f ms  p99 %7.2f ms   %8.1f tok/s   "
+                "steps %d + %d   peak pages %d",
+                label, 1e3 * r.ttft_p50, 1e3 * r.ttft_p99, 1e3 * r.tpot_p50, 1e3 * r.tpot_p99, r.throughput,
+                r.prefill_steps, r.decode_steps, r.peak_pages);
+  return line;
+}
+
+// GB/s of one send of `bytes` from rank 0 to rank 1, median of a few.
+double link_bandwidth(kd::Communicator& w, std::size_t bytes) {
+  kd::Buffer buf(w, bytes);
+  const double ms = kd::time_step(w, [&] {
+                      if (w.rank() == 0) w.send(buf.get(), bytes / 4, kd::DType::f32, 1);
+                      else w.recv(buf.get(), bytes / 4, kd::DType::f32, 0);
+                    }, {.warmup = 2, .repeats = 7}).median_ms;
+  return static_cast<double>(bytes) / (ms * 1e6);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kd::Runtime runtime(&argc, &argv);
+  kd::Communicator& w = runtime.world();
+  try {
+    Options opt = parse(argc, argv);
+    const bool gpu = w.backend() == kd::Backend::nccl;
+    km::Ops* ops = &km::cpu_ops();
+    if (gpu) {
+#if K2C_MODEL_CUDA
+      km::cuda_ops_use_stream(w.compute_stream());
+      ops = &km::cuda_ops(km::GpuMath::bf16);
+#else
+      throw std::runtime_error("a NCCL run needs the model library's GPU backend (k2c_model_cuda)");
+#endif
+    }
+    if (opt.model.empty()) opt.model = gpu ? "small" : "tiny";
+    const int context = opt.max_prompt + opt.max_output;
+    const km::ModelConfig model = model_named(opt.model, context);
+    if (opt.pages == 0) opt.pages = static_cast<int>(opt.max_batch * inf::pages_for(context, opt.page));
+
+    km::MemoryLedger ledger;
+    km::ParamList params;
+    km::Context ctx{*ops, ledger, params};
+    const km::Transformer transformer(params, model);
+    params.materialize(*ops, ledger, 1);
+    inf::Engine engine(ctx, model, opt.pages, opt.page, opt.split);
+    const std::vector<inf::Request> trace = inf::make_trace(
+        {opt.requests, opt.rate, opt.min_prompt, opt.max_prompt, opt.min_output, opt.max_output, model.vocab, opt.seed});
+    const inf::ServeConfig config{opt.max_batch, opt.cost ? inf::StepTimer(step_cost) : inf::StepTimer()};
+
+    const inf::ServeReport together = inf::serve(engine, trace, config);
+    std::ostringstream out;
+    out << "model " << model.describe() << "; cache " << opt.pages << " pages of " << opt.page << " tokens, "
+        << engine.cache().bytes_per_token() << " bytes per token; " << trace.size() << " requests at " << opt.rate
+        << "/s, prompts " << opt.min_prompt << "-" << opt.max_prompt << ", outputs " << opt.min_output << "-"
+        << opt.max_output << ", batch " << opt.max_batch << (opt.cost ? ", cost model" : ", measured") << "\n";
+    out << figures("co-located", together) << "\n";
+    std::string json = "{\"colocated\": {\"ttft_p50\": " + std::to_string(together.ttft_p50) +
+                       ", \"ttft_p99\": " + std::to_string(together.ttft_p99) + ", \"tpot_p50\": " +
+                       std::to_string(together.tpot_p50) + ", \"tpot_p99\": " + std::to_string(together.tpot_p99) +
+                       ", \"throughput\": " + std::to_string(together.throughput) + "}";
+    if (w.size() == 2) {
+      const inf::ServeReport apart = inf::serve_disaggregated(w, engine, trace, config);
+      out << figures("disaggregated", apart) << "\n";
+      int decoded = 0;
+      double prompt_tokens = 0;
+      for (const inf::Request& r : trace)
+        if (r.output_len >= 2) {
+          ++decoded;
+          prompt_tokens += static_cast<double>(r.prompt.size());
+        }
+      const double per_request = static_cast<double>(apart.kv_bytes_sent) / std::max(decoded, 1);
+      const double need = per_request * opt.rate / 1e9;
+      const double have = link_bandwidth(w, static_cast<std::size_t>(std::max(per_request, 4096.0)) / 4 * 4);
+      char line[256];
+      std::snprintf(line, sizeof line,
+                    "cache sent     %.3f MB per request (%.0f prompt tokens on average); at %.1f requests/s the "
+                    "transfer needs %.3g GB/s, the link gives %.3g GB/s for one request's cache\n",
+                    per_request / 1e6, prompt_tokens / std::max(decoded, 1), opt.rate, need, have);
+      out << line;
+      json += ", \"disaggregated\": {\"ttft_p50\": " + std::to_string(apart.ttft_p50) + ", \"ttft_p99\": " +
+              std::to_string(apart.ttft_p99) + ", \"tpot_p50\": " + std::to_string(apart.tpot_p50) +
+              ", \"tpot_p99\": " + std::to_string(apart.tpot_p99) + ", \"throughput\": " +
+              std::to_string(apart.throughput) + "}, \"kv_bytes_per_request\": " + std::to_string(per_request) +
+              ", \"needed_gb_s\": " + std::to_string(need) + ", \"link_gb_s\": " + std::to_string(have);
+    } else if (w.size() > 2) {
+      out << "(disaggregation runs on exactly 2 ranks; this run has " << w.size() << ")\n";
+    }
+    json += "}\n";
+    if (w.rank() == 0) {
+      std::fputs(out.str().c_str(), stdout);
+      if (!opt.json.empty()) std::ofstream(opt.json) << json;
+    }
+  } catch (const std::exception& e) {
+    kd::abort_job(std::string("k2c_inference: ") + e.what());
+  }
+  return 0;
+}
