@@ -10,8 +10,8 @@
 namespace k2c::collectives {
 
 void ring_reduce_scatter(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
-                         ReduceOp op) {
-  (void)p2p, (void)data, (void)out, (void)count, (void)t, (void)op;
+                         ReduceOp op, const RingOptions& options) {
+  (void)p2p, (void)data, (void)out, (void)count, (void)t, (void)op, (void)options;
   K2C_TODO("ring_reduce_scatter: size()-1 steps of send_recv + reduce_local around the ring");
 }
 
@@ -21,8 +21,8 @@ void ring_all_gather(PointToPoint& p2p, const void* in, void* out, std::size_t c
 }
 
 void ring_all_reduce(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
-                     ReduceOp op) {
-  (void)p2p, (void)data, (void)out, (void)count, (void)t, (void)op;
+                     ReduceOp op, const RingOptions& options) {
+  (void)p2p, (void)data, (void)out, (void)count, (void)t, (void)op, (void)options;
   K2C_TODO("ring_all_reduce: reduce-scatter, then all-gather, in `out`");
 }
 

@@ -28,10 +28,19 @@ using dist::DType;
 using dist::PointToPoint;
 using dist::ReduceOp;
 
+// How a pipelined ring cuts each block into chunks (lecture section 7): chunks of at least
+// min_chunk_bytes, at most max_chunks of them per block. A ring without a pipeline may ignore
+// it. The defaults suit NVLink between H200s; a test passes tiny chunks to reach every path of a
+// pipeline at small sizes, and the benchmark takes both as flags (--min-chunk, --max-chunks).
+struct RingOptions {
+  std::size_t min_chunk_bytes = std::size_t{512} << 20;
+  int max_chunks = 8;
+};
+
 // out (block_of(count, size, rank).size elements) = block rank() of the element-wise reduction
 // of every rank's `data` (count elements). data is not modified.
 void ring_reduce_scatter(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
-                         ReduceOp op);
+                         ReduceOp op, const RingOptions& options = {});
 
 // out (count elements) = every rank's block, in rank order; `in` holds this rank's block
 // (block_of(count, size, rank).size elements).
@@ -40,6 +49,6 @@ void ring_all_gather(PointToPoint& p2p, const void* in, void* out, std::size_t c
 // out (count elements) = the element-wise reduction of every rank's `data`: a ring
 // reduce-scatter followed by a ring all-gather. out may equal data (in place).
 void ring_all_reduce(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
-                     ReduceOp op);
+                     ReduceOp op, const RingOptions& options = {});
 
 }  // namespace k2c::collectives

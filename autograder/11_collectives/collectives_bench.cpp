@@ -1,6 +1,7 @@
 // autograder/11_collectives/collectives_bench.cpp — k2c_collectives, in the manner of nccl-tests.
 //
 //   mpirun -np N k2c_collectives [-b 1M] [-e 1G] [-f 2] [-n 20] [-w 5] [-c 1] [-o out.json]
+//                                [--min-chunk 512M] [--max-chunks 8]
 //   (or: k2c collectives -np N ...)
 //
 // For each size S (bytes of the whole buffer, K/M/G suffixes, from -b to -e growing by -f) and
@@ -10,6 +11,7 @@
 // factor (all-reduce 2(n-1)/n; reduce-scatter, all-gather, all-to-all (n-1)/n), with -c 1 the
 // number of wrong elements. Inputs are small integers, so every sum is exact and checkable.
 // Times are the slowest rank's mean over -n back-to-back iterations after -w warm-ups.
+// --min-chunk and --max-chunks are handed to the ring as its RingOptions (the pipeline's chunking).
 #include <mpi.h>
 
 #include <chrono>
@@ -57,6 +59,7 @@ int main(int argc, char** argv) {
   int iters = 20, warmup = 5;
   bool check = true;
   std::string out_json;
+  col::RingOptions ring;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "-b") begin = parse_size(v);
@@ -66,6 +69,8 @@ int main(int argc, char** argv) {
     else if (a == "-w") warmup = std::atoi(v.c_str());
     else if (a == "-c") check = std::atoi(v.c_str()) != 0;
     else if (a == "-o") out_json = v;
+    else if (a == "--min-chunk") ring.min_chunk_bytes = parse_size(v);
+    else if (a == "--max-chunks") ring.max_chunks = std::atoi(v.c_str());
   }
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     kd::PointToPointView p2p(w);
@@ -121,12 +126,12 @@ int main(int argc, char** argv) {
 
       double us = time_us([&] { w.all_reduce(in.get(), out.get(), count, DType::f32, ReduceOp::sum); });
       record("all_reduce", lib, us, ar, wrong(count, 0, sum_at));
-      us = time_us([&] { col::ring_all_reduce(p2p, in.get(), out.get(), count, DType::f32, ReduceOp::sum); });
+      us = time_us([&] { col::ring_all_reduce(p2p, in.get(), out.get(), count, DType::f32, ReduceOp::sum, ring); });
       record("all_reduce", "ring", us, ar, wrong(count, 0, sum_at));
 
       us = time_us([&] { w.reduce_scatter(in.get(), out.get(), per, DType::f32, ReduceOp::sum); });
       record("reduce_scatter", lib, us, ag, wrong(per, r * per, sum_at));
-      us = time_us([&] { col::ring_reduce_scatter(p2p, in.get(), out.get(), count, DType::f32, ReduceOp::sum); });
+      us = time_us([&] { col::ring_reduce_scatter(p2p, in.get(), out.get(), count, DType::f32, ReduceOp::sum, ring); });
       record("reduce_scatter", "ring", us, ag, wrong(per, r * per, sum_at));
 
       // All-gather: rank r contributes block r of its input, whose values are (r + 1) + i % 7.

@@ -1,8 +1,8 @@
 // ring_pipeline.cpp — the reference ring's pipeline, forced (run by CTest under mpirun -np 2,
 // 3 and 4 on the MPI backend). The reference solution of module 11 is compiled into this
-// program with K2C_RING_MIN_CHUNK_BYTES = 4, so every block of more than one element is cut
-// into chunks (up to its maximum of 8, empty chunks included) at sizes where the module's own
-// tests run it in one piece. Checked for each count, type and operation:
+// program and called with chunks of at least 4 bytes (RingOptions), so every block of more than one
+// element is cut into chunks (up to its maximum of 8, empty chunks included) at sizes where the
+// module's own tests run it in one piece. Checked for each count, type and operation:
 //   all-reduce, out of place and in place, and reduce-scatter, bit for bit against the ring's
 //   own order of reduction, x_b (op) (x_{b-1} (op) ( ... (x_{b+2} (op) x_{b+1}))) for block b:
 //   chunking may change when an element is reduced, never in which order;
@@ -21,6 +21,9 @@ namespace kd = k2c::dist;
 namespace col = k2c::collectives;
 
 namespace {
+
+// Chunks of one element and up: the pipeline at sizes a test can check quickly.
+constexpr col::RingOptions kTinyChunks{.min_chunk_bytes = 4, .max_chunks = 8};
 
 void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("pipeline check failed: " + what);
@@ -74,9 +77,10 @@ void check(kd::Communicator& w, Which which, kd::DType t, kd::ReduceOp op, std::
   w.to_backend(out.get(), poison.data(), poison.size());
   w.to_backend(data.get(), poison.data(), poison.size());
   w.to_backend(data.get(), in.data(), bytes);
-  if (which == Which::all_reduce) col::ring_all_reduce(p2p, data.get(), out.get(), count, t, op);
-  if (which == Which::all_reduce_in_place) col::ring_all_reduce(p2p, data.get(), data.get(), count, t, op);
-  if (which == Which::reduce_scatter) col::ring_reduce_scatter(p2p, data.get(), out.get(), count, t, op);
+  if (which == Which::all_reduce) col::ring_all_reduce(p2p, data.get(), out.get(), count, t, op, kTinyChunks);
+  if (which == Which::all_reduce_in_place)
+    col::ring_all_reduce(p2p, data.get(), data.get(), count, t, op, kTinyChunks);
+  if (which == Which::reduce_scatter) col::ring_reduce_scatter(p2p, data.get(), out.get(), count, t, op, kTinyChunks);
   w.synchronize();
 
   const std::size_t got_count = which == Which::reduce_scatter ? mine.size : count;

@@ -31,7 +31,7 @@
 // and at 2 GiB: 0.91 with 1 chunk, 1.00 with 2 chunks of 512 MiB. Each exchange pays a start-up
 // cost (a 64 MiB exchange ran at ~230 GB/s where a 512 MiB one ran at ~300), so below a few
 // hundred MiB a chunk costs more in start-up than its share of the reduction (~0.4 ms for all
-// 512 MiB, i.e. under 10% of the all-reduce) saves. Hence chunks of at least kMinChunkBytes =
+// 512 MiB, i.e. under 10% of the all-reduce) saves. Hence chunks of at least RingOptions::min_chunk_bytes =
 // 512 MiB: a 1 GiB all-reduce on 2 ranks runs unpipelined, 2 GiB in two chunks, 4 GiB in four.
 // On a slower link, or with a costlier reduction, the balance moves towards smaller chunks.
 //
@@ -55,22 +55,11 @@
 #include "collectives.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <vector>
 
 namespace k2c::collectives {
 namespace {
-
-// Chunks of at least this many bytes: the measurements at the top of the file. (The self-test
-// overrides it to force many chunks on small inputs, so the pipelined path stays tested.)
-#ifndef K2C_RING_MIN_CHUNK_BYTES
-#define K2C_RING_MIN_CHUNK_BYTES (std::size_t{512} << 20)
-#endif
-constexpr std::size_t kMinChunkBytes = K2C_RING_MIN_CHUNK_BYTES;
-// At most this many per block: each one more adds a start-up cost.
-#ifndef K2C_RING_MAX_CHUNKS
-#define K2C_RING_MAX_CHUNKS 8
-#endif
-constexpr std::size_t kMaxChunks = K2C_RING_MAX_CHUNKS;
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
@@ -85,10 +74,15 @@ char* at(void* base, std::size_t elements, DType t) {
 // largest chunk of all.
 std::size_t largest_block(std::size_t count, int n) { return dist::block_of(count, n, 0).size; }
 
-// The same on every rank, since it depends only on count, n and the type.
-int chunks_for(std::size_t count, int n, DType t) {
+// Chunks of at least options.min_chunk_bytes (512 MiB by default: the measurements at the top of
+// the file), at most options.max_chunks (each one more adds a start-up cost). The same on every
+// rank, since it depends only on count, n, the type and the options, which every rank passes alike.
+int chunks_for(std::size_t count, int n, DType t, const RingOptions& options) {
+  if (options.min_chunk_bytes == 0 || options.max_chunks < 1)
+    throw std::invalid_argument("ring: RingOptions needs min_chunk_bytes > 0 and max_chunks >= 1");
   const std::size_t bytes = largest_block(count, n) * dist::dtype_size(t);
-  return static_cast<int>(std::clamp<std::size_t>(bytes / kMinChunkBytes, 1, kMaxChunks));
+  return static_cast<int>(
+      std::clamp<std::size_t>(bytes / options.min_chunk_bytes, 1, static_cast<std::size_t>(options.max_chunks)));
 }
 
 // Chunk k of block b: block_of once more, one level down. Sender and receiver compute the same
@@ -158,13 +152,13 @@ dist::Ticket start_all_gather_chunk(PointToPoint& p2p, void* buf, std::size_t co
 }  // namespace
 
 void ring_reduce_scatter(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
-                         ReduceOp op) {
+                         ReduceOp op, const RingOptions& options) {
   const int n = p2p.size();
   if (n == 1) {
     p2p.copy(out, data, count * dist::dtype_size(t));
     return;
   }
-  const int chunks = chunks_for(count, n, t);
+  const int chunks = chunks_for(count, n, t, options);
   const std::size_t slot_elems = dist::block_of(largest_block(count, n), chunks, 0).size;
   // One scratch request for the partial sums (count elements) and the two receive slots.
   void* work = p2p.scratch((count + 2 * slot_elems) * dist::dtype_size(t));
@@ -186,13 +180,13 @@ void ring_all_gather(PointToPoint& p2p, const void* in, void* out, std::size_t c
 }
 
 void ring_all_reduce(PointToPoint& p2p, const void* data, void* out, std::size_t count, DType t,
-                     ReduceOp op) {
+                     ReduceOp op, const RingOptions& options) {
   const int n = p2p.size();
   if (n == 1) {
     if (out != data) p2p.copy(out, data, count * dist::dtype_size(t));
     return;
   }
-  const int chunks = chunks_for(count, n, t);
+  const int chunks = chunks_for(count, n, t, options);
   const std::size_t slot_elems = dist::block_of(largest_block(count, n), chunks, 0).size;
   void* slots = p2p.scratch(2 * slot_elems * dist::dtype_size(t));
   // Both phases in `out`: the in-place case needs nothing special, since block b of `data` is
