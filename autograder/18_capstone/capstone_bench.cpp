@@ -244,14 +244,8 @@ int run(k2c::dist::Communicator& world, const Options& o) {
       const km::TokenBatch b = loader(true, 0, 1).batch_at(100 + i);
       const std::vector<std::int32_t> prompt(b.inputs.begin(), b.inputs.begin() + std::min(8, c.model.seq_len));
       const std::vector<std::int32_t> out = one.sample(prompt, 2 * c.model.seq_len, 0.8f, c.seed + i);
-      std::cout << "sample " << i + 1 << ": ";
-      if (vocab.empty()) {
-        for (std::size_t k = 0; k < out.size(); ++k) std::cout << (k == prompt.size() ? " | " : k ? " " : "") << out[k];
-        std::cout << "\n";
-      } else {
-        std::cout << km::decode(std::span<const std::int32_t>(prompt), vocab) << " | "
-                  << km::decode(std::span<const std::int32_t>(out).subspan(prompt.size()), vocab) << "\n";
-      }
+      std::cout << "sample " << i + 1 << ": "
+                << km::sample_text(prompt, std::span<const std::int32_t>(out).subspan(prompt.size()), vocab) << "\n";
     }
   }
   return 0;

@@ -189,14 +189,8 @@ int main(int argc, char** argv) {
       const TokenBatch b = TokenLoader({val_shard}, {c.model.seq_len, 1, 0, 1, c.seed + 100 + i}).next();
       const std::vector<std::int32_t> prompt(b.inputs.begin(), b.inputs.begin() + std::min(8, c.model.seq_len));
       const auto out = trainer.sample(prompt, 2 * c.model.seq_len, 0.8f, c.seed + i);
-      std::cout << "sample " << i + 1 << ": ";
-      if (vocab.empty()) {
-        for (std::size_t j = 0; j < out.size(); ++j) std::cout << (j == prompt.size() ? " | " : j ? " " : "") << out[j];
-        std::cout << "\n";
-      } else {
-        std::cout << decode(std::span<const std::int32_t>(prompt), vocab) << " | "
-                  << decode(std::span<const std::int32_t>(out).subspan(prompt.size()), vocab) << "\n";
-      }
+      std::cout << "sample " << i + 1 << ": "
+                << sample_text(prompt, std::span<const std::int32_t>(out).subspan(prompt.size()), vocab) << "\n";
     }
     return 0;
   } catch (const UsageError& e) {

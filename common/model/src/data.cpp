@@ -561,6 +561,18 @@ std::string decode(std::span<const std::int32_t> tokens, const std::vector<std::
   return decode_tokens(tokens, vocab);
 }
 
+std::string sample_text(std::span<const std::int32_t> prompt, std::span<const std::int32_t> continuation,
+                        const std::vector<std::string>& vocab) {
+  // The vocabulary, extended with a name for every id past its end that the sample holds.
+  std::vector<std::string> words = vocab;
+  const bool plain = vocab.empty();
+  for (auto ids : {prompt, continuation})
+    for (const std::int32_t id : ids)
+      while (id >= 0 && static_cast<std::size_t>(id) >= words.size())
+        words.push_back(plain ? std::to_string(words.size()) : "<" + std::to_string(words.size()) + ">");
+  return decode_tokens(prompt, words) + " | " + decode_tokens(continuation, words);
+}
+
 void write_vocab(const fs::path& path, const std::vector<std::string>& words) {
   std::ofstream out(path, std::ios::trunc);
   if (!out)

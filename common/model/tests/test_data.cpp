@@ -485,6 +485,15 @@ TEST(Grammar, DecodeGivesWords) {
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 20);
   EXPECT_EQ(text.find("<eos>"), std::string::npos);
 
+  // Samples: words, ids past the vocabulary marked, plain ids without a vocabulary.
+  const std::vector<std::int32_t> prompt = {token("the"), token("dog")};
+  const std::vector<std::int32_t> more = {token("runs"), static_cast<std::int32_t>(vocab.size()) + 3, kPeriod};
+  EXPECT_EQ(sample_text(prompt, more, vocab),
+            "the dog | runs <" + std::to_string(vocab.size() + 3) + ">.");
+  EXPECT_EQ(sample_text(prompt, more, {}), std::to_string(prompt[0]) + " " + std::to_string(prompt[1]) + " | " +
+                                              std::to_string(more[0]) + " " + std::to_string(more[1]) + " " +
+                                              std::to_string(more[2]));
+
   EXPECT_THROW(decode(std::vector<std::int32_t>{-1}, vocab), std::invalid_argument);
   EXPECT_THROW(decode(std::vector<std::uint16_t>{static_cast<std::uint16_t>(vocab.size())}, vocab),
                std::invalid_argument);

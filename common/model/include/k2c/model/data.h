@@ -210,6 +210,11 @@ class GrammarSource {
 // "<eos>" ends the line. Throws std::invalid_argument for a token outside the vocab.
 std::string decode(std::span<const std::uint16_t> tokens, const std::vector<std::string>& vocab);
 std::string decode(std::span<const std::int32_t> tokens, const std::vector<std::string>& vocab);
+// A sampled continuation as one line: the prompt, " | ", then what the model wrote. With a
+// vocabulary, as words (decode), where an id past its end, which a model whose vocabulary is
+// larger than its data's may sample, is written <id>; without one (vocab empty), as ids.
+std::string sample_text(std::span<const std::int32_t> prompt, std::span<const std::int32_t> continuation,
+                        const std::vector<std::string>& vocab);
 
 // One word per line, line i = token i. Throw std::runtime_error naming the file on I/O errors
 // (and, on write, for a word that is empty or holds a line break).
