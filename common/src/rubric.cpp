@@ -84,7 +84,7 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
 }
 
 ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"id", "title", "kind", "timeout_s", "runs", "files", "tests"});
+  rd.only_keys(j, path, {"id", "title", "kind", "build", "timeout_s", "runs", "files", "tests"});
   ModuleSpec m;
   m.id = rd.string(j, path, "id");
   static const std::regex kId("[0-9]{2}_[a-z0-9_]+");
@@ -110,6 +110,25 @@ ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path)
     }
   } else if (j.contains("runs")) {
     rd.error(path + ".runs", "only modules of kind \"mpi\" have runs");
+  }
+  // How CMake builds it (autograder/CMakeLists.txt reads the same fields): linked with the model
+  // library, and with the implementations of earlier modules.
+  if (j.contains("build")) {
+    const json& b = j["build"];
+    const std::string bp = path + ".build";
+    rd.only_keys(b, bp, {"model", "uses"});
+    if (b.contains("model")) {
+      if (!b["model"].is_boolean()) rd.error(bp + ".model", "expected true or false");
+      m.model = b["model"].get<bool>();
+    }
+    if (b.contains("uses")) {
+      if (!b["uses"].is_array()) rd.error(bp + ".uses", "expected an array of module ids");
+      for (std::size_t i = 0; i < b["uses"].size(); ++i) {
+        const std::string up = bp + ".uses[" + std::to_string(i) + "]";
+        if (!b["uses"][i].is_string()) rd.error(up, "expected a module id");
+        m.uses.push_back(b["uses"][i].get<std::string>());
+      }
+    }
   }
   const double timeout = rd.number(j, path, "timeout_s");
   if (!(timeout >= 1 && timeout <= 86400)) rd.error(path + ".timeout_s", "expected 1..86400");

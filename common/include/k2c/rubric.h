@@ -62,6 +62,8 @@ struct ModuleSpec {
   std::string kind;        // "gpu" (needs a CUDA toolkit to build), "cpu", or "mpi" (run under
                            // mpirun once per entry of `runs`)
   std::vector<RunSpec> runs;  // mpi modules only
+  bool model = false;              // "build": links the model library (Part II's modules)
+  std::vector<std::string> uses;   // "build": earlier modules whose implementations it links
   int timeout_s = 0;
   std::vector<std::string> files;  // student files, relative to the repository root
   std::vector<TestSpec> tests;
