@@ -44,9 +44,9 @@
 #include <gtest/gtest.h>
 
 #include "data_parallel.h"
-#include "forwarding_ops.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/testing.h"
+#include "k2c/model/forwarding_ops.h"
 #include "k2c/model/optim.h"
 #include "k2c/testing.h"
 #include "replica.h"
@@ -463,7 +463,7 @@ TEST_F(DataParallelBucketed, StepsMatchOneProcess) {
 
 // Numbers the operations of a training step and records, as each one begins, how many all-reduces
 // had been issued by then.
-class OperationProbe final : public k2c::ddp_harness::ForwardingOps {
+class OperationProbe final : public km::ForwardingOps {
  public:
   OperationProbe(km::Ops& inner, const kd::CountingCommunicator& counting) : ForwardingOps(inner), counting_(counting) {}
   void restart() {
@@ -475,9 +475,10 @@ class OperationProbe final : public k2c::ddp_harness::ForwardingOps {
   std::vector<std::string> names;
 
  protected:
-  void enter(const char* op) override {
+  void around(const char* op, const std::function<void()>& run) override {
     issued.push_back(counting_.total("all_reduce"));
     names.emplace_back(op);
+    run();
   }
 
  private:

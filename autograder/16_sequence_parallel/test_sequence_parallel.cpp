@@ -62,6 +62,7 @@
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/block.h"
+#include "k2c/model/forwarding_ops.h"
 #include "k2c/model/layers.h"
 #include "k2c/random.h"
 #include "k2c/testing.h"
@@ -292,79 +293,25 @@ struct AttentionCall {
   }
 };
 
-class RecordingOps final : public km::Ops {
+class RecordingOps final : public km::ForwardingOps {
  public:
-  RecordingOps(km::Ops& inner, std::function<std::uint64_t()> sent) : in_(inner), sent_(std::move(sent)) {}
+  RecordingOps(km::Ops& inner, std::function<std::uint64_t()> sent) : ForwardingOps(inner), sent_(std::move(sent)) {}
   std::vector<AttentionCall> calls;
 
-  std::string name() const override { return in_.name() + " (recorded)"; }
-  km::Memory& memory() override { return in_.memory(); }
-  void upload(km::Tensor& d, const void* h) override { in_.upload(d, h); }
-  void download(void* h, const km::Tensor& s) override { in_.download(h, s); }
-  void fill(km::Tensor& t, float v) override { in_.fill(t, v); }
-  void copy(km::Tensor& d, const km::Tensor& s) override { in_.copy(d, s); }
-  void add(const km::Tensor& a, const km::Tensor& b, km::Tensor& o) override { in_.add(a, b, o); }
-  void accumulate(km::Tensor& a, const km::Tensor& x, float s) override { in_.accumulate(a, x, s); }
-  void scale(km::Tensor& t, float s) override { in_.scale(t, s); }
-  double sum_squares(const km::Tensor& t) override { return in_.sum_squares(t); }
-  void matmul(const km::Tensor& a, bool ta, const km::Tensor& b, bool tb, km::Tensor& c, float al, float be) override {
-    in_.matmul(a, ta, b, tb, c, al, be);
-  }
-  void linear_backward(const km::Tensor& x, const km::Tensor& w, const km::Tensor& dy, km::Tensor* dw,
-                       km::Tensor* dx) override {
-    in_.linear_backward(x, w, dy, dw, dx);
-  }
-  void embedding_forward(const km::Tensor& i, const km::Tensor& t, km::Tensor& o) override { in_.embedding_forward(i, t, o); }
-  void embedding_backward(const km::Tensor& i, const km::Tensor& d, km::Tensor& t) override { in_.embedding_backward(i, d, t); }
-  void rmsnorm_forward(const km::Tensor& x, const km::Tensor& g, float e, km::Tensor& y, km::Tensor& r) override {
-    in_.rmsnorm_forward(x, g, e, y, r);
-  }
-  void rmsnorm_backward(const km::Tensor& x, const km::Tensor& g, const km::Tensor& r, const km::Tensor& dy,
-                        km::Tensor& dx, km::Tensor& dg) override {
-    in_.rmsnorm_backward(x, g, r, dy, dx, dg);
-  }
-  void rope(km::Tensor& x, const km::Tensor& p, int h, int d, float th, bool inv) override { in_.rope(x, p, h, d, th, inv); }
+  std::string name() const override { return inner().name() + " (recorded)"; }
   void attention_forward(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k, const km::Tensor& v,
                          km::Tensor& o, km::Tensor& lse) override {
     calls.push_back({s, false, sent_()});
-    in_.attention_forward(s, q, k, v, o, lse);
+    ForwardingOps::attention_forward(s, q, k, v, o, lse);
   }
   void attention_backward(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k, const km::Tensor& v,
                           const km::Tensor& o, const km::Tensor& lse, const km::Tensor& dout, km::Tensor& dq,
                           km::Tensor& dk, km::Tensor& dv) override {
     calls.push_back({s, true, sent_()});
-    in_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
-  }
-  void swiglu_forward(const km::Tensor& g, const km::Tensor& u, km::Tensor& h) override { in_.swiglu_forward(g, u, h); }
-  void swiglu_backward(const km::Tensor& g, const km::Tensor& u, const km::Tensor& dh, km::Tensor& dg,
-                       km::Tensor& du) override {
-    in_.swiglu_backward(g, u, dh, dg, du);
-  }
-  double cross_entropy(const km::Tensor& l, const km::Tensor& t, float s, km::Tensor& d) override {
-    return in_.cross_entropy(l, t, s, d);
-  }
-  void dropout(const km::Tensor& x, float p, const km::DropoutKey& k, km::Tensor& o) override { in_.dropout(x, p, k, o); }
-  void softmax_rows(const km::Tensor& x, km::Tensor& y) override { in_.softmax_rows(x, y); }
-  void softmax_rows_backward(const km::Tensor& y, const km::Tensor& dy, km::Tensor& dx) override {
-    in_.softmax_rows_backward(y, dy, dx);
-  }
-  void top_k(const km::Tensor& s, int k, km::Tensor& i, km::Tensor& v) override { in_.top_k(s, k, i, v); }
-  void gather_rows(const km::Tensor& s, const km::Tensor& r, km::Tensor& o) override { in_.gather_rows(s, r, o); }
-  void scatter_add_rows(const km::Tensor& s, const km::Tensor& r, const km::Tensor* sc, km::Tensor& o) override {
-    in_.scatter_add_rows(s, r, sc, o);
-  }
-  void row_dot(const km::Tensor& a, const km::Tensor& b, km::Tensor& o) override { in_.row_dot(a, b, o); }
-  void scale_rows(km::Tensor& x, const km::Tensor& s) override { in_.scale_rows(x, s); }
-  void sgd_step(km::Tensor& p, const km::Tensor& g, km::Tensor* m, float lr, float b, float wd) override {
-    in_.sgd_step(p, g, m, lr, b, wd);
-  }
-  void adamw_step(km::Tensor& p, const km::Tensor& g, km::Tensor& m, km::Tensor& v, float lr, float b1, float b2,
-                  float eps, float wd, int t) override {
-    in_.adamw_step(p, g, m, v, lr, b1, b2, eps, wd, t);
+    ForwardingOps::attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
   }
 
  private:
-  km::Ops& in_;
   std::function<std::uint64_t()> sent_;
 };
 

@@ -48,6 +48,7 @@
 #include "k2c/compare.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/testing.h"
+#include "k2c/model/forwarding_ops.h"
 #include "k2c/model/transformer.h"
 #include "k2c/random.h"
 #include "k2c/reference.h"
@@ -388,9 +389,26 @@ struct DecodeCase {
 // Runs one case: sequences created and grown interleaved (their pages alternate), filled with
 // random keys and values, one random query each; decode attention against the double oracle, and
 // bit for bit against the library where one part covers a sequence.
+// The CPU backend with the length of every attention call's keys noted: decode attention must
+// cut the cache into parts of at most split_tokens positions (the contract's "Split along the
+// cache"), so a call over more keys than that means the split was ignored.
+class AttentionLengths final : public km::ForwardingOps {
+ public:
+  AttentionLengths() : ForwardingOps(km::cpu_ops()) {}
+  std::int64_t longest = 0;
+  int calls = 0;
+  void attention_forward(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k, const km::Tensor& v,
+                         km::Tensor& o, km::Tensor& lse) override {
+    longest = std::max<std::int64_t>(longest, s.kv_len);
+    ++calls;
+    ForwardingOps::attention_forward(s, q, k, v, o, lse);
+  }
+};
+
 void run_decode_case(const DecodeCase& dc, const std::string& tag) {
   SCOPED_TRACE(tag);
-  Side s;
+  AttentionLengths probe;
+  Side s(probe);
   std::int64_t total = 0, longest = 0;
   for (std::int64_t L : dc.lengths) {
     total += inf::pages_for(L, dc.page_size);
@@ -409,7 +427,10 @@ void run_decode_case(const DecodeCase& dc, const std::string& tag) {
   for (float& x : q) x *= 3.0f;  // scores of a few units: a softmax far from uniform
   const km::Tensor qt = s.upload(q, {B, width});
   km::Tensor o = s.poisoned({B, width});
+  probe.longest = 0;
   inf::decode_attention(s.ctx, cache, layer, seqs, qt, o, dc.split);
+  EXPECT_LE(probe.longest, dc.split) << "an attention call over " << probe.longest
+                                     << " keys: the cache was not cut into parts of split_tokens = " << dc.split;
   const Host got = s.download(o);
   for (int b = 0; b < B; ++b) {
     const std::int64_t L = dc.lengths[b];
