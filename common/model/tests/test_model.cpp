@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "k2c/model/optim.h"
+#include "k2c/model/timed_ops.h"
 #include "k2c/model/transformer.h"
 
 namespace k2c::model {
@@ -157,6 +158,26 @@ TEST(Model, CpuBackendIsDeterministic) {
     EXPECT_EQ(a.step(), b.step());
     EXPECT_EQ(a.grads(), b.grads());
   }
+}
+
+// TimedOps (a ForwardingOps) changes nothing of what it forwards: the same loss and gradients
+// bit for bit, and every kind of operation a step runs is in its table.
+TEST(Model, TimedStepIsTheSameStep) {
+  ModelRun plain(small_config(), 2);
+  ModelRun timed(small_config(), 2);
+  int syncs = 0;
+  TimedOps clock(cpu_ops(), [&] { ++syncs; });
+  Context ctx{clock, timed.ledger, timed.params};
+  const float scale = 1.0f / (2 * timed.config.seq_len);
+  EXPECT_EQ(timed.model.train_step(ctx, timed.ids, timed.targets, 2, scale, false), plain.step());
+  EXPECT_EQ(timed.grads(), plain.grads());
+  for (const char* op : {"embedding", "rmsnorm", "matmul fwd (a bT)", "rope", "attention", "swiglu", "cross-entropy",
+                         "linear backward (dW, dX)", "attention backward", "rmsnorm backward", "embedding backward"})
+    EXPECT_GT(clock.entries().count(op) ? clock.entries().at(op).calls : 0, 0) << op;
+  long calls = 0;
+  for (const auto& [name, e] : clock.entries()) calls += e.calls;
+  EXPECT_EQ(syncs, 2 * calls) << "one sync before and one after each operation";
+  EXPECT_NE(clock.report().find("attention backward"), std::string::npos);
 }
 
 TEST(Model, GradientsAccumulateOverMicroBatches) {
