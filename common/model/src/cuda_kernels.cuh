@@ -1,0 +1,482 @@
+// cuda_kernels.cuh — the GPU backend's plain kernels: one thread an element (grid-stride, a
+// float4 at a time where the addresses allow) or one block a row, for every operation of
+// k2c/model/ops.h that is not a GEMM or the fast path's attention. The fp32 mode runs every
+// operation on them; the bf16 fast path shares all but GEMMs and attention. Included by
+// cuda_ops.cu only, inside its unnamed namespace (it uses that file's kThreads and blocks_for).
+#pragma once
+
+#define K2C_FOR_EACH(i, n) \
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+
+__global__ void fill_kernel(float* p, std::int64_t n, float v) { K2C_FOR_EACH(i, n) p[i] = v; }
+__global__ void add_kernel(const float* a, const float* b, float* o, std::int64_t n) { K2C_FOR_EACH(i, n) o[i] = a[i] + b[i]; }
+__global__ void axpy_kernel(float* acc, const float* x, float s, std::int64_t n) { K2C_FOR_EACH(i, n) acc[i] += s * x[i]; }
+__global__ void scale_kernel(float* p, float s, std::int64_t n) { K2C_FOR_EACH(i, n) p[i] *= s; }
+
+// The same four, and SwiGLU's two below, a float4 at a time: what they are limited by is bytes,
+// and 16-byte accesses move them at close to the copy rate where 4-byte ones reach about half.
+// They take over when every pointer is 16-byte aligned and the length a multiple of 4 (whole
+// activations always are; a view of some rows may not be).
+bool vectorizable(std::int64_t n, std::initializer_list<const void*> pointers) {
+  if (n % 4) return false;
+  for (const void* p : pointers)
+    if (reinterpret_cast<std::uintptr_t>(p) % 16) return false;
+  return true;
+}
+__global__ void fill4_kernel(float4* p, std::int64_t n4, float v) { K2C_FOR_EACH(i, n4) p[i] = make_float4(v, v, v, v); }
+__global__ void add4_kernel(const float4* a, const float4* b, float4* o, std::int64_t n4) {
+  K2C_FOR_EACH(i, n4) {
+    const float4 x = a[i], y = b[i];
+    o[i] = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+  }
+}
+__global__ void axpy4_kernel(float4* acc, const float4* x, float s, std::int64_t n4) {
+  K2C_FOR_EACH(i, n4) {
+    float4 a = acc[i];
+    const float4 b = x[i];
+    a.x += s * b.x, a.y += s * b.y, a.z += s * b.z, a.w += s * b.w;
+    acc[i] = a;
+  }
+}
+__global__ void scale4_kernel(float4* p, float s, std::int64_t n4) {
+  K2C_FOR_EACH(i, n4) {
+    float4 a = p[i];
+    a.x *= s, a.y *= s, a.z *= s, a.w *= s;
+    p[i] = a;
+  }
+}
+
+// Σ x² in double: each block sums its share, one atomic per block.
+__global__ void sum_squares_kernel(const float* x, std::int64_t n, double* out) {
+  __shared__ double part[kThreads];
+  double s = 0;
+  K2C_FOR_EACH(i, n) s += static_cast<double>(x[i]) * x[i];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) atomicAdd(out, part[0]);
+}
+
+// A block's sum of one value per thread, returned to every thread.
+__device__ float block_sum(float v, float* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) scratch[threadIdx.x] += scratch[threadIdx.x + w];
+    __syncthreads();
+  }
+  const float total = scratch[0];
+  __syncthreads();
+  return total;
+}
+__device__ float block_max(float v, float* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) scratch[threadIdx.x] = fmaxf(scratch[threadIdx.x], scratch[threadIdx.x + w]);
+    __syncthreads();
+  }
+  const float m = scratch[0];
+  __syncthreads();
+  return m;
+}
+
+__global__ void embedding_forward_kernel(const int* ids, const float* table, float* out, std::int64_t n, std::int64_t d,
+                                         std::int64_t vocab, int* bad) {
+  K2C_FOR_EACH(i, n * d) {
+    const int id = ids[i / d];
+    if (id < 0 || id >= vocab) {
+      *bad = 1;
+      continue;
+    }
+    out[i] = table[id * d + i % d];
+  }
+}
+__global__ void embedding_backward_kernel(const int* ids, const float* dout, float* dtable, std::int64_t n, std::int64_t d) {
+  K2C_FOR_EACH(i, n * d) atomicAdd(&dtable[ids[i / d] * d + i % d], dout[i]);
+}
+
+__global__ void rmsnorm_forward_kernel(const float* x, const float* g, float eps, float* y, float* rstd, std::int64_t cols) {
+  __shared__ float scratch[kThreads];
+  const float* xr = x + blockIdx.x * cols;
+  float ss = 0;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
+  const float rs = rsqrtf(block_sum(ss, scratch) / cols + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) y[blockIdx.x * cols + j] = xr[j] * rs * g[j];
+}
+// residual (may be null) is added to dx in the same pass.
+__global__ void rmsnorm_backward_kernel(const float* x, const float* g, const float* rstd, const float* dy,
+                                        const float* residual, float* dx, std::int64_t cols) {
+  __shared__ float scratch[kThreads];
+  const std::int64_t o = blockIdx.x * cols;
+  const float rs = rstd[blockIdx.x];
+  float c = 0;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) c += g[j] * dy[o + j] * x[o + j];
+  c = block_sum(c, scratch) / cols;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float d = rs * (g[j] * dy[o + j] - x[o + j] * rs * rs * c);
+    dx[o + j] = residual ? d + residual[o + j] : d;
+  }
+}
+// dgamma += Σ_rows dy·x·rstd: a thread a column over a run of kRowRun rows (neighbouring threads
+// read neighbouring columns), one atomic per thread and run rather than one per element.
+constexpr int kRowRun = 256;
+__global__ void rmsnorm_dgamma_kernel(const float* x, const float* rstd, const float* dy, float* dg, std::int64_t rows,
+                                      std::int64_t cols) {
+  const std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= cols) return;
+  const std::int64_t r0 = blockIdx.y * static_cast<std::int64_t>(kRowRun), r1 = min(rows, r0 + kRowRun);
+  float acc = 0;
+  for (std::int64_t r = r0; r < r1; ++r) acc += dy[r * cols + j] * x[r * cols + j] * rstd[r];
+  atomicAdd(&dg[j], acc);
+}
+
+// One thread a (row, pair) for every head of the row: the angle (computed in double, as the CPU
+// backend does) depends on the position and the pair only, so it is computed once, not per head.
+__global__ void rope_kernel(float* x, const int* pos, std::int64_t rows, int T, int heads, int hd, float theta, bool inverse) {
+  const int half = hd / 2;
+  K2C_FOR_EACH(e, rows * half) {
+    const std::int64_t r = e / half;
+    const int i = static_cast<int>(e % half);
+    const double angle = pos[r % T] * pow(static_cast<double>(theta), -2.0 * i / hd);
+    const float c = static_cast<float>(cos(angle)), s = static_cast<float>(inverse ? -sin(angle) : sin(angle));
+    for (int h = 0; h < heads; ++h) {
+      float* p = x + r * heads * hd + static_cast<std::int64_t>(h) * hd;
+      const float x0 = p[i], x1 = p[i + half];
+      p[i] = x0 * c - x1 * s;
+      p[i + half] = x0 * s + x1 * c;
+    }
+  }
+}
+
+// The fast form, where head_dim is a multiple of 8 and x 16-byte aligned: the angles' cosines and
+// sines are computed once per call into a table of [T][head_dim/2] (in double, as above), and a
+// thread rotates four pairs of one head with two float4 loads. The loop above has a thread walk
+// the heads one after another with 4-byte accesses, which keeps too few bytes in flight to reach
+// the memory's rate; same arithmetic, same results.
+__global__ void rope_table_kernel(float2* cs, const int* pos, int T, int hd, float theta, bool inverse) {
+  const int half = hd / 2;
+  K2C_FOR_EACH(e, static_cast<std::int64_t>(T) * half) {
+    const int i = static_cast<int>(e % half);
+    const double angle = pos[e / half] * pow(static_cast<double>(theta), -2.0 * i / hd);
+    cs[e] = make_float2(static_cast<float>(cos(angle)), static_cast<float>(inverse ? -sin(angle) : sin(angle)));
+  }
+}
+__global__ void rope4_kernel(float* x, const float2* cs, std::int64_t rows, int T, int heads, int hd) {
+  const int half = hd / 2, quads = half / 4;
+  K2C_FOR_EACH(e, rows * heads * quads) {
+    const std::int64_t r = e / (static_cast<std::int64_t>(heads) * quads);
+    const int h = static_cast<int>(e / quads % heads), i = static_cast<int>(e % quads) * 4;
+    float* p = x + (r * heads + h) * hd + i;
+    const float2* c = cs + (r % T) * half + i;
+    float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + half);
+    const float2 c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+    const float4 a2 = make_float4(a.x * c0.x - b.x * c0.y, a.y * c1.x - b.y * c1.y, a.z * c2.x - b.z * c2.y, a.w * c3.x - b.w * c3.y);
+    b = make_float4(a.x * c0.y + b.x * c0.x, a.y * c1.y + b.y * c1.x, a.z * c2.y + b.z * c2.x, a.w * c3.y + b.w * c3.x);
+    *reinterpret_cast<float4*>(p) = a2;
+    *reinterpret_cast<float4*>(p + half) = b;
+  }
+}
+
+// One block per (query, head, batch): scores into shared memory (kv_len floats), then the
+// softmax and the weighted sum. Memory for kv_len scores limits this version to short sequences
+// per block (48 KB: 12k keys), ample for tests; the tiled kernel replaces it for real lengths.
+struct AttnArgs {
+  int batch, q_len, kv_len, q_heads, kv_heads, hd;
+  bool causal;
+  long long q_offset, kv_offset;
+  float scale;
+};
+__device__ bool visible(const AttnArgs& a, int i, int j) { return !a.causal || a.kv_offset + j <= a.q_offset + i; }
+__device__ const float* head_row(const float* t, const AttnArgs& a, int b, int tok, int h, int heads, int len) {
+  return t + ((static_cast<std::int64_t>(b) * len + tok) * heads + h) * a.hd;
+}
+
+__global__ void attention_forward_kernel(AttnArgs a, const float* q, const float* k, const float* v, float* o, float* lse) {
+  extern __shared__ float p[];
+  __shared__ float scratch[kThreads];
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kh = h / (a.q_heads / a.kv_heads);
+  const float* qi = head_row(q, a, b, i, h, a.q_heads, a.q_len);
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < a.kv_len; j += blockDim.x) {
+    float s = -INFINITY;
+    if (visible(a, i, j)) {
+      const float* kj = head_row(k, a, b, j, kh, a.kv_heads, a.kv_len);
+      s = 0;
+      for (int d = 0; d < a.hd; ++d) s += qi[d] * kj[d];
+      s *= a.scale;
+    }
+    p[j] = s;
+    mx = fmaxf(mx, s);
+  }
+  mx = block_max(mx, scratch);
+  float* oi = o + ((static_cast<std::int64_t>(b) * a.q_len + i) * a.q_heads + h) * a.hd;
+  float& l = lse[(static_cast<std::int64_t>(b) * a.q_heads + h) * a.q_len + i];
+  if (mx == -INFINITY) {  // sees no key
+    for (int d = threadIdx.x; d < a.hd; d += blockDim.x) oi[d] = 0;
+    if (threadIdx.x == 0) l = -INFINITY;
+    return;
+  }
+  float sum = 0;
+  for (int j = threadIdx.x; j < a.kv_len; j += blockDim.x) sum += p[j] == -INFINITY ? 0.0f : expf(p[j] - mx);
+  const float total = block_sum(sum, scratch), lse_i = mx + logf(total);
+  for (int j = threadIdx.x; j < a.kv_len; j += blockDim.x) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - lse_i);
+  __syncthreads();
+  for (int d = threadIdx.x; d < a.hd; d += blockDim.x) {
+    float acc = 0;
+    for (int j = 0; j < a.kv_len; ++j) acc += p[j] * head_row(v, a, b, j, kh, a.kv_heads, a.kv_len)[d];
+    oi[d] = acc;
+  }
+  if (threadIdx.x == 0) l = lse_i;
+}
+
+// Same blocks: P recomputed from lse, D_i = dO_i·O_i, dS = P(dP − D); dq written, dk and dv added
+// with atomics (several queries and heads share a key).
+__global__ void attention_backward_kernel(AttnArgs a, const float* q, const float* k, const float* v, const float* o,
+                                          const float* lse, const float* dout, float* dq, float* dk, float* dv) {
+  extern __shared__ float ds[];
+  __shared__ float scratch[kThreads];
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kh = h / (a.q_heads / a.kv_heads);
+  const float* qi = head_row(q, a, b, i, h, a.q_heads, a.q_len);
+  const float* doi = head_row(dout, a, b, i, h, a.q_heads, a.q_len);
+  float* dqi = dq + ((static_cast<std::int64_t>(b) * a.q_len + i) * a.q_heads + h) * a.hd;
+  const float l = lse[(static_cast<std::int64_t>(b) * a.q_heads + h) * a.q_len + i];
+  if (l == -INFINITY) {
+    for (int d = threadIdx.x; d < a.hd; d += blockDim.x) dqi[d] = 0;
+    return;
+  }
+  float di = 0;
+  for (int d = threadIdx.x; d < a.hd; d += blockDim.x) di += doi[d] * head_row(o, a, b, i, h, a.q_heads, a.q_len)[d];
+  di = block_sum(di, scratch);
+  for (int j = threadIdx.x; j < a.kv_len; j += blockDim.x) {
+    float s = 0;
+    if (visible(a, i, j)) {
+      const float* kj = head_row(k, a, b, j, kh, a.kv_heads, a.kv_len);
+      const float* vj = head_row(v, a, b, j, kh, a.kv_heads, a.kv_len);
+      float qk = 0, dov = 0;
+      for (int d = 0; d < a.hd; ++d) qk += qi[d] * kj[d], dov += doi[d] * vj[d];
+      const float pij = expf(a.scale * qk - l);
+      s = pij * (dov - di);
+      float* dvj = dv + ((static_cast<std::int64_t>(b) * a.kv_len + j) * a.kv_heads + kh) * a.hd;
+      float* dkj = dk + ((static_cast<std::int64_t>(b) * a.kv_len + j) * a.kv_heads + kh) * a.hd;
+      for (int d = 0; d < a.hd; ++d) {
+        atomicAdd(&dvj[d], pij * doi[d]);
+        atomicAdd(&dkj[d], a.scale * s * qi[d]);
+      }
+    }
+    ds[j] = s;
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < a.hd; d += blockDim.x) {
+    float acc = 0;
+    for (int j = 0; j < a.kv_len; ++j) acc += ds[j] * head_row(k, a, b, j, kh, a.kv_heads, a.kv_len)[d];
+    dqi[d] = a.scale * acc;
+  }
+}
+
+__device__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float swiglu(float g, float u) { return g * sigmoid(g) * u; }
+__device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float& dg, float& du) {
+  const float s = sigmoid(g);
+  dg = dh * u * s * (1.0f + g * (1.0f - s));
+  du = dh * g * s;
+}
+__global__ void swiglu_forward_kernel(const float* g, const float* u, float* h, std::int64_t n) {
+  K2C_FOR_EACH(i, n) h[i] = swiglu(g[i], u[i]);
+}
+__global__ void swiglu_backward_kernel(const float* g, const float* u, const float* dh, float* dg, float* du, std::int64_t n) {
+  K2C_FOR_EACH(i, n) swiglu_grad(g[i], u[i], dh[i], dg[i], du[i]);
+}
+__global__ void swiglu_forward4_kernel(const float4* g, const float4* u, float4* h, std::int64_t n4) {
+  K2C_FOR_EACH(i, n4) {
+    const float4 a = g[i], b = u[i];
+    h[i] = make_float4(swiglu(a.x, b.x), swiglu(a.y, b.y), swiglu(a.z, b.z), swiglu(a.w, b.w));
+  }
+}
+__global__ void swiglu_backward4_kernel(const float4* g, const float4* u, const float4* dh, float4* dg, float4* du,
+                                        std::int64_t n4) {
+  K2C_FOR_EACH(i, n4) {
+    const float4 a = g[i], b = u[i], d = dh[i];
+    float4 x, y;
+    swiglu_grad(a.x, b.x, d.x, x.x, y.x);
+    swiglu_grad(a.y, b.y, d.y, x.y, y.y);
+    swiglu_grad(a.z, b.z, d.z, x.z, y.z);
+    swiglu_grad(a.w, b.w, d.w, x.w, y.w);
+    dg[i] = x;
+    du[i] = y;
+  }
+}
+
+// Online softmax (as in FlashAttention): fold x into a running (max m, sum s of exp(· − m)).
+__device__ __forceinline__ void lse_add(float& m, float& s, float x) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;
+    m = x;
+  } else if (x != -INFINITY) {  // (−inf − −inf would be NaN)
+    s += expf(x - m);
+  }
+}
+// Two running pairs merged; a pair that saw nothing is (−inf, 0).
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) return;
+  s = s * expf(m - mx) + s2 * expf(m2 - mx);
+  m = mx;
+}
+// The block's (max, sum) pair, returned to every thread: warps by shuffles, then the warps' pairs.
+__device__ void block_lse(float& m, float& s) {
+  __shared__ float wm[kThreads / 32], ws[kThreads / 32];
+  for (int o = 16; o > 0; o /= 2) lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  if (threadIdx.x % 32 == 0) wm[threadIdx.x / 32] = m, ws[threadIdx.x / 32] = s;
+  __syncthreads();
+  m = wm[0], s = ws[0];
+  for (int w = 1; w < kThreads / 32; ++w) lse_merge(m, s, wm[w], ws[w]);
+  __syncthreads();
+}
+
+// One block a row, two passes over the logits instead of three: the log-sum-exp in one online
+// pass, then the gradient (the row is 128 KiB at a 32k vocabulary, so the second read mostly hits
+// L2). Rows of a multiple of 4 go a float4 at a time (the caller checks the alignment).
+template <bool kVec4>
+__global__ void cross_entropy_kernel(const float* z, const int* t, float scale, float* dz, double* loss, std::int64_t cols,
+                                     int* bad) {
+  const std::int64_t o = blockIdx.x * cols;
+  const int target = t[blockIdx.x];
+  if (target < 0 || target >= cols) {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) dz[o + j] = 0;
+    if (threadIdx.x == 0) {
+      loss[blockIdx.x] = 0;
+      if (target >= cols) *bad = 1;
+    }
+    return;
+  }
+  float m = -INFINITY, s = 0;
+  if constexpr (kVec4) {
+    const float4* z4 = reinterpret_cast<const float4*>(z + o);
+    for (std::int64_t j = threadIdx.x; j < cols / 4; j += blockDim.x) {
+      const float4 v = z4[j];
+      lse_add(m, s, v.x), lse_add(m, s, v.y), lse_add(m, s, v.z), lse_add(m, s, v.w);
+    }
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) lse_add(m, s, z[o + j]);
+  }
+  block_lse(m, s);
+  const float lse = m + logf(s);
+  if constexpr (kVec4) {
+    const float4* z4 = reinterpret_cast<const float4*>(z + o);
+    float4* d4 = reinterpret_cast<float4*>(dz + o);
+    for (std::int64_t j = threadIdx.x; j < cols / 4; j += blockDim.x) {
+      const float4 v = z4[j];
+      float4 g = make_float4(scale * expf(v.x - lse), scale * expf(v.y - lse), scale * expf(v.z - lse), scale * expf(v.w - lse));
+      d4[j] = g;
+    }
+    __syncthreads();  // the target's element is corrected after every thread has written its own
+    if (threadIdx.x == 0) dz[o + target] = scale * (expf(z[o + target] - lse) - 1.0f);
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x)
+      dz[o + j] = scale * (expf(z[o + j] - lse) - (j == target ? 1.0f : 0.0f));
+  }
+  if (threadIdx.x == 0) loss[blockIdx.x] = static_cast<double>(lse) - z[o + target];
+}
+
+__global__ void dropout_kernel(const float* x, float* y, std::int64_t rows, std::int64_t cols, float p,
+                               unsigned long long seed, unsigned long long step, unsigned long long layer,
+                               long long row_offset, long long col_offset, long long full_cols) {
+  K2C_FOR_EACH(e, rows * cols) {
+    const std::int64_t r = e / cols, c = e % cols;
+    const std::uint64_t index = static_cast<std::uint64_t>((row_offset + r) * full_cols + col_offset + c);
+    y[e] = x[e] * mask::scale(seed, step, layer, index, p);
+  }
+}
+
+__global__ void sgd_kernel(float* p, const float* g, float* m, float lr, float beta, float wd, std::int64_t n) {
+  K2C_FOR_EACH(i, n) {
+    float d = g[i] + wd * p[i];
+    if (m) d = m[i] = beta * m[i] + d;
+    p[i] -= lr * d;
+  }
+}
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, float lr, float b1, float b2, float eps,
+                             float wd, float c1, float c2, std::int64_t n) {
+  K2C_FOR_EACH(i, n) {
+    m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+    v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+    p[i] -= lr * (wd * p[i] + (m[i] / c1) / (sqrtf(v[i] / c2) + eps));
+  }
+}
+
+__global__ void softmax_kernel(const float* x, float* y, std::int64_t cols) {
+  __shared__ float scratch[kThreads];
+  const std::int64_t o = blockIdx.x * cols;
+  float mx = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) mx = fmaxf(mx, x[o + j]);
+  mx = block_max(mx, scratch);
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) s += expf(x[o + j] - mx);
+  const float total = block_sum(s, scratch);
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) y[o + j] = expf(x[o + j] - mx) / total;
+}
+__global__ void softmax_backward_kernel(const float* y, const float* dy, float* dx, std::int64_t cols) {
+  __shared__ float scratch[kThreads];
+  const std::int64_t o = blockIdx.x * cols;
+  float d = 0;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) d += y[o + j] * dy[o + j];
+  d = block_sum(d, scratch);
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) dx[o + j] = y[o + j] * (dy[o + j] - d);
+}
+
+// One thread a row: the router's rows are short (tens of experts). Ties go to the lower index,
+// as on the CPU (a stable sort by decreasing score).
+__global__ void top_k_kernel(const float* s, int* idx, float* val, std::int64_t rows, int cols, int k) {
+  K2C_FOR_EACH(r, rows) {
+    const float* row = s + r * cols;
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      for (int c = 0; c < cols; ++c) {
+        bool taken = false;
+        for (int t = 0; t < j; ++t) taken |= idx[r * k + t] == c;
+        if (!taken && (best < 0 || row[c] > row[best])) best = c;
+      }
+      idx[r * k + j] = best;
+      val[r * k + j] = row[best];
+    }
+  }
+}
+
+__global__ void gather_rows_kernel(const float* src, const int* rows, float* out, std::int64_t n, std::int64_t d,
+                                   std::int64_t src_rows, int* bad) {
+  K2C_FOR_EACH(e, n * d) {
+    const int r = rows[e / d];
+    if (r < 0 || r >= src_rows) {
+      *bad = 1;
+      continue;
+    }
+    out[e] = src[r * d + e % d];
+  }
+}
+__global__ void scatter_add_rows_kernel(const float* src, const int* rows, const float* scale, float* out, std::int64_t n,
+                                        std::int64_t d, std::int64_t out_rows, int* bad) {
+  K2C_FOR_EACH(e, n * d) {
+    const int r = rows[e / d];
+    if (r < 0 || r >= out_rows) {
+      *bad = 1;
+      continue;
+    }
+    atomicAdd(&out[r * d + e % d], (scale ? scale[e / d] : 1.0f) * src[e]);
+  }
+}
+__global__ void row_dot_kernel(const float* a, const float* b, float* out, std::int64_t cols) {
+  __shared__ float scratch[kThreads];
+  const std::int64_t o = blockIdx.x * cols;
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) s += a[o + j] * b[o + j];
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+__global__ void scale_rows_kernel(float* x, const float* s, std::int64_t rows, std::int64_t cols) {
+  K2C_FOR_EACH(e, rows * cols) x[e] *= s[e / cols];
+}
