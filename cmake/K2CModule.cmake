@@ -7,8 +7,9 @@
 #                      that calls cuBLAS (or anything else the module asks them to write) fails
 #                      to link instead of passing on borrowed speed; SOURCES names further files
 #                      of the same folder (a module in two parts);
-#   k2c_test_NN_name   autograder/NN_name/test_name.cu + the shared test main, a GoogleTest
-#                      program; CTest tests discovered at test time, labelled moduleNN and KIND;
+#   k2c_test_NN_name   autograder/NN_name/test_name.cu (and test_name_*.cu, its further parts) +
+#                      the shared test main, a GoogleTest program; CTest tests discovered at test
+#                      time, labelled moduleNN and KIND;
 #   k2c_bench_NN_name  autograder/NN_name/bench_name.cu, a Google Benchmark program (if present);
 #   k2c_tune_NN_name   autograder/NN_name/tune_name.cu, a tuner (if present).
 # MODEL: the implementation links the model library k2c_model (the modules of Part II, whose
@@ -52,6 +53,10 @@ function(k2c_add_module id)
   if(NOT EXISTS ${test_src})
     set(test_src ${root}/autograder/${id}/test_${name}.cpp)
   endif()
+  # A test program too long for one file continues in test_name_*.cu / .cpp (one part each).
+  file(GLOB test_parts CONFIGURE_DEPENDS ${root}/autograder/${id}/test_${name}_*.cu ${root}/autograder/${id}/test_${name}_*.cpp)
+  list(SORT test_parts)
+  list(APPEND test_src ${test_parts})
   set(extra_src ${arg_SOURCES})
   list(TRANSFORM extra_src PREPEND ${K2C_IMPL_DIR}/${id}/)
   add_library(k2c_impl_${id} SHARED ${impl_src} ${extra_src})

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -615,6 +616,9 @@ TEST(Rubric, ErrorsNameTheField) {
       {replace(g, R"("name": "A.B")", R"("name": "P.Q")"), "modules[0].tests[1].name: duplicate"},
       {replace(g, R"("name": "A.B")", R"("name": "AB")"), "modules[0].tests[0].name"},
       {replace(g, R"("title": "t",)", R"("title": "t", "tiemout_s": 5,)"), "modules[0].tiemout_s: unknown field"},
+      {replace(g, R"("title": "t",)", R"("title": "t", "build": {"model": 1},)"), "modules[0].build.model"},
+      {replace(g, R"("title": "t",)", R"("title": "t", "build": {"uses": [7]},)"), "modules[0].build.uses[0]"},
+      {replace(g, R"("title": "t",)", R"("title": "t", "build": {"modle": true},)"), "modules[0].build.modle: unknown field"},
       {replace(g, R"("assignments/01_naive_matmul/naive_matmul.cu")", R"("../etc/passwd")"), "modules[0].files[0]"},
   };
   for (const auto& [text, expected] : cases) {
@@ -627,7 +631,13 @@ TEST(Rubric, ErrorsNameTheField) {
 TEST(Rubric, TheCourseRubricIsValid) {
   const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
   EXPECT_GE(r.modules.size(), 2u);
-  for (const auto& m : r.modules) EXPECT_GT(m.points(), 0) << m.id;
+  std::set<std::string> before;
+  for (const auto& m : r.modules) {
+    EXPECT_GT(m.points(), 0) << m.id;
+    // The build declares modules in the rubric's order, so a module uses only earlier ones.
+    for (const auto& used : m.uses) EXPECT_TRUE(before.count(used)) << m.id << " uses " << used << ", not listed before it";
+    before.insert(m.id);
+  }
 }
 
 // Every suite starts with its module's name, compared without the number, underscores or case
