@@ -341,15 +341,6 @@ std::uint64_t other_calls(const kd::CountingCommunicator& c, const std::string& 
 
 }  // namespace
 
-// The correctness tests train on the model library's CPU backend, whose tensors live in host
-// memory, which only the MPI backend's collectives accept. On NCCL they skip with this reason and
-// the performance test runs instead (on GPU tensors).
-#define REQUIRE_MPI_BACKEND()                                                                    \
-  do {                                                                                           \
-    if (world().backend() != kd::Backend::mpi)                                                   \
-      K2C_SKIP("the correctness tests train on CPU ranks (MPI backend); this run uses " +        \
-               kd::to_string(world().backend()));                                                \
-  } while (0)
 
 // Worth no points: it lets the grader say "not implemented yet". plan_buckets is host arithmetic,
 // so the probe runs on either backend.
@@ -366,7 +357,7 @@ TEST_F(DataParallelContract, Implemented) {
 
 using DataParallelBroadcast = kd::testing::DistTest;
 TEST_F(DataParallelBroadcast, FromRankZero) {
-  REQUIRE_MPI_BACKEND();
+  K2C_REQUIRE_MPI();
   kd::Communicator& w = world();
   std::unique_ptr<Replica> mine_slot, rank0_slot;
   Replica& mine = make_replica(mine_slot, km::cpu_ops(), w.rank());
@@ -389,7 +380,7 @@ TEST_F(DataParallelBroadcast, FromRankZero) {
 
 using DataParallelNaive = kd::testing::DistTest;
 TEST_F(DataParallelNaive, StepsMatchOneProcess) {
-  REQUIRE_MPI_BACKEND();
+  K2C_REQUIRE_MPI();
   const RunOptions o{.mode = Mode::naive};
   std::unique_ptr<Replica> slot;
   const Trajectory got = train(world(), km::cpu_ops(), o, slot);
@@ -451,7 +442,7 @@ TEST_F(DataParallelBuckets, Plan) {  // host arithmetic only: any backend
 
 using DataParallelBucketed = kd::testing::DistTest;
 TEST_F(DataParallelBucketed, StepsMatchOneProcess) {
-  REQUIRE_MPI_BACKEND();
+  K2C_REQUIRE_MPI();
   for (std::size_t bytes : bucket_sizes()) {
     const RunOptions o{.mode = Mode::bucketed, .bucket_bytes = bytes};
     std::unique_ptr<Replica> slot;
@@ -486,7 +477,7 @@ class OperationProbe final : public km::ForwardingOps {
 };
 
 TEST_F(DataParallelBucketed, OverlapsBackward) {
-  REQUIRE_MPI_BACKEND();
+  K2C_REQUIRE_MPI();
   // "As soon as its last gradient is final", measured in operations: a first run with a callback of
   // the test's own records after how many operations of the step each parameter's gradient became
   // final; then, in the DDP run, before every operation the number of all-reduces issued must be
@@ -548,7 +539,7 @@ TEST_F(DataParallelBucketed, OverlapsBackward) {
 
 using DataParallelAccumulation = kd::testing::DistTest;
 TEST_F(DataParallelAccumulation, MicroBatchesMatchOneBatch) {
-  REQUIRE_MPI_BACKEND();
+  K2C_REQUIRE_MPI();
   // Three micro-batches of 12 sequences (over all ranks) against one batch of 36.
   constexpr int kMicros = 3, kBig = kRows * kMicros;
   kd::CountingCommunicator counting(world(), "world");
@@ -590,7 +581,7 @@ TEST_F(DataParallelAccumulation, MicroBatchesMatchOneBatch) {
 
 using DataParallelTraffic = kd::testing::DistTest;
 TEST_F(DataParallelTraffic, BytesPerStepMatchFormula) {
-  REQUIRE_MPI_BACKEND();
+  K2C_REQUIRE_MPI();
   kd::CountingCommunicator counting(world(), "world");
   const int n = world().size();
   std::unique_ptr<Replica> probe_slot;

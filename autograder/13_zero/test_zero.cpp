@@ -188,15 +188,7 @@ TEST_F(ZeroContract, Implemented) {
 }
 
 // The correctness tests run the CPU backend, whose tensors are host memory: the MPI runs'.
-class Zero : public kd::testing::DistTest {
- protected:
-  void SetUp() override {
-    DistTest::SetUp();
-    if (IsSkipped()) return;
-    if (world().backend() != kd::Backend::mpi)
-      K2C_SKIP("correctness runs on the MPI backend (the CPU model); this run measures speed");
-  }
-};
+class Zero : public kd::testing::CpuModelTest {};
 
 TEST_F(Zero, Stage1MatchesDataParallel) {
   const Observed o = run_against_ddp(tiny_model(), {.stage = 1}, 10, "stage 1");

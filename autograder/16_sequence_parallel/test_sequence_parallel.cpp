@@ -319,20 +319,9 @@ class RecordingOps final : public km::ForwardingOps {
 // fixtures
 
 // Correctness runs on the CPU backend, whose tensors are host memory: the MPI runs'.
-class CpuTest : public kd::testing::DistTest {
- protected:
-  void SetUp() override {
-    DistTest::SetUp();
-    if (IsSkipped()) return;
-    if (world().backend() != kd::Backend::mpi)
-      K2C_SKIP("correctness runs on the MPI backend (the CPU model); this run measures speed");
-  }
-  int n() const { return world().size(); }
-  int r() const { return world().rank(); }
-};
-using SequenceParallel = CpuTest;
-using SequenceParallelContextParallel = CpuTest;
-using SequenceParallelRingAttention = CpuTest;
+using SequenceParallel = kd::testing::CpuModelTest;
+using SequenceParallelContextParallel = kd::testing::CpuModelTest;
+using SequenceParallelRingAttention = kd::testing::CpuModelTest;
 
 }  // namespace
 

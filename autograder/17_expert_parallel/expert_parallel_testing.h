@@ -323,18 +323,7 @@ inline std::map<std::string, Host> grads_of(Side& ref) {
 // ---------------------------------------------------------------------------------------------
 // fixtures
 
-class ExpertParallel : public kd::testing::DistTest {
- protected:
-  void SetUp() override {
-    kd::testing::DistTest::SetUp();
-    if (IsSkipped()) return;
-    if (world().backend() != kd::Backend::mpi)
-      K2C_SKIP("correctness runs on the MPI backend (the CPU model, host memory); this run measures speed");
-  }
-  int n() const { return world().size(); }
-  int r() const { return world().rank(); }
-};
-
+class ExpertParallel : public kd::testing::CpuModelTest {};
 
 // ---------------------------------------------------------------------------------------------
 // the layer against model::Moe

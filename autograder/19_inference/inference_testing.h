@@ -200,15 +200,7 @@ inline void expect_consistent(const inf::PagedKvCache& cache, const std::vector<
 // fixtures
 
 // Correctness runs on the CPU backend, whose tensors are host memory: the MPI runs'.
-class Inference : public kd::testing::DistTest {
- protected:
-  void SetUp() override {
-    DistTest::SetUp();
-    if (IsSkipped()) return;
-    if (world().backend() != kd::Backend::mpi)
-      K2C_SKIP("correctness runs on the MPI backend (the CPU model); this run measures speed");
-  }
-};
+class Inference : public kd::testing::CpuModelTest {};
 
 
 // ---------------------------------------------------------------------------------------------

@@ -35,6 +35,28 @@ class DistTest : public ::testing::Test {
   void TearDown() override;
 };
 
+// Skips (on every rank alike) unless the run uses the MPI backend: the correctness tests of the
+// model modules (12 on) train on the model library's CPU backend, whose tensors are host memory,
+// which only MPI's collectives take. On NCCL they skip with this reason and the speed tests run.
+#define K2C_REQUIRE_MPI()                                                                    \
+  do {                                                                                       \
+    if (::k2c::dist::testing::world().backend() != ::k2c::dist::Backend::mpi)                \
+      K2C_SKIP("correctness runs on the MPI backend (the CPU model); this run uses " +       \
+               ::k2c::dist::to_string(::k2c::dist::testing::world().backend()));             \
+  } while (0)
+
+// The fixture of those correctness tests: every test of it runs on MPI only, as K2C_REQUIRE_MPI.
+class CpuModelTest : public DistTest {
+ protected:
+  void SetUp() override {
+    DistTest::SetUp();
+    if (IsSkipped()) return;
+    K2C_REQUIRE_MPI();
+  }
+  static int n() { return world().size(); }
+  static int r() { return world().rank(); }
+};
+
 // Skips (on every rank alike) unless the run uses the NCCL backend.
 #define K2C_REQUIRE_NCCL()                                                                   \
   do {                                                                                       \
