@@ -6,7 +6,8 @@
 #                      linked with --no-undefined against the CUDA runtime only: a student file
 #                      that calls cuBLAS (or anything else the module asks them to write) fails
 #                      to link instead of passing on borrowed speed; SOURCES names further files
-#                      of the same folder (a module in two parts);
+#                      of the same folder (a module in two parts; in a cpu or mpi module, .cu
+#                      parts and their test_name_*.cu tests are built only where CUDA is);
 #   k2c_test_NN_name   autograder/NN_name/test_name.cu (and test_name_*.cu, its further parts) +
 #                      the shared test main, a GoogleTest program; CTest tests discovered at test
 #                      time, labelled moduleNN and KIND;
@@ -59,12 +60,25 @@ function(k2c_add_module id)
   list(APPEND test_src ${test_parts})
   set(extra_src ${arg_SOURCES})
   list(TRANSFORM extra_src PREPEND ${K2C_IMPL_DIR}/${id}/)
+  # A CPU or MPI module may have a GPU part (19's decode kernel): its .cu files, and the test
+  # parts that exercise them, are built only where CUDA is; the rest of the module builds anyway.
+  set(cuda_parts OFF)
+  if(NOT arg_KIND STREQUAL "gpu")
+    if(K2C_HAS_CUDA)
+      if(extra_src MATCHES "\\.cu(;|$)")
+        set(cuda_parts ON)
+      endif()
+    else()
+      list(FILTER extra_src EXCLUDE REGEX "\\.cu$")
+      list(FILTER test_src EXCLUDE REGEX "_[a-z0-9]+\\.cu$")
+    endif()
+  endif()
   add_library(k2c_impl_${id} SHARED ${impl_src} ${extra_src})
   target_include_directories(k2c_impl_${id} PUBLIC ${root}/assignments/${id})
   target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers)
   # The course's NVTX ranges compile to nothing in student code (see k2c/nvtx.h).
   target_compile_definitions(k2c_impl_${id} PRIVATE K2C_NO_NVTX)
-  if(arg_KIND STREQUAL "gpu")
+  if(arg_KIND STREQUAL "gpu" OR cuda_parts)
     target_link_libraries(k2c_impl_${id} PUBLIC CUDA::cudart)
   endif()
   if(arg_MODEL)

@@ -1,5 +1,5 @@
 // assignments/19_inference/serving.cpp — module 19, parts E–F: your implementation (contract:
-// inference.h; parts A–D go in inference.cpp). Lecture: lectures/19_inference.md, sections 5–6.
+// inference.h; parts A–D go in inference.cpp). Lecture: lectures/19_inference.md, sections 7–8.
 //
 // Both parts are host code around the engine: lists of requests, a clock, and the steps the
 // contract's schedule chooses. Write serve() first and test it under a cost model (the tests'

@@ -40,12 +40,12 @@
 //                 (7 tokens over 64 experts); a lost or wrong term still misses by its own size.
 // Outputs are poisoned (NaN) before each call; NaN fails every comparison.
 //
-// Speed: the grouped GEMM at the module's DeepSeek-like shape against cuBLAS called once per
-// expert in the same run (the loop that grouped GEMM replaces): Part B's wgmma kernel where it
-// runs and is implemented (it is what the layer's forward pass would use), grouped_gemm()
-// otherwise, and grouped_gemm() alone as a recorded figure; and the whole layer's forward plus
-// backward against a naive layer in the same run (k2c/moe_baseline.h: a launch per expert for
-// every step, an unfused router, scatter-adds).
+// Speed: the grouped GEMM at the module's DeepSeek-like shape against one dense cuBLAS GEMM of the
+// same total size, interleaved in the same run (the per-expert cuBLAS loop reported beside it):
+// Part B's wgmma kernel where it runs and is implemented (what the layer's forward pass would
+// use), else grouped_gemm(), and grouped_gemm() alone as a recorded figure; and the whole layer's
+// forward plus backward against a naive layer in the same run (k2c/moe_baseline.h: a launch per
+// expert for every step, an unfused router, scatter-adds).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -586,16 +586,21 @@ void record_loads(const std::vector<int>& counts) {
   ::testing::Test::RecordProperty("load_imbalance_max_over_mean", std::to_string(max / mean));
 }
 
-// The grouped GEMM against cuBLAS once per expert on the same data, both on one routing.
-// which: the up projection ([g|u] = x W13ᵀ: n = 2·1408, k = 2048) or the down one (n = 2048,
-// k = 1408). Results are spot-checked against the CPU at sampled elements.
+// The grouped GEMM against its ideal, one dense cuBLAS GEMM of the same 2·rows·n·k FLOPs (M = the
+// routed rows, same n, k, bf16 in and out, fp32 accumulation), which reads one n × k weight, not
+// 64 (0.74 GB for the up projection, some 0.15 ms at HBM rate to hide), and has no ragged last
+// tiles (lecture section 7.3). cuBLAS once per expert, the loop a grouped GEMM replaces, is
+// reported, not graded: it sags under sustained load more than one kernel (section 11). The three
+// run interleaved, `repeats` each. which: the up projection ([g|u] = x W13ᵀ: n = 2·1408, k = 2048)
+// or the down one (n = 2048, k = 1408). The grouped output is checked against the loop's.
 void expect_grouped_rate(bool up, bool skewed, int repeats, bool hopper = false) {
   const std::vector<int> counts = expert_loads(skewed, seed_for(skewed ? "skewed loads" : "uniform loads"));
   record_loads(counts);
   const std::vector<int> off = offsets_of(counts);
   const int rows = off.back(), n = up ? 2 * kFfn : kHidden, k = up ? kHidden : kFfn;
-  const std::size_t a_elems = static_cast<std::size_t>(rows) * k, b_elems = static_cast<std::size_t>(kExperts) * n * k;
-  k2c::DeviceBuffer<bf16> a(a_elems), b(b_elems), c(static_cast<std::size_t>(rows) * n), c_loop(static_cast<std::size_t>(rows) * n);
+  const std::size_t a_elems = static_cast<std::size_t>(rows) * k, b_elems = static_cast<std::size_t>(kExperts) * n * k,
+                    c_elems = static_cast<std::size_t>(rows) * n;
+  k2c::DeviceBuffer<bf16> a(a_elems), b(b_elems), c(c_elems), c_loop(c_elems), c_dense(c_elems);
   k2c::fill_uniform_device(a.data(), a_elems, seed_for("perf a"));
   k2c::fill_uniform_device(b.data(), b_elems, seed_for("perf b"));
   auto d_off = upload(off);
@@ -603,6 +608,8 @@ void expect_grouped_rate(bool up, bool skewed, int repeats, bool hopper = false)
     if (hopper) moe::grouped_gemm_hopper(kExperts, d_off.data(), rows, n, k, a.data(), b.data(), c.data());
     else moe::grouped_gemm(kExperts, d_off.data(), n, k, a.data(), b.data(), c.data());
   };
+  // Every row against expert 0's weight: the product means nothing, only its time is used.
+  auto dense = [&] { k2c::cublas_bf16_gemm(rows, n, k, a.data(), b.data(), c_dense.data()); };
   auto loop = [&] {
     for (int e = 0; e < kExperts; ++e)
       if (counts[e] > 0)
@@ -610,20 +617,8 @@ void expect_grouped_rate(bool up, bool skewed, int repeats, bool hopper = false)
                               b.data() + static_cast<std::size_t>(e) * n * k, c_loop.data() + static_cast<std::size_t>(off[e]) * n);
   };
   c.poison();
-  grouped();
-  loop();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  // Both are timed in alternating rounds and each keeps the median of its rounds' medians: the
-  // loop's rate drifts by several percent over a run (clocks, power), and a drift between two
-  // back-to-back measurements would otherwise land in the ratio.
-  std::vector<double> g_ms, l_ms;
-  for (int round = 0; round < 4; ++round) {
-    g_ms.push_back(k2c::time_gpu(grouped, {.warmup = 1, .repeats = repeats / 2}).median_ms);
-    l_ms.push_back(k2c::time_gpu(loop, {.warmup = 1, .repeats = repeats / 2}).median_ms);
-  }
-  std::sort(g_ms.begin(), g_ms.end());
-  std::sort(l_ms.begin(), l_ms.end());
-  const double grouped_ms = (g_ms[1] + g_ms[2]) / 2, loop_ms = (l_ms[1] + l_ms[2]) / 2;
+  const std::vector<k2c::Timing> t = k2c::time_gpu_interleaved({grouped, dense, loop}, {.warmup = 1, .repeats = repeats});
+  const double grouped_ms = t[0].median_ms, dense_ms = t[1].median_ms, loop_ms = t[2].median_ms;
   // Spot checks of the timed runs' output against cuBLAS's (both bf16 roundings of one sum).
   const std::vector<float> got = k2c::to_host(c), want = k2c::to_host(c_loop);
   std::mt19937_64 rng(std::random_device{}());
@@ -634,9 +629,14 @@ void expect_grouped_rate(bool up, bool skewed, int repeats, bool hopper = false)
   }
   EXPECT_EQ(bad, 0u) << "grouped GEMM output differs from cuBLAS's at sampled elements";
   const double flops = 2.0 * rows * static_cast<double>(n) * k;
-  K2C_EXPECT_PERF(flops / grouped_ms * 1e-9, flops / loop_ms * 1e-9,
-                  std::string(hopper ? "wgmma, " : "") + (up ? "up" : "down") + " projection, " + (skewed ? "skewed" : "uniform") + " loads, " +
-                      std::to_string(2 * repeats) + " runs in 4 alternating rounds, vs cuBLAS once per expert");
+  const double rate = flops / grouped_ms * 1e-9, loop_rate = flops / loop_ms * 1e-9;
+  ::testing::Test::RecordProperty("ratio_to_cublas_loop", std::to_string(rate / loop_rate));
+  std::ostringstream detail;
+  detail.precision(4);
+  detail << (hopper ? "wgmma, " : "") << (up ? "up" : "down") << " projection, " << (skewed ? "skewed" : "uniform")
+         << " loads, " << repeats << " runs of each, interleaved; cuBLAS per-expert loop (reported, not graded) "
+         << loop_rate << " TFLOP/s, ratio " << rate / loop_rate;
+  K2C_EXPECT_PERF(rate, flops / dense_ms * 1e-9, detail.str());
 }
 
 }  // namespace
@@ -905,24 +905,24 @@ bool use_hopper() {
 
 TEST(MoeGroupedPerf, UpProjection) {
   K2C_REQUIRE_TIMING();
-  expect_grouped_rate(true, false, 20, use_hopper());
+  expect_grouped_rate(true, false, 40, use_hopper());
 }
 
 // Recorded for the reference table.
 TEST(MoeGroupedPerf, DownProjection) {
   K2C_REQUIRE_TIMING();
-  expect_grouped_rate(false, false, 20, use_hopper());
+  expect_grouped_rate(false, false, 40, use_hopper());
 }
 
 TEST(MoeGroupedPerf, SkewedLoads) {
   K2C_REQUIRE_TIMING();
-  expect_grouped_rate(true, true, 10, use_hopper());
+  expect_grouped_rate(true, true, 20, use_hopper());
 }
 
 // grouped_gemm() itself, the kernel every GPU runs.
 TEST(MoeGroupedPerf, PortableUpProjection) {
   K2C_REQUIRE_TIMING();
-  expect_grouped_rate(true, false, 20, false);
+  expect_grouped_rate(true, false, 40, false);
 }
 
 // The layer's forward + backward at the module's shape against the naive layer in the same

@@ -22,22 +22,16 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
+#include "k2c/model/backend.h"
 #include "k2c/model/layers.h"
 #include "k2c/random.h"
 #include "tensor_parallel.h"
 #include "uniform_weights.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -130,15 +124,7 @@ int main(int argc, char** argv) {
   }
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const bool gpu = w.backend() == kd::Backend::nccl;
-    km::Ops* ops = &km::cpu_ops();
-#if K2C_MODEL_CUDA
-    if (gpu) {
-      km::cuda_ops_use_stream(w.compute_stream());  // the model's kernels ordered with the collectives
-      ops = &km::cuda_ops(km::GpuMath::bf16);
-    }
-#else
-    if (gpu) throw std::runtime_error("the NCCL backend needs the model library's GPU backend, which this build lacks");
-#endif
+    km::Ops* ops = &km::backend_for(gpu, w.compute_stream(), km::GpuMath::bf16);
     if (widths.empty()) widths = gpu ? "1024,2048,4096,8192" : "32,64,128,256";
     if (o.tokens == 0) o.tokens = gpu ? 8192 : 64;
     o.widths = parse_list(widths);

@@ -47,6 +47,7 @@
 #include "k2c/dist/testing.h"
 #include "k2c/model/block.h"
 #include "k2c/model/layers.h"
+#include "k2c/model/testing.h"
 #include "k2c/random.h"
 #include "k2c/testing.h"
 #include "tensor_parallel.h"
@@ -62,6 +63,7 @@ namespace kd = k2c::dist;
 namespace km = k2c::model;
 namespace tp = k2c::tensor_parallel;
 using k2c::dist::testing::world;
+using k2c::model::testing::Side;  // one side of a comparison: backend, ledger, parameters, context
 
 namespace {
 
@@ -124,39 +126,6 @@ Host row_block(const Host& m, std::int64_t cols, std::int64_t r0, std::int64_t n
   return Host(m.begin() + r0 * cols, m.begin() + (r0 + nr) * cols);
 }
 
-// ---------------------------------------------------------------------------------------------
-// one side of a comparison: a backend, its ledger, parameters and context
-
-struct Side {
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx;
-  explicit Side(km::Ops& ops) : ctx{ops, ledger, params} {}
-  km::Ops& ops() { return ctx.ops; }
-  km::Tensor tensor(km::Shape s, km::DType t = km::DType::f32) { return ctx.tensor(s, km::Category::activations, t); }
-  km::Tensor upload(const Host& h, km::Shape s) {
-    km::Tensor t = tensor(s);
-    if (static_cast<std::int64_t>(h.size()) != t.numel()) throw std::logic_error("upload: size mismatch");
-    ops().upload(t, h.data());
-    return t;
-  }
-  km::Tensor upload_ids(const std::vector<std::int32_t>& h) {
-    km::Tensor t = tensor({static_cast<std::int64_t>(h.size())}, km::DType::i32);
-    ops().upload(t, h.data());
-    return t;
-  }
-  Host download(const km::Tensor& t) {
-    Host h(static_cast<std::size_t>(t.numel()));
-    ops().download(h.data(), t);
-    return h;
-  }
-  void materialize() { params.materialize(ops(), ledger, kWeightSeed); }
-  km::ParamId find(const std::string& name) const {
-    for (km::ParamId i = 0; i < params.size(); ++i)
-      if (params.info(i).name == name) return i;
-    return -1;
-  }
-};
 
 // The tensor-parallel group, counted: every rank in one group of world().size(). Made once per
 // program, since the splits of a grid take seconds on NCCL, and never destroyed: its MPI
@@ -313,8 +282,8 @@ TEST_F(TensorParallel, ColumnForwardBitExact) {
   Side ref(km::cpu_ops()), par(ops());
   km::Linear whole(ref.params, "proj", in, out, init);
   tp::ColumnParallelLinear mine(g.tp(), par.params, "proj", in, out, init);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
 
   ASSERT_EQ(par.params.size(), 1) << "one weight";
   const km::ParamInfo& w = par.params.info(mine.weight());
@@ -345,8 +314,8 @@ TEST_F(TensorParallel, ColumnBackward) {
   Side ref(km::cpu_ops()), par(ops());
   km::Linear whole(ref.params, "proj", in, out);
   tp::ColumnParallelLinear mine(g.tp(), par.params, "proj", in, out);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   StartedWhenFinal probe(par, g);
 
   const Host x = random_host(kTokens * in, "column/x"), dy = random_host(kTokens * out, "column/dy");
@@ -383,8 +352,8 @@ TEST_F(TensorParallel, RowParallelLinear) {
   Side ref(km::cpu_ops()), par(ops());
   km::Linear whole(ref.params, "proj", in, out);
   tp::RowParallelLinear mine(g.tp(), par.params, "proj", in, out);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   const km::ParamInfo& w = par.params.info(mine.weight());
   EXPECT_EQ(w.shape, km::Shape({out, local})) << "rank r holds in/n columns of the [out, in] weight";
   ASSERT_TRUE(w.init.shard.has_value()) << "the weight is registered with Init::shard";
@@ -425,8 +394,8 @@ TEST_F(TensorParallel, ParallelMlp) {
   Side ref(km::cpu_ops()), par(ops());
   km::Mlp whole(ref.params, "mlp", d, kFf);
   tp::ParallelMlp mine(g.tp(), par.params, "mlp", d, kFf);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   expect_params_match(par, ref, false);
   StartedWhenFinal probe(par, g);
 
@@ -469,8 +438,8 @@ TEST_F(TensorParallel, ParallelAttentionGqa) {
   Side ref(km::cpu_ops()), par(ops());
   km::Attention whole(ref.params, "attn", c);
   tp::ParallelAttention mine(g.tp(), par.params, "attn", c);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   EXPECT_EQ(mine.local_q_heads(), c.q_heads / n());
   EXPECT_EQ(mine.local_kv_heads(), c.kv_heads / n());
   expect_params_match(par, ref, false);
@@ -533,8 +502,8 @@ BlockRun run_blocks(km::Ops& ops, int blocks) {
     whole.emplace_back(ref.params, "blocks." + std::to_string(b), c, b);
     mine.emplace_back(g.tp(), par.params, "blocks." + std::to_string(b), c);
   }
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   expect_params_match(par, ref, false);
   StartedWhenFinal probe(par, g);
 
@@ -644,8 +613,8 @@ TEST_F(TensorParallel, VocabParallelEmbedding) {
   Side ref(km::cpu_ops()), par(ops());
   km::Embedding whole(ref.params, "tok", kVocab, dim);
   tp::VocabParallelEmbedding mine(g.tp(), par.params, "tok", kVocab, dim);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   EXPECT_EQ(mine.vocab_begin(), r() * rows);
   EXPECT_EQ(mine.vocab_end(), (r() + 1) * rows);
   expect_params_match(par, ref, false);

@@ -24,21 +24,15 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
+#include "k2c/model/backend.h"
 #include "k2c/model/ops.h"
 #include "k2c/random.h"
 #include "sequence_parallel.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -147,15 +141,7 @@ int main(int argc, char** argv) {
   }
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const bool gpu = w.backend() == kd::Backend::nccl;
-    km::Ops* ops = &km::cpu_ops();
-#if K2C_MODEL_CUDA
-    if (gpu) {
-      km::cuda_ops_use_stream(w.compute_stream());  // the attention ordered with the exchanges
-      ops = &km::cuda_ops(km::GpuMath::bf16);
-    }
-#else
-    if (gpu) throw std::runtime_error("the NCCL backend needs the model library's GPU backend, which this build lacks");
-#endif
+    km::Ops* ops = &km::backend_for(gpu, w.compute_stream(), km::GpuMath::bf16);
     if (chunks.empty()) chunks = gpu ? "2048,4096,8192,16384" : "8,16,32,64";
     if (o.heads == 0) o.heads = gpu ? 32 : 4;
     if (o.kv_heads == 0) o.kv_heads = gpu ? 8 : 2;

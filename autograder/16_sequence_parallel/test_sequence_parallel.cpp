@@ -64,6 +64,7 @@
 #include "k2c/model/block.h"
 #include "k2c/model/forwarding_ops.h"
 #include "k2c/model/layers.h"
+#include "k2c/model/testing.h"
 #include "k2c/random.h"
 #include "k2c/testing.h"
 #include "sequence_parallel.h"
@@ -78,6 +79,7 @@ namespace kd = k2c::dist;
 namespace km = k2c::model;
 namespace sp = k2c::sequence_parallel;
 using k2c::dist::testing::world;
+using k2c::model::testing::Side;  // one side of a comparison: backend, ledger, parameters, context
 
 namespace {
 
@@ -145,40 +147,6 @@ std::vector<std::int64_t> spec_rows(int cp, int r, std::int64_t T, int batch) {
       for (std::int64_t t = 0; t < C; ++t) rows.push_back(b * T + p[half * C + t]);
   return rows;
 }
-
-// ---------------------------------------------------------------------------------------------
-// one side of a comparison: a backend, its ledger, parameters and context
-
-struct Side {
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx;
-  explicit Side(km::Ops& ops) : ctx{ops, ledger, params} {}
-  km::Ops& ops() { return ctx.ops; }
-  km::Tensor tensor(km::Shape s, km::DType t = km::DType::f32) { return ctx.tensor(s, km::Category::activations, t); }
-  km::Tensor upload(const Host& h, km::Shape s) {
-    km::Tensor t = tensor(s);
-    if (static_cast<std::int64_t>(h.size()) != t.numel()) throw std::logic_error("upload: sizes differ");
-    ops().upload(t, h.data());
-    return t;
-  }
-  km::Tensor upload_i32(const std::vector<std::int32_t>& h) {
-    km::Tensor t = tensor({static_cast<std::int64_t>(h.size())}, km::DType::i32);
-    ops().upload(t, h.data());
-    return t;
-  }
-  Host download(const km::Tensor& t) {
-    Host h(static_cast<std::size_t>(t.numel()));
-    if (!h.empty()) ops().download(h.data(), t);
-    return h;
-  }
-  void materialize() { params.materialize(ops(), ledger, kWeightSeed); }
-  km::ParamId find(const std::string& name) const {
-    for (km::ParamId i = 0; i < params.size(); ++i)
-      if (params.info(i).name == name) return i;
-    return -1;
-  }
-};
 
 std::vector<std::int32_t> iota_positions(int T) {
   std::vector<std::int32_t> p(static_cast<std::size_t>(T));
@@ -410,8 +378,8 @@ BlockRun run_blocks(int blocks, bool sequence_parallel, float dropout) {
     whole.emplace_back(ref.params, "blocks." + std::to_string(b), c, b);
     mine.emplace_back(g.tp(), par.params, "blocks." + std::to_string(b), c, b, sequence_parallel);
   }
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   expect_params_match(par, ref, false);
   for (Side* s : {&ref, &par}) {
     s->ctx.dropout = dropout;
@@ -421,7 +389,7 @@ BlockRun run_blocks(int blocks, bool sequence_parallel, float dropout) {
   }
 
   const Host x = random_host(kTokens * d, "block/x"), dy = random_host(kTokens * d, "block/dy");
-  km::Tensor pr = ref.upload_i32(iota_positions(kSeqLen)), pp = par.upload_i32(iota_positions(kSeqLen));
+  km::Tensor pr = ref.upload_ids(iota_positions(kSeqLen)), pp = par.upload_ids(iota_positions(kSeqLen));
   std::vector<km::Tensor> ar, ap;  // activations between blocks
   ar.push_back(ref.upload(x, {kTokens, d}));
   ap.push_back(par.upload(row_range(x, d, first, M), {M, d}));
@@ -480,10 +448,10 @@ TEST_F(SequenceParallel, MatchesUnshardedBlock) {
   Side s(km::cpu_ops());
   const km::BlockConfig c = block_config(n());
   sp::SequenceParallelBlock block(g.tp(), s.params, "b", c, 0, true);
-  s.materialize();
+  s.materialize(kWeightSeed);
   const std::int64_t d = c.attention.d_model;
   km::Tensor x = s.tensor({kTokens / n() + 1, d}), y = s.tensor({kTokens / n() + 1, d});
-  km::Tensor pos = s.upload_i32(iota_positions(kSeqLen));
+  km::Tensor pos = s.upload_ids(iota_positions(kSeqLen));
   sp::SequenceParallelBlock::Saved saved;
   try {
     block.forward(s.ctx, x, pos, kBatch, y, saved);
@@ -816,14 +784,14 @@ TEST_F(SequenceParallelContextParallel, AttentionLayer) {
   Side ref(km::cpu_ops()), par(km::cpu_ops());
   km::Attention whole(ref.params, "attn", c);
   sp::ContextParallelAttention mine(g.cp(), par.params, "attn", c, T);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   expect_params_match(par, ref, false);
   const std::vector<std::int64_t> rows = spec_rows(cp, r(), T, B);
   const std::int64_t local = static_cast<std::int64_t>(rows.size());
 
   const Host x = random_host(B * T * d, "layer/x"), dy = random_host(B * T * d, "layer/dy");
-  km::Tensor pos = ref.upload_i32(iota_positions(T)), xr = ref.upload(x, {B * T, d}), yr = ref.tensor({B * T, d}),
+  km::Tensor pos = ref.upload_ids(iota_positions(T)), xr = ref.upload(x, {B * T, d}), yr = ref.tensor({B * T, d}),
              dyr = ref.upload(dy, {B * T, d}), dxr = ref.tensor({B * T, d});
   km::Tensor xp = par.upload(pick_rows(x, d, rows), {local, d}), yp = par.tensor({local, d}),
              dyp = par.upload(pick_rows(dy, d, rows), {local, d}), dxp = par.tensor({local, d});
@@ -884,7 +852,7 @@ TEST_F(SequenceParallelRingAttentionPerf, VsOneGpu) {
   // This rank's rows, gathered on the device.
   std::vector<std::int32_t> rows32;
   for (std::int64_t row : spec_rows(cp, w.rank(), T, B)) rows32.push_back(static_cast<std::int32_t>(row));
-  const km::Tensor rows = s.upload_i32(rows32);
+  const km::Tensor rows = s.upload_ids(rows32);
   auto gather = [&](const km::Tensor& all) {
     km::Tensor mine = s.tensor({local, all.dim(1)});
     s.ops().gather_rows(all, rows, mine);

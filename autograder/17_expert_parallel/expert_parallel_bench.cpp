@@ -35,13 +35,8 @@
 #include "expert_parallel.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
+#include "k2c/model/backend.h"
 #include "k2c/random.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -181,15 +176,7 @@ int main(int argc, char** argv) {
   }
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const bool gpu = w.backend() == kd::Backend::nccl;
-    km::Ops* ops = &km::cpu_ops();
-#if K2C_MODEL_CUDA
-    if (gpu) {
-      km::cuda_ops_use_stream(w.compute_stream());  // the model's kernels ordered with the collectives
-      ops = &km::cuda_ops(km::GpuMath::bf16);
-    }
-#else
-    if (gpu) throw std::runtime_error("the NCCL backend needs the model library's GPU backend, which this build lacks");
-#endif
+    km::Ops* ops = &km::backend_for(gpu, w.compute_stream(), km::GpuMath::bf16);
     if (tokens.empty()) tokens = gpu ? "1024,4096,16384" : "256,1024,4096";
     if (o.d == 0) o.d = gpu ? 4096 : 256;
     if (o.top_k < 1 || o.top_k > o.experts_per_rank * w.size())

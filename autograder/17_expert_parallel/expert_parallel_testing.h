@@ -1,7 +1,7 @@
 // autograder/17_expert_parallel/expert_parallel_testing.h — what the tests of module 17 share: sizes,
-// host data, a backend with its ledger and a model per rank, the expert-parallel group with its
-// traffic counters, routings made to order, comparisons with the single-process layer, the
-// fixture, and one forward and backward of the layer against model::Moe. Included by
+// host data, the expert-parallel group with its traffic counters, routings made to order,
+// comparisons with the single-process layer, the fixture, and one forward and backward of the
+// layer against model::Moe (each side a Side of k2c/model/testing.h). Included by
 // test_expert_parallel.cpp (plan, exchange, the layer) and test_expert_parallel_grid.cpp (traffic,
 // the dp × ep grid, the speed test).
 #pragma once
@@ -22,6 +22,7 @@
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/moe.h"
+#include "k2c/model/testing.h"
 #include "k2c/random.h"
 #include "k2c/reference.h"
 #include "k2c/testing.h"
@@ -32,6 +33,7 @@ namespace kd = k2c::dist;
 namespace km = k2c::model;
 namespace xp = k2c::expert_parallel;
 using k2c::dist::testing::world;
+using k2c::model::testing::Side;  // one side of a comparison: backend, ledger, parameters, context
 
 
 // ---------------------------------------------------------------------------------------------
@@ -72,41 +74,6 @@ using kd::testing::expect_close;
 using kd::testing::same_on_all_ranks;
 
 inline Host to_float(const std::vector<double>& v) { return Host(v.begin(), v.end()); }
-
-// ---------------------------------------------------------------------------------------------
-// one side of a comparison: a backend, its ledger, parameters and context
-
-struct Side {
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx;
-  explicit Side(km::Ops& ops) : ctx{ops, ledger, params} {}
-  km::Ops& ops() { return ctx.ops; }
-  km::Tensor tensor(km::Shape s, km::DType t = km::DType::f32) { return ctx.tensor(s, km::Category::activations, t); }
-  km::Tensor upload(const Host& h, km::Shape s) {
-    km::Tensor t = tensor(s);
-    if (static_cast<std::int64_t>(h.size()) != t.numel()) throw std::logic_error("upload: size mismatch");
-    if (t.numel() > 0) ops().upload(t, h.data());
-    return t;
-  }
-  Host download(const km::Tensor& t) {
-    Host h(static_cast<std::size_t>(t.numel()));
-    if (t.numel() > 0) ops().download(h.data(), t);
-    return h;
-  }
-  std::vector<std::int32_t> download_ids(const km::Tensor& t) {
-    std::vector<std::int32_t> h(static_cast<std::size_t>(t.numel()));
-    if (t.numel() > 0) ops().download(h.data(), t);
-    return h;
-  }
-  void materialize() { params.materialize(ops(), ledger, kWeightSeed); }
-  km::ParamId find(const std::string& name) const {
-    for (km::ParamId i = 0; i < params.size(); ++i)
-      if (params.info(i).name == name) return i;
-    return -1;
-  }
-  Host value(const std::string& name) { return download(params.value(find(name))); }
-};
 
 // The groups, counted: ep over every rank (dp 1), and for the comparison a tp group over every
 // rank. Made once per program (the splits are collective) and never destroyed: their MPI
@@ -353,8 +320,8 @@ inline LayerRun run_against_moe(Group& g, const LayerCase& lc, int n, int r) {
   xp::ExpertParallelMoe mine(g.ep(), par.params, "moe", cfg);
   EXPECT_EQ(mine.local_experts(), kExperts / n);
   EXPECT_EQ(mine.first_expert(), r * (kExperts / n));
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   expect_params_match(par, ref, nullptr);
 
   Host X;

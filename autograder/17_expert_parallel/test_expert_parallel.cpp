@@ -331,8 +331,8 @@ TEST_F(ExpertParallel, CapacityDrops) {
   km::Moe whole(ref.params, "moe", cfg);  // the weights' source, and the names
   xp::ExpertParallelMoe mine(g.ep(), par.params, "moe", cfg, factor);
   EXPECT_EQ(mine.capacity_factor(), factor);
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   const Choices c = skewed_choices(n(), kTokens, k, empty_experts(n()), "capacity/choices");
   const Host X = spiked_inputs(c, "capacity/x"), dY = random_host(T * kModel, "capacity/dy");
   set_spike_router(ref, "moe.router.weight");

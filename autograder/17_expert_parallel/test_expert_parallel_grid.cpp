@@ -128,7 +128,7 @@ TEST_F(ExpertParallel, TrafficMatchesFormulas) {
   const km::MoeConfig tcfg = moe_config(2, 0, 0.0f);
   Side ref(km::cpu_ops());
   km::Moe whole(ref.params, "moe", tcfg);
-  ref.materialize();
+  ref.materialize(kWeightSeed);
   km::MemoryLedger ledger;
   TensorParallelMoe tpm(ref, ledger, tcfg, n(), r());
   const Host x = random_host(kTokens * kModel, "traffic/tp/x"), dy = random_host(kTokens * kModel, "traffic/tp/dy");
@@ -183,8 +183,8 @@ TEST_F(ExpertParallel, DataAndExpertGrid) {
   km::Moe whole(ref.params, "moe", cfg);
   xp::ExpertParallelMoe mine(grid->group(kd::Axis::ep), par.params, "moe", cfg);
   EXPECT_EQ(mine.first_expert(), grid->coord(kd::Axis::ep) * (kExperts / 2));
-  ref.materialize();
-  par.materialize();
+  ref.materialize(kWeightSeed);
+  par.materialize(kWeightSeed);
   const Host X = random_host(T * kModel, "grid/x"), dY = random_host(T * kModel, "grid/dy");
   km::Tensor xr = ref.upload(X, {T, kModel}), yr = ref.tensor({T, kModel}), dyr = ref.upload(dY, {T, kModel}),
              dxr = ref.tensor({T, kModel});

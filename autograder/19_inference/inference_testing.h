@@ -1,5 +1,5 @@
 // autograder/19_inference/inference_testing.h — what the tests of module 19 share: host data and
-// its comparisons, a backend with its ledger and context, the served model, the cache filled from
+// its comparisons, the served model (a Side of k2c/model/testing.h), the cache filled from
 // seeds, attention in double on the host, the engine driven to completion, and the fixture.
 // Included by test_inference.cpp (parts A–D) and test_inference_serving.cpp (E, F and speed).
 #pragma once
@@ -18,6 +18,7 @@
 #include "inference.h"
 #include "k2c/compare.h"
 #include "k2c/dist/testing.h"
+#include "k2c/model/testing.h"
 #include "k2c/model/transformer.h"
 #include "k2c/random.h"
 #include "k2c/reference.h"
@@ -29,6 +30,7 @@ namespace kd = k2c::dist;
 namespace km = k2c::model;
 namespace inf = k2c::inference;
 using k2c::dist::testing::world;
+using k2c::model::testing::Side;  // a backend (the CPU one unless told), ledger, parameters, context
 
 // ---------------------------------------------------------------------------------------------
 // host data, comparisons
@@ -61,38 +63,6 @@ inline void expect_near(const Host& got, const std::vector<double>& want, double
 // Exactly equal (the "bit for bit" of the contract; NaN never equals).
 inline void expect_bits(const Host& got, const Host& want, const std::string& what) { expect_near(got, widen(want), 0, 0, what); }
 
-// ---------------------------------------------------------------------------------------------
-// a backend, its ledger, parameters and context
-
-struct Side {
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx;
-  explicit Side(km::Ops& ops = km::cpu_ops()) : ctx{ops, ledger, params} {}
-  km::Tensor tensor(km::Shape s, km::DType t = km::DType::f32) { return ctx.tensor(s, km::Category::activations, t); }
-  km::Tensor upload(const Host& h, km::Shape s) {
-    km::Tensor t = tensor(s);
-    if (t.numel() != static_cast<std::int64_t>(h.size())) throw std::logic_error("upload: sizes differ");
-    if (t.numel() > 0) ctx.ops.upload(t, h.data());
-    return t;
-  }
-  km::Tensor upload_ids(const Ids& h) {
-    km::Tensor t = tensor({static_cast<std::int64_t>(h.size())}, km::DType::i32);
-    if (!h.empty()) ctx.ops.upload(t, h.data());
-    return t;
-  }
-  Host download(const km::Tensor& t) {
-    Host h(static_cast<std::size_t>(t.numel()));
-    if (!h.empty()) ctx.ops.download(h.data(), t);
-    return h;
-  }
-  km::Tensor poisoned(km::Shape s) {
-    km::Tensor t = tensor(s);
-    ctx.ops.fill(t, kNaN);
-    return t;
-  }
-};
-
 // The served model: small, with grouped-query heads (2 query heads per key-value head).
 inline km::ModelConfig serving_model() {
   km::ModelConfig m;
@@ -112,7 +82,7 @@ struct Served : Side {
   km::ModelConfig model;
   km::Transformer transformer;
   explicit Served(const km::ModelConfig& m, km::Ops& ops = km::cpu_ops()) : Side(ops), model(m), transformer(params, m) {
-    params.materialize(ctx.ops, ledger, kWeightSeed);
+    materialize(kWeightSeed);
     // The blocks' matrices start at std 0.02, which leaves the residual stream to the embedding
     // and makes the next token almost a function of the current one. At std 0.3 attention
     // decides: a wrong key or value anywhere in the cache changes what is generated.

@@ -418,7 +418,7 @@ TEST_F(Inference, MlaAbsorbedMatchesUnabsorbed) {
   const inf::MlaConfig c{24, 3, 8, 4, 10, 6, 10000.0f};
   Side s;
   inf::Mla mla(s.params, "attn", c);
-  s.params.materialize(s.ctx.ops, s.ledger, kWeightSeed);
+  s.materialize(kWeightSeed);
   // Weights of std 0.5 instead of 0.02, so that scores are a few units and the softmax is far
   // from uniform: a wrong key or query then shows.
   std::map<std::string, Host> w;

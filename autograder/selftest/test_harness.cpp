@@ -3,8 +3,11 @@
 #include <cctype>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <string_view>
@@ -661,6 +664,37 @@ TEST(Rubric, SuitesNameTheirModule) {
       const auto [it, fresh] = owner.emplace(suite, m.id);
       EXPECT_TRUE(fresh || it->second == m.id) << "suite '" << suite << "' is in " << it->second << " and " << m.id;
     }
+  }
+}
+
+// The rubric is the one register of modules; the documents that list them must agree with it:
+// each module has its lecture and its handout, and the course maps (the README's and the
+// student handout's) have one row per module, no more and no fewer, linking the lecture by id.
+TEST(Rubric, EveryModuleHasItsDocs) {
+  const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
+  const std::filesystem::path root = std::filesystem::path(K2C_RUBRIC_PATH).parent_path().parent_path();
+  std::set<std::string> registered;
+  for (const auto& m : r.modules) {
+    registered.insert(m.id);
+    EXPECT_TRUE(std::filesystem::is_regular_file(root / "lectures" / (m.id + ".md"))) << m.id << ": no lectures/" << m.id << ".md";
+    EXPECT_TRUE(std::filesystem::is_regular_file(root / "assignments" / m.id / "README.md"))
+        << m.id << ": no assignments/" << m.id << "/README.md";
+  }
+  // A course-map row: "| NN | [name](lectures/NN_name.md) | ...".
+  const std::regex row(R"(^\| (\d\d) \| \[([a-z0-9_]+)\]\(lectures/(\d\d_[a-z0-9_]+)\.md\) \|)");
+  for (const char* doc : {"README.md", "docs/README.handout.md"}) {
+    std::ifstream in(root / doc);
+    ASSERT_TRUE(in) << "cannot read " << doc;
+    std::set<std::string> listed;
+    for (std::string line; std::getline(in, line);) {
+      std::smatch m;
+      if (!std::regex_search(line, m, row)) continue;
+      const std::string id = m[3];
+      EXPECT_EQ(m[1].str() + "_" + m[2].str(), id) << doc << ": the row of " << id << " names another module";
+      EXPECT_TRUE(listed.insert(id).second) << doc << ": " << id << " is listed twice";
+    }
+    for (const auto& id : registered) EXPECT_TRUE(listed.count(id)) << doc << ": no course-map row for " << id;
+    for (const auto& id : listed) EXPECT_TRUE(registered.count(id)) << doc << ": a row for " << id << ", which the rubric does not register";
   }
 }
 

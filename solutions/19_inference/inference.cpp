@@ -20,8 +20,8 @@
 //   - GQA packing: the G = Hq/Hkv query heads that read one key-value head become the G query
 //     rows of one problem with a single head, so a kernel that tiles queries reads each key and
 //     value once per group instead of once per query head.
-// The gather that lays the parts out costs one extra read and write of the cache; a fused kernel
-// would read the pages in place (lecture, section 3.4).
+// The gather that lays the parts out costs one extra read and write of the cache; part G's kernel
+// (decode_kernel.cu) reads the pages in place instead (lecture, section 4).
 #include "inference.h"
 
 #include <algorithm>

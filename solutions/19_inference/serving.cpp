@@ -1,5 +1,5 @@
 // solutions/19_inference/serving.cpp — module 19, the reference, parts E–F (contract:
-// assignments/19_inference/inference.h; lecture: lectures/19_inference.md, sections 5 and 6).
+// assignments/19_inference/inference.h; lecture: lectures/19_inference.md, sections 7 and 8).
 //
 // Continuous batching is a loop over steps, each either one prefill of every request just
 // admitted or one decode of every running request; requests join and leave between any two

@@ -5,9 +5,16 @@
 // `stream`, and reports the median. Before each timed repeat it overwrites a buffer twice the
 // size of L2, so every repeat starts from a cold cache, as in a real model where the previous
 // layer evicted our inputs.
+//
+// time_gpu_interleaved times several pieces of work in turn, one repeat of each (a, b, a, b, ...),
+// each repeat as time_gpu's, and reports each one's median. A ratio of two rates timed one after
+// the other carries whatever the clocks and power limit did in between: under sustained load an
+// H200's rate drifts by several percent within a second (lecture 10, section 11). Alternating
+// repeat by repeat lands that drift on both sides of the ratio alike.
 #pragma once
 
 #include <functional>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -28,5 +35,10 @@ struct Timing {
 };
 
 Timing time_gpu(const std::function<void()>& work, const TimingOptions& options = {});
+
+// One Timing per entry of `works`, in their order: options.warmup untimed rounds, then
+// options.repeats timed rounds, each round running every piece of work once in the given order.
+std::vector<Timing> time_gpu_interleaved(const std::vector<std::function<void()>>& works,
+                                         const TimingOptions& options = {});
 
 }  // namespace k2c

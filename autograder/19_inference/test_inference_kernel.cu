@@ -1,0 +1,265 @@
+// autograder/19_inference/test_inference_kernel.cu — tests of module 19, Part G (contract:
+// decode_kernel.h): decode attention as a CUDA kernel over a paged bf16 cache.
+//
+// The kernel runs on one GPU, so these tests run in the one-rank run and skip in the others (and
+// skip without a GPU). Their reference is the course's double-precision attention
+// (k2c/reference.h) of each query over its sequence's keys and values, gathered on the host from
+// the pages the kernel read; inputs are rounded to bf16 first, so the reference sees exactly the
+// kernel's inputs. What must agree: every output within 1e-2·M + 1e-2·|w| (M = the largest |w| of
+// the sequence's outputs): o is rounded to bf16 once (relative 2^-8), and the scores' sums run in
+// fp32 in the kernel's own order. Outputs and workspace are poisoned (NaN) before each call; page
+// table entries past a sequence's pages hold an out-of-range page, so a read past the end faults.
+//
+// Speed: 32 sequences of 8192 cached tokens, 32 query and 8 KV heads of 128, pages of 16 tokens
+// scattered over the pool: the cache bytes read per second against cudaMemcpy's rate (bytes read
+// plus written) measured in the same run; and one sequence of 32768 tokens, reported.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "decode_kernel.h"
+#include "k2c/bf16.h"
+#include "k2c/buffer.h"
+#include "k2c/ceilings.h"
+#include "k2c/check.h"
+#include "k2c/dist/testing.h"
+#include "k2c/reference.h"
+#include "k2c/testing.h"
+#include "k2c/timing.h"
+
+namespace {
+
+namespace inf = k2c::inference;
+using k2c::bf16;
+using k2c::testing::seed_for;
+
+#define K2C_REQUIRE_ONE_RANK()                                                                         \
+  do {                                                                                                 \
+    if (::k2c::dist::testing::world().size() != 1)                                                    \
+      K2C_SKIP("the kernel's tests run in the one-rank run (this run has " +                           \
+               std::to_string(::k2c::dist::testing::world().size()) + " ranks)");                      \
+  } while (0)
+
+// A decode problem on the host and the device: pools filled with `block` (bf16 values, widened),
+// repeated, so that a large pool needs only a small random block.
+struct Problem {
+  inf::DecodeShape shape;
+  std::vector<int> lengths, table;  // table [batch, max_pages]
+  int pool_pages = 0;
+  std::vector<float> q, k_block, v_block;  // widened bf16
+  k2c::DeviceBuffer<bf16> q_d, k_d, v_d, o_d;
+  k2c::DeviceBuffer<int> table_d, lengths_d;
+  k2c::DeviceBuffer<unsigned char> workspace;
+
+  std::size_t page_elems() const { return std::size_t(shape.kv_heads) * shape.page_size * shape.head_dim; }
+  float k_at(std::size_t e) const { return k_block[e % k_block.size()]; }
+  float v_at(std::size_t e) const { return v_block[e % v_block.size()]; }
+  inf::DecodeArgs args() {
+    return {q_d.data(), k_d.data(), v_d.data(), table_d.data(), lengths_d.data(), o_d.data()};
+  }
+  double cache_bytes() const {
+    const double tokens = std::accumulate(lengths.begin(), lengths.end(), 0.0);
+    return 2.0 * tokens * shape.kv_heads * shape.head_dim * sizeof(bf16);
+  }
+};
+
+std::vector<float> random_bf16(std::size_t n, const std::string& purpose, float scale = 1.0f) {
+  std::vector<float> x = k2c::random_values<bf16>(n, seed_for(purpose), -scale, scale);
+  return x;
+}
+
+// Pages of all sequences drawn from one pool in a random order (a cache after some traffic), the
+// table's unused entries an out-of-range page.
+Problem make_problem(int batch, int q_heads, int kv_heads, int head_dim, int page_size, std::vector<int> lengths,
+                     const std::string& tag, std::size_t block_elems = 0) {
+  Problem p;
+  p.lengths = std::move(lengths);
+  const int longest = *std::max_element(p.lengths.begin(), p.lengths.end());
+  p.shape = {batch, q_heads, kv_heads, head_dim, page_size, (longest + page_size - 1) / page_size, longest};
+  std::vector<int> pages_of(batch);
+  for (int b = 0; b < batch; ++b) pages_of[b] = (p.lengths[b] + page_size - 1) / page_size;
+  p.pool_pages = std::accumulate(pages_of.begin(), pages_of.end(), 0) + 3;  // a few pages nobody holds
+  std::vector<int> order(p.pool_pages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937_64(seed_for(tag + "/pages")));
+  p.table.assign(std::size_t(batch) * p.shape.max_pages, std::numeric_limits<int>::max() / 2);
+  int next = 0;
+  for (int b = 0; b < batch; ++b)
+    for (int j = 0; j < pages_of[b]; ++j) p.table[std::size_t(b) * p.shape.max_pages + j] = order[next++];
+
+  const std::size_t pool_elems = std::size_t(p.pool_pages) * p.page_elems();
+  if (block_elems == 0 || block_elems > pool_elems) block_elems = pool_elems;
+  p.q = random_bf16(std::size_t(batch) * q_heads * head_dim, tag + "/q", 3.0f);  // peaked softmaxes too
+  p.k_block = random_bf16(block_elems, tag + "/k");
+  p.v_block = random_bf16(block_elems, tag + "/v");
+  p.q_d = k2c::to_device<bf16>(p.q);
+  const k2c::DeviceBuffer<bf16> kb = k2c::to_device<bf16>(p.k_block), vb = k2c::to_device<bf16>(p.v_block);
+  p.k_d = k2c::DeviceBuffer<bf16>(pool_elems);
+  p.v_d = k2c::DeviceBuffer<bf16>(pool_elems);
+  for (std::size_t at = 0; at < pool_elems; at += block_elems) {
+    const std::size_t n = std::min(block_elems, pool_elems - at) * sizeof(bf16);
+    K2C_CUDA_CHECK(cudaMemcpy(p.k_d.data() + at, kb.data(), n, cudaMemcpyDeviceToDevice));
+    K2C_CUDA_CHECK(cudaMemcpy(p.v_d.data() + at, vb.data(), n, cudaMemcpyDeviceToDevice));
+  }
+  p.table_d = k2c::DeviceBuffer<int>(std::span<const int>(p.table));
+  p.lengths_d = k2c::DeviceBuffer<int>(std::span<const int>(p.lengths));
+  p.o_d = k2c::DeviceBuffer<bf16>(std::size_t(batch) * q_heads * head_dim);
+  p.workspace = k2c::DeviceBuffer<unsigned char>(inf::decode_workspace_bytes(p.shape));
+  return p;
+}
+
+// Sequence b's output by the double-precision reference, over its keys and values gathered from
+// the pages into [kv_heads][length][head_dim].
+std::vector<double> reference_row(const Problem& p, int b) {
+  const inf::DecodeShape& s = p.shape;
+  const int L = p.lengths[b], hd = s.head_dim;
+  std::vector<float> k(std::size_t(s.kv_heads) * L * hd), v(k.size());
+  for (int h = 0; h < s.kv_heads; ++h)
+    for (int t = 0; t < L; ++t) {
+      const std::size_t page = std::size_t(p.table[std::size_t(b) * s.max_pages + t / s.page_size]);
+      const std::size_t from = ((page * s.kv_heads + h) * s.page_size + t % s.page_size) * hd;
+      const std::size_t to = (std::size_t(h) * L + t) * hd;
+      for (int d = 0; d < hd; ++d) {
+        k[to + d] = p.k_at(from + d);
+        v[to + d] = p.v_at(from + d);
+      }
+    }
+  const std::vector<float> q(p.q.begin() + std::size_t(b) * s.q_heads * hd, p.q.begin() + std::size_t(b + 1) * s.q_heads * hd);
+  const k2c::ref::AttentionShape shape{1, s.q_heads, s.kv_heads, 1, L, hd, false, 1.0 / std::sqrt(double(hd))};
+  return k2c::ref::attention_forward(q, k, v, shape).o;
+}
+
+// Outputs of the sequences `rows` against the reference; returns the first disagreement, or "".
+std::string check_rows(const Problem& p, const std::vector<int>& rows) {
+  const std::vector<float> got = k2c::to_host(p.o_d);
+  const std::size_t width = std::size_t(p.shape.q_heads) * p.shape.head_dim;
+  for (int b : rows) {
+    const std::vector<double> want = reference_row(p, b);
+    double top = 0;
+    for (double w : want) top = std::max(top, std::abs(w));
+    for (std::size_t i = 0; i < width; ++i) {
+      const double g = got[b * width + i];
+      if (!(std::abs(g - want[i]) <= 1e-2 * top + 1e-2 * std::abs(want[i])))
+        return "sequence " + std::to_string(b) + " (length " + std::to_string(p.lengths[b]) + "), query head " +
+               std::to_string(i / p.shape.head_dim) + ", value " + std::to_string(i % p.shape.head_dim) + ": got " +
+               std::to_string(g) + ", want " + std::to_string(want[i]);
+    }
+  }
+  return "";
+}
+
+void run(Problem& p) {
+  p.o_d.poison();
+  p.workspace.poison();
+  inf::decode_attention_paged(p.shape, p.args(), p.workspace.data());
+  K2C_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+struct Case {
+  int batch, q_heads, kv_heads, head_dim, page_size;
+  std::vector<int> lengths;
+};
+
+std::string describe(const Case& c) {
+  std::string lengths;
+  for (int l : c.lengths) lengths += (lengths.empty() ? "" : ",") + std::to_string(l);
+  return "batch " + std::to_string(c.batch) + ", heads " + std::to_string(c.q_heads) + "/" + std::to_string(c.kv_heads) +
+         " of " + std::to_string(c.head_dim) + ", pages of " + std::to_string(c.page_size) + ", lengths " + lengths;
+}
+
+}  // namespace
+
+// Small and odd shapes: one token, lengths that end mid-page and mid-step, pages of 1, 3 and 7
+// tokens, every group size the contract allows from 1 to 8, both head sizes, and sequences long
+// enough to be cut into many parts.
+TEST(InferenceKernel, MatchesAttention) {
+  K2C_REQUIRE_GPU();
+  K2C_REQUIRE_ONE_RANK();
+  const std::vector<Case> cases = {
+      {1, 1, 1, 64, 1, {1}},
+      {3, 8, 2, 128, 16, {1, 17, 300}},
+      {2, 12, 4, 64, 7, {33, 129}},
+      {4, 8, 1, 128, 64, {1000, 64, 65, 1}},
+      {2, 6, 6, 128, 3, {5, 2049}},
+      {2, 10, 2, 64, 16, {31, 4097}},
+      {3, 14, 2, 128, 32, {6000, 7, 4096}},
+      {1, 32, 8, 128, 16, {20000}},
+      {2, 4, 2, 128, 8, {300, 9}},
+      {2, 12, 2, 64, 5, {77, 1}},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    Problem p = make_problem(c.batch, c.q_heads, c.kv_heads, c.head_dim, c.page_size, c.lengths, "case" + std::to_string(i));
+    run(p);
+    std::vector<int> all(c.batch);
+    std::iota(all.begin(), all.end(), 0);
+    const std::string wrong = check_rows(p, all);
+    EXPECT_EQ(wrong, "") << describe(c);
+  }
+}
+
+// Shapes outside the contract are refused with std::invalid_argument, before anything runs.
+TEST(InferenceKernel, RejectsBadShapes) {
+  const inf::DecodeShape good{2, 8, 2, 128, 16, 4, 64};
+  EXPECT_GT(inf::decode_workspace_bytes(good), 0u);
+  auto refused = [&](auto change, const std::string& what) {
+    inf::DecodeShape s = good;
+    change(s);
+    EXPECT_THROW(inf::decode_workspace_bytes(s), std::invalid_argument) << what;
+  };
+  refused([](inf::DecodeShape& s) { s.head_dim = 96; }, "head_dim 96");
+  refused([](inf::DecodeShape& s) { s.q_heads = 12, s.kv_heads = 8; }, "12 query heads over 8 KV heads");
+  refused([](inf::DecodeShape& s) { s.q_heads = 32, s.kv_heads = 2; }, "groups of 16");
+  refused([](inf::DecodeShape& s) { s.batch = 0; }, "batch 0");
+  refused([](inf::DecodeShape& s) { s.page_size = 0; }, "page_size 0");
+  refused([](inf::DecodeShape& s) { s.max_length = 65; }, "max_length past the table's pages");
+  refused([](inf::DecodeShape& s) { s.max_length = 0; }, "max_length 0");
+}
+
+namespace {
+
+// Decode reads each cached key and value once: 2·B·L·Hkv·hd·2 bytes for 4·B·L·Hq·hd FLOPs, two
+// FLOPs per byte at GQA 4, far below the H200's ~200 FLOPs per byte of balance: the time is the
+// cache's bytes at memory bandwidth, and the device copy is the ceiling.
+void time_decode(int batch, int length) {
+  Problem p = make_problem(batch, 32, 8, 128, 16, std::vector<int>(batch, length), "perf" + std::to_string(batch),
+                           std::size_t{1} << 24);
+  const double ceiling = k2c::copy_bandwidth();
+  p.o_d.poison();
+  const k2c::Timing t = k2c::time_gpu([&] { inf::decode_attention_paged(p.shape, p.args(), p.workspace.data()); });
+  K2C_CUDA_CHECK(cudaDeviceSynchronize());
+  // The timed output, at sequences drawn after timing.
+  std::mt19937_64 pick(std::random_device{}());
+  std::vector<int> rows;
+  for (int k = 0; k < std::min(batch, 2); ++k) rows.push_back(static_cast<int>(pick() % batch));
+  ASSERT_EQ(check_rows(p, rows), "") << "the timed decode attention is wrong";
+  const std::string detail = std::to_string(batch) + " × " + std::to_string(length) +
+                             " tokens, 32/8 heads of 128, bf16, pages of 16; median of " + std::to_string(t.repeats) + " runs";
+  K2C_EXPECT_PERF(p.cache_bytes() / (t.median_ms * 1e-3) / 1e9, ceiling / 1e9, detail);
+}
+
+}  // namespace
+
+// The suite's fixture, as in test_inference_serving.cpp (one suite, one fixture).
+using InferencePerf = k2c::dist::testing::DistTest;
+
+TEST_F(InferencePerf, DecodeKernelVsCopy) {
+  K2C_REQUIRE_TIMING();
+  K2C_REQUIRE_ONE_RANK();
+  time_decode(32, 8192);
+}
+
+// One long sequence: only splitting its cache gives the GPU enough blocks.
+TEST_F(InferencePerf, DecodeKernelOneLongSequence) {
+  K2C_REQUIRE_TIMING();
+  K2C_REQUIRE_ONE_RANK();
+  time_decode(1, 32768);
+}

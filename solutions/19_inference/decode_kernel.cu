@@ -1,0 +1,361 @@
+// decode_kernel.cu — module 19, Part G, reference solution: split-KV decode attention reading a
+// paged bf16 cache in place.
+//
+// The arithmetic is small, 4·G FLOPs per 4 bytes of key and value (G query heads per KV head),
+// but not free: done one dot product per lane with shuffles to sum it, it costs ~70 instructions
+// per token and holds the kernel to about half the memory's speed. What the kernel must get right:
+//   1. every byte of the cache read once, in whole 16-byte chunks, and many bytes in flight:
+//      cp.async copies each tile of keys and values into shared memory two tiles ahead of the
+//      one being computed;
+//   2. little work per byte: the group's query heads are the rows of a tensor-core tile (GQA makes
+//      the 16-row tile a quarter full at G = 4, which costs nothing: the tensor cores are idle
+//      anyway), so 16 tokens cost a warp HD/8 mma for the scores and HD/8 for the output;
+//   3. enough blocks to fill the GPU even for one long sequence: the cache of each (sequence, KV
+//      head) is cut into parts, each a block, and a second kernel merges the parts by their
+//      log-sum-exps.
+// Inside a block each of the 4 warps takes 16 tokens of a 64-token tile and keeps its own online
+// softmax (lecture 09); the warps are merged through shared memory at the end.
+#include "decode_kernel.h"
+
+#include "k2c/tensor_core.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace k2c::inference {
+namespace {
+
+constexpr int kWarps = 4;     // warps per block
+constexpr int kStages = 3;    // tiles in shared memory: one computed, two loading
+constexpr int kMaxPartTokens = 2048;  // a part's pool rows are looked up once, into shared memory
+constexpr int kMaxGroup = 8;  // query heads per KV head
+constexpr float kLog2e = 1.4426950408889634f;
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("decode_attention_paged: " + what);
+}
+
+void validate(const DecodeShape& s) {
+  require(s.batch >= 1, "batch = " + std::to_string(s.batch) + " (need >= 1)");
+  require(s.head_dim == 64 || s.head_dim == 128, "head_dim = " + std::to_string(s.head_dim) + " (need 64 or 128)");
+  require(s.kv_heads >= 1 && s.q_heads >= s.kv_heads && s.q_heads % s.kv_heads == 0,
+          "q_heads = " + std::to_string(s.q_heads) + ", kv_heads = " + std::to_string(s.kv_heads) +
+              " (q_heads must be a multiple of kv_heads >= 1)");
+  require(s.q_heads / s.kv_heads <= kMaxGroup,
+          "q_heads / kv_heads = " + std::to_string(s.q_heads / s.kv_heads) + " (at most 8)");
+  require(s.page_size >= 1, "page_size = " + std::to_string(s.page_size) + " (need >= 1)");
+  require(s.max_pages >= 1, "max_pages = " + std::to_string(s.max_pages) + " (need >= 1)");
+  require(s.max_length >= 1 && std::int64_t{s.max_length} <= std::int64_t{s.max_pages} * s.page_size,
+          "max_length = " + std::to_string(s.max_length) + " (need 1 .. max_pages·page_size = " +
+              std::to_string(std::int64_t{s.max_pages} * s.page_size) + ")");
+}
+
+int multiprocessors() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      n = 0;
+    return n > 0 ? n : 132;
+  }();
+  return count;
+}
+
+// How the cache is cut. A block covers 64 tokens per step of its loop, so a part is a whole
+// number of steps. Parts are sized so that the grid holds about four blocks per
+// multiprocessor: enough that the last wave is short, few enough that each block streams a long
+// run of its cache and the merge stays small.
+struct Split {
+  int tokens = 1;  // per part
+  int parts = 1;   // of the longest sequence
+};
+
+Split split_for(const DecodeShape& s) {
+  const int step = kWarps * 16;  // tokens per tile (Tiles<HD>::kTokens)
+  const int steps = (s.max_length + step - 1) / step;
+  const std::int64_t pairs = std::int64_t{s.batch} * s.kv_heads;
+  const std::int64_t wanted = (4 * std::int64_t{multiprocessors()} + pairs - 1) / pairs;
+  const int fewest = (steps + kMaxPartTokens / step - 1) / (kMaxPartTokens / step);  // parts <= kMaxPartTokens
+  const int parts = static_cast<int>(std::clamp<std::int64_t>(wanted, fewest, steps));
+  Split split;
+  split.tokens = ((steps + parts - 1) / parts) * step;
+  split.parts = (s.max_length + split.tokens - 1) / split.tokens;
+  return split;
+}
+
+struct Workspace {
+  float* out;  // [batch, q_heads, parts, head_dim]: each part's normalised output
+  float* lse;  // [batch, q_heads, parts]: each part's log2-sum-exp2 of its scaled scores
+};
+
+Workspace carve(const DecodeShape& s, const Split& split, void* base) {
+  float* out = static_cast<float*>(base);
+  const std::size_t out_elems = std::size_t(s.batch) * s.q_heads * split.parts * s.head_dim;
+  return {out, out + out_elems};
+}
+
+// How a block walks its part of the cache: tiles of kTokens tokens (16 per warp), each tile's
+// keys and values copied into shared memory kStages − 1 tiles ahead of the one being computed,
+// so that while the warps compute, the next tiles' loads are in flight.
+//
+// Rows of a tile are head_dim·2 bytes; the 16-byte chunk c of row r is stored at chunk
+// c ^ (r % 8) of its row. ldmatrix reads one chunk of 8 consecutive rows at once, and without
+// the swizzle those 8 chunks would sit in the same banks (an 8-way conflict).
+template <int HD>
+struct Tiles {
+  static constexpr int kChunks = HD / 8;                   // 16-byte chunks per token row
+  static constexpr int kTokens = kWarps * 16;              // per tile: one mma k-step per warp
+  static constexpr int kTileBytes = kTokens * HD * 2;      // the keys (or values) of a tile
+  static constexpr int kStageBytes = 2 * kTileBytes;
+  static constexpr int kSharedBytes = kStages * kStageBytes;
+};
+
+template <int HD>
+__device__ __forceinline__ std::uint32_t swizzled(int r, int c) {
+  return static_cast<std::uint32_t>(r * HD * 2 + ((c ^ (r & 7)) * 16));
+}
+
+// One (part, KV head, sequence) per block.
+//
+// The group's G query heads are the rows of an mma tile (16 rows, the ones past G zero), so each
+// tile of 16 cached tokens costs a warp HD/8 mma for the scores and HD/8 for the output, instead
+// of a dot product per lane and per head plus shuffles to sum it: the tensor cores do the
+// arithmetic and leave the warp free to keep the memory busy. Fragment rows are query heads:
+// lane l holds row l / 4 (a head of the group) and columns 2·(l % 4), +1 of each 8-wide tile.
+template <int HD, int G>
+__global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, DecodeArgs a, int part_tokens,
+                                                            int parts, Workspace w, float scale_log2) {
+  using T = Tiles<HD>;
+  using namespace k2c::tc;
+  extern __shared__ __align__(128) unsigned char pipeline[];
+  const int part = blockIdx.x, kv = blockIdx.y, b = blockIdx.z;
+  const int length = a.lengths[b];
+  const int first = part * part_tokens;
+  if (first >= length) return;  // this sequence has fewer parts; the merge knows how many
+  const int last = min(first + part_tokens, length);
+  const int tiles = (last - first + T::kTokens - 1) / T::kTokens;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int head = lane / 4, pair = lane % 4;  // fragment row (query head of the group), column pair
+  const std::uint32_t base = smem_addr(pipeline);
+
+  // Where each token of the part lives in the pool (its row of head_dim values), looked up once:
+  // the page table read and the division by page_size then stay out of the copy loop, which
+  // issues 16 copies per thread per tile.
+  __shared__ int row_of[kMaxPartTokens];
+  const int* table = a.page_table + std::size_t(b) * s.max_pages;
+  for (int j = threadIdx.x; j < last - first; j += kWarps * 32) {
+    const int t = first + j;
+    row_of[j] = (table[t / s.page_size] * s.kv_heads + kv) * s.page_size + t % s.page_size;
+  }
+  __syncthreads();
+
+  // Tile i into stage i % kStages: every thread copies its share of the 16-byte chunks; the
+  // chunks past the part's end are zero-filled, so the masked scores meet finite values.
+  auto load = [&](int i) {
+    const std::uint32_t k_tile = base + (i % kStages) * T::kStageBytes, v_tile = k_tile + T::kTileBytes;
+#pragma unroll
+    for (int c = threadIdx.x; c < T::kTokens * T::kChunks; c += kWarps * 32) {
+      const int r = c / T::kChunks, chunk = c % T::kChunks;
+      const int j = i * T::kTokens + r;
+      const bool valid = first + j < last;
+      const std::size_t at = valid ? std::size_t(row_of[j]) * HD + chunk * 8 : 0;
+      cp_async_16(k_tile + swizzled<HD>(r, chunk), a.k_pool + at, valid);
+      cp_async_16(v_tile + swizzled<HD>(r, chunk), a.v_pool + at, valid);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < tiles) load(i);
+    cp_async_commit();  // an empty group past the last tile keeps the count of groups uniform
+  }
+
+  // The queries as mma A fragments, straight from global memory (read once per block): rows past
+  // the group are zero.
+  std::uint32_t qa[HD / 16][2];
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      qa[kk][h] = head < G ? *reinterpret_cast<const std::uint32_t*>(
+                                 a.q + (std::size_t(b) * s.q_heads + kv * G + head) * HD + kk * 16 + h * 8 + 2 * pair)
+                           : 0u;
+  float o[HD / 8][4];
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m = -INFINITY, l = 0.0f;  // this row's running maximum; this lane's share of its sum
+
+  for (int i = 0; i < tiles; ++i) {
+    cp_async_wait<kStages - 2>();  // tile i has landed (this thread's copies) ...
+    __syncthreads();               // ... and everyone's; and tile i − 1 is consumed
+    if (i + kStages - 1 < tiles) load(i + kStages - 1);
+    cp_async_commit();
+    const std::uint32_t k_tile = base + (i % kStages) * T::kStageBytes, v_tile = k_tile + T::kTileBytes;
+    const int row0 = warp * 16;  // this warp's 16 tokens of the tile
+    const int token0 = first + i * T::kTokens + row0;
+    if (token0 >= last) continue;  // the whole warp is past the end (uniform in the warp)
+
+    // Scores S = Q·Kᵀ for 16 tokens: two 8-token tiles, HD/16 k-steps.
+    // Even and odd k-steps accumulate apart: two chains of dependent mma instead of one.
+    float sc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}}, odd[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const int j = lane / 8;
+      std::uint32_t kb[4];
+      ldmatrix_x4(kb, k_tile + swizzled<HD>(row0 + (j >> 1) * 8 + (lane & 7), kk * 2 + (j & 1)));
+      const std::uint32_t qf[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+      const std::uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+      mma_bf16_16816(kk % 2 ? odd[0] : sc[0], qf, b0);
+      mma_bf16_16816(kk % 2 ? odd[1] : sc[1], qf, b1);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[n][e] += odd[n][e];
+    // Online softmax of the row (the 4 lanes of a quad share it): scale, mask the tail, rescale.
+    float top = m;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = token0 + n * 8 + 2 * pair + e < last;
+        sc[n][e] = valid ? sc[n][e] * scale_log2 : -INFINITY;
+        top = fmaxf(top, sc[n][e]);
+      }
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));  // finite: token0 < last
+    const float rescale = exp2f(m - top);
+    m = top;
+    float p[2][2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) p[n][e] = exp2f(sc[n][e] - top);
+    l = l * rescale + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      o[n][0] *= rescale;
+      o[n][1] *= rescale;
+    }
+    // O += P·V: P (rows = heads, 16 tokens) as an A fragment, V through ldmatrix.trans.
+    const std::uint32_t pf[4] = {pack_bf16x2(p[0][0], p[0][1]), 0u, pack_bf16x2(p[1][0], p[1][1]), 0u};
+#pragma unroll
+    for (int n2 = 0; n2 < HD / 16; ++n2) {
+      const int j = lane / 8;
+      std::uint32_t vb[4];
+      ldmatrix_x4_trans(vb, v_tile + swizzled<HD>(row0 + (j & 1) * 8 + (lane & 7), n2 * 2 + (j >> 1)));
+      const std::uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+      mma_bf16_16816(o[2 * n2], pf, b0);
+      mma_bf16_16816(o[2 * n2 + 1], pf, b1);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's memory is reused below
+
+  // Merge the warps: each wrote its rows (heads) through shared memory.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  float* sm_m = reinterpret_cast<float*>(pipeline);  // [kWarps][G]
+  float* sm_l = sm_m + kWarps * G;                     // [kWarps][G]
+  float* sm_o = sm_l + kWarps * G;                     // [kWarps][G][HD]
+  if (head < G) {
+    if (pair == 0) {
+      sm_m[warp * G + head] = m;
+      sm_l[warp * G + head] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      sm_o[(warp * G + head) * HD + n * 8 + 2 * pair] = o[n][0];
+      sm_o[(warp * G + head) * HD + n * 8 + 2 * pair + 1] = o[n][1];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * HD; idx += kWarps * 32) {
+    const int g = idx / HD, d = idx % HD;
+    float best = -INFINITY;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) best = fmaxf(best, sm_m[x * G + g]);
+    float sum = 0.0f, out = 0.0f;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) {
+      const float mx = sm_m[x * G + g];
+      const float scale = mx == -INFINITY ? 0.0f : exp2f(mx - best);  // a warp with no tokens adds nothing
+      sum += sm_l[x * G + g] * scale;
+      out += sm_o[(x * G + g) * HD + d] * scale;
+    }
+    const std::size_t slot = (std::size_t(b) * s.q_heads + kv * G + g) * parts + part;
+    w.out[slot * HD + d] = out / sum;  // the part has at least one token, so sum > 0
+    if (d == 0) w.lse[slot] = best + log2f(sum);
+  }
+}
+
+// o[b, h] = Σ_j 2^(lse_j − L)·out_j with L = log2 Σ_j 2^lse_j, over the parts the sequence has.
+template <int HD>
+__global__ __launch_bounds__(HD) void merge_parts(DecodeShape s, DecodeArgs a, int part_tokens, int parts,
+                                                  Workspace w) {
+  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int n = (a.lengths[b] + part_tokens - 1) / part_tokens;
+  const std::size_t base = (std::size_t(b) * s.q_heads + h) * parts;
+  float top = -INFINITY;
+  for (int j = 0; j < n; ++j) top = fmaxf(top, w.lse[base + j]);
+  float sum = 0.0f, out = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    const float weight = exp2f(w.lse[base + j] - top);
+    sum += weight;
+    out = fmaf(weight, w.out[(base + j) * HD + d], out);
+  }
+  a.o[(std::size_t(b) * s.q_heads + h) * HD + d] = __float2bfloat16(out / sum);
+}
+
+template <int HD, int G>
+void launch(const DecodeShape& s, const DecodeArgs& a, const Split& split, const Workspace& w, cudaStream_t stream) {
+  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(HD));
+  constexpr int shared = Tiles<HD>::kSharedBytes;  // over the 48 KB a kernel gets unasked
+  static const cudaError_t opted =
+      cudaFuncSetAttribute(decode_parts<HD, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+  if (opted != cudaSuccess)
+    throw std::runtime_error(std::string("decode_attention_paged: ") + cudaGetErrorString(opted));
+  decode_parts<HD, G><<<dim3(split.parts, s.kv_heads, s.batch), kWarps * 32, shared, stream>>>(
+      s, a, split.tokens, split.parts, w, scale_log2);
+  merge_parts<HD><<<dim3(s.q_heads, s.batch), HD, 0, stream>>>(s, a, split.tokens, split.parts, w);
+}
+
+template <int HD>
+void launch_group(const DecodeShape& s, const DecodeArgs& a, const Split& split, const Workspace& w,
+                  cudaStream_t stream) {
+  switch (s.q_heads / s.kv_heads) {
+    case 1: return launch<HD, 1>(s, a, split, w, stream);
+    case 2: return launch<HD, 2>(s, a, split, w, stream);
+    case 3: return launch<HD, 3>(s, a, split, w, stream);
+    case 4: return launch<HD, 4>(s, a, split, w, stream);
+    case 5: return launch<HD, 5>(s, a, split, w, stream);
+    case 6: return launch<HD, 6>(s, a, split, w, stream);
+    case 7: return launch<HD, 7>(s, a, split, w, stream);
+    default: return launch<HD, 8>(s, a, split, w, stream);
+  }
+}
+
+}  // namespace
+
+std::size_t decode_workspace_bytes(const DecodeShape& shape) {
+  validate(shape);
+  const Split split = split_for(shape);
+  return std::size_t(shape.batch) * shape.q_heads * split.parts * (shape.head_dim + 1) * sizeof(float);
+}
+
+void decode_attention_paged(const DecodeShape& shape, const DecodeArgs& args, void* workspace, cudaStream_t stream) {
+  validate(shape);
+  const Split split = split_for(shape);
+  const Workspace w = carve(shape, split, workspace);
+  if (shape.head_dim == 64)
+    launch_group<64>(shape, args, split, w, stream);
+  else
+    launch_group<128>(shape, args, split, w, stream);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("decode_attention_paged: launch failed: ") + cudaGetErrorString(err));
+}
+
+}  // namespace k2c::inference
