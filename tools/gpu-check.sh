@@ -17,7 +17,8 @@
 # tuned_config.h, sgemm_ladder.png, bandwidth.png, attention.png (with torch_attention.json where
 # PyTorch is installed), bench.tar.gz (Google Benchmark JSON per module), and on
 # machines with 2+ GPUs collectives.json (module 11's sweep on NCCL; collectives4.json and
-# collectives8.json with 4 and 8 GPUs). The script prints a short summary last.
+# collectives8.json with 4 and 8 GPUs); decode_sweep.json and decode.png (module 19's decode step
+# time against batch size). The script prints a short summary last.
 set -uo pipefail
 ARCH=${1:-90}
 OUT=${OUT:-/tmp/k2c-gpu}
@@ -111,6 +112,13 @@ step "benchmarks"
 "$BUILD/bin/k2c" bench --build-dir "$BUILD" --out /tmp/k2c-bench --filter "${K2C_BENCH_FILTER:-.}" >> "$LOG" 2>&1
 tar -czf "$OUT/bench.tar.gz" -C /tmp/k2c-bench .
 
+# Module 19: decode throughput against batch size on the GPU backend (K2C_DECODE_SWEEP=0: not).
+if [ "${K2C_DECODE_SWEEP:-1}" = 1 ] && [ -x "$BUILD/bin/k2c_inference" ]; then
+  step "decode sweep (module 19, NCCL, 1 GPU)"
+  "$BUILD/bin/k2c" run -np 1 --backend nccl "$BUILD/bin/k2c_inference" --sweep 1,2,4,8,16,32,64,128,256 \
+    --context 1024 -j "$OUT/decode_sweep.json" 2>&1 | tee -a "$LOG" | tail -11
+fi
+
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then
   step "collectives sweep on 2 GPUs (NCCL)"
@@ -136,6 +144,7 @@ python3 tools/plot_bandwidth.py /tmp/k2c-bench --png "$OUT/bandwidth.png" >> "$L
 [ "${K2C_TORCH_MOE:-1}" = 1 ] && python3 tools/compare_torch_moe.py --out "$OUT/torch_moe.json" >> "$LOG" 2>&1
 python3 tools/plot_moe.py /tmp/k2c-bench --png "$OUT/moe.png" --torch "$OUT/torch_moe.json" >> "$LOG" 2>&1
 python3 tools/plot_attention.py /tmp/k2c-bench --png "$OUT/attention.png" --torch "$OUT/torch_attention.json" >> "$LOG" 2>&1
+[ -f "$OUT/decode_sweep.json" ] && python3 tools/plot_decode.py "$OUT/decode_sweep.json" --png "$OUT/decode.png" >> "$LOG" 2>&1
 
 step "done"
 grep -E "^\[ k2c perf \]" "$LOG" | sort -u

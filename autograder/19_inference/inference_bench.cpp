@@ -4,7 +4,15 @@
 //   mpirun -np 1|2 k2c_inference [-n 32] [-r 20] [-p 16,256] [-o 8,64] [-b 8] [--pages 0]
 //                                [--page 16] [--split 256] [--model tiny|small] [--cost]
 //                                [--seed 1] [-j out.json]
+//   mpirun -np 1 k2c_inference --sweep 1,2,4,...,256 [--context 1024] [--model ...] [-j out.json]
 //   (or: k2c run -np 2 build/solutions/bin/k2c_inference ...)
+//
+// --sweep: decode throughput against batch size. For each batch size B it prefills B prompts of
+// --context tokens, then times decode steps of all B sequences (median of 10 after 2 warm-up)
+// and prints the step time and tokens per second; `tools/plot_decode.py` draws the JSON. A decode
+// step reads every weight once whatever B is, and each sequence's cache once: while the weights
+// dominate, the step time hardly grows with B and the throughput grows with it; where it bends,
+// the step has become bound by the cache reads or by arithmetic (lecture 19, section 2).
 //
 // One rank serves the trace (-n requests, Poisson arrivals at -r per second, prompt and output
 // lengths uniform in the -p and -o ranges) with continuous batching of at most -b sequences and
@@ -55,7 +63,21 @@ struct Options {
   bool cost = false;
   std::uint64_t seed = 1;
   std::string json;
+  std::vector<int> sweep;  // batch sizes for --sweep
+  int context = 1024;      // prompt tokens per sequence in --sweep
 };
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) {
+    const int v = std::stoi(item);
+    if (v < 1) throw std::invalid_argument("--sweep takes batch sizes >= 1, got " + item);
+    out.push_back(v);
+  }
+  if (out.empty()) throw std::invalid_argument("--sweep needs at least one batch size");
+  return out;
+}
 
 std::pair<int, int> parse_range(const std::string& s) {
   const std::size_t comma = s.find(',');
@@ -83,6 +105,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--cost") o.cost = true;
     else if (a == "--seed") o.seed = std::stoull(value());
     else if (a == "-j") o.json = value();
+    else if (a == "--sweep") o.sweep = parse_list(value());
+    else if (a == "--context") o.context = std::stoi(value());
     else throw std::invalid_argument("unknown option '" + a + "' (see the top of inference_bench.cpp)");
   }
   return o;
@@ -134,6 +158,66 @@ double link_bandwidth(kd::Communicator& w, std::size_t bytes) {
   return static_cast<double>(bytes) / (ms * 1e6);
 }
 
+// Decode step time against batch size (see the top of this file). Rank 0's figures; every rank
+// runs the same steps on its own engine.
+void sweep_batches(kd::Communicator& w, km::Ops& ops, const Options& opt) {
+  if (opt.context < 1) throw std::invalid_argument("--context must be >= 1, got " + std::to_string(opt.context));
+  const int steps = 10, warmup = 2;
+  const km::ModelConfig model = model_named(opt.model, opt.context + warmup + steps);
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Context ctx{ops, ledger, params};
+  const km::Transformer transformer(params, model);
+  params.materialize(ops, ledger, 1);
+  std::ostringstream out;
+  out << "model " << model.describe() << "; decode steps after prompts of " << opt.context
+      << " tokens, median of " << steps << "\n   batch   step ms    tokens/s   cache MB read\n";
+  std::string json = "{\"model\": \"" + opt.model + "\", \"context\": " + std::to_string(opt.context) + ", \"rows\": [";
+  for (std::size_t k = 0; k < opt.sweep.size(); ++k) {
+    const int batch = opt.sweep[k];
+    const std::int64_t length = opt.context + warmup + steps;
+    const int pages = static_cast<int>(batch * inf::pages_for(length, opt.page));
+    inf::Engine engine(ctx, model, pages, opt.page, opt.split);
+    std::vector<int> seqs;
+    std::vector<std::vector<std::int32_t>> prompts;
+    for (int b = 0; b < batch; ++b) {
+      seqs.push_back(engine.cache().create(length));
+      prompts.push_back(inf::make_trace({1, 1.0, opt.context, opt.context, 1, 1, model.vocab, opt.seed + b})[0].prompt);
+    }
+    // Prefill a few sequences at a time (the activations of a prefill grow with its tokens); the
+    // first decode step takes the greedy next tokens of all.
+    std::vector<std::int32_t> next;
+    for (int b0 = 0; b0 < batch; b0 += 8) {
+      const int b1 = std::min(batch, b0 + 8);
+      const inf::Step first = engine.prefill({seqs.begin() + b0, seqs.begin() + b1}, {prompts.begin() + b0, prompts.begin() + b1});
+      next.insert(next.end(), first.tokens.begin(), first.tokens.end());
+    }
+    inf::Step last{km::Tensor{}, next};
+    std::vector<double> ms;
+    for (int s = 0; s < warmup + steps; ++s) {
+      w.barrier();
+      const auto start = std::chrono::steady_clock::now();
+      last = engine.decode(seqs, last.tokens);  // the tokens come back to the host: the step is done
+      const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      if (s >= warmup) ms.push_back(t);
+    }
+    std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+    const double step_ms = ms[ms.size() / 2];
+    const double cache_mb = double(batch) * double(opt.context + warmup + steps / 2) * double(engine.cache().bytes_per_token()) / 1e6;
+    char line[128];
+    std::snprintf(line, sizeof line, "%8d %9.3f %11.1f %15.2f\n", batch, step_ms, 1e3 * batch / step_ms, cache_mb);
+    out << line;
+    json += std::string(k ? ", " : "") + "{\"batch\": " + std::to_string(batch) + ", \"step_ms\": " +
+            std::to_string(step_ms) + ", \"tokens_per_s\": " + std::to_string(1e3 * batch / step_ms) +
+            ", \"cache_mb\": " + std::to_string(cache_mb) + "}";
+  }
+  json += "]}\n";
+  if (w.rank() == 0) {
+    std::fputs(out.str().c_str(), stdout);
+    if (!opt.json.empty()) std::ofstream(opt.json) << json;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -152,6 +236,10 @@ int main(int argc, char** argv) {
 #endif
     }
     if (opt.model.empty()) opt.model = gpu ? "small" : "tiny";
+    if (!opt.sweep.empty()) {
+      sweep_batches(w, *ops, opt);
+      return 0;
+    }
     const int context = opt.max_prompt + opt.max_output;
     const km::ModelConfig model = model_named(opt.model, context);
     if (opt.pages == 0) opt.pages = static_cast<int>(opt.max_batch * inf::pages_for(context, opt.page));

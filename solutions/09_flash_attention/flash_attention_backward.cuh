@@ -1,0 +1,497 @@
+// solutions/09_flash_attention/flash_attention_backward.cuh — module 09's reference, part 3 of 4:
+// the backward pass by recomputation. dot_kernel (D = rowsum(dO·O)) and dq_convert_kernel, which
+// run before and after it, then backward_kernel on mma.sync (BackwardTile) and Part B's
+// hopper_backward_kernel on wgmma (HopperBackwardTile). Included by flash_attention.cu only,
+// inside its unnamed namespace, after the forward pass (flash_attention_forward.cuh); the naive
+// kernels (flash_attention_naive.cuh) follow.
+#pragma once
+
+// ---- backward -----------------------------------------------------------------------------------
+
+// D_i = Σ_d dO_id · O_id, one warp per row (the softmax gradient's row term, lecture section 7).
+template <int D>
+__global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, std::size_t rows) {
+  const std::size_t row = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  float acc = 0;
+  if (lane < D / 8) {
+    const uint4 a = reinterpret_cast<const uint4*>(dout + row * D)[lane];
+    const uint4 c = reinterpret_cast<const uint4*>(o + row * D)[lane];
+    const auto* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const auto* y = reinterpret_cast<const __nv_bfloat162*>(&c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
+      acc += fx.x * fy.x + fx.y * fy.y;
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) dot[row] = acc;
+}
+
+// dq = bf16(scale · dq_accum), four elements per thread.
+__global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, std::size_t quads) {
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const float4 a = accum[i];
+    dq[i] = make_uint2(pack_bf16x2(a.x * scale, a.y * scale), pack_bf16x2(a.z * scale, a.w * scale));
+  }
+}
+
+// 8 warps, 128 keys per block (16 per warp), query blocks of 64. Everything is computed
+// transposed, keys as rows: Sᵀ = K Qᵀ, dPᵀ = V dOᵀ. Then Pᵀ and dSᵀ sit in registers in the
+// layout of an A operand for dV += Pᵀ dO and dK += dSᵀ Q, and each warp's dK and dV rows never
+// leave it. Only dQ = dS K needs the other orientation: dSᵀ goes to shared memory once, and each
+// warp computes a 16·DQ_STRIPS × D/(2·DQ_STRIPS) slice of dQ (32 × D/4 shipped) and adds it into
+// the fp32 accumulator in global memory.
+// Shared memory: K, V 2·128·D, Q and dO double-buffered 4·64·D, dSᵀ 128·64 bf16 (twice with
+// kDqLate), plus lse and D: 161 KiB at D = 128, one block per SM; 97 KiB at D = 64.
+template <int D_, int CHUNKS = D_ / 64, int DQ_STRIPS = 2, int SCORE_UNROLL = D_ / 16, bool DQ_LATE = true>
+struct BackwardTile {
+  static constexpr int D = D_, kChunks = CHUNKS, kDqStrips = DQ_STRIPS, kScoreUnroll = SCORE_UNROLL;
+  static constexpr int kKeys = 128, kRows = 64, kWarps = 8, kThreads = 32 * kWarps;
+  // kDqLate: step t's dQ is computed in step t + 1, after that step's barrier (and its prefetch),
+  // from a second dSᵀ buffer; the barrier between writing dSᵀ and reading it is then the next
+  // step's: one barrier a step instead of two, plus one after the loop for the last step's dQ.
+  static constexpr bool kDqLate = DQ_LATE;
+  static constexpr int kDsBuffers = kDqLate ? 2 : 1;
+  static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kDsBuffers * kKeys * kRows) * 2 + 4 * kRows * 4;
+};
+
+// Adds an fp32 pair into global memory: one vector reduction on sm_90, two scalar ones before.
+__device__ __forceinline__ void add_pair(float* dst, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
+// dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO of one warp's 16 key rows (the first is key0), as bf16:
+// the accumulator layout of mma.sync's n8 tiles, which wgmma's accumulators share per warp.
+template <int DT>
+__device__ __forceinline__ void store_key_rows(const float (&dk)[DT][4], const float (&dv)[DT][4], const Params& p,
+                                               int b, int g, int key0, int lane) {
+  constexpr int D = DT * 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key0 + acc_row(lane, half);
+    if (key >= p.kv_len) continue;
+    auto* k_out = reinterpret_cast<std::uint32_t*>(p.dk + (p.kv_rows(b, g) + key) * D + acc_col(lane));
+    auto* v_out = reinterpret_cast<std::uint32_t*>(p.dv + (p.kv_rows(b, g) + key) * D + acc_col(lane));
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      k_out[dt * 4] = pack_bf16x2(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+      v_out[dt * 4] = pack_bf16x2(dv[dt][2 * half], dv[dt][2 * half + 1]);
+    }
+  }
+}
+
+// The query blocks of BM rows that a key block starting at key n0 walks: under the causal mask,
+// query i sees key n0 from i = n0 − offset on, and every query head of the GQA group walks the
+// same range. Step t covers query head g·group + t / per_head, rows from m0 = (m_first +
+// t % per_head)·BM.
+template <int BM>
+struct QueryWalk {
+  int m_first, per_head, steps;
+  __device__ QueryWalk(const Params& p, int n0) {
+    const int first_query = p.causal ? max(0, n0 - (p.kv_len - p.q_len)) : 0;
+    m_first = first_query / BM;
+    per_head = first_query < p.q_len ? ceil_div(p.q_len, BM) - m_first : 0;
+    steps = p.group * per_head;
+  }
+  // Sets m0 for step t and returns the first row of its query head.
+  __device__ std::size_t rows(const Params& p, int b, int g, int t, int& m0) const {
+    m0 = (m_first + t % per_head) * BM;
+    return p.q_rows(b, g * p.group + t / per_head);
+  }
+};
+
+// A step's rows' lse and D into shared memory by 4-byte cp.async, in the same group as its Q and
+// dO tiles: threads 0..BM-1 copy lse, BM..2·BM-1 copy D. So they never occupy a register (loaded
+// into registers, they were held across the step's math, and at 255 registers spilled right
+// after the load). Rows past the end read as zeros: their Q and dO rows are zero too, so S = 0,
+// P = 1, dP = 0 and dS = 0, and their P·dO adds exact zeros (their dQ is never stored).
+template <int BM>
+__device__ __forceinline__ void fetch_row_terms(const Params& p, std::size_t head_row0, int m0, float* lse,
+                                                float* dot, int tid) {
+  if (tid < 2 * BM) {
+    const int row = tid % BM;
+    const bool ok = m0 + row < p.q_len;
+    const float* src = tid < BM ? p.lse_in : p.dot;
+    float* dst = (tid < BM ? lse : dot) + row;
+    tc::cp_async_4(smem_addr(dst), ok ? src + head_row0 + m0 + row : src, ok);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
+  constexpr int D = T::D, BN = T::kKeys, BM = T::kRows, QT = BM / 8, DT = D / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const std::uint32_t sK = smem_addr(smem), sV = sK + BN * D * 2;
+  auto sQ = [&](int stage) { return sV + BN * D * 2 + stage * BM * D * 2; };
+  auto sdO = [&](int stage) { return sV + BN * D * 2 + (2 + stage) * BM * D * 2; };
+  auto sdS = [&](int t) {  // dSᵀ of step t: BN rows of BM
+    return sV + BN * D * 2 + 4 * BM * D * 2 + (T::kDqLate ? t & 1 : 0) * BN * BM * 2;
+  };
+  float* s_lse = reinterpret_cast<float*>(smem + (2 * BN * D + 4 * BM * D + T::kDsBuffers * BN * BM) * 2);  // [2][BM]
+  float* s_dot = s_lse + 2 * BM;                                                           // [2][BM]
+  static_assert(T::kThreads >= 2 * BM, "fetch copies lse and D with a thread per row each");
+
+  int rank, g, b;
+  launch_place(p.wave_heads, rank, g, b);
+  const int n0 = rank * BN;  // the first key blocks are seen by the most queries
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+  const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
+  const QueryWalk<BM> walk(p, n0);
+  const int steps = walk.steps;
+  auto step_rows = [&](int t, int& m0) { return walk.rows(p, b, g, t, m0); };
+
+  load_tile<BN, D, T::kThreads>(sK, p.k + kv_row0 * D, p.kv_len - n0, tid);
+  load_tile<BN, D, T::kThreads>(sV, p.v + kv_row0 * D, p.kv_len - n0, tid);
+
+  // Issues the copies of step t's Q and dO tiles, and its rows' lse and D in the same group.
+  auto fetch = [&](int t) {
+    int m0;
+    const std::size_t r = step_rows(t, m0);
+    load_tile<BM, D, T::kThreads>(sQ(t & 1), p.q + (r + m0) * D, p.q_len - m0, tid);
+    load_tile<BM, D, T::kThreads>(sdO(t & 1), p.dout + (r + m0) * D, p.q_len - m0, tid);
+    fetch_row_terms<BM>(p, r, m0, s_lse + (t & 1) * BM, s_dot + (t & 1) * BM, tid);
+  };
+
+  float dk[DT][4] = {}, dv[DT][4] = {};
+  const int key_row = warp * 16;  // this warp's 16 keys inside the block
+  if (steps > 0) fetch(0);
+  tc::cp_async_commit();
+
+  // dQ (BM × D) += dS K of step t, k = the BN keys: the warps split the BM × D tile into
+  // kDqStrips·16 rows × DC columns each. dS is stored transposed, so its A fragments come from
+  // the transposing ldmatrix. Every warp's dSᵀ rows of step t must be in shared memory.
+  auto dq_step = [&](int t) {
+    int m0;
+    const std::size_t q_row0 = step_rows(t, m0);
+    constexpr int S = T::kDqStrips, RG = BM / (16 * S), DC = D / (T::kWarps / RG);
+    const int qrow = (warp % RG) * 16 * S, dcol = (warp / RG) * DC;
+    float dq[S][DC / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BN; kk += 16) {
+      std::uint32_t a[S][4];
+#pragma unroll
+      for (int st = 0; st < S; ++st)
+        ldmatrix_x4_trans(a[st], swizzled<BM>(sdS(t), kk + (lane & 7) + ((lane >> 4) << 3),
+                                              (qrow + 16 * st) / 8 + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int dt = 0; dt < DC / 8; dt += 2) {
+        std::uint32_t bk[4];
+        load_b_kn<D>(bk, sK, kk, dcol + dt * 8, lane);
+#pragma unroll
+        for (int st = 0; st < S; ++st) {
+          mma(dq[st][dt], a[st], bk[0], bk[1]);
+          mma(dq[st][dt + 1], a[st], bk[2], bk[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int st = 0; st < S; ++st)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + qrow + 16 * st + acc_row(lane, half);
+        if (row >= p.q_len) continue;
+        float* dst = p.dq_accum + (q_row0 + row) * D + dcol + acc_col(lane);
+#pragma unroll
+        for (int dt = 0; dt < DC / 8; ++dt) add_pair(dst + dt * 8, dq[st][dt][2 * half], dq[st][dt][2 * half + 1]);
+      }
+  };
+
+  for (int t = 0; t < steps; ++t) {
+    int m0;
+    step_rows(t, m0);
+    // As in the forward pass: wait, one barrier, then prefetch into the buffer step t − 1 used.
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    if (t + 1 < steps) fetch(t + 1);
+    tc::cp_async_commit();
+    if constexpr (T::kDqLate) {
+      if (t > 0) dq_step(t - 1);  // its dSᵀ was completed before the barrier above
+    }
+    const float* lse2 = s_lse + (t & 1) * BM;
+    const float* dot = s_dot + (t & 1) * BM;
+
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys × BM queries, a chunk of query columns at a
+    // time so that only one chunk's fp32 scores are live (registers are the scarce resource here:
+    // dK and dV alone hold D fp32 per thread, D/2 each). Each chunk ends as bf16 pairs of Pᵀ and dSᵀ, which
+    // are already the A operands of dV += Pᵀ dO and dK += dSᵀ Q.
+    const bool masked = n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset);
+    std::uint32_t ap[BM / 16][4], ads[BM / 16][4];
+#pragma unroll
+    for (int c = 0; c < T::kChunks; ++c) {
+      constexpr int CQ = QT / T::kChunks;
+      float sT[CQ][4] = {}, dpT[CQ][4] = {};
+#pragma unroll T::kScoreUnroll
+      for (int kk = 0; kk < D; kk += 16) {
+        std::uint32_t ak[4], av[4];
+        load_a<D>(ak, sK, key_row, kk, lane);
+        load_a<D>(av, sV, key_row, kk, lane);
+#pragma unroll
+        for (int i = 0; i < CQ; i += 2) {
+          std::uint32_t bq[4], bo[4];
+          load_b_nk<D>(bq, sQ(t & 1), (c * CQ + i) * 8, kk, lane);
+          load_b_nk<D>(bo, sdO(t & 1), (c * CQ + i) * 8, kk, lane);
+          mma(sT[i], ak, bq[0], bq[1]);
+          mma(sT[i + 1], ak, bq[2], bq[3]);
+          mma(dpT[i], av, bo[0], bo[1]);
+          mma(dpT[i + 1], av, bo[2], bo[3]);
+        }
+      }
+      // Pᵀ = exp(scale·Sᵀ − lse) recomputed (zero where masked), then dSᵀ = Pᵀ ∘ (dPᵀ − D).
+#pragma unroll
+      for (int i = 0; i < CQ; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + key_row + acc_row(lane, e / 2), col = (c * CQ + i) * 8 + acc_col(lane) + e % 2;
+          float pr = fast_exp2(fmaf(sT[i][e], p.scale_log2, -lse2[col] * kLog2e));
+          if (masked && mask.hidden(m0 + col, key)) pr = 0.0f;
+          sT[i][e] = pr;
+          dpT[i][e] = pr * (dpT[i][e] - dot[col]);
+        }
+#pragma unroll
+      for (int i = 0; i < CQ; i += 2) {
+        accumulators_to_a(ap[(c * CQ + i) / 2], sT[i], sT[i + 1]);
+        accumulators_to_a(ads[(c * CQ + i) / 2], dpT[i], dpT[i + 1]);
+      }
+    }
+
+    // dV += Pᵀ dO and dK += dSᵀ Q (k = the BM queries).
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+      for (int dt = 0; dt < DT; dt += 2) {
+        std::uint32_t bo[4], bq[4];
+        load_b_kn<D>(bo, sdO(t & 1), kk * 16, dt * 8, lane);
+        load_b_kn<D>(bq, sQ(t & 1), kk * 16, dt * 8, lane);
+        mma(dv[dt], ap[kk], bo[0], bo[1]);
+        mma(dv[dt + 1], ap[kk], bo[2], bo[3]);
+        mma(dk[dt], ads[kk], bq[0], bq[1]);
+        mma(dk[dt + 1], ads[kk], bq[2], bq[3]);
+      }
+    }
+
+    // dSᵀ to shared memory (bf16, the same swizzle with BM-wide rows) for dQ. Register
+    // ads[kk][2·(qt % 2) + half] of the A fragment holds n8 tile qt = 2·kk + qt % 2, row half.
+#pragma unroll
+    for (int qt = 0; qt < QT; ++qt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = key_row + acc_row(lane, half);
+        const std::uint32_t at = swizzled<BM>(sdS(t), row, qt) + acc_col(lane) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
+      }
+    if constexpr (!T::kDqLate) {
+      __syncthreads();  // dSᵀ complete (the next step's first barrier guards its reuse)
+      dq_step(t);
+    }
+  }
+  if constexpr (T::kDqLate) {
+    if (steps > 0) {
+      __syncthreads();  // the last step's dSᵀ complete
+      dq_step(steps - 1);
+    }
+  }
+  tc::cp_async_wait<0>();
+
+  store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
+}
+
+// ---- Part B: the backward pass on Hopper's warpgroup MMA (sm_90a) --------------------------------
+//
+// backward_kernel's structure with wgmma: two warpgroups of 128 threads, 64 keys each (128 keys
+// per block), query steps of 64 rows. Sᵀ = K Qᵀ and dPᵀ = V dOᵀ read both operands from shared
+// memory, as two commit groups, so that Pᵀ is computed while dPᵀ is still on the tensor cores.
+// Pᵀ and dSᵀ go from the accumulators straight into A fragments for dV += Pᵀ dO and dK += dSᵀ Q
+// (dO and Q read MN-major), and dSᵀ also goes to shared memory, where dQ = dS K reads it as an
+// MN-major A operand. There is no ldmatrix at all: waiting for ldmatrix results is where the
+// mma.sync backward's warps stall most (lecture sections 10.5 and 11). Tiles are laid out as the
+// Hopper forward lays them out (load_tile_sw128). Shared memory: K, V 2·128·D, Q and dO
+// double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
+// of alignment slack, one block per SM and 255 registers per thread at D = 128 (241 at D = 64),
+// no spill.
+template <int D_>
+struct HopperBackwardTile {
+  static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256;
+  static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
+  // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
+  // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
+  // and both add into dq_accum (an m64n32 half-block would save those extra adds, but would
+  // start half-way into a swizzled 128-byte row).
+  static constexpr int kDqKeys = D == 128 ? kKeys : kKeys / 2;
+  static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + 1024;
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace hp = k2c::hopper;
+  constexpr int D = T::D, BN = T::kKeys, BM = T::kRows, DT = D / 8, QT = BM / 8;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
+  const std::uint32_t sK = base, sV = base + T::kKvBytes;
+  auto sQ = [&](int t) { return base + 2 * T::kKvBytes + (t & 1) * T::kRowBytes; };
+  auto sdO = [&](int t) { return base + 2 * T::kKvBytes + (2 + (t & 1)) * T::kRowBytes; };
+  const std::uint32_t sdS = base + 2 * T::kKvBytes + 4 * T::kRowBytes;  // dSᵀ: BN rows of BM, one block
+  float* s_lse = reinterpret_cast<float*>(smem_raw + (sdS + T::kDsBytes - smem_addr(smem_raw)));  // [2][BM]
+  float* s_dot = s_lse + 2 * BM;                                                                  // [2][BM]
+
+  int rank, g, b;
+  launch_place(p.wave_heads, rank, g, b);
+  const int n0 = rank * BN;
+  const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, warp = (tid / 32) % 4;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+  const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
+  const QueryWalk<BM> walk(p, n0);
+  static_assert(T::kThreads >= 2 * BM, "fetch copies lse and D with a thread per row each");
+  auto fetch = [&](int t) {
+    int m0;
+    const std::size_t r = walk.rows(p, b, g, t, m0);
+    load_tile_sw128<BM, D, T::kThreads>(sQ(t), p.q + (r + m0) * D, p.q_len - m0, tid);
+    load_tile_sw128<BM, D, T::kThreads>(sdO(t), p.dout + (r + m0) * D, p.q_len - m0, tid);
+    fetch_row_terms<BM>(p, r, m0, s_lse + (t & 1) * BM, s_dot + (t & 1) * BM, tid);
+  };
+
+  load_tile_sw128<BN, D, T::kThreads>(sK, p.k + kv_row0 * D, p.kv_len - n0, tid);
+  load_tile_sw128<BN, D, T::kThreads>(sV, p.v + kv_row0 * D, p.kv_len - n0, tid);
+  if (walk.steps > 0) fetch(0);
+  tc::cp_async_commit();
+
+  float dk[DT][4] = {}, dv[DT][4] = {};     // the warpgroup's 64 key rows, accumulator layout per warp
+  const int key_row = 64 * wg + 16 * warp;  // this warp's 16 keys: rows key_row + lane/4 (+8)
+  // Every descriptor below is one of eight first descriptors plus a byte offset (only the address
+  // field changes: hp::smem_desc_plus), known at compile time apart from the step's Q / dO
+  // buffer, and the first descriptors pass through `opaque` in each step. Otherwise the compiler hoists the loop-invariant ones, dozens of 64-bit values,
+  // out of the loop and holds them in registers across it: at d = 128 that spilled 124 bytes and
+  // measured 12 to 14 % slower (lecture section 10.5).
+  const std::uint64_t k_desc0 = hp::smem_desc_128b(sK + 64 * wg * 128), v_desc0 = hp::smem_desc_128b(sV + 64 * wg * 128),
+                      q_desc0 = hp::smem_desc_128b(sQ(0)), do_desc0 = hp::smem_desc_128b(sdO(0)),
+                      q_mn0 = hp::smem_desc_128b_mn(sQ(0), BM * 128), do_mn0 = hp::smem_desc_128b_mn(sdO(0), BM * 128);
+  // The k16 slice kk of a K-major tile of `rows` rows: 64-column blocks, 32 bytes per slice.
+  auto slice = [](std::uint64_t tile, int rows, int kk) {
+    return hp::smem_desc_plus(tile, (kk / 4) * rows * 128 + (kk % 4) * 32);
+  };
+  for (int t = 0; t < walk.steps; ++t) {
+    int m0;
+    const std::size_t q_row0 = walk.rows(p, b, g, t, m0);
+    // As in the mma.sync kernel: wait, one barrier, then prefetch into the buffers step t − 1
+    // used (its wgmmas were waited for at its end). The fence makes the cp.async data visible
+    // to wgmma, which reads shared memory through the async proxy.
+    tc::cp_async_wait<0>();
+    hp::fence_proxy_async();
+    __syncthreads();
+    if (t + 1 < walk.steps) fetch(t + 1);
+    tc::cp_async_commit();
+
+    // Sᵀ and dPᵀ, the warpgroup's 64 keys × BM queries, D/16 k16 steps each, as two groups.
+    const std::uint32_t buffer = (t & 1) * T::kRowBytes;  // this step's Q and dO buffers
+    float sT[QT][4], dpT[QT][4];
+    hp::wgmma_fence();
+    {
+      const std::uint64_t k_desc = opaque(k_desc0), q_desc = hp::smem_desc_plus(opaque(q_desc0), buffer);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[QT * 4]>(sT), slice(k_desc, BN, kk), slice(q_desc, BM, kk), kk > 0);
+    }
+    hp::wgmma_commit();
+    {
+      const std::uint64_t v_desc = opaque(v_desc0), do_desc = hp::smem_desc_plus(opaque(do_desc0), buffer);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[QT * 4]>(dpT), slice(v_desc, BN, kk), slice(do_desc, BM, kk), kk > 0);
+    }
+    hp::wgmma_commit();
+
+    // Pᵀ and dSᵀ exactly as in the mma.sync kernel: a warp's share of a wgmma accumulator has the
+    // layout of mma.sync's n8 tiles.
+    const float* lse = s_lse + (t & 1) * BM;
+    const float* dot = s_dot + (t & 1) * BM;
+    const bool masked = n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset);
+    hp::wgmma_wait<1>();  // Sᵀ is done; dPᵀ may still run
+#pragma unroll
+    for (int i = 0; i < QT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + key_row + acc_row(lane, e / 2), col = i * 8 + acc_col(lane) + e % 2;
+        float pr = fast_exp2(fmaf(sT[i][e], p.scale_log2, -lse[col] * kLog2e));
+        if (masked && mask.hidden(m0 + col, key)) pr = 0.0f;
+        sT[i][e] = pr;
+      }
+    hp::wgmma_wait<0>();  // dPᵀ
+#pragma unroll
+    for (int i = 0; i < QT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpT[i][e] = sT[i][e] * (dpT[i][e] - dot[i * 8 + acc_col(lane) + e % 2]);
+    std::uint32_t ap[BM / 16][4], ads[BM / 16][4];
+#pragma unroll
+    for (int kq = 0; kq < BM / 16; ++kq) {
+      accumulators_to_a(ap[kq], sT[2 * kq], sT[2 * kq + 1]);
+      accumulators_to_a(ads[kq], dpT[2 * kq], dpT[2 * kq + 1]);
+    }
+    // dSᵀ to shared memory: rows = keys, 128-byte rows of BM queries, swizzled, the A of dQ. It
+    // is stored before the wgmma below takes ads as its A operand: registers a wgmma reads may
+    // not be touched, not even read, until its group has been waited for.
+#pragma unroll
+    for (int qt = 0; qt < QT; ++qt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = key_row + acc_row(lane, half);
+        const std::uint32_t at = sdS + row * 128 + ((qt ^ (row & 7)) << 4) + acc_col(lane) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(ads[qt / 2][2 * (qt % 2) + half]));
+      }
+
+    // dV += Pᵀ dO and dK += dSᵀ Q, k = the BM queries: dO and Q read MN-major.
+    hp::wgmma_fence();
+    {
+      const std::uint64_t do_mn = hp::smem_desc_plus(opaque(do_mn0), buffer), q_mn = hp::smem_desc_plus(opaque(q_mn0), buffer);
+#pragma unroll
+      for (int kq = 0; kq < BM / 16; ++kq) {
+        wgmma_rs_tb<D>(dv, ap[kq], hp::smem_desc_plus(do_mn, kq * 16 * 128));
+        wgmma_rs_tb<D>(dk, ads[kq], hp::smem_desc_plus(q_mn, kq * 16 * 128));
+      }
+    }
+    hp::wgmma_commit();
+
+    hp::fence_proxy_async();  // the dSᵀ stores above, before wgmma reads them
+    __syncthreads();
+
+    // dQ (BM × 64 columns, block dq_block) += dS K over kDqKeys keys from dq_key0: dS is dSᵀ read
+    // MN-major, K read MN-major (keys are k, head_dim is n).
+    const int dq_block = D == 128 ? wg : 0, dq_key0 = D == 128 ? 0 : 64 * wg;
+    float dq[32];
+    hp::wgmma_fence();
+    {
+      const std::uint64_t ds_mn = opaque(hp::smem_desc_128b_mn(sdS + dq_key0 * 128, BN * 128)),
+                          k_mn = opaque(hp::smem_desc_128b_mn(sK + dq_block * BN * 128 + dq_key0 * 128, BN * 128));
+#pragma unroll
+      for (int kk = 0; kk < T::kDqKeys / 16; ++kk)
+        hp::wgmma_m64n64k16_ss<1, 1>(dq, hp::smem_desc_plus(ds_mn, kk * 16 * 128), hp::smem_desc_plus(k_mn, kk * 16 * 128),
+                                     kk > 0);
+    }
+    hp::wgmma_commit();
+    hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (whose A fragments are ap and ads)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m0 + 16 * warp + acc_row(lane, half);
+      if (row >= p.q_len) continue;
+      float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+    }
+  }
+  tc::cp_async_wait<0>();
+
+  store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
+#else
+  (void)p;  // compiled without sm_90a: backward_hopper() refuses to launch (hopper_supported)
+#endif
+}

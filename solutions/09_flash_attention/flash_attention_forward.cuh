@@ -1,0 +1,338 @@
+// solutions/09_flash_attention/flash_attention_forward.cuh — module 09's reference, part 2 of 4:
+// the forward pass. First the steps on one 16-row strip of scores that both forward kernels share
+// (mask, online softmax, the final store of O and logsumexp), then forward_kernel on mma.sync
+// (ForwardTile) and Part B's hopper_forward_kernel on wgmma (HopperTile, with load_tile_sw128,
+// which the Hopper backward reuses). Included by flash_attention.cu only, inside its unnamed
+// namespace, after the tiles (flash_attention_tiles.cuh); the backward pass
+// (flash_attention_backward.cuh) follows.
+#pragma once
+
+// ---- the forward pass's per-strip steps (shared by the mma.sync and the wgmma kernels) ----------
+//
+// A strip is 16 query rows × NT·8 keys of scores in accumulator layout (s[nt][e]: row
+// row0 + acc_row(lane, e / 2), key n0 + 8·nt + acc_col(lane) + e % 2) with its DT·8-wide output
+// rows and this thread's running max (raw score units) and partial sum for its two rows.
+
+// Hides the scores of keys past kv_len or above the causal diagonal.
+template <int NT>
+__device__ __forceinline__ void mask_strip(float (&s)[NT][4], const Mask& mask, int row0, int n0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (mask.hidden(row0 + acc_row(lane, e / 2), n0 + nt * 8 + acc_col(lane) + e % 2)) s[nt][e] = -INFINITY;
+}
+
+// Online softmax (lecture section 3): the new running max, what came before rescaled by
+// 2^((old − new)·scale·log2 e), this tile exponentiated with one FFMA + EX2 per score (s becomes
+// P, unnormalised).
+template <int NT, int DT>
+__device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float (&o)[DT][4], float (&row_max)[2],
+                                              float (&row_sum)[2], float scale_log2) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = row_max[half];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a row
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // A row that has seen only masked keys keeps max −inf; using 0 instead keeps
+    // −inf − (−inf) = NaN out of the exponent, and its terms are all 0 either way.
+    const float base = mx == -INFINITY ? 0.0f : mx * scale_log2;
+    const float rescale = fast_exp2(row_max[half] * scale_log2 - base);
+    row_max[half] = mx;
+    float sum = 0;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 2 * half; e < 2 * half + 2; ++e) {
+        s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -base));
+        sum += s[nt][e];
+      }
+    row_sum[half] = row_sum[half] * rescale + sum;  // this thread's columns only
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][2 * half] *= rescale;
+      o[dt][2 * half + 1] *= rescale;
+    }
+  }
+}
+
+// Divides the strip's output by its row sums once, at the end, writes it as bf16 and saves
+// lse = scale·max + ln(sum) (+inf for a row that saw no key).
+template <int DT>
+__device__ __forceinline__ void store_strip(const float (&o)[DT][4], const float (&row_max)[2], const float (&row_sum)[2],
+                                            Params p, std::size_t head_row0, int row0, int lane) {
+  constexpr int D = DT * 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = row0 + acc_row(lane, half);
+    if (row >= p.q_len) continue;
+    const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+    const std::size_t r = head_row0 + row;
+    auto* out = reinterpret_cast<std::uint32_t*>(p.out + r * D + acc_col(lane));
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) out[dt * 4] = pack_bf16x2(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
+    if ((lane & 3) == 0) p.lse_out[r] = sum > 0 ? row_max[half] * p.scale + logf(sum) : INFINITY;
+  }
+}
+
+// The keys [0, n_end) that rows [m0, m0 + rows) need: under the causal mask the last row,
+// m0 + rows − 1, sees keys up to m0 + rows − 1 + offset.
+__device__ __forceinline__ int keys_needed(Params p, int m0, int rows) {
+  return p.causal ? max(0, min(p.kv_len, m0 + rows + p.kv_len - p.q_len)) : p.kv_len;
+}
+
+// Whether a rows × BN tile at (m0, n0) crosses the kv tail or the diagonal: only those pay for
+// the mask.
+__device__ __forceinline__ bool tile_needs_mask(Params p, int m0, int n0, int keys) {
+  return n0 + keys > p.kv_len || (p.causal && n0 + keys - 1 > m0 + p.kv_len - p.q_len);
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+// 4 warps, 128 query rows per block: each warp owns 32 rows (two 16-row strips), so the row max
+// and sum never leave a warp ("split-Q", lecture section 5). K and V tiles of BN = 64 keys are
+// double buffered. Shared memory: Q 128·D + 2·2·64·D bf16 = 96 KiB at D = 128 (two blocks per
+// SM), 48 KiB at D = 64. Registers bound the tile: the output alone is 32·D/32 = D fp32 values per
+// thread, the scores 32·BN/32 = BN more. QK_UNROLL unrolls Q·Kᵀ's loop over head_dim; fully
+// unrolled, the compiler issues the next k step's ldmatrix while this step's mma run: 2 to 6 %
+// faster at both head dims over two runs, although at D = 128 it spills 52 bytes (lecture
+// sections 5.5 and 11). SKIP_HIDDEN: under the causal mask a warp skips the tiles whose keys all lie
+// past its rows' diagonal (with equal query and key lengths, the last tile of a query block for
+// half its warps): their scores would all be masked, and the warp's state would come out of them
+// unchanged.
+template <int D_, int KEYS = 64, int WARPS = 4, int STRIPS = 2, int QK_UNROLL = D_ / 16, bool SKIP_HIDDEN = true>
+struct ForwardTile {
+  static constexpr int D = D_, kKeys = KEYS, kWarps = WARPS, kStrips = STRIPS, kQkUnroll = QK_UNROLL;
+  static constexpr bool kSkipHidden = SKIP_HIDDEN;
+  static constexpr int kRows = 16 * kStrips * kWarps, kThreads = 32 * kWarps;
+  static constexpr int kSmemBytes = (kRows + 4 * kKeys) * D * 2;
+  static constexpr int kMinBlocks = kThreads <= 128 ? 2 : 1;  // what the register file allows
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Params p) {
+  constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8, WM = 16 * T::kStrips;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const std::uint32_t sQ = smem_addr(smem);
+  auto sK = [&](int stage) { return sQ + (BM + stage * BN) * D * 2; };
+  auto sV = [&](int stage) { return sQ + (BM + 2 * BN + stage * BN) * D * 2; };
+
+  int rank, h, b;
+  launch_place(p.wave_heads, rank, h, b);
+  const int m0 = (gridDim.x - 1 - rank) * BM, g = h / p.group;  // the last query blocks see the most keys
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+
+  const bf16* q = p.q + (p.q_rows(b, h) + m0) * D;
+  const bf16* k = p.k + p.kv_rows(b, g) * D;
+  const bf16* v = p.v + p.kv_rows(b, g) * D;
+
+  const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
+
+  auto load_kv = [&](int j) {
+    const int n0 = j * BN;
+    load_tile<BN, D, T::kThreads>(sK(j & 1), k + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+    load_tile<BN, D, T::kThreads>(sV(j & 1), v + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+  };
+  load_tile<BM, D, T::kThreads>(sQ, q, p.q_len - m0, tid);
+  if (n_blocks > 0) load_kv(0);
+  tc::cp_async_commit();
+
+  float o[T::kStrips][DT][4] = {};
+  float row_max[T::kStrips][2], row_sum[T::kStrips][2] = {};  // max in raw score units
+#pragma unroll
+  for (int s = 0; s < T::kStrips; ++s) row_max[s][0] = row_max[s][1] = -INFINITY;
+
+  for (int j = 0; j < n_blocks; ++j) {
+    const int n0 = j * BN;
+    // Wait for this tile; the barrier then also tells that every warp is done with iteration
+    // j − 1, so its buffer can take the prefetch of tile j + 1, which runs under this tile's math.
+    // One barrier per iteration.
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    if (j + 1 < n_blocks) load_kv(j + 1);
+    tc::cp_async_commit();
+    // The warp's last row, m0 + warp·WM + WM − 1, sees keys up to that row + offset.
+    if (T::kSkipHidden && p.causal && n0 > m0 + warp * WM + WM - 1 + mask.offset) continue;
+
+    // S = Q Kᵀ for the warp's 32 rows × BN keys, fp32.
+    float s[T::kStrips][NT][4] = {};
+#pragma unroll T::kQkUnroll
+    for (int kk = 0; kk < D; kk += 16) {
+      std::uint32_t a[T::kStrips][4];
+#pragma unroll
+      for (int st = 0; st < T::kStrips; ++st) load_a<D>(a[st], sQ, warp * WM + st * 16, kk, lane);
+#pragma unroll
+      for (int nt = 0; nt < NT; nt += 2) {
+        std::uint32_t bk[4];
+        load_b_nk<D>(bk, sK(j & 1), nt * 8, kk, lane);
+#pragma unroll
+        for (int st = 0; st < T::kStrips; ++st) {
+          mma(s[st][nt], a[st], bk[0], bk[1]);
+          mma(s[st][nt + 1], a[st], bk[2], bk[3]);
+        }
+      }
+    }
+
+    if (tile_needs_mask(p, m0, n0, BN)) {
+#pragma unroll
+      for (int st = 0; st < T::kStrips; ++st) mask_strip(s[st], mask, m0 + warp * WM + st * 16, n0, lane);
+    }
+#pragma unroll
+    for (int st = 0; st < T::kStrips; ++st) softmax_strip(s[st], o[st], row_max[st], row_sum[st], p.scale_log2);
+
+    // O += P V: P from registers (bf16), V by transposing ldmatrix.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      std::uint32_t a[T::kStrips][4];
+#pragma unroll
+      for (int st = 0; st < T::kStrips; ++st) accumulators_to_a(a[st], s[st][2 * kk], s[st][2 * kk + 1]);
+#pragma unroll
+      for (int dt = 0; dt < DT; dt += 2) {
+        std::uint32_t bv[4];
+        load_b_kn<D>(bv, sV(j & 1), kk * 16, dt * 8, lane);
+#pragma unroll
+        for (int st = 0; st < T::kStrips; ++st) {
+          mma(o[st][dt], a[st], bv[0], bv[1]);
+          mma(o[st][dt + 1], a[st], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+  tc::cp_async_wait<0>();
+
+#pragma unroll
+  for (int st = 0; st < T::kStrips; ++st)
+    store_strip(o[st], row_max[st], row_sum[st], p, p.q_rows(b, h), m0 + warp * WM + st * 16, lane);
+}
+
+// ---- Part B: the forward pass on Hopper's warpgroup MMA (sm_90a) ---------------------------------
+//
+// Each warpgroup (128 threads) owns 64 query rows, two warpgroups per block share K and V tiles
+// of 64 keys, double buffered by cp.async as above. What changes is the tensor-core instruction:
+// wgmma reads Q, K and V straight from shared memory through descriptors, so the ldmatrix
+// traffic that bounds the mma.sync kernel disappears, and P goes from registers into the second
+// product as before. Tiles are laid out as wgmma's 128-byte-swizzled operands: 64-column blocks
+// of rows × 128 bytes, chunk c of row r stored at c ^ (r % 8), each block 1024-byte aligned
+// (lecture section 10). Shared memory: Q 128·D + 2·2·64·D bf16 = 96 KiB at D = 128 (97 with the
+// alignment slack), so two
+// blocks fit an SM and their softmax and matrix phases interleave; registers are then capped at
+// 128 per thread (2 · 256 threads), which costs a few spilled bytes at D = 128 and still
+// measured fastest (lab/flash_attention.cu: one warpgroup per block, or one block
+// per SM, were 16 % and 13 % slower; a one-warpgroup kernel that issued the next tile's Q·Kᵀ
+// before this tile's softmax, FA3's overlap, made ptxas serialise its wgmmas and ran 10 % slower
+// than the same kernel without it).
+template <int D_, int WARPGROUPS = 2, int MIN_BLOCKS = 2>
+struct HopperTile {
+  static constexpr int D = D_, kRows = 64 * WARPGROUPS, kKeys = 64;
+  static constexpr int kThreads = 128 * WARPGROUPS;
+  static constexpr int kQBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;  // Q; a K or V tile
+  static constexpr int kSmemBytes = kQBytes + 4 * kTileBytes + 1024;  // + room to align to 1 KiB
+  static constexpr int kMinBlocks = WARPGROUPS == 1 ? 2 : MIN_BLOCKS;
+};
+
+// Like load_tile, into the 128-byte-swizzled block layout.
+template <int ROWS, int W, int THREADS>
+__device__ __forceinline__ void load_tile_sw128(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
+  constexpr int kChunks = W / 8, kRowStep = THREADS / kChunks;
+  static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "every thread copies the same chunks");
+  const int r0 = tid / kChunks, c = tid % kChunks;
+#pragma unroll
+  for (int i = 0; i < ROWS / kRowStep; ++i) {
+    const int r = r0 + i * kRowStep;
+    const bool ok = r < valid_rows;
+    const std::uint32_t at = tile + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4);
+    cp_async_16(at, ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
+  }
+}
+
+// acc(64 × D) += A(64 × 16, registers) · B(16 × D, shared memory, MN-major), D = 64 or 128: the
+// P·V shape both Hopper kernels use.
+template <int D>
+__device__ __forceinline__ void wgmma_rs_tb(float (&acc)[D / 8][4], const std::uint32_t (&a)[4], std::uint64_t b) {
+  auto& d = reinterpret_cast<float(&)[D / 2]>(acc);
+  if constexpr (D == 128) k2c::hopper::wgmma_m64n128k16_rs_tb(d, a, b);
+  else k2c::hopper::wgmma_m64n64k16_rs_tb(d, a, b);
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_kernel(Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace hp = k2c::hopper;
+  constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+  auto sK = [&](int stage) { return sQ + T::kQBytes + 2 * stage * T::kTileBytes; };
+  auto sV = [&](int stage) { return sQ + T::kQBytes + (2 * stage + 1) * T::kTileBytes; };
+
+  int rank, h, b;
+  launch_place(p.wave_heads, rank, h, b);
+  const int m0 = (gridDim.x - 1 - rank) * BM, g = h / p.group;  // heaviest first, as above
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+  const bf16* q = p.q + (p.q_rows(b, h) + m0) * D;
+  const bf16* k = p.k + p.kv_rows(b, g) * D;
+  const bf16* v = p.v + p.kv_rows(b, g) * D;
+  const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
+  const std::uint32_t q_rows = sQ + wg * 64 * 128;  // this warpgroup's 64 rows in each column block
+
+  auto load_kv = [&](int j) {
+    const int n0 = j * BN;
+    load_tile_sw128<BN, D, T::kThreads>(sK(j & 1), k + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+    load_tile_sw128<BN, D, T::kThreads>(sV(j & 1), v + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+  };
+  load_tile_sw128<BM, D, T::kThreads>(sQ, q, p.q_len - m0, tid);
+  if (n_blocks > 0) load_kv(0);
+  tc::cp_async_commit();
+
+  // This warp's 16 rows of the warpgroup's 64, in the accumulator layout of mma.sync strips.
+  float o[DT][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {};
+  for (int j = 0; j < n_blocks; ++j) {
+    const int n0 = j * BN;
+    tc::cp_async_wait<0>();
+    hp::fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+    __syncthreads();
+    if (j + 1 < n_blocks) load_kv(j + 1);
+    tc::cp_async_commit();
+
+    // S = Q Kᵀ: D/16 steps of k16, each 32 bytes further along the 128-byte rows of a block.
+    float s[NT][4];
+    hp::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const std::uint32_t along = (kk % 4) * 32;
+      hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[NT * 4]>(s),
+                             hp::smem_desc_128b(q_rows + (kk / 4) * BM * 128 + along),
+                             hp::smem_desc_128b(sK(j & 1) + (kk / 4) * BN * 128 + along), kk > 0);
+    }
+    hp::wgmma_commit();
+    hp::wgmma_wait<0>();
+
+    if (tile_needs_mask(p, m0, n0, BN)) mask_strip(s, mask, m0 + warp * 16, n0, lane);  // warp w: rows 16w..
+    softmax_strip(s, o, row_max, row_sum, p.scale_log2);
+
+    // O += P V: P as register A fragments, V read MN-major (keys are k, head_dim is n). Step kk
+    // starts 16 rows down V's first 64-column block; the second block is a tile's half away.
+    std::uint32_t a[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a(a[kk], s[2 * kk], s[2 * kk + 1]);
+    hp::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      wgmma_rs_tb<D>(o, a[kk], hp::smem_desc_128b_mn(sV(j & 1) + kk * 16 * 128, BN * 128));
+    }
+    hp::wgmma_commit();
+    hp::wgmma_wait<0>();  // before the next iteration's prefetch overwrites this V
+  }
+  tc::cp_async_wait<0>();
+  store_strip(o, row_max, row_sum, p, p.q_rows(b, h), m0 + warp * 16, lane);
+#else
+  (void)p;  // compiled without sm_90a: forward_hopper() refuses to launch (hopper_supported)
+#endif
+}
