@@ -34,12 +34,9 @@
 #include "data_parallel.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
+#include "k2c/model/backend.h"
 #include "k2c/model/optim.h"
 #include "replica.h"
-
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace dp = k2c::data_parallel;
 namespace kd = k2c::dist;
@@ -116,15 +113,7 @@ int main(int argc, char** argv) {
     // The model's operations: the CPU backend on MPI; on NCCL the GPU backend, issuing its work
     // to the communicator's compute stream so that a started all-reduce is ordered after the
     // gradients it reads.
-    km::Ops* ops = &km::cpu_ops();
-    if (gpu) {
-#if K2C_MODEL_CUDA
-      km::cuda_ops_use_stream(w.compute_stream());
-      ops = &km::cuda_ops();
-#else
-      throw std::runtime_error("the NCCL backend needs the model's GPU backend (k2c_model_cuda), not built here");
-#endif
-    }
+    km::Ops* ops = &km::backend_for(gpu, w.compute_stream());
 
     const std::uint64_t seed = 7;
     const int rows = rows_per_rank * n;

@@ -25,13 +25,8 @@
 #include "k2c/dist/counting.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
+#include "k2c/model/backend.h"
 #include "zero_reference.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -75,15 +70,7 @@ int main(int argc, char** argv) {
     const km::ModelConfig c = model_name == "tiny" ? tiny_model() : model_name == "gpu" ? gpu_model() : deep_model();
     if (model_name != "tiny" && model_name != "deep" && model_name != "gpu")
       throw std::invalid_argument("--model " + model_name + ": tiny, deep or gpu");
-    km::Ops* ops = &km::cpu_ops();
-#if K2C_MODEL_CUDA
-    if (w.backend() == kd::Backend::nccl) {
-      km::cuda_ops_use_stream(w.compute_stream());
-      ops = &km::cuda_ops();
-    }
-#endif
-    if (w.backend() == kd::Backend::nccl && ops == &km::cpu_ops())
-      throw std::runtime_error("a NCCL run needs the model library's GPU backend, which this build lacks");
+    km::Ops* ops = &km::backend_for(w.backend() == kd::Backend::nccl, w.compute_stream());
     const int n = w.size(), r = w.rank();
     // Four sequences per rank: the tiny and deep models' step stays well under a second on a CPU.
     const int rows = model_name == "gpu" ? 8 : 4, global = rows * n;

@@ -36,14 +36,9 @@
 
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
+#include "k2c/model/backend.h"
 #include "pipeline_harness.h"
 #include "pipeline_parallel.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -148,15 +143,7 @@ int main(int argc, char** argv) {
     const int s = w.rank(), p = w.size();
     if (model_name.empty()) model_name = w.backend() == kd::Backend::nccl ? "gpu" : "cpu";
     if (model_name != "cpu" && model_name != "gpu") throw std::runtime_error("--model is cpu or gpu, not " + model_name);
-    km::Ops* ops = &km::cpu_ops();
-    if (model_name == "gpu") {
-#if K2C_MODEL_CUDA
-      km::cuda_ops_use_stream(w.compute_stream());  // messages ordered against the model's kernels
-      ops = &km::cuda_ops();
-#else
-      throw std::runtime_error("--model gpu needs a build with the model library's GPU backend (k2c_model_cuda)");
-#endif
-    }
+    km::Ops* ops = &km::backend_for(model_name == "gpu", w.compute_stream());  // messages ordered against its kernels
     // The messages are the model's tensors: device memory for NCCL, host memory for MPI.
     if ((model_name == "gpu") != (w.backend() == kd::Backend::nccl))
       throw std::runtime_error("--model " + model_name + " runs on the " + (model_name == "gpu" ? "nccl" : "mpi") +

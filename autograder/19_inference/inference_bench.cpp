@@ -42,12 +42,7 @@
 #include "inference.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
+#include "k2c/model/backend.h"
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -226,15 +221,7 @@ int main(int argc, char** argv) {
   try {
     Options opt = parse(argc, argv);
     const bool gpu = w.backend() == kd::Backend::nccl;
-    km::Ops* ops = &km::cpu_ops();
-    if (gpu) {
-#if K2C_MODEL_CUDA
-      km::cuda_ops_use_stream(w.compute_stream());
-      ops = &km::cuda_ops(km::GpuMath::bf16);
-#else
-      throw std::runtime_error("a NCCL run needs the model library's GPU backend (k2c_model_cuda)");
-#endif
-    }
+    km::Ops* ops = &km::backend_for(gpu, w.compute_stream());
     if (opt.model.empty()) opt.model = gpu ? "small" : "tiny";
     if (!opt.sweep.empty()) {
       sweep_batches(w, *ops, opt);
