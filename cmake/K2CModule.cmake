@@ -76,7 +76,7 @@ function(k2c_add_module id)
   add_library(k2c_impl_${id} SHARED ${impl_src} ${extra_src})
   target_include_directories(k2c_impl_${id} PUBLIC ${root}/assignments/${id})
   target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers)
-  # The course's NVTX ranges compile to nothing in student code (see k2c/nvtx.h).
+  # The course's NVTX ranges compile to nothing in student code (see k2c/device/nvtx.h).
   target_compile_definitions(k2c_impl_${id} PRIVATE K2C_NO_NVTX)
   if(arg_KIND STREQUAL "gpu" OR cuda_parts)
     target_link_libraries(k2c_impl_${id} PUBLIC CUDA::cudart)

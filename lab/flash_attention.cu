@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "k2c/random.h"
+#include "k2c/core/random.h"
 #include "median_time.cuh"
 #include "../solutions/09_flash_attention/flash_attention.cu"
 

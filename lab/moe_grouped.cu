@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "../solutions/10_moe/moe.cu"
-#include "k2c/random.h"
+#include "k2c/core/random.h"
 #include "median_time.cuh"
 
 namespace k2c::moe {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "../solutions/08_rope/rope.cu"
-#include "k2c/random.h"
+#include "k2c/core/random.h"
 #include "median_time.cuh"
 
 namespace rp = k2c::rope;

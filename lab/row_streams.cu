@@ -20,8 +20,8 @@
 
 #include "../solutions/06_softmax/softmax.cu"
 #include "../solutions/07_rmsnorm/rmsnorm.cu"
-#include "k2c/hopper.cuh"
-#include "k2c/random.h"
+#include "k2c/core/random.h"
+#include "k2c/device/hopper.cuh"
 #include "median_time.cuh"
 
 using bf16 = __nv_bfloat16;
@@ -33,7 +33,7 @@ using k2c::rows::warp_all;
 __device__ __forceinline__ std::uint32_t saddr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
-// Rows are held as 16-byte vectors of bf16 bits and converted with k2c/rows.cuh's helpers.
+// Rows are held as 16-byte vectors of bf16 bits and converted with k2c/device/rows.cuh's helpers.
 using Vec = k2c::rows::Bits<bf16, 8>;
 __device__ __forceinline__ void unpack(const Vec& raw, float (&f)[8]) { k2c::rows::unpack<bf16, 8>(raw, f); }
 __device__ __forceinline__ Vec pack(const float (&f)[8]) { return k2c::rows::pack<bf16, 8>(f); }

@@ -13,7 +13,7 @@
 
 #include <cublas_v2.h>
 
-#include "k2c/random.h"
+#include "k2c/core/random.h"
 #include "median_time.cuh"
 #include "../solutions/05_tensor_core_matmul/hopper_matmul.cu"
 #include "../solutions/05_tensor_core_matmul/tensor_core_matmul.cu"

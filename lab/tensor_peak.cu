@@ -14,9 +14,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/hopper.cuh"
-#include "k2c/random.h"
-#include "k2c/tensor_core.cuh"
+#include "k2c/core/random.h"
+#include "k2c/device/hopper.cuh"
+#include "k2c/device/tensor_core.cuh"
 #include "median_time.cuh"
 
 using bf16 = __nv_bfloat16;

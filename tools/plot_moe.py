@@ -82,7 +82,7 @@ left.set_ylim(0, 1.3 * max(max(v.values()) for v in gemm.values()))
 left.legend(fontsize=7, loc="upper center", ncol=2)
 
 names, times = [], []
-for k, lab in (("layer forward_backward", "this layer"), ("naive forward_backward", "naive layer\n(k2c/moe_baseline.h)")):
+for k, lab in (("layer forward_backward", "this layer"), ("naive forward_backward", "naive layer\n(k2c/reference/moe_baseline.h)")):
     if k in layer:
         names.append(lab)
         times.append(layer[k])

@@ -7,8 +7,8 @@
 
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/todo.h"
 #include "roofline.h"
 
 namespace k2c::roofline {

@@ -5,9 +5,9 @@
 // "not implemented yet". Read lectures/01_naive_matmul.md and the handout README.md first.
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/core/todo.h"
 #include "naive_matmul.h"
 
 namespace k2c::naive_matmul {

@@ -6,9 +6,9 @@
 #include <cuda_runtime.h>
 
 #include "coalesced_matmul.h"
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::coalesced_matmul {
 

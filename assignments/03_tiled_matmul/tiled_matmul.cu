@@ -2,9 +2,9 @@
 // (contract: tiled_matmul.h). Read lectures/03_tiled_matmul.md first.
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/core/todo.h"
 #include "tiled_matmul.h"
 
 namespace k2c::tiled_matmul {

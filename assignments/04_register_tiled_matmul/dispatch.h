@@ -11,8 +11,8 @@
 #include <tuple>
 #include <utility>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
 #include "register_tiled_matmul.h"
 // kTunedConfig, kTunedConfigSmall and kSmallOutputs come from the tuned_config.h that the .cu
 // included, its own folder's (the student's or the reference's): not included again from here.

@@ -15,9 +15,9 @@
 
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/core/todo.h"
 #include "register_tiled_matmul.h"
 #include "tuned_config.h"
 

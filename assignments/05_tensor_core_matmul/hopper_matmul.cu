@@ -4,12 +4,12 @@
 // This file is compiled for sm_90a when the build targets sm_90, so wgmma and setmaxnreg are
 // available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`; elsewhere that code compiles away
 // and the Part B tests skip with the reason hopper_supported() gives.
-// What is given: hopper_supported() (k2c/hopper.cuh probes the device), the argument checks. The Hopper
-// instructions are wrapped in k2c/hopper.cuh (mbarriers, tma_load_2d, wgmma_m64n256k16 and its
-// shared-memory descriptor, setmaxnreg, and make_tensor_map_bf16 on the host).
-// What you write: a warp-specialised kernel (a producer warpgroup issuing TMA copies into a ring
-// of shared-memory slots guarded by full/empty mbarriers, consumer warpgroups running wgmma) and
-// its launch in matmul_hopper().
+// What is given: hopper_supported() (k2c/device/hopper.cuh probes the device), the argument checks.
+// The Hopper instructions are wrapped in k2c/device/hopper.cuh (mbarriers, tma_load_2d,
+// wgmma_m64n256k16 and its shared-memory descriptor, setmaxnreg, and make_tensor_map_bf16 on the
+// host). What you write: a warp-specialised kernel (a producer warpgroup issuing TMA copies into a
+// ring of shared-memory slots guarded by full/empty mbarriers, consumer warpgroups running wgmma)
+// and its launch in matmul_hopper().
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -18,11 +18,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
-#include "k2c/hopper.cuh"
-#include "k2c/tensor_core.cuh"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/core/todo.h"
+#include "k2c/device/hopper.cuh"
+#include "k2c/device/tensor_core.cuh"
 #include "tensor_core_matmul.h"
 
 namespace k2c::tensor_core_matmul {

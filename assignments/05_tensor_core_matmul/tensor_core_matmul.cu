@@ -3,7 +3,7 @@
 //
 // What is given: the Tile template with the static_asserts that reject impossible tile shapes,
 // the swizzle map, the argument checks and the choice between the fast path (16-byte copies)
-// and the general one. The instructions themselves are wrapped in k2c/tensor_core.cuh
+// and the general one. The instructions themselves are wrapped in k2c/device/tensor_core.cuh
 // (cp_async_16, cp_async_commit/wait, ldmatrix_x4, mma_bf16_16816, pack_bf16x2).
 // What you write: the kernel (block and warp tiling, a cp.async pipeline over STAGES shared-
 // memory buffers, ldmatrix from the swizzled tiles, mma.sync, and an epilogue that stores only
@@ -13,10 +13,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
-#include "k2c/tensor_core.cuh"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/core/todo.h"
+#include "k2c/device/tensor_core.cuh"
 #include "tensor_core_matmul.h"
 
 namespace k2c::tensor_core_matmul {

@@ -1,14 +1,14 @@
 // assignments/07_rmsnorm/rmsnorm.cu — module 07: your implementation (contract: rmsnorm.h).
 //
-// Read lectures/07_rmsnorm.md first. k2c/rows.cuh holds the course's row-kernel building blocks
-// (vector loads, row reductions, register plans) from module 06: use them or write your own.
+// Read lectures/07_rmsnorm.md first. k2c/device/rows.cuh holds the course's row-kernel building
+// blocks (vector loads, row reductions, register plans) from module 06: use them or write your own.
 #include <cstdint>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/todo.h"
 #include "rmsnorm.h"
 
 namespace k2c::rmsnorm {

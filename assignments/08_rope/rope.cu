@@ -6,8 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/todo.h"
 #include "rope.h"
 
 namespace k2c::rope {

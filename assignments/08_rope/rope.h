@@ -19,7 +19,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 
 namespace k2c::rope {
 

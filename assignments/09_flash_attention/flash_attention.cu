@@ -3,8 +3,8 @@
 //
 // Read lectures/09_flash_attention.md first. Suggested order: naive_forward (task 1), forward
 // (task 2), backward (task 3), and for bonus points forward_hopper and backward_hopper (Part B).
-// k2c/tensor_core.cuh holds module 05's wrappers for cp.async, ldmatrix and mma.sync: include it
-// and build on them.
+// k2c/device/tensor_core.cuh holds module 05's wrappers for cp.async, ldmatrix and mma.sync:
+// include it and build on them.
 #include <cstdint>
 #include <string>
 
@@ -12,9 +12,9 @@
 #include <cuda_runtime.h>
 
 #include "flash_attention.h"
-#include "k2c/check.h"
-#include "k2c/hopper.cuh"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/todo.h"
+#include "k2c/device/hopper.cuh"
 
 namespace k2c::flash_attention {
 
@@ -46,7 +46,7 @@ void forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* 
 }
 
 // Part B (bonus). This file is compiled for sm_90a where the build targets sm_90: wgmma is then
-// available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` (k2c/hopper.cuh wraps the wgmma
+// available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` (k2c/device/hopper.cuh wraps the wgmma
 // shapes attention needs, their shared-memory descriptors and the proxy fence). Given:
 // hopper_supported() and the checks of forward_hopper().
 bool hopper_supported(std::string* why_not) { return k2c::hopper::sm90a_supported(why_not); }

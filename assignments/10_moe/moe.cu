@@ -2,19 +2,19 @@
 //
 // Read lectures/10_moe.md first. Suggested order: route and balance_loss (task 1), dispatch,
 // permute and combine (task 2), grouped_gemm and grouped_weight_grad (task 3), then the layer's
-// forward and backward from those parts (task 4). k2c/tensor_core.cuh holds module 05's wrappers
-// for cp.async, ldmatrix (plain and transposing) and mma.sync: build the grouped GEMM on them.
-// The argument checks are given; keep them at the top of each function.
+// forward and backward from those parts (task 4). k2c/device/tensor_core.cuh holds module 05's
+// wrappers for cp.async, ldmatrix (plain and transposing) and mma.sync: build the grouped GEMM on
+// them. The argument checks are given; keep them at the top of each function.
 #include <cstddef>
 #include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/hopper.cuh"
-#include "k2c/tensor_core.cuh"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/todo.h"
+#include "k2c/device/hopper.cuh"
+#include "k2c/device/tensor_core.cuh"
 #include "moe.h"
 
 namespace k2c::moe {
@@ -111,8 +111,9 @@ void grouped_weight_grad(int groups, const int* offsets, int n, int k, const bf1
 }
 
 // Part B (bonus). This file is compiled for sm_90a where the build targets sm_90: wgmma, TMA and
-// setmaxnreg are then available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)` (k2c/hopper.cuh
-// wraps them; module 05's Part B is the model). Given: hopper_supported() and the checks.
+// setmaxnreg are then available inside `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`
+// (k2c/device/hopper.cuh wraps them; module 05's Part B is the model). Given: hopper_supported()
+// and the checks.
 bool hopper_supported(std::string* why_not) { return k2c::hopper::sm90a_supported(why_not); }
 
 void grouped_gemm_hopper(int groups, const int* offsets, int rows, int n, int k, const bf16* a, const bf16* b,

@@ -5,7 +5,7 @@
 // (rank + 1) and receives one from its left (rank - 1) with a single send_recv, so all links are
 // busy at once and nobody waits for a partner that is itself waiting.
 #include "collectives.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::collectives {
 

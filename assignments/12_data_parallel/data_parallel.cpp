@@ -7,7 +7,7 @@
 // gradient element yourself: on NCCL they are device memory. Hand the communicator pointers into
 // the flat buffers (Tensor::raw(), offsets in elements of 4 bytes).
 #include "data_parallel.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::data_parallel {
 

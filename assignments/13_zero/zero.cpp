@@ -18,7 +18,7 @@
 //     (ParamList::initial_values gives its starting bits); bind a unit's values to its gathered
 //     copy before the unit runs (ParamList::bind_value), unbind and free it after.
 #include "zero.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::zero {
 

@@ -7,7 +7,7 @@
 // ctx.ops around the unsharded layer's arithmetic (common/model/src/layers.cpp shows it) plus at
 // most one collective (the loss: three).
 #include "tensor_parallel.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::tensor_parallel {
 

@@ -6,7 +6,7 @@
 // what the stage must have received first and what it sends afterwards; the arrows between
 // neighbouring rows are your send, recv and start_send_recv calls, in that order.
 #include "pipeline_parallel.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::pipeline_parallel {
 

@@ -8,7 +8,7 @@
 // two partial attention results, ring attention forward (start each hop before the blocks that
 // hide it), backward (dK and dV travel with the keys), and last the layer around it.
 #include "sequence_parallel.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::sequence_parallel {
 

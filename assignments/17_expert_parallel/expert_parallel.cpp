@@ -9,7 +9,7 @@
 // layer you are compared against: its route, forward and backward show every step you need,
 // minus the communication.
 #include "expert_parallel.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::expert_parallel {
 

@@ -2,9 +2,9 @@
 // Read lectures/18_capstone.md first, and the handout (README.md) for the order to work in.
 //
 // You have written every piece already; here they meet. Include the contracts of your modules
-// ("data_parallel.h", "tensor_parallel.h", "pipeline_parallel.h" with its "stage.h",
-// "expert_parallel.h"): this library links your own implementations of 12, 14, 15 and 17. A plan
-// that works:
+// ("data_parallel.h", "zero.h", "tensor_parallel.h", "pipeline_parallel.h" with its "stage.h",
+// "expert_parallel.h"): this library links your own implementations of 12, 13, 14, 15 and 17. A
+// plan that works:
 //   - Impl holds your grid (coordinates from the world rank in k2c/dist/grid.h's layout, and the
 //     groups, each one world.split()), the ledger, the ParamList, a Context, your stage, the
 //     optimizer, the two loaders and the step count.
@@ -15,8 +15,12 @@
 //   - Which group reduces which gradient is the heart of the module: write it down for dp, tp,
 //     pp and ep before you code it (lecture, section 4).
 //   - Checkpoints: one file per rank, with a header that refuses another grid or model.
+//   - ZeRO last, once dp 2 works (zero_stage > 0): a model::Transformer over your ParamList and
+//     your module 13's zero::Zero over the dp group take the place of the stage, DataParallel and
+//     AdamW. Zero sums where DataParallel averages: scale the loss to the global batch. Stage 3
+//     keeps no whole weight, and evaluate must still run. Refuse first what Zero cannot run.
 #include "capstone.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::capstone {
 
@@ -25,6 +29,9 @@ struct GridTrainer::Impl {};
 GridTrainer::GridTrainer(dist::Communicator& world, model::Ops& ops, const CapstoneConfig& config,
                          const LoaderFactory& data) {
   (void)world, (void)ops, (void)config, (void)data;
+  if (config.zero_stage != 0)
+    K2C_TODO("GridTrainer with zero_stage: refuse what Zero cannot run (capstone.h, ZeRO), then a "
+             "model::Transformer and module 13's zero::Zero over the dp group instead of the stage and AdamW");
   K2C_TODO("GridTrainer: the grid and its groups, this rank's stage and parameters, the optimizer, the loaders");
 }
 

@@ -10,11 +10,13 @@
 //                    vocab_parallel_cross_entropy, over the tp group
 //   pp   module 15   stage_blocks and train_step's 1F1B (or GPipe) schedule, over the pp group
 //   ep   module 17   ExpertParallelMoe in every block and reduce_gradients, over the ep group
+//   ZeRO module 13   with zero_stage > 0 on a dp-only grid, Zero steps the model (see ZeRO below)
 //
 // What you write is the composition: the process grid and its groups, one pipeline stage whose
 // blocks hold the parallel layers of this rank's place in the grid, the group over which each
 // parameter's gradient is reduced, a clipping norm that counts every weight of the model exactly
-// once, and the checkpoint of a rank's part of the state. The course's program around it
+// once, the checkpoint of a rank's part of the state, and on a dp-only grid the hand-over of the
+// step to module 13's ZeRO. The course's program around it
 // (autograder/18_capstone/capstone_bench.cpp, `k2c_capstone`) parses flags, prints the progress
 // line, writes the logs, samples and times.
 //
@@ -34,9 +36,26 @@
 // (model::Trainer): at grid 1 the same operations in the same order, so the same bits; on other
 // grids sums are taken in another order (gradients over ranks, row-parallel products, the norm),
 // so the loss curves agree within the tolerance the tests state, and every rank holding a copy
-// of a value holds the same bits.
+// of a value holds the same bits. With zero_stage > 0, at dp 1 and 2, the same bits as
+// zero_stage 0 on the same grid (without clipping): Zero sums gradients scaled to the global
+// batch where DataParallel averages the data ranks' means, and at 2 ranks both are (g0 + g1) / 2
+// exactly.
 //
-// Tests: autograder/18_capstone/test_capstone.cpp. Lecture: lectures/18_capstone.md.
+// ZeRO. zero_stage 1, 2 or 3 hands each step to module 13's zero::Zero (k2c::zero, zero.h: the
+// AdamW state sharded over the dp group, then the gradients too, then the parameters too), run on
+// a model::Transformer of the rank's own over the dp group. Zero owns the whole step of one
+// Transformer on one data-parallel communicator, so it runs where tp = pp = ep = 1 (any dp) with
+// one micro-batch. It has no gradient clipping, and none can be put around it: Zero reduces the
+// gradients and updates the weights inside one call, so no code outside it ever sees the reduced
+// gradient before the update. The constructor therefore refuses, with std::invalid_argument
+// naming the value, a zero_stage outside 0..3, any grid with tp, pp or ep > 1, micro_batches > 1,
+// and clip > 0. Under ZeRO, step() records grad_norm -1 (not measured); evaluate() and
+// gather_values() work in every stage (to evaluate, stage 3 gathers the weights to the host and
+// puts one layer at a time in the backend's memory); save() and load() throw std::runtime_error,
+// since Zero keeps its shards of the AdamW state to itself and a checkpoint could not hold them.
+//
+// Tests: autograder/18_capstone/test_capstone.cpp and test_capstone_zero.cpp. Lecture:
+// lectures/18_capstone.md.
 #pragma once
 
 #include <cstdint>
@@ -101,6 +120,7 @@ struct CapstoneConfig {
   int micro_batches = 1;         // per step and data rank, for the pipeline
   bool one_f_one_b = true;       // the pipeline schedule; false: GPipe
   std::size_t bucket_bytes = 1u << 20;  // DataParallel's buckets
+  int zero_stage = 0;            // 0: AdamW over every parameter; 1, 2, 3: module 13's Zero (above)
 };
 
 // Makes the data rank's loader: `validation` false for training batches, true for held-out
@@ -122,7 +142,8 @@ class GridTrainer {
   // reduced over their groups, clipped to config.train.clip by the norm of the whole model's
   // gradient, AdamW at cosine_lr. The record's loss (the mean over the global batch, without
   // the MoE balance term), grad_norm (before clipping) and lr are the same on every rank;
-  // seconds, tokens_per_s (global tokens) are this rank's; mfu is left 0.
+  // seconds, tokens_per_s (global tokens) are this rank's; mfu is left 0. Under ZeRO: no clipping,
+  // and grad_norm is -1.
   model::StepRecord step();
   // Mean loss per token over the first `batches` validation batches, on every rank.
   double evaluate(int batches);
@@ -133,7 +154,8 @@ class GridTrainer {
 
   // Checkpoints: each rank writes (reads) its part of the state (parameters, AdamW moments and
   // steps, the step count) to `path` on one rank, to path + ".rank<r>" on more. load throws
-  // std::runtime_error for a missing or foreign file, or one written on another grid.
+  // std::runtime_error for a missing or foreign file, or one written on another grid. Both throw
+  // std::runtime_error under ZeRO (zero_stage > 0), before touching any file.
   void save(const std::filesystem::path& path);
   void load(const std::filesystem::path& path);
 

@@ -21,7 +21,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::inference {
 

@@ -9,7 +9,7 @@
 //   build/assignments/bin/k2c run -np 1 build/assignments/bin/k2c_test_19_inference \
 //     --gtest_filter='Inference.Cache*'
 #include "inference.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::inference {
 

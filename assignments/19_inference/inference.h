@@ -46,10 +46,10 @@
 #include <string>
 #include <vector>
 
+#include "k2c/core/random.h"
 #include "k2c/dist/communicator.h"
 #include "k2c/model/params.h"
 #include "k2c/model/transformer.h"
-#include "k2c/random.h"
 
 namespace k2c::inference {
 
@@ -333,7 +333,7 @@ struct Request {
 
 // A trace: `count` requests, ids 0 .. count−1, Poisson arrivals at `rate` per second (exponential
 // gaps; rate <= 0: all at time 0), prompt and output lengths uniform in [min, max], prompt tokens
-// uniform in [0, vocab), all drawn from `seed` (k2c/random.h).
+// uniform in [0, vocab), all drawn from `seed` (k2c/core/random.h).
 struct TraceConfig {
   int count = 8;
   double rate = 0;

@@ -6,7 +6,7 @@
 // timer); serve_disaggregated() is the same loop cut in two, plus the messages that keep the two
 // ranks in step. Every result must come out the same on both ranks.
 #include "inference.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::inference {
 

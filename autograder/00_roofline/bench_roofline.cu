@@ -2,10 +2,10 @@
 // BM_roofline_copy/{memcpy,copy}/<floats> from 256 K to 256 M floats, and the FMA kernel.
 #include <cuda_runtime.h>
 
-#include "k2c/bench.h"
-#include "k2c/buffer.h"
-#include "k2c/check.h"
-#include "k2c/random.h"
+#include "k2c/core/check.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
+#include "k2c/testing/bench.h"
 #include "roofline.h"
 
 namespace rl = k2c::roofline;

@@ -10,14 +10,14 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/compare.h"
-#include "k2c/device.h"
-#include "k2c/random.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
-#include "k2c/timing.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/device.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/compare.h"
+#include "k2c/testing/testing.h"
 #include "roofline.h"
 
 namespace rl = k2c::roofline;

@@ -1,8 +1,8 @@
 // autograder/01_naive_matmul/bench_naive_matmul.cu — the first rung of the SGEMM ladder, and
 // cuBLAS as version 0: BM_naive_matmul_sgemm/{cublas,naive}/<n>. tools/plot_ladder.py draws
 // the ladder of modules 01–04 from these programs' JSON.
-#include "k2c/bench.h"
-#include "k2c/ceilings.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/testing/bench.h"
 #include "naive_matmul.h"
 
 static void register_all() {

@@ -1,17 +1,17 @@
 // autograder/01_naive_matmul/test_naive_matmul.cu — tests of module 01
 // (contract: naive_matmul.h).
 //
-// Correctness against the double-precision CPU reference (k2c/sgemm_testing.h, shared by every
-// SGEMM module): awkward fixed shapes, random shapes from the run's seed, alpha and beta away
+// Correctness against the double-precision CPU reference (k2c/testing/sgemm_testing.h, shared by
+// every SGEMM module): awkward fixed shapes, random shapes from the run's seed, alpha and beta away
 // from 0 and 1, random C (an unwritten element keeps its old value), beta == 0 over a C poisoned
 // with NaN. The performance test spot-checks a 4096³ product and compares the rate with cuBLAS
 // SGEMM measured in the same run.
 #include <gtest/gtest.h>
 
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/sgemm_testing.h"
-#include "k2c/testing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/testing/sgemm_testing.h"
+#include "k2c/testing/testing.h"
 #include "naive_matmul.h"
 
 namespace st = k2c::sgemm_testing;

@@ -1,6 +1,6 @@
 // autograder/02_coalesced_matmul/bench_coalesced_matmul.cu — BM_coalesced_matmul_sgemm/coalesced/<n>.
 #include "coalesced_matmul.h"
-#include "k2c/bench.h"
+#include "k2c/testing/bench.h"
 
 static void register_all() {
   k2c::bench::sgemm_sweep("coalesced_matmul", "coalesced", [](int n, const float* a, const float* b, float* c) {

@@ -1,14 +1,14 @@
 // autograder/02_coalesced_matmul/test_coalesced_matmul.cu — tests of module 02
 // (contract: coalesced_matmul.h). Correctness as for every SGEMM module
-// (k2c/sgemm_testing.h); speed as a multiple of module 01's naive kernel (the trusted copy in
-// common/) measured in the same run.
+// (k2c/testing/sgemm_testing.h); speed as a multiple of module 01's naive kernel (the trusted copy
+// in common/) measured in the same run.
 #include <gtest/gtest.h>
 
 #include "coalesced_matmul.h"
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/sgemm_testing.h"
-#include "k2c/testing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/testing/sgemm_testing.h"
+#include "k2c/testing/testing.h"
 
 namespace st = k2c::sgemm_testing;
 constexpr st::SgemmFn kMatmul = k2c::coalesced_matmul::matmul;

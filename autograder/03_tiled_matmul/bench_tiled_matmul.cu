@@ -1,5 +1,5 @@
 // autograder/03_tiled_matmul/bench_tiled_matmul.cu — BM_tiled_matmul_sgemm/{tile32,tiled}/<n>.
-#include "k2c/bench.h"
+#include "k2c/testing/bench.h"
 #include "tiled_matmul.h"
 
 static void register_all() {

@@ -1,13 +1,13 @@
 // autograder/03_tiled_matmul/test_tiled_matmul.cu — tests of module 03
 // (contract: tiled_matmul.h). Correctness of both parts as for every SGEMM module
-// (k2c/sgemm_testing.h), the fixed shapes covering every kind of partial tile; speed of Part B
-// against cuBLAS SGEMM measured in the same run.
+// (k2c/testing/sgemm_testing.h), the fixed shapes covering every kind of partial tile; speed of
+// Part B against cuBLAS SGEMM measured in the same run.
 #include <gtest/gtest.h>
 
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/sgemm_testing.h"
-#include "k2c/testing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/testing/sgemm_testing.h"
+#include "k2c/testing/testing.h"
 #include "tiled_matmul.h"
 
 namespace st = k2c::sgemm_testing;

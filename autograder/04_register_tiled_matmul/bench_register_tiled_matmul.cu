@@ -1,6 +1,6 @@
 // autograder/04_register_tiled_matmul/bench_register_tiled_matmul.cu —
 // BM_register_tiled_matmul_sgemm/register_tiled/<n>, the tuned configuration.
-#include "k2c/bench.h"
+#include "k2c/testing/bench.h"
 #include "register_tiled_matmul.h"
 
 static void register_all() {

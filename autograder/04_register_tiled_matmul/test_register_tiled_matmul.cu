@@ -11,10 +11,10 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/sgemm_testing.h"
-#include "k2c/testing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/testing/sgemm_testing.h"
+#include "k2c/testing/testing.h"
 #include "register_tiled_matmul.h"
 
 namespace rt = k2c::register_tiled_matmul;

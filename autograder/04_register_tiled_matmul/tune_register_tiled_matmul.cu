@@ -16,13 +16,13 @@
 #include <string>
 #include <vector>
 
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/compare.h"
-#include "k2c/device.h"
-#include "k2c/random.h"
-#include "k2c/reference.h"
-#include "k2c/timing.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/device.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/compare.h"
 #include "register_tiled_matmul.h"
 
 namespace rt = k2c::register_tiled_matmul;

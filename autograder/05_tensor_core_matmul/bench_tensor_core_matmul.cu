@@ -2,8 +2,8 @@
 // BM_tensor_core_matmul_bf16gemm/{cublas,mma_sync,wgmma}/<n>, C = A·Bᵀ with bf16 output.
 // cuBLAS is version 0, as in the SGEMM ladder; wgmma only where Part B can run, and only at sizes
 // it accepts (multiples of 8).
-#include "k2c/bench.h"
-#include "k2c/ceilings.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/testing/bench.h"
 #include "tensor_core_matmul.h"
 
 namespace tcm = k2c::tensor_core_matmul;

@@ -26,12 +26,12 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/bf16.h"
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
-#include "k2c/timing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/bf16.h"
+#include "k2c/testing/testing.h"
 #include "tensor_core_matmul.h"
 
 namespace tcm = k2c::tensor_core_matmul;

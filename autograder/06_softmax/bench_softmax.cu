@@ -3,9 +3,9 @@
 // the same bytes (variant "copy"). tools/plot_bandwidth.py draws GB/s by row length.
 #include <cuda_runtime.h>
 
-#include "k2c/bench.h"
-#include "k2c/bf16.h"
-#include "k2c/check.h"
+#include "k2c/core/check.h"
+#include "k2c/testing/bench.h"
+#include "k2c/testing/bf16.h"
 #include "softmax.h"
 
 namespace sm = k2c::softmax;

@@ -4,9 +4,9 @@
 // pass must move: forward 2, fused forward 4, backward 3 tensors.
 #include <cuda_runtime.h>
 
-#include "k2c/bench.h"
-#include "k2c/bf16.h"
-#include "k2c/check.h"
+#include "k2c/core/check.h"
+#include "k2c/testing/bench.h"
+#include "k2c/testing/bf16.h"
 #include "rmsnorm.h"
 
 namespace rn = k2c::rmsnorm;

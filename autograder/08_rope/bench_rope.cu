@@ -4,9 +4,9 @@
 // (variant "copy"). GB/s count q and k read and written once.
 #include <cuda_runtime.h>
 
-#include "k2c/bench.h"
-#include "k2c/bf16.h"
-#include "k2c/check.h"
+#include "k2c/core/check.h"
+#include "k2c/testing/bench.h"
+#include "k2c/testing/bf16.h"
 #include "rope.h"
 
 namespace rp = k2c::rope;

@@ -11,13 +11,13 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/bf16.h"
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/compare.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
-#include "k2c/timing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/bf16.h"
+#include "k2c/testing/compare.h"
+#include "k2c/testing/testing.h"
 #include "rope.h"
 
 namespace rp = k2c::rope;

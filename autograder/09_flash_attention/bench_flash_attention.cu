@@ -11,8 +11,8 @@
 #include <cuda_runtime.h>
 
 #include "flash_attention.h"
-#include "k2c/bench.h"
-#include "k2c/check.h"
+#include "k2c/core/check.h"
+#include "k2c/testing/bench.h"
 
 namespace fa = k2c::flash_attention;
 using fa::bf16;

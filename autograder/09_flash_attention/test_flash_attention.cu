@@ -10,8 +10,8 @@
 //             (2^-8·|dS_ij| per term); D_i = Σ dO_i ∘ O_i computed from the bf16 O the pass is
 //             given (an error of at most 2^-8·Σ_c |dO_ic·O_ic| in D_i, times P_ij in dS_ij); and
 //             each gradient is rounded once (2^-8·|ref|).
-// The CPU reference returns those sums of absolute terms as "magnitudes" (k2c/reference.h), and
-// every element must lie within
+// The CPU reference returns those sums of absolute terms as "magnitudes"
+// (k2c/reference/reference.h), and every element must lie within
 //   1.25 · 2^-8 · (magnitude + |ref|) + 1e-5
 // where the factor 1.25 covers fp32 accumulation, the approximate exp2 (2 ulp) and lse's own fp32
 // rounding, all below 2^-20 relative, with ample room; 1e-5 covers elements whose terms cancel to
@@ -35,12 +35,12 @@
 #include <gtest/gtest.h>
 
 #include "flash_attention.h"
-#include "k2c/bf16.h"
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
-#include "k2c/timing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/bf16.h"
+#include "k2c/testing/testing.h"
 
 namespace fa = k2c::flash_attention;
 using k2c::bf16;

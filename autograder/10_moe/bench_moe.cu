@@ -4,15 +4,15 @@
 //   BM_moe/hopper/<up|down>/<uniform|skewed>       Part B's wgmma version (where supported)
 //   BM_moe/cublas_loop/<up|down>/<uniform|skewed>  cuBLAS once per expert on the same data
 //   BM_moe/layer/<forward|forward_backward>        module 10's layer
-//   BM_moe/naive/forward_backward                  the naive layer (k2c/moe_baseline.h)
+//   BM_moe/naive/forward_backward                  the naive layer (k2c/reference/moe_baseline.h)
 // Loads: every token picks 6 distinct experts, uniformly or with weight 1 / (e + 1).
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include "k2c/bench.h"
-#include "k2c/ceilings.h"
-#include "k2c/moe_baseline.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/moe_baseline.h"
+#include "k2c/testing/bench.h"
 #include "moe.h"
 
 namespace moe = k2c::moe;

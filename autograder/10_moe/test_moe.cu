@@ -1,7 +1,7 @@
 // autograder/10_moe/test_moe.cu — tests of module 10 (contract: moe.h).
 //
 // Exact where the answer is discrete: chosen experts, counts, offsets, slots and sources must
-// equal the CPU reference's (k2c/reference.h), and permute must copy bits.
+// equal the CPU reference's (k2c/reference/reference.h), and permute must copy bits.
 //
 // Near ties. The kernels compute scores in fp32 and the reference in double, so two experts
 // whose keys differ by less than about a millionth of their size may legitimately come out in
@@ -44,8 +44,8 @@
 // same total size, interleaved in the same run (the per-expert cuBLAS loop reported beside it):
 // Part B's wgmma kernel where it runs and is implemented (what the layer's forward pass would
 // use), else grouped_gemm(), and grouped_gemm() alone as a recorded figure; and the whole layer's
-// forward plus backward against a naive layer in the same run (k2c/moe_baseline.h: a launch per
-// expert for every step, an unfused router, scatter-adds).
+// forward plus backward against a naive layer in the same run (k2c/reference/moe_baseline.h: a
+// launch per expert for every step, an unfused router, scatter-adds).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -57,13 +57,13 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/bf16.h"
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/moe_baseline.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
-#include "k2c/timing.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/moe_baseline.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/bf16.h"
+#include "k2c/testing/testing.h"
 #include "moe.h"
 
 namespace moe = k2c::moe;

@@ -21,9 +21,9 @@
 #include <gtest/gtest.h>
 
 #include "collectives.h"
+#include "k2c/core/random.h"
 #include "k2c/dist/testing.h"
-#include "k2c/random.h"
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 
 namespace col = k2c::collectives;
 namespace kd = k2c::dist;

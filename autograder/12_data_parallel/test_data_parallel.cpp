@@ -48,7 +48,7 @@
 #include "k2c/dist/testing.h"
 #include "k2c/model/forwarding_ops.h"
 #include "k2c/model/optim.h"
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 #include "replica.h"
 
 #if K2C_MODEL_CUDA

@@ -25,11 +25,11 @@
 #include <string>
 #include <vector>
 
+#include "k2c/core/random.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
 #include "k2c/model/layers.h"
-#include "k2c/random.h"
 #include "tensor_parallel.h"
 #include "uniform_weights.h"
 

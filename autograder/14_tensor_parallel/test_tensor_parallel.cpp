@@ -42,14 +42,14 @@
 
 #include <gtest/gtest.h>
 
+#include "k2c/core/random.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/block.h"
 #include "k2c/model/layers.h"
 #include "k2c/model/testing.h"
-#include "k2c/random.h"
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 #include "tensor_parallel.h"
 #include "uniform_weights.h"
 #ifndef K2C_MODEL_CUDA

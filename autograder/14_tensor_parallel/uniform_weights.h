@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "k2c/core/random.h"
 #include "k2c/model/params.h"
-#include "k2c/random.h"
 
 namespace k2c::tp_harness {
 

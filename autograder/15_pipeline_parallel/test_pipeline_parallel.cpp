@@ -42,7 +42,7 @@
 #include "k2c/model/data.h"
 #include "k2c/model/optim.h"
 #include "k2c/model/transformer.h"
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 #include "pipeline_harness.h"
 #include "pipeline_parallel.h"
 

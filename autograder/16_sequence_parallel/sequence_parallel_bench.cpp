@@ -27,11 +27,11 @@
 #include <string>
 #include <vector>
 
+#include "k2c/core/random.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
 #include "k2c/model/ops.h"
-#include "k2c/random.h"
 #include "sequence_parallel.h"
 
 namespace kd = k2c::dist;

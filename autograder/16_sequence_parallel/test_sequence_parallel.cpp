@@ -58,6 +58,7 @@
 
 #include <gtest/gtest.h>
 
+#include "k2c/core/random.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
@@ -65,8 +66,7 @@
 #include "k2c/model/forwarding_ops.h"
 #include "k2c/model/layers.h"
 #include "k2c/model/testing.h"
-#include "k2c/random.h"
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 #include "sequence_parallel.h"
 #ifndef K2C_MODEL_CUDA
 #define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists

@@ -33,10 +33,10 @@
 #include <vector>
 
 #include "expert_parallel.h"
+#include "k2c/core/random.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
-#include "k2c/random.h"
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;

@@ -18,14 +18,14 @@
 #include <gtest/gtest.h>
 
 #include "expert_parallel.h"
+#include "k2c/core/random.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/moe.h"
 #include "k2c/model/testing.h"
-#include "k2c/random.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/testing.h"
 
 namespace k2c::expert_parallel_testing {
 

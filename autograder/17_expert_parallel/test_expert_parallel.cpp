@@ -16,8 +16,8 @@
 // n·N tokens. Without a capacity the reference is the model library's single-process
 // model::Moe over all of X on the CPU backend, computed on every rank from the same seed; with a
 // capacity it is the double-precision oracle of module 10 (k2c::ref::moe_forward / moe_backward,
-// common/include/k2c/reference.h), run on each rank's N tokens with the rank's capacity C (the
-// contract drops per sending rank), with the weights' gradients summed over the ranks, since
+// common/include/k2c/reference/reference.h), run on each rank's N tokens with the rank's capacity C
+// (the contract drops per sending rank), with the weights' gradients summed over the ranks, since
 // model::Moe has no capacity. Parameters are compared by name; an expert shard against its
 // slice [r·L, (r+1)·L) of the stacked weight.
 //

@@ -3,8 +3,13 @@
 //   k2c run -np 8 build/solutions/bin/k2c_capstone --grid dp2,tp2,pp2 --data datasets/grammar
 //           [--config tiny|tiny-moe|dense-135m|moe-135m] [--steps N] [--batch B]
 //           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
-//           [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
+//           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
 //           [--samples N] [--peak-tflops P]
+//
+// --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
+// dp-only grid (capstone.h says what it refuses). ZeRO has no gradient clipping, so --zero makes
+// the default --clip 0 (an explicit --clip C > 0 is refused), the progress line shows no gradient
+// norm, and --checkpoint is refused.
 //
 // `k2c run` prints the plain mpirun command it starts; on several nodes, run that command with a
 // host list (mpirun -H node1:8,node2:8 ...) or under srun: the grid puts each tp group on
@@ -35,7 +40,7 @@
 #include "k2c/model/data.h"
 #include "k2c/model/train.h"
 #if K2C_MODEL_CUDA
-#include "k2c/ceilings.h"
+#include "k2c/reference/ceilings.h"
 #include "k2c/model/cuda_ops.h"
 #endif
 
@@ -67,7 +72,7 @@ km::ModelConfig preset(const std::string& name) {
 
 struct Options {
   std::string grid = "1", data, config = "tiny", log, json, checkpoint;
-  int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3;
+  int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0;
   std::uint64_t seed = 1;
   bool resume = false, gpipe = false;
@@ -75,6 +80,7 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
+  bool clip_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -103,7 +109,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--eval-every") o.eval_every = static_cast<int>(number());
     else if (a == "--samples") o.samples = static_cast<int>(number());
     else if (a == "--lr") o.lr = number();
-    else if (a == "--clip") o.clip = number();
+    else if (a == "--clip") o.clip = number(), clip_given = true;
+    else if (a == "--zero") o.zero = static_cast<int>(number());
     else if (a == "--peak-tflops") o.peak_tflops = number();
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
     else if (a == "--resume") o.resume = true;
@@ -111,6 +118,11 @@ Options parse(int argc, char** argv) {
     else throw UsageError("unknown argument '" + a + "' (see the top of autograder/18_capstone/capstone_bench.cpp)");
   }
   if (o.resume && o.checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
+  if (o.zero < 0 || o.zero > 3) throw UsageError("--zero " + std::to_string(o.zero) + ": 1, 2 or 3 (0: off)");
+  if (o.zero > 0 && !o.checkpoint.empty())
+    throw UsageError("--checkpoint with --zero " + std::to_string(o.zero) +
+                     ": module 13's Zero does not expose its optimizer shards; drop one of the two");
+  if (o.zero > 0 && !clip_given) o.clip = 0;  // ZeRO has no clipping (capstone.h)
   return o;
 }
 
@@ -124,6 +136,7 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   config.grid = kc::parse_grid(o.grid);
   config.micro_batches = o.micro_batches;
   config.one_f_one_b = !o.gpipe;
+  config.zero_stage = o.zero;
 
   // The data: a k2c_datagen folder, or a Markov chain made here (the same on every rank).
   std::vector<std::uint16_t> train_tokens, val_tokens;
@@ -175,6 +188,10 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     std::printf("model: %s\ngrid: %s on %d ranks, %d micro-batches (%s), batch %d x %d tokens\n",
                 c.model.describe().c_str(), kc::grid_name(config.grid).c_str(), world.size(), o.micro_batches,
                 o.gpipe ? "GPipe" : "1F1B", c.batch, c.model.seq_len);
+    if (o.zero > 0)
+      std::printf("optimizer: AdamW under ZeRO stage %d over dp %d, no clipping\n", o.zero, config.grid.dp);
+    else if (o.clip > 0) std::printf("optimizer: AdamW, clipping at gradient norm %g\n", o.clip);
+    else std::printf("optimizer: AdamW, no clipping\n");
     if (o.resume) std::printf("resumed from %s at step %d\n", o.checkpoint.c_str(), trainer.steps_done());
   }
   std::ofstream log;
@@ -194,16 +211,19 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     if (o.peak_tflops > 0) r.mfu = r.tokens_per_s * flops_per_token / (o.peak_tflops * 1e12 * world.size());
     records.push_back(r);
     if (!root) continue;
-    char val[32] = "", mfu[32] = "";
+    char val[32] = "", mfu[32] = "", norm[32] = "|g|     -";  // a norm of -1: not measured (ZeRO)
     if (r.val_loss >= 0) std::snprintf(val, sizeof val, "  val %.4f", r.val_loss);
     if (o.peak_tflops > 0) std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * r.mfu);
-    std::printf("step %5d/%d  loss %.4f%s  lr %.2e  |g| %.3f  %.0f tok/s%s  mem %.1f MiB\n", r.step + 1, c.steps,
-                r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, mfu, trainer.ledger().peak_total() / 1048576.0);
+    if (r.grad_norm >= 0) std::snprintf(norm, sizeof norm, "|g| %.3f", r.grad_norm);
+    std::printf("step %5d/%d  loss %.4f%s  lr %.2e  %s  %.0f tok/s%s  mem %.1f MiB\n", r.step + 1, c.steps, r.loss,
+                val, r.lr, norm, r.tokens_per_s, mfu, trainer.ledger().peak_total() / 1048576.0);
     std::fflush(stdout);
     if (log) {
       log << r.step << ',' << r.loss << ',';
       if (r.val_loss >= 0) log << r.val_loss;
-      log << ',' << r.lr << ',' << r.grad_norm << ',' << r.tokens_per_s << ',' << r.mfu << ',' << r.seconds << '\n';
+      log << ',' << r.lr << ',';
+      if (r.grad_norm >= 0) log << r.grad_norm;
+      log << ',' << r.tokens_per_s << ',' << r.mfu << ',' << r.seconds << '\n';
     }
   }
   if (!o.checkpoint.empty()) trainer.save(o.checkpoint);
@@ -226,7 +246,8 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   if (!o.json.empty()) {
     std::ofstream j(o.json);
     j << "{\n  \"grid\": \"" << kc::grid_name(config.grid) << "\", \"ranks\": " << world.size()
-      << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches << ",\n  \"steps\": [";
+      << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches
+      << ", \"zero_stage\": " << o.zero << ",\n  \"steps\": [";
     for (std::size_t i = 0; i < records.size(); ++i)
       j << (i ? ",\n    " : "\n    ") << "{\"step\": " << records[i].step << ", \"loss\": " << records[i].loss
         << ", \"val_loss\": " << records[i].val_loss << ", \"grad_norm\": " << records[i].grad_norm

@@ -31,6 +31,7 @@
 // Training: the tiny model on a Markov chain of 32 tokens must come within 0.05 nats of the
 // chain's own loss on the validation tokens (the floor no model can beat) on dp 2 in 300 steps.
 // Resume: 12 steps in one run equal 6 steps, a checkpoint and 6 more in a new trainer, bit for bit.
+// ZeRO as a flag is tested in test_capstone_zero.cpp; what both files share is capstone_testing.h.
 #include <mpi.h>
 
 #include <unistd.h>
@@ -45,58 +46,13 @@
 
 #include <gtest/gtest.h>
 
-#include "capstone.h"
-#include "k2c/compare.h"
-#include "k2c/dist/testing.h"
-#include "k2c/model/data.h"
-#include "k2c/model/train.h"
-#include "k2c/testing.h"
+#include "capstone_testing.h"
+#include "k2c/testing/compare.h"
+#include "k2c/testing/testing.h"
 
-namespace kc = k2c::capstone;
-namespace kd = k2c::dist;
-namespace km = k2c::model;
-using k2c::dist::testing::world;
+using namespace k2c::capstone_testing;  // the shared configurations, data and tolerances
 
 namespace {
-
-constexpr int kSteps = 20;
-constexpr double kLossTol = 5e-7, kNormTol = 5e-6, kParamAtol = 5e-5, kParamRtol = 1e-4, kParamL2 = 5e-6;
-
-// The models: dense, a mixture of experts, and the same without the balance term (see dp 2 × ep 2).
-enum class Model { dense, moe, moe_unbalanced };
-
-km::TrainConfig tiny_config(Model model) {
-  km::TrainConfig c;
-  c.model = km::ModelConfig::tiny();
-  if (model != Model::dense) c.model.experts = 4, c.model.top_k = 2, c.model.shared_experts = 1, c.model.d_expert = 32;
-  if (model == Model::moe_unbalanced) c.model.balance_coef = 0.0f;
-  c.steps = kSteps, c.batch = 8, c.lr = 3e-3f, c.min_lr = 3e-4f, c.warmup = 5, c.clip = 0.5f;
-  c.eval_every = 0;
-  return c;
-}
-
-// The tokens every run reads, and loaders over them for any data rank.
-struct Data {
-  std::vector<std::uint16_t> train, val;
-  std::uint32_t vocab;
-  Data(int vocab, int branching, std::uint64_t seed) : vocab(static_cast<std::uint32_t>(vocab)) {
-    km::MarkovSource source(seed, vocab, branching);
-    train = source.sample(60000);
-    val = source.sample(20000);
-  }
-  km::TokenLoader loader(const km::TrainConfig& c, bool validation, int rank, int ranks) const {
-    return km::TokenLoader(validation ? val : train, vocab,
-                           {c.model.seq_len, c.batch, rank, ranks, validation ? 102u : 101u});
-  }
-  kc::LoaderFactory factory(const km::TrainConfig& c) const {
-    return [this, c](bool validation, int rank, int ranks) { return loader(c, validation, rank, ranks); };
-  }
-};
-
-const Data& tiny_data() {
-  static const Data d(256, 4, 7);
-  return d;
-}
 
 // The single-process run of a configuration: every step's record and the final parameters.
 struct Reference {
@@ -116,14 +72,6 @@ const Reference& reference(Model model) {
   r.values.resize(static_cast<std::size_t>(trainer.params().numel()));
   km::cpu_ops().download(r.values.data(), trainer.params().flat_values());
   return cache.emplace(model, std::move(r)).first->second;
-}
-
-// Every rank holds the same bits of a value.
-bool same_on_every_rank(double v) {
-  double lo = v, hi = v;
-  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return lo == hi;
 }
 
 enum class Match { bits, loss_bits, tolerance };

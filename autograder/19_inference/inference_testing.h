@@ -16,13 +16,13 @@
 #include <gtest/gtest.h>
 
 #include "inference.h"
-#include "k2c/compare.h"
+#include "k2c/core/random.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/testing.h"
 #include "k2c/model/transformer.h"
-#include "k2c/random.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/compare.h"
+#include "k2c/testing/testing.h"
 
 namespace k2c::inference_testing {
 
@@ -134,7 +134,7 @@ inline Host heads_major(const Host& x, std::int64_t tokens, int heads, int hd) {
 }
 
 // The attention of one query (Hq heads of hd) over L keys and values (rows [L, Hkv·hd]): the
-// course's double-precision reference (k2c/reference.h).
+// course's double-precision reference (k2c/reference/reference.h).
 inline std::vector<double> attend_host(const Host& q, const Host& k, const Host& v, std::int64_t L, int Hq, int Hkv, int hd) {
   const k2c::ref::AttentionShape shape{1, Hq, Hkv, 1, static_cast<int>(L), hd, false, 1.0 / std::sqrt(double(hd))};
   return k2c::ref::attention_forward(q, heads_major(k, L, Hkv, hd), heads_major(v, L, Hkv, hd), shape).o;

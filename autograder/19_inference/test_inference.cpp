@@ -11,12 +11,12 @@
 //
 // References, all computed here from the same seeds:
 //   - the cache: the contract's own arithmetic (slots, page counts, bytes per token);
-//   - decode attention: the course's double-precision attention (k2c/reference.h) over the keys
-//     and values laid out contiguously, and the library's attention_forward for the bit-for-bit
-//     cases;
+//   - decode attention: the course's double-precision attention (k2c/reference/reference.h) over
+//     the keys and values laid out contiguously, and the library's attention_forward for the
+//     bit-for-bit cases;
 //   - the engine: model::Transformer::forward over each request's whole token sequence;
-//   - MLA: the contract's equations through k2c/reference.h (products, RoPE and attention in
-//     double), and Mla::forward;
+//   - MLA: the contract's equations through k2c/reference/reference.h (products, RoPE and
+//     attention in double), and Mla::forward;
 //   - batching: each request served alone, and the schedule of the contract simulated here on
 //     the host with the same cost model.
 // What must agree, and how closely (M = the largest |reference| of the tensor):
@@ -378,8 +378,8 @@ TEST_F(Inference, DecodeMatchesRecompute) {
 
 namespace {
 
-// The contract's MLA equations through the course's references (k2c/reference.h: products and
-// attention in double, RoPE half-split): y [T, d] for x [T, d] at positions 0 .. T−1.
+// The contract's MLA equations through the course's references (k2c/reference/reference.h: products
+// and attention in double, RoPE half-split): y [T, d] for x [T, d] at positions 0 .. T−1.
 std::vector<double> mla_host(const inf::MlaConfig& c, std::map<std::string, Host>& w, const Host& x, int T) {
   namespace ref = k2c::ref;
   const int d = c.d_model, H = c.heads, dn = c.nope_dim, dr = c.rope_dim, dc = c.latent_dim, dv = c.value_dim;

@@ -3,12 +3,13 @@
 //
 // The kernel runs on one GPU, so these tests run in the one-rank run and skip in the others (and
 // skip without a GPU). Their reference is the course's double-precision attention
-// (k2c/reference.h) of each query over its sequence's keys and values, gathered on the host from
-// the pages the kernel read; inputs are rounded to bf16 first, so the reference sees exactly the
-// kernel's inputs. What must agree: every output within 1e-2·M + 1e-2·|w| (M = the largest |w| of
-// the sequence's outputs): o is rounded to bf16 once (relative 2^-8), and the scores' sums run in
-// fp32 in the kernel's own order. Outputs and workspace are poisoned (NaN) before each call; page
-// table entries past a sequence's pages hold an out-of-range page, so a read past the end faults.
+// (k2c/reference/reference.h) of each query over its sequence's keys and values, gathered on the
+// host from the pages the kernel read; inputs are rounded to bf16 first, so the reference sees
+// exactly the kernel's inputs. What must agree: every output within 1e-2·M + 1e-2·|w| (M = the
+// largest |w| of the sequence's outputs): o is rounded to bf16 once (relative 2^-8), and the
+// scores' sums run in fp32 in the kernel's own order. Outputs and workspace are poisoned (NaN)
+// before each call; page table entries past a sequence's pages hold an out-of-range page, so a
+// read past the end faults.
 //
 // Speed: 32 sequences of 8192 cached tokens, 32 query and 8 KV heads of 128, pages of 16 tokens
 // scattered over the pool: the cache bytes read per second against cudaMemcpy's rate (bytes read
@@ -26,14 +27,14 @@
 #include <vector>
 
 #include "decode_kernel.h"
-#include "k2c/bf16.h"
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/check.h"
+#include "k2c/core/check.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/timing.h"
 #include "k2c/dist/testing.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
-#include "k2c/timing.h"
+#include "k2c/reference/ceilings.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/bf16.h"
+#include "k2c/testing/testing.h"
 
 namespace {
 

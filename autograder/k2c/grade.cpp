@@ -22,7 +22,7 @@
 #include "intake.h"
 #include "launch.h"
 #include "run_log.h"
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;

@@ -23,7 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "k2c/rubric.h"
+#include "k2c/core/rubric.h"
 #include "process.h"
 
 namespace k2c::grader {

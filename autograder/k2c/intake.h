@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "k2c/rubric.h"
+#include "k2c/core/rubric.h"
 
 namespace k2c::grader {
 

@@ -31,7 +31,7 @@
 #include "grade.h"
 #include "intake.h"
 #include "launch.h"
-#include "k2c/rubric.h"
+#include "k2c/core/rubric.h"
 #include "process.h"
 
 namespace fs = std::filesystem;

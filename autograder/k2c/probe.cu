@@ -7,8 +7,8 @@
 #include <cuda_runtime.h>
 #include <nlohmann/json.hpp>
 
-#include "k2c/ceilings.h"
-#include "k2c/device.h"
+#include "k2c/device/device.h"
+#include "k2c/reference/ceilings.h"
 
 int main(int argc, char** argv) {
   const bool ceilings = argc > 1 && std::strcmp(argv[1], "--ceilings") == 0;

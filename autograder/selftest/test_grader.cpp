@@ -27,8 +27,8 @@
 
 #include "grade.h"
 #include "intake.h"
-#include "k2c/rubric.h"
-#include "k2c/todo.h"
+#include "k2c/core/rubric.h"
+#include "k2c/core/todo.h"
 #include "process.h"
 
 namespace fs = std::filesystem;
@@ -578,8 +578,9 @@ fs::path fake_course_copy(const std::string& name) {
   const fs::path root = kTmp / name;
   fs::remove_all(root);
   fs::copy(kFake, root, fs::copy_options::recursive);
-  fs::create_directories(root / "common/include/k2c");
-  fs::copy_file(fs::path(K2C_SELFTEST_DIR) / "../../common/include/k2c/todo.h", root / "common/include/k2c/todo.h");
+  fs::create_directories(root / "common/include/k2c/core");
+  fs::copy_file(fs::path(K2C_SELFTEST_DIR) / "../../common/include/k2c/core/todo.h",
+                root / "common/include/k2c/core/todo.h");
   return root;
 }
 
@@ -842,8 +843,8 @@ TEST(Trust, ReadsTheDependencyRecordsOfBothGenerators) {
 TEST(Trust, HeadersOnlyFromTheSubmissionTheHarnessAndTheSystem) {
   const fs::path base = kTmp / "includes", course = base / "course", staged = base / "staged";
   fs::remove_all(base);
-  for (const char* f : {"assignments/01_x/x.cpp", "assignments/01_x/x.h", "common/include/k2c/check.h",
-                        "autograder/01_x/test_x.cpp"})
+  for (const char* f : {"assignments/01_x/x.cpp", "assignments/01_x/x.h",
+                        "common/include/k2c/core/check.h", "autograder/01_x/test_x.cpp"})
     write(staged / f, "");
   write(course / "solutions/01_x/x.cpp", "");
   fs::create_directory_symlink(course / "solutions", base / "link");
@@ -857,7 +858,7 @@ TEST(Trust, HeadersOnlyFromTheSubmissionTheHarnessAndTheSystem) {
   };
   // Its own folder, the harness's public headers, the system's: fine.
   EXPECT_EQ(check((staged / "assignments/01_x/x.h").string()), "");
-  EXPECT_EQ(check((staged / "common/include/k2c/check.h").string()), "");
+  EXPECT_EQ(check((staged / "common/include/k2c/core/check.h").string()), "");
   EXPECT_EQ(check("/usr/include/stdio.h"), "");
   // The reference by absolute path, by climbing out, or through a link: refused, and named.
   const std::string reference = (course / "solutions/01_x/x.cpp").string();

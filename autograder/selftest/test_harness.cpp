@@ -15,12 +15,12 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/compare.h"
-#include "k2c/gemm_args.h"
-#include "k2c/random.h"
-#include "k2c/reference.h"
-#include "k2c/rubric.h"
-#include "k2c/todo.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/core/random.h"
+#include "k2c/core/rubric.h"
+#include "k2c/core/todo.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/compare.h"
 
 // ---------------------------------------------------------------------------- comparison ---
 

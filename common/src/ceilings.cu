@@ -1,13 +1,14 @@
-// ceilings.cu — see k2c/ceilings.h: the ceilings that need no vendor library (the cuBLAS ones
-// are in cublas_ceilings.cu, so a program that measures only bandwidth never loads cuBLAS).
+// ceilings.cu — see k2c/reference/ceilings.h: the ceilings that need no vendor library (the
+// cuBLAS ones are in cublas_ceilings.cu, so a program that measures only bandwidth never loads
+// cuBLAS).
 #include <cuda_runtime.h>
 
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/check.h"
-#include "k2c/nvtx.h"
-#include "k2c/random.h"
-#include "k2c/timing.h"
+#include "k2c/core/check.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/nvtx.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
 
 namespace k2c {
 

@@ -1,5 +1,5 @@
-// compare.cpp — see k2c/compare.h.
-#include "k2c/compare.h"
+// compare.cpp — see k2c/testing/compare.h.
+#include "k2c/testing/compare.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,5 @@
-// cublas_ceilings.cu — see k2c/ceilings.h: the ceilings and ladder baselines that call cuBLAS.
+// cublas_ceilings.cu — see k2c/reference/ceilings.h: the ceilings and ladder baselines that call
+// cuBLAS.
 //
 // Kept in a file of their own so that only programs which call one of them link cuBLAS (test
 // programs link with --as-needed): loading cuBLAS and cuBLASLt costs hundreds of MB of reads,
@@ -7,12 +8,12 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/buffer.h"
-#include "k2c/ceilings.h"
-#include "k2c/check.h"
-#include "k2c/nvtx.h"
-#include "k2c/random.h"
-#include "k2c/timing.h"
+#include "k2c/core/check.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/nvtx.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
 
 namespace k2c {
 

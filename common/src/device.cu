@@ -1,13 +1,14 @@
-// device.cu — device queries and the device-side random fill (see k2c/device.h, k2c/random.h).
+// device.cu — device queries and the device-side random fill (see k2c/device/device.h,
+// k2c/core/random.h).
 #include <algorithm>
 #include <cctype>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/device.h"
-#include "k2c/random.h"
+#include "k2c/core/check.h"
+#include "k2c/core/random.h"
+#include "k2c/device/device.h"
 
 namespace k2c {
 

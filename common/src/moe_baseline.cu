@@ -1,4 +1,4 @@
-// moe_baseline.cu — the naive MoE layer (see k2c/moe_baseline.h).
+// moe_baseline.cu — the naive MoE layer (see k2c/reference/moe_baseline.h).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -6,9 +6,9 @@
 #include <random>
 #include <vector>
 
-#include "k2c/buffer.h"
-#include "k2c/check.h"
-#include "k2c/moe_baseline.h"
+#include "k2c/core/check.h"
+#include "k2c/device/buffer.h"
+#include "k2c/reference/moe_baseline.h"
 
 namespace k2c::baseline {
 namespace {

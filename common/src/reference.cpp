@@ -1,5 +1,5 @@
-// reference.cpp — see k2c/reference.h.
-#include "k2c/reference.h"
+// reference.cpp — see k2c/reference/reference.h.
+#include "k2c/reference/reference.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,5 @@
-// reference_attention.cpp — attention in double, the oracle of module 09 (see k2c/reference.h).
+// reference_attention.cpp — attention in double, the oracle of module 09 (see
+// k2c/reference/reference.h).
 //
 // The plain definition, nothing tiled: S = scale · Q Kᵀ with the causal mask, P = softmax(S) row
 // by row, O = P V. The backward pass recomputes P the same way and applies
@@ -9,7 +10,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "k2c/reference.h"
+#include "k2c/reference/reference.h"
 
 namespace k2c::ref {
 namespace {

@@ -1,12 +1,13 @@
 // reference_moe.cpp — the mixture-of-experts layer in double, the oracle of module 10 (see
-// k2c/reference.h): router, load-balancing loss, dispatch with capacity, SwiGLU experts, combine.
+// k2c/reference/reference.h): router, load-balancing loss, dispatch with capacity, SwiGLU experts,
+// combine.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <string>
 
-#include "k2c/reference.h"
+#include "k2c/reference/reference.h"
 
 namespace k2c::ref {
 namespace {

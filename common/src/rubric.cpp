@@ -1,6 +1,6 @@
-// rubric.cpp — see k2c/rubric.h. Validation is strict: a typo in a rubric must stop grading
+// rubric.cpp — see k2c/core/rubric.h. Validation is strict: a typo in a rubric must stop grading
 // with a message naming the field, not silently award or withhold points.
-#include "k2c/rubric.h"
+#include "k2c/core/rubric.h"
 
 #include <fstream>
 #include <regex>

@@ -1,16 +1,16 @@
-// sgemm_testing.cpp — see k2c/sgemm_testing.h.
-#include "k2c/sgemm_testing.h"
+// sgemm_testing.cpp — see k2c/testing/sgemm_testing.h.
+#include "k2c/testing/sgemm_testing.h"
 
 #include <random>
 
 #include <gtest/gtest.h>
 
-#include "k2c/buffer.h"
-#include "k2c/compare.h"
-#include "k2c/random.h"
-#include "k2c/reference.h"
-#include "k2c/testing.h"
-#include "k2c/timing.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/timing.h"
+#include "k2c/reference/reference.h"
+#include "k2c/testing/compare.h"
+#include "k2c/testing/testing.h"
 
 namespace k2c::sgemm_testing {
 

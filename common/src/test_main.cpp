@@ -13,11 +13,11 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 #if K2C_HAS_CUDA
 #include <cuda_runtime.h>
 
-#include "k2c/device.h"
+#include "k2c/device/device.h"
 #endif
 
 namespace {

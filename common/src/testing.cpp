@@ -1,14 +1,14 @@
-// testing.cpp — see k2c/testing.h.
-#include "k2c/testing.h"
+// testing.cpp — see k2c/testing/testing.h.
+#include "k2c/testing/testing.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <random>
 #include <sstream>
 
-#include "k2c/random.h"
+#include "k2c/core/random.h"
 #if K2C_HAS_CUDA
-#include "k2c/device.h"
+#include "k2c/device/device.h"
 #endif
 
 namespace k2c::testing {

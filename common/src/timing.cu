@@ -1,15 +1,15 @@
-// timing.cu — see k2c/timing.h.
+// timing.cu — see k2c/device/timing.h.
 #include <algorithm>
 #include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
 
-#include "k2c/buffer.h"
-#include "k2c/check.h"
-#include "k2c/device.h"
-#include "k2c/nvtx.h"
-#include "k2c/timing.h"
+#include "k2c/core/check.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/device.h"
+#include "k2c/device/nvtx.h"
+#include "k2c/device/timing.h"
 
 namespace k2c {
 

@@ -15,7 +15,7 @@
 
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 #include "roofline.h"
 
 namespace k2c::roofline {

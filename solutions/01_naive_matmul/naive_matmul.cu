@@ -17,8 +17,8 @@
 // 02 swaps the mapping so a warp's threads touch consecutive addresses, and measures the gain.
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
 #include "naive_matmul.h"
 
 namespace k2c::naive_matmul {

@@ -19,8 +19,8 @@
 #include <cuda_runtime.h>
 
 #include "coalesced_matmul.h"
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
 
 namespace k2c::coalesced_matmul {
 

@@ -28,8 +28,8 @@
 // laid out as they are, and why module 04, which stores A transposed, pads its rows.
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
 #include "tiled_matmul.h"
 
 namespace k2c::tiled_matmul {

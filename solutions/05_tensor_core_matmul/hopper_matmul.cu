@@ -40,10 +40,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/gemm_args.h"
-#include "k2c/hopper.cuh"
-#include "k2c/tensor_core.cuh"
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
+#include "k2c/device/hopper.cuh"
+#include "k2c/device/tensor_core.cuh"
 #include "tensor_core_matmul.h"
 
 namespace k2c::tensor_core_matmul {

@@ -24,8 +24,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/rows.cuh"
+#include "k2c/core/check.h"
+#include "k2c/device/rows.cuh"
 #include "softmax.h"
 
 namespace k2c::softmax {

@@ -6,7 +6,7 @@
 //   backward  read h and dy, write dx                             6 B
 // gamma, rstd and dgamma are one row or one column: noise next to rows × cols. So each pass must
 // touch its matrices exactly once, at copy speed, and the design follows module 06's fast softmax:
-// a row lives in registers between its reduction and its output (k2c/rows.cuh).
+// a row lives in registers between its reduction and its output (k2c/device/rows.cuh).
 //
 // Forward: one reduction per row (the sum of squares), then y = h · rstd · gamma. gamma is read by
 // every row, but 8 KiB of it stays in L1/L2; rstd is one float per row.
@@ -37,9 +37,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "k2c/check.h"
-#include "k2c/hopper.cuh"
-#include "k2c/rows.cuh"
+#include "k2c/core/check.h"
+#include "k2c/device/hopper.cuh"
+#include "k2c/device/rows.cuh"
 #include "rmsnorm.h"
 
 namespace k2c::rmsnorm {

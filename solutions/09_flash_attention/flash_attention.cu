@@ -13,7 +13,7 @@
 //                    Part B: the same two passes on Hopper's warpgroup MMA (wgmma, sm_90a).
 //   naive_forward()  S and P written to global memory, for contrast.
 //
-// Fragment layouts, ldmatrix and cp.async are lecture 05's (k2c/tensor_core.cuh): read its
+// Fragment layouts, ldmatrix and cp.async are lecture 05's (k2c/device/tensor_core.cuh): read its
 // section on the mma.sync fragments before the index arithmetic of the kernels.
 //
 // The kernels are in four parts beside this file, included below in this order, inside the
@@ -32,9 +32,9 @@
 #include <cuda_runtime.h>
 
 #include "flash_attention.h"
-#include "k2c/check.h"
-#include "k2c/hopper.cuh"
-#include "k2c/tensor_core.cuh"
+#include "k2c/core/check.h"
+#include "k2c/device/hopper.cuh"
+#include "k2c/device/tensor_core.cuh"
 
 namespace k2c::flash_attention {
 namespace {

@@ -42,6 +42,17 @@
 // the same sum over the flat buffer, and AdamW the same call: the curve equals model::Trainer's
 // bit for bit. Pipeline stages move fp32 exactly, so pp alone changes only the norm's order of
 // summation. Elsewhere the gradients are sums over ranks in another order than one process's.
+//
+// ZeRO (zero_stage > 0). Module 13's Zero runs forward, backward, the reduce-scatters, AdamW on
+// its shard and the gathers in one call on a model::Transformer, with its own hook on the layers,
+// so it replaces the stage, DataParallel and the optimizer together; nothing of the pipeline or
+// of tp and ep can run inside it, hence dp-only grids and one micro-batch. The loss enters at
+// 1/(D·tokens), the mean over the global batch, because Zero sums where DataParallel averages;
+// at 2 ranks g0/2 + g1/2 and (g0 + g1)/2 are the same bits (halving is exact), and Zero's AdamW
+// per shard equals one AdamW over all, so zero_stage 0 and 1..3 give the same curve. Clipping
+// would need the reduced gradient's norm between the reduction and the update, both inside
+// Zero::step: refused rather than faked. Checkpoints would need the AdamW shards, which Zero does
+// not expose: refused too.
 #include "capstone.h"
 
 #include <array>
@@ -49,14 +60,17 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <optional>
+#include <string>
 
 #include "data_parallel.h"
 #include "expert_parallel.h"
 #include "pipeline_parallel.h"
 #include "tensor_parallel.h"
+#include "zero.h"
 
 namespace k2c::capstone {
 
@@ -422,6 +436,10 @@ struct GridTrainer::Impl {
   std::unique_ptr<GridStage> stage;
   std::unique_ptr<data_parallel::DataParallel> ddp;
   std::unique_ptr<km::AdamW> adamw;
+  // zero_stage > 0 instead of the three above. Zero refers to the model, so it is declared after
+  // it and goes first.
+  std::unique_ptr<km::Transformer> model;
+  std::unique_ptr<zero::Zero> zero;
   std::optional<km::TokenLoader> train, val;
   std::vector<char> counted;  // per parameter: this rank is the one that counts it (see the top)
   bool counts_all = true;
@@ -463,7 +481,7 @@ struct GridTrainer::Impl {
 
   // The loss only the last stage's tp rank 0 of each data rank knows, averaged over data ranks.
   double data_mean(double local) {
-    const bool holder = stage->is_last() && coord(Axis::tp) == 0;
+    const bool holder = (!stage || stage->is_last()) && coord(Axis::tp) == 0;
     return world_sum(holder ? local : 0.0) / data_ranks;
   }
 
@@ -498,6 +516,73 @@ struct GridTrainer::Impl {
     }
     return std::sqrt(world_sum(local));
   }
+
+  // ---- ZeRO: Zero steps a Transformer on this data rank's rows.
+
+  km::StepRecord zero_step() {
+    const km::TrainConfig& c = config.train;
+    const std::vector<ps::MicroBatch> mbs = micro_batches(train->batch_at(step), 1);
+    const ps::MicroBatch& mb = mbs[0];
+    ctx.step = static_cast<std::uint64_t>(step);
+    ctx.row_offset = mb.row_offset;  // dropout masks: this rank's rows of the global batch
+    const std::int64_t tokens = static_cast<std::int64_t>(mb.rows) * c.model.seq_len;
+    km::StepRecord r;
+    r.step = step;
+    r.lr = km::cosine_lr(step, c.warmup, c.steps, c.lr, c.min_lr);
+    const float scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(data_ranks) * tokens);
+    const double sum = zero->step(ctx, mb.ids, mb.targets, mb.rows, scale, static_cast<float>(r.lr));
+    r.loss = data_mean(sum / static_cast<double>(tokens));  // module 15's order: a mean, then over ranks
+    r.grad_norm = -1;  // reduced and consumed inside Zero::step: not measured
+    return r;
+  }
+
+  // Stages 1 and 2 keep every weight, so evaluation is the Transformer's. Stage 3 keeps a shard,
+  // and Zero binds the layers only inside its step: gather every weight to the host once, and bind
+  // each layer's to a copy in the backend's memory for the length of its forward only.
+  double zero_evaluate(int batches) {
+    std::vector<float> host;
+    std::vector<Tensor> held;
+    // However the evaluation ends: the caller's hook back, and no weight left bound to a copy
+    // that is gone (a later read then names the parameter instead of reading freed memory).
+    struct Restore {
+      km::Context& ctx;
+      std::function<void(int, km::LayerEvent)> saved;
+      bool unbind;
+      ~Restore() {
+        ctx.on_layer = std::move(saved);
+        if (unbind)
+          for (km::ParamId id = 0; id < ctx.params.size(); ++id) ctx.params.bind_value(id, nullptr);
+      }
+    } restore{ctx, std::move(ctx.on_layer), config.zero_stage == 3};
+    if (config.zero_stage == 3) {
+      host = zero->gather_values();
+      ctx.on_layer = [&](int l, km::LayerEvent e) {
+        if (e != km::LayerEvent::before_forward && e != km::LayerEvent::after_forward) return;
+        for (int used : model->layer_uses(l)) {  // a tied head uses the embedding's weight
+          const auto [first, last] = model->layer_params(used);
+          if (first == last) continue;
+          if (e == km::LayerEvent::after_forward) {
+            for (km::ParamId id = first; id < last; ++id) params.bind_value(id, nullptr);
+            continue;
+          }
+          const std::int64_t begin = params.info(first).offset;
+          const std::int64_t end = params.info(last - 1).offset + params.info(last - 1).shape.numel();
+          Tensor& copy = held.emplace_back(ops.memory(), ledger, km::Category::params, km::Shape{end - begin});
+          ops.upload(copy, host.data() + begin);
+          for (km::ParamId id = first; id < last; ++id)
+            params.bind_value(id, copy.f32() + (params.info(id).offset - begin));
+        }
+        if (e == km::LayerEvent::after_forward) held.clear();
+      };
+    }
+    double total = 0;
+    for (int i = 0; i < batches; ++i) {
+      const std::vector<ps::MicroBatch> mbs = micro_batches(val->batch_at(i), 1);
+      total += model->evaluate(ctx, mbs[0].ids, mbs[0].targets, mbs[0].rows);
+    }
+    const double tokens = static_cast<double>(config.train.batch) * config.train.model.seq_len * batches;
+    return data_mean(total) * data_ranks / tokens;
+  }
 };
 
 GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const CapstoneConfig& config,
@@ -522,6 +607,24 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
   if ((g.tp > 1 || g.ep > 1) && config.train.dropout > 0)
     throw std::invalid_argument("capstone: dropout " + std::to_string(config.train.dropout) +
                                 " needs tp = ep = 1 (grid " + grid_name(g) + ")");
+  // ZeRO: what module 13's Zero cannot run, refused here, before any group is made.
+  const int zs = config.zero_stage;
+  if (zs < 0 || zs > 3)
+    throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " (0: off; 1, 2 or 3)");
+  if (zs > 0 && (g.tp > 1 || g.pp > 1 || g.ep > 1))
+    throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " on grid " + grid_name(g) +
+                                ": ZeRO under tp, pp or ep is not supported here (module 13's Zero runs "
+                                "the whole step of one Transformer over the dp group); use a dp-only grid "
+                                "or zero_stage 0");
+  if (zs > 0 && config.micro_batches != 1)
+    throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " with " +
+                                std::to_string(config.micro_batches) +
+                                " micro-batches: Zero steps one batch per call; use micro_batches 1");
+  if (zs > 0 && config.train.clip > 0)
+    throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " with clip " +
+                                std::to_string(config.train.clip) +
+                                ": Zero reduces the gradients and updates in one call and has no clipping; "
+                                "set clip 0");
 
   impl_ = std::make_unique<Impl>(world, ops, config);
   Impl& s = *impl_;
@@ -530,24 +633,34 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
   s.ctx.dropout = config.train.dropout;
   s.ctx.seed = config.train.seed;
 
-  const ps::Span span = pp::stage_blocks(m.n_layers, g.pp, s.coord(Axis::pp));
-  const BlockKind kind = g.tp > 1 ? BlockKind::tensor : g.ep > 1 ? BlockKind::expert : BlockKind::plain;
-  s.stage = std::make_unique<GridStage>(s.grid, s.params, m, span, kind);
-  s.params.materialize(ops, s.ledger, config.train.seed);
-  s.counted.assign(static_cast<std::size_t>(s.params.size()), 0);
-  for (km::ParamId id = 0; id < s.params.size(); ++id) {
-    const bool whole_here = s.coord(Axis::tp) == 0 && s.coord(Axis::ep) == 0;
-    s.counted[static_cast<std::size_t>(id)] = s.params.info(id).init.shard.has_value() || whole_here;
-    if (!s.counted[static_cast<std::size_t>(id)]) s.counts_all = false;
+  if (zs > 0) {
+    // Zero materializes the parameters itself, with the flat buffers its stage keeps.
+    s.model = std::make_unique<km::Transformer>(s.params, m);
+    zero::ZeroConfig zc;
+    zc.stage = zs;
+    zc.adamw = config.train.adamw;
+    s.zero = std::make_unique<zero::Zero>(s.grid.group(Axis::dp), *s.model, s.params, ops, s.ledger,
+                                          config.train.seed, zc);
+  } else {
+    const ps::Span span = pp::stage_blocks(m.n_layers, g.pp, s.coord(Axis::pp));
+    const BlockKind kind = g.tp > 1 ? BlockKind::tensor : g.ep > 1 ? BlockKind::expert : BlockKind::plain;
+    s.stage = std::make_unique<GridStage>(s.grid, s.params, m, span, kind);
+    s.params.materialize(ops, s.ledger, config.train.seed);
+    s.counted.assign(static_cast<std::size_t>(s.params.size()), 0);
+    for (km::ParamId id = 0; id < s.params.size(); ++id) {
+      const bool whole_here = s.coord(Axis::tp) == 0 && s.coord(Axis::ep) == 0;
+      s.counted[static_cast<std::size_t>(id)] = s.params.info(id).init.shard.has_value() || whole_here;
+      if (!s.counted[static_cast<std::size_t>(id)]) s.counts_all = false;
+    }
+    if (g.ep > 1) {
+      s.stage->scale_factor = 1.0f / static_cast<float>(D);
+    } else if (g.dp > 1) {
+      s.ddp = std::make_unique<data_parallel::DataParallel>(s.grid.group(Axis::dp), s.params, config.bucket_bytes);
+      s.stage->ddp = s.ddp.get();
+    }
+    s.stage->micro_batches = config.micro_batches;
+    s.adamw = std::make_unique<km::AdamW>(s.params, ops, s.ledger, config.train.adamw);
   }
-  if (g.ep > 1) {
-    s.stage->scale_factor = 1.0f / static_cast<float>(D);
-  } else if (g.dp > 1) {
-    s.ddp = std::make_unique<data_parallel::DataParallel>(s.grid.group(Axis::dp), s.params, config.bucket_bytes);
-    s.stage->ddp = s.ddp.get();
-  }
-  s.stage->micro_batches = config.micro_batches;
-  s.adamw = std::make_unique<km::AdamW>(s.params, ops, s.ledger, config.train.adamw);
   s.train.emplace(data(false, s.data_rank, D));
   s.val.emplace(data(true, s.data_rank, D));
   for (const km::TokenLoader* l : {&*s.train, &*s.val})
@@ -568,6 +681,13 @@ km::StepRecord GridTrainer::step() {
   Impl& s = *impl_;
   const km::TrainConfig& c = s.config.train;
   const auto start = std::chrono::steady_clock::now();
+  if (s.zero) {
+    km::StepRecord r = s.zero_step();
+    ++s.step;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    r.tokens_per_s = static_cast<double>(c.batch) * c.model.seq_len / r.seconds;
+    return r;
+  }
   const km::TokenBatch batch = s.train->batch_at(s.step);
   const std::vector<ps::MicroBatch> mbs = s.micro_batches(batch, s.config.micro_batches);
   s.params.zero_grads(s.ops);
@@ -593,6 +713,7 @@ km::StepRecord GridTrainer::step() {
 
 double GridTrainer::evaluate(int batches) {
   Impl& s = *impl_;
+  if (s.zero) return s.zero_evaluate(batches);
   const int prev = s.stage->is_first() ? -1 : s.p2p.rank() - 1, next = s.stage->is_last() ? -1 : s.p2p.rank() + 1;
   double total = 0;
   const float dropout = s.ctx.dropout;
@@ -616,6 +737,8 @@ double GridTrainer::evaluate(int batches) {
 
 std::vector<float> GridTrainer::gather_values() {
   Impl& s = *impl_;
+  // Zero's flat order is its Transformer's, the unsplit layout itself.
+  if (s.zero) return s.zero->gather_values();
   // The unsplit model's layout: registration order, each parameter's elements contiguous.
   km::ParamList whole;
   const km::Transformer reference(whole, s.config.train.model);
@@ -667,10 +790,21 @@ namespace {
 std::filesystem::path rank_file(const std::filesystem::path& path, const dist::Communicator& w) {
   return w.size() == 1 ? path : std::filesystem::path(path.string() + ".rank" + std::to_string(w.rank()));
 }
+
+// Zero keeps its AdamW shards to itself (zero.h reads and restores none), so a checkpoint under
+// it would lose the optimizer state: refused on every rank alike, before any file is touched.
+void refuse_zero_checkpoint(const CapstoneConfig& c, const char* what, const std::filesystem::path& path) {
+  if (c.zero_stage > 0)
+    throw std::runtime_error(std::string("capstone: cannot ") + what + " the checkpoint " + path.string() +
+                             " under zero_stage " + std::to_string(c.zero_stage) +
+                             ": module 13's Zero does not expose its shards of the AdamW state; "
+                             "train with zero_stage 0 to checkpoint");
+}
 }  // namespace
 
 void GridTrainer::save(const std::filesystem::path& path) {
   Impl& s = *impl_;
+  refuse_zero_checkpoint(s.config, "write", path);
   const std::filesystem::path file = rank_file(path, s.grid.world()), tmp = file.string() + ".tmp";
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
@@ -697,6 +831,7 @@ void GridTrainer::save(const std::filesystem::path& path) {
 
 void GridTrainer::load(const std::filesystem::path& path) {
   Impl& s = *impl_;
+  refuse_zero_checkpoint(s.config, "load", path);
   const std::filesystem::path file = rank_file(path, s.grid.world());
   std::ifstream f(file, std::ios::binary);
   if (!f) throw std::runtime_error("checkpoint " + file.string() + ": cannot open");

@@ -17,7 +17,7 @@
 // softmax (lecture 09); the warps are merged through shared memory at the end.
 #include "decode_kernel.h"
 
-#include "k2c/tensor_core.cuh"
+#include "k2c/device/tensor_core.cuh"
 
 #include <algorithm>
 #include <cmath>

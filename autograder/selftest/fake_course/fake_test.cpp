@@ -8,7 +8,7 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/todo.h"
+#include "k2c/core/todo.h"
 
 TEST(Fake, Correct) {
 #if FAKE_MODE_crash

@@ -22,13 +22,13 @@
 #include <random>
 #include <vector>
 
-#include "k2c/ceilings.h"
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 #include "k2c/model/cuda_ops.h"
 #include "k2c/model/data.h"
 #include "k2c/model/optim.h"
 #include "k2c/model/timed_ops.h"
 #include "k2c/model/transformer.h"
+#include "k2c/reference/ceilings.h"
 
 using namespace k2c::model;
 

@@ -37,7 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 #include "k2c/model/cuda_ops.h"
 #include "k2c/model/mask.h"
 #include "op_checks.h"

@@ -1,7 +1,7 @@
 // data.cpp — token shards, the loader, and the Markov and grammar sources (k2c/model/data.h).
 //
 // Every random choice here is a counter-based draw: a hash of (seed, stream, a, b) with the
-// splitmix64 mixer of k2c/random.h. Nothing carries generator state from one draw to the next,
+// splitmix64 mixer of k2c/core/random.h. Nothing carries generator state from one draw to the next,
 // so a batch, a transition row or a sentence depends only on its own coordinates, and the same
 // seed gives the same data on every machine and standard library (std::*_distribution does not
 // promise that).
@@ -16,9 +16,9 @@
 #include <unordered_map>
 #include <utility>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
+#include "k2c/core/random.h"
 #include "k2c/model/data.h"
-#include "k2c/random.h"
 
 namespace k2c::model {
 

@@ -7,7 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 #include "k2c/dist/communicator.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"

@@ -17,7 +17,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 #include "k2c/dist/communicator.h"
 #include "k2c/dist/runtime.h"
 #include "mpi_communicator.h"

@@ -35,7 +35,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 #include "k2c/dist/runtime.h"
 #include "mpi_communicator.h"
 #include "nccl_communicator.h"

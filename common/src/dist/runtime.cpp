@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 #include "mpi_communicator.h"
 #if K2C_HAS_NCCL
 #include <cuda_runtime_api.h>

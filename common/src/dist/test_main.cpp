@@ -11,7 +11,7 @@
 
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/testing.h"
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 
 namespace k2c::dist::testing {
 

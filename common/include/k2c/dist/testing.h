@@ -22,7 +22,7 @@
 
 #include "k2c/dist/communicator.h"
 #include "k2c/dist/timing.h"
-#include "k2c/testing.h"
+#include "k2c/testing/testing.h"
 
 namespace k2c::dist::testing {
 

@@ -14,8 +14,8 @@
 #include <map>
 #include <string>
 
+#include "k2c/device/nvtx.h"
 #include "k2c/model/forwarding_ops.h"
-#include "k2c/nvtx.h"
 
 namespace k2c::model {
 

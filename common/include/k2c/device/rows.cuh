@@ -1,6 +1,6 @@
-// k2c/rows.cuh — building blocks of kernels that process a matrix row by row (modules 06–08
-// and later): fp32 arithmetic on float or bf16 storage, 16-byte vector accesses, reductions over
-// the threads of a row, and the choice of how many threads and registers a row gets.
+// k2c/device/rows.cuh — building blocks of kernels that process a matrix row by row (modules
+// 06–08 and later): fp32 arithmetic on float or bf16 storage, 16-byte vector accesses, reductions
+// over the threads of a row, and the choice of how many threads and registers a row gets.
 // Module 06's lecture derives each of them; this is their one home.
 //
 // Layout: a block of (blockDim.x, blockDim.y) threads works on blockDim.y rows at once,

@@ -1,5 +1,5 @@
-// k2c/nvtx.h — K2C_NVTX_RANGE("name"): a named range on nsys timelines for the enclosing scope.
-// Compiled out when the NVTX v3 headers are absent (they are header-only: nothing to link).
+// k2c/device/nvtx.h — K2C_NVTX_RANGE("name"): a named range on nsys timelines for the enclosing
+// scope. Compiled out when the NVTX v3 headers are absent (they are header-only: nothing to link).
 #pragma once
 
 // Also compiled out in module implementations (K2C_NO_NVTX, set by k2c_add_module): NVTX's header

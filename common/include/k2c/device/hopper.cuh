@@ -1,5 +1,5 @@
-// k2c/hopper.cuh — Hopper's (sm_90) asynchronous machinery, one inline-PTX wrapper each, and the
-// host call that describes a tensor to the TMA unit.
+// k2c/device/hopper.cuh — Hopper's (sm_90) asynchronous machinery, one inline-PTX wrapper each,
+// and the host call that describes a tensor to the TMA unit.
 //
 //   mbarrier   a 64-bit shared-memory barrier with a phase bit and a transaction count: the TMA
 //              unit "arrives" on it by bytes, threads by arrivals; a phase completes when both
@@ -25,7 +25,7 @@
 #include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached at run time)
 #include <cuda_runtime_api.h>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 
 namespace k2c::hopper {
 

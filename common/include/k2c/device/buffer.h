@@ -1,4 +1,4 @@
-// k2c/buffer.h — RAII device memory.
+// k2c/device/buffer.h — RAII device memory.
 //
 // DeviceBuffer<T> owns a cudaMalloc'd array: freed on scope exit, movable, not copyable, with
 // upload / download helpers and poison() (all bytes 0xFF: NaN for floats, so any element a
@@ -12,7 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 
 namespace k2c {
 

@@ -1,4 +1,4 @@
-// k2c/moe_baseline.h — the naive MoE layer that module 10's layer is measured against.
+// k2c/reference/moe_baseline.h — the naive MoE layer that module 10's layer is measured against.
 //
 // It is written the way a first version usually is, and kept here, trusted, because a handout
 // has no solutions/: the router unfused (a cuBLAS GEMM for the logits, a softmax kernel, a top-k

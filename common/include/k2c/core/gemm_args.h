@@ -1,7 +1,7 @@
-// k2c/gemm_args.h — argument checks shared by every GEMM contract (modules 01–05).
+// k2c/core/gemm_args.h — argument checks shared by every GEMM contract (modules 01–05).
 #pragma once
 
-#include "k2c/check.h"
+#include "k2c/core/check.h"
 
 namespace k2c {
 

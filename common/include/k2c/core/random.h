@@ -1,4 +1,4 @@
-// k2c/random.h — deterministic random numbers, identical on CPU and GPU.
+// k2c/core/random.h — deterministic random numbers, identical on CPU and GPU.
 //
 // Values come from a counter-based hash (splitmix64) of (seed, index), not from a stateful
 // generator, so element i of a tensor is the same number whether it was drawn on the host or

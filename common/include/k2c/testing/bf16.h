@@ -1,5 +1,5 @@
-// k2c/bf16.h — bfloat16 on the host side of the tests: rounding inputs, widening outputs, and
-// test tensors held as float or bf16 on the device.
+// k2c/testing/bf16.h — bfloat16 on the host side of the tests: rounding inputs, widening outputs,
+// and test tensors held as float or bf16 on the device.
 //
 // bf16 keeps fp32's 8-bit exponent and cuts the mantissa to 7 bits, so converting fp32 → bf16
 // rounds to 8 significant bits (relative error at most 2^-8) and bf16 → fp32 is exact. Tests draw
@@ -15,8 +15,8 @@
 
 #include <cuda_bf16.h>
 
-#include "k2c/buffer.h"
-#include "k2c/random.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
 
 namespace k2c {
 

@@ -1,4 +1,5 @@
-// k2c/ceilings.h — the ceilings performance is measured against, measured on the GPU at hand.
+// k2c/reference/ceilings.h — the ceilings performance is measured against, measured on the GPU
+// at hand.
 //
 // Every performance threshold of the course is a fraction of one of these, measured in the same
 // process as the code under test, so a threshold means the same on an A100, an RTX 4090 or an

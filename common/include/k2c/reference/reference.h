@@ -1,4 +1,5 @@
-// k2c/reference.h — CPU reference implementations, the correctness oracle of every module.
+// k2c/reference/reference.h — CPU reference implementations, the correctness oracle of every
+// module.
 //
 // Plain loops in double precision, written for clarity rather than speed: what the GPU version
 // must compute, with rounding error far below any kernel's tolerance.

@@ -1,4 +1,4 @@
-// k2c/check.h — error checks that name the failing call, its file and line.
+// k2c/core/check.h — error checks that name the failing call, its file and line.
 //
 // K2C_CHECK(cond, msg)      precondition on arguments: throws std::invalid_argument
 // K2C_CUDA_CHECK(call)      CUDA runtime call

@@ -1,4 +1,4 @@
-// k2c/testing.h — what every module's GoogleTest program shares.
+// k2c/testing/testing.h — what every module's GoogleTest program shares.
 //
 // - K2C_REQUIRE_GPU(): skip (reported as skipped, never as passed) when no CUDA device exists.
 // - seed(): the run's seed (K2C_SEED, set by `k2c grade --seed`; fixed by default so plain
@@ -17,9 +17,9 @@
 
 #include <gtest/gtest.h>
 
-#include "k2c/check.h"
-#include "k2c/rubric.h"
-#include "k2c/todo.h"
+#include "k2c/core/check.h"
+#include "k2c/core/rubric.h"
+#include "k2c/core/todo.h"
 
 namespace k2c::testing {
 

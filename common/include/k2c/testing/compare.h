@@ -1,4 +1,4 @@
-// k2c/compare.h — comparing a kernel's output with a CPU reference.
+// k2c/testing/compare.h — comparing a kernel's output with a CPU reference.
 //
 // Two criteria, both required:
 //   - every element within atol + rtol * |ref| (NaN or Inf in the output always fails), and

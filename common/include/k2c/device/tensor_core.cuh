@@ -1,4 +1,5 @@
-// k2c/tensor_core.cuh — the Ampere-style tensor-core instructions, one inline-PTX wrapper each.
+// k2c/device/tensor_core.cuh — the Ampere-style tensor-core instructions, one inline-PTX wrapper
+// each.
 //
 // Module 05 teaches them; modules 09 (FlashAttention) and 10 (MoE) reuse them. Each wrapper is
 // the single instruction it names, so SASS reads one-to-one against the source:

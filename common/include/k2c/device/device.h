@@ -1,4 +1,4 @@
-// k2c/device.h — what GPU (if any) this process sees, and its theoretical fp32 peak.
+// k2c/device/device.h — what GPU (if any) this process sees, and its theoretical fp32 peak.
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-// k2c/sgemm_testing.h — the tests every SGEMM module (01–04) shares.
+// k2c/testing/sgemm_testing.h — the tests every SGEMM module (01–04) shares.
 //
 // All of them implement one contract, C = alpha*A*B + beta*C in fp32, row-major, any M, N, K
 // (see assignments/01_naive_matmul/naive_matmul.h), so they are checked the same way:

@@ -1,4 +1,4 @@
-// k2c/timing.h — timing GPU work with CUDA events.
+// k2c/device/timing.h — timing GPU work with CUDA events.
 //
 // time_gpu runs `work` warmup times untimed (module loading, first-touch and clock ramp-up stay
 // out of the numbers), then `repeats` times, each bracketed by its own pair of events on

@@ -1,8 +1,8 @@
-// k2c/rubric.h — autograder/rubric.json: modules, tests, points and performance thresholds.
+// k2c/core/rubric.h — autograder/rubric.json: modules, tests, points and performance thresholds.
 //
 // The rubric is data, read at run time by the grader and by the tests themselves, so instructors
 // retune points and thresholds without recompiling. Every threshold is a fraction of a ceiling
-// measured in the same run (see k2c/ceilings.h), never an absolute time.
+// measured in the same run (see k2c/reference/ceilings.h), never an absolute time.
 //
 // A malformed rubric throws RubricError whose message names the offending field, e.g.
 //   rubric.json: modules[1].tests[3].perf.threshold: expected a number in (0, max_ratio]

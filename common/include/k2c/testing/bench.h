@@ -1,4 +1,4 @@
-// k2c/bench.h — Google Benchmark glue for GPU work.
+// k2c/testing/bench.h — Google Benchmark glue for GPU work.
 //
 // Benchmarks are named BM_<module>_<op>/<variant>/<size> and use manual time: every iteration
 // is timed with CUDA events around the work alone, after an L2 flush (k2c::time_gpu with one
@@ -14,10 +14,10 @@
 #include <benchmark/benchmark.h>
 #include <cuda_bf16.h>
 
-#include "k2c/buffer.h"
-#include "k2c/device.h"
-#include "k2c/random.h"
-#include "k2c/timing.h"
+#include "k2c/core/random.h"
+#include "k2c/device/buffer.h"
+#include "k2c/device/device.h"
+#include "k2c/device/timing.h"
 
 namespace k2c::bench {
 

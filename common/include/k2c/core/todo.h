@@ -1,4 +1,4 @@
-// k2c/todo.h — K2C_TODO and k2c::NotImplemented.
+// k2c/core/todo.h — K2C_TODO and k2c::NotImplemented.
 //
 // Every unfinished function in a student stub calls K2C_TODO("what to write"). It throws
 // k2c::NotImplemented, whose message starts with a fixed marker that the grader recognises and
