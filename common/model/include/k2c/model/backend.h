@@ -4,8 +4,8 @@
 // A distributed program's tensors must be memory its communicator can move: host memory on MPI
 // (the CPU backend's), device memory on NCCL (the GPU backend's). So the run decides the model
 // library's backend. On the GPU the model's kernels go to the communicator's compute stream, so
-// that a collective issued after them sees their results, and vice versa. The benchmark programs
-// of modules 14, 16 and 17 once each wrote this choice out; this is the one copy.
+// that a collective issued after them sees their results, and vice versa. The programs of modules
+// 12–17 and 19 choose through it.
 //
 // Header-only: whether the GPU backend is there to choose is K2C_MODEL_CUDA, which the build sets
 // to 1 for a program that links k2c_model_cuda (cmake/K2CModule.cmake).
