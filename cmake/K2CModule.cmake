@@ -103,9 +103,11 @@ function(k2c_add_module id)
     set(test_main ${root}/common/src/test_main.cpp)
   endif()
   add_executable(k2c_test_${id} ${test_src} ${test_main})
+  # K2C_CUDA_PARTS: whether a cpu or mpi module's .cu parts (and their tests) are in the build, so a
+  # test program built without them can still list their tests, skipped with the reason.
   target_compile_definitions(k2c_test_${id} PRIVATE
     K2C_MODULE_ID="${id}" K2C_IMPL_NAME="${K2C_IMPL}"
-    K2C_RUBRIC_DEFAULT="${root}/autograder/rubric.json")
+    K2C_RUBRIC_DEFAULT="${root}/autograder/rubric.json" K2C_CUDA_PARTS=$<BOOL:${cuda_parts}>)
   target_link_libraries(k2c_test_${id} PRIVATE k2c_impl_${id} k2c_testing)
   if(arg_MODEL AND TARGET k2c_model_cuda)
     target_link_libraries(k2c_test_${id} PRIVATE k2c_model_cuda)
