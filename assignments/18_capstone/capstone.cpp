@@ -32,6 +32,9 @@ GridTrainer::GridTrainer(dist::Communicator& world, model::Ops& ops, const Capst
   if (config.zero_stage != 0)
     K2C_TODO("GridTrainer with zero_stage: refuse what Zero cannot run (capstone.h, ZeRO), then a "
              "model::Transformer and module 13's zero::Zero over the dp group instead of the stage and AdamW");
+  if (config.grid.tp > 1 && config.grid.ep > 1)
+    K2C_TODO("GridTrainer on tp x ep: 14's ParallelAttention over tp around 17's ExpertParallelMoe over the ep "
+             "group of this tp coordinate (capstone.h, tp x ep), and a norm that counts expert slices at tp 0");
   K2C_TODO("GridTrainer: the grid and its groups, this rank's stage and parameters, the optimizer, the loaders");
 }
 

@@ -6,12 +6,18 @@
 //   pipeline   blocks stage_blocks(L, pp, pp_coord) (module 15), the embedding on the first
 //              stage, the final norm and head on the last; 15's train_step runs the schedule over
 //              this stage, which is why the stage below derives from pipeline_stage::Stage
-//   tensor     with tp > 1 every block is 14's ParallelBlock, the embedding 14's
+//   tensor     with tp > 1 every dense block is 14's ParallelBlock, the embedding 14's
 //              VocabParallelEmbedding, the head a ColumnParallelLinear whose logits stay cut by
 //              vocabulary into 14's vocab_parallel_cross_entropy; with tp = 1 the model
 //              library's own layers, so that grid 1 is model::Trainer operation for operation
 //   experts    with ep > 1 every block's feed-forward is 17's ExpertParallelMoe (the rest of the
-//              block as model::Block builds it)
+//              block as model::Block builds it; under tp > 1 too its attention is 14's
+//              ParallelAttention over the tp group). The ep group is the ranks of one (dp, pp, tp)
+//              place, so under tp × ep each tp rank runs its own ep group's MoE: tp rank t
+//              exchanges tokens with the tp rank t of the other ep coordinates only. The tp ranks
+//              of one ep group hold the same tokens (the activations are whole), the same expert
+//              shard and the same router, and compute the same bits: the MoE is replicated over
+//              tp, and nothing of it is reduced over tp
 //   data       dp × ep data ranks read disjoint rows of each batch (the loader's dp_rank is the
 //              data rank)
 //
@@ -23,7 +29,8 @@
 //            (before_backward(sync) is called by the stage, which is the only code that knows
 //            when a backward starts under 15's schedule). Each rank's loss is the mean over its
 //            own tokens, and DataParallel averages: the mean over the global batch.
-//   ep > 1   dense weights are copied over dp × ep, each expert shard over dp only, so no single
+//   ep > 1   dense weights (a tp rank's shard of them under tp) are copied over dp × ep, each
+//            expert shard over dp only (and over tp, which computes it alike), so no single
 //            group fits: the loss is scaled to the mean over the GLOBAL batch (1/D on top of the
 //            schedule's scale) and gradients are summed, the dense ones over dp × ep, the MoE
 //            layers' with 17's reduce_gradients (dense over dp × ep, experts over dp). 17's layer
@@ -32,10 +39,11 @@
 //
 // Clipping needs the norm of the whole model's gradient, and every rank holds a different part
 // of it: a weight counts on one rank only. After the reduction every dp replica holds the same
-// gradients, so only dp coordinate 0 counts; a weight registered as a shard (Init::shard: a TP
-// block, an expert slice) counts on every rank that holds a shard of it; a whole weight that
-// tensor or expert parallelism replicates (norm gains, the router, attention under ep) counts
-// at tp = ep = 0 only. Pipeline stages hold different weights and all count. The same rule picks
+// gradients, so only dp coordinate 0 counts; a tp shard (Init::shard: a TP layer, the vocabulary
+// cuts), replicated over ep, counts at ep = 0; an expert slice (Init::shard, cut over ep),
+// replicated over tp, counts at tp = 0; a whole weight that tensor or expert parallelism
+// replicates (norm gains, the router, the shared expert, attention under ep alone) counts at
+// tp = ep = 0 only. Pipeline stages hold different weights and all count. The same rule picks
 // the one rank that contributes each value to gather_values.
 //
 // Exactness. At grid 1 the stage runs model::Transformer's operations in its order, the norm is
@@ -152,7 +160,7 @@ struct BlockState {
 class GridBlock {
  public:
   GridBlock(BlockKind kind, Grid& grid, km::ParamList& params, const km::BlockConfig& c, int index)
-      : kind_(kind) {
+      : kind_(kind), tensor_attn_(grid.shape().tp > 1) {
     const std::string name = "blocks." + std::to_string(index);
     switch (kind) {
       case BlockKind::plain: plain_ = km::Block(params, name, c, index); break;
@@ -161,7 +169,8 @@ class GridBlock {
         // model::Block's registration order and names, so the flat layout is the unsplit one's.
         norm1_ = km::RmsNorm(params, name + ".norm1", c.attention.d_model, c.norm_eps);
         norm2_ = km::RmsNorm(params, name + ".norm2", c.attention.d_model, c.norm_eps);
-        attn_ = km::Attention(params, name + ".attn", c.attention);
+        if (tensor_attn_) tp_attn_ = tp::ParallelAttention(grid.group(Axis::tp), params, name + ".attn", c.attention);
+        else attn_ = km::Attention(params, name + ".attn", c.attention);
         moe_ = xp::ExpertParallelMoe(grid.group(Axis::ep), params, name + ".moe", c.moe);
         break;
     }
@@ -178,7 +187,8 @@ class GridBlock {
         auto& e = s.expert;
         for (Tensor* t : {&e.n1, &e.h, &e.n2, &e.attn_out, &e.mlp_out, &s.out}) *t = ctx.tensor(x.shape());
         norm1_.forward(ctx, x, e.n1, e.norm1);
-        attn_.forward(ctx, e.n1, positions, rows, e.attn_out, e.attn);
+        if (tensor_attn_) tp_attn_.forward(ctx, e.n1, positions, rows, e.attn_out, e.attn);
+        else attn_.forward(ctx, e.n1, positions, rows, e.attn_out, e.attn);
         ctx.ops.add(x, e.attn_out, e.h);
         norm2_.forward(ctx, e.h, e.n2, e.norm2);
         moe_.forward(ctx, e.n2, e.mlp_out, e.moe);
@@ -201,7 +211,8 @@ class GridBlock {
         moe_.backward(ctx, e.n2, e.moe, dout, dn);
         norm2_.backward(ctx, e.h, e.norm2, dn, dh);
         ctx.ops.accumulate(dh, dout, 1.0f);
-        attn_.backward(ctx, e.n1, positions, rows, e.attn, dh, dn);
+        if (tensor_attn_) tp_attn_.backward(ctx, e.n1, positions, rows, e.attn, dh, dn);
+        else attn_.backward(ctx, e.n1, positions, rows, e.attn, dh, dn);
         norm1_.backward(ctx, x, e.norm1, dn, dx);
         ctx.ops.accumulate(dx, dh, 1.0f);
         return;
@@ -213,10 +224,12 @@ class GridBlock {
 
  private:
   BlockKind kind_;
+  bool tensor_attn_;  // expert kind under tp > 1: 14's attention
   km::Block plain_;
   tp::ParallelBlock tensor_;
   km::RmsNorm norm1_, norm2_;
   km::Attention attn_;
+  tp::ParallelAttention tp_attn_;
   xp::ExpertParallelMoe moe_;
 };
 
@@ -599,9 +612,10 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
     throw std::invalid_argument("capstone: batch " + std::to_string(config.train.batch) + " must split into " +
                                 std::to_string(D) + " data ranks x " + std::to_string(config.micro_batches) +
                                 " micro-batches");
-  if (g.tp > 1 && m.experts > 0)
-    throw std::invalid_argument("capstone: tp " + std::to_string(g.tp) + " needs a dense model (module 14's "
-                                "block has no experts); this one has " + std::to_string(m.experts) + " experts");
+  if (g.tp > 1 && m.experts > 0 && g.ep == 1)
+    throw std::invalid_argument("capstone: tp " + std::to_string(g.tp) + " with " + std::to_string(m.experts) +
+                                " experts needs ep > 1 (module 14's block has no experts; module 17's layer "
+                                "runs them)");
   if (g.ep > 1 && m.experts == 0)
     throw std::invalid_argument("capstone: ep " + std::to_string(g.ep) + " needs a mixture of experts (experts > 0)");
   if ((g.tp > 1 || g.ep > 1) && config.train.dropout > 0)
@@ -643,14 +657,22 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
                                           config.train.seed, zc);
   } else {
     const ps::Span span = pp::stage_blocks(m.n_layers, g.pp, s.coord(Axis::pp));
-    const BlockKind kind = g.tp > 1 ? BlockKind::tensor : g.ep > 1 ? BlockKind::expert : BlockKind::plain;
+    const BlockKind kind = g.ep > 1 ? BlockKind::expert : g.tp > 1 ? BlockKind::tensor : BlockKind::plain;
     s.stage = std::make_unique<GridStage>(s.grid, s.params, m, span, kind);
     s.params.materialize(ops, s.ledger, config.train.seed);
+    // Which rank counts each weight (see the top): expert slices are cut over ep, every other
+    // shard over tp.
+    std::vector<char> expert_slice(static_cast<std::size_t>(s.params.size()), 0);
+    for (const GridBlock& b : s.stage->blocks())
+      if (const xp::ExpertParallelMoe* moe = b.moe())
+        for (km::ParamId id : moe->expert_params()) expert_slice[static_cast<std::size_t>(id)] = 1;
+    const bool tp0 = s.coord(Axis::tp) == 0, ep0 = s.coord(Axis::ep) == 0;
     s.counted.assign(static_cast<std::size_t>(s.params.size()), 0);
     for (km::ParamId id = 0; id < s.params.size(); ++id) {
-      const bool whole_here = s.coord(Axis::tp) == 0 && s.coord(Axis::ep) == 0;
-      s.counted[static_cast<std::size_t>(id)] = s.params.info(id).init.shard.has_value() || whole_here;
-      if (!s.counted[static_cast<std::size_t>(id)]) s.counts_all = false;
+      const bool shard = s.params.info(id).init.shard.has_value();
+      const bool here = !shard ? tp0 && ep0 : expert_slice[static_cast<std::size_t>(id)] ? tp0 : ep0;
+      s.counted[static_cast<std::size_t>(id)] = here;
+      if (!here) s.counts_all = false;
     }
     if (g.ep > 1) {
       s.stage->scale_factor = 1.0f / static_cast<float>(D);
