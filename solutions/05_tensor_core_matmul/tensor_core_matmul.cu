@@ -27,6 +27,7 @@
 
 #include "k2c/core/check.h"
 #include "k2c/core/gemm_args.h"
+#include "../shared/mma_tile.cuh"
 #include "k2c/device/tensor_core.cuh"
 #include "tensor_core_matmul.h"
 
@@ -164,26 +165,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     tc::cp_async_commit();
 
     const std::uint32_t sa = stage_a(kt % T::STAGES), sb = stage_b(kt % T::STAGES);
-#pragma unroll
-    for (int ks = 0; ks < T::BK / 16; ++ks) {
-      std::uint32_t a[T::MT][4], b[T::NT][2];
-#pragma unroll
-      for (int mt = 0; mt < T::MT; ++mt)
-        tc::ldmatrix_x4(a[mt], sa + swizzled(a_row + mt * 16, ks * 2 + a_chunk));
-#pragma unroll
-      for (int nt = 0; nt < T::NT; nt += 2) {
-        std::uint32_t r[4];
-        tc::ldmatrix_x4(r, sb + swizzled(b_row + nt * 8, ks * 2 + b_chunk));
-        b[nt][0] = r[0];
-        b[nt][1] = r[1];
-        b[nt + 1][0] = r[2];
-        b[nt + 1][1] = r[3];
-      }
-#pragma unroll
-      for (int mt = 0; mt < T::MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < T::NT; ++nt) tc::mma_bf16_16816(acc[mt][nt], a[mt], b[nt]);
-    }
+    std::uint32_t a[T::MT][4], b[T::NT][2];
+    tc::mma_stage<T::BK / 16>(
+        acc, a, b,
+        [&](std::uint32_t(&frag)[4], int mt, int ks) {
+          tc::ldmatrix_x4(frag, sa + swizzled(a_row + mt * 16, ks * 2 + a_chunk));
+        },
+        [&](std::uint32_t(&r)[4], int nt, int ks) {
+          tc::ldmatrix_x4(r, sb + swizzled(b_row + nt * 8, ks * 2 + b_chunk));
+        });
   }
   tc::cp_async_wait<0>();  // no copy may outlive the block (the tail groups are empty)
 

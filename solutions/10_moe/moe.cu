@@ -46,6 +46,7 @@
 
 #include "k2c/core/check.h"
 #include "k2c/device/hopper.cuh"
+#include "../shared/mma_tile.cuh"
 #include "k2c/device/tensor_core.cuh"
 #include "moe.h"
 

@@ -193,29 +193,17 @@ __global__ void __launch_bounds__(T::kThreads, T::kBlocksPerSm) grouped_kernel(G
       tc::cp_async_commit();
 
       const std::uint32_t sa = stage_a(kt % T::STAGES), sb = stage_b(kt % T::STAGES);
-#pragma unroll
-      for (int ks = 0; ks < T::BK / 16; ++ks) {
-        std::uint32_t af[T::MT][4], bfr[T::NT][2];
-#pragma unroll
-        for (int mt = 0; mt < T::MT; ++mt) {
-          if constexpr (kAK) tc::ldmatrix_x4(af[mt], sa + swz<128>(ak_row + mt * 16, ks * 2 + ak_chunk));
-          else tc::ldmatrix_x4_trans(af[mt], sa + swz<T::BM * 2>(ks * 16 + amn_row, amn_chunk + mt * 2));
-        }
-#pragma unroll
-        for (int nt = 0; nt < T::NT; nt += 2) {
-          std::uint32_t r[4];
-          if constexpr (kBK) tc::ldmatrix_x4(r, sb + swz<128>(bk_row + nt * 8, ks * 2 + bk_chunk));
-          else tc::ldmatrix_x4_trans(r, sb + swz<T::BN * 2>(ks * 16 + bmn_row, bmn_chunk + nt));
-          bfr[nt][0] = r[0];
-          bfr[nt][1] = r[1];
-          bfr[nt + 1][0] = r[2];
-          bfr[nt + 1][1] = r[3];
-        }
-#pragma unroll
-        for (int mt = 0; mt < T::MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < T::NT; ++nt) tc::mma_bf16_16816(acc[mt][nt], af[mt], bfr[nt]);
-      }
+      std::uint32_t af[T::MT][4], bfr[T::NT][2];
+      tc::mma_stage<T::BK / 16>(
+          acc, af, bfr,
+          [&](std::uint32_t(&frag)[4], int mt, int ks) {
+            if constexpr (kAK) tc::ldmatrix_x4(frag, sa + swz<128>(ak_row + mt * 16, ks * 2 + ak_chunk));
+            else tc::ldmatrix_x4_trans(frag, sa + swz<T::BM * 2>(ks * 16 + amn_row, amn_chunk + mt * 2));
+          },
+          [&](std::uint32_t(&r)[4], int nt, int ks) {
+            if constexpr (kBK) tc::ldmatrix_x4(r, sb + swz<128>(bk_row + nt * 8, ks * 2 + bk_chunk));
+            else tc::ldmatrix_x4_trans(r, sb + swz<T::BN * 2>(ks * 16 + bmn_row, bmn_chunk + nt));
+          });
     }
     tc::cp_async_wait<0>();
 
