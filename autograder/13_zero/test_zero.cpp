@@ -347,15 +347,6 @@ namespace {
 
 constexpr int kGpuRowsPerRank = 8;
 
-// Skips unless this is a NCCL run on 2 or more ranks with the model library's GPU backend.
-#define K2C_REQUIRE_GPU_RANKS()                                                                    \
-  do {                                                                                             \
-    K2C_REQUIRE_NCCL();                                                                            \
-    if (world().size() < 2) K2C_SKIP("needs 2 or more GPUs, one per rank (this run has 1)");       \
-    if (!K2C_MODEL_CUDA) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)"); \
-    if (k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");         \
-  } while (0)
-
 // kGpuRowsPerRank sequences of the GPU model's length per rank, different on each rank.
 Batch gpu_batch(km::Ops& ops, km::MemoryLedger& ledger) {
   const km::ModelConfig c = gpu_model();
@@ -401,6 +392,7 @@ using ZeroPerf = kd::testing::DistTest;
 
 TEST_F(ZeroPerf, MemoryEfficiency) {
   K2C_REQUIRE_GPU_RANKS();
+  if (!K2C_MODEL_CUDA) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
 #if K2C_MODEL_CUDA
   km::Ops& ops = gpu_ops();
   km::MemoryLedger data;
@@ -419,6 +411,7 @@ TEST_F(ZeroPerf, MemoryEfficiency) {
 
 TEST_F(ZeroPerf, Stage12VsDataParallel) {
   K2C_REQUIRE_GPU_RANKS();
+  if (!K2C_MODEL_CUDA) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
 #if K2C_MODEL_CUDA
   km::Ops& ops = gpu_ops();
   const StepTimes s1 = time_against_ddp(ops, 1), s2 = time_against_ddp(ops, 2);
@@ -435,6 +428,7 @@ TEST_F(ZeroPerf, Stage12VsDataParallel) {
 
 TEST_F(ZeroPerf, Stage3VsDataParallel) {
   K2C_REQUIRE_GPU_RANKS();
+  if (!K2C_MODEL_CUDA) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
 #if K2C_MODEL_CUDA
   const StepTimes s = time_against_ddp(gpu_ops(), 3);
   if (world().rank() == 0)

@@ -65,6 +65,16 @@ class CpuModelTest : public DistTest {
                ::k2c::dist::to_string(::k2c::dist::testing::world().backend()) + ")");       \
   } while (0)
 
+// The multi-GPU speed tests: skips (on every rank alike) unless the run uses NCCL on 2 or more
+// ranks, one GPU each, outside compute-sanitizer (which slows kernels by orders of magnitude).
+#define K2C_REQUIRE_GPU_RANKS()                                                                     \
+  do {                                                                                              \
+    K2C_REQUIRE_NCCL();                                                                             \
+    if (::k2c::dist::testing::world().size() < 2)                                                   \
+      K2C_SKIP("needs 2 or more GPUs, one per rank (this run has 1)");                              \
+    if (::k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");        \
+  } while (0)
+
 // Collective (every rank calls it, with as many bytes): true when every rank holds the same
 // bytes. Each rank hashes its own (FNV-1a, 64 bits); the minimum and maximum of the hashes over
 // the ranks are equal exactly when all agree (but for a hash collision). Through MPI, so it
