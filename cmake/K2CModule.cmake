@@ -145,7 +145,8 @@ function(k2c_add_module id)
     endif()
   endif()
 
-  if(benchmark_FOUND AND EXISTS ${root}/autograder/${id}/bench_${name}.cu)
+  # A GPU module's sweep, or a CPU/MPI module's sweep of its CUDA parts (19's decode kernel).
+  if(benchmark_FOUND AND (arg_KIND STREQUAL "gpu" OR cuda_parts) AND EXISTS ${root}/autograder/${id}/bench_${name}.cu)
     add_executable(k2c_bench_${id} ${root}/autograder/${id}/bench_${name}.cu)
     target_link_libraries(k2c_bench_${id} PRIVATE k2c_impl_${id} k2c_cuda benchmark::benchmark)
   endif()

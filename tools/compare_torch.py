@@ -15,8 +15,9 @@ silently.
 """
 import argparse
 import json
-import statistics
 import sys
+
+import k2c_tools
 
 
 def main():
@@ -26,30 +27,18 @@ def main():
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
+    torch = k2c_tools.need_torch("PyTorch with torch.nn.attention")
     try:
-        import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
         import torch.nn.functional as F
     except ImportError as e:
         sys.exit(f"PyTorch with torch.nn.attention is needed for this comparison ({e}); nothing measured")
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device visible to PyTorch; nothing measured")
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
     def timed(fn):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(args.repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return k2c_tools.median_ms(torch, fn, args.repeats, warmup=3)
 
     shapes = [(4, 32, 4096, 128, True)]
     shapes += [(16384 // n, 2048 // d, n, d, causal) for d in args.d for causal in (True, False) for n in args.n]

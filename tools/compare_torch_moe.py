@@ -18,8 +18,8 @@ fails is recorded with its error, not skipped silently.
 """
 import argparse
 import json
-import statistics
-import sys
+
+import k2c_tools
 
 T, D, E, F_, K, SF = 16384, 2048, 64, 1408, 6, 2816
 
@@ -29,30 +29,14 @@ def main():
     ap.add_argument("--out", default="torch_moe.json")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError as e:
-        sys.exit(f"PyTorch is needed for this comparison ({e}); nothing measured")
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device visible to PyTorch; nothing measured")
+    torch = k2c_tools.need_torch()
+    import torch.nn.functional as F
 
     dev = "cuda"
     flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4 + 1, device=dev)
 
     def timed(fn, repeats):
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(repeats):
-            flush.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return k2c_tools.median_ms(torch, fn, repeats, warmup=2, before=flush.zero_)
 
     torch.manual_seed(1)
     choice = torch.rand(T, E, device=dev).topk(K, dim=1).indices

@@ -179,6 +179,15 @@ def measured_on(ref, module=None):
     return f"{ref['gpu']}, {toolkit}, measured {date}"
 
 
+def result_row(lead, r, perf, bar_column):
+    """One table row of a recorded test: the lead cells, then achieved, ceiling (with its name),
+    ratio, the student bar (where the table has that column) and goal."""
+    bar, goal = goal_cells(perf)
+    cells = lead + [f"{num(r['achieved'])} {r['unit']}", f"{num(r['ceiling'])} {r['unit']} ({r['ceiling_name']})",
+                    f"{r['ratio']:.3f}"] + ([bar] if bar_column else []) + [goal]
+    return "| " + " | ".join(cells) + " |"
+
+
 def table_module(ref, rubric, module):
     tests = ref.get("modules", {}).get(module)
     if not tests:
@@ -188,9 +197,7 @@ def table_module(ref, rubric, module):
             "| test | achieved | ceiling (same run) | ratio | student bar | goal |",
             "|---|---:|---|---:|---:|---:|"]
     for name, r in sorted(tests.items()):
-        bar, goal = goal_cells(perf.get((module, name)))
-        rows.append(f"| `{name}` | {num(r['achieved'])} {r['unit']} | {num(r['ceiling'])} {r['unit']} "
-                    f"({r['ceiling_name']}) | {r['ratio']:.3f} | {bar} | {goal} |")
+        rows.append(result_row([f"`{name}`"], r, perf.get((module, name)), bar_column=True))
     return rows
 
 
@@ -202,9 +209,7 @@ def table_all(ref, rubric):
             "|---|---|---|---|---|---|"]
     for module, tests in sorted(ref["modules"].items()):
         for name, r in sorted(tests.items()):
-            _, goal = goal_cells(perf.get((module, name)))
-            rows.append(f"| {module} | {name} | {num(r['achieved'])} {r['unit']} | "
-                        f"{num(r['ceiling'])} {r['unit']} ({r['ceiling_name']}) | {r['ratio']:.3f} | {goal} |")
+            rows.append(result_row([module, name], r, perf.get((module, name)), bar_column=False))
     return rows
 
 

@@ -10,29 +10,18 @@ BM_attention/<pass>/d<head_dim>/<causal|full>/<N>). --torch adds the curves that
 tools/compare_torch.py measured (PyTorch's SDPA backends), when that file exists. The numbers
 are printed as a table too, so the script is useful without matplotlib.
 """
-import argparse
 import json
 import pathlib
-import re
 
-ap = argparse.ArgumentParser()
-ap.add_argument("bench_dir")
-ap.add_argument("--png", default="lectures/figures/attention.png")
-ap.add_argument("--torch", default=None)
-args = ap.parse_args()
+import k2c_tools
+
+args = k2c_tools.plot_args("lectures/figures/attention.png", torch="tools/compare_torch.py")
 
 # ours[(d, mask)][pass][n] = TFLOP/s
-ours, gpu = {}, "GPU"
-for path in sorted(pathlib.Path(args.bench_dir).glob("*.json")):
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError):
-        continue
-    gpu = data.get("context", {}).get("gpu", gpu)
-    for b in data.get("benchmarks", []):
-        m = re.match(r"BM_attention/(\w+)/d(\d+)/(causal|full)/(\d+)", b["name"])
-        if m and "TFLOP/s" in b:
-            ours.setdefault((int(m.group(2)), m.group(3)), {}).setdefault(m.group(1), {})[int(m.group(4))] = b["TFLOP/s"]
+ours = {}
+gpu, entries = k2c_tools.benchmarks(args.bench_dir)
+for m, rate in k2c_tools.matches(entries, r"BM_attention/(\w+)/d(\d+)/(causal|full)/(\d+)", "TFLOP/s"):
+    ours.setdefault((int(m.group(2)), m.group(3)), {}).setdefault(m.group(1), {})[int(m.group(4))] = rate
 if not ours:
     raise SystemExit(f"no BM_attention results in {args.bench_dir}")
 

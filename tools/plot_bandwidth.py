@@ -10,32 +10,21 @@ RMSNorm, head_dim for RoPE), one bar per variant; the variant "copy" (cudaMemcpy
 kernel must move) is drawn as a line over its group, the ceiling each bar is judged against.
 The numbers are printed as a table too, so the script is useful without matplotlib.
 """
-import argparse
-import json
 import pathlib
-import re
+
+import k2c_tools
 
 MODULES = [("softmax", "06 softmax, bf16, 64 Mi elements", "row length"),
            ("rmsnorm", "07 RMSNorm, bf16, 64 Mi elements", "row length"),
            ("rope", "08 RoPE, 4 x 4096 tokens, heads 32/8", "head_dim")]
 
-ap = argparse.ArgumentParser()
-ap.add_argument("bench_dir")
-ap.add_argument("--png", default="lectures/figures/bandwidth.png")
-args = ap.parse_args()
+args = k2c_tools.plot_args("lectures/figures/bandwidth.png")
 
 # results[module][variant][size] = GB/s
-results, gpu = {}, "GPU"
-for path in sorted(pathlib.Path(args.bench_dir).glob("*.json")):
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError):
-        continue  # a program that ran no benchmark leaves an empty file
-    gpu = data.get("context", {}).get("gpu", gpu)
-    for b in data.get("benchmarks", []):
-        m = re.match(r"BM_(softmax|rmsnorm|rope)/(\w+)/(\d+)", b["name"])
-        if m and "GB/s" in b:
-            results.setdefault(m.group(1), {}).setdefault(m.group(2), {})[int(m.group(3))] = b["GB/s"]
+results = {}
+gpu, entries = k2c_tools.benchmarks(args.bench_dir)
+for m, rate in k2c_tools.matches(entries, r"BM_(softmax|rmsnorm|rope)/(\w+)/(\d+)", "GB/s"):
+    results.setdefault(m.group(1), {}).setdefault(m.group(2), {})[int(m.group(3))] = rate
 if not results:
     raise SystemExit(f"no BM_softmax, BM_rmsnorm or BM_rope results in {args.bench_dir}")
 

@@ -11,10 +11,9 @@ numbers are printed as a table. The README's ladder tables come from the referen
 (`autograder/reference/h200.json`, under `gemm_ladder`), written by tools/figures.py.
 matplotlib is needed for the PNG only.
 """
-import argparse
-import json
 import pathlib
-import re
+
+import k2c_tools
 
 LADDERS = {
     "sgemm": ("SGEMM ladder", "TFLOP/s (fp32)", "ladder",
@@ -26,19 +25,12 @@ LADDERS = {
                  None, None),
 }
 
-ap = argparse.ArgumentParser()
-ap.add_argument("bench_dir")
-ap.add_argument("--png", default="lectures/figures/sgemm_ladder.png")
-args = ap.parse_args()
+args = k2c_tools.plot_args("lectures/figures/sgemm_ladder.png")
 
-rates, gpu = {}, "GPU"  # rates[ladder][variant][n]
-for path in sorted(pathlib.Path(args.bench_dir).glob("*.json")):
-    data = json.loads(path.read_text())
-    gpu = data.get("context", {}).get("gpu", gpu)
-    for b in data.get("benchmarks", []):
-        m = re.match(r"BM_\w+?_(sgemm|bf16gemm)/(\w+)/(\d+)", b["name"])
-        if m and "TFLOP/s" in b:
-            rates.setdefault(m.group(1), {}).setdefault(m.group(2), {})[int(m.group(3))] = b["TFLOP/s"]
+rates = {}  # rates[ladder][variant][n]
+gpu, entries = k2c_tools.benchmarks(args.bench_dir)
+for m, rate in k2c_tools.matches(entries, r"BM_\w+?_(sgemm|bf16gemm)/(\w+)/(\d+)", "TFLOP/s"):
+    rates.setdefault(m.group(1), {}).setdefault(m.group(2), {})[int(m.group(3))] = rate
 ladders = [k for k in LADDERS if k in rates]
 if not ladders:
     raise SystemExit(f"no BM_*_sgemm or BM_*_bf16gemm results in {args.bench_dir}")

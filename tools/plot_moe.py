@@ -9,32 +9,20 @@ BENCH_DIR holds Google Benchmark JSON written by `k2c bench` (entries BM_moe/...
 what tools/compare_torch_moe.py measured, when that file exists. The numbers are printed as a
 table too, so the script is useful without matplotlib.
 """
-import argparse
 import json
 import pathlib
-import re
 
-ap = argparse.ArgumentParser()
-ap.add_argument("bench_dir")
-ap.add_argument("--png", default="lectures/figures/moe.png")
-ap.add_argument("--torch", default=None)
-args = ap.parse_args()
+import k2c_tools
+
+args = k2c_tools.plot_args("lectures/figures/moe.png", torch="tools/compare_torch_moe.py")
 
 # gemm[(proj, loads)][variant] = TFLOP/s; layer[name] = ms
-gemm, layer, gpu = {}, {}, "GPU"
-for path in sorted(pathlib.Path(args.bench_dir).glob("*.json")):
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError):
-        continue
-    gpu = data.get("context", {}).get("gpu", gpu)
-    for b in data.get("benchmarks", []):
-        m = re.match(r"BM_moe/(grouped|hopper|cublas_loop)/(up|down)/(uniform|skewed)", b["name"])
-        if m and "TFLOP/s" in b:
-            gemm.setdefault((m.group(2), m.group(3)), {})[m.group(1)] = b["TFLOP/s"]
-        m = re.match(r"BM_moe/(layer|naive)/(forward_backward|forward)", b["name"])
-        if m:
-            layer[f"{m.group(1)} {m.group(2)}"] = b["real_time"]
+gemm, layer = {}, {}
+gpu, entries = k2c_tools.benchmarks(args.bench_dir)
+for m, rate in k2c_tools.matches(entries, r"BM_moe/(grouped|hopper|cublas_loop)/(up|down)/(uniform|skewed)", "TFLOP/s"):
+    gemm.setdefault((m.group(2), m.group(3)), {})[m.group(1)] = rate
+for m, ms in k2c_tools.matches(entries, r"BM_moe/(layer|naive)/(forward_backward|forward)", "real_time"):
+    layer[f"{m.group(1)} {m.group(2)}"] = ms
 if not gemm and not layer:
     raise SystemExit(f"no BM_moe results in {args.bench_dir}")
 torch = json.loads(pathlib.Path(args.torch).read_text()) if args.torch and pathlib.Path(args.torch).exists() else {}

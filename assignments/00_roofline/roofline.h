@@ -9,7 +9,11 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+
 #include <cuda_runtime_api.h>
+
+#include "k2c/core/check.h"
 
 namespace k2c::roofline {
 
@@ -38,6 +42,25 @@ inline constexpr float kFmaStep = 0.125f;
 inline constexpr float kFmaMul = 0.999f;   // |x| contracts toward kFmaAdd / (1 - kFmaMul) = 1,
 inline constexpr float kFmaAdd = 0.001f;   // so no overflow or denormals for any iters.
 void fma_throughput(float* out, std::size_t n, int iters, cudaStream_t stream = nullptr);
+
+// The argument checks of copy() and fma_throughput() (given, not part of the exercise: the stub
+// and the reference call the same ones). Each throws std::invalid_argument, with the offending
+// value, for what the comments above rule out, and returns false when n == 0, so that the caller
+// returns before launching anything.
+[[nodiscard]] inline bool check_copy_args(const float* src, const float* dst, std::size_t n) {
+  if (n == 0) return false;
+  K2C_CHECK(src != nullptr && dst != nullptr, "copy: null pointer for n=" << n);
+  K2C_CHECK(reinterpret_cast<std::uintptr_t>(src) % 16 == 0 &&
+                reinterpret_cast<std::uintptr_t>(dst) % 16 == 0,
+            "copy: src and dst must be 16-byte aligned, got " << src << " and " << dst);
+  return true;
+}
+[[nodiscard]] inline bool check_fma_args(const float* out, std::size_t n, int iters) {
+  K2C_CHECK(iters >= 0, "fma_throughput: iters must be >= 0, got " << iters);
+  if (n == 0) return false;
+  K2C_CHECK(out != nullptr, "fma_throughput: null pointer for n=" << n);
+  return true;
+}
 
 // ---- the roofline (host only) ---------------------------------------------------------------
 

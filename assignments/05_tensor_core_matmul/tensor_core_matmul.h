@@ -24,10 +24,14 @@
 // Lecture: lectures/05_tensor_core_matmul.md.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
+
+#include "k2c/core/check.h"
+#include "k2c/core/gemm_args.h"
 
 namespace k2c::tensor_core_matmul {
 
@@ -43,5 +47,20 @@ void matmul(int M, int N, int K, const bf16* A, const bf16* B, float* C,
 bool hopper_supported(std::string* why_not = nullptr);
 void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
                    cudaStream_t stream = nullptr);
+
+// The argument checks both parts make (given, not part of the exercise; the stubs and the
+// reference call the same ones). 16-byte alignment decides Part A's fast path and is what TMA
+// needs of every row start in Part B.
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// matmul_hopper's preconditions, as stated above; throws std::invalid_argument naming the value.
+inline void check_hopper_args(int M, int N, int K, const bf16* A, const bf16* B, const bf16* C) {
+  check_gemm_args(M, N, K, A, B, 0.0f, C);
+  if (M == 0 || N == 0) return;
+  K2C_CHECK(K % 8 == 0, "matmul_hopper needs K % 8 == 0 (TMA rows start on 16 bytes), got K="
+                            << K << "; use matmul()");
+  K2C_CHECK(K == 0 || (aligned16(A) && aligned16(B)),
+            "matmul_hopper needs 16-byte aligned A and B (TMA); use matmul()");
+}
 
 }  // namespace k2c::tensor_core_matmul

@@ -15,14 +15,8 @@ namespace k2c::rmsnorm {
 
 void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
              float* rstd, int rows, int cols, float eps, cudaStream_t stream) {
-  K2C_CHECK(rows >= 0 && cols >= 0, "rmsnorm forward: negative size " << rows << " x " << cols);
-  K2C_CHECK(eps > 0, "rmsnorm forward: eps must be > 0, got " << eps);
-  if (rows == 0 || cols == 0) return;
-  K2C_CHECK(x && gamma && y && rstd && (residual == nullptr || residual_out != nullptr),
-            "rmsnorm forward: missing pointer");
-  K2C_CHECK(residual == nullptr || (residual_out != x && residual_out != residual),
-            "rmsnorm forward: residual_out may not alias x or residual");
-  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "rmsnorm forward: at most " << kMaxExtent << " rows and columns");
+  // The argument checks are given (rmsnorm.h).
+  if (!check_forward_args(x, residual, gamma, y, residual_out, rstd, rows, cols, eps)) return;
   (void)stream;
   K2C_TODO("rmsnorm forward: one row per warp or block, sum of squares reduced, then scale");
 }

@@ -16,6 +16,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include "k2c/core/check.h"
+
 namespace k2c::rmsnorm {
 
 using bf16 = __nv_bfloat16;
@@ -39,6 +41,27 @@ inline constexpr int kMaxExtent = 2147483647 - 8192;
 // aliasing x or residual, or sizes over kMaxExtent.
 void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
              float* rstd, int rows, int cols, float eps, cudaStream_t stream = nullptr);
+
+// forward()'s argument checks (given, not part of the exercise: the stub and the reference call
+// the same ones). Throws as said above; returns false when there is nothing to do (rows or cols
+// 0), for the caller to return.
+[[nodiscard]] inline bool check_forward_args(const bf16* x, const bf16* residual,
+                                             const bf16* gamma, const bf16* y,
+                                             const bf16* residual_out, const float* rstd, int rows,
+                                             int cols, float eps) {
+  K2C_CHECK(rows >= 0 && cols >= 0, "rmsnorm forward: negative size " << rows << " x " << cols);
+  K2C_CHECK(eps > 0, "rmsnorm forward: eps must be > 0, got " << eps);
+  if (rows == 0 || cols == 0) return false;
+  K2C_CHECK(x && gamma && y && rstd && (residual == nullptr || residual_out != nullptr),
+            "rmsnorm forward: missing pointer (x, gamma, y and rstd are required, and residual_out "
+            "when residual is given)");
+  K2C_CHECK(residual == nullptr || (residual_out != x && residual_out != residual),
+            "rmsnorm forward: residual_out may not alias x or residual");
+  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "rmsnorm forward: at most "
+                                                           << kMaxExtent << " rows and columns, got "
+                                                           << rows << " x " << cols);
+  return true;
+}
 
 // Backward of y = h · rstd · gamma for upstream gradient dy, given the h that forward normalised
 // (x, or residual_out when the add was fused) and the rstd it saved:

@@ -18,11 +18,6 @@
 
 namespace k2c::flash_attention {
 
-std::size_t naive_workspace_bytes(const Shape& s) {
-  check_shape(s, "flash_attention naive_workspace_bytes");
-  return static_cast<std::size_t>(s.batch) * s.heads * s.q_len * s.kv_len * sizeof(float);
-}
-
 void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
                    void* workspace, cudaStream_t stream) {
   check_shape(s, "flash_attention naive_forward");

@@ -107,8 +107,12 @@ void backward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v
 // `workspace` (at least naive_workspace_bytes(s): batch · heads · q_len · kv_len floats), then
 // O = P V. Same outputs and rules as forward(), and one more limit: batch · heads and q_len / 32
 // at most 65535 (its grid; std::invalid_argument otherwise). It moves O(N²) bytes where
-// forward() moves O(N·d): the lecture measures the difference.
-std::size_t naive_workspace_bytes(const Shape& s);
+// forward() moves O(N·d): the lecture measures the difference. naive_workspace_bytes is given
+// (defined here, not part of the exercise).
+inline std::size_t naive_workspace_bytes(const Shape& s) {
+  check_shape(s, "flash_attention naive_workspace_bytes");
+  return static_cast<std::size_t>(s.batch) * s.heads * s.q_len * s.kv_len * sizeof(float);
+}
 void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
                    void* workspace, cudaStream_t stream = nullptr);
 

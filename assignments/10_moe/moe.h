@@ -27,7 +27,7 @@
 // weights are the chosen experts' unbiased scores, divided by their sum when `normalize` (always
 // with sigmoid scores), times route_scale.
 //
-// Tests: autograder/10_moe/test_moe.cu. Lecture: lectures/10_moe.md.
+// Tests: autograder/10_moe/test_moe.cu and test_moe_perf.cu. Lecture: lectures/10_moe.md.
 #pragma once
 
 #include <cstddef>
@@ -97,6 +97,53 @@ inline void check_grouped(int groups, int n, int k, std::initializer_list<const 
   K2C_CHECK(n >= 1 && k >= 1, who << ": n and k must be >= 1, got n=" << n << " k=" << k);
   check_tokens(static_cast<long long>(groups) * n, k, who);
   for (const void* p : pointers) K2C_CHECK(p != nullptr, who << ": a pointer is null");
+}
+
+// route's checks: the router's configuration, tokens rows of c.experts logits, then (only when
+// there are tokens) the pointers, bias optional. Returns false when there is nothing to route.
+[[nodiscard]] inline bool check_route(const RouterConfig& c, int tokens, const float* logits, const float* bias,
+                                      const float* scores, const int* expert, const float* weight, const char* who) {
+  check_router(c, who);
+  check_tokens(tokens, c.experts, who);
+  if (tokens == 0) return false;
+  check_pointers(who, {logits, scores, expert, weight});
+  if (bias) check_pointers(who, {bias});
+  return true;
+}
+
+// balance_loss's checks: at least one token, top_k in 1..experts, no null or misaligned pointer.
+inline void check_balance(int tokens, int experts, int top_k, const float* logits, const int* expert,
+                          const float* loss, const float* dlogits, const void* workspace, const char* who) {
+  K2C_CHECK(tokens >= 1 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= experts,
+            who << ": bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
+  check_tokens(tokens, experts, who);
+  check_pointers(who, {logits, expert, loss, dlogits, workspace});
+}
+
+// permute's and combine's checks: hidden a whole number of 16-byte vectors, the tokens · top_k
+// choices and their rows within the limits above, then (only when there are tokens) the
+// pointers; combine's weight and residual may be null. Returns false when there is nothing to
+// move, for the caller to return at once.
+inline void check_choice_rows(int tokens, int hidden, int top_k, const char* who) {
+  K2C_CHECK(hidden >= 8 && hidden % 8 == 0, who << ": hidden must be a multiple of 8, got " << hidden);
+  check_choices(tokens, top_k, who);
+  check_tokens(static_cast<long long>(tokens) * top_k, hidden, who);
+}
+[[nodiscard]] inline bool check_permute(int tokens, int hidden, int top_k, const void* x, const int* slot,
+                                        const void* rows, const char* who) {
+  check_choice_rows(tokens, hidden, top_k, who);
+  if (tokens == 0) return false;
+  check_pointers(who, {x, slot, rows});
+  return true;
+}
+[[nodiscard]] inline bool check_combine(int tokens, int hidden, int top_k, const void* rows, const int* slot,
+                                        const float* weight, const float* residual, const void* y, const char* who) {
+  check_choice_rows(tokens, hidden, top_k, who);
+  if (tokens == 0) return false;
+  check_pointers(who, {rows, slot, y});
+  if (weight) check_pointers(who, {weight});
+  if (residual) check_pointers(who, {residual});
+  return true;
 }
 
 // ---- task 1: the router ---------------------------------------------------------------------

@@ -17,6 +17,9 @@
 //   - Stage 3: materialize with neither buffer; keep your block of every unit's values
 //     (ParamList::initial_values gives its starting bits); bind a unit's values to its gathered
 //     copy before the unit runs (ParamList::bind_value), unbind and free it after.
+//   - Clipping, any stage: once every reduction is done, Ops::sum_squares of each unit's real
+//     shard elements, summed in a double, one all-reduce of that double (on NCCL its bytes must
+//     be in device memory), then Ops::scale of the shard if the norm exceeds clip.
 #include "zero.h"
 #include "k2c/core/todo.h"
 
@@ -36,6 +39,10 @@ double Zero::step(model::Context& ctx, const model::Tensor& ids, const model::Te
                   float grad_scale, float lr) {
   (void)ctx, (void)ids, (void)targets, (void)batch, (void)grad_scale, (void)lr;
   K2C_TODO("Zero::step: train_step under your on_layer hook, reduce-scatter, AdamW on the shard, all-gather");
+}
+
+double Zero::grad_norm() const {
+  K2C_TODO("Zero::grad_norm: the last step's global gradient norm before clipping (NaN when clipping is off)");
 }
 
 std::vector<float> Zero::gather_values() {

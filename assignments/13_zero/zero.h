@@ -32,7 +32,12 @@
 //   stages 1, 2  one reduce-scatter and one all-gather of every unit: Σ 4·P each
 //   stage 3      reduce-scatter Σ 4·P; all-gather Σ 4·P in forward and again in backward for
 //                every unit but the last layer's
-// and no other collective. Memory (the ledger given to the constructor), beyond the shard:
+// and no other collective, except, with clipping on, one all-reduce (sum) of one f64: 8 bytes.
+// Clipping (clip > 0) is clip_grad_norm's (k2c/model/optim.h) over the whole model: after the
+// reductions, the global norm of the summed gradients is the square root of the sum over ranks
+// of each rank's Σ g² over its real shard elements, and if it exceeds clip, every rank scales its
+// shard of the gradients by clip / norm before AdamW.
+// Memory (the ledger given to the constructor), beyond the shard:
 //   stage 2  gradients: at most two units' buckets at once (one being filled by backward while
 //            the one before it is reduced)
 //   stage 3  the same, and parameters: at most two units gathered at once (the running one and
@@ -60,6 +65,7 @@ namespace k2c::zero {
 struct ZeroConfig {
   int stage = 1;           // 1, 2 or 3
   bool prefetch = true;    // stage 3: gather the next unit while this one runs
+  double clip = 0;         // largest global gradient norm before AdamW (<= 0: no clipping)
   model::AdamWConfig adamw{};
 };
 
@@ -86,6 +92,10 @@ class Zero {
   // next step. Returns train_step's loss (this rank's rows only).
   double step(model::Context& ctx, const model::Tensor& ids, const model::Tensor& targets, int batch,
               float grad_scale, float lr);
+
+  // The global gradient norm of the last step, before clipping, the same on every rank; NaN when
+  // clipping is off (it is then not computed: it would cost an all-reduce) or before any step.
+  double grad_norm() const;
 
   // Every parameter value in flat order (ParamList's layout), on every rank, in host memory: for
   // tests and checkpoints. Collective.

@@ -43,20 +43,22 @@
 // (model::Trainer): at grid 1 the same operations in the same order, so the same bits; on other
 // grids sums are taken in another order (gradients over ranks, row-parallel products, the norm),
 // so the loss curves agree within the tolerance the tests state, and every rank holding a copy
-// of a value holds the same bits. With zero_stage > 0, at dp 1 and 2, the same bits as
-// zero_stage 0 on the same grid (without clipping): Zero sums gradients scaled to the global
-// batch where DataParallel averages the data ranks' means, and at 2 ranks both are (g0 + g1) / 2
-// exactly.
+// of a value holds the same bits. With zero_stage > 0, at dp 1 and 2 and without clipping, the
+// same bits as zero_stage 0 on the same grid: Zero sums gradients scaled to the global batch where
+// DataParallel averages the data ranks' means, and at 2 ranks both are (g0 + g1) / 2 exactly.
+// With clipping, Zero's norm adds the shards' sums of squares in another order, so the curves
+// agree within the tests' tolerance.
 //
 // ZeRO. zero_stage 1, 2 or 3 hands each step to module 13's zero::Zero (k2c::zero, zero.h: the
 // AdamW state sharded over the dp group, then the gradients too, then the parameters too), run on
 // a model::Transformer of the rank's own over the dp group. Zero owns the whole step of one
 // Transformer on one data-parallel communicator, so it runs where tp = pp = ep = 1 (any dp) with
-// one micro-batch. It has no gradient clipping, and none can be put around it: Zero reduces the
-// gradients and updates the weights inside one call, so no code outside it ever sees the reduced
-// gradient before the update. The constructor therefore refuses, with std::invalid_argument
-// naming the value, a zero_stage outside 0..3, any grid with tp, pp or ep > 1, micro_batches > 1,
-// and clip > 0. Under ZeRO, step() records grad_norm -1 (not measured); evaluate() and
+// one micro-batch. Zero reduces the gradients and updates the weights inside one call, so no
+// code outside it sees the reduced gradient before the update: clipping is Zero's own
+// (ZeroConfig::clip = config.train.clip). The constructor refuses, with std::invalid_argument
+// naming the value, a zero_stage outside 0..3, any grid with tp, pp or ep > 1, and
+// micro_batches > 1. Under ZeRO, step() records Zero::grad_norm() as grad_norm, or -1 when clip
+// is 0 (Zero then does not measure it); evaluate() and
 // gather_values() work in every stage (to evaluate, stage 3 gathers the weights to the host and
 // puts one layer at a time in the backend's memory); save() and load() throw std::runtime_error,
 // since Zero keeps its shards of the AdamW state to itself and a checkpoint could not hold them.
@@ -149,8 +151,8 @@ class GridTrainer {
   // reduced over their groups, clipped to config.train.clip by the norm of the whole model's
   // gradient, AdamW at cosine_lr. The record's loss (the mean over the global batch, without
   // the MoE balance term), grad_norm (before clipping) and lr are the same on every rank;
-  // seconds, tokens_per_s (global tokens) are this rank's; mfu is left 0. Under ZeRO: no clipping,
-  // and grad_norm is -1.
+  // seconds, tokens_per_s (global tokens) are this rank's; mfu is left 0. Under ZeRO with clip 0,
+  // grad_norm is -1.
   model::StepRecord step();
   // Mean loss per token over the first `batches` validation batches, on every rank.
   double evaluate(int batches);

@@ -1,4 +1,6 @@
-// autograder/10_moe/test_moe.cu — tests of module 10 (contract: moe.h).
+// autograder/10_moe/test_moe.cu — tests of module 10 (contract: moe.h), Part A: routing, the
+// balance loss, dispatch, permute and combine, the grouped GEMMs and the whole layer; the speed
+// tests and Part B's wgmma kernels continue in test_moe_perf.cu, the shared checks in moe_testing.h.
 //
 // Exact where the answer is discrete: chosen experts, counts, offsets, slots and sources must
 // equal the CPU reference's (k2c/reference/reference.h), and permute must copy bits.
@@ -39,36 +41,19 @@
 //                 place of the first term, the reference solution failed at 4 of the seeds 1 to 60
 //                 (7 tokens over 64 experts); a lost or wrong term still misses by its own size.
 // Outputs are poisoned (NaN) before each call; NaN fails every comparison.
-//
-// Speed: the grouped GEMM at the module's DeepSeek-like shape against one dense cuBLAS GEMM of the
-// same total size, interleaved in the same run (the per-expert cuBLAS loop reported beside it):
-// Part B's wgmma kernel where it runs and is implemented (what the layer's forward pass would
-// use), else grouped_gemm(), and grouped_gemm() alone as a recorded figure; and the whole layer's
-// forward plus backward against a naive layer in the same run (k2c/reference/moe_baseline.h: a
-// launch per expert for every step, an unfused router, scatter-adds).
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include <gtest/gtest.h>
 
-#include "k2c/device/buffer.h"
-#include "k2c/device/timing.h"
-#include "k2c/reference/ceilings.h"
-#include "k2c/reference/moe_baseline.h"
 #include "k2c/reference/reference.h"
-#include "k2c/testing/bf16.h"
-#include "k2c/testing/testing.h"
-#include "moe.h"
+#include "moe_testing.h"
 
-namespace moe = k2c::moe;
-using k2c::bf16;
-using k2c::testing::seed_for;
+using namespace k2c::moe_testing;  // moe::, bf16, seed_for, the buffers and the GEMM checks
 
 namespace {
 
@@ -76,27 +61,6 @@ namespace {
 // when both sides route the same logits, more for the layer, whose logits are sums that the GPU
 // and the CPU add in different orders.
 constexpr double kRouteTieGap = 4e-6, kLayerTieGap = 3e-5;
-
-template <class T>
-k2c::DeviceBuffer<T> upload(const std::vector<T>& v) {
-  return k2c::DeviceBuffer<T>{std::span<const T>(v)};
-}
-// Outputs filled with garbage before a call: NaN for floating types (poison()), 0x7F7F7F7F for
-// int32, which no index or count takes and which differs from the −1 of a dropped slot.
-template <class T>
-void repoison(k2c::DeviceBuffer<T>& b) {
-  if constexpr (std::is_same_v<T, int>) {
-    if (b.size() > 0) ASSERT_EQ(cudaMemset(b.data(), 0x7F, b.bytes()), cudaSuccess);
-  } else {
-    b.poison();
-  }
-}
-template <class T>
-k2c::DeviceBuffer<T> poisoned(std::size_t n) {
-  k2c::DeviceBuffer<T> b(n);
-  repoison(b);
-  return b;
-}
 
 k2c::ref::RouterConfig ref_config(const moe::RouterConfig& c) {
   return {c.experts, c.top_k, c.score == moe::Score::softmax ? k2c::ref::RouterScore::softmax : k2c::ref::RouterScore::sigmoid,
@@ -218,138 +182,6 @@ void check_route(const RouteCase& rc, const std::string& tag) {
   EXPECT_TRUE(close_rel("weight", weight.download(), ref.weight, 1e-5, 1e-7));
 }
 
-// ---- grouped GEMM --------------------------------------------------------------------------------
-
-std::vector<int> offsets_of(const std::vector<int>& sizes) {
-  std::vector<int> off(sizes.size() + 1, 0);
-  std::partial_sum(sizes.begin(), sizes.end(), off.begin() + 1);
-  return off;
-}
-
-// C_g = A_g · op(B_g) in double, with Σ|terms| for the bound.
-struct GemmRef {
-  std::vector<double> c, magnitude;
-};
-GemmRef grouped_ref(const std::vector<int>& off, int n, int k, const std::vector<float>& a, const std::vector<float>& b,
-                    bool b_transposed) {
-  const int rows = off.back();
-  GemmRef r{std::vector<double>(static_cast<std::size_t>(rows) * n), std::vector<double>(static_cast<std::size_t>(rows) * n)};
-  for (std::size_t g = 0; g + 1 < off.size(); ++g)
-    for (int i = off[g]; i < off[g + 1]; ++i)
-      for (int j = 0; j < n; ++j) {
-        double s = 0, m = 0;
-        for (int x = 0; x < k; ++x) {
-          const double bv = b_transposed ? b[(g * n + j) * static_cast<std::size_t>(k) + x] : b[(g * k + x) * static_cast<std::size_t>(n) + j];
-          const double t = a[static_cast<std::size_t>(i) * k + x] * bv;
-          s += t;
-          m += std::abs(t);
-        }
-        r.c[static_cast<std::size_t>(i) * n + j] = s;
-        r.magnitude[static_cast<std::size_t>(i) * n + j] = m;
-      }
-  return r;
-}
-
-::testing::AssertionResult close_gemm(const char* what, const std::vector<float>& got, const GemmRef& ref, bool bf16_out) {
-  std::ostringstream bad;
-  std::size_t count = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double bound = (bf16_out ? std::ldexp(std::abs(ref.c[i]), -8) : 0.0) + std::ldexp(ref.magnitude[i], -16) + 1e-6;
-    if (std::isfinite(got[i]) && std::abs(got[i] - ref.c[i]) <= bound) continue;
-    if (count++ < 6) bad << " [" << i << "] got " << got[i] << " want " << ref.c[i] << ";";
-  }
-  if (count == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << count << " of " << got.size() << " wrong:" << bad.str();
-}
-
-// Group sizes with the edge cases: empty groups, a group under one tile, one over a tile.
-std::vector<int> group_sizes(std::mt19937_64& rng, int groups, int max_rows) {
-  std::vector<int> sizes(groups);
-  for (int& s : sizes) {
-    const int kind = static_cast<int>(rng() % 4);
-    s = kind == 0 ? 0 : kind == 1 ? static_cast<int>(rng() % 17) : static_cast<int>(rng() % (max_rows + 1));
-  }
-  return sizes;
-}
-
-// hopper: Part B's grouped_gemm_hopper (bf16 C, no accumulate), told that A and C hold `spare`
-// rows more than the groups use.
-void check_grouped_gemm(const std::vector<int>& sizes, int n, int k, bool b_transposed, bool fp32_out, bool accumulate,
-                        bool hopper = false, int spare = 0) {
-  std::ostringstream name;
-  name << sizes.size() << " groups, rows " << offsets_of(sizes).back() << ", n " << n << ", k " << k
-       << (b_transposed ? " B^T" : " B") << (fp32_out ? " fp32" : " bf16") << (accumulate ? " accumulate" : "")
-       << (hopper ? " (Hopper, " + std::to_string(spare) + " spare rows)" : "");
-  SCOPED_TRACE(name.str());
-  const std::vector<int> off = offsets_of(sizes);
-  const int groups = static_cast<int>(sizes.size()), rows = off.back();
-  const int held = std::max(rows + spare, 1);  // rows A and C hold
-  const auto a = k2c::random_values<bf16>(static_cast<std::size_t>(held) * k, seed_for(name.str() + "/a"));
-  const auto b = k2c::random_values<bf16>(static_cast<std::size_t>(groups) * n * k, seed_for(name.str() + "/b"));
-  GemmRef ref = grouped_ref(off, n, k, a, b, b_transposed);
-  auto d_off = upload(off);
-  auto d_a = k2c::to_device<bf16>(a), d_b = k2c::to_device<bf16>(b);
-  const std::size_t cn = static_cast<std::size_t>(held) * n;
-  std::vector<float> got;
-  if (fp32_out) {
-    std::vector<float> start(cn, 0.0f);
-    if (accumulate) {
-      start = k2c::random_values<float>(cn, seed_for(name.str() + "/c"));
-      for (std::size_t i = 0; i < ref.c.size(); ++i) ref.c[i] += start[i];
-    }
-    auto c = accumulate ? upload(start) : poisoned<float>(cn);
-    moe::grouped_gemm(groups, d_off.data(), n, k, d_a.data(), d_b.data(), c.data(), b_transposed, accumulate);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    got = c.download();
-  } else {
-    auto c = poisoned<bf16>(cn);
-    if (accumulate) {
-      const auto start = k2c::random_values<bf16>(cn, seed_for(name.str() + "/c"));
-      for (std::size_t i = 0; i < ref.c.size(); ++i) ref.c[i] += start[i];
-      c = k2c::to_device<bf16>(start);
-    }
-    if (hopper) moe::grouped_gemm_hopper(groups, d_off.data(), held, n, k, d_a.data(), d_b.data(), c.data(), b_transposed);
-    else moe::grouped_gemm(groups, d_off.data(), n, k, d_a.data(), d_b.data(), c.data(), b_transposed, accumulate);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    got = k2c::to_host(c);
-    // Rows past the groups' end are never written: still poisoned.
-    for (std::size_t i = static_cast<std::size_t>(rows) * n; i < cn && hopper; ++i)
-      ASSERT_TRUE(std::isnan(got[i])) << "row " << i / n << " past the groups' end was written";
-  }
-  got.resize(static_cast<std::size_t>(rows) * n);
-  EXPECT_TRUE(close_gemm("C", got, ref, !fp32_out));
-}
-
-// hopper: Part B's grouped_weight_grad_hopper, told that dY and X hold `spare` rows more than the
-// groups use; those rows are NaN, which must not reach any group's sum.
-void check_weight_grad(const std::vector<int>& sizes, int n, int k, bool hopper = false, int spare = 0) {
-  std::ostringstream name;
-  name << sizes.size() << " groups, rows " << offsets_of(sizes).back() << ", n " << n << ", k " << k
-       << (hopper ? " (Hopper, " + std::to_string(spare) + " spare rows)" : "");
-  SCOPED_TRACE(name.str());
-  const std::vector<int> off = offsets_of(sizes);
-  const int groups = static_cast<int>(sizes.size()), rows = off.back(), held = std::max(rows + spare, 1);
-  auto dy = k2c::random_values<bf16>(static_cast<std::size_t>(held) * n, seed_for(name.str() + "/dy"));
-  auto x = k2c::random_values<bf16>(static_cast<std::size_t>(held) * k, seed_for(name.str() + "/x"));
-  std::fill(dy.begin() + static_cast<std::ptrdiff_t>(rows) * n, dy.end(), NAN);
-  std::fill(x.begin() + static_cast<std::ptrdiff_t>(rows) * k, x.end(), NAN);
-  GemmRef ref{std::vector<double>(static_cast<std::size_t>(groups) * n * k), std::vector<double>(static_cast<std::size_t>(groups) * n * k)};
-  for (int g = 0; g < groups; ++g)
-    for (int r = off[g]; r < off[g + 1]; ++r)
-      for (int i = 0; i < n; ++i)
-        for (int j = 0; j < k; ++j) {
-          const double t = static_cast<double>(dy[static_cast<std::size_t>(r) * n + i]) * x[static_cast<std::size_t>(r) * k + j];
-          ref.c[(static_cast<std::size_t>(g) * n + i) * k + j] += t;
-          ref.magnitude[(static_cast<std::size_t>(g) * n + i) * k + j] += std::abs(t);
-        }
-  auto d_off = upload(off);
-  auto d_dy = k2c::to_device<bf16>(dy), d_x = k2c::to_device<bf16>(x);
-  auto dw = poisoned<float>(static_cast<std::size_t>(groups) * n * k);
-  if (hopper) moe::grouped_weight_grad_hopper(groups, d_off.data(), held, n, k, d_dy.data(), d_x.data(), dw.data());
-  else moe::grouped_weight_grad(groups, d_off.data(), n, k, d_dy.data(), d_x.data(), dw.data());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(close_gemm("dW", dw.download(), ref, false));
-}
 
 // ---- the layer ---------------------------------------------------------------------------------
 
@@ -565,78 +397,6 @@ void check_layer_backward(const LayerCase& lc, bool with_extra) {
     EXPECT_TRUE(close_rms("dshared_w3", g3, ref.dshared_w3, c, &ref.dshared_w3_mag));
     EXPECT_TRUE(close_rms("dshared_w2", D.gs2.download(), ref.dshared_w2, c, &ref.dshared_w2_mag));
   }
-}
-
-// ---- speed -------------------------------------------------------------------------------------
-
-// The module's shape (DeepSeek-V2-Lite's layer): 16384 tokens, hidden 2048, 64 routed experts of
-// width 1408, top-6, 2 shared experts (2816 wide together), softmax scores.
-constexpr int kTokens = 16384, kHidden = 2048, kExperts = 64, kFfn = 1408, kTopK = 6, kSharedFfn = 2816;
-
-// Loads: every token picks k distinct experts, uniformly or skewed (expert e drawn with weight
-// 1 / (e + 1), a Zipf law: with six distinct picks per token the busiest expert gets about 8.5×
-// the mean).
-std::vector<int> expert_loads(bool skewed, std::uint64_t seed) {
-  return k2c::baseline::expert_loads(kTokens, kExperts, kTopK, skewed, seed);
-}
-
-void record_loads(const std::vector<int>& counts) {
-  const double mean = std::accumulate(counts.begin(), counts.end(), 0.0) / counts.size();
-  const int max = *std::max_element(counts.begin(), counts.end());
-  ::testing::Test::RecordProperty("load_imbalance_max_over_mean", std::to_string(max / mean));
-}
-
-// The grouped GEMM against its ideal, one dense cuBLAS GEMM of the same 2·rows·n·k FLOPs (M = the
-// routed rows, same n, k, bf16 in and out, fp32 accumulation), which reads one n × k weight, not
-// 64 (0.74 GB for the up projection, some 0.15 ms at HBM rate to hide), and has no ragged last
-// tiles (lecture section 7.3). cuBLAS once per expert, the loop a grouped GEMM replaces, is
-// reported, not graded: it sags under sustained load more than one kernel (section 11). The three
-// run interleaved, `repeats` each. which: the up projection ([g|u] = x W13ᵀ: n = 2·1408, k = 2048)
-// or the down one (n = 2048, k = 1408). The grouped output is checked against the loop's.
-void expect_grouped_rate(bool up, bool skewed, int repeats, bool hopper = false) {
-  const std::vector<int> counts = expert_loads(skewed, seed_for(skewed ? "skewed loads" : "uniform loads"));
-  record_loads(counts);
-  const std::vector<int> off = offsets_of(counts);
-  const int rows = off.back(), n = up ? 2 * kFfn : kHidden, k = up ? kHidden : kFfn;
-  const std::size_t a_elems = static_cast<std::size_t>(rows) * k, b_elems = static_cast<std::size_t>(kExperts) * n * k,
-                    c_elems = static_cast<std::size_t>(rows) * n;
-  k2c::DeviceBuffer<bf16> a(a_elems), b(b_elems), c(c_elems), c_loop(c_elems), c_dense(c_elems);
-  k2c::fill_uniform_device(a.data(), a_elems, seed_for("perf a"));
-  k2c::fill_uniform_device(b.data(), b_elems, seed_for("perf b"));
-  auto d_off = upload(off);
-  auto grouped = [&] {
-    if (hopper) moe::grouped_gemm_hopper(kExperts, d_off.data(), rows, n, k, a.data(), b.data(), c.data());
-    else moe::grouped_gemm(kExperts, d_off.data(), n, k, a.data(), b.data(), c.data());
-  };
-  // Every row against expert 0's weight: the product means nothing, only its time is used.
-  auto dense = [&] { k2c::cublas_bf16_gemm(rows, n, k, a.data(), b.data(), c_dense.data()); };
-  auto loop = [&] {
-    for (int e = 0; e < kExperts; ++e)
-      if (counts[e] > 0)
-        k2c::cublas_bf16_gemm(counts[e], n, k, a.data() + static_cast<std::size_t>(off[e]) * k,
-                              b.data() + static_cast<std::size_t>(e) * n * k, c_loop.data() + static_cast<std::size_t>(off[e]) * n);
-  };
-  c.poison();
-  const std::vector<k2c::Timing> t = k2c::time_gpu_interleaved({grouped, dense, loop}, {.warmup = 1, .repeats = repeats});
-  const double grouped_ms = t[0].median_ms, dense_ms = t[1].median_ms, loop_ms = t[2].median_ms;
-  // Spot checks of the timed runs' output against cuBLAS's (both bf16 roundings of one sum).
-  const std::vector<float> got = k2c::to_host(c), want = k2c::to_host(c_loop);
-  std::mt19937_64 rng(std::random_device{}());
-  std::size_t bad = 0;
-  for (int i = 0; i < 4096; ++i) {
-    const std::size_t at = rng() % got.size();
-    if (!(std::abs(got[at] - want[at]) <= 0x1p-7 * std::abs(want[at]) + 1e-2)) ++bad;
-  }
-  EXPECT_EQ(bad, 0u) << "grouped GEMM output differs from cuBLAS's at sampled elements";
-  const double flops = 2.0 * rows * static_cast<double>(n) * k;
-  const double rate = flops / grouped_ms * 1e-9, loop_rate = flops / loop_ms * 1e-9;
-  ::testing::Test::RecordProperty("ratio_to_cublas_loop", std::to_string(rate / loop_rate));
-  std::ostringstream detail;
-  detail.precision(4);
-  detail << (hopper ? "wgmma, " : "") << (up ? "up" : "down") << " projection, " << (skewed ? "skewed" : "uniform")
-         << " loads, " << repeats << " runs of each, interleaved; cuBLAS per-expert loop (reported, not graded) "
-         << loop_rate << " TFLOP/s, ratio " << rate / loop_rate;
-  K2C_EXPECT_PERF(rate, flops / dense_ms * 1e-9, detail.str());
 }
 
 }  // namespace
@@ -887,160 +647,4 @@ TEST(MoeLayer, Backward) {
   LayerCase none = cases[1];
   none.tokens = 0;
   check_layer_backward(none, false);
-}
-
-// The grouped GEMM the layer's forward pass would use: Part B's where this build and device run
-// it and it is implemented, grouped_gemm() otherwise.
-bool use_hopper() {
-  if (!moe::hopper_supported()) return false;
-  k2c::DeviceBuffer<bf16> buf(64 * 8);
-  auto off = upload(std::vector<int>{0, 8});
-  try {
-    moe::grouped_gemm_hopper(1, off.data(), 8, 8, 8, buf.data(), buf.data(), buf.data());
-  } catch (const k2c::NotImplemented&) {
-    return false;
-  }
-  return cudaDeviceSynchronize() == cudaSuccess;
-}
-
-TEST(MoeGroupedPerf, UpProjection) {
-  K2C_REQUIRE_TIMING();
-  expect_grouped_rate(true, false, 40, use_hopper());
-}
-
-// Recorded for the reference table.
-TEST(MoeGroupedPerf, DownProjection) {
-  K2C_REQUIRE_TIMING();
-  expect_grouped_rate(false, false, 40, use_hopper());
-}
-
-TEST(MoeGroupedPerf, SkewedLoads) {
-  K2C_REQUIRE_TIMING();
-  expect_grouped_rate(true, true, 20, use_hopper());
-}
-
-// grouped_gemm() itself, the kernel every GPU runs.
-TEST(MoeGroupedPerf, PortableUpProjection) {
-  K2C_REQUIRE_TIMING();
-  expect_grouped_rate(true, false, 40, false);
-}
-
-// The layer's forward + backward at the module's shape against the naive layer in the same
-// run; both outputs are compared at sampled tokens. Rate: the layer's FLOPs per second.
-TEST(MoeLayerPerf, ForwardBackward) {
-  K2C_REQUIRE_TIMING();
-  const moe::RouterConfig c{kExperts, kTopK, moe::Score::softmax, 1, 1, false, 1.0f};
-  const int T = kTokens, d = kHidden, f = kFfn, sf = kSharedFfn, E = kExperts;
-  // Device-side random data: the host reference is far too slow at this size.
-  k2c::DeviceBuffer<bf16> x(static_cast<std::size_t>(T) * d), dy(x.size()), w_router(static_cast<std::size_t>(E) * d),
-      w13(static_cast<std::size_t>(E) * 2 * f * d), w2(static_cast<std::size_t>(E) * d * f),
-      sw13(static_cast<std::size_t>(2) * sf * d), sw2(static_cast<std::size_t>(d) * sf), y(x.size()), dx(x.size());
-  k2c::fill_uniform_device(x.data(), x.size(), seed_for("layer x"));
-  k2c::fill_uniform_device(dy.data(), dy.size(), seed_for("layer dy"));
-  k2c::fill_uniform_device(w_router.data(), w_router.size(), seed_for("layer wr"), -0.1f, 0.1f);
-  k2c::fill_uniform_device(w13.data(), w13.size(), seed_for("layer w13"), -0.066f, 0.066f);
-  k2c::fill_uniform_device(w2.data(), w2.size(), seed_for("layer w2"), -0.08f, 0.08f);
-  k2c::fill_uniform_device(sw13.data(), sw13.size(), seed_for("layer sw13"), -0.066f, 0.066f);
-  k2c::fill_uniform_device(sw2.data(), sw2.size(), seed_for("layer sw2"), -0.056f, 0.056f);
-  k2c::DeviceBuffer<float> logits(static_cast<std::size_t>(T) * E), scores(logits.size()), weight(static_cast<std::size_t>(T) * kTopK),
-      g_router(w_router.size()), g13(w13.size()), g2(w2.size()), gs13(sw13.size()), gs2(sw2.size());
-  k2c::DeviceBuffer<int> expert(static_cast<std::size_t>(T) * kTopK), counts(E);
-  const moe::Layer layer{c, d, f, sf, -1, w_router.data(), nullptr, w13.data(), w2.data(), sw13.data(), sw2.data()};
-  k2c::DeviceBuffer<char> saved(moe::forward_workspace_bytes(layer, T)), work(moe::backward_workspace_bytes(layer, T));
-  const moe::Routing r{logits.data(), scores.data(), expert.data(), weight.data(), counts.data()};
-  const moe::Grads g{g_router.data(), g13.data(), g2.data(), gs13.data(), gs2.data()};
-  auto step = [&] {
-    moe::forward(layer, T, x.data(), y.data(), r, saved.data());
-    moe::backward(layer, T, x.data(), dy.data(), r, saved.data(), nullptr, dx.data(), g, work.data());
-  };
-  k2c::baseline::NaiveMoe naive({T, d, f, sf, E, kTopK, x.data(), dy.data(), w_router.data(), w13.data(), w2.data(),
-                                 sw13.data(), sw2.data()});
-  y.poison();
-  dx.poison();
-  step();
-  naive.step();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  record_loads(counts.download());
-  // Both layers' y and dx at sampled tokens: two bf16 pipelines of the same sums. The two compute
-  // the logits in different orders, so a token at a near tie may choose differently; such tokens
-  // (their y and dx depend on their own choice only) are left out, and must be rare.
-  const std::vector<int> ours_e = expert.download(), theirs_e = naive.expert();
-  std::vector<bool> same(T, true);
-  int differ = 0;
-  for (int t = 0; t < T; ++t) {
-    std::vector<int> a(ours_e.begin() + t * kTopK, ours_e.begin() + (t + 1) * kTopK);
-    std::vector<int> b(theirs_e.begin() + t * kTopK, theirs_e.begin() + (t + 1) * kTopK);
-    std::sort(a.begin(), a.end());
-    std::sort(b.begin(), b.end());
-    if (a != b) same[t] = false, ++differ;
-  }
-  EXPECT_LE(differ, T / 1000) << "tokens routed differently from the naive layer";
-  for (auto [what, ours, theirs] : {std::tuple{"y", k2c::to_host(y), naive.y()}, {"dx", k2c::to_host(dx), naive.dx()}}) {
-    double sq = 0;
-    for (float v : theirs) sq += static_cast<double>(v) * v;
-    const double rms = std::sqrt(sq / theirs.size());
-    std::mt19937_64 rng(seed_for("layer samples"));
-    std::size_t bad = 0;
-    for (int i = 0; i < 4096; ++i) {
-      const std::size_t at = rng() % ours.size();
-      if (!same[at / d]) continue;
-      if (!(std::abs(ours[at] - theirs[at]) <= 0x1p-6 * std::abs(theirs[at]) + 0x1p-4 * rms)) ++bad;
-    }
-    EXPECT_EQ(bad, 0u) << what << " differs from the naive layer's at sampled elements";
-  }
-  const k2c::Timing ours = k2c::time_gpu(step, {.warmup = 1, .repeats = 5});
-  const k2c::Timing base = k2c::time_gpu([&] { naive.step(); }, {.warmup = 1, .repeats = 3});
-  // Routed experts 6·(T·k)·d·f forward plus the shared experts' 6·T·d·sf, three times that with
-  // the backward pass; the router's GEMMs are negligible.
-  const double flops = 3.0 * (6.0 * T * kTopK * static_cast<double>(d) * f + 6.0 * T * static_cast<double>(d) * sf);
-  ::testing::Test::RecordProperty("layer_ms", std::to_string(ours.median_ms));
-  ::testing::Test::RecordProperty("naive_ms", std::to_string(base.median_ms));
-  K2C_EXPECT_PERF(flops / ours.median_ms * 1e-9, flops / base.median_ms * 1e-9,
-                  "forward + backward at T 16384, d 2048, 64 experts of 1408, top-6, shared 2816, vs the naive layer");
-}
-
-// ---- Part B (bonus): wgmma, skipped with the reason where it cannot run ----------------------
-
-#define REQUIRE_HOPPER()                                                   \
-  do {                                                                     \
-    K2C_REQUIRE_GPU();                                                     \
-    std::string why_;                                                      \
-    if (!moe::hopper_supported(&why_)) K2C_SKIP("Part B: " + why_);        \
-  } while (0)
-
-TEST(MoeHopper, GroupedGemm) {
-  REQUIRE_HOPPER();
-  std::mt19937_64 rng(seed_for("hopper grouped"));
-  check_grouped_gemm({300}, 64, 128, true, false, false, true, 0);
-  check_grouped_gemm({0, 5, 0, 257, 1, 0}, 136, 64, true, false, false, true, 3);
-  check_grouped_gemm(group_sizes(rng, 9, 400), 200, 96, true, false, false, true, 0);
-  check_grouped_gemm(group_sizes(rng, 5, 300), 37, 40, true, false, false, true, 130);  // n not a multiple of 8
-  check_grouped_gemm(group_sizes(rng, 3, 600), 520, 2056, true, false, false, true, 1);
-  check_grouped_gemm({0, 0}, 16, 16, true, false, false, true, 5);
-  // Last tiles with 1, 64, 65 and 127 real rows: up to 64 the two consumers split the columns,
-  // one half past n here (n 264 = 256 + 8).
-  check_grouped_gemm({1, 64, 65, 129, 192, 193, 255, 63}, 264, 128, true, false, false, true, 2);
-  // The input gradient's form: B read untransposed (k % 64 == 0).
-  check_grouped_gemm({300}, 64, 128, false, false, false, true, 0);
-  check_grouped_gemm({0, 5, 0, 257, 1, 0}, 136, 64, false, false, false, true, 3);
-  check_grouped_gemm(group_sizes(rng, 7, 400), 200, 192, false, false, false, true, 9);
-  check_grouped_gemm(group_sizes(rng, 3, 600), 2056, 512, false, false, false, true, 0);
-  check_grouped_gemm({1, 64, 65, 129, 192, 193, 255, 63}, 264, 128, false, false, false, true, 2);
-  // The weight gradient's form: ragged reductions, empty groups, NaN rows past the groups' end.
-  check_weight_grad({300}, 64, 128, true, 0);
-  check_weight_grad({0, 5, 0, 257, 1, 0}, 136, 64, true, 7);
-  check_weight_grad(group_sizes(rng, 8, 400), 96, 200, true, 64);
-  check_weight_grad(group_sizes(rng, 3, 900), 520, 264, true, 1);
-  check_weight_grad({0, 0, 0}, 16, 16, true, 3);
-  // What TMA cannot describe is refused, not launched: k % 8 != 0; n % 8 != 0 or k % 64 != 0
-  // with B untransposed; a weight gradient with n % 8 != 0.
-  k2c::DeviceBuffer<bf16> buf(1024);
-  k2c::DeviceBuffer<float> out(1024);
-  auto off = upload(std::vector<int>{0, 4});
-  EXPECT_THROW(moe::grouped_gemm_hopper(1, off.data(), 4, 8, 12, buf.data(), buf.data(), buf.data()),
-               std::invalid_argument);
-  EXPECT_THROW(moe::grouped_gemm_hopper(1, off.data(), 4, 8, 96, buf.data(), buf.data(), buf.data(), false),
-               std::invalid_argument);
-  EXPECT_THROW(moe::grouped_weight_grad_hopper(1, off.data(), 4, 12, 8, buf.data(), buf.data(), out.data()),
-               std::invalid_argument);
 }

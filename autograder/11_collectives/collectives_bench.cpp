@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "collectives.h"
+#include "k2c/dist/bench.h"
 #include "k2c/dist/runtime.h"
 
 namespace kd = k2c::dist;
@@ -31,18 +32,6 @@ using kd::DType;
 using kd::ReduceOp;
 
 namespace {
-
-std::size_t parse_size(const std::string& s) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  switch (end && *end ? *end : ' ') {
-    case 'K': case 'k': v *= 1024; break;
-    case 'M': case 'm': v *= 1024 * 1024; break;
-    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
-    default: break;
-  }
-  return static_cast<std::size_t>(v);
-}
 
 struct Row {
   std::string op, variant;
@@ -62,14 +51,14 @@ int main(int argc, char** argv) {
   col::RingOptions ring;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "-b") begin = parse_size(v);
-    else if (a == "-e") end = parse_size(v);
+    if (a == "-b") begin = kd::parse_size(v);
+    else if (a == "-e") end = kd::parse_size(v);
     else if (a == "-f") factor = std::atof(v.c_str());
     else if (a == "-n") iters = std::atoi(v.c_str());
     else if (a == "-w") warmup = std::atoi(v.c_str());
     else if (a == "-c") check = std::atoi(v.c_str()) != 0;
     else if (a == "-o") out_json = v;
-    else if (a == "--min-chunk") ring.min_chunk_bytes = parse_size(v);
+    else if (a == "--min-chunk") ring.min_chunk_bytes = kd::parse_size(v);
     else if (a == "--max-chunks") ring.max_chunks = std::atoi(v.c_str());
   }
   return kd::run(argc, argv, [&](kd::Communicator& w) {

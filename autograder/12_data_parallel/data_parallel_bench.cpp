@@ -27,11 +27,11 @@
 #include <fstream>
 #include <functional>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "data_parallel.h"
+#include "k2c/dist/bench.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
@@ -44,26 +44,6 @@ namespace km = k2c::model;
 using k2c::ddp_harness::Replica;
 
 namespace {
-
-std::size_t parse_size(const std::string& s) {
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  switch (end && *end ? *end : ' ') {
-    case 'K': case 'k': v *= 1024; break;
-    case 'M': case 'm': v *= 1024 * 1024; break;
-    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
-    default: break;
-  }
-  return static_cast<std::size_t>(v);
-}
-
-std::vector<std::size_t> parse_sizes(const std::string& list) {
-  std::vector<std::size_t> out;
-  std::stringstream in(list);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty()) out.push_back(parse_size(item));
-  return out;
-}
 
 km::ModelConfig model_named(const std::string& name) {
   if (name == "tiny") return k2c::ddp_harness::test_model();
@@ -108,7 +88,7 @@ int main(int argc, char** argv) {
     const km::ModelConfig config = model_named(name);
     if (rows_per_rank < 1) rows_per_rank = name == "perf" ? k2c::ddp_harness::perf_rows() : 1;
     const std::vector<std::size_t> sizes =
-        parse_sizes(sizes_arg.empty() ? (gpu ? "1M,10M,100M,1000M" : "4K,16K,64K,256K,1M") : sizes_arg);
+        kd::parse_sizes(sizes_arg.empty() ? (gpu ? "1M,10M,100M,1000M" : "4K,16K,64K,256K,1M") : sizes_arg);
 
     // The model's operations: the CPU backend on MPI; on NCCL the GPU backend, issuing its work
     // to the communicator's compute stream so that a started all-reduce is ordered after the

@@ -104,6 +104,16 @@ struct Snapshot {
 };
 using Trajectory = std::vector<Snapshot>;
 
+// The step that ends every run's iteration: the gradients as the backward left them, then the
+// optimizer's update and the values it made.
+Snapshot step_and_record(Replica& r, km::Sgd& opt) {
+  Snapshot snap;
+  snap.grads = r.grads();
+  opt.step(kLr);
+  snap.values = r.values();
+  return snap;
+}
+
 // ---------------------------------------------------------------------------------------------
 // One process: the references
 
@@ -117,11 +127,7 @@ Trajectory whole_batch(int rows, int steps) {
   for (int s = 0; s < steps; ++s) {
     r.params.zero_grads(r.ctx.ops);
     r.backward(batch(rows, 0, 1, 0, 1, s), 1.0f / static_cast<float>(rows * T));
-    Snapshot snap;
-    snap.grads = r.grads();
-    opt.step(kLr);
-    snap.values = r.values();
-    out.push_back(std::move(snap));
+    out.push_back(step_and_record(r, opt));
   }
   return out;
 }
@@ -313,11 +319,7 @@ Trajectory train(kd::Communicator& comm, km::Ops& ops, const RunOptions& o, std:
       ddp->finish_gradients();
     else
       dp::all_reduce_gradients(comm, r.params);
-    Snapshot snap;
-    snap.grads = r.grads();
-    opt.step(kLr);
-    snap.values = r.values();
-    out.push_back(std::move(snap));
+    out.push_back(step_and_record(r, opt));
   }
   return out;
 }

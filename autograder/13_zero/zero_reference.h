@@ -130,12 +130,12 @@ inline Batch make_batch(km::Ops& ops, km::MemoryLedger& ledger, const km::TokenB
 // ---------------------------------------------------------------------------------------------
 // the reference: data parallelism with one all-reduce (sum) per unit, started as soon as the
 // unit's gradient is final so that it runs under the rest of backward (the strong baseline the
-// speed tests compare with), and one AdamW over all parameters
+// speed tests compare with), clip_grad_norm when `clip` > 0, and one AdamW over all parameters
 
 class Ddp {
  public:
-  Ddp(kd::Communicator& w, const km::ModelConfig& c, km::Ops& ops, std::uint64_t seed)
-      : w_(w), ops_(ops), model_(params_, c), ctx_{ops, activations_, params_} {
+  Ddp(kd::Communicator& w, const km::ModelConfig& c, km::Ops& ops, std::uint64_t seed, double clip = 0)
+      : w_(w), ops_(ops), model_(params_, c), ctx_{ops, activations_, params_}, clip_(clip) {
     params_.materialize(ops, ledger_, seed);
     adam_ = std::make_unique<km::AdamW>(params_, ops, ledger_);
     // Each unit's flat range, and the layer after whose backward its gradient is final: the
@@ -169,9 +169,11 @@ class Ddp {
     const double loss = model_.train_step(ctx_, b.ids, b.targets, b.rows, b.scale);
     ctx_.on_layer = nullptr;
     for (kd::Ticket t : tickets) w_.wait(t);
+    if (clip_ > 0) grad_norm_ = km::clip_grad_norm(params_, ops_, clip_);
     adam_->step(lr);
     return loss;
   }
+  double grad_norm() const { return grad_norm_; }  // the last step's, before clipping (clip > 0)
 
   std::vector<float> values() {
     std::vector<float> v(static_cast<std::size_t>(params_.numel()));
@@ -191,6 +193,7 @@ class Ddp {
   km::ParamList params_;
   km::Transformer model_;
   km::Context ctx_;
+  double clip_ = 0, grad_norm_ = 0;
   std::unique_ptr<km::AdamW> adam_;
   std::vector<Range> ranges_;
 };

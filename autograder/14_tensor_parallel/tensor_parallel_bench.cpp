@@ -19,13 +19,11 @@
 // accumulation); on MPI on its CPU backend, where the defaults shrink to widths a CPU finishes.
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "k2c/core/random.h"
+#include "k2c/dist/bench.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
@@ -45,13 +43,6 @@ struct Options {
   int repeats = 10, warmup = 3;
   std::string json;
 };
-
-std::vector<std::int64_t> parse_list(const std::string& s) {
-  std::vector<std::int64_t> v;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) v.push_back(std::stoll(item));
-  return v;
-}
 
 struct Row {
   std::int64_t d, d_ff;
@@ -108,26 +99,21 @@ Row measure(kd::Communicator& w, km::Ops& ops, std::int64_t d, std::int64_t d_ff
 int main(int argc, char** argv) {
   Options o;
   std::string widths;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "-d") widths = value;
-    else if (flag == "-t") o.tokens = std::stoll(value);
-    else if (flag == "-f") o.ff = std::stod(value);
-    else if (flag == "-n") o.repeats = std::stoi(value);
-    else if (flag == "-w") o.warmup = std::stoi(value);
-    else if (flag == "-o") o.json = value;
-    else {
-      std::fprintf(stderr, "usage: %s [-d w1,w2,...] [-t tokens] [-f d_ff/d] [-n repeats] [-w warmups] [-o out.json]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  const kd::FlagSetters flags{
+      {"-d", [&](const std::string& v) { widths = v; }},
+      {"-t", [&](const std::string& v) { o.tokens = std::stoll(v); }},
+      {"-f", [&](const std::string& v) { o.ff = std::stod(v); }},
+      {"-n", [&](const std::string& v) { o.repeats = std::stoi(v); }},
+      {"-w", [&](const std::string& v) { o.warmup = std::stoi(v); }},
+      {"-o", [&](const std::string& v) { o.json = v; }}};
+  if (!kd::parse_flags(argc, argv, flags, "[-d w1,w2,...] [-t tokens] [-f d_ff/d] [-n repeats] [-w warmups] [-o out.json]"))
+    return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const bool gpu = w.backend() == kd::Backend::nccl;
     km::Ops* ops = &km::backend_for(gpu, w.compute_stream(), km::GpuMath::bf16);
     if (widths.empty()) widths = gpu ? "1024,2048,4096,8192" : "32,64,128,256";
     if (o.tokens == 0) o.tokens = gpu ? 8192 : 64;
-    o.widths = parse_list(widths);
+    o.widths = kd::parse_counts(widths);
     const int n = w.size();
     if (w.rank() == 0)
       std::printf("# k2c_tensor_parallel: SwiGLU MLP forward + backward, %lld tokens, %d rank(s), %s backend, %s\n"
@@ -145,16 +131,13 @@ int main(int argc, char** argv) {
                     static_cast<long long>(r.d_ff), r.t1_ms, r.tn_ms, r.scaling(), r.allreduce_ms, r.compute_to_comm());
     }
     if (w.rank() == 0 && !o.json.empty()) {
-      std::ofstream f(o.json);
-      f << "{\"backend\": \"" << kd::to_string(w.backend()) << "\", \"ops\": \"" << ops->name() << "\", \"ranks\": " << n
-        << ", \"tokens\": " << o.tokens << ", \"rows\": [";
+      std::vector<kd::JsonFields> out(rows.size());
       for (std::size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
-        f << (i ? ", " : "") << "{\"d\": " << r.d << ", \"d_ff\": " << r.d_ff << ", \"t1_ms\": " << r.t1_ms
-          << ", \"tn_ms\": " << r.tn_ms << ", \"scaling\": " << r.scaling() << ", \"allreduce_ms\": " << r.allreduce_ms
-          << ", \"compute_to_comm\": " << r.compute_to_comm() << "}";
+        out[i].add("d", r.d).add("d_ff", r.d_ff).add("t1_ms", r.t1_ms).add("tn_ms", r.tn_ms).add("scaling", r.scaling())
+            .add("allreduce_ms", r.allreduce_ms).add("compute_to_comm", r.compute_to_comm());
       }
-      f << "]}\n";
+      kd::write_sweep_json(o.json, kd::run_fields(w, ops->name()).add("tokens", o.tokens), out);
     }
   });
 }

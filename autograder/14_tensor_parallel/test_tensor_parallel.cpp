@@ -36,6 +36,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -46,18 +47,14 @@
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
+#include "k2c/model/backend.h"
 #include "k2c/model/block.h"
+#include "k2c/model/dist_testing.h"
 #include "k2c/model/layers.h"
 #include "k2c/model/testing.h"
 #include "k2c/testing/testing.h"
 #include "tensor_parallel.h"
 #include "uniform_weights.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -96,61 +93,28 @@ bool exact_backend() { return world().backend() == kd::Backend::mpi; }
 // The backend the tensor-parallel side computes on (see the top of the file); null where a
 // NCCL run has no GPU backend to give the layers.
 km::Ops* parallel_ops() {
-  if (world().backend() == kd::Backend::mpi) return &km::cpu_ops();
-#if K2C_MODEL_CUDA
-  km::cuda_ops_use_stream(world().compute_stream());  // ordered with the group's collectives
-  return &km::cuda_ops(km::GpuMath::fp32);
-#else
-  return nullptr;
-#endif
+  // On the GPU, ordered with the group's collectives through the world's compute stream.
+  return km::backend_if_built(world().backend() == kd::Backend::nccl, world().compute_stream(), km::GpuMath::fp32);
 }
 
-using Host = std::vector<float>;
+// Host data (k2c/dist/testing.h): inputs from the run's seed, and the blocks a shard holds.
+using kd::testing::column_block;
+using kd::testing::Host;
+using kd::testing::random_host;
+using kd::testing::row_block;
 
-Host random_host(std::int64_t count, const std::string& tag, float lo = -1.0f, float hi = 1.0f) {
-  const std::uint64_t seed = k2c::testing::seed_for(tag);
-  Host v(static_cast<std::size_t>(count));
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed, i, lo, hi);
-  return v;
-}
-
-// Columns [c0, c0 + nc) of a rows × cols matrix, or rows [r0, r0 + nr).
-Host columns(const Host& m, std::int64_t cols, std::int64_t c0, std::int64_t nc) {
-  const std::int64_t rows = static_cast<std::int64_t>(m.size()) / cols;
-  Host out(static_cast<std::size_t>(rows * nc));
-  for (std::int64_t r = 0; r < rows; ++r)
-    std::copy_n(m.begin() + r * cols + c0, nc, out.begin() + r * nc);
-  return out;
-}
-Host row_block(const Host& m, std::int64_t cols, std::int64_t r0, std::int64_t nr) {
-  return Host(m.begin() + r0 * cols, m.begin() + (r0 + nr) * cols);
-}
-
-
-// The tensor-parallel group, counted: every rank in one group of world().size(). Made once per
-// program, since the splits of a grid take seconds on NCCL, and never destroyed: its MPI
-// communicators must not be freed after MPI_Finalize. group() hands it out with empty counters.
+// The tensor-parallel group, counted: every rank in one group of world().size(). group() hands it
+// out with empty counters (made once, kept: kd::testing::kept_groups).
 struct Group {
   kd::CountingCommunicator counting{world(), "world"};
   kd::ProcessGrid grid{counting, {.tp = world().size()}};
   kd::Communicator& tp() { return grid.group(kd::Axis::tp); }
   kd::Traffic all_reduce() const { return counting.count("tp", "all_reduce"); }
   // Calls of anything else than the group's all-reduce.
-  std::uint64_t other_calls() const {
-    std::uint64_t n = 0;
-    for (const auto& [label, ops] : counting.counts())
-      for (const auto& [op, t] : ops)
-        if (label != "tp" || op != "all_reduce") n += t.calls;
-    return n;
-  }
+  std::uint64_t other_calls() const { return counting.calls_except({{"tp", "all_reduce"}}); }
 };
 
-// The first call is collective (it splits the world): every rank makes it in the same test.
-Group& group() {
-  static Group* g = new Group;
-  g->counting.reset();
-  return *g;
-}
+Group& group() { return kd::testing::kept_groups<Group>(); }
 
 // ---------------------------------------------------------------------------------------------
 // comparisons (k2c/dist/testing.h): the tolerance is this module's
@@ -160,41 +124,55 @@ using kd::testing::same_on_all_ranks;
 
 // Tight where both sides compute in fp32 on the CPU (MPI); ten times looser where the parallel
 // side runs the GPU backend's bf16 GEMMs.
+km::testing::MatchOptions tolerance() {
+  return exact_backend() ? km::testing::MatchOptions{.rel = 1e-4, .of_max = 1e-5}
+                         : km::testing::MatchOptions{.rel = 1e-3, .of_max = 1e-4};
+}
 void expect_close(const Host& got, const Host& want, const std::string& what) {
-  kd::testing::expect_close(got, want, what, exact_backend() ? 1e-4 : 1e-3, exact_backend() ? 1e-5 : 1e-4);
+  kd::testing::expect_close(got, want, what, tolerance().rel, tolerance().of_max);
 }
 
-// Each parameter of the parallel side against the reference's parameter of the same name: the
-// slice its Init::shard names (or the whole, for a replicated one). Values first (a shard in the
-// wrong place shows here), then gradients.
-void expect_params_match(Side& par, Side& ref, bool grads) {
-  for (km::ParamId id = 0; id < par.params.size(); ++id) {
-    const km::ParamInfo& p = par.params.info(id);
-    const km::ParamId rid = ref.find(p.name);
-    ASSERT_GE(rid, 0) << "parameter '" << p.name << "' has no counterpart in the unsharded layer";
-    const km::Shape full = ref.params.info(rid).shape;
-    const bool sharded = p.init.shard.has_value();
-    if (!sharded) {
-      ASSERT_EQ(p.shape, full) << "parameter '" << p.name << "' is " << p.shape.str() << ", the unsharded "
-                               << full.str() << ", and is not registered as a shard (Init::shard)";
-    } else {
-      ASSERT_EQ(p.init.shard->full, full) << "parameter '" << p.name << "': shard of the wrong whole";
-      ASSERT_EQ(p.shape.rank, 2) << "parameter '" << p.name << "': only matrices are cut";
-    }
-    auto slice = [&](const Host& whole) {
-      if (!sharded) return whole;
-      const std::int64_t r0 = p.init.shard->offset[0], c0 = p.init.shard->offset[1];
-      return columns(row_block(whole, full[1], r0, p.shape[0]), full[1], c0, p.shape[1]);
-    };
-    const std::string what = "parameter '" + p.name + "'";
-    if (!grads) {
-      expect_bits(par.download(par.params.value(id)), slice(ref.download(ref.params.value(rid))), what + " values");
-    } else {
-      const Host g = par.download(par.params.grad(id));
-      expect_close(g, slice(ref.download(ref.params.grad(rid))), what + " gradient");
-      if (!sharded) EXPECT_TRUE(same_on_all_ranks(g)) << what << ": a replicated gradient differs between ranks";
-    }
-  }
+// Each parameter of the parallel side against the reference's of the same name, values bit for
+// bit, gradients within tolerance(): km::testing::expect_params_match (k2c/model/dist_testing.h).
+
+// A layer after both sides' forward pass: `what` on the parallel side (yp) against the
+// reference's (yr), the same on every rank, and one all-reduce so far (`why` it is there), of
+// `bytes` where given.
+void expect_forward(Side& par, Side& ref, Group& g, const km::Tensor& yp, const km::Tensor& yr, const std::string& what,
+                    const std::string& why, std::optional<std::uint64_t> bytes = std::nullopt) {
+  const Host y = par.download(yp);
+  expect_close(y, ref.download(yr), what);
+  EXPECT_TRUE(same_on_all_ranks(y)) << what << " differs between ranks";
+  EXPECT_EQ(g.all_reduce().calls, 1u) << "forward: one all-reduce (" << why << ")";
+  if (bytes) EXPECT_EQ(g.all_reduce().bytes, *bytes);
+}
+
+// A Megatron layer (the MLP, attention) after both sides' backward pass as well: dx as y above,
+// every parameter's gradient, and one more all-reduce, started, of the t·d floats of dx (`why`:
+// what it sums), and nothing else.
+void expect_layer_backward(Side& par, Side& ref, Group& g, const km::Tensor& dxp, const km::Tensor& dxr, std::int64_t d,
+                           const std::string& layer, const std::string& why) {
+  const Host dx = par.download(dxp);
+  expect_close(dx, ref.download(dxr), layer + " dx");
+  EXPECT_TRUE(same_on_all_ranks(dx)) << "dx differs between ranks";
+  expect_params_match(par, ref, true, tolerance());
+  EXPECT_EQ(g.all_reduce().calls, 2u) << "backward: one all-reduce (" << why << ")";
+  EXPECT_EQ(g.all_reduce().started, 1u) << "the backward all-reduce is started (start_all_reduce)";
+  EXPECT_EQ(g.all_reduce().bytes, static_cast<std::uint64_t>(2 * 4 * kTokens * d));
+  EXPECT_EQ(g.other_calls(), 0u);
+}
+
+// One backward pass on each side (`ref_pass`, then `par_pass`), each inside its ParamList's
+// begin_backward / end_backward, which finish the gradients (and fire the gradient-ready hooks
+// that StartedWhenFinal records).
+template <class RefPass, class ParPass>
+void backward_both(Side& ref, Side& par, RefPass ref_pass, ParPass par_pass) {
+  ref.params.begin_backward();
+  ref_pass();
+  ref.params.end_backward();
+  par.params.begin_backward();
+  par_pass();
+  par.params.end_backward();
 }
 
 // Records, for each parameter, how many all-reduces the group had started when its gradient
@@ -300,7 +278,7 @@ TEST_F(TensorParallel, ColumnForwardBitExact) {
   km::Tensor yr = ref.tensor({kTokens, out}), yp = par.tensor({kTokens, local});
   whole.forward(ref.ctx, xr, yr);
   mine.forward(par.ctx, xp, yp);
-  const Host want = columns(ref.download(yr), out, r() * local, local);
+  const Host want = column_block(ref.download(yr), out, r() * local, local);
   if (exact_backend())
     expect_bits(par.download(yp), want, "column-parallel y");
   else
@@ -320,19 +298,15 @@ TEST_F(TensorParallel, ColumnBackward) {
 
   const Host x = random_host(kTokens * in, "column/x"), dy = random_host(kTokens * out, "column/dy");
   km::Tensor xr = ref.upload(x, {kTokens, in}), dyr = ref.upload(dy, {kTokens, out}), dxr = ref.tensor({kTokens, in});
-  km::Tensor xp = par.upload(x, {kTokens, in}), dyp = par.upload(columns(dy, out, r() * local, local), {kTokens, local}),
-             dxp = par.tensor({kTokens, in});
-  ref.params.begin_backward();
-  whole.backward(ref.ctx, xr, dyr, &dxr);
-  ref.params.end_backward();
-  par.params.begin_backward();
-  mine.backward(par.ctx, xp, dyp, &dxp);
-  par.params.end_backward();
+  km::Tensor xp = par.upload(x, {kTokens, in}),
+             dyp = par.upload(column_block(dy, out, r() * local, local), {kTokens, local}), dxp = par.tensor({kTokens, in});
+  backward_both(ref, par, [&] { whole.backward(ref.ctx, xr, dyr, &dxr); },
+                [&] { mine.backward(par.ctx, xp, dyp, &dxp); });
 
   const Host dx = par.download(dxp);
   expect_close(dx, ref.download(dxr), "column-parallel dx (f's backward summed it)");
   EXPECT_TRUE(same_on_all_ranks(dx)) << "dx differs between ranks";
-  expect_params_match(par, ref, true);
+  expect_params_match(par, ref, true, tolerance());
   EXPECT_EQ(g.all_reduce().calls, 1u) << "one all-reduce: f's backward";
   EXPECT_EQ(g.all_reduce().started, 1u) << "f's backward starts its all-reduce (start_all_reduce)";
   EXPECT_EQ(g.all_reduce().bytes, static_cast<std::uint64_t>(4 * kTokens * in));
@@ -363,25 +337,18 @@ TEST_F(TensorParallel, RowParallelLinear) {
   const Host x = random_host(kTokens * in, "row/x"), dy = random_host(kTokens * out, "row/dy");
   km::Tensor xr = ref.upload(x, {kTokens, in}), yr = ref.tensor({kTokens, out}), dyr = ref.upload(dy, {kTokens, out}),
              dxr = ref.tensor({kTokens, in});
-  km::Tensor xp = par.upload(columns(x, in, r() * local, local), {kTokens, local}), yp = par.tensor({kTokens, out}),
-             dyp = par.upload(dy, {kTokens, out}), dxp = par.tensor({kTokens, local});
+  km::Tensor xp = par.upload(column_block(x, in, r() * local, local), {kTokens, local}),
+             yp = par.tensor({kTokens, out}), dyp = par.upload(dy, {kTokens, out}), dxp = par.tensor({kTokens, local});
   whole.forward(ref.ctx, xr, yr);
   mine.forward(par.ctx, xp, yp);
-  const Host y = par.download(yp);
-  expect_close(y, ref.download(yr), "row-parallel y (g's forward summed it)");
-  EXPECT_TRUE(same_on_all_ranks(y)) << "y differs between ranks";
-  EXPECT_EQ(g.all_reduce().calls, 1u) << "one all-reduce forward: g";
-  EXPECT_EQ(g.all_reduce().bytes, static_cast<std::uint64_t>(4 * kTokens * out));
+  expect_forward(par, ref, g, yp, yr, "row-parallel y", "g's, which sums it", 4 * kTokens * out);
 
   g.counting.reset();
-  ref.params.begin_backward();
-  whole.backward(ref.ctx, xr, dyr, &dxr);
-  ref.params.end_backward();
-  par.params.begin_backward();
-  mine.backward(par.ctx, xp, dyp, &dxp);
-  par.params.end_backward();
-  expect_close(par.download(dxp), columns(ref.download(dxr), in, r() * local, local), "row-parallel dx (this rank's columns)");
-  expect_params_match(par, ref, true);
+  backward_both(ref, par, [&] { whole.backward(ref.ctx, xr, dyr, &dxr); },
+                [&] { mine.backward(par.ctx, xp, dyp, &dxp); });
+  expect_close(par.download(dxp), column_block(ref.download(dxr), in, r() * local, local),
+               "row-parallel dx (this rank's columns)");
+  expect_params_match(par, ref, true, tolerance());
   EXPECT_EQ(g.all_reduce().calls + g.other_calls(), 0u) << "g's backward is the identity: nothing to communicate";
 }
 
@@ -408,25 +375,11 @@ TEST_F(TensorParallel, ParallelMlp) {
   tp::ParallelMlp::Saved sp;
   whole.forward(ref.ctx, xr, yr, sr);
   mine.forward(par.ctx, xp, yp, sp);
-  const Host y = par.download(yp);
-  expect_close(y, ref.download(yr), "MLP y");
-  EXPECT_TRUE(same_on_all_ranks(y)) << "y differs between ranks";
-  EXPECT_EQ(g.all_reduce().calls, 1u) << "forward: one all-reduce (down's g)";
+  expect_forward(par, ref, g, yp, yr, "MLP y", "down's g");
 
-  ref.params.begin_backward();
-  whole.backward(ref.ctx, xr, sr, dyr, dxr);
-  ref.params.end_backward();
-  par.params.begin_backward();
-  mine.backward(par.ctx, xp, sp, dyp, dxp);
-  par.params.end_backward();
-  const Host dx = par.download(dxp);
-  expect_close(dx, ref.download(dxr), "MLP dx");
-  EXPECT_TRUE(same_on_all_ranks(dx)) << "dx differs between ranks";
-  expect_params_match(par, ref, true);
-  EXPECT_EQ(g.all_reduce().calls, 2u) << "backward: one all-reduce (f's, gate's and up's input gradients summed first)";
-  EXPECT_EQ(g.all_reduce().started, 1u) << "the backward all-reduce is started (start_all_reduce)";
-  EXPECT_EQ(g.all_reduce().bytes, static_cast<std::uint64_t>(2 * 4 * kTokens * d));
-  EXPECT_EQ(g.other_calls(), 0u);
+  backward_both(ref, par, [&] { whole.backward(ref.ctx, xr, sr, dyr, dxr); },
+                [&] { mine.backward(par.ctx, xp, sp, dyp, dxp); });
+  expect_layer_backward(par, ref, g, dxp, dxr, d, "MLP", "f's, gate's and up's input gradients summed first");
   EXPECT_EQ(probe.at["mlp.gate.weight"], 1u) << "the all-reduce of dx starts before the gate's weight gradient";
   EXPECT_EQ(probe.at["mlp.up.weight"], 1u) << "the all-reduce of dx starts before the up's weight gradient";
 }
@@ -456,25 +409,11 @@ TEST_F(TensorParallel, ParallelAttentionGqa) {
   tp::ParallelAttention::Saved sp;
   whole.forward(ref.ctx, xr, pr, kBatch, yr, sr);
   mine.forward(par.ctx, xp, pp, kBatch, yp, sp);
-  const Host y = par.download(yp);
-  expect_close(y, ref.download(yr), "attention y");
-  EXPECT_TRUE(same_on_all_ranks(y)) << "y differs between ranks";
-  EXPECT_EQ(g.all_reduce().calls, 1u) << "forward: one all-reduce (wo's g)";
+  expect_forward(par, ref, g, yp, yr, "attention y", "wo's g");
 
-  ref.params.begin_backward();
-  whole.backward(ref.ctx, xr, pr, kBatch, sr, dyr, dxr);
-  ref.params.end_backward();
-  par.params.begin_backward();
-  mine.backward(par.ctx, xp, pp, kBatch, sp, dyp, dxp);
-  par.params.end_backward();
-  const Host dx = par.download(dxp);
-  expect_close(dx, ref.download(dxr), "attention dx");
-  EXPECT_TRUE(same_on_all_ranks(dx)) << "dx differs between ranks";
-  expect_params_match(par, ref, true);
-  EXPECT_EQ(g.all_reduce().calls, 2u) << "backward: one all-reduce (f's, the q, k and v input gradients summed first)";
-  EXPECT_EQ(g.all_reduce().started, 1u) << "the backward all-reduce is started (start_all_reduce)";
-  EXPECT_EQ(g.all_reduce().bytes, static_cast<std::uint64_t>(2 * 4 * kTokens * d));
-  EXPECT_EQ(g.other_calls(), 0u);
+  backward_both(ref, par, [&] { whole.backward(ref.ctx, xr, pr, kBatch, sr, dyr, dxr); },
+                [&] { mine.backward(par.ctx, xp, pp, kBatch, sp, dyp, dxp); });
+  expect_layer_backward(par, ref, g, dxp, dxr, d, "attention", "f's, the q, k and v input gradients summed first");
   for (const char* name : {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight"})
     EXPECT_EQ(probe.at[name], 1u) << "the all-reduce of dx starts before " << name << "'s gradient is computed";
 }
@@ -549,7 +488,7 @@ BlockRun run_blocks(km::Ops& ops, int blocks) {
   const Host dx = par.download(gp);
   expect_close(dx, ref.download(gr), "block input gradient");
   EXPECT_TRUE(same_on_all_ranks(dx)) << "the input gradient differs between ranks";
-  expect_params_match(par, ref, true);
+  expect_params_match(par, ref, true, tolerance());
   return run;
 }
 
@@ -627,20 +566,12 @@ TEST_F(TensorParallel, VocabParallelEmbedding) {
   tp::VocabParallelEmbedding::Saved saved;
   whole.forward(ref.ctx, ir, outr);
   mine.forward(par.ctx, ip, outp, saved);
-  const Host out = par.download(outp);
-  expect_close(out, ref.download(outr), "embedding output");
-  EXPECT_TRUE(same_on_all_ranks(out)) << "the embedding output differs between ranks";
-  EXPECT_EQ(g.all_reduce().calls, 1u) << "forward: one all-reduce of the masked lookups";
-  EXPECT_EQ(g.all_reduce().bytes, static_cast<std::uint64_t>(4 * N * dim));
+  expect_forward(par, ref, g, outp, outr, "the embedding output", "of the masked lookups", 4 * N * dim);
 
   g.counting.reset();
-  ref.params.begin_backward();
-  whole.backward(ref.ctx, ir, dr);
-  ref.params.end_backward();
-  par.params.begin_backward();
-  mine.backward(par.ctx, saved, dp);
-  par.params.end_backward();
-  expect_params_match(par, ref, true);
+  backward_both(ref, par, [&] { whole.backward(ref.ctx, ir, dr); },
+                [&] { mine.backward(par.ctx, saved, dp); });
+  expect_params_match(par, ref, true, tolerance());
   EXPECT_EQ(g.all_reduce().calls + g.other_calls(), 0u) << "backward: each rank takes its own rows, nothing exchanged";
 
   // An id outside the vocabulary is refused on every rank alike.
@@ -666,13 +597,13 @@ TEST_F(TensorParallel, VocabParallelCrossEntropy) {
   km::Tensor zr = ref.upload(logits, {N, kVocab}), dzr = ref.tensor({N, kVocab}), tr = ref.upload_ids(targets);
   const double want = km::cpu_ops().cross_entropy(zr, tr, grad_scale, dzr);
 
-  km::Tensor zp = par.upload(columns(logits, kVocab, r() * local, local), {N, local}), dzp = par.tensor({N, local}),
+  km::Tensor zp = par.upload(column_block(logits, kVocab, r() * local, local), {N, local}), dzp = par.tensor({N, local}),
              tpp = par.upload_ids(targets);
   const double got = tp::vocab_parallel_cross_entropy(g.tp(), par.ctx, zp, tpp, grad_scale, dzp);
   const double tol = (exact_backend() ? 1e-5 : 1e-4) * std::max(std::abs(want), static_cast<double>(N));
   EXPECT_NEAR(got, want, tol) << "the summed loss";
   EXPECT_TRUE(same_on_all_ranks(&got, sizeof got)) << "the loss differs between ranks";
-  expect_close(par.download(dzp), columns(ref.download(dzr), kVocab, r() * local, local),
+  expect_close(par.download(dzp), column_block(ref.download(dzr), kVocab, r() * local, local),
                "dlogits (this rank's columns; ignored rows zero)");
   EXPECT_EQ(g.all_reduce().calls, 3u) << "three all-reduces: row maxima, target logits, sums of exponentials";
   EXPECT_EQ(g.all_reduce().bytes, static_cast<std::uint64_t>(3 * 4 * N)) << "each of N floats: the logits never travel";
@@ -730,16 +661,11 @@ namespace {
 constexpr std::int64_t kPerfTokens = 8192, kPerfModel = 8192, kPerfFf = 28672;
 }  // namespace
 
-using TensorParallelPerf = kd::testing::DistTest;
+using TensorParallelPerf = km::testing::GpuModelTest;  // NCCL, a GPU per rank, the GPU backend
 TEST_F(TensorParallelPerf, MlpScaling) {
-  K2C_REQUIRE_GPU_RANKS();
   kd::Communicator& w = world();
   const int n = w.size();
-#if !K2C_MODEL_CUDA
-  K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
-#else
-  km::cuda_ops_use_stream(w.compute_stream());
-  km::Ops& ops = km::cuda_ops(km::GpuMath::bf16);
+  km::Ops& ops = gpu();
   const std::int64_t N = kPerfTokens, d = kPerfModel, f = kPerfFf;
   Side one(ops), par(ops);
   km::Mlp whole(one.params, "mlp", d, f);
@@ -795,5 +721,4 @@ TEST_F(TensorParallelPerf, MlpScaling) {
                     "SwiGLU MLP d " + std::to_string(d) + ", d_ff " + std::to_string(f) + ", " + std::to_string(N) +
                         " tokens, forward + backward: one GPU " + std::to_string(t1) + " ms, tensor-parallel on " +
                         std::to_string(n) + " GPUs " + std::to_string(tn) + " ms");
-#endif
 }

@@ -39,19 +39,13 @@
 #include <gtest/gtest.h>
 
 #include "k2c/dist/testing.h"
+#include "k2c/model/backend.h"
 #include "k2c/model/data.h"
 #include "k2c/model/optim.h"
 #include "k2c/model/transformer.h"
 #include "k2c/testing/testing.h"
 #include "pipeline_harness.h"
 #include "pipeline_parallel.h"
-
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace pp = k2c::pipeline_parallel;
 namespace ps = k2c::pipeline_stage;
@@ -565,13 +559,12 @@ TEST_F(PipelineParallelPerf, StepVsIdeal) {
   K2C_REQUIRE_NCCL();
   kd::Communicator& w = world();
   if (w.size() < 2) K2C_SKIP("needs 2 or more GPUs, one per stage (this run has 1)");
-  if (!K2C_MODEL_CUDA) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
-  if (k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");
-#if K2C_MODEL_CUDA
   // The model's kernels on the world's compute stream: sends and receives are ordered after the
   // work that produced their data, and the work that reads what they received after them.
-  km::cuda_ops_use_stream(w.compute_stream());
-  km::Ops& ops = km::cuda_ops();
+  km::Ops* gpu = km::backend_if_built(true, w.compute_stream());
+  if (!gpu) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
+  if (k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");
+  km::Ops& ops = *gpu;
   kd::PointToPointView p2p(w);
   const int s = w.rank(), p = w.size(), m = 4 * p;
   const km::ModelConfig c = k2c::pipeline_harness::gpu_model();
@@ -598,5 +591,4 @@ TEST_F(PipelineParallelPerf, StepVsIdeal) {
                     "1F1B, " + std::to_string(p) + " stages, " + std::to_string(m) + " micro-batches: step " +
                         std::to_string(step_ms) + " ms against the ideal (m + p - 1) x " + std::to_string(one_ms) +
                         " ms = " + std::to_string(ideal_ms) + " ms");
-#endif
 }

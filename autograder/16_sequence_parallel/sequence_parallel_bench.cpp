@@ -22,12 +22,11 @@
 // attention); on MPI on its CPU backend, where the defaults shrink to sizes a CPU finishes.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "k2c/core/random.h"
+#include "k2c/dist/bench.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
@@ -46,13 +45,6 @@ struct Options {
   int repeats = 5, warmup = 2;
   std::string json;
 };
-
-std::vector<std::int64_t> parse_list(const std::string& s) {
-  std::vector<std::int64_t> v;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) v.push_back(std::stoll(item));
-  return v;
-}
 
 struct Row {
   std::int64_t chunk, seq_len;
@@ -121,24 +113,19 @@ Row measure(kd::Communicator& w, km::Ops& ops, std::int64_t C, const Options& o)
 int main(int argc, char** argv) {
   Options o;
   std::string chunks;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "-c") chunks = value;
-    else if (flag == "-b") o.batch = std::stoi(value);
-    else if (flag == "-H") o.heads = std::stoi(value);
-    else if (flag == "-K") o.kv_heads = std::stoi(value);
-    else if (flag == "-d") o.head_dim = std::stoi(value);
-    else if (flag == "-n") o.repeats = std::stoi(value);
-    else if (flag == "-w") o.warmup = std::stoi(value);
-    else if (flag == "-o") o.json = value;
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [-c C1,C2,...] [-b batch] [-H q_heads] [-K kv_heads] [-d head_dim] [-n repeats] "
-                   "[-w warmups] [-o out.json]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  const kd::FlagSetters flags{
+      {"-c", [&](const std::string& v) { chunks = v; }},
+      {"-b", [&](const std::string& v) { o.batch = std::stoi(v); }},
+      {"-H", [&](const std::string& v) { o.heads = std::stoi(v); }},
+      {"-K", [&](const std::string& v) { o.kv_heads = std::stoi(v); }},
+      {"-d", [&](const std::string& v) { o.head_dim = std::stoi(v); }},
+      {"-n", [&](const std::string& v) { o.repeats = std::stoi(v); }},
+      {"-w", [&](const std::string& v) { o.warmup = std::stoi(v); }},
+      {"-o", [&](const std::string& v) { o.json = v; }}};
+  if (!kd::parse_flags(argc, argv, flags,
+                       "[-c C1,C2,...] [-b batch] [-H q_heads] [-K kv_heads] [-d head_dim] [-n repeats] [-w warmups] "
+                       "[-o out.json]"))
+    return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const bool gpu = w.backend() == kd::Backend::nccl;
     km::Ops* ops = &km::backend_for(gpu, w.compute_stream(), km::GpuMath::bf16);
@@ -146,7 +133,7 @@ int main(int argc, char** argv) {
     if (o.heads == 0) o.heads = gpu ? 32 : 4;
     if (o.kv_heads == 0) o.kv_heads = gpu ? 8 : 2;
     if (o.head_dim == 0) o.head_dim = gpu ? 128 : 16;
-    o.chunks = parse_list(chunks);
+    o.chunks = kd::parse_counts(chunks);
     const int n = w.size();
     if (w.rank() == 0)
       std::printf("# k2c_sequence_parallel: causal ring attention forward + backward, batch %d, %d/%d heads of %d, "
@@ -163,17 +150,16 @@ int main(int argc, char** argv) {
                     static_cast<long long>(r.seq_len), r.t1_ms, r.ring_ms, r.ratio(), r.hop_ms, r.compute_to_comm());
     }
     if (w.rank() == 0 && !o.json.empty()) {
-      std::ofstream f(o.json);
-      f << "{\"backend\": \"" << kd::to_string(w.backend()) << "\", \"ops\": \"" << ops->name() << "\", \"ranks\": " << n
-        << ", \"batch\": " << o.batch << ", \"q_heads\": " << o.heads << ", \"kv_heads\": " << o.kv_heads
-        << ", \"head_dim\": " << o.head_dim << ", \"rows\": [";
+      std::vector<kd::JsonFields> out(rows.size());
       for (std::size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
-        f << (i ? ", " : "") << "{\"chunk\": " << r.chunk << ", \"seq_len\": " << r.seq_len << ", \"t1_ms\": " << r.t1_ms
-          << ", \"ring_ms\": " << r.ring_ms << ", \"ratio\": " << r.ratio() << ", \"hop_ms\": " << r.hop_ms
-          << ", \"compute_to_comm\": " << r.compute_to_comm() << "}";
+        out[i].add("chunk", r.chunk).add("seq_len", r.seq_len).add("t1_ms", r.t1_ms).add("ring_ms", r.ring_ms)
+            .add("ratio", r.ratio()).add("hop_ms", r.hop_ms).add("compute_to_comm", r.compute_to_comm());
       }
-      f << "]}\n";
+      kd::write_sweep_json(o.json,
+                           kd::run_fields(w, ops->name()).add("batch", o.batch).add("q_heads", o.heads)
+                               .add("kv_heads", o.kv_heads).add("head_dim", o.head_dim),
+                           out);
     }
   });
 }

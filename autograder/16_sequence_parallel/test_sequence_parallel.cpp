@@ -47,7 +47,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -62,18 +61,14 @@
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
+#include "k2c/model/backend.h"
 #include "k2c/model/block.h"
+#include "k2c/model/dist_testing.h"
 #include "k2c/model/forwarding_ops.h"
 #include "k2c/model/layers.h"
 #include "k2c/model/testing.h"
 #include "k2c/testing/testing.h"
 #include "sequence_parallel.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -103,29 +98,17 @@ km::BlockConfig block_config(int n) {
   return c;
 }
 
-using Host = std::vector<float>;
-
-Host random_host(std::int64_t count, const std::string& tag, float lo = -1.0f, float hi = 1.0f) {
-  const std::uint64_t seed = k2c::testing::seed_for(tag);
-  Host v(static_cast<std::size_t>(count));
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed, i, lo, hi);
-  return v;
-}
+// Host data (k2c/dist/testing.h): inputs from the run's seed, and the blocks a shard holds.
+using kd::testing::column_block;
+using kd::testing::Host;
+using kd::testing::random_host;
+using kd::testing::row_block;
 
 // Rows `which` of a matrix with `cols` columns, in that order.
 Host pick_rows(const Host& m, std::int64_t cols, const std::vector<std::int64_t>& which) {
   Host out;
   out.reserve(which.size() * static_cast<std::size_t>(cols));
   for (std::int64_t r : which) out.insert(out.end(), m.begin() + r * cols, m.begin() + (r + 1) * cols);
-  return out;
-}
-Host row_range(const Host& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
-  return Host(m.begin() + first * cols, m.begin() + (first + count) * cols);
-}
-Host col_range(const Host& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
-  Host out;
-  for (std::size_t r = 0; r < m.size() / static_cast<std::size_t>(cols); ++r)
-    out.insert(out.end(), m.begin() + r * cols + first, m.begin() + r * cols + first + count);
   return out;
 }
 
@@ -158,8 +141,8 @@ std::vector<std::int32_t> iota_positions(int T) {
 // the groups, counted
 
 // Every rank in one tensor-parallel group and in one context-parallel group, both counting into
-// one ledger ("tp", "cp"). Made once per program (a grid's splits are collective and slow on
-// NCCL) and never destroyed: its MPI communicators must not be freed after MPI_Finalize.
+// one ledger ("tp", "cp"). groups() hands them out with empty counters (made once, kept:
+// kd::testing::kept_groups).
 struct Groups {
   kd::CountingCommunicator counting{world(), "world"};
   kd::ProcessGrid tp_grid{counting, {.tp = world().size()}};
@@ -167,22 +150,9 @@ struct Groups {
   kd::Communicator& tp() { return tp_grid.group(kd::Axis::tp); }
   kd::Communicator& cp() { return cp_grid.group(kd::Axis::cp); }
   kd::Traffic of(const std::string& label, const std::string& op) const { return counting.count(label, op); }
-  // Calls of anything but the listed (label, operation) pairs.
-  std::uint64_t calls_except(const std::set<std::pair<std::string, std::string>>& allowed) const {
-    std::uint64_t n = 0;
-    for (const auto& [label, ops] : counting.counts())
-      for (const auto& [op, t] : ops)
-        if (!allowed.count({label, op})) n += t.calls;
-    return n;
-  }
 };
 
-// The first call is collective: every rank makes it in the same test.
-Groups& groups() {
-  static Groups* g = new Groups;
-  g->counting.reset();
-  return *g;
-}
+Groups& groups() { return kd::testing::kept_groups<Groups>(); }
 
 // ---------------------------------------------------------------------------------------------
 // comparisons (expect_close at its default tolerance, same_on_all_ranks: k2c/dist/testing.h)
@@ -198,47 +168,9 @@ std::pair<std::int64_t, std::int64_t> spread(std::int64_t v) {
   return {lo, hi};
 }
 
-Host sum_over_ranks(Host v) {
-  MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-  return v;
-}
-
-// Each parameter of the parallel side against the reference's of the same name: the slice its
-// Init::shard names, or the whole. Values bit for bit, gradients within the tolerance;
-// `summed`: the parallel gradients are each rank's share, compared after a sum over the ranks.
-void expect_params_match(Side& par, Side& ref, bool grads, bool summed = false) {
-  for (km::ParamId id = 0; id < par.params.size(); ++id) {
-    const km::ParamInfo& p = par.params.info(id);
-    const km::ParamId rid = ref.find(p.name);
-    ASSERT_GE(rid, 0) << "parameter '" << p.name << "' has no counterpart in the unsharded layer";
-    const km::Shape full = ref.params.info(rid).shape;
-    const bool sharded = p.init.shard.has_value();
-    if (sharded) {
-      ASSERT_EQ(p.init.shard->full, full) << "parameter '" << p.name << "': a shard of the wrong whole";
-      ASSERT_EQ(p.shape.rank, 2) << "parameter '" << p.name << "': only matrices are cut";
-    } else {
-      ASSERT_EQ(p.shape, full) << "parameter '" << p.name << "' is " << p.shape.str() << ", the unsharded "
-                               << full.str() << ", and is not registered as a shard (Init::shard)";
-    }
-    auto slice = [&](const Host& whole) {
-      if (!sharded) return whole;
-      const Host rows = row_range(whole, full[1], p.init.shard->offset[0], p.shape[0]);
-      return col_range(rows, full[1], p.init.shard->offset[1], p.shape[1]);
-    };
-    const std::string what = "parameter '" + p.name + "'";
-    if (!grads) {
-      const Host got = par.download(par.params.value(id)), want = slice(ref.download(ref.params.value(rid)));
-      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << what << ": values differ";
-      continue;
-    }
-    Host g = par.download(par.params.grad(id));
-    if (summed) g = sum_over_ranks(g);
-    expect_close(g, slice(ref.download(ref.params.grad(rid))), what + " gradient");
-    if (!sharded && !summed) {
-      EXPECT_TRUE(same_on_all_ranks(g)) << what << ": a whole weight's gradient differs between ranks";
-    }
-  }
-}
+// Each parameter of the parallel side against the reference's of the same name, values bit for
+// bit, gradients at expect_close's default tolerance (k2c/model/dist_testing.h).
+using km::testing::expect_params_match;
 
 // ---------------------------------------------------------------------------------------------
 // an Ops that notes every attention call (and forwards everything)
@@ -297,15 +229,8 @@ using SequenceParallelRingAttention = kd::testing::CpuModelTest;
 // backend, whose tensors are device memory.
 using SequenceParallelContract = kd::testing::DistTest;
 TEST_F(SequenceParallelContract, Implemented) {
-  km::Ops* ops = &km::cpu_ops();
-  if (world().backend() == kd::Backend::nccl) {
-#if K2C_MODEL_CUDA
-    km::cuda_ops_use_stream(world().compute_stream());
-    ops = &km::cuda_ops(km::GpuMath::fp32);
-#else
-    K2C_SKIP("a NCCL run needs the model library's GPU backend (k2c_model_cuda), which this build lacks");
-#endif
-  }
+  km::Ops* ops = km::backend_if_built(world().backend() == kd::Backend::nccl, world().compute_stream(), km::GpuMath::fp32);
+  if (!ops) K2C_SKIP("a NCCL run needs the model library's GPU backend (k2c_model_cuda), which this build lacks");
   Side s(*ops);
   km::Tensor shard = s.upload({1.0f}, {1, 1}), whole = s.tensor({world().size(), 1});
   try {
@@ -347,11 +272,11 @@ TEST_F(SequenceParallel, RowCollectives) {
   const Host mine = random_host(n() * M * d, "rows/partial/" + std::to_string(r()));
   km::Tensor partial = s.upload(mine, {n() * M, d}), out = s.tensor({M, d});
   sp::reduce_scatter_rows(g.tp(), partial, out);
-  expect_close(s.download(out), row_range(sum, d, r() * M, M), "reduce_scatter_rows: this rank's rows of the sum");
+  expect_close(s.download(out), row_block(sum, d, r() * M, M), "reduce_scatter_rows: this rank's rows of the sum");
   EXPECT_EQ(s.download(partial), mine) << "reduce_scatter_rows leaves its input as it was";
   EXPECT_EQ(g.of("tp", "reduce_scatter").calls, 1u) << "one reduce_scatter";
   EXPECT_EQ(g.of("tp", "reduce_scatter").bytes, static_cast<std::uint64_t>(4 * n() * M * d));
-  EXPECT_EQ(g.calls_except({{"tp", "reduce_scatter"}}), 0u) << "nothing else";
+  EXPECT_EQ(g.counting.calls_except({{"tp", "reduce_scatter"}}), 0u) << "nothing else";
 }
 
 namespace {
@@ -392,7 +317,7 @@ BlockRun run_blocks(int blocks, bool sequence_parallel, float dropout) {
   km::Tensor pr = ref.upload_ids(iota_positions(kSeqLen)), pp = par.upload_ids(iota_positions(kSeqLen));
   std::vector<km::Tensor> ar, ap;  // activations between blocks
   ar.push_back(ref.upload(x, {kTokens, d}));
-  ap.push_back(par.upload(row_range(x, d, first, M), {M, d}));
+  ap.push_back(par.upload(row_block(x, d, first, M), {M, d}));
   for (int b = 0; b < blocks; ++b) ap.push_back(par.tensor({M, d}));
   std::vector<km::Block::Saved> sr(static_cast<std::size_t>(blocks));
   std::vector<sp::SequenceParallelBlock::Saved> sv(static_cast<std::size_t>(blocks));
@@ -407,16 +332,16 @@ BlockRun run_blocks(int blocks, bool sequence_parallel, float dropout) {
   BlockRun run;
   run.kept_bytes = par.ledger.current(km::Category::activations) - before;
   run.forward = g.counting.counts().count("tp") ? g.counting.counts().at("tp") : std::map<std::string, kd::Traffic>{};
-  run.other_forward = g.calls_except({{"tp", "all_reduce"}, {"tp", "all_gather"}, {"tp", "reduce_scatter"}});
+  run.other_forward = g.counting.calls_except({{"tp", "all_reduce"}, {"tp", "all_gather"}, {"tp", "reduce_scatter"}});
   const std::string mode = sequence_parallel ? "sequence-parallel" : "plain tensor-parallel";
   const Host y = par.download(ap[blocks]);
-  expect_close(y, row_range(ref.download(ar[blocks]), d, first, M), mode + " blocks' output (this rank's rows)");
+  expect_close(y, row_block(ref.download(ar[blocks]), d, first, M), mode + " blocks' output (this rank's rows)");
   if (!sequence_parallel) {
     EXPECT_TRUE(same_on_all_ranks(y)) << "plain TP: the output differs between ranks";
   }
 
   g.counting.reset();
-  km::Tensor gr = ref.upload(dy, {kTokens, d}), gp = par.upload(row_range(dy, d, first, M), {M, d});
+  km::Tensor gr = ref.upload(dy, {kTokens, d}), gp = par.upload(row_block(dy, d, first, M), {M, d});
   ref.params.begin_backward();
   par.params.begin_backward();
   for (int b = blocks - 1; b >= 0; --b) {
@@ -429,9 +354,9 @@ BlockRun run_blocks(int blocks, bool sequence_parallel, float dropout) {
   ref.params.end_backward();
   par.params.end_backward();
   run.backward = g.counting.counts().count("tp") ? g.counting.counts().at("tp") : std::map<std::string, kd::Traffic>{};
-  run.other_backward = g.calls_except({{"tp", "all_reduce"}, {"tp", "all_gather"}, {"tp", "reduce_scatter"}});
+  run.other_backward = g.counting.calls_except({{"tp", "all_reduce"}, {"tp", "all_gather"}, {"tp", "reduce_scatter"}});
   const Host dx = par.download(gp);
-  expect_close(dx, row_range(ref.download(gr), d, first, M), mode + " input gradient (this rank's rows)");
+  expect_close(dx, row_block(ref.download(gr), d, first, M), mode + " input gradient (this rank's rows)");
   expect_params_match(par, ref, true);
   return run;
 }
@@ -571,7 +496,7 @@ TEST_F(SequenceParallelContextParallel, RejectsIndivisibleLength) {
   ac.d_model = 32, ac.q_heads = 4, ac.kv_heads = 2;
   expect_refused("ContextParallelAttention", T, cp, [&] { sp::ContextParallelAttention a(g.cp(), params, "a", ac, T); });
   EXPECT_EQ(params.size(), 0) << "nothing is registered before the length is checked";
-  EXPECT_EQ(g.calls_except({}), 0u) << "refusing communicates nothing";
+  EXPECT_EQ(g.counting.calls_except({}), 0u) << "refusing communicates nothing";
 }
 
 // =============================================================================================
@@ -678,7 +603,7 @@ RingRun run_ring(bool causal) {
   ring.backward(par.ctx, qp, kp, vp, op, lp, dop, dqp, dkp, dvp);
   run.backward = g.of("cp", "send_recv");
   run.backward_calls = std::move(rec.calls);
-  run.other = g.calls_except({{"cp", "send_recv"}});
+  run.other = g.counting.calls_except({{"cp", "send_recv"}});
   run.kv_bytes = 2 * local * Hkv * hd * 4;
 
   const std::string mode = causal ? "causal" : "full";
@@ -807,7 +732,7 @@ TEST_F(SequenceParallelContextParallel, AttentionLayer) {
   mine.backward(par.ctx, xp, B, sv, dyp, dxp);
   par.params.end_backward();
   expect_close(par.download(dxp), pick_rows(ref.download(dxr), d, rows), "context-parallel attention: dx");
-  expect_params_match(par, ref, true, true);  // each rank's share, summed over the group
+  expect_params_match(par, ref, true, {.summed = true});  // each rank's share, summed over the group
 }
 
 // =============================================================================================
@@ -818,16 +743,11 @@ constexpr int kPerfHeads = 32, kPerfKvHeads = 8, kPerfHeadDim = 128;
 constexpr std::int64_t kPerfChunk = 8192;
 }  // namespace
 
-using SequenceParallelRingAttentionPerf = kd::testing::DistTest;
+using SequenceParallelRingAttentionPerf = km::testing::GpuModelTest;  // NCCL, a GPU per rank, the GPU backend
 TEST_F(SequenceParallelRingAttentionPerf, VsOneGpu) {
-  K2C_REQUIRE_GPU_RANKS();
   kd::Communicator& w = world();
   const int cp = w.size();
-#if !K2C_MODEL_CUDA
-  K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
-#else
-  km::cuda_ops_use_stream(w.compute_stream());
-  km::Ops& ops = km::cuda_ops(km::GpuMath::bf16);
+  km::Ops& ops = gpu();
   const int B = 1, H = kPerfHeads, Hkv = kPerfKvHeads, hd = kPerfHeadDim;
   const std::int64_t C = kPerfChunk, T = 2 * cp * C, L = T / cp, local = B * L;
   Side s(ops);
@@ -911,5 +831,4 @@ TEST_F(SequenceParallelRingAttentionPerf, VsOneGpu) {
                         " TFLOP/s per GPU), one GPU on the same work " + std::to_string(t1) + " ms (" +
                         std::to_string(one_tflops) + " TFLOP/s)");
   }
-#endif
 }

@@ -26,14 +26,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "expert_parallel.h"
 #include "k2c/core/random.h"
+#include "k2c/dist/bench.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
@@ -52,13 +51,6 @@ struct Options {
   int repeats = 10, warmup = 3;
   std::string json;
 };
-
-std::vector<std::int64_t> parse_list(const std::string& s) {
-  std::vector<std::int64_t> v;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) v.push_back(std::stoll(item));
-  return v;
-}
 
 // k distinct experts per token, expert e drawn with weight 1/(e + 1)^skew, from this rank's seed.
 std::vector<std::int32_t> draw_choices(std::int64_t tokens, int k, int experts, double skew, int rank) {
@@ -155,25 +147,20 @@ Row measure(kd::Communicator& w, km::Ops& ops, std::int64_t tokens, const Option
 int main(int argc, char** argv) {
   Options o;
   std::string tokens;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "-t") tokens = value;
-    else if (flag == "-d") o.d = std::stoll(value);
-    else if (flag == "-k") o.top_k = std::stoi(value);
-    else if (flag == "-e") o.experts_per_rank = std::stoi(value);
-    else if (flag == "-z") o.skew = std::stod(value);
-    else if (flag == "-c") o.capacity_factor = std::stod(value);
-    else if (flag == "-n") o.repeats = std::stoi(value);
-    else if (flag == "-w") o.warmup = std::stoi(value);
-    else if (flag == "-o") o.json = value;
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [-t t1,t2,...] [-d hidden] [-k top_k] [-e experts per rank] [-z skew] "
-                   "[-c capacity factor] [-n repeats] [-w warmups] [-o out.json]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  const kd::FlagSetters flags{
+      {"-t", [&](const std::string& v) { tokens = v; }},
+      {"-d", [&](const std::string& v) { o.d = std::stoll(v); }},
+      {"-k", [&](const std::string& v) { o.top_k = std::stoi(v); }},
+      {"-e", [&](const std::string& v) { o.experts_per_rank = std::stoi(v); }},
+      {"-z", [&](const std::string& v) { o.skew = std::stod(v); }},
+      {"-c", [&](const std::string& v) { o.capacity_factor = std::stod(v); }},
+      {"-n", [&](const std::string& v) { o.repeats = std::stoi(v); }},
+      {"-w", [&](const std::string& v) { o.warmup = std::stoi(v); }},
+      {"-o", [&](const std::string& v) { o.json = v; }}};
+  if (!kd::parse_flags(argc, argv, flags,
+                       "[-t t1,t2,...] [-d hidden] [-k top_k] [-e experts per rank] [-z skew] [-c capacity factor] "
+                       "[-n repeats] [-w warmups] [-o out.json]"))
+    return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const bool gpu = w.backend() == kd::Backend::nccl;
     km::Ops* ops = &km::backend_for(gpu, w.compute_stream(), km::GpuMath::bf16);
@@ -182,7 +169,7 @@ int main(int argc, char** argv) {
     if (o.top_k < 1 || o.top_k > o.experts_per_rank * w.size())
       throw std::invalid_argument("top " + std::to_string(o.top_k) + " of " +
                                   std::to_string(o.experts_per_rank * w.size()) + " experts");
-    o.tokens = parse_list(tokens);
+    o.tokens = kd::parse_counts(tokens);
     const int n = w.size();
     if (w.rank() == 0)
       std::printf("# k2c_expert_parallel: dispatch + combine, d %lld, top %d of %d experts (%d per rank), skew %.2f, "
@@ -201,18 +188,18 @@ int main(int argc, char** argv) {
                     r.imbalance, 100 * r.dropped);
     }
     if (w.rank() == 0 && !o.json.empty()) {
-      std::ofstream f(o.json);
-      f << "{\"backend\": \"" << kd::to_string(w.backend()) << "\", \"ops\": \"" << ops->name() << "\", \"ranks\": " << n
-        << ", \"d\": " << o.d << ", \"top_k\": " << o.top_k << ", \"experts\": " << o.experts_per_rank * n
-        << ", \"skew\": " << o.skew << ", \"capacity_factor\": " << o.capacity_factor << ", \"rows\": [";
+      std::vector<kd::JsonFields> out(rows.size());
       for (std::size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
-        f << (i ? ", " : "") << "{\"tokens\": " << r.tokens << ", \"link_bytes\": " << r.link_bytes
-          << ", \"ep_ms\": " << r.ep_ms << ", \"lib_ms\": " << r.lib_ms << ", \"ep_gbs\": " << r.ep_gbs()
-          << ", \"lib_gbs\": " << r.lib_gbs() << ", \"ratio\": " << r.lib_ms / r.ep_ms
-          << ", \"imbalance\": " << r.imbalance << ", \"dropped\": " << r.dropped << "}";
+        out[i].add("tokens", r.tokens).add("link_bytes", r.link_bytes).add("ep_ms", r.ep_ms).add("lib_ms", r.lib_ms)
+            .add("ep_gbs", r.ep_gbs()).add("lib_gbs", r.lib_gbs()).add("ratio", r.lib_ms / r.ep_ms)
+            .add("imbalance", r.imbalance).add("dropped", r.dropped);
       }
-      f << "]}\n";
+      kd::write_sweep_json(o.json,
+                           kd::run_fields(w, ops->name()).add("d", o.d).add("top_k", o.top_k)
+                               .add("experts", o.experts_per_rank * n).add("skew", o.skew)
+                               .add("capacity_factor", o.capacity_factor),
+                           out);
     }
   });
 }

@@ -22,6 +22,8 @@
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
 #include "k2c/dist/testing.h"
+#include "k2c/model/backend.h"
+#include "k2c/model/dist_testing.h"
 #include "k2c/model/moe.h"
 #include "k2c/model/testing.h"
 #include "k2c/reference/reference.h"
@@ -53,18 +55,10 @@ inline km::MoeConfig moe_config(int top_k, int shared, float balance) {
   return c;
 }
 
-using Host = std::vector<float>;
-
-inline Host random_host(std::int64_t count, const std::string& tag, float lo = -1.0f, float hi = 1.0f) {
-  const std::uint64_t seed = k2c::testing::seed_for(tag);
-  Host v(static_cast<std::size_t>(count));
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed, i, lo, hi);
-  return v;
-}
-
-inline Host slice_rows(const Host& m, std::int64_t cols, std::int64_t r0, std::int64_t nr) {
-  return Host(m.begin() + r0 * cols, m.begin() + (r0 + nr) * cols);
-}
+// Host data (k2c/dist/testing.h): inputs from the run's seed, and the blocks a shard holds.
+using kd::testing::Host;
+using kd::testing::random_host;
+using kd::testing::row_block;
 
 // ---------------------------------------------------------------------------------------------
 // comparisons (k2c/dist/testing.h)
@@ -76,8 +70,7 @@ using kd::testing::same_on_all_ranks;
 inline Host to_float(const std::vector<double>& v) { return Host(v.begin(), v.end()); }
 
 // The groups, counted: ep over every rank (dp 1), and for the comparison a tp group over every
-// rank. Made once per program (the splits are collective) and never destroyed: their MPI
-// communicators must not be freed after MPI_Finalize. group() hands them out with empty counters.
+// rank. group() hands them out with empty counters (made once, kept: kd::testing::kept_groups).
 struct Group {
   kd::CountingCommunicator counting{world(), "world"};
   kd::ProcessGrid grid{counting, {.ep = world().size()}};
@@ -88,21 +81,9 @@ struct Group {
   kd::Communicator& expert_dp() { return grid.group(kd::Axis::dp); }
   kd::Communicator& tp() { return tp_grid.group(kd::Axis::tp); }
   kd::Traffic count(const std::string& label, const std::string& op) const { return counting.count(label, op); }
-  // Calls of everything except the listed (label, operation) pairs.
-  std::uint64_t calls_except(const std::vector<std::pair<std::string, std::string>>& allowed) const {
-    std::uint64_t n = 0;
-    for (const auto& [label, ops] : counting.counts())
-      for (const auto& [op, t] : ops)
-        if (std::find(allowed.begin(), allowed.end(), std::make_pair(label, op)) == allowed.end()) n += t.calls;
-    return n;
-  }
 };
 
-inline Group& group() {
-  static Group* g = new Group;
-  g->counting.reset();
-  return *g;
-}
+inline Group& group() { return kd::testing::kept_groups<Group>(); }
 
 // ---------------------------------------------------------------------------------------------
 // routings made to order: every rank's choices, known to every rank
@@ -338,8 +319,8 @@ inline LayerRun run_against_moe(Group& g, const LayerCase& lc, int n, int r) {
 
   km::Tensor xr = ref.upload(X, {T, kModel}), yr = ref.tensor({T, kModel}), dyr = ref.upload(dY, {T, kModel}),
              dxr = ref.tensor({T, kModel});
-  km::Tensor xm = par.upload(slice_rows(X, kModel, r * kTokens, kTokens), {kTokens, kModel}),
-             ym = par.tensor({kTokens, kModel}), dym = par.upload(slice_rows(dY, kModel, r * kTokens, kTokens), {kTokens, kModel}),
+  km::Tensor xm = par.upload(row_block(X, kModel, r * kTokens, kTokens), {kTokens, kModel}),
+             ym = par.tensor({kTokens, kModel}), dym = par.upload(row_block(dY, kModel, r * kTokens, kTokens), {kTokens, kModel}),
              dxm = par.tensor({kTokens, kModel});
   km::Moe::Saved sr;
   xp::ExpertParallelMoe::Saved sm;
@@ -350,7 +331,7 @@ inline LayerRun run_against_moe(Group& g, const LayerCase& lc, int n, int r) {
   run.routed = choices_from(sr.routing, n, kTokens);
 
   const Host Y = ref.download(yr), y = par.download(ym);
-  expect_close(y, slice_rows(Y, kModel, r * kTokens, kTokens), "y (this rank's tokens)");
+  expect_close(y, row_block(Y, kModel, r * kTokens, kTokens), "y (this rank's tokens)");
   EXPECT_NEAR(sm.balance_loss, sr.balance_loss, 1e-5 * std::abs(sr.balance_loss) + 1e-12) << "the group's balance term";
   EXPECT_NEAR(par.ctx.aux_loss, sm.balance_loss, 1e-12) << "forward adds the balance term to ctx.aux_loss";
   EXPECT_TRUE(same_on_all_ranks(&sm.balance_loss, sizeof sm.balance_loss)) << "the balance term differs between ranks";
@@ -377,7 +358,7 @@ inline LayerRun run_against_moe(Group& g, const LayerCase& lc, int n, int r) {
   xp::reduce_gradients(g.dense(), g.expert_dp(), par.ctx, mine);
   run.reduce = g.counting.counts();
 
-  expect_close(par.download(dxm), slice_rows(ref.download(dxr), kModel, r * kTokens, kTokens),
+  expect_close(par.download(dxm), row_block(ref.download(dxr), kModel, r * kTokens, kTokens),
                "dx (this rank's tokens)");
   const std::map<std::string, Host> want = grads_of(ref);
   expect_params_match(par, ref, &want);

@@ -72,12 +72,6 @@
 
 #include "expert_parallel_testing.h"
 #include "k2c/model/moe.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 using namespace k2c::expert_parallel_testing;  // the shared helpers and the fixture
 
@@ -86,15 +80,8 @@ using namespace k2c::expert_parallel_testing;  // the shared helpers and the fix
 // on the CPU backend on MPI and on the GPU backend on NCCL (whose collectives need device memory).
 using ExpertParallelContract = kd::testing::DistTest;
 TEST_F(ExpertParallelContract, Implemented) {
-  km::Ops* ops = &km::cpu_ops();
-  if (world().backend() == kd::Backend::nccl) {
-#if K2C_MODEL_CUDA
-    km::cuda_ops_use_stream(world().compute_stream());
-    ops = &km::cuda_ops();
-#else
-    K2C_SKIP("a NCCL run needs the model library's GPU backend (k2c_model_cuda), which this build lacks");
-#endif
-  }
+  km::Ops* ops = km::backend_if_built(world().backend() == kd::Backend::nccl, world().compute_stream());
+  if (!ops) K2C_SKIP("a NCCL run needs the model library's GPU backend (k2c_model_cuda), which this build lacks");
   Side s(*ops);
   const km::Routing one = km::Routing::plan({0}, 1, 1, world().size());
   try {
@@ -173,7 +160,7 @@ TEST_F(ExpertParallel, PlanCountsAndCapacity) {
     const kd::Traffic a2a = g.count("ep", "all_to_all");
     EXPECT_EQ(a2a.calls, 1u) << "the counts travel in one all_to_all";
     EXPECT_EQ(a2a.bytes, 4u * kExperts) << "L int32 counts to each of n ranks: 4·E bytes";
-    EXPECT_EQ(g.calls_except({{"ep", "all_to_all"}}), 0u) << "the plan communicates nothing else";
+    EXPECT_EQ(g.counting.calls_except({{"ep", "all_to_all"}}), 0u) << "the plan communicates nothing else";
   }
 }
 
@@ -231,7 +218,7 @@ TEST_F(ExpertParallel, ExchangeRoundTrip) {
     for (int q = 0; q < n(); ++q) all[q] = rank_rows(q);
     expect_bits(s.download(there),
                 expected_expert_rows(c, r(), C, [&](int q, std::int64_t row, std::int32_t) {
-                  return slice_rows(all[q], kModel, row, 1);
+                  return row_block(all[q], kModel, row, 1);
                 }),
                 "to_experts: the experts' rows, grouped by expert, then by sending rank");
     EXPECT_EQ(out.bytes, 4u * kModel * static_cast<std::uint64_t>(p.rows_out()))
@@ -246,7 +233,7 @@ TEST_F(ExpertParallel, ExchangeRoundTrip) {
     EXPECT_EQ(in.bytes, 4u * kModel * static_cast<std::uint64_t>(p.rows_in()))
         << "from_experts sends back the rows other ranks sent to this rank's experts";
     EXPECT_EQ(in.started, in.calls);
-    EXPECT_EQ(g.calls_except({{"ep", "all_to_all_v"}}), 0u);
+    EXPECT_EQ(g.counting.calls_except({{"ep", "all_to_all_v"}}), 0u);
   }
 }
 
@@ -273,7 +260,7 @@ TEST_F(ExpertParallel, DispatchCombine) {
     const kd::Traffic out = g.count("ep", "all_to_all_v");
     expect_bits(s.download(in),
                 expected_expert_rows(c, r(), C, [&](int q, std::int64_t, std::int32_t t) {
-                  return slice_rows(all[q], kModel, t, 1);
+                  return row_block(all[q], kModel, t, 1);
                 }),
                 "dispatch: each local expert's tokens from every rank, grouped");
     EXPECT_EQ(out.bytes, 4u * kModel * static_cast<std::uint64_t>(p.rows_out()));
@@ -288,7 +275,7 @@ TEST_F(ExpertParallel, DispatchCombine) {
     std::vector<double> want_y(base.begin(), base.end());
     for (int e = 0; e < kExperts; ++e)
       for (const auto& [t, w] : mine.rows[e]) {
-        const Host row = slice_rows(x, kModel, t, 1);
+        const Host row = row_block(x, kModel, t, 1);
         want_returned.insert(want_returned.end(), row.begin(), row.end());
         for (int j = 0; j < kModel; ++j) want_y[static_cast<std::size_t>(t) * kModel + j] += static_cast<double>(w) * row[j];
       }
@@ -297,7 +284,7 @@ TEST_F(ExpertParallel, DispatchCombine) {
     const kd::Traffic back = g.count("ep", "all_to_all_v");
     EXPECT_EQ(back.bytes, 4u * kModel * static_cast<std::uint64_t>(p.rows_in()));
     EXPECT_EQ(back.started, back.calls);
-    EXPECT_EQ(g.calls_except({{"ep", "all_to_all_v"}}), 0u);
+    EXPECT_EQ(g.counting.calls_except({{"ep", "all_to_all_v"}}), 0u);
   }
 }
 
@@ -338,8 +325,8 @@ TEST_F(ExpertParallel, CapacityDrops) {
   set_spike_router(ref, "moe.router.weight");
   set_spike_router(par, "moe.router.weight");
 
-  km::Tensor xm = par.upload(slice_rows(X, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
-             ym = par.tensor({kTokens, kModel}), dym = par.upload(slice_rows(dY, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
+  km::Tensor xm = par.upload(row_block(X, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
+             ym = par.tensor({kTokens, kModel}), dym = par.upload(row_block(dY, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
              dxm = par.tensor({kTokens, kModel});
   xp::ExpertParallelMoe::Saved sm;
   mine.forward(par.ctx, xm, ym, sm);
@@ -372,7 +359,7 @@ TEST_F(ExpertParallel, CapacityDrops) {
   k2c::ref::MoeForward mine_f;
   k2c::ref::MoeBackward mine_b;
   for (int q = 0; q < n(); ++q) {
-    const Host xq = slice_rows(X, kModel, q * kTokens, kTokens), dyq = slice_rows(dY, kModel, q * kTokens, kTokens);
+    const Host xq = row_block(X, kModel, q * kTokens, kTokens), dyq = row_block(dY, kModel, q * kTokens, kTokens);
     k2c::ref::MoeForward f = k2c::ref::moe_forward(xq, kTokens, layer);
     k2c::ref::MoeBackward b = k2c::ref::moe_backward(xq, kTokens, layer, dyq);
     group_dropped += f.dispatch.dropped;

@@ -15,12 +15,6 @@
 #include <gtest/gtest.h>
 
 #include "expert_parallel_testing.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
 
 using namespace k2c::expert_parallel_testing;  // the shared helpers and the fixture
 
@@ -188,8 +182,8 @@ TEST_F(ExpertParallel, DataAndExpertGrid) {
   const Host X = random_host(T * kModel, "grid/x"), dY = random_host(T * kModel, "grid/dy");
   km::Tensor xr = ref.upload(X, {T, kModel}), yr = ref.tensor({T, kModel}), dyr = ref.upload(dY, {T, kModel}),
              dxr = ref.tensor({T, kModel});
-  km::Tensor xm = par.upload(slice_rows(X, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
-             ym = par.tensor({kTokens, kModel}), dym = par.upload(slice_rows(dY, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
+  km::Tensor xm = par.upload(row_block(X, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
+             ym = par.tensor({kTokens, kModel}), dym = par.upload(row_block(dY, kModel, r() * kTokens, kTokens), {kTokens, kModel}),
              dxm = par.tensor({kTokens, kModel});
   km::Moe::Saved sr;
   xp::ExpertParallelMoe::Saved sm;
@@ -206,8 +200,8 @@ TEST_F(ExpertParallel, DataAndExpertGrid) {
   EXPECT_EQ(counting->count("dp+ep", "all_reduce").calls, 4u) << "router and shared expert over dp × ep";
   EXPECT_EQ(counting->count("dp", "all_reduce").calls, 3u) << "the expert shards over dp";
   EXPECT_EQ(counting->count("dp", "all_reduce").bytes, 4u * 3 * (kExperts / 2) * kWidth * kModel);
-  expect_close(par.download(ym), slice_rows(ref.download(yr), kModel, r() * kTokens, kTokens), "y");
-  expect_close(par.download(dxm), slice_rows(ref.download(dxr), kModel, r() * kTokens, kTokens), "dx");
+  expect_close(par.download(ym), row_block(ref.download(yr), kModel, r() * kTokens, kTokens), "y");
+  expect_close(par.download(dxm), row_block(ref.download(dxr), kModel, r() * kTokens, kTokens), "dx");
   const std::map<std::string, Host> want = grads_of(ref);
   expect_params_match(par, ref, &want);
 }
@@ -246,7 +240,7 @@ TEST_F(ExpertParallel, RejectsIndivisibleExperts) {
   const km::Routing fine = km::Routing::plan(choice, kTokens, 1, kExperts);
   EXPECT_THROW(xp::plan_exchange(g.ep(), s.ctx, fine, Host(kTokens - 1, 1.0f), -1), std::invalid_argument)
       << "one weight per assignment";
-  EXPECT_EQ(g.calls_except({}), 0u) << "refusals communicate nothing";
+  EXPECT_EQ(g.counting.calls_except({}), 0u) << "refusals communicate nothing";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,16 +251,11 @@ constexpr std::int64_t kPerfTokens = 8192, kPerfModel = 4096;
 constexpr int kPerfTopK = 2, kPerfExpertsPerRank = 4;
 }  // namespace
 
-using ExpertParallelPerf = kd::testing::DistTest;
+using ExpertParallelPerf = km::testing::GpuModelTest;  // NCCL, a GPU per rank, the GPU backend
 TEST_F(ExpertParallelPerf, DispatchCombineBusBandwidth) {
-  K2C_REQUIRE_GPU_RANKS();
   kd::Communicator& w = world();
   const int n = w.size();
-#if !K2C_MODEL_CUDA
-  K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
-#else
-  km::cuda_ops_use_stream(w.compute_stream());
-  km::Ops& ops = km::cuda_ops(km::GpuMath::bf16);
+  km::Ops& ops = gpu();
   Side s(ops);
   const std::int64_t N = kPerfTokens, d = kPerfModel;
   const int E = kPerfExpertsPerRank * n, k = kPerfTopK;
@@ -338,5 +327,4 @@ TEST_F(ExpertParallelPerf, DispatchCombineBusBandwidth) {
                         " GPUs: " + std::to_string(t_ep) + " ms, the library's all_to_all_v pair " +
                         std::to_string(t_lib) + " ms, " + std::to_string(busiest >> 20) + " MiB over the links");
   }
-#endif
 }

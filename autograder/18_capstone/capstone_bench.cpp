@@ -7,9 +7,8 @@
 //           [--samples N] [--peak-tflops P]
 //
 // --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
-// dp-only grid (capstone.h says what it refuses). ZeRO has no gradient clipping, so --zero makes
-// the default --clip 0 (an explicit --clip C > 0 is refused), the progress line shows no gradient
-// norm, and --checkpoint is refused.
+// dp-only grid (capstone.h says what it refuses), clipping inside ZeRO's step; --checkpoint is
+// refused (ZeRO keeps its optimizer shards to itself).
 //
 // `k2c run` prints the plain mpirun command it starts; on several nodes, run that command with a
 // host list (mpirun -H node1:8,node2:8 ...) or under srun: the grid puts each tp group on
@@ -80,7 +79,6 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  bool clip_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -109,7 +107,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--eval-every") o.eval_every = static_cast<int>(number());
     else if (a == "--samples") o.samples = static_cast<int>(number());
     else if (a == "--lr") o.lr = number();
-    else if (a == "--clip") o.clip = number(), clip_given = true;
+    else if (a == "--clip") o.clip = number();
     else if (a == "--zero") o.zero = static_cast<int>(number());
     else if (a == "--peak-tflops") o.peak_tflops = number();
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
@@ -122,7 +120,6 @@ Options parse(int argc, char** argv) {
   if (o.zero > 0 && !o.checkpoint.empty())
     throw UsageError("--checkpoint with --zero " + std::to_string(o.zero) +
                      ": module 13's Zero does not expose its optimizer shards; drop one of the two");
-  if (o.zero > 0 && !clip_given) o.clip = 0;  // ZeRO has no clipping (capstone.h)
   return o;
 }
 
@@ -188,10 +185,10 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     std::printf("model: %s\ngrid: %s on %d ranks, %d micro-batches (%s), batch %d x %d tokens\n",
                 c.model.describe().c_str(), kc::grid_name(config.grid).c_str(), world.size(), o.micro_batches,
                 o.gpipe ? "GPipe" : "1F1B", c.batch, c.model.seq_len);
-    if (o.zero > 0)
-      std::printf("optimizer: AdamW under ZeRO stage %d over dp %d, no clipping\n", o.zero, config.grid.dp);
-    else if (o.clip > 0) std::printf("optimizer: AdamW, clipping at gradient norm %g\n", o.clip);
-    else std::printf("optimizer: AdamW, no clipping\n");
+    std::string optimizer = "AdamW";
+    if (o.zero > 0) optimizer += " under ZeRO stage " + std::to_string(o.zero) + " over dp " + std::to_string(config.grid.dp);
+    if (o.clip > 0) std::printf("optimizer: %s, clipping at gradient norm %g\n", optimizer.c_str(), o.clip);
+    else std::printf("optimizer: %s, no clipping\n", optimizer.c_str());
     if (o.resume) std::printf("resumed from %s at step %d\n", o.checkpoint.c_str(), trainer.steps_done());
   }
   std::ofstream log;

@@ -43,6 +43,7 @@
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
+#include "step_cost.h"
 
 namespace kd = k2c::dist;
 namespace km = k2c::model;
@@ -121,16 +122,6 @@ km::ModelConfig model_named(const std::string& name, int context) {
   }
   m.seq_len = context;
   return m;
-}
-
-// The tests' cost model (autograder/19_inference/test_inference.cpp), in seconds.
-double step_cost(const inf::StepInfo& s) {
-  switch (s.kind) {
-    case inf::StepInfo::Kind::prefill: return 0.010 + 0.001 * double(s.tokens);
-    case inf::StepInfo::Kind::decode: return 0.004 + 0.0005 * s.sequences + 1e-5 * double(s.context);
-    case inf::StepInfo::Kind::transfer: return 0.002 + 1e-10 * double(s.bytes);
-  }
-  return 0;
 }
 
 std::string figures(const char* label, const inf::ServeReport& r) {
@@ -239,7 +230,7 @@ int main(int argc, char** argv) {
     inf::Engine engine(ctx, model, opt.pages, opt.page, opt.split);
     const std::vector<inf::Request> trace = inf::make_trace(
         {opt.requests, opt.rate, opt.min_prompt, opt.max_prompt, opt.min_output, opt.max_output, model.vocab, opt.seed});
-    const inf::ServeConfig config{opt.max_batch, opt.cost ? inf::StepTimer(step_cost) : inf::StepTimer()};
+    const inf::ServeConfig config{opt.max_batch, opt.cost ? inf::StepTimer(k2c::inference_testing::step_cost) : inf::StepTimer()};
 
     const inf::ServeReport together = inf::serve(engine, trace, config);
     std::ostringstream out;

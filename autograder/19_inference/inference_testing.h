@@ -35,16 +35,11 @@ using k2c::model::testing::Side;  // a backend (the CPU one unless told), ledger
 // ---------------------------------------------------------------------------------------------
 // host data, comparisons
 
-using Host = std::vector<float>;
+using k2c::dist::testing::Host;         // k2c/dist/testing.h, as random_host: inputs from the
+using k2c::dist::testing::random_host;  // run's seed, the same on every rank
 using Ids = std::vector<std::int32_t>;
 constexpr std::uint64_t kWeightSeed = 19;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-inline Host random_host(std::int64_t count, const std::string& purpose) {
-  Host v(static_cast<std::size_t>(count));
-  k2c::fill_uniform(v, k2c::testing::seed_for(purpose));
-  return v;
-}
 
 inline std::vector<double> widen(const Host& v) { return std::vector<double>(v.begin(), v.end()); }
 

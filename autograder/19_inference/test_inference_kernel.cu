@@ -207,10 +207,11 @@ TEST(InferenceKernel, MatchesAttention) {
   }
 }
 
-// Shapes outside the contract are refused with std::invalid_argument, before anything runs.
+// Shapes outside the contract are refused with std::invalid_argument, before anything runs (so
+// also without a GPU; sizing a good shape may ask the GPU, as the reference does for its split).
 TEST(InferenceKernel, RejectsBadShapes) {
   const inf::DecodeShape good{2, 8, 2, 128, 16, 4, 64};
-  EXPECT_GT(inf::decode_workspace_bytes(good), 0u);
+  if (k2c::testing::gpu_available()) EXPECT_NO_THROW(inf::decode_workspace_bytes(good));
   auto refused = [&](auto change, const std::string& what) {
     inf::DecodeShape s = good;
     change(s);

@@ -17,12 +17,8 @@
 
 #include "inference_testing.h"
 #include "k2c/dist/counting.h"
-#ifndef K2C_MODEL_CUDA
-#define K2C_MODEL_CUDA 0  // the build sets it where the model library's GPU backend exists
-#endif
-#if K2C_MODEL_CUDA
-#include "k2c/model/cuda_ops.h"
-#endif
+#include "k2c/model/backend.h"
+#include "step_cost.h"
 
 using namespace k2c::inference_testing;  // the shared helpers and the fixture
 
@@ -31,17 +27,7 @@ using namespace k2c::inference_testing;  // the shared helpers and the fixture
 
 namespace {
 
-// A cost model in seconds: a prefill costs a launch and its prompt tokens, a decode a launch, its
-// sequences and the cache it reads, a transfer its bytes at 10 GB/s.
-double step_cost(const inf::StepInfo& s) {
-  switch (s.kind) {
-    case inf::StepInfo::Kind::prefill: return 0.010 + 0.001 * double(s.tokens);
-    case inf::StepInfo::Kind::decode: return 0.004 + 0.0005 * s.sequences + 1e-5 * double(s.context);
-    case inf::StepInfo::Kind::transfer: return 0.002 + 1e-10 * double(s.bytes);
-  }
-  return 0;
-}
-
+// The schedules run under step_cost (step_cost.h, which k2c_inference --cost shares).
 inf::ServeConfig cost_config(int max_batch) { return {max_batch, step_cost}; }
 
 // The schedule the contract describes, simulated on the host for a trace of valid requests:
@@ -379,11 +365,9 @@ using InferencePerf = kd::testing::DistTest;
 TEST_F(InferencePerf, DecodeAttentionVsCopy) {
   K2C_REQUIRE_NCCL();
   if (k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");
-#if !K2C_MODEL_CUDA
-  K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
-#else
-  km::cuda_ops_use_stream(world().compute_stream());
-  Side s(km::cuda_ops(km::GpuMath::bf16));
+  km::Ops* gpu = km::backend_if_built(true, world().compute_stream(), km::GpuMath::bf16);
+  if (!gpu) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
+  Side s(*gpu);
   const int B = kPerfBatch, Hq = kPerfHeads, Hkv = kPerfKvHeads, hd = kPerfHeadDim;
   const std::int64_t L = kPerfLength, cols = std::int64_t{Hkv} * hd;
   inf::PagedKvCache cache(s.ctx, {1, Hkv, hd, kPerfPage, static_cast<int>(B * L / kPerfPage), false});
@@ -440,7 +424,6 @@ TEST_F(InferencePerf, DecodeAttentionVsCopy) {
                         std::to_string(t_decode) + " ms, cache read at " + std::to_string(read_rate) +
                         " GB/s; device copy " + std::to_string(copy_rate) + " GB/s");
   }
-#endif
 }
 
 #if !K2C_CUDA_PARTS

@@ -126,6 +126,48 @@ std::string todo_location(const std::vector<TestOutcome>& tests) {
   return "";
 }
 
+// Why tests were skipped, one reason at a time in the order first met: "2 skipped (no CUDA
+// device: ...); 1 skipped (needs 2 GPUs)". It counts and names no test: the table names each
+// skipped test once, in its own place (print_table), and the JSON lists every one with its reason.
+std::string skip_summary(const std::vector<TestOutcome>& tests) {
+  std::vector<std::pair<std::string, int>> reasons;
+  for (const TestOutcome& t : tests) {
+    if (t.status != "skipped") continue;
+    auto it = std::find_if(reasons.begin(), reasons.end(), [&](const auto& r) { return r.first == t.message; });
+    if (it == reasons.end()) reasons.emplace_back(t.message, 1);
+    else ++it->second;
+  }
+  std::string out;
+  for (const auto& [why, n] : reasons)
+    out += (out.empty() ? "" : "; ") + std::to_string(n) + " skipped" +
+           (why.empty() || why == "skipped" ? "" : " (" + why + ")");
+  return out;
+}
+
+// Why the build holds no test program for a module of the rubric being graded. The build
+// declares each module from its entry in the course's autograder/rubric.json
+// (autograder/CMakeLists.txt), and leaves out a gpu module where it found no CUDA toolkit and an
+// mpi module where it found no MPI.
+std::string not_built_reason(const ModuleSpec& spec, const fs::path& source_root, const json& build_info) {
+  bool registered = true;  // where the course's rubric cannot be read, the kind's reason stands
+  try {
+    const Rubric course = load_rubric((source_root / "autograder" / "rubric.json").string());
+    registered = std::any_of(course.modules.begin(), course.modules.end(),
+                             [&](const ModuleSpec& m) { return m.id == spec.id; });
+  } catch (const std::exception&) {
+  }
+  if (!registered)
+    return "not declared in the build: autograder/rubric.json has no entry with \"id\": \"" + spec.id +
+           "\" (the build declares one module per entry there)";
+  if (spec.kind == "gpu" && !build_info.value("cuda", false))
+    return "this build has no CUDA toolkit (nvcc not found)";
+  if (spec.kind == "mpi")
+    return "this build has no MPI (Open MPI's library and mpirun were not found when it was configured: "
+           "make deps)";
+  return "not declared in the build, although autograder/rubric.json has its entry: see CMake's configure "
+         "output";
+}
+
 // Who runs the code under test. A grader running as root hands it an unprivileged account
 // (nobody by default), so that a submission can write neither the course, nor the build tree
 // (a later module's programs), nor the grader, nor read the grader's memory. That needs the
@@ -319,7 +361,7 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
         for (const json& t : suite["testsuite"])
           seen[string_property(suite, "name") + "." + string_property(t, "name")] = &t;
 
-  int passed = 0, failed = 0, not_implemented = 0, skipped = 0;
+  int passed = 0, failed = 0, not_implemented = 0;
   std::string skip_reason = global_property(report, "k2c_gpu_reason");
   for (const TestSpec& ts : spec.tests) {
     TestOutcome t;
@@ -352,7 +394,6 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
         why = first_lines(string_property(j["skipped"][0], "message"), 1);
       if (why.empty()) why = skip_reason.empty() ? "skipped" : "no CUDA device: " + skip_reason;
       t.message = why;
-      ++skipped;
     } else if (!failure.empty()) {
       const auto marker = failure.find(kNotImplementedMarker);
       if (marker != std::string::npos) {
@@ -423,12 +464,7 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
 
   m.status = module_status(m.tests);
   if (m.status != "ok") {
-    if (skipped > 0) {
-      std::string why;
-      for (const TestOutcome& t : m.tests)
-        if (t.status == "skipped") why = t.message;
-      m.detail = std::to_string(skipped) + " skipped (" + why + ")";
-    }
+    m.detail = skip_summary(m.tests);
     if (not_implemented > 0)
       m.detail += (m.detail.empty() ? "" : "; ") + std::to_string(not_implemented) + " not implemented yet";
     if (const std::string at = todo_location(m.tests); m.status == "not implemented yet" && !at.empty())
@@ -487,8 +523,7 @@ ModuleOutcome combine_runs(const ModuleSpec& spec,
   std::string runs_text;
   for (const auto& [label, r] : runs) runs_text += (runs_text.empty() ? "" : ", ") + label + ": " + r.status;
   m.detail = "runs: " + runs_text;
-  for (const TestOutcome& t : m.tests)
-    if (t.status == "skipped") m.detail += "; " + t.name + " skipped (" + t.message + ")";
+  if (const std::string skips = skip_summary(m.tests); !skips.empty()) m.detail += "; " + skips;
   if (const std::string at = todo_location(m.tests); m.status == "not implemented yet" && !at.empty())
     m.detail += "; start at " + at;
   return m;
@@ -707,9 +742,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     m.title = spec.title;
     m.max_points = spec.points();
     auto finish = [&](ModuleOutcome out) {
-      progress << tag << ": " << out.status;
-      if (out.status != "ok") progress << (out.detail.empty() ? "" : " — " + first_lines(out.detail, 1, 160));
-      progress << " (" << out.points << "/" << out.max_points << ")\n" << std::flush;
+      progress << progress_line(tag, out) << "\n" << std::flush;
       report.modules.push_back(std::move(out));
       // Nothing graded after a rewrite of the course can be trusted, nor can the course itself
       // for the next submission: stop, naming what changed.
@@ -742,8 +775,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     const auto& built = build_info.value("modules", json::array());
     if (std::find(built.begin(), built.end(), spec.id) == built.end()) {
       m.status = "skipped";
-      m.detail = build_info.value("cuda", false) ? "not declared in the build (autograder/CMakeLists.txt)"
-                                                 : "this build has no CUDA toolkit (nvcc not found)";
+      m.detail = not_built_reason(spec, source_root, build_info);
       finish(m);
       continue;
     }

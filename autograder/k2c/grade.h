@@ -133,6 +133,11 @@ void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::s
 // Reference ratios: <dir>/*.json whose "gpu" equals the device name. Empty object if none.
 nlohmann::json find_reference(const std::string& dir, const std::string& gpu, std::string* file);
 
+// The line `k2c grade` prints as a module ends: its status, the first line of its detail when it
+// is not ok, and its points. It names no skipped test (the detail counts them, and the table
+// names each once).
+std::string progress_line(const std::string& tag, const ModuleOutcome& m);
+
 void print_table(const GradeReport& report, std::ostream& out);
 nlohmann::json to_json(const GradeReport& report);
 nlohmann::json to_gradescope(const GradeReport& report);

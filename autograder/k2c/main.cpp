@@ -46,6 +46,13 @@ fs::path self_dir() {
   return ec ? fs::current_path() : exe.parent_path();
 }
 
+// Whether this k2c was configured with a CUDA toolkit, which builds k2c_probe with it.
+#ifdef K2C_BUILT_WITH_CUDA
+constexpr bool kBuiltWithCuda = true;
+#else
+constexpr bool kBuiltWithCuda = false;
+#endif
+
 bool on_path(const std::string& program) {
   const ProcessResult r = run_process({"sh", "-c", "command -v " + program}, {.timeout_s = 10});
   return r.exit_code == 0;
@@ -61,15 +68,15 @@ void write_json(const std::string& path, const json& j) {
   if (!out) throw std::runtime_error("cannot write " + path);
 }
 
-// The probe is a small CUDA program built beside k2c; the grader itself never touches the GPU.
+// The probe is a small CUDA program built with k2c wherever the build has a CUDA toolkit, beside
+// it in <build>/bin (CMAKE_RUNTIME_OUTPUT_DIRECTORY); the grader itself never touches the GPU.
 json run_probe(bool ceilings, std::string* error) {
   const fs::path probe = self_dir() / "k2c_probe";
   if (!fs::exists(probe)) {
-#ifdef K2C_BUILT_WITH_CUDA
-    *error = "k2c_probe is not built yet: cmake --build <build folder> --target k2c_probe";
-#else
-    *error = "this build has no CUDA toolkit (nvcc was not found when it was configured, or -DK2C_CUDA=OFF)";
-#endif
+    *error = kBuiltWithCuda ? "k2c_probe is not built (build it with: cmake --build " +
+                                  self_dir().parent_path().string() + " --target k2c_probe)"
+                            : "this build has no CUDA toolkit (nvcc was not found when it was configured, "
+                              "or -DK2C_CUDA=OFF)";
     return json();
   }
   std::vector<std::string> cmd = {probe.string()};
@@ -222,7 +229,7 @@ int main(int argc, char** argv) {
       std::string err;
       const json probe = run_probe(false, &err);
       if (probe.is_null())
-        std::cout << "device:        unknown (" << err << ")\n";
+        std::cout << "device:        unknown: " << err << "\n";
       else if (!probe["device"].value("present", false))
         std::cout << "device:        none (" << probe["device"].value("reason", "") << ")\n";
       else
@@ -230,6 +237,9 @@ int main(int argc, char** argv) {
                   << probe["device"]["cc"].get<std::string>() << ", " << probe["device"]["sms"] << " SMs\n";
       const bool gpu = !probe.is_null() && probe["device"].value("present", false);
       const int gpus = gpu ? probe["device"].value("count", 1) : 0;
+      // Without a CUDA toolkit the GPU tests are not even built; with one, but no answer from the
+      // probe, whether this machine can run them is not known.
+      const bool unknown = probe.is_null() && kBuiltWithCuda;
       const std::string why_no_gpu =
           probe.is_null() ? err : gpu ? "" : probe["device"].value("reason", std::string("no CUDA device"));
       const k2c::Rubric rubric = k2c::load_rubric((fs::path(root) / "autograder" / "rubric.json").string());
@@ -239,7 +249,9 @@ int main(int argc, char** argv) {
         if (m.kind == "cpu") {
           can = "fully gradable here";
         } else if (m.kind == "gpu") {
-          can = gpu ? "fully gradable here" : "GPU tests will be skipped here (" + why_no_gpu + ")";
+          can = gpu       ? "fully gradable here"
+                : unknown ? "unknown: " + err
+                          : "GPU tests will be skipped here (" + why_no_gpu + ")";
         } else {  // mpi: runs on CPU ranks, and NCCL runs that need a GPU per rank
           int nccl = 0;
           for (const auto& r : m.runs)
@@ -248,6 +260,8 @@ int main(int argc, char** argv) {
             can = "needs mpirun (Open MPI): make deps";
           else if (nccl == 0 || gpus >= nccl)
             can = "fully gradable here";
+          else if (unknown)
+            can = "MPI runs gradable here; the NCCL run (" + std::to_string(nccl) + " GPUs): unknown: " + err;
           else
             can = "MPI runs gradable here; the NCCL run needs " + std::to_string(nccl) + " GPUs (" +
                   (gpus ? "this machine has " + std::to_string(gpus) : why_no_gpu) + "): skipped";

@@ -25,6 +25,15 @@ static std::string fmt(double v, int precision = 3) {
   return os.str();
 }
 
+// A performance test has a line of its own in the table's performance column, figures or not.
+static bool in_perf_column(const TestOutcome& t) { return t.perf || t.name.find("Perf.") != std::string::npos; }
+
+std::string progress_line(const std::string& tag, const ModuleOutcome& m) {
+  std::string line = tag + ": " + m.status;
+  if (m.status != "ok" && !m.detail.empty()) line += " — " + first_lines(m.detail, 1, 160);
+  return line + " (" + fmt(m.points, 6) + "/" + fmt(m.max_points, 6) + ")";
+}
+
 void print_table(const GradeReport& r, std::ostream& out) {
   out << "\nKernels to Clusters — grade of " << r.impl << ", seed " << r.seed << ", device "
       << (r.gpu == "none" ? "none (" + (r.gpu_reason.empty() ? std::string("no CUDA device") : r.gpu_reason) + ")" : r.gpu)
@@ -37,7 +46,7 @@ void print_table(const GradeReport& r, std::ostream& out) {
     int correct = 0, total = 0;
     std::vector<std::string> perf_lines;
     for (const TestOutcome& t : m.tests) {
-      if (t.perf || t.name.find("Perf.") != std::string::npos) {
+      if (in_perf_column(t)) {
         std::string line = t.name + ": ";
         if (t.perf) {
           line += fmt(t.perf->ratio) + " / " + fmt(t.perf->required) + " / " +
@@ -54,7 +63,7 @@ void print_table(const GradeReport& r, std::ostream& out) {
     }
     // Module-level verdicts replace the count; otherwise "k/n passed", with what was skipped.
     int skipped = 0;
-    for (const TestOutcome& t : m.tests) skipped += t.status == "skipped" && !t.perf && t.name.find("Perf.") == std::string::npos;
+    for (const TestOutcome& t : m.tests) skipped += t.status == "skipped" && !in_perf_column(t);
     std::string corr = std::to_string(correct) + "/" + std::to_string(total) + " passed";
     if (skipped > 0) corr += ", " + std::to_string(skipped) + " skipped";
     if (m.status == "not implemented yet" || kModuleLevel.count(m.status) || m.tests.empty()) corr = m.status;
@@ -74,6 +83,16 @@ void print_table(const GradeReport& r, std::ostream& out) {
       if ((t.status == "failed" || t.status == "not implemented" || t.status == "withheld" || t.status == "not run") &&
           m.status != "not implemented yet")
         out << "    " << t.name << ": " << t.status << (t.message.empty() ? "" : ": " + first_lines(t.message, 2, 300)) << "\n";
+    // Each skipped test is named once: a performance test in its column, the others here; why
+    // they were skipped is the detail's (skip_summary). A module skipped whole, or voided, names
+    // none: its status says it all, where a list would add a line per module of a machine
+    // without a GPU.
+    std::string skipped_names;
+    if (m.status == "ok" || m.status == "partial" || m.status == "failed")
+      for (const TestOutcome& t : m.tests)
+        if (t.status == "skipped" && !in_perf_column(t))
+          skipped_names += (skipped_names.empty() ? "" : ", ") + t.name;
+    if (!skipped_names.empty()) out << "    skipped: " << skipped_names << "\n";
   }
   out << std::string(126, '-') << "\n";
   out << std::left << std::setw(116) << "total" << fmt(r.points(), 5) << "/" << fmt(r.max_points(), 5) << "\n";

@@ -1,6 +1,7 @@
 // test_grader.cpp — the project's own tests of the k2c grader. CPU only.
 //
-// Verdicts:   evaluate_module on hand-made exits and reports (no processes involved).
+// Verdicts:   evaluate_module on hand-made exits and reports (no processes involved), and how
+//             the table shows them.
 // End to end: `k2c grade` on autograder/selftest/fake_course, whose modules crash, hang, exit
 //             early, miss a test, claim an impossible figure, print 50 MiB, hit a sticky device
 //             error, are stubs, or do not compile; each must cost its own module only.
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -230,6 +232,46 @@ TEST(Verdict, CombinedRunsOfADistributedModule) {
   EXPECT_EQ(m.status, "crashed");
   EXPECT_EQ(m.points, 0);
   EXPECT_NE(m.detail.find("mpi x4"), std::string::npos);
+}
+
+// The human report (the progress line and the table) names each skipped test once, whether the
+// module ran once or on several ranks' runs: a performance test in its column, the others in
+// one list; the reasons stay in the detail, and the JSON keeps every test with its reason.
+TEST(Verdict, EachSkippedTestIsNamedOnce) {
+  const auto spec = k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+    {"id": "50_demo", "title": "demo", "kind": "mpi", "timeout_s": 9, "files": [],
+     "runs": [{"backend": "mpi", "ranks": 2}, {"backend": "nccl", "ranks": 2}],
+     "tests": [{"name": "A.Correct", "points": 6}, {"name": "A.OnGpus", "points": 2},
+               {"name": "APerf.Rate", "points": 4, "perf": {"ceiling": "copy", "unit": "GB/s",
+                 "threshold": 0.5, "goal": 0.9, "max_ratio": 1.1}}]}]})").modules[0];
+  const std::string report = R"({"testsuites": [{"name": "A", "testsuite": [
+    {"name": "Correct", "status": "RUN", "result": "COMPLETED"},
+    {"name": "OnGpus", "status": "RUN", "result": "SKIPPED", "k2c_skip": "needs 2 GPUs"}]},
+    {"name": "APerf", "testsuite": [
+    {"name": "Rate", "status": "RUN", "result": "SKIPPED", "k2c_skip": "timed on NCCL only"}]}]})";
+  const auto once = evaluate_module(spec, exited(0), report, "solutions", 9);
+  const auto combined = k2c::grader::combine_runs(spec, {{"mpi x2", once}, {"nccl x2", once}});
+  for (const auto& m : {once, combined}) {
+    EXPECT_EQ(m.status, "partial");
+    k2c::grader::GradeReport r;
+    r.modules.push_back(m);
+    std::ostringstream table;
+    k2c::grader::print_table(r, table);
+    const std::string human = k2c::grader::progress_line("[1/1] 50_demo", m) + "\n" + table.str();
+    for (const std::string name : {"A.OnGpus", "APerf.Rate"}) {
+      std::size_t count = 0;
+      for (auto at = human.find(name); at != std::string::npos; at = human.find(name, at + 1)) ++count;
+      EXPECT_EQ(count, 1u) << name << " in:\n" << human;
+    }
+    EXPECT_NE(human.find("needs 2 GPUs"), std::string::npos) << human;
+    EXPECT_NE(human.find("timed on NCCL only"), std::string::npos) << human;
+    const json tests = k2c::grader::to_json(r)["modules"][0]["tests"];
+    ASSERT_EQ(tests.size(), 3u);
+    EXPECT_EQ(tests[1]["status"], "skipped");
+    EXPECT_EQ(tests[1]["message"], "needs 2 GPUs");
+    EXPECT_EQ(tests[2]["status"], "skipped");
+    EXPECT_EQ(tests[2]["message"], "timed on NCCL only");
+  }
 }
 
 // A run that voids the module ends its runs: the rest are not launched (a hang would cost one

@@ -592,6 +592,13 @@ TEST(Rubric, ParsesAndLooksUp) {
   EXPECT_EQ(r.modules[0].points(), 10);
   ASSERT_TRUE(r.modules[0].find_test("P.Q")->perf);
   EXPECT_EQ(r.modules[0].find_test("P.Q")->perf->goal, 0.9);
+  // "build" is optional: what autograder/CMakeLists.txt reads from it, read here the same way.
+  EXPECT_FALSE(r.modules[0].model);
+  EXPECT_FALSE(r.modules[0].sm90a);
+  const k2c::ModuleSpec built = k2c::parse_rubric(replace(kGood, R"("title": "t",)",
+      R"("title": "t", "build": {"model": true, "sm90a": true},)")).modules[0];
+  EXPECT_TRUE(built.model);
+  EXPECT_TRUE(built.sm90a);
 }
 
 // The one rule for a performance test's bar, which the tests and the grader both call.
@@ -621,6 +628,7 @@ TEST(Rubric, ErrorsNameTheField) {
       {replace(g, R"("title": "t",)", R"("title": "t", "tiemout_s": 5,)"), "modules[0].tiemout_s: unknown field"},
       {replace(g, R"("title": "t",)", R"("title": "t", "build": {"model": 1},)"), "modules[0].build.model"},
       {replace(g, R"("title": "t",)", R"("title": "t", "build": {"uses": [7]},)"), "modules[0].build.uses[0]"},
+      {replace(g, R"("title": "t",)", R"("title": "t", "build": {"sm90a": "yes"},)"), "modules[0].build.sm90a"},
       {replace(g, R"("title": "t",)", R"("title": "t", "build": {"modle": true},)"), "modules[0].build.modle: unknown field"},
       {replace(g, R"("assignments/01_naive_matmul/naive_matmul.cu")", R"("../etc/passwd")"), "modules[0].files[0]"},
   };

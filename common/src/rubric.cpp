@@ -112,14 +112,18 @@ ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path)
     rd.error(path + ".runs", "only modules of kind \"mpi\" have runs");
   }
   // How CMake builds it (autograder/CMakeLists.txt reads the same fields): linked with the model
-  // library, and with the implementations of earlier modules.
+  // library, with the implementations of earlier modules, and for sm_90a.
   if (j.contains("build")) {
     const json& b = j["build"];
     const std::string bp = path + ".build";
-    rd.only_keys(b, bp, {"model", "uses"});
+    rd.only_keys(b, bp, {"model", "uses", "sm90a"});
     if (b.contains("model")) {
       if (!b["model"].is_boolean()) rd.error(bp + ".model", "expected true or false");
       m.model = b["model"].get<bool>();
+    }
+    if (b.contains("sm90a")) {
+      if (!b["sm90a"].is_boolean()) rd.error(bp + ".sm90a", "expected true or false");
+      m.sm90a = b["sm90a"].get<bool>();
     }
     if (b.contains("uses")) {
       if (!b["uses"].is_array()) rd.error(bp + ".uses", "expected an array of module ids");

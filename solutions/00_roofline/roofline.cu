@@ -57,11 +57,7 @@ __global__ void copy_kernel(const float4* __restrict__ src, float4* __restrict__
 }
 
 void copy(const float* src, float* dst, std::size_t n, cudaStream_t stream) {
-  if (n == 0) return;
-  K2C_CHECK(src != nullptr && dst != nullptr, "copy: null pointer for n=" << n);
-  K2C_CHECK(reinterpret_cast<std::uintptr_t>(src) % 16 == 0 &&
-                reinterpret_cast<std::uintptr_t>(dst) % 16 == 0,
-            "copy: src and dst must be 16-byte aligned, got " << src << " and " << dst);
+  if (!check_copy_args(src, dst, n)) return;
   const std::size_t n4 = n / 4;
   const int tail = static_cast<int>(n % 4);
   // At least one block, so a copy of 1..3 floats still runs its tail.
@@ -119,9 +115,7 @@ static int resident_blocks(int threads_per_block) {
 }
 
 void fma_throughput(float* out, std::size_t n, int iters, cudaStream_t stream) {
-  K2C_CHECK(iters >= 0, "fma_throughput: iters must be >= 0, got " << iters);
-  if (n == 0) return;
-  K2C_CHECK(out != nullptr, "fma_throughput: null pointer for n=" << n);
+  if (!check_fma_args(out, n, iters)) return;
   const std::size_t needed = (n + kFmaThreads - 1) / kFmaThreads;
   const int blocks = static_cast<int>(
       std::max<std::size_t>(1, std::min<std::size_t>(needed, resident_blocks(kFmaThreads))));

@@ -248,8 +248,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-bool tma_addressable(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 bool hopper_supported(std::string* why_not) { return hp::sm90a_supported(why_not); }
@@ -296,19 +294,15 @@ void launch_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C,
 }  // namespace
 
 void matmul_hopper(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, cudaStream_t stream) {
-  check_gemm_args(M, N, K, A, B, 0.0f, C);
+  check_hopper_args(M, N, K, A, B, C);
   if (M == 0 || N == 0) return;
-  K2C_CHECK(K % 8 == 0, "matmul_hopper needs K % 8 == 0 (TMA rows start on 16 bytes), got K="
-                            << K << "; use matmul()");
-  K2C_CHECK(K == 0 || (tma_addressable(A) && tma_addressable(B)),
-            "matmul_hopper needs 16-byte aligned A and B (TMA); use matmul()");
   hp::require_sm90a("matmul_hopper");
   if (K == 0) {  // an empty sum: nothing for TMA to describe
     K2C_CUDA_CHECK(cudaMemsetAsync(C, 0, static_cast<std::size_t>(M) * N * sizeof(bf16), stream));
     return;
   }
   // Staged stores need a C that TMA can address: rows on 16 bytes.
-  if (N % 8 == 0 && tma_addressable(C))
+  if (N % 8 == 0 && aligned16(C))
     launch_hopper<kCluster, kStagedBoxes, kDeferred>(M, N, K, A, B, C, stream);
   else
     launch_hopper<kCluster, 0>(M, N, K, A, B, C, stream);

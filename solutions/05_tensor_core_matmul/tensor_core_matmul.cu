@@ -30,41 +30,19 @@
 #include "../shared/mma_tile.cuh"
 #include "k2c/device/tensor_core.cuh"
 #include "tensor_core_matmul.h"
+#include "tiles.cuh"
 
 namespace k2c::tensor_core_matmul {
 namespace {
 
 using tc::smem_addr;
 
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_>
-struct Tile {
-  static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_,
-                       STAGES = STAGES_;
-  static constexpr int kThreads = 32 * WARPS_M * WARPS_N;
-  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's tile
-  static constexpr int MT = WM / 16, NT = WN / 8;             // its mma tiles
-  static constexpr int kRowBytes = BK * 2;                     // one 128-byte row per tile row
-  static constexpr int kStageBytes = (BM + BN) * kRowBytes;
-  static constexpr int kSmemBytes = STAGES * kStageBytes;
-  static constexpr int kGroupRows = 16;  // block-rows per raster band
-
-  static_assert(BM % (16 * WARPS_M) == 0 && BN % (16 * WARPS_N) == 0,
-                "warp tiles are whole 16-row and 16-column steps (B is read 16 columns at a time)");
-  static_assert((BM * 8) % kThreads == 0 && (BN * 8) % kThreads == 0,
-                "every thread copies the same number of 16-byte chunks");
-  static_assert(STAGES >= 2, "a pipeline needs at least two buffers");
-  static_assert(kSmemBytes <= 227 * 1024, "the stages fit in one SM's shared memory");
-};
+// Tile and swizzled() are tiles.cuh's, given to students as they are.
 
 // Measured on an H200 (lab/tensor_core.cu, 8192³): 256×128 with 4 warps × 2 and 4
 // stages 402 TFLOP/s; 128×256 with 3 stages 377; 16 warps of 64×32 tiles 347 (more warps, but
 // each reads more shared memory per MMA); 128×128 with 4 warps 373.
 using Reference = Tile<256, 128, 4, 2, 4>;
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
-__device__ __forceinline__ std::uint32_t swizzled(int row, int chunk) {
-  return row * 128 + ((chunk ^ (row & 7)) << 4);
-}
 
 // Copies rows [row0, row0 + ROWS) × k [k0, k0 + 64) of a K-contiguous operand with `rows` rows
 // into a swizzled tile, zero-filling what lies outside the matrix.
@@ -140,13 +118,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   float acc[T::MT][T::NT][4] = {};
   const int k_tiles = tc::ceil_div(K, T::BK);
 
-  // Prologue: the first STAGES-1 tiles in flight, one commit group each (empty groups past the
-  // end keep the wait count below uniform).
-#pragma unroll
-  for (int s = 0; s < T::STAGES - 1; ++s) {
-    if (s < k_tiles) load_stage(s, s);
-    tc::cp_async_commit();
-  }
+  tc::pipeline_prologue<T::STAGES>(k_tiles, load_stage);
 
   // ldmatrix lane roles. A (16×16 per x4): lanes 0-15 address rows 0-15 at k chunk 0, lanes
   // 16-31 the same rows at chunk 1 → registers a0..a3 in mma order. B (two n8 tiles per x4):
@@ -156,14 +128,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int b_row = warp_n * T::WN + (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
 
   for (int kt = 0; kt < k_tiles; ++kt) {
-    // Tile kt has landed once at most STAGES-2 younger groups are pending; the barrier also
-    // tells every warp that the buffer read in iteration kt-1 is free to be refilled.
-    tc::cp_async_wait<T::STAGES - 2>();
-    __syncthreads();
-    const int next = kt + T::STAGES - 1;
-    if (next < k_tiles) load_stage(next % T::STAGES, next);
-    tc::cp_async_commit();
-
+    tc::pipeline_advance<T::STAGES>(kt, k_tiles, load_stage);
     const std::uint32_t sa = stage_a(kt % T::STAGES), sb = stage_b(kt % T::STAGES);
     std::uint32_t a[T::MT][4], b[T::NT][2];
     tc::mma_stage<T::BK / 16>(
@@ -191,8 +156,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 }
 
 template <class T, bool kVector, class OutT>
-void launch(int M, int N, int K, const bf16* A, const bf16* B, OutT* C, bool pairs,
-            cudaStream_t stream) {
+void launch_tile(int M, int N, int K, const bf16* A, const bf16* B, OutT* C, bool pairs,
+                 cudaStream_t stream) {
   auto* kernel = mma_kernel<T, kVector, OutT>;
   // Beyond 48 KiB of dynamic shared memory a kernel must opt in, on each device it runs on: cheap
   // enough to repeat at every launch.
@@ -205,28 +170,18 @@ void launch(int M, int N, int K, const bf16* A, const bf16* B, OutT* C, bool pai
   K2C_CUDA_CHECK_LAUNCH();
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
+// Called by dispatch.h's matmul() with the arguments checked and M, N > 0.
 template <class OutT>
-void run(int M, int N, int K, const bf16* A, const bf16* B, OutT* C, cudaStream_t stream) {
-  check_gemm_args(M, N, K, A, B, 0.0f, C);
-  if (M == 0 || N == 0) return;
-  // Paired stores need an even row length and a C aligned to a pair.
-  const bool pairs = N % 2 == 0 && reinterpret_cast<std::uintptr_t>(C) % (2 * sizeof(OutT)) == 0;
-  if (K % 8 == 0 && aligned16(A) && aligned16(B))
-    launch<Reference, true>(M, N, K, A, B, C, pairs, stream);
+void launch(int M, int N, int K, const bf16* A, const bf16* B, OutT* C, bool vector, bool pairs,
+            cudaStream_t stream) {
+  if (vector)
+    launch_tile<Reference, true>(M, N, K, A, B, C, pairs, stream);
   else
-    launch<Reference, false>(M, N, K, A, B, C, pairs, stream);
+    launch_tile<Reference, false>(M, N, K, A, B, C, pairs, stream);
 }
 
 }  // namespace
-
-void matmul(int M, int N, int K, const bf16* A, const bf16* B, bf16* C, cudaStream_t stream) {
-  run(M, N, K, A, B, C, stream);
-}
-
-void matmul(int M, int N, int K, const bf16* A, const bf16* B, float* C, cudaStream_t stream) {
-  run(M, N, K, A, B, C, stream);
-}
-
 }  // namespace k2c::tensor_core_matmul
+
+// matmul() from launch<OutT>: given to students as it is.
+#include "dispatch.h"

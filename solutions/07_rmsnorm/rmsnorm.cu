@@ -264,14 +264,18 @@ __global__ __launch_bounds__(1024, 1) void backward_kernel(const bf16* __restric
         hb[it] = load_bits<bf16, VEC>(h + base + at(it));
         db[it] = load_bits<bf16, VEC>(dy + base + at(it));
       }
+    // This thread's vector it of h, dy and gamma as floats (gamma read again at each use).
+    auto unpack_at = [&](int it, float (&hv)[VEC], float (&d)[VEC], float (&g)[VEC]) {
+      unpack<bf16, VEC>(hb[it], hv);
+      unpack<bf16, VEC>(db[it], d);
+      unpack<bf16, VEC>(load_bits<bf16, VEC>(gamma + at(it)), g);
+    };
     float dot = 0.0f;  // Σ dy·gamma·h over the row
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       if (has(it)) {
         float hv[VEC], d[VEC], g[VEC];
-        unpack<bf16, VEC>(hb[it], hv);
-        unpack<bf16, VEC>(db[it], d);
-        unpack<bf16, VEC>(load_bits<bf16, VEC>(gamma + at(it)), g);
+        unpack_at(it, hv, d, g);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           dot += g[i] * d[i] * hv[i];
@@ -284,9 +288,7 @@ __global__ __launch_bounds__(1024, 1) void backward_kernel(const bf16* __restric
     for (int it = 0; it < ITERS; ++it) {
       if (has(it)) {
         float hv[VEC], d[VEC], g[VEC];
-        unpack<bf16, VEC>(hb[it], hv);
-        unpack<bf16, VEC>(db[it], d);
-        unpack<bf16, VEC>(load_bits<bf16, VEC>(gamma + at(it)), g);
+        unpack_at(it, hv, d, g);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) d[i] = r * g[i] * d[i] - k * hv[i];
         store_bits<bf16, VEC>(dx + base + at(it), pack<bf16, VEC>(d));
@@ -687,15 +689,7 @@ bool vectorizable(int cols, std::initializer_list<const void*> pointers) {
 
 void forward(const bf16* x, const bf16* residual, const bf16* gamma, bf16* y, bf16* residual_out,
              float* rstd, int rows, int cols, float eps, cudaStream_t stream) {
-  K2C_CHECK(rows >= 0 && cols >= 0, "rmsnorm forward: negative size " << rows << " x " << cols);
-  K2C_CHECK(eps > 0, "rmsnorm forward: eps must be > 0, got " << eps);
-  if (rows == 0 || cols == 0) return;
-  K2C_CHECK(x && gamma && y && rstd && (residual == nullptr || residual_out != nullptr),
-            "rmsnorm forward: missing pointer (x, gamma, y and rstd are required, and residual_out "
-            "when residual is given)");
-  K2C_CHECK(residual == nullptr || (residual_out != x && residual_out != residual),
-            "rmsnorm forward: residual_out may not alias x or residual");
-  K2C_CHECK(rows <= kMaxExtent && cols <= kMaxExtent, "rmsnorm forward: at most " << kMaxExtent << " rows and columns");
+  if (!check_forward_args(x, residual, gamma, y, residual_out, rstd, rows, cols, eps)) return;
   if (vectorizable(cols, {x, residual, gamma, y, residual_out}))
     forward_vec<kVecBf16>(x, residual, gamma, y, residual_out, rstd, rows, cols, eps, stream);
   else

@@ -236,19 +236,13 @@ struct HopperTile {
   static constexpr int kMinBlocks = WARPGROUPS == 1 ? 2 : MIN_BLOCKS;
 };
 
-// Like load_tile, into the 128-byte-swizzled block layout.
+// Like load_tile, into the 128-byte-swizzled block layout: 64-element column blocks of ROWS
+// rows × 128 bytes each, chunk c of row r at chunk (c % 8) ^ (r % 8) of its block's row.
 template <int ROWS, int W, int THREADS>
 __device__ __forceinline__ void load_tile_sw128(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
-  constexpr int kChunks = W / 8, kRowStep = THREADS / kChunks;
-  static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "every thread copies the same chunks");
-  const int r0 = tid / kChunks, c = tid % kChunks;
-#pragma unroll
-  for (int i = 0; i < ROWS / kRowStep; ++i) {
-    const int r = r0 + i * kRowStep;
-    const bool ok = r < valid_rows;
-    const std::uint32_t at = tile + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4);
-    cp_async_16(at, ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
-  }
+  copy_rows<ROWS, W, THREADS>(src, valid_rows, tid, [tile](int r, int c) {
+    return tile + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4);
+  });
 }
 
 // acc(64 × D) += A(64 × 16, registers) · B(16 × D, shared memory, MN-major), D = 64 or 128: the

@@ -18,15 +18,17 @@ __device__ __forceinline__ std::uint32_t swizzled(std::uint32_t tile, int row, i
   return tile + row * (W * 2) + ((chunk ^ (row & 7)) << 4);
 }
 
-// Copies rows [0, ROWS) of a W-wide bf16 tile starting at `src`; rows >= valid_rows are zero
-// filled. All THREADS threads of the block take part; src must point at a real row. Thread t
-// copies chunk t % (W/8) of rows t / (W/8) + i·kRowStep: a trip count known at compile time, so
-// the loop unrolls into straight cp.async with immediate offsets (a loop counted from t, as in
-// `for (i = t; i < n; i += THREADS)`, compiles to a rolled loop with remainder branches, hundreds
-// of instructions per tile that every warp issues on its way to the tensor cores), and with
-// kRowStep a multiple of 8 the swizzle's XOR is the same for each of a thread's rows.
-template <int ROWS, int W, int THREADS>
-__device__ __forceinline__ void load_tile(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
+// Copies rows [0, ROWS) of a W-wide bf16 tile starting at `src` into shared memory, chunk c of
+// row r to the address at(r, c) (the layout: load_tile's below, or the Hopper kernels' 128-byte
+// blocks, load_tile_sw128); rows >= valid_rows are zero filled. All THREADS threads of the block
+// take part; src must point at a real row. Thread t copies chunk t % (W/8) of rows t / (W/8) +
+// i·kRowStep: a trip count known at compile time, so the loop unrolls into straight cp.async with
+// immediate offsets (a loop counted from t, as in `for (i = t; i < n; i += THREADS)`, compiles to
+// a rolled loop with remainder branches, hundreds of instructions per tile that every warp issues
+// on its way to the tensor cores), and with kRowStep a multiple of 8 the swizzle's XOR is the same
+// for each of a thread's rows.
+template <int ROWS, int W, int THREADS, class At>
+__device__ __forceinline__ void copy_rows(const bf16* src, int valid_rows, int tid, At&& at) {
   constexpr int kChunks = W / 8, kRowStep = THREADS / kChunks;
   static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "every thread copies the same chunks");
   const int r0 = tid / kChunks, c = tid % kChunks;
@@ -34,8 +36,14 @@ __device__ __forceinline__ void load_tile(std::uint32_t tile, const bf16* src, i
   for (int i = 0; i < ROWS / kRowStep; ++i) {
     const int r = r0 + i * kRowStep;
     const bool ok = r < valid_rows;
-    cp_async_16(swizzled<W>(tile, r, c), ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
+    cp_async_16(at(r, c), ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
   }
+}
+
+// copy_rows into the swizzled tile above.
+template <int ROWS, int W, int THREADS>
+__device__ __forceinline__ void load_tile(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
+  copy_rows<ROWS, W, THREADS>(src, valid_rows, tid, [tile](int r, int c) { return swizzled<W>(tile, r, c); });
 }
 
 // The A fragment (16 rows × 16 columns) at (row0, col0) of a row-major tile, by one ldmatrix.x4.

@@ -90,11 +90,7 @@ class Carve {
 
 void route(const RouterConfig& c, int tokens, const float* logits, const float* bias, float* scores, int* expert,
            float* weight, cudaStream_t stream) {
-  check_router(c, "moe route");
-  check_tokens(tokens, c.experts, "moe route");
-  if (tokens == 0) return;
-  check_pointers("moe route", {logits, scores, expert, weight});
-  if (bias) check_pointers("moe route", {bias});
+  if (!check_route(c, tokens, logits, bias, scores, expert, weight, "moe route")) return;
   route_kernel<<<ceil_div(tokens, kRouteWarps), 32 * kRouteWarps, 0, stream>>>(c, tokens, logits, bias, scores,
                                                                                   expert, weight);
   K2C_CUDA_CHECK_LAUNCH();
@@ -107,10 +103,7 @@ std::size_t balance_workspace_bytes(int experts) {
 
 void balance_loss(int tokens, int experts, int top_k, float alpha, const float* logits, const int* expert, float* loss,
                   float* dlogits, void* workspace, cudaStream_t stream) {
-  K2C_CHECK(tokens >= 1 && experts >= 1 && experts <= kMaxExperts && top_k >= 1 && top_k <= experts,
-            "moe balance_loss: bad sizes (tokens " << tokens << ", experts " << experts << ", top_k " << top_k << ")");
-  check_tokens(tokens, experts, "moe balance_loss");
-  check_pointers("moe balance_loss", {logits, expert, loss, dlogits, workspace});
+  check_balance(tokens, experts, top_k, logits, expert, loss, dlogits, workspace, "moe balance_loss");
   int* counts = static_cast<int*>(workspace);
   K2C_CUDA_CHECK(cudaMemsetAsync(counts, 0, experts * sizeof(int), stream));
   K2C_CUDA_CHECK(cudaMemsetAsync(loss, 0, sizeof(float), stream));
@@ -167,11 +160,7 @@ void dispatch(int tokens, int experts, int top_k, int capacity, const int* exper
 }
 
 void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, bf16* rows, cudaStream_t stream) {
-  K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe permute: hidden must be a multiple of 8, got " << hidden);
-  check_choices(tokens, top_k, "moe permute");
-  check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe permute");
-  if (tokens == 0) return;
-  check_pointers("moe permute", {x, slot, rows});
+  if (!check_permute(tokens, hidden, top_k, x, slot, rows, "moe permute")) return;
   const long long choices = static_cast<long long>(tokens) * top_k;
   permute_kernel<<<static_cast<unsigned>((choices + 7) / 8), 256, 0, stream>>>(
       choices, hidden, top_k, reinterpret_cast<const Pack8*>(x), slot, reinterpret_cast<Pack8*>(rows));
@@ -180,13 +169,7 @@ void permute(int tokens, int hidden, int top_k, const bf16* x, const int* slot, 
 
 void combine(int tokens, int hidden, int top_k, const bf16* rows, const int* slot, const float* weight,
              const float* residual, bf16* y, cudaStream_t stream) {
-  K2C_CHECK(hidden >= 8 && hidden % 8 == 0, "moe combine: hidden must be a multiple of 8, got " << hidden);
-  check_choices(tokens, top_k, "moe combine");
-  check_tokens(static_cast<long long>(tokens) * top_k, hidden, "moe combine");
-  if (tokens == 0) return;
-  check_pointers("moe combine", {rows, slot, y});
-  if (weight) check_pointers("moe combine", {weight});
-  if (residual) check_pointers("moe combine", {residual});
+  if (!check_combine(tokens, hidden, top_k, rows, slot, weight, residual, y, "moe combine")) return;
   combine_kernel<<<tokens, std::min(256, std::max(32, hidden / 8 / 32 * 32)), 0, stream>>>(
       hidden, top_k, reinterpret_cast<const Pack8*>(rows), slot, weight, residual, reinterpret_cast<Pack8*>(y));
   K2C_CUDA_CHECK_LAUNCH();

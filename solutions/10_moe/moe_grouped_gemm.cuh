@@ -180,18 +180,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kBlocksPerSm) grouped_kernel(G
     __syncthreads();  // every warp is done with the previous tile's stages
     float acc[T::MT][T::NT][4] = {};
     const int k_tiles = ceil_div(R, T::BK);
-#pragma unroll
-    for (int s = 0; s < T::STAGES - 1; ++s) {
-      if (s < k_tiles) load_stage(s, s);
-      tc::cp_async_commit();
-    }
+    tc::pipeline_prologue<T::STAGES>(k_tiles, load_stage);
     for (int kt = 0; kt < k_tiles; ++kt) {
-      tc::cp_async_wait<T::STAGES - 2>();
-      __syncthreads();
-      const int next = kt + T::STAGES - 1;
-      if (next < k_tiles) load_stage(next % T::STAGES, next);
-      tc::cp_async_commit();
-
+      tc::pipeline_advance<T::STAGES>(kt, k_tiles, load_stage);
       const std::uint32_t sa = stage_a(kt % T::STAGES), sb = stage_b(kt % T::STAGES);
       std::uint32_t af[T::MT][4], bfr[T::NT][2];
       tc::mma_stage<T::BK / 16>(

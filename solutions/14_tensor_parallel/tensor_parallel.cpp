@@ -64,17 +64,6 @@ void all_reduce_sum(Communicator& tp, Tensor& t) {
   tp.all_reduce(t.raw(), t.raw(), static_cast<std::size_t>(t.numel()), dist::DType::f32, dist::ReduceOp::sum);
 }
 
-model::AttentionShape local_shape(int batch, std::int64_t T, int q_heads, int kv_heads, int head_dim) {
-  model::AttentionShape s;
-  s.batch = batch;
-  s.q_len = s.kv_len = static_cast<int>(T);
-  s.q_heads = q_heads;
-  s.kv_heads = kv_heads;
-  s.head_dim = head_dim;
-  s.causal = true;
-  return s;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -231,7 +220,7 @@ void ParallelAttention::forward(Context& ctx, const Tensor& x, const Tensor& pos
   // are a complete attention problem of their own.
   ctx.ops.rope(s.q, positions, hq, hd, config_.rope_theta, false);
   ctx.ops.rope(s.k, positions, hkv, hd, config_.rope_theta, false);
-  ctx.ops.attention_forward(local_shape(batch, T, hq, hkv, hd), s.q, s.k, s.v, s.o, s.lse);
+  ctx.ops.attention_forward(model::AttentionShape::causal_self(batch, T, hq, hkv, hd), s.q, s.k, s.v, s.o, s.lse);
   wo_.forward(ctx, s.o, y);  // the heads' partial outputs, then g: all-reduce 1 of 1
 }
 
@@ -243,8 +232,8 @@ void ParallelAttention::backward(Context& ctx, const Tensor& x, const Tensor& po
   wo_.backward(ctx, s.o, dy, &dout);
   ctx.ops.fill(dk, 0.0f);  // attention_backward adds into dk and dv
   ctx.ops.fill(dv, 0.0f);
-  ctx.ops.attention_backward(local_shape(batch, positions.numel(), hq, hkv, hd), s.q, s.k, s.v, s.o, s.lse,
-                             dout, dq, dk, dv);
+  const auto shape = model::AttentionShape::causal_self(batch, positions.numel(), hq, hkv, hd);
+  ctx.ops.attention_backward(shape, s.q, s.k, s.v, s.o, s.lse, dout, dq, dk, dv);
   ctx.ops.rope(dq, positions, hq, hd, config_.rope_theta, true);  // a rotation's transpose is its inverse
   ctx.ops.rope(dk, positions, hkv, hd, config_.rope_theta, true);
   // q, k and v were all computed from x: their input gradients add, then one f for the three.

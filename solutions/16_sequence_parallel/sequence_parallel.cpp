@@ -104,17 +104,6 @@ void drop(Context& ctx, const Tensor& in, int index, int site, std::int64_t firs
     ctx.ops.copy(out, in);
 }
 
-model::AttentionShape heads_shape(int batch, std::int64_t T, int q_heads, int kv_heads, int head_dim) {
-  model::AttentionShape s;
-  s.batch = batch;
-  s.q_len = s.kv_len = static_cast<int>(T);
-  s.q_heads = q_heads;
-  s.kv_heads = kv_heads;
-  s.head_dim = head_dim;
-  s.causal = true;
-  return s;
-}
-
 // The attention and the MLP of a tensor-parallel block, on whole inputs, each ending in a partial
 // sum over the ranks (what leaves the row-parallel wo and down). Whether that partial sum is then
 // all-reduced (plain TP) or reduce-scattered (SP) is the caller's business: the sub-layers are
@@ -124,6 +113,12 @@ struct HeadLinears {
   int q_heads, kv_heads, head_dim;
   float theta;
 };
+
+// This rank's share of the heads of `c` over a group of n: the linears are already cut to it.
+HeadLinears local_heads(const model::Linear& wq, const model::Linear& wk, const model::Linear& wv,
+                        const model::Linear& wo, const model::AttentionConfig& c, int n) {
+  return {wq, wk, wv, wo, c.q_heads / n, c.kv_heads / n, c.head_dim(), c.rope_theta};
+}
 
 void attention_partial(Context& ctx, const HeadLinears& a, const Tensor& x, const Tensor& positions, int batch,
                        Tensor& partial, model::Attention::Saved& s) {
@@ -138,7 +133,8 @@ void attention_partial(Context& ctx, const HeadLinears& a, const Tensor& x, cons
   a.wv.forward(ctx, x, s.v);
   ctx.ops.rope(s.q, positions, a.q_heads, a.head_dim, a.theta, false);
   ctx.ops.rope(s.k, positions, a.kv_heads, a.head_dim, a.theta, false);
-  ctx.ops.attention_forward(heads_shape(batch, T, a.q_heads, a.kv_heads, a.head_dim), s.q, s.k, s.v, s.o, s.lse);
+  const auto shape = model::AttentionShape::causal_self(batch, T, a.q_heads, a.kv_heads, a.head_dim);
+  ctx.ops.attention_forward(shape, s.q, s.k, s.v, s.o, s.lse);
   a.wo.forward(ctx, s.o, partial);  // this rank's heads' share of the output
 }
 
@@ -150,8 +146,8 @@ void attention_partial_backward(Context& ctx, const HeadLinears& a, const Tensor
   a.wo.backward(ctx, s.o, dy, &dout);
   ctx.ops.fill(dk, 0.0f);  // attention_backward adds into dk and dv
   ctx.ops.fill(dv, 0.0f);
-  ctx.ops.attention_backward(heads_shape(batch, positions.numel(), a.q_heads, a.kv_heads, a.head_dim), s.q, s.k,
-                             s.v, s.o, s.lse, dout, dq, dk, dv);
+  const auto shape = model::AttentionShape::causal_self(batch, positions.numel(), a.q_heads, a.kv_heads, a.head_dim);
+  ctx.ops.attention_backward(shape, s.q, s.k, s.v, s.o, s.lse, dout, dq, dk, dv);
   ctx.ops.rope(dq, positions, a.q_heads, a.head_dim, a.theta, true);
   ctx.ops.rope(dk, positions, a.kv_heads, a.head_dim, a.theta, true);
   // q, k and v all read x: their input gradients add before anything leaves the rank.
@@ -279,9 +275,7 @@ void SequenceParallelBlock::forward(Context& ctx, const Tensor& x, const Tensor&
   const bool sp = sequence_parallel_;
   const Rows rows = rows_of(tp, sp, x, positions, batch);
   const std::int64_t d = config_.attention.d_model;
-  const int n = tp.size();
-  const HeadLinears heads{wq_, wk_, wv_, wo_, config_.attention.q_heads / n, config_.attention.kv_heads / n,
-                          config_.attention.head_dim(), config_.attention.rope_theta};
+  const HeadLinears heads = local_heads(wq_, wk_, wv_, wo_, config_.attention, tp.size());
   y.expect({rows.mine, d}, "block output");
   s.n1 = ctx.tensor({rows.whole, d});
   s.n2 = ctx.tensor({rows.whole, d});
@@ -334,9 +328,7 @@ void SequenceParallelBlock::backward(Context& ctx, const Tensor& x, const Tensor
   const bool sp = sequence_parallel_;
   const Rows rows = rows_of(tp, sp, x, positions, batch);
   const std::int64_t d = config_.attention.d_model;
-  const int n = tp.size();
-  const HeadLinears heads{wq_, wk_, wv_, wo_, config_.attention.q_heads / n, config_.attention.kv_heads / n,
-                          config_.attention.head_dim(), config_.attention.rope_theta};
+  const HeadLinears heads = local_heads(wq_, wk_, wv_, wo_, config_.attention, tp.size());
   dy.expect({rows.mine, d}, "block output gradient");
   dx.expect({rows.mine, d}, "block input gradient");
 
@@ -525,6 +517,16 @@ void AttentionMerge::merge(Context& ctx, Tensor& o, Tensor& lse, Tensor& o_part,
 
 namespace {
 
+// What forward and backward both take: this rank's two chunks of `rows` rows each, q and o of the
+// query heads, k and v of the key-value heads.
+void expect_qkvo(const RingConfig& c, std::int64_t rows, const Tensor& q, const Tensor& k, const Tensor& v,
+                 const Tensor& o) {
+  q.expect({2 * rows, static_cast<std::int64_t>(c.q_heads) * c.head_dim}, "ring attention q");
+  k.expect({2 * rows, static_cast<std::int64_t>(c.kv_heads) * c.head_dim}, "ring attention k");
+  v.expect(k.shape(), "ring attention v");
+  o.expect(q.shape(), "ring attention o");
+}
+
 // A chunk of the batch: rows [j·B·C, (j+1)·B·C) of a local tensor, and its lse [B, H, C].
 Tensor chunk_rows(const Tensor& t, int j, std::int64_t rows) { return t.rows(j * rows, rows); }
 Tensor chunk_lse(const Tensor& lse, int j, std::int64_t B, std::int64_t H, std::int64_t C) {
@@ -587,10 +589,7 @@ void RingAttention::forward(Context& ctx, const Tensor& q, const Tensor& k, cons
   const RingConfig& c = config_;
   const int n = cp.size(), r = cp.rank();
   const std::int64_t B = c.batch, C = layout_.chunk, H = c.q_heads, rows = B * C;
-  q.expect({2 * rows, H * c.head_dim}, "ring attention q");
-  k.expect({2 * rows, static_cast<std::int64_t>(c.kv_heads) * c.head_dim}, "ring attention k");
-  v.expect(k.shape(), "ring attention v");
-  o.expect(q.shape(), "ring attention o");
+  expect_qkvo(c, rows, q, k, v, o);
   lse.expect({2 * B, H, C}, "ring attention lse");
 
   Tensor o_part = ctx.tensor({rows, H * c.head_dim}), lse_part = ctx.tensor({B, H, C});
@@ -638,10 +637,7 @@ void RingAttention::backward(Context& ctx, const Tensor& q, const Tensor& k, con
   const RingConfig& c = config_;
   const int n = cp.size(), r = cp.rank();
   const std::int64_t B = c.batch, C = layout_.chunk, H = c.q_heads, rows = B * C;
-  q.expect({2 * rows, H * c.head_dim}, "ring attention q");
-  k.expect({2 * rows, static_cast<std::int64_t>(c.kv_heads) * c.head_dim}, "ring attention k");
-  v.expect(k.shape(), "ring attention v");
-  o.expect(q.shape(), "ring attention o");
+  expect_qkvo(c, rows, q, k, v, o);
   dout.expect(q.shape(), "ring attention dout");
   dq.expect(q.shape(), "ring attention dq");
   dk.expect(k.shape(), "ring attention dk");

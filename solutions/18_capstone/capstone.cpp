@@ -57,10 +57,10 @@
 // of tp and ep can run inside it, hence dp-only grids and one micro-batch. The loss enters at
 // 1/(D·tokens), the mean over the global batch, because Zero sums where DataParallel averages;
 // at 2 ranks g0/2 + g1/2 and (g0 + g1)/2 are the same bits (halving is exact), and Zero's AdamW
-// per shard equals one AdamW over all, so zero_stage 0 and 1..3 give the same curve. Clipping
-// would need the reduced gradient's norm between the reduction and the update, both inside
-// Zero::step: refused rather than faked. Checkpoints would need the AdamW shards, which Zero does
-// not expose: refused too.
+// per shard equals one AdamW over all, so zero_stage 0 and 1..3 give the same curve. Clipping is
+// Zero's own (ZeroConfig::clip: the norm from the shards' sums of squares, in double), which
+// agrees with clip_grad_norm's to about 1e-16. Checkpoints would need the AdamW shards, which
+// Zero does not expose: refused.
 #include "capstone.h"
 
 #include <array>
@@ -545,7 +545,7 @@ struct GridTrainer::Impl {
     const float scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(data_ranks) * tokens);
     const double sum = zero->step(ctx, mb.ids, mb.targets, mb.rows, scale, static_cast<float>(r.lr));
     r.loss = data_mean(sum / static_cast<double>(tokens));  // module 15's order: a mean, then over ranks
-    r.grad_norm = -1;  // reduced and consumed inside Zero::step: not measured
+    r.grad_norm = c.clip > 0 ? zero->grad_norm() : -1;  // Zero measures it only to clip
     return r;
   }
 
@@ -634,11 +634,6 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
     throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " with " +
                                 std::to_string(config.micro_batches) +
                                 " micro-batches: Zero steps one batch per call; use micro_batches 1");
-  if (zs > 0 && config.train.clip > 0)
-    throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " with clip " +
-                                std::to_string(config.train.clip) +
-                                ": Zero reduces the gradients and updates in one call and has no clipping; "
-                                "set clip 0");
 
   impl_ = std::make_unique<Impl>(world, ops, config);
   Impl& s = *impl_;
@@ -653,6 +648,7 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
     zero::ZeroConfig zc;
     zc.stage = zs;
     zc.adamw = config.train.adamw;
+    zc.clip = config.train.clip;
     s.zero = std::make_unique<zero::Zero>(s.grid.group(Axis::dp), *s.model, s.params, ops, s.ledger,
                                           config.train.seed, zc);
   } else {

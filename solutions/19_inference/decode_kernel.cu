@@ -10,8 +10,9 @@
 //   2. little work per byte: the group's query heads are the rows of a tensor-core tile (GQA makes
 //      the 16-row tile a quarter full at G = 4, which costs nothing: the tensor cores are idle
 //      anyway), so 16 tokens cost a warp HD/8 mma for the scores and HD/8 for the output;
-//   3. enough blocks to fill the GPU even for one long sequence: the cache of each (sequence, KV
-//      head) is cut into parts, each a block, and a second kernel merges the parts by their
+//   3. one full wave of blocks, whatever the batch: the cache of each (sequence, KV head) is cut
+//      into as many parts as it takes to give every resident block slot of the GPU one part (a
+//      single part when the batch alone fills it), and a second kernel merges the parts by their
 //      log-sum-exps.
 // Inside a block each of the 4 warps takes 16 tokens of a 64-token tile and keeps its own online
 // softmax (lecture 09); the warps are merged through shared memory at the end.
@@ -31,7 +32,6 @@ namespace {
 
 constexpr int kWarps = 4;     // warps per block
 constexpr int kStages = 3;    // tiles in shared memory: one computed, two loading
-constexpr int kMaxPartTokens = 2048;  // a part's pool rows are looked up once, into shared memory
 constexpr int kMaxGroup = 8;  // query heads per KV head
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -65,24 +65,35 @@ int multiprocessors() {
   return count;
 }
 
-// How the cache is cut. A block covers 64 tokens per step of its loop, so a part is a whole
-// number of steps. Parts are sized so that the grid holds about four blocks per
-// multiprocessor: enough that the last wave is short, few enough that each block streams a long
-// run of its cache and the merge stays small.
+// How the cache is cut. Every block streams its part from start to end at about the same rate
+// (the memory is shared fairly), so the time is (waves of blocks) × (tiles per part + what a
+// block's start costs), plus the merge when there is more than one part. The resident slots
+// (blocks per SM × SMs) come from the occupancy calculator: with 96 KiB of pipeline a block,
+// two per SM on the H200. 32 sequences × 8 KV heads = 256 blocks of one part fill its 264 slots in
+// one wave with no merge; one sequence of 32k tokens takes 32 parts of 1,024 per head.
 struct Split {
   int tokens = 1;  // per part
   int parts = 1;   // of the longest sequence
 };
 
-Split split_for(const DecodeShape& s) {
+constexpr int kStartTiles = 2;  // a block's start (queries, first lookups, pipeline fill), in tiles
+constexpr int kMergeTiles = 4;  // the merge kernel and its launch, in tiles of streaming
+
+Split split_for(const DecodeShape& s, int slots) {
   const int step = kWarps * 16;  // tokens per tile (Tiles<HD>::kTokens)
   const int steps = (s.max_length + step - 1) / step;
   const std::int64_t pairs = std::int64_t{s.batch} * s.kv_heads;
-  const std::int64_t wanted = (4 * std::int64_t{multiprocessors()} + pairs - 1) / pairs;
-  const int fewest = (steps + kMaxPartTokens / step - 1) / (kMaxPartTokens / step);  // parts <= kMaxPartTokens
-  const int parts = static_cast<int>(std::clamp<std::int64_t>(wanted, fewest, steps));
+  int best = 1;
+  std::int64_t best_cost = std::numeric_limits<std::int64_t>::max();
+  for (int parts = 1; parts <= steps; ++parts) {
+    const int tiles = (steps + parts - 1) / parts;
+    const std::int64_t waves = (pairs * parts + slots - 1) / slots;
+    const std::int64_t cost = waves * (tiles + kStartTiles) + (parts > 1 ? kMergeTiles : 0);
+    if (cost < best_cost) best = parts, best_cost = cost;
+    if (waves > 1 && parts > 1) break;  // more parts only add waves from here on
+  }
   Split split;
-  split.tokens = ((steps + parts - 1) / parts) * step;
+  split.tokens = ((steps + best - 1) / best) * step;
   split.parts = (s.max_length + split.tokens - 1) / split.tokens;
   return split;
 }
@@ -142,15 +153,19 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
   const int head = lane / 4, pair = lane % 4;  // fragment row (query head of the group), column pair
   const std::uint32_t base = smem_addr(pipeline);
 
-  // Where each token of the part lives in the pool (its row of head_dim values), looked up once:
-  // the page table read and the division by page_size then stay out of the copy loop, which
-  // issues 16 copies per thread per tile.
-  __shared__ int row_of[kMaxPartTokens];
+  // Where each token lives in the pool: (table[t / page_size]·kv_heads + kv)·page_size + t mod
+  // page_size. Done in the copy loop it is a global load the copies wait on and a division by a
+  // run-time page size, 16 times per thread per tile. Instead the first 64 threads look up the
+  // rows of one tile per step, kStages tiles ahead of the tile computed, into a ring of shared
+  // memory that the copies read (the slot of tile j is j % kStages, like its stage).
+  __shared__ int rows[kStages][T::kTokens];
   const int* table = a.page_table + std::size_t(b) * s.max_pages;
-  for (int j = threadIdx.x; j < last - first; j += kWarps * 32) {
-    const int t = first + j;
-    row_of[j] = (table[t / s.page_size] * s.kv_heads + kv) * s.page_size + t % s.page_size;
-  }
+  auto row_of = [&](int tile, int r) {  // 0 past the part's end: never read
+    const int t = first + tile * T::kTokens + r;
+    return t < last ? (table[t / s.page_size] * s.kv_heads + kv) * s.page_size + t % s.page_size : 0;
+  };
+  if (threadIdx.x < T::kTokens)
+    for (int j = 0; j < kStages; ++j) rows[j][threadIdx.x] = row_of(j, threadIdx.x);
   __syncthreads();
 
   // Tile i into stage i % kStages: every thread copies its share of the 16-byte chunks; the
@@ -162,7 +177,7 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
       const int r = c / T::kChunks, chunk = c % T::kChunks;
       const int j = i * T::kTokens + r;
       const bool valid = first + j < last;
-      const std::size_t at = valid ? std::size_t(row_of[j]) * HD + chunk * 8 : 0;
+      const std::size_t at = valid ? std::size_t(rows[i % kStages][r]) * HD + chunk * 8 : 0;
       cp_async_16(k_tile + swizzled<HD>(r, chunk), a.k_pool + at, valid);
       cp_async_16(v_tile + swizzled<HD>(r, chunk), a.v_pool + at, valid);
     }
@@ -193,10 +208,15 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
     __syncthreads();               // ... and everyone's; and tile i − 1 is consumed
     if (i + kStages - 1 < tiles) load(i + kStages - 1);
     cp_async_commit();
+    // Tile i + kStages's rows: read now, stored into tile i's slot (last read by the load of
+    // tile i) after this tile's arithmetic, which hides the table read's latency.
+    const int ahead = threadIdx.x < T::kTokens ? row_of(i + kStages, threadIdx.x) : 0;
     const std::uint32_t k_tile = base + (i % kStages) * T::kStageBytes, v_tile = k_tile + T::kTileBytes;
     const int row0 = warp * 16;  // this warp's 16 tokens of the tile
     const int token0 = first + i * T::kTokens + row0;
-    if (token0 >= last) continue;  // the whole warp is past the end (uniform in the warp)
+    // A warp wholly past the part's end (in its last tile only, uniform in the warp) skips the
+    // arithmetic; no later tile needs its lookup.
+    if (token0 >= last) continue;
 
     // Scores S = Q·Kᵀ for 16 tokens: two 8-token tiles, HD/16 k-steps.
     // Even and odd k-steps accumulate apart: two chains of dependent mma instead of one.
@@ -251,6 +271,7 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
       mma_bf16_16816(o[2 * n2], pf, b0);
       mma_bf16_16816(o[2 * n2 + 1], pf, b1);
     }
+    if (threadIdx.x < T::kTokens) rows[i % kStages][threadIdx.x] = ahead;
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's memory is reused below
@@ -286,8 +307,13 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
       sum += sm_l[x * G + g] * scale;
       out += sm_o[(x * G + g) * HD + d] * scale;
     }
+    // The part has at least one token, so sum > 0. A single part is the whole answer.
+    if (parts == 1) {
+      a.o[(std::size_t(b) * s.q_heads + kv * G + g) * HD + d] = __float2bfloat16(out / sum);
+      continue;
+    }
     const std::size_t slot = (std::size_t(b) * s.q_heads + kv * G + g) * parts + part;
-    w.out[slot * HD + d] = out / sum;  // the part has at least one token, so sum > 0
+    w.out[slot * HD + d] = out / sum;
     if (d == 0) w.lse[slot] = best + log2f(sum);
   }
 }
@@ -310,32 +336,55 @@ __global__ __launch_bounds__(HD) void merge_parts(DecodeShape s, DecodeArgs a, i
   a.o[(std::size_t(b) * s.q_heads + h) * HD + d] = __float2bfloat16(out / sum);
 }
 
-template <int HD, int G>
-void launch(const DecodeShape& s, const DecodeArgs& a, const Split& split, const Workspace& w, cudaStream_t stream) {
-  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(HD));
-  constexpr int shared = Tiles<HD>::kSharedBytes;  // over the 48 KB a kernel gets unasked
-  static const cudaError_t opted =
-      cudaFuncSetAttribute(decode_parts<HD, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
-  if (opted != cudaSuccess)
-    throw std::runtime_error(std::string("decode_attention_paged: ") + cudaGetErrorString(opted));
-  decode_parts<HD, G><<<dim3(split.parts, s.kv_heads, s.batch), kWarps * 32, shared, stream>>>(
-      s, a, split.tokens, split.parts, w, scale_log2);
-  merge_parts<HD><<<dim3(s.q_heads, s.batch), HD, 0, stream>>>(s, a, split.tokens, split.parts, w);
+// Calls f.template operator()<HD, G>() for the shape's head size and group (the kernel's
+// template arguments), so that sizing and launching see the same kernel.
+template <class F>
+decltype(auto) with_kernel(const DecodeShape& s, F&& f) {
+  const int g = s.q_heads / s.kv_heads;
+  auto group = [&]<int HD>() -> decltype(auto) {
+    switch (g) {
+      case 1: return f.template operator()<HD, 1>();
+      case 2: return f.template operator()<HD, 2>();
+      case 3: return f.template operator()<HD, 3>();
+      case 4: return f.template operator()<HD, 4>();
+      case 5: return f.template operator()<HD, 5>();
+      case 6: return f.template operator()<HD, 6>();
+      case 7: return f.template operator()<HD, 7>();
+      default: return f.template operator()<HD, 8>();
+    }
+  };
+  if (s.head_dim == 64) return group.template operator()<64>();
+  return group.template operator()<128>();
 }
 
-template <int HD>
-void launch_group(const DecodeShape& s, const DecodeArgs& a, const Split& split, const Workspace& w,
-                  cudaStream_t stream) {
-  switch (s.q_heads / s.kv_heads) {
-    case 1: return launch<HD, 1>(s, a, split, w, stream);
-    case 2: return launch<HD, 2>(s, a, split, w, stream);
-    case 3: return launch<HD, 3>(s, a, split, w, stream);
-    case 4: return launch<HD, 4>(s, a, split, w, stream);
-    case 5: return launch<HD, 5>(s, a, split, w, stream);
-    case 6: return launch<HD, 6>(s, a, split, w, stream);
-    case 7: return launch<HD, 7>(s, a, split, w, stream);
-    default: return launch<HD, 8>(s, a, split, w, stream);
-  }
+// decode_parts<HD, G> with its shared memory opted in (over the 48 KB a kernel gets unasked), and
+// how many of its blocks the GPU holds at once. Both are asked once per kernel.
+struct Kernel {
+  void (*fn)(DecodeShape, DecodeArgs, int, int, Workspace, float);
+  int shared;
+  int slots;  // resident blocks: blocks per SM × SMs
+};
+
+template <int HD, int G>
+const Kernel& kernel() {
+  static const Kernel k = [] {
+    constexpr int shared = Tiles<HD>::kSharedBytes;
+    const cudaError_t opted =
+        cudaFuncSetAttribute(decode_parts<HD, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+    if (opted != cudaSuccess)
+      throw std::runtime_error(std::string("decode_attention_paged: ") + cudaGetErrorString(opted));
+    int per_sm = 0;
+    const cudaError_t asked =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_parts<HD, G>, kWarps * 32, shared);
+    if (asked != cudaSuccess || per_sm < 1)
+      throw std::runtime_error(std::string("decode_attention_paged: occupancy: ") + cudaGetErrorString(asked));
+    return Kernel{decode_parts<HD, G>, shared, per_sm * multiprocessors()};
+  }();
+  return k;
+}
+
+Split split_for(const DecodeShape& s) {
+  return with_kernel(s, [&]<int HD, int G>() { return split_for(s, kernel<HD, G>().slots); });
 }
 
 }  // namespace
@@ -343,6 +392,7 @@ void launch_group(const DecodeShape& s, const DecodeArgs& a, const Split& split,
 std::size_t decode_workspace_bytes(const DecodeShape& shape) {
   validate(shape);
   const Split split = split_for(shape);
+  if (split.parts == 1) return 0;  // the blocks write the output themselves
   return std::size_t(shape.batch) * shape.q_heads * split.parts * (shape.head_dim + 1) * sizeof(float);
 }
 
@@ -350,10 +400,14 @@ void decode_attention_paged(const DecodeShape& shape, const DecodeArgs& args, vo
   validate(shape);
   const Split split = split_for(shape);
   const Workspace w = carve(shape, split, workspace);
-  if (shape.head_dim == 64)
-    launch_group<64>(shape, args, split, w, stream);
-  else
-    launch_group<128>(shape, args, split, w, stream);
+  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(shape.head_dim));
+  with_kernel(shape, [&]<int HD, int G>() {
+    const Kernel& k = kernel<HD, G>();
+    k.fn<<<dim3(split.parts, shape.kv_heads, shape.batch), kWarps * 32, k.shared, stream>>>(
+        shape, args, split.tokens, split.parts, w, scale_log2);
+    if (split.parts > 1)
+      merge_parts<HD><<<dim3(shape.q_heads, shape.batch), HD, 0, stream>>>(shape, args, split.tokens, split.parts, w);
+  });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("decode_attention_paged: launch failed: ") + cudaGetErrorString(err));
 }

@@ -135,6 +135,21 @@ double decode_step(Engine& engine, const std::vector<Request>& trace, std::vecto
   return clock;
 }
 
+// One prefill step of the `admitted` sequences' prompts on `engine`, its tokens left in `step`:
+// returns the clock after it.
+double prefill_step(Engine& engine, const std::vector<Request>& trace, const std::vector<Running>& admitted,
+                    const StepTimer& timer, double clock, Step& step) {
+  std::vector<int> seqs;
+  std::vector<std::vector<std::int32_t>> prompts;
+  StepInfo info{StepInfo::Kind::prefill, static_cast<int>(admitted.size()), 0, 0, 0};
+  for (const Running& a : admitted) {
+    seqs.push_back(a.seq);
+    prompts.push_back(trace[a.index].prompt);
+    info.tokens += static_cast<std::int64_t>(trace[a.index].prompt.size());
+  }
+  return clock + timed(timer, info, [&] { step = engine.prefill(seqs, prompts); });
+}
+
 }  // namespace
 
 // =============================================================================================
@@ -182,16 +197,8 @@ ServeReport serve(Engine& engine, const std::vector<Request>& trace, const Serve
       waiting.pop_front();
     }
     if (!admitted.empty()) {
-      std::vector<int> seqs;
-      std::vector<std::vector<std::int32_t>> prompts;
-      StepInfo info{StepInfo::Kind::prefill, static_cast<int>(admitted.size()), 0, 0, 0};
-      for (const Running& a : admitted) {
-        seqs.push_back(a.seq);
-        prompts.push_back(trace[a.index].prompt);
-        info.tokens += static_cast<std::int64_t>(trace[a.index].prompt.size());
-      }
       Step step;
-      clock += timed(config.timer, info, [&] { step = engine.prefill(seqs, prompts); });
+      clock = prefill_step(engine, trace, admitted, config.timer, clock, step);
       ++report.prefill_steps;
       report.peak_pages = std::max(report.peak_pages, cache.used_pages());
       for (std::size_t i = 0; i < admitted.size(); ++i) {
@@ -383,16 +390,8 @@ ServeReport serve_disaggregated(Communicator& comm, Engine& engine, const std::v
         promised += need;
         ++P.head;
       }
-      std::vector<int> seqs;
-      std::vector<std::vector<std::int32_t>> prompts;
-      StepInfo info{StepInfo::Kind::prefill, static_cast<int>(admitted.size()), 0, 0, 0};
-      for (const Running& a : admitted) {
-        seqs.push_back(a.seq);
-        prompts.push_back(trace[a.index].prompt);
-        info.tokens += static_cast<std::int64_t>(trace[a.index].prompt.size());
-      }
       Step step;
-      P.clock += timed(config.timer, info, [&] { step = engine.prefill(seqs, prompts); });
+      P.clock = prefill_step(engine, trace, admitted, config.timer, P.clock, step);
       ++report.prefill_steps;
       std::vector<double> header(static_cast<std::size_t>(1 + 2 * B), 0.0), ready;
       std::vector<Running> go;

@@ -167,10 +167,7 @@ class CpuOps final : public Ops {
 
   void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y,
                        Tensor& rstd) override {
-    const Matrix m = as_matrix(x);
-    gamma.expect({m.cols}, "rmsnorm gamma");
-    same_shape(x, y, "rmsnorm");
-    rstd.expect({m.rows}, "rmsnorm rstd");
+    const Matrix m = checks::rmsnorm_args(x, gamma, y, rstd);
     for (std::int64_t r = 0; r < m.rows; ++r) {
       const float* xr = x.f32() + r * m.cols;
       float ss = 0;
@@ -184,12 +181,7 @@ class CpuOps final : public Ops {
 
   void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
                         Tensor& dx, Tensor& dgamma) override {
-    const Matrix m = as_matrix(x);
-    same_shape(x, dy, "rmsnorm backward");
-    same_shape(x, dx, "rmsnorm backward");
-    dgamma.expect({m.cols}, "rmsnorm dgamma");
-    gamma.expect({m.cols}, "rmsnorm gamma");
-    rstd.expect({m.rows}, "rmsnorm rstd");
+    const Matrix m = checks::rmsnorm_backward_args(x, gamma, rstd, dy, dx, dgamma);
     const float* g = gamma.f32();
     for (std::int64_t r = 0; r < m.rows; ++r) {
       const float *xr = x.f32() + r * m.cols, *dyr = dy.f32() + r * m.cols;
@@ -404,11 +396,7 @@ class CpuOps final : public Ops {
   }
 
   void top_k(const Tensor& scores, int k, Tensor& indices, Tensor& values) override {
-    const Matrix m = as_matrix(scores);
-    if (k < 1 || k > m.cols)
-      throw std::invalid_argument("top_k: k = " + std::to_string(k) + " with " + std::to_string(m.cols) + " scores a row");
-    indices.expect({m.rows, k}, "top_k indices", DType::i32);
-    values.expect({m.rows, k}, "top_k values");
+    const Matrix m = checks::top_k_args(scores, k, indices, values);
     std::vector<int> order(static_cast<std::size_t>(m.cols));
     for (std::int64_t r = 0; r < m.rows; ++r) {
       const float* s = scores.f32() + r * m.cols;

@@ -82,6 +82,51 @@ __device__ __forceinline__ void wait_groups() {  // all but the N most recent gr
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The loop head every kernel runs before computing on tile j of n: the next tile's copies go out
+// (into the other buffer, which every warp finished with last iteration) and tile j is waited
+// for; the barrier then makes it visible to every warp.
+template <class LoadNext>
+__device__ __forceinline__ void next_tile(int j, int n, LoadNext&& load_next) {
+  if (j + 1 < n) {
+    load_next(j + 1);
+    wait_groups<1>();
+  } else {
+    wait_groups<0>();
+  }
+  __syncthreads();
+}
+
+// Key-value tile j (rows [64·j, 64·j + 64) of K and V, head kh) into buffer j % 2 of `kv`, as one
+// commit group: the stream that forward and dQ pass their queries against.
+template <int D>
+__device__ __forceinline__ void load_kv(__nv_bfloat16* kv, int ld, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                        std::int64_t seq, int j, const Args& a, int kh) {
+  __nv_bfloat16* buf = kv + (j % 2) * 2 * kTile * ld;
+  load_tile<D>(buf, ld, k, seq, j * kTile, a.T, a.kv_heads, kh);
+  load_tile<D>(buf + kTile * ld, ld, v, seq, j * kTile, a.T, a.kv_heads, kh);
+  commit();
+}
+
+// Where this lane's ldmatrix address lies in a tile read as B operands: two n8 tiles at rows
+// 16·np.. of a row-major (n × k) tile, k step kk (b_offset); or, transposed, k rows 16·kk.. of a
+// (k × n) tile, n columns 16·np.. (bt_offset). (The A fragments' address, written out in each
+// kernel, stays there: as a helper it changed the dQ kernel's schedule for head_dim 64.)
+__device__ __forceinline__ int b_offset(int np, int kk, int ld, int lane) {
+  return (np * 16 + (lane / 16) * 8 + lane % 8) * ld + kk * 16 + ((lane / 8) % 2) * 8;
+}
+__device__ __forceinline__ int bt_offset(int kk, int np, int ld, int lane) {
+  return (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * ld + np * 16 + (lane / 16) * 8;
+}
+
+// The A operand of the next product for keys (or queries) 16·kk.. from the accumulators of this
+// one: the accumulator layout of two 16×8 tiles is that of a 16×16 A fragment, rounded to bf16.
+__device__ __forceinline__ void acc_to_a(unsigned (&f)[4], const float (*acc)[4], int kk) {
+  f[0] = pack(acc[2 * kk][0], acc[2 * kk][1]);
+  f[1] = pack(acc[2 * kk][2], acc[2 * kk][3]);
+  f[2] = pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  f[3] = pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
 template <int D>
 __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                                          const __nv_bfloat16* v, float* o, float* lse) {
@@ -94,15 +139,10 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (a.heads / a.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const std::int64_t seq = static_cast<std::int64_t>(b) * a.T;
-  auto load_kv = [&](int j) {
-    __nv_bfloat16* buf = KVs + (j % 2) * 2 * kTile * LD;
-    load_tile<D>(buf, LD, k, seq, j * kTile, a.T, a.kv_heads, kh);
-    load_tile<D>(buf + kTile * LD, LD, v, seq, j * kTile, a.T, a.kv_heads, kh);
-    commit();
-  };
+  auto load_kv_tile = [&](int j) { load_kv<D>(KVs, LD, k, v, seq, j, a, kh); };
   load_tile<D>(Qs, LD, q, seq, qt * kTile, a.T, a.heads, h);
   commit();
-  load_kv(0);
+  load_kv_tile(0);
   wait_groups<1>();  // Q has landed; the first K and V may still be on their way
   __syncthreads();
   unsigned qf[D / 16][4];
@@ -114,20 +154,14 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
   const int qrow[2] = {qt * kTile + warp * 16 + g, qt * kTile + warp * 16 + g + 8};
   const int kv_tiles = a.causal ? qt + 1 : tiles;
   for (int j = 0; j < kv_tiles; ++j) {
-    if (j + 1 < kv_tiles) {
-      load_kv(j + 1);  // into the other buffer, which every warp finished with last iteration
-      wait_groups<1>();
-    } else {
-      wait_groups<0>();
-    }
-    __syncthreads();  // tile j is in shared memory for every warp
+    next_tile(j, kv_tiles, load_kv_tile);
     const __nv_bfloat16* Ks = KVs + (j % 2) * 2 * kTile * LD;
     const __nv_bfloat16* Vs = Ks + kTile * LD;
     float s[8][4] = {};
     for (int kk = 0; kk < D / 16; ++kk)
       for (int np = 0; np < 4; ++np) {
         unsigned bf[4];
-        ldsm4(bf, Ks + (np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8);
+        ldsm4(bf, Ks + b_offset(np, kk, LD, lane));
         mma(s[2 * np], qf[kk], bf[0], bf[1]);
         mma(s[2 * np + 1], qf[kk], bf[2], bf[3]);
       }
@@ -172,11 +206,11 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
       acc[dn][2] *= rescale[1], acc[dn][3] *= rescale[1];
     }
     for (int kk = 0; kk < 4; ++kk) {  // 16 keys a step
-      const unsigned pf[4] = {pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
-                              pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      unsigned pf[4];
+      acc_to_a(pf, s, kk);
       for (int dp = 0; dp < D / 16; ++dp) {
         unsigned bf[4];
-        ldsm4_t(bf, Vs + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dp * 16 + (lane / 16) * 8);
+        ldsm4_t(bf, Vs + bt_offset(kk, dp, LD, lane));
         mma(acc[2 * dp], pf, bf[0], bf[1]);
         mma(acc[2 * dp + 1], pf, bf[2], bf[3]);
       }
@@ -258,13 +292,7 @@ __global__ void __launch_bounds__(kBlock) dkdv_kernel(Args a, const __nv_bfloat1
   const int key[2] = {jt * kTile + warp * 16 + g, jt * kTile + warp * 16 + g + 8};
 
   for (int i = first; i < tiles; ++i) {
-    if (i + 1 < tiles) {
-      load_q(i + 1);
-      wait_groups<1>();
-    } else {
-      wait_groups<0>();
-    }
-    __syncthreads();
+    next_tile(i, tiles, load_q);
     const __nv_bfloat16* Qs = QdOs + (i % 2) * 2 * kTile * LD;
     const __nv_bfloat16* dOs = Qs + kTile * LD;
     const float* lse_s = stats + (i % 2) * 2 * kTile;
@@ -273,7 +301,7 @@ __global__ void __launch_bounds__(kBlock) dkdv_kernel(Args a, const __nv_bfloat1
     for (int kk = 0; kk < D / 16; ++kk)
       for (int np = 0; np < 4; ++np) {
         unsigned bq[4], bo[4];
-        const int off = (np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8;
+        const int off = b_offset(np, kk, LD, lane);
         ldsm4(bq, Qs + off);
         ldsm4(bo, dOs + off);
         mma(st[2 * np], kf[kk], bq[0], bq[1]);
@@ -299,13 +327,12 @@ __global__ void __launch_bounds__(kBlock) dkdv_kernel(Args a, const __nv_bfloat1
       }
     // dV += Pᵀ·dO and dK += dSᵀ·Q: 16 queries a step, operands from registers and shared memory.
     for (int kk = 0; kk < 4; ++kk) {
-      const unsigned pf[4] = {pack(st[2 * kk][0], st[2 * kk][1]), pack(st[2 * kk][2], st[2 * kk][3]),
-                              pack(st[2 * kk + 1][0], st[2 * kk + 1][1]), pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-      const unsigned sf[4] = {pack(dpt[2 * kk][0], dpt[2 * kk][1]), pack(dpt[2 * kk][2], dpt[2 * kk][3]),
-                              pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]), pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+      unsigned pf[4], sf[4];
+      acc_to_a(pf, st, kk);
+      acc_to_a(sf, dpt, kk);
       for (int dp = 0; dp < D / 16; ++dp) {
         unsigned bo[4], bq[4];
-        const int off = (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dp * 16 + (lane / 16) * 8;
+        const int off = bt_offset(kk, dp, LD, lane);
         ldsm4_t(bo, dOs + off);
         ldsm4_t(bq, Qs + off);
         mma(dva[2 * dp], pf, bo[0], bo[1]);
@@ -349,16 +376,11 @@ __global__ void __launch_bounds__(kBlock) dq_kernel(Args a, const __nv_bfloat16*
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const std::int64_t seq = static_cast<std::int64_t>(b) * a.T;
   const std::int64_t row_stats = (static_cast<std::int64_t>(b) * a.heads + h) * a.T;
-  auto load_kv = [&](int j) {
-    __nv_bfloat16* buf = KVs + (j % 2) * 2 * kTile * LD;
-    load_tile<D>(buf, LD, k, seq, j * kTile, a.T, a.kv_heads, kh);
-    load_tile<D>(buf + kTile * LD, LD, v, seq, j * kTile, a.T, a.kv_heads, kh);
-    commit();
-  };
+  auto load_kv_tile = [&](int j) { load_kv<D>(KVs, LD, k, v, seq, j, a, kh); };
   load_tile<D>(Qs, LD, q, seq, qt * kTile, a.T, a.heads, h);
   load_tile<D>(dOs, LD, dout, seq, qt * kTile, a.T, a.heads, h);
   commit();
-  load_kv(0);
+  load_kv_tile(0);
   wait_groups<1>();
   __syncthreads();
   unsigned qf[D / 16][4], of[D / 16][4];
@@ -376,20 +398,14 @@ __global__ void __launch_bounds__(kBlock) dq_kernel(Args a, const __nv_bfloat16*
   const float sl = a.scale * kLog2e;
   const int kv_tiles = a.causal ? qt + 1 : tiles;
   for (int j = 0; j < kv_tiles; ++j) {
-    if (j + 1 < kv_tiles) {
-      load_kv(j + 1);
-      wait_groups<1>();
-    } else {
-      wait_groups<0>();
-    }
-    __syncthreads();
+    next_tile(j, kv_tiles, load_kv_tile);
     const __nv_bfloat16* Ks = KVs + (j % 2) * 2 * kTile * LD;
     const __nv_bfloat16* Vs = Ks + kTile * LD;
     float s[8][4] = {}, dp[8][4] = {};
     for (int kk = 0; kk < D / 16; ++kk)
       for (int np = 0; np < 4; ++np) {
         unsigned bk[4], bv[4];
-        const int off = (np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8;
+        const int off = b_offset(np, kk, LD, lane);
         ldsm4(bk, Ks + off);
         ldsm4(bv, Vs + off);
         mma(s[2 * np], qf[kk], bk[0], bk[1]);
@@ -411,11 +427,11 @@ __global__ void __launch_bounds__(kBlock) dq_kernel(Args a, const __nv_bfloat16*
         dp[nt][e] = p * (dp[nt][e] - row_delta[r]);
       }
     for (int kk = 0; kk < 4; ++kk) {
-      const unsigned sf[4] = {pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
-                              pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+      unsigned sf[4];
+      acc_to_a(sf, dp, kk);
       for (int dn = 0; dn < D / 16; ++dn) {
         unsigned bk[4];
-        ldsm4_t(bk, Ks + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dn * 16 + (lane / 16) * 8);
+        ldsm4_t(bk, Ks + bt_offset(kk, dn, LD, lane));
         mma(acc[2 * dn], sf, bk[0], bk[1]);
         mma(acc[2 * dn + 1], sf, bk[2], bk[3]);
       }

@@ -271,10 +271,7 @@ class CudaOps final : public Ops {
   }
 
   void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) override {
-    const Matrix m = as_matrix(x);
-    gamma.expect({m.cols}, "rmsnorm gamma");
-    same_shape(x, y, "rmsnorm");
-    rstd.expect({m.rows}, "rmsnorm rstd");
+    const Matrix m = checks::rmsnorm_args(x, gamma, y, rstd);
     if (m.rows) rmsnorm_forward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), eps, y.f32(), rstd.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
@@ -289,12 +286,7 @@ class CudaOps final : public Ops {
   }
   void rmsnorm_backward_into(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
                              const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
-    const Matrix m = as_matrix(x);
-    same_shape(x, dy, "rmsnorm backward");
-    same_shape(x, dx, "rmsnorm backward");
-    dgamma.expect({m.cols}, "rmsnorm dgamma");
-    gamma.expect({m.cols}, "rmsnorm gamma");
-    rstd.expect({m.rows}, "rmsnorm rstd");
+    const Matrix m = checks::rmsnorm_backward_args(x, gamma, rstd, dy, dx, dgamma);
     if (m.rows == 0) return;
     rmsnorm_backward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(
         x.f32(), gamma.f32(), rstd.f32(), dy.f32(), residual_dy ? residual_dy->f32() : nullptr, dx.f32(), m.cols);
@@ -426,11 +418,7 @@ class CudaOps final : public Ops {
     K2C_CUDA_CHECK_LAUNCH();
   }
   void top_k(const Tensor& scores, int k, Tensor& indices, Tensor& values) override {
-    const Matrix m = as_matrix(scores);
-    if (k < 1 || k > m.cols)
-      throw std::invalid_argument("top_k: k = " + std::to_string(k) + " with " + std::to_string(m.cols) + " scores a row");
-    indices.expect({m.rows, k}, "top_k indices", DType::i32);
-    values.expect({m.rows, k}, "top_k values");
+    const Matrix m = checks::top_k_args(scores, k, indices, values);
     launch(top_k_kernel, m.rows, scores.f32(), indices.i32(), values.f32(), m.rows, static_cast<int>(m.cols), k);
   }
   void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) override {

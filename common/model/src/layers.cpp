@@ -109,14 +109,7 @@ Attention::Attention(ParamList& params, const std::string& name, const Attention
 
 namespace {
 AttentionShape shape_of(const AttentionConfig& c, int batch, std::int64_t T) {
-  AttentionShape s;
-  s.batch = batch;
-  s.q_len = s.kv_len = static_cast<int>(T);
-  s.q_heads = c.q_heads;
-  s.kv_heads = c.kv_heads;
-  s.head_dim = c.head_dim();
-  s.causal = true;
-  return s;
+  return AttentionShape::causal_self(batch, T, c.q_heads, c.kv_heads, c.head_dim());
 }
 }  // namespace
 

@@ -39,6 +39,37 @@ inline GemmDims gemm_dims(const Tensor& a, bool ta, const Tensor& b, bool tb, co
   return {M, N, K};
 }
 
+// rmsnorm_forward's tensors: x [.., cols], gamma [cols], y like x, rstd [rows]; x as a matrix.
+inline Matrix rmsnorm_args(const Tensor& x, const Tensor& gamma, const Tensor& y, const Tensor& rstd) {
+  const Matrix m = as_matrix(x);
+  gamma.expect({m.cols}, "rmsnorm gamma");
+  same_shape(x, y, "rmsnorm");
+  rstd.expect({m.rows}, "rmsnorm rstd");
+  return m;
+}
+
+// rmsnorm_backward's: dy and dx like x, dgamma and gamma [cols], rstd [rows]; x as a matrix.
+inline Matrix rmsnorm_backward_args(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                                    const Tensor& dx, const Tensor& dgamma) {
+  const Matrix m = as_matrix(x);
+  same_shape(x, dy, "rmsnorm backward");
+  same_shape(x, dx, "rmsnorm backward");
+  dgamma.expect({m.cols}, "rmsnorm dgamma");
+  gamma.expect({m.cols}, "rmsnorm gamma");
+  rstd.expect({m.rows}, "rmsnorm rstd");
+  return m;
+}
+
+// top_k's: k in 1..(row length of scores), indices (int32) and values [rows, k]; scores as a matrix.
+inline Matrix top_k_args(const Tensor& scores, int k, const Tensor& indices, const Tensor& values) {
+  const Matrix m = as_matrix(scores);
+  if (k < 1 || k > m.cols)
+    throw std::invalid_argument("top_k: k = " + std::to_string(k) + " with " + std::to_string(m.cols) + " scores a row");
+  indices.expect({m.rows, k}, "top_k indices", DType::i32);
+  values.expect({m.rows, k}, "top_k values");
+  return m;
+}
+
 inline void attention_args(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v) {
   s.check();
   q.expect({static_cast<std::int64_t>(s.batch) * s.q_len, static_cast<std::int64_t>(s.q_heads) * s.head_dim}, "attention q");

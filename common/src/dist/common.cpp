@@ -188,6 +188,14 @@ Traffic CountingCommunicator::total(const std::string& op) const {
   return sum;
 }
 
+std::uint64_t CountingCommunicator::calls_except(const std::set<std::pair<std::string, std::string>>& allowed) const {
+  std::uint64_t calls = 0;
+  for (const auto& [label, ops] : *ledger_)
+    for (const auto& [op, t] : ops)
+      if (!allowed.count({label, op})) calls += t.calls;
+  return calls;
+}
+
 std::string CountingCommunicator::report() const {
   std::ostringstream os;
   os << "traffic of rank " << rank() << " (bytes as defined in k2c/dist/counting.h):\n";

@@ -319,25 +319,6 @@ Ticket MpiCommunicator::start_all_to_all_v(const void* send, const std::vector<s
 
 // ----------------------------------------------------------------- blocking collectives -----
 
-void MpiCommunicator::all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-  wait(start_all_reduce(send, recv, count, t, op));
-}
-
-void MpiCommunicator::reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-  wait(start_reduce_scatter(send, recv, count, t, op));
-}
-
-void MpiCommunicator::all_gather(const void* send, void* recv, std::size_t count, DType t) {
-  wait(start_all_gather(send, recv, count, t));
-}
-
-void MpiCommunicator::all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
-                                   const std::vector<std::size_t>& send_offsets, void* recv,
-                                   const std::vector<std::size_t>& recv_counts,
-                                   const std::vector<std::size_t>& recv_offsets, DType t) {
-  wait(start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t));
-}
-
 void MpiCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Ibcast(buf, mpi_count(count, "broadcast"), mpi_type(t), root, comm_, &r[0]));

@@ -297,22 +297,6 @@ Ticket NcclCommunicator::start_all_to_all_v(const void* send, const std::vector<
   return open_ticket();
 }
 
-// The blocking forms: start + wait, so the rules of ordering are those of the started ones.
-void NcclCommunicator::all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-  wait(start_all_reduce(send, recv, count, t, op));
-}
-void NcclCommunicator::reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-  wait(start_reduce_scatter(send, recv, count, t, op));
-}
-void NcclCommunicator::all_gather(const void* send, void* recv, std::size_t count, DType t) {
-  wait(start_all_gather(send, recv, count, t));
-}
-void NcclCommunicator::all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
-                                    const std::vector<std::size_t>& send_offsets, void* recv,
-                                    const std::vector<std::size_t>& recv_counts,
-                                    const std::vector<std::size_t>& recv_offsets, DType t) {
-  wait(start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t));
-}
 void NcclCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
   local_after_comm();
   K2C_NCCL_CHECK(ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream_));

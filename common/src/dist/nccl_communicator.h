@@ -52,16 +52,10 @@ class NcclCommunicator final : public Communicator {
                     ReduceOp op) override;
   void synchronize() override;
 
-  void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
-  void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
-  void all_gather(const void* send, void* recv, std::size_t count, DType t) override;
+  // all_reduce, reduce_scatter, all_gather and all_to_all_v: Communicator's start + wait.
   void broadcast(void* buf, std::size_t count, DType t, int root) override;
   void reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) override;
   void all_to_all(const void* send, void* recv, std::size_t count, DType t) override;
-  void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
-                    const std::vector<std::size_t>& send_offsets, void* recv,
-                    const std::vector<std::size_t>& recv_counts,
-                    const std::vector<std::size_t>& recv_offsets, DType t) override;
   void barrier() override;
   std::unique_ptr<Communicator> split(int color, int key) override;
   void to_backend(void* dst, const void* host_src, std::size_t bytes) override;

@@ -64,6 +64,8 @@ struct ModuleSpec {
   std::vector<RunSpec> runs;  // mpi modules only
   bool model = false;              // "build": links the model library (Part II's modules)
   std::vector<std::string> uses;   // "build": earlier modules whose implementations it links
+  bool sm90a = false;              // "build": compiled for sm_90a where the build targets sm_90
+                                   // (a Part B on wgmma and setmaxnreg)
   int timeout_s = 0;
   std::vector<std::string> files;  // student files, relative to the repository root
   std::vector<TestSpec> tests;

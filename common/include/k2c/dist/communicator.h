@@ -165,9 +165,17 @@ class Communicator : public PointToPoint {
   // elements and receives block rank() of `count`; all_gather: every rank gives `count` and
   // receives count·size(), rank r's part at offset r·count. Every rank calls each collective
   // with the same count, type and op (and root); send may equal recv (in place) for all_reduce.
-  virtual void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
-  virtual void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) = 0;
-  virtual void all_gather(const void* send, void* recv, std::size_t count, DType t) = 0;
+  // The four that also come started (below) are, by default, exactly start + wait, so both
+  // backends share one definition of them; a communicator that counts calls overrides them.
+  virtual void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    wait(start_all_reduce(send, recv, count, t, op));
+  }
+  virtual void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    wait(start_reduce_scatter(send, recv, count, t, op));
+  }
+  virtual void all_gather(const void* send, void* recv, std::size_t count, DType t) {
+    wait(start_all_gather(send, recv, count, t));
+  }
   virtual void broadcast(void* buf, std::size_t count, DType t, int root) = 0;
   virtual void reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) = 0;
   // all_to_all: `count` elements to and from every rank, ordered by rank. all_to_all_v: per-peer
@@ -176,7 +184,9 @@ class Communicator : public PointToPoint {
   virtual void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
                             const std::vector<std::size_t>& send_offsets, void* recv,
                             const std::vector<std::size_t>& recv_counts,
-                            const std::vector<std::size_t>& recv_offsets, DType t) = 0;
+                            const std::vector<std::size_t>& recv_offsets, DType t) {
+    wait(start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t));
+  }
 
   // The same four collectives, started now and completed by wait(ticket), under the rules of
   // start_send_recv: the collective is ordered after the local work issued before it and after

@@ -35,7 +35,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "k2c/dist/communicator.h"
@@ -69,6 +71,9 @@ class CountingCommunicator final : public Communicator {
   const TrafficTable& counts() const { return *ledger_; }
   Traffic count(const std::string& label, const std::string& op) const;  // zeros if never called
   Traffic total(const std::string& op) const;                            // summed over labels
+  // Calls of every (label, operation) not in `allowed`: what a test holds to zero when an
+  // algorithm may communicate only through the allowed ones.
+  std::uint64_t calls_except(const std::set<std::pair<std::string, std::string>>& allowed) const;
   // One line per (label, operation), ordered by both: "rank 0  tp  all_reduce  calls 4 ..."
   std::string report() const;
   void reset();  // empties the whole shared ledger

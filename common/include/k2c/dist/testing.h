@@ -6,20 +6,24 @@
 // failed on any, so rank 0's report tells the truth about all of them. Performance tests time
 // with time_step (k2c/dist/timing.h, included here).
 //
-// The checks every distributed module's tests share (modules 12 to 17): whether the ranks hold
+// The checks every distributed module's tests share (modules 12 to 19): whether the ranks hold
 // the same bits (same_on_all_ranks), whether a test failed on any rank (failed_anywhere), and
-// host data compared within a tolerance or bit for bit (expect_close, expect_bits).
+// host data compared within a tolerance or bit for bit (expect_close, expect_bits). And the host
+// data they are made of: inputs drawn from the run's seed, the same on every rank (random_host),
+// and the blocks of rows or columns a rank's shard of a matrix holds (row_block, column_block).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "k2c/core/random.h"
 #include "k2c/dist/communicator.h"
 #include "k2c/dist/timing.h"
 #include "k2c/testing/testing.h"
@@ -74,6 +78,41 @@ class CpuModelTest : public DistTest {
       K2C_SKIP("needs 2 or more GPUs, one per rank (this run has 1)");                              \
     if (::k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");        \
   } while (0)
+
+// The counted groups a test program splits once: T is made on the first call, which is collective
+// (every rank makes it in the same test), and is never destroyed, because its MPI communicators
+// must not be freed after MPI_Finalize (and a grid's splits take seconds on NCCL, too long to
+// repeat per test). Each call hands it out with its ledger (T::counting, a CountingCommunicator)
+// emptied.
+template <class T>
+T& kept_groups() {
+  static T* groups = new T;
+  groups->counting.reset();
+  return *groups;
+}
+
+// Host data: a row-major matrix of `cols` columns where a shape is needed.
+using Host = std::vector<float>;
+
+// `count` values uniform in [lo, hi), drawn from the run's seed for `tag` (seed_for, so --seed
+// reaches other values): the same on every rank, so each can build the whole reference.
+inline Host random_host(std::int64_t count, const std::string& tag, float lo = -1.0f, float hi = 1.0f) {
+  Host v(static_cast<std::size_t>(count));
+  ::k2c::fill_uniform(v, ::k2c::testing::seed_for(tag), lo, hi);
+  return v;
+}
+
+// Rows [r0, r0 + nr) of a matrix with `cols` columns.
+inline Host row_block(const Host& m, std::int64_t cols, std::int64_t r0, std::int64_t nr) {
+  return Host(m.begin() + r0 * cols, m.begin() + (r0 + nr) * cols);
+}
+// Columns [c0, c0 + nc) of a matrix with `cols` columns.
+inline Host column_block(const Host& m, std::int64_t cols, std::int64_t c0, std::int64_t nc) {
+  const std::int64_t rows = static_cast<std::int64_t>(m.size()) / cols;
+  Host out(static_cast<std::size_t>(rows * nc));
+  for (std::int64_t r = 0; r < rows; ++r) std::copy_n(m.begin() + r * cols + c0, nc, out.begin() + r * nc);
+  return out;
+}
 
 // Collective (every rank calls it, with as many bytes): true when every rank holds the same
 // bytes. Each rank hashes its own (FNV-1a, 64 bits); the minimum and maximum of the hashes over

@@ -8,7 +8,9 @@
 // 12–17 and 19 choose through it.
 //
 // Header-only: whether the GPU backend is there to choose is K2C_MODEL_CUDA, which the build sets
-// to 1 for a program that links k2c_model_cuda (cmake/K2CModule.cmake).
+// to 1 for a program that links k2c_model_cuda (cmake/K2CModule.cmake). A test includes this
+// header for that macro too, and calls backend_if_built, which lets it skip with its reason where
+// a program would throw.
 #pragma once
 
 #include <stdexcept>
@@ -37,6 +39,13 @@ inline Ops& backend_for(bool gpu, void* stream, GpuMath math = GpuMath::bf16) {
       "a NCCL run computes on the model library's GPU backend (k2c_model_cuda), which this program was built "
       "without: build with the CUDA toolkit, or run on MPI (K2C_BACKEND=mpi)");
 #endif
+}
+
+// backend_for's choice, or null where that is the GPU backend and this program was built without
+// it: the tests' form, since a test skips there (saying so) where a program fails.
+inline Ops* backend_if_built(bool gpu, void* stream, GpuMath math = GpuMath::bf16) {
+  if (gpu && !K2C_MODEL_CUDA) return nullptr;
+  return &backend_for(gpu, stream, math);
 }
 
 }  // namespace k2c::model

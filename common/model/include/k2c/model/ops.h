@@ -32,6 +32,13 @@ struct AttentionShape {
   bool causal = true;
   std::int64_t q_offset = 0, kv_offset = 0;
   void check() const;  // throws std::invalid_argument with the offending values
+
+  // Causal self-attention over T tokens of each sequence, keys and queries alike, no offsets: the
+  // shape of a layer that attends over its own whole sequence (the library's Attention, and the
+  // parallel ones of modules 14 and 16 over their local heads).
+  static AttentionShape causal_self(int batch, std::int64_t T, int q_heads, int kv_heads, int head_dim) {
+    return {batch, static_cast<int>(T), static_cast<int>(T), q_heads, kv_heads, head_dim, true, 0, 0};
+  }
 };
 
 // What makes a dropout mask: element e of an activation is dropped when a hash of
