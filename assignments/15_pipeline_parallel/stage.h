@@ -179,14 +179,7 @@ class Stage {
       run_forward(ctx, mb, saved.grad_scale, false, saved, nullptr);
       ctx.aux_loss = aux;
     }
-    struct Guard {  // a backward that throws half-way must not leave the parameters waiting
-      ParamList& params;
-      bool done = false;
-      ~Guard() {
-        if (!done) params.cancel_backward();
-      }
-    } guard{ctx.params};
-    ctx.params.begin_backward();
+    model::BackwardPass pass(ctx.params);  // cancelled if anything below throws
 
     const Shape shape = activation_shape(mb.rows);
     const Tensor* grad = &dout;  // gradient of the current layer's output
@@ -217,8 +210,7 @@ class Stage {
     } else {
       dinput = std::move(grad == &a ? a : b);
     }
-    guard.done = true;
-    ctx.params.end_backward();
+    pass.finish();
     saved = Saved();
     count_backward(mb.index);
   }

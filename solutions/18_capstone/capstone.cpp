@@ -331,14 +331,7 @@ class GridStage final : public ps::Stage {
     // micro-batch's backward are the ones that reduce.
     if (ddp) ddp->before_backward(mb.index == micro_batches - 1);
     const Scope scope(ctx, mb, s.grad_scale);
-    struct Guard {
-      km::ParamList& params;
-      bool done = false;
-      ~Guard() {
-        if (!done) params.cancel_backward();
-      }
-    } guard{ctx.params};
-    ctx.params.begin_backward();
+    km::BackwardPass pass(ctx.params);
     const km::Shape shape = activation_shape(mb.rows);
     Tensor a, b;
     const Tensor* grad = &dout;
@@ -370,8 +363,7 @@ class GridStage final : public ps::Stage {
     } else {
       dinput = std::move(grad == &a ? a : b);
     }
-    guard.done = true;
-    ctx.params.end_backward();
+    pass.finish();
     states_.erase(it);
     saved = Saved();
     count_backward(mb.index);

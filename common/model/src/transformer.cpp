@@ -137,15 +137,7 @@ double Transformer::train_step(Context& ctx, const Tensor& ids, const Tensor& ta
   Tensor dlogits = ctx.tensor(s.logits.shape());
   const double loss = ctx.ops.cross_entropy(s.logits, targets, grad_scale, dlogits);  // may refuse a target
   s.logits = Tensor();  // the logits are the largest activation: gone as soon as possible
-  // A backward that throws half-way must not leave the parameters waiting for the rest of it.
-  struct Guard {
-    ParamList& params;
-    bool done = false;
-    ~Guard() {
-      if (!done) params.cancel_backward();
-    }
-  } guard{ctx.params};
-  ctx.params.begin_backward();
+  BackwardPass pass(ctx.params);
   const int L = static_cast<int>(blocks_.size());
   Tensor dx = ctx.tensor({N, d}), dprev = ctx.tensor({N, d});
   {
@@ -169,8 +161,7 @@ double Transformer::train_step(Context& ctx, const Tensor& ids, const Tensor& ta
   event(ctx, 0, LayerEvent::before_backward);
   embed_.backward(ctx, ids, dx);
   event(ctx, 0, LayerEvent::after_backward);
-  guard.done = true;
-  ctx.params.end_backward();
+  pass.finish();
   return loss;
 }
 

@@ -14,6 +14,8 @@
 // has added its contribution to a parameter's gradient, and when a parameter's last use is done
 // the gradient-ready callback fires for it, exactly once per backward. end_backward() checks
 // that every trainable parameter got there (a missing or repeated call is a bug in the model).
+// A backward pass holds that protocol through a BackwardPass (below), so one that throws half-way
+// does not leave the list waiting for the rest of it.
 //
 // Storage the caller manages (ZeRO). materialize() may leave out either flat buffer; each
 // parameter's view of it is then empty until the caller binds it to memory of its own
@@ -134,6 +136,28 @@ class ParamList {
   std::vector<int> done_;
   bool in_backward_ = false;
   ReadyFn ready_;
+};
+
+// One backward of `params` as a scope: the constructor begins it, finish() ends it (and throws as
+// end_backward() does when a parameter went unreported), and a scope left without finish(), by
+// an exception half-way, cancels it, so the next backward can begin. Every backward of a whole
+// model or of a part of one (Transformer::train_step, a pipeline stage) runs inside one.
+class BackwardPass {
+ public:
+  explicit BackwardPass(ParamList& params) : params_(params) { params_.begin_backward(); }
+  BackwardPass(const BackwardPass&) = delete;
+  BackwardPass& operator=(const BackwardPass&) = delete;
+  ~BackwardPass() {
+    if (!finished_) params_.cancel_backward();
+  }
+  void finish() {
+    finished_ = true;  // end_backward() leaves the backward itself, even when it throws
+    params_.end_backward();
+  }
+
+ private:
+  ParamList& params_;
+  bool finished_ = false;
 };
 
 // The normal(0, 1) value that Init::normal scales for element `index` of a parameter whose name
