@@ -68,8 +68,9 @@ void write_json(const std::string& path, const json& j) {
   if (!out) throw std::runtime_error("cannot write " + path);
 }
 
-// The probe is a small CUDA program built with k2c wherever the build has a CUDA toolkit, beside
-// it in <build>/bin (CMAKE_RUNTIME_OUTPUT_DIRECTORY); the grader itself never touches the GPU.
+// The probe is a small CUDA program built wherever the build has a CUDA toolkit (make build, make
+// test; not make grade, which builds k2c alone), beside it in <build>/bin
+// (CMAKE_RUNTIME_OUTPUT_DIRECTORY); the grader itself never touches the GPU.
 json run_probe(bool ceilings, std::string* error) {
   const fs::path probe = self_dir() / "k2c_probe";
   if (!fs::exists(probe)) {
