@@ -49,17 +49,23 @@ def main() -> int:
         batch = [r["batch"] for r in rows]
         ax_t.plot(batch, [r["step_ms"] for r in rows], "o-", label=label)
         ax_r.plot(batch, [r["tokens_per_s"] for r in rows], "o-", label=label)
-    for ax, what in ((ax_t, "decode step (ms)"), (ax_r, "tokens per second")):
+    return finish(fig, ((ax_t, "decode step (ms)"), (ax_r, "tokens per second")),
+                  "Decode: step time and throughput against batch size", args.png)
+
+
+def finish(fig, axes, title, png):
+    """Log-log axes over the batch size, each with its label and legend; the figure saved."""
+    for ax, what in axes:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch (sequences per step)")
         ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-    ax_r.legend(fontsize=8)
-    fig.suptitle("Decode: step time and throughput against batch size")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(args.png, dpi=130)
-    print(f"plot_decode.py: wrote {args.png}")
+    fig.savefig(png, dpi=130)
+    print(f"plot_decode.py: wrote {png}")
     return 0
 
 
@@ -87,18 +93,8 @@ def roofline(plt, path, png):
     ax_r.plot(batch, [1e3 * b / t for b, t in zip(batch, step)], "k^-", label="measured")
     ax_r.plot(batch, [1e3 * b / max(read_floor, m) for b, m in zip(batch, math_floor)], "--", color="gray",
               label="weights' floor alone")
-    for ax, what in ((ax_t, "time per layer and step (ms)"), (ax_r, "tokens per second, one layer")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch (sequences per step)")
-        ax.set_ylabel(what)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Decode on {r.get('gpu', 'a GPU')}: {r.get('model', '')}, {r.get('context', '?')} cached tokens")
-    fig.tight_layout()
-    fig.savefig(png, dpi=130)
-    print(f"plot_decode.py: wrote {png}")
-    return 0
+    return finish(fig, ((ax_t, "time per layer and step (ms)"), (ax_r, "tokens per second, one layer")),
+                  f"Decode on {r.get('gpu', 'a GPU')}: {r.get('model', '')}, {r.get('context', '?')} cached tokens", png)
 
 
 if __name__ == "__main__":
