@@ -3,9 +3,9 @@
 # make_zip.sh builds the zip with K2C_BIN; it is extracted into WORKDIR/autograder/source beside
 # submission/ and results/ (Gradescope's layout, under a root other than /autograder); setup.sh
 # runs there, then run_autograder grades a sample submission: module 11 implemented (the
-# reference solution, uploaded flat), module 01 handed in as its stub, the others absent (module
-# 12, an MPI module, is then graded as its stub), and a stray file. The rubric is cut to modules
-# 00, 01, 11 and 12 to keep the test quick. results.json must follow Gradescope's format and
+# reference solution, uploaded flat), module 01 handed in as its stub, module 00 absent (its stub
+# is then graded), and a stray file. The rubric is cut to modules 00, 01 and 11 to keep the test
+# quick (a Part II module would build the model library twice more). results.json must follow Gradescope's format and
 # give, test by test, the scores that `k2c grade --submission` gives the same files from a copy
 # of this checkout.
 # CPU only, to stay quick: both trees are configured with -DK2C_CUDA=OFF, so the GPU modules are
@@ -53,12 +53,12 @@ with zipfile.ZipFile(sys.argv[1]) as z:
         if mode:
             os.chmod(path, mode)
 PY
-# The course's rubric, cut to four modules that stand for the kinds (00 and 01 GPU, 11 and 12
-# MPI): every module graded means every module built, twice, and the flow is the same for all.
+# The course's rubric, cut to three modules that stand for the kinds (00 and 01 GPU, 11 MPI):
+# every module graded means every module built, twice, and the flow is the same for all.
 trim_rubric() {
   python3 - "$1" <<'PY'
 import json, sys
-keep = {"00_roofline", "01_naive_matmul", "11_collectives", "12_data_parallel"}
+keep = {"00_roofline", "01_naive_matmul", "11_collectives"}
 rubric = json.load(open(sys.argv[1]))
 rubric["modules"] = [m for m in rubric["modules"] if m["id"] in keep]
 json.dump(rubric, open(sys.argv[1], "w"), indent=2)

@@ -4,9 +4,10 @@
 // The arithmetic is small, 4·G FLOPs per 4 bytes of key and value (G query heads per KV head),
 // but not free: done one dot product per lane with shuffles to sum it, it costs ~70 instructions
 // per token and holds the kernel to about half the memory's speed. What the kernel must get right:
-//   1. every byte of the cache read once, in whole 16-byte chunks, and many bytes in flight:
-//      cp.async copies each tile of keys and values into shared memory two tiles ahead of the
-//      one being computed;
+//   1. every byte of the cache read once, in whole 16-byte chunks, and many bytes in flight
+//      whatever the other warps are doing: a copy warp fills a ring of tiles in shared memory
+//      (cp.async) and refills each tile as soon as the compute warps release it, so the loads
+//      never wait for the arithmetic;
 //   2. little work per byte: the group's query heads are the rows of a tensor-core tile (GQA makes
 //      the 16-row tile a quarter full at G = 4, which costs nothing: the tensor cores are idle
 //      anyway), so 16 tokens cost a warp HD/8 mma for the scores and HD/8 for the output;
@@ -14,10 +15,11 @@
 //      into as many parts as it takes to give every resident block slot of the GPU one part (a
 //      single part when the batch alone fills it), and a second kernel merges the parts by their
 //      log-sum-exps.
-// Inside a block each of the 4 warps takes 16 tokens of a 64-token tile and keeps its own online
-// softmax (lecture 09); the warps are merged through shared memory at the end.
+// Inside a block each of the 4 compute warps takes 16 tokens of a 64-token tile and keeps its own
+// online softmax (lecture 09); the warps are merged through shared memory at the end.
 #include "decode_kernel.h"
 
+#include "k2c/device/hopper.cuh"
 #include "k2c/device/tensor_core.cuh"
 
 #include <algorithm>
@@ -30,8 +32,9 @@
 namespace k2c::inference {
 namespace {
 
-constexpr int kWarps = 4;     // warps per block
-constexpr int kStages = 3;    // tiles in shared memory: one computed, two loading
+constexpr int kWarps = 4;     // compute warps per block; one more warp copies
+constexpr int kThreads = (kWarps + 1) * 32;
+constexpr int kStages = 3;    // tiles in shared memory
 constexpr int kMaxGroup = 8;  // query heads per KV head
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -68,8 +71,8 @@ int multiprocessors() {
 // How the cache is cut. Every block streams its part from start to end at about the same rate
 // (the memory is shared fairly), so the time is (waves of blocks) × (tiles per part + what a
 // block's start costs), plus the merge when there is more than one part. The resident slots
-// (blocks per SM × SMs) come from the occupancy calculator: with 96 KiB of pipeline a block,
-// two per SM on the H200. 32 sequences × 8 KV heads = 256 blocks of one part fill its 264 slots in
+// (blocks per SM × SMs) come from the occupancy calculator: with 102 KiB of ring a block, two
+// per SM on the H200. 32 sequences × 8 KV heads = 256 blocks of one part fill its 264 slots in
 // one wave with no merge; one sequence of 32k tokens takes 32 parts of 1,024 per head.
 struct Split {
   int tokens = 1;  // per part
@@ -109,9 +112,13 @@ Workspace carve(const DecodeShape& s, const Split& split, void* base) {
   return {out, out + out_elems};
 }
 
-// How a block walks its part of the cache: tiles of kTokens tokens (16 per warp), each tile's
-// keys and values copied into shared memory kStages − 1 tiles ahead of the one being computed,
-// so that while the warps compute, the next tiles' loads are in flight.
+// How a block walks its part of the cache: tiles of kTokens tokens (16 per compute warp) in a
+// ring of kStages slots of shared memory. The copy warp fills slot i % kStages with tile i as soon
+// as the compute warps have released it (its "empty" barrier), each lane's copies arriving on the
+// slot's "full" barrier when they have landed; the compute warps wait on "full", compute, and
+// release the slot. Up to kStages tiles are on their way while the warps compute, and neither side
+// ever waits for a __syncthreads of the other. (Asking the copy engine for each token's row with a
+// bulk copy instead, 256 bytes a request, measured half the speed: it serves small requests slowly.)
 //
 // Rows of a tile are head_dim·2 bytes; the 16-byte chunk c of row r is stored at chunk
 // c ^ (r % 8) of its row. ldmatrix reads one chunk of 8 consecutive rows at once, and without
@@ -122,7 +129,8 @@ struct Tiles {
   static constexpr int kTokens = kWarps * 16;              // per tile: one mma k-step per warp
   static constexpr int kTileBytes = kTokens * HD * 2;      // the keys (or values) of a tile
   static constexpr int kStageBytes = 2 * kTileBytes;
-  static constexpr int kSharedBytes = kStages * kStageBytes;
+  static constexpr int kBarriers = kStages * kStageBytes;  // offset of the 2·kStages mbarriers
+  static constexpr int kSharedBytes = kBarriers + 2 * kStages * 8;
 };
 
 template <int HD>
@@ -138,10 +146,12 @@ __device__ __forceinline__ std::uint32_t swizzled(int r, int c) {
 // arithmetic and leave the warp free to keep the memory busy. Fragment rows are query heads:
 // lane l holds row l / 4 (a head of the group) and columns 2·(l % 4), +1 of each 8-wide tile.
 template <int HD, int G>
-__global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, DecodeArgs a, int part_tokens,
-                                                            int parts, Workspace w, float scale_log2) {
+__global__ __launch_bounds__(kThreads) void decode_parts(DecodeShape s, DecodeArgs a, int part_tokens, int parts,
+                                                         Workspace w, float scale_log2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using T = Tiles<HD>;
   using namespace k2c::tc;
+  namespace hp = k2c::hopper;
   extern __shared__ __align__(128) unsigned char pipeline[];
   const int part = blockIdx.x, kv = blockIdx.y, b = blockIdx.z;
   const int length = a.lengths[b];
@@ -152,137 +162,136 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int head = lane / 4, pair = lane % 4;  // fragment row (query head of the group), column pair
   const std::uint32_t base = smem_addr(pipeline);
-
-  // Where each token lives in the pool: (table[t / page_size]·kv_heads + kv)·page_size + t mod
-  // page_size. Done in the copy loop it is a global load the copies wait on and a division by a
-  // run-time page size, 16 times per thread per tile. Instead the first 64 threads look up the
-  // rows of one tile per step, kStages tiles ahead of the tile computed, into a ring of shared
-  // memory that the copies read (the slot of tile j is j % kStages, like its stage).
-  __shared__ int rows[kStages][T::kTokens];
-  const int* table = a.page_table + std::size_t(b) * s.max_pages;
-  auto row_of = [&](int tile, int r) {  // 0 past the part's end: never read
-    const int t = first + tile * T::kTokens + r;
-    return t < last ? (table[t / s.page_size] * s.kv_heads + kv) * s.page_size + t % s.page_size : 0;
-  };
-  if (threadIdx.x < T::kTokens)
-    for (int j = 0; j < kStages; ++j) rows[j][threadIdx.x] = row_of(j, threadIdx.x);
+  auto k_tile = [&](int i) { return base + (i % kStages) * T::kStageBytes; };
+  auto full = [&](int i) { return base + T::kBarriers + (i % kStages) * 8; };
+  auto empty = [&](int i) { return base + T::kBarriers + (kStages + i % kStages) * 8; };
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < kStages; ++j) {
+      hp::mbarrier_init(full(j), 32);       // each copy lane, when its copies have landed
+      hp::mbarrier_init(empty(j), kWarps);  // one arrival per compute warp
+    }
+    hp::fence_barrier_init();
+  }
   __syncthreads();
 
-  // Tile i into stage i % kStages: every thread copies its share of the 16-byte chunks; the
-  // chunks past the part's end are zero-filled, so the masked scores meet finite values.
-  auto load = [&](int i) {
-    const std::uint32_t k_tile = base + (i % kStages) * T::kStageBytes, v_tile = k_tile + T::kTileBytes;
-#pragma unroll
-    for (int c = threadIdx.x; c < T::kTokens * T::kChunks; c += kWarps * 32) {
-      const int r = c / T::kChunks, chunk = c % T::kChunks;
-      const int j = i * T::kTokens + r;
-      const bool valid = first + j < last;
-      const std::size_t at = valid ? std::size_t(rows[i % kStages][r]) * HD + chunk * 8 : 0;
-      cp_async_16(k_tile + swizzled<HD>(r, chunk), a.k_pool + at, valid);
-      cp_async_16(v_tile + swizzled<HD>(r, chunk), a.v_pool + at, valid);
-    }
-  };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < tiles) load(i);
-    cp_async_commit();  // an empty group past the last tile keeps the count of groups uniform
-  }
-
-  // The queries as mma A fragments, straight from global memory (read once per block): rows past
-  // the group are zero.
-  std::uint32_t qa[HD / 16][2];
-#pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      qa[kk][h] = head < G ? *reinterpret_cast<const std::uint32_t*>(
-                                 a.q + (std::size_t(b) * s.q_heads + kv * G + head) * HD + kk * 16 + h * 8 + 2 * pair)
-                           : 0u;
   float o[HD / 8][4];
-#pragma unroll
-  for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m = -INFINITY, l = 0.0f;  // this row's running maximum; this lane's share of its sum
-
-  for (int i = 0; i < tiles; ++i) {
-    cp_async_wait<kStages - 2>();  // tile i has landed (this thread's copies) ...
-    __syncthreads();               // ... and everyone's; and tile i − 1 is consumed
-    if (i + kStages - 1 < tiles) load(i + kStages - 1);
-    cp_async_commit();
-    // Tile i + kStages's rows: read now, stored into tile i's slot (last read by the load of
-    // tile i) after this tile's arithmetic, which hides the table read's latency.
-    const int ahead = threadIdx.x < T::kTokens ? row_of(i + kStages, threadIdx.x) : 0;
-    const std::uint32_t k_tile = base + (i % kStages) * T::kStageBytes, v_tile = k_tile + T::kTileBytes;
-    const int row0 = warp * 16;  // this warp's 16 tokens of the tile
-    const int token0 = first + i * T::kTokens + row0;
-    // A warp wholly past the part's end (in its last tile only, uniform in the warp) skips the
-    // arithmetic; no later tile needs its lookup.
-    if (token0 >= last) continue;
-
-    // Scores S = Q·Kᵀ for 16 tokens: two 8-token tiles, HD/16 k-steps.
-    // Even and odd k-steps accumulate apart: two chains of dependent mma instead of one.
-    float sc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}}, odd[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+  if (warp == kWarps) {
+    // The copy warp. Token t lives at row (table[t / page_size]·kv_heads + kv)·page_size +
+    // t mod page_size of the pool. Each lane looks up two rows of a tile (r = lane, lane + 32);
+    // then each step copies two rows, 16 lanes a row, a 16-byte chunk each, and takes the row from
+    // the lane that looked it up. Chunks past the part's end are zero-filled, so the masked scores
+    // meet finite values.
+    const int* table = a.page_table + std::size_t(b) * s.max_pages;
+    auto row_of = [&](int t) { return t < last ? (table[t / s.page_size] * s.kv_heads + kv) * s.page_size + t % s.page_size : 0; };
+    const int chunk = lane % T::kChunks, rows_per_step = 32 / T::kChunks;
+    for (int i = 0; i < tiles; ++i) {
+      const int t0 = first + i * T::kTokens;
+      const int lo = row_of(t0 + lane), hi = row_of(t0 + 32 + lane);
+      hp::mbarrier_wait(empty(i), ((i / kStages) & 1) ^ 1);  // a fresh slot passes at once
+      const std::uint32_t kt = k_tile(i), vt = kt + T::kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      const int j = lane / 8;
-      std::uint32_t kb[4];
-      ldmatrix_x4(kb, k_tile + swizzled<HD>(row0 + (j >> 1) * 8 + (lane & 7), kk * 2 + (j & 1)));
-      const std::uint32_t qf[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
-      const std::uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-      mma_bf16_16816(kk % 2 ? odd[0] : sc[0], qf, b0);
-      mma_bf16_16816(kk % 2 ? odd[1] : sc[1], qf, b1);
-    }
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[n][e] += odd[n][e];
-    // Online softmax of the row (the 4 lanes of a quad share it): scale, mask the tail, rescale.
-    float top = m;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool valid = token0 + n * 8 + 2 * pair + e < last;
-        sc[n][e] = valid ? sc[n][e] * scale_log2 : -INFINITY;
-        top = fmaxf(top, sc[n][e]);
+      for (int r0 = 0; r0 < T::kTokens; r0 += rows_per_step) {
+        const int r = r0 + lane / T::kChunks;
+        const int row = __shfl_sync(0xffffffffu, r0 < 32 ? lo : hi, r % 32);
+        const bool valid = t0 + r < last;
+        const std::size_t at = std::size_t(row) * HD + chunk * 8;
+        cp_async_16(kt + swizzled<HD>(r, chunk), a.k_pool + at, valid);
+        cp_async_16(vt + swizzled<HD>(r, chunk), a.v_pool + at, valid);
       }
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-    top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));  // finite: token0 < last
-    const float rescale = exp2f(m - top);
-    m = top;
-    float p[2][2];
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) p[n][e] = exp2f(sc[n][e] - top);
-    l = l * rescale + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      o[n][0] *= rescale;
-      o[n][1] *= rescale;
+      cp_async_arrive(full(i));
     }
-    // O += P·V: P (rows = heads, 16 tokens) as an A fragment, V through ldmatrix.trans.
-    const std::uint32_t pf[4] = {pack_bf16x2(p[0][0], p[0][1]), 0u, pack_bf16x2(p[1][0], p[1][1]), 0u};
+  } else {
+    // The queries as mma A fragments, straight from global memory (read once per block): rows
+    // past the group are zero.
+    std::uint32_t qa[HD / 16][2];
 #pragma unroll
-    for (int n2 = 0; n2 < HD / 16; ++n2) {
-      const int j = lane / 8;
-      std::uint32_t vb[4];
-      ldmatrix_x4_trans(vb, v_tile + swizzled<HD>(row0 + (j & 1) * 8 + (lane & 7), n2 * 2 + (j >> 1)));
-      const std::uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-      mma_bf16_16816(o[2 * n2], pf, b0);
-      mma_bf16_16816(o[2 * n2 + 1], pf, b1);
-    }
-    if (threadIdx.x < T::kTokens) rows[i % kStages][threadIdx.x] = ahead;
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the pipeline's memory is reused below
+    for (int kk = 0; kk < HD / 16; ++kk)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        qa[kk][h] = head < G ? *reinterpret_cast<const std::uint32_t*>(
+                                   a.q + (std::size_t(b) * s.q_heads + kv * G + head) * HD + kk * 16 + h * 8 + 2 * pair)
+                             : 0u;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-  // Merge the warps: each wrote its rows (heads) through shared memory.
+    for (int i = 0; i < tiles; ++i) {
+      const int row0 = warp * 16;  // this warp's 16 tokens of the tile
+      const int token0 = first + i * T::kTokens + row0;
+      // A warp wholly past the part's end (in its last tile only) has nothing to compute.
+      if (token0 < last) {
+        hp::mbarrier_wait(full(i), (i / kStages) & 1);
+        const std::uint32_t kt = k_tile(i), vt = kt + T::kTileBytes;
+        // Scores S = Q·Kᵀ for 16 tokens: two 8-token tiles, HD/16 k-steps.
+        // Even and odd k-steps accumulate apart: two chains of dependent mma instead of one.
+        float sc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}}, odd[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const int j = lane / 8;
+          std::uint32_t kb[4];
+          ldmatrix_x4(kb, kt + swizzled<HD>(row0 + (j >> 1) * 8 + (lane & 7), kk * 2 + (j & 1)));
+          const std::uint32_t qf[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+          const std::uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+          mma_bf16_16816(kk % 2 ? odd[0] : sc[0], qf, b0);
+          mma_bf16_16816(kk % 2 ? odd[1] : sc[1], qf, b1);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[n][e] += odd[n][e];
+        // Online softmax of the row (the 4 lanes of a quad share it): scale, mask the tail, rescale.
+        float top = m;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const bool valid = token0 + n * 8 + 2 * pair + e < last;
+            sc[n][e] = valid ? sc[n][e] * scale_log2 : -INFINITY;
+            top = fmaxf(top, sc[n][e]);
+          }
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));  // finite: token0 < last
+        const float rescale = exp2f(m - top);
+        m = top;
+        float p[2][2];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) p[n][e] = exp2f(sc[n][e] - top);
+        l = l * rescale + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+          o[n][0] *= rescale;
+          o[n][1] *= rescale;
+        }
+        // O += P·V: P (rows = heads, 16 tokens) as an A fragment, V through ldmatrix.trans.
+        const std::uint32_t pf[4] = {pack_bf16x2(p[0][0], p[0][1]), 0u, pack_bf16x2(p[1][0], p[1][1]), 0u};
+#pragma unroll
+        for (int n2 = 0; n2 < HD / 16; ++n2) {
+          const int j = lane / 8;
+          std::uint32_t vb[4];
+          ldmatrix_x4_trans(vb, vt + swizzled<HD>(row0 + (j & 1) * 8 + (lane & 7), n2 * 2 + (j >> 1)));
+          const std::uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+          mma_bf16_16816(o[2 * n2], pf, b0);
+          mma_bf16_16816(o[2 * n2 + 1], pf, b1);
+        }
+      }
+      // Release the slot: its arrival counts towards the slot's refill, which comes after it.
+      __syncwarp();
+      if (lane == 0) hp::mbarrier_arrive(empty(i));
+    }
+  }
+  // Every tile has landed and been read (the compute warps waited for each, and only after all the
+  // copies a tile's barrier counts had landed): the ring's memory is reused below.
+  __syncthreads();
+
+  // Merge the compute warps: each wrote its rows (heads) through shared memory.
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   float* sm_m = reinterpret_cast<float*>(pipeline);  // [kWarps][G]
   float* sm_l = sm_m + kWarps * G;                     // [kWarps][G]
   float* sm_o = sm_l + kWarps * G;                     // [kWarps][G][HD]
-  if (head < G) {
+  if (warp < kWarps && head < G) {
     if (pair == 0) {
       sm_m[warp * G + head] = m;
       sm_l[warp * G + head] = l;
@@ -294,7 +303,7 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < G * HD; idx += kWarps * 32) {
+  for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
     const int g = idx / HD, d = idx % HD;
     float best = -INFINITY;
 #pragma unroll
@@ -316,6 +325,9 @@ __global__ __launch_bounds__(kWarps * 32) void decode_parts(DecodeShape s, Decod
     w.out[slot * HD + d] = out / sum;
     if (d == 0) w.lse[slot] = best + log2f(sum);
   }
+#else
+  __trap();  // built for a GPU older than Hopper (mbarrier waits): decode_attention_paged refuses it first
+#endif
 }
 
 // o[b, h] = Σ_j 2^(lse_j − L)·out_j with L = log2 Σ_j 2^lse_j, over the parts the sequence has.
@@ -368,6 +380,11 @@ struct Kernel {
 template <int HD, int G>
 const Kernel& kernel() {
   static const Kernel k = [] {
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major < 9)
+      throw std::runtime_error("decode_attention_paged: this kernel waits on Hopper's mbarriers and needs a GPU of "
+                               "compute capability 9.0 or later; this one is " + std::to_string(major) + ".x");
     constexpr int shared = Tiles<HD>::kSharedBytes;
     const cudaError_t opted =
         cudaFuncSetAttribute(decode_parts<HD, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
@@ -375,7 +392,7 @@ const Kernel& kernel() {
       throw std::runtime_error(std::string("decode_attention_paged: ") + cudaGetErrorString(opted));
     int per_sm = 0;
     const cudaError_t asked =
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_parts<HD, G>, kWarps * 32, shared);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_parts<HD, G>, kThreads, shared);
     if (asked != cudaSuccess || per_sm < 1)
       throw std::runtime_error(std::string("decode_attention_paged: occupancy: ") + cudaGetErrorString(asked));
     return Kernel{decode_parts<HD, G>, shared, per_sm * multiprocessors()};
@@ -403,7 +420,7 @@ void decode_attention_paged(const DecodeShape& shape, const DecodeArgs& args, vo
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(shape.head_dim));
   with_kernel(shape, [&]<int HD, int G>() {
     const Kernel& k = kernel<HD, G>();
-    k.fn<<<dim3(split.parts, shape.kv_heads, shape.batch), kWarps * 32, k.shared, stream>>>(
+    k.fn<<<dim3(split.parts, shape.kv_heads, shape.batch), kThreads, k.shared, stream>>>(
         shape, args, split.tokens, split.parts, w, scale_log2);
     if (split.parts > 1)
       merge_parts<HD><<<dim3(shape.q_heads, shape.batch), HD, 0, stream>>>(shape, args, split.tokens, split.parts, w);

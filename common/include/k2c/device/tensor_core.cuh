@@ -5,6 +5,7 @@
 // the single instruction it names, so SASS reads one-to-one against the source:
 //   cp_async_16        LDGSTS: 16 bytes global → shared without passing through registers
 //   cp_async_4         the same for 4 bytes (a per-row scalar that rides with a tile)
+//   cp_async_arrive    an mbarrier arrival once this thread's copies so far have landed
 //   ldmatrix_x4(_trans) LDSM: four 8×8 b16 tiles from shared memory into mma fragments
 //   mma_bf16_16816     HMMA.16816.F32.BF16: D(16×8, fp32) += A(16×16, bf16) · B(16×8, bf16)
 // All need sm_80 or newer.
@@ -53,6 +54,14 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Instead of waiting for a group: the mbarrier at `bar` (shared memory) receives one arrival from
+// this thread when all the cp.async it issued before have completed. The arrival is one of those
+// the barrier was initialised to expect (.noinc), so a warp that copies a tile for others
+// initialises the tile's barrier to 32 and each lane arrives once per fill.
+__device__ __forceinline__ void cp_async_arrive(std::uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Lane l supplies the address of row l % 8 of tile l / 8; thread t receives, in register i,
