@@ -913,8 +913,15 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       try {
         const json j = json::parse(gtest_json);
         const std::string gpu = global_property(j, "k2c_gpu");
-        if (!gpu.empty()) report.gpu = gpu;
-        if (gpu == "none") report.gpu_reason = global_property(j, "k2c_gpu_reason");
+        // A module's runs on the CPU backend report no device: they do not undo a GPU another
+        // module (or another run) saw.
+        if (gpu == "none" && (report.gpu.empty() || report.gpu == "none")) {
+          report.gpu = gpu;
+          report.gpu_reason = global_property(j, "k2c_gpu_reason");
+        } else if (!gpu.empty() && gpu != "none") {
+          report.gpu = gpu;
+          report.gpu_reason.clear();
+        }
         const std::string rt = global_property(j, "k2c_cuda_runtime");
         if (!rt.empty()) report.cuda_runtime = rt;
       } catch (...) {
