@@ -19,6 +19,10 @@ when the Markdown is rendered:
       is written as it is. FMT is a Python format spec (`.3f`, `.0f`, `,.0f`, `.1%`); without
       `|FMT` the value is written with `.3g`. VALUE is what the tool writes.
 
+  <!--fig:PATH ÷ PATH|FMT-->VALUE<!--/fig-->
+      The quotient of two figures (each PATH as above, either may name a FILE.json): a rate over
+      the ceiling measured beside it, where the reference file keeps both but not their ratio.
+
   <!--fig:FILE.json:PATH|FMT-->VALUE<!--/fig-->
       The same, read from another JSON file of the course tree, named by its path from the
       top (`lab/results/h200.json:row_streams/copies/...`): what the research programs of lab/
@@ -133,11 +137,20 @@ class References:
         return self.named[name], m.group("path")
 
 
+def number_at(refs, path):
+    ref, path = refs.split(path.strip())
+    return lookup(ref, [p for p in path.split("/") if p != ""], path), path
+
+
 def render_fig(refs, spec):
     path, _, fmt = spec.rpartition("|") if "|" in spec else (spec, "", "")
     path, fmt = path.strip(), fmt.strip() or ".3g"
-    ref, path = refs.split(path)
-    value = lookup(ref, [p for p in path.split("/") if p != ""], path)
+    if " ÷ " in path:  # a ratio of two measured figures, e.g. a rate over the same run's copy
+        top, bottom = (number_at(refs, p)[0] for p in path.split(" ÷ ", 1))
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (top, bottom)) or bottom == 0:
+            raise FigureError(f"{path}: a ratio needs two numbers, the second not zero")
+        return format(top / bottom, fmt)
+    value, path = number_at(refs, path)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise FigureError(f"{path}: a {type(value).__name__}, not a number or a string")
     if isinstance(value, str):
