@@ -22,6 +22,7 @@ when the Markdown is rendered:
   <!--fig:PATH ÷ PATH|FMT-->VALUE<!--/fig-->
       The quotient of two figures (each PATH as above, either may name a FILE.json): a rate over
       the ceiling measured beside it, where the reference file keeps both but not their ratio.
+      Either side may be a stated constant instead (`137.4 ÷ PATH`: GFLOPs over TFLOP/s, in ms).
 
   <!--fig:FILE.json:PATH|FMT-->VALUE<!--/fig-->
       The same, read from another JSON file of the course tree, named by its path from the
@@ -142,11 +143,19 @@ def number_at(refs, path):
     return lookup(ref, [p for p in path.split("/") if p != ""], path), path
 
 
+def constant_or_number_at(refs, side):
+    """A side of a ratio: a figure's PATH, or a stated constant (a datasheet peak, a FLOP count)."""
+    try:
+        return float(side)
+    except ValueError:
+        return number_at(refs, side)[0]
+
+
 def render_fig(refs, spec):
     path, _, fmt = spec.rpartition("|") if "|" in spec else (spec, "", "")
     path, fmt = path.strip(), fmt.strip() or ".3g"
     if " ÷ " in path:  # a ratio of two measured figures, e.g. a rate over the same run's copy
-        top, bottom = (number_at(refs, p)[0] for p in path.split(" ÷ ", 1))
+        top, bottom = (constant_or_number_at(refs, p) for p in path.split(" ÷ ", 1))
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (top, bottom)) or bottom == 0:
             raise FigureError(f"{path}: a ratio needs two numbers, the second not zero")
         return format(top / bottom, fmt)

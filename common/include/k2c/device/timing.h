@@ -2,9 +2,9 @@
 //
 // time_gpu runs `work` warmup times untimed (module loading, first-touch and clock ramp-up stay
 // out of the numbers), then `repeats` times, each bracketed by its own pair of events on
-// `stream`, and reports the median. Before each timed repeat it overwrites a buffer twice the
-// size of L2, so every repeat starts from a cold cache, as in a real model where the previous
-// layer evicted our inputs.
+// `stream`, and reports the median. Before each timed repeat it reads a buffer twice the size of
+// L2, so every repeat starts from a cold cache, as in a real model where the previous layer
+// evicted our inputs, and with nothing dirty left in L2 for the timed work to write back.
 //
 // time_gpu_interleaved times several pieces of work in turn, one repeat of each (a, b, a, b, ...),
 // each repeat as time_gpu's, and reports each one's median. A ratio of two rates timed one after
