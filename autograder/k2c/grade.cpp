@@ -314,9 +314,21 @@ double GradeReport::max_points() const {
   return s;
 }
 
+bool nvidia_device_present() {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name == "dxg") return true;
+    if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
+        std::all_of(name.begin() + 6, name.end(), [](unsigned char c) { return std::isdigit(c); }))
+      return true;
+  }
+  return false;
+}
+
 ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
                               const std::string& gtest_json, const std::string& impl,
-                              double timeout_s) {
+                              double timeout_s, bool gpu_here) {
   ModuleOutcome m;
   m.id = spec.id;
   m.title = spec.title;
@@ -437,6 +449,11 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
       // Recomputed here from the raw figures: the test's own verdict is not taken on trust.
       p.ratio = p.achieved / p.ceiling;
       t.perf = p;
+      if (!gpu_here && spec.kind == "gpu") {
+        m.tests.push_back(t);
+        return zero("invalid", ts.name + ": performance figures of a GPU run, on a machine with no NVIDIA "
+                               "device: the report was not written by the course's harness");
+      }
       if (p.ratio > ts.perf->max_ratio) {
         m.tests.push_back(t);
         std::ostringstream os;
@@ -676,6 +693,8 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
 
   // The rubric as loaded: each test run gets a private copy of these bytes (see run_once).
   const std::string rubric_text = read_file(o.rubric_path);
+  // Looked at once, before any code under test runs.
+  const bool gpu_here = nvidia_device_present();
 
   GradeReport report;
   report.impl = o.impl;
@@ -864,7 +883,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
       gtest_json = read_report(json_path);
       if (!gtest_json.empty()) std::ofstream(kept) << gtest_json;
-      ModuleOutcome out = evaluate_module(part, r, gtest_json, o.impl, timeout);
+      ModuleOutcome out = evaluate_module(part, r, gtest_json, o.impl, timeout, gpu_here);
       if (o.sanitize) {  // the sanitizer's own verdict, for the record
         const auto at = r.output.rfind("ERROR SUMMARY:");
         if (at != std::string::npos)

@@ -93,9 +93,16 @@ struct GradeReport {
 GradeReport grade(const GradeOptions& options, std::ostream& progress);
 
 // The verdict for one module from its child's exit and its GoogleTest JSON (empty if absent).
+// gpu_here is the grader's own finding (nvidia_device_present): without a device, a GPU module's
+// report that carries performance figures cannot have come from the course's harness, and voids
+// the module.
 ModuleOutcome evaluate_module(const ModuleSpec& module, const ProcessResult& run,
                               const std::string& gtest_json, const std::string& impl,
-                              double timeout_s);
+                              double timeout_s, bool gpu_here = true);
+
+// Whether this machine has an NVIDIA device node (/dev/nvidia0, ..., or WSL's /dev/dxg), read by
+// the grader itself: code under test, run as another user, cannot add one.
+bool nvidia_device_present();
 
 // A distributed module's verdict from its runs (label, verdict of that run), in rubric order:
 // a run that crashed, hung or lost its report voids the module; a test fails if it failed in any

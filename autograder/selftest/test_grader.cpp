@@ -109,6 +109,25 @@ TEST(Verdict, ImpossibleFigureVoidsModule) {
   EXPECT_NE(m.detail.find("impossible"), std::string::npos);
 }
 
+// A report that claims a GPU module's speed on a machine with no NVIDIA device was written by
+// something other than the harness (the code under test, say, from a static destructor): void.
+TEST(Verdict, GpuFiguresWithoutAGpuVoidTheModule) {
+  const std::string report = gtest_report("COMPLETED", R"(, "k2c_achieved": "80", "k2c_ceiling": "100")");
+  const auto forged = evaluate_module(two_test_module(), exited(0), report, "assignments", 9, /*gpu_here=*/false);
+  EXPECT_EQ(forged.status, "invalid");
+  EXPECT_EQ(forged.points, 0);
+  EXPECT_NE(forged.detail.find("APerf.Rate: performance figures of a GPU run, on a machine with no NVIDIA device"),
+            std::string::npos) << forged.detail;
+  EXPECT_EQ(evaluate_module(two_test_module(), exited(0), report, "assignments", 9, true).points, 10);
+  // Skipped for want of a GPU, as the harness reports it there: nothing to void.
+  const auto honest = evaluate_module(two_test_module(), exited(0), gtest_report("COMPLETED", ""), "assignments", 9, false);
+  EXPECT_NE(honest.status, "invalid");
+  // A CPU module's figures are measured without a GPU.
+  k2c::ModuleSpec cpu = two_test_module();
+  cpu.kind = "cpu";
+  EXPECT_EQ(evaluate_module(cpu, exited(0), report, "assignments", 9, false).points, 10);
+}
+
 TEST(Verdict, PerfTestWithoutFiguresEarnsNothing) {
   const auto m = evaluate_module(two_test_module(), exited(0), gtest_report("COMPLETED", ""), "assignments", 9);
   EXPECT_EQ(m.points, 6);
