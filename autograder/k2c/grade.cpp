@@ -449,7 +449,8 @@ ModuleOutcome evaluate_module(const ModuleSpec& spec, const ProcessResult& run,
       // Recomputed here from the raw figures: the test's own verdict is not taken on trust.
       p.ratio = p.achieved / p.ceiling;
       t.perf = p;
-      if (!gpu_here && spec.kind == "gpu") {
+      // Every figure of a GPU or MPI module is measured on a GPU (an MPI module's on its NCCL run).
+      if (!gpu_here && spec.kind != "cpu") {
         m.tests.push_back(t);
         return zero("invalid", ts.name + ": performance figures of a GPU run, on a machine with no NVIDIA "
                                "device: the report was not written by the course's harness");

@@ -93,9 +93,9 @@ struct GradeReport {
 GradeReport grade(const GradeOptions& options, std::ostream& progress);
 
 // The verdict for one module from its child's exit and its GoogleTest JSON (empty if absent).
-// gpu_here is the grader's own finding (nvidia_device_present): without a device, a GPU module's
-// report that carries performance figures cannot have come from the course's harness, and voids
-// the module.
+// gpu_here is the grader's own finding (nvidia_device_present): without a device, a report of a
+// GPU or MPI module that carries performance figures (all measured on a GPU) cannot have come from
+// the course's harness, and voids the module.
 ModuleOutcome evaluate_module(const ModuleSpec& module, const ProcessResult& run,
                               const std::string& gtest_json, const std::string& impl,
                               double timeout_s, bool gpu_here = true);

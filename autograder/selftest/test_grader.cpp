@@ -122,7 +122,11 @@ TEST(Verdict, GpuFiguresWithoutAGpuVoidTheModule) {
   // Skipped for want of a GPU, as the harness reports it there: nothing to void.
   const auto honest = evaluate_module(two_test_module(), exited(0), gtest_report("COMPLETED", ""), "assignments", 9, false);
   EXPECT_NE(honest.status, "invalid");
-  // A CPU module's figures are measured without a GPU.
+  // So does an MPI module's (its figures come from its NCCL run); a CPU module's are measured
+  // without a GPU.
+  k2c::ModuleSpec mpi = two_test_module();
+  mpi.kind = "mpi";
+  EXPECT_EQ(evaluate_module(mpi, exited(0), report, "assignments", 9, false).status, "invalid");
   k2c::ModuleSpec cpu = two_test_module();
   cpu.kind = "cpu";
   EXPECT_EQ(evaluate_module(cpu, exited(0), report, "assignments", 9, false).points, 10);
