@@ -660,6 +660,31 @@ std::string include_of(const fs::path& file) {
   return "#include \"" + climb + file.relative_path().string() + "\"\n";
 }
 
+// Wrong, and hides it: once GoogleTest has written its report, a static destructor overwrites it
+// with one in which every test passed at a plausible speed.
+const std::string kForger = R"(#include <fstream>
+#include <string>
+
+#include "fake_gemm.h"
+
+int k2c::gemm::answer() { return 41; }
+
+namespace {
+struct Forger {
+  ~Forger() {
+    const std::string flag = "--gtest_output=json:";
+    std::ifstream cmdline("/proc/self/cmdline");
+    for (std::string arg; std::getline(cmdline, arg, '\0');)
+      if (arg.rfind(flag, 0) == 0)
+        std::ofstream(arg.substr(flag.size())) << R"-({"testsuites": [
+  {"name": "Fake", "testsuite": [{"name": "Correct", "status": "RUN", "result": "COMPLETED"}]},
+  {"name": "FakePerf", "testsuite": [{"name": "Rate", "status": "RUN", "result": "COMPLETED",
+    "k2c_achieved": "80", "k2c_ceiling": "100"}]}]})-";
+  }
+} forger;
+}  // namespace
+)";
+
 const std::string kDlopen = R"(#include <dlfcn.h>
 
 #include "fake_gemm.h"
@@ -752,11 +777,12 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
   write(sub / "assignments/95_linkerr/linkerr.cpp", kLinkError);
   write(sub / "assignments/96_hang/hang.cpp", kHang);
   write(sub / "assignments/97_rubric/rubric.cpp", kRubricWriter);
+  write(sub / "assignments/98_forged/forged.cpp", kForger);
 
   // 97 runs before 90: its rewrite of the rubric it was handed must not reach 90's run.
   const ProcessResult run = k2c::grader::run_process(
       {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
-       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "97,90,91,92,93,95,96",
+       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "97,90,91,92,93,95,96,98",
        "--seed", "1", "--json", report_path.string()},
       {.timeout_s = 900});
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -779,7 +805,15 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
     EXPECT_EQ(module(id)["status"], want.first) << id << ": " << detail(id);
     EXPECT_EQ(module(id)["points"], want.second) << id << ": " << detail(id);
   }
-  EXPECT_EQ(report["points"], 22);
+  // 98 poses as a GPU module. Where this machine has no NVIDIA device its forged figures void
+  // it, as its honest version would earn nothing here (its tests would skip); where there is one,
+  // a plausible forged report is still believed (docs/SECURITY.md, row 21).
+  if (!k2c::grader::nvidia_device_present()) {
+    EXPECT_EQ(module("98_forged")["status"], "invalid") << detail("98_forged");
+    EXPECT_EQ(module("98_forged")["points"], 0);
+    EXPECT_NE(detail("98_forged").find("no NVIDIA device"), std::string::npos) << detail("98_forged");
+    EXPECT_EQ(report["points"], 22);
+  }
 
   // Each reason names the path, the symbol or the call.
   EXPECT_NE(detail("91_symlink").find("assignments/91_symlink is a symbolic link"), std::string::npos) << detail("91_symlink");
