@@ -71,7 +71,7 @@ int multiprocessors() {
 // How the cache is cut. Every block streams its part from start to end at about the same rate
 // (the memory is shared fairly), so the time is (waves of blocks) × (tiles per part + what a
 // block's start costs), plus the merge when there is more than one part. The resident slots
-// (blocks per SM × SMs) come from the occupancy calculator: with 102 KiB of ring a block, two
+// (blocks per SM × SMs) come from the occupancy calculator: with 96 KiB of ring a block, two
 // per SM on the H200. 32 sequences × 8 KV heads = 256 blocks of one part fill its 264 slots in
 // one wave with no merge; one sequence of 32k tokens takes 32 parts of 1,024 per head.
 struct Split {
