@@ -19,6 +19,7 @@
 #include "k2c/testing/bf16.h"
 #include "k2c/testing/compare.h"
 #include "k2c/testing/testing.h"
+#include "k2c/testing/witness.h"
 #include "rmsnorm.h"
 
 namespace rn = k2c::rmsnorm;
@@ -255,6 +256,16 @@ void check_rows(const std::vector<float>& got, const std::vector<float>& h, cons
 }  // namespace
 
 // Forward, bf16, 16384 × 4096: reads h and writes y once (gamma and rstd are noise).
+// The grader's own runs of the timed passes (k2c/testing/witness.h), on its buffers.
+K2C_WITNESS(rmsnorm_forward) {
+  rn::forward(w.at<bf16>(0), nullptr, w.at<bf16>(1), w.at<bf16>(2), nullptr, w.at<float>(3), w.dim(0), w.dim(1), kEps);
+}
+K2C_WITNESS(rmsnorm_backward) {
+  static k2c::DeviceBuffer<char> workspace(rn::backward_workspace_bytes(w.dim(0), w.dim(1)));
+  rn::backward(w.at<bf16>(0), w.at<bf16>(1), w.at<bf16>(2), w.at<float>(3), w.at<bf16>(4), w.at<float>(5),
+               workspace.data(), w.dim(0), w.dim(1));
+}
+
 TEST(RmsNormPerf, ForwardVsCopy) {
   K2C_REQUIRE_TIMING();
   const double ceiling = k2c::copy_bandwidth();

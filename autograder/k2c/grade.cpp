@@ -659,6 +659,53 @@ void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::s
   m.detail += (m.detail.empty() ? "" : "; ") + std::string("performance points withheld: ") + reason;
 }
 
+WitnessVerdict read_witness_verdict(const std::string& json_text) {
+  WitnessVerdict v;
+  try {
+    const json j = json::parse(json_text);
+    v.fault = j.value("fault", "grader");
+    v.problem = j.value("problem", "");
+    v.unit = j.value("unit", "");
+    v.rate = j.value("rate", 0.0);
+    if (v.fault.empty() && !(v.rate > 0 && std::isfinite(v.rate))) {
+      v.fault = "grader";
+      v.problem = "the witness reported no rate";
+    }
+  } catch (const std::exception& e) {
+    v.fault = "grader";
+    v.problem = std::string("no verdict from k2c_witness") + (json_text.empty() ? "" : std::string(": ") + e.what());
+  }
+  return v;
+}
+
+void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdict& v) {
+  const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == test; });
+  if (t == m.tests.end() || !t->perf) return;
+  auto void_module = [&](const std::string& why) {
+    m.status = "invalid";
+    m.detail = test + ": " + why;
+    m.points = 0;
+    for (TestOutcome& x : m.tests) x.points = 0;
+  };
+  if (v.fault == "submission") return void_module("the grader's own run of the timed kernel failed: " + v.problem);
+  if (v.fault.empty() && v.unit != t->perf->unit) {
+    t->perf->not_witnessed = "the witness measures " + v.unit + ", the rubric " + t->perf->unit;
+    return;
+  }
+  if (!v.fault.empty()) {
+    t->perf->not_witnessed = v.problem;
+    return;
+  }
+  t->perf->witnessed = v.rate;
+  if (t->perf->achieved > v.rate * (1 + kWitnessSlack)) {
+    std::ostringstream os;
+    os << std::setprecision(4) << "the report says " << t->perf->achieved << " " << v.unit
+       << ", the grader's own run of the same kernel reached at most " << v.rate << " " << v.unit
+       << ": the report was not written by the course's harness";
+    void_module(os.str());
+  }
+}
+
 json find_reference(const std::string& dir, const std::string& gpu, std::string* file) {
   std::error_code ec;
   if (gpu.empty() || gpu == "none" || !fs::is_directory(dir, ec)) return json::object();
@@ -752,6 +799,27 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       build_info = json::parse(read_file(build / "k2c_build_info.json"));
     } catch (...) {
     }
+  }
+
+  // The grader's own runs of timed kernels (k2c_witness, k2c/testing/witness.h), built once before
+  // any code under test runs and kept as built: its bytes are compared before every use, since the
+  // build tree is not part of the course's fingerprint.
+  std::string witness_problem, witness_bytes;
+  const fs::path witness_bin = build / "bin" / "k2c_witness";
+  const bool witnessing = conf.exit_code == 0 && gpu_here && !o.sanitize &&
+                          std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
+                            return s->kind == "gpu" && std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) {
+                                     return t.perf && !t.perf->witness.empty();
+                                   });
+                          });
+  if (witnessing) {
+    progress << "building k2c_witness (the grader's own runs of timed kernels) ...\n" << std::flush;
+    const ProcessResult b = run_process({"cmake", "--build", build.string(), "--target", "k2c_witness", "-j", std::to_string(jobs)},
+                                        {.timeout_s = 1800});
+    if (b.exit_code != 0 || !fs::is_regular_file(witness_bin))
+      witness_problem = "k2c_witness did not build: " + first_lines(build_failure_detail(b.output), 1);
+    else
+      witness_bytes = read_file(witness_bin);
   }
 
   for (std::size_t i = 0; i < selected.size(); ++i) {
@@ -928,6 +996,50 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     }
 
     if (!loading.empty()) withhold_performance(m, spec, loading);
+
+    // The grader's own run of each witnessed kernel whose test passed with figures: the report
+    // came from a process that holds the student's code, and so could have been written by it.
+    if (witnessing && spec.kind == "gpu")
+      for (const TestSpec& ts : spec.tests) {
+        if (!ts.perf || ts.perf->witness.empty() || voids_module(m)) continue;
+        const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == ts.name; });
+        if (t == m.tests.end() || t->status != "passed" || !t->perf) continue;
+        if (!witness_problem.empty()) {
+          t->perf->not_witnessed = witness_problem;
+          continue;
+        }
+        if (read_file(witness_bin) != witness_bytes)
+          throw std::runtime_error(witness_bin.string() + " changed while grading " + spec.id +
+                                   ". Grading stopped: its verdicts can no longer be trusted.");
+        progress << tag << ": the grader's own run of " << ts.name << " ...\n" << std::flush;
+        const RunFolder folder(runner);
+        const RunFolder verdict_folder(Runner{});  // the grader's own, 0700: out of the test program's reach
+        const fs::path verdict = verdict_folder.path() / "verdict.json";
+        const std::string run_mark = folder.path().filename().string();
+        std::vector<std::string> cmd = {witness_bin.string(), ts.perf->witness, "--out", verdict.string(),
+                                        "--timeout", std::to_string(timeout), "--cwd", folder.path().string(),
+                                        "--env", "K2C_RUN=" + run_mark, "--env", "HOME=" + folder.path().string()};
+        if (runner.uid >= 0)
+          cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
+        cmd.insert(cmd.end(), {"--", program.string()});
+        const ProcessResult w = run_process(cmd, {.timeout_s = timeout + 60});
+        if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
+        WitnessVerdict v = read_witness_verdict(read_report(verdict));
+        if (v.fault == "grader" && v.problem.rfind("no verdict", 0) == 0)
+          v.problem += " (" + describe_exit(w, timeout + 60) + ": " + first_lines(w.output, 1) + ")";
+        const double reported = t->perf->achieved;  // t may not survive apply_witness's verdict
+        apply_witness(m, ts.name, v);
+        if (v.fault.empty()) {
+          std::ostringstream os;
+          os << std::setprecision(4) << tag << ": " << ts.name << ": the report says " << reported << " " << v.unit
+             << ", the grader's own run saw " << v.rate << "\n";
+          progress << os.str() << std::flush;
+        } else {
+          progress << tag << ": " << ts.name << ": " << (v.fault == "grader" ? "not witnessed: " : "") << v.problem << "\n"
+                   << std::flush;
+        }
+        if (v.fault == "submission") m.log += "\n[k2c_witness] " + v.problem + "\n" + w.output;
+      }
 
     if (!gtest_json.empty()) {
       try {

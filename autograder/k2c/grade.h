@@ -50,6 +50,10 @@ struct PerfOutcome {
   double achieved = 0, ceiling = 0, ratio = 0, required = 0;
   std::optional<double> reference_ratio;  // the reference solution's ratio on this GPU
   std::string unit, ceiling_name;
+  // The grader's own run of the timed kernel (k2c_witness): its best rate in `unit`, or why the
+  // test was not witnessed (a machine where the check cannot run).
+  std::optional<double> witnessed;
+  std::string not_witnessed;
 };
 
 struct TestOutcome {
@@ -136,6 +140,25 @@ std::string build_failure_detail(const std::string& log);
 // Performance tests that passed lose their points, with `reason` (status "withheld"), and the
 // module says why; correctness points stay. For an implementation whose speed may be borrowed.
 void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::string& reason);
+
+// What the grader's own run of a timed kernel saw: k2c_witness's verdict file (see
+// autograder/witness/witness.cu). fault: "" when it judged the kernel (rate in unit), "grader"
+// when it could not set the run up, "submission" when the test program's part failed.
+struct WitnessVerdict {
+  std::string fault, problem, unit;
+  double rate = 0;
+};
+WitnessVerdict read_witness_verdict(const std::string& json_text);
+
+// How much faster than the witness a test's own figure may be: the witness times whole windows on
+// the host's clock (the socket's round trip, launch gaps) where the test times each launch with
+// events, so an honest figure is at or a little above the witness's; a forged one is far above.
+inline constexpr double kWitnessSlack = 0.15;
+
+// Applies the verdict on test `test` of module m: wrong outputs, a failed run, or a reported figure
+// faster than kWitnessSlack over the witness void the module ("invalid"); a grader-side failure
+// only notes that the figure was not witnessed.
+void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdict& v);
 
 // Reference ratios: <dir>/*.json whose "gpu" equals the device name. Empty object if none.
 nlohmann::json find_reference(const std::string& dir, const std::string& gpu, std::string* file);

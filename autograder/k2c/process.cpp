@@ -72,8 +72,13 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     close(fds[1]);
     const int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
-    // Nothing else of the grader's open files reaches the code under test.
-    for (int fd = 3, last = static_cast<int>(std::min<long>(sysconf(_SC_OPEN_MAX), 65536)); fd < last; ++fd) close(fd);
+    // Nothing else of the grader's open files reaches the code under test (but the channel).
+    int first_closed = 3;
+    if (o.channel_fd >= 0) {
+      if (o.channel_fd != 3 && dup2(o.channel_fd, 3) < 0) _exit(127);
+      first_closed = 4;
+    }
+    for (int fd = first_closed, last = static_cast<int>(std::min<long>(sysconf(_SC_OPEN_MAX), 65536)); fd < last; ++fd) close(fd);
     if (!o.cwd.empty() && chdir(o.cwd.c_str()) != 0) _exit(127);
     for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
     // Code under test as an unprivileged user: groups first, then the group, then the user (after
@@ -93,6 +98,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     _exit(127);
   }
   setpgid(pid, pid);  // also from the parent, so the group exists before we might signal it
+  if (o.on_start) o.on_start(static_cast<int>(pid));
   close(fds[1]);
   fcntl(fds[0], F_SETFL, O_NONBLOCK);
   r.started = true;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,8 @@ struct ProcessOptions {
   std::string cwd;                                        // empty: inherit
   double timeout_s = 600;
   int uid = -1, gid = -1;  // >= 0: the child drops to this user and group before exec (the grader as root)
+  std::function<void(int pid)> on_start;  // called once the child runs, with its pid (= its group)
+  int channel_fd = -1;     // >= 0: the child gets it as its fd 3 (the witness's socket), beside 0-2
   std::size_t keep_head = 16 * 1024;
   std::size_t keep_tail = 48 * 1024;
 };

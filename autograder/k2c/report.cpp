@@ -122,7 +122,9 @@ json to_json(const GradeReport& r) {
         jt["perf"] = {{"achieved", t.perf->achieved}, {"ceiling", t.perf->ceiling},
                       {"ratio", t.perf->ratio}, {"required", t.perf->required},
                       {"unit", t.perf->unit}, {"ceiling_name", t.perf->ceiling_name},
-                      {"reference_ratio", t.perf->reference_ratio ? json(*t.perf->reference_ratio) : json(nullptr)}};
+                      {"reference_ratio", t.perf->reference_ratio ? json(*t.perf->reference_ratio) : json(nullptr)},
+                      {"witnessed", t.perf->witnessed ? json(*t.perf->witnessed) : json(nullptr)}};
+      if (t.perf && !t.perf->not_witnessed.empty()) jt["perf"]["not_witnessed"] = t.perf->not_witnessed;
       jm["tests"].push_back(jt);
     }
     j["modules"].push_back(jm);

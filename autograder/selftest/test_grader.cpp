@@ -404,6 +404,55 @@ TEST(Verdict, WithheldPerformanceKeepsCorrectness) {
             std::string::npos) << m.detail;
 }
 
+// The grader's own run of a timed kernel (k2c_witness) judges the report of the test program, which
+// holds the student's code: outputs it found wrong, a run that failed once the test program had
+// started, or a reported figure faster than the witness saw (beyond kWitnessSlack) void the module;
+// a witness that could not be set up on this machine leaves the figure as it was, noted.
+TEST(Verdict, TheWitnessJudgesTheReport) {
+  using k2c::grader::apply_witness;
+  using k2c::grader::read_witness_verdict;
+  const k2c::ModuleSpec spec = two_test_module();
+  const auto reported = [&] {  // 95 GB/s of a 100 GB/s ceiling: 10 points
+    return evaluate_module(spec, exited(0), gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")"),
+                           "assignments", 9);
+  };
+
+  auto m = reported();
+  apply_witness(m, "APerf.Rate", read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 90})"));
+  EXPECT_EQ(m.points, 10) << m.detail;
+  ASSERT_TRUE(m.tests[1].perf->witnessed.has_value());
+  EXPECT_EQ(*m.tests[1].perf->witnessed, 90);
+
+  m = reported();  // 95 against 60 seen: forged
+  apply_witness(m, "APerf.Rate", read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 60})"));
+  EXPECT_EQ(m.status, "invalid");
+  EXPECT_EQ(m.points, 0);
+  EXPECT_NE(m.detail.find("APerf.Rate: the report says 95 GB/s, the grader's own run of the same kernel reached at most 60"),
+            std::string::npos) << m.detail;
+
+  m = reported();  // right at the slack: still honest
+  apply_witness(m, "APerf.Rate", read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 83})"));
+  EXPECT_EQ(m.points, 10) << m.detail;
+
+  m = reported();
+  apply_witness(m, "APerf.Rate",
+                read_witness_verdict(R"({"fault": "submission", "problem": "window 1, launch 3 of 16: row 7: bad"})"));
+  EXPECT_EQ(m.status, "invalid");
+  EXPECT_EQ(m.points, 0);
+  EXPECT_NE(m.detail.find("own run of the timed kernel failed: window 1, launch 3 of 16: row 7"), std::string::npos);
+
+  for (const std::string grader_side : {R"({"fault": "grader", "problem": "cudaIpcGetMemHandle: not supported"})",
+                                        R"({"fault": "", "unit": "TFLOP/s", "rate": 500})", "", "{not json"}) {
+    m = reported();
+    apply_witness(m, "APerf.Rate", read_witness_verdict(grader_side));
+    EXPECT_EQ(m.points, 10) << grader_side;
+    EXPECT_FALSE(m.tests[1].perf->witnessed.has_value());
+    EXPECT_FALSE(m.tests[1].perf->not_witnessed.empty()) << grader_side;
+  }
+  // A rate that is not a number is no verdict either.
+  EXPECT_EQ(read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 0})").fault, "grader");
+}
+
 // ---------------------------------------------------------------------------- processes ---
 
 TEST(Process, TimeoutKillsTheGroupAndOutputIsBounded) {

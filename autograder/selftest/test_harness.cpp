@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <regex>
@@ -592,6 +593,9 @@ TEST(Rubric, ParsesAndLooksUp) {
   EXPECT_EQ(r.modules[0].points(), 10);
   ASSERT_TRUE(r.modules[0].find_test("P.Q")->perf);
   EXPECT_EQ(r.modules[0].find_test("P.Q")->perf->goal, 0.9);
+  EXPECT_EQ(r.modules[0].find_test("P.Q")->perf->witness, "");
+  EXPECT_EQ(k2c::parse_rubric(replace(kGood, R"("goal": 0.9)", R"("goal": 0.9, "witness": "copy")"))
+                .modules[0].find_test("P.Q")->perf->witness, "copy");
   // "build" is optional: what autograder/CMakeLists.txt reads from it, read here the same way.
   EXPECT_FALSE(r.modules[0].model);
   EXPECT_FALSE(r.modules[0].sm90a);
@@ -620,6 +624,7 @@ TEST(Rubric, ErrorsNameTheField) {
       {replace(g, R"("points": 3)", R"("points": "3")"), "modules[0].tests[0].points: expected a number"},
       {replace(g, R"("threshold": 0.5)", R"("threshold": 2)"), "modules[0].tests[1].perf.threshold"},
       {replace(g, R"("goal": 0.9)", R"("goal": 0.1)"), "modules[0].tests[1].perf.goal"},
+      {replace(g, R"("goal": 0.9)", R"("goal": 0.9, "witness": "")"), "modules[0].tests[1].perf.witness"},
       {replace(g, R"("unit": "GB/s",)", ""), "modules[0].tests[1].perf.unit: missing"},
       {replace(g, R"("id": "01_naive_matmul")", R"("id": "naive")"), "modules[0].id"},
       {replace(g, R"("kind": "gpu")", R"("kind": "tpu")"), "modules[0].kind"},
@@ -704,6 +709,34 @@ TEST(Rubric, EveryModuleHasItsDocs) {
     for (const auto& id : registered) EXPECT_TRUE(listed.count(id)) << doc << ": no course-map row for " << id;
     for (const auto& id : listed) EXPECT_TRUE(registered.count(id)) << doc << ": a row for " << id << ", which the rubric does not register";
   }
+}
+
+// A witness the rubric names must exist on both sides: the checker's spec (autograder/witness/
+// specs.cu) and the module's test program (K2C_WITNESS in one of its test files), or the grader's own
+// run would fail on every machine for a reason that is not the submission's.
+TEST(Rubric, EveryWitnessHasBothSides) {
+  const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
+  const std::filesystem::path root = std::filesystem::path(K2C_RUBRIC_PATH).parent_path().parent_path();
+  auto text = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string specs = text(root / "autograder/witness/specs.cu");
+  ASSERT_FALSE(specs.empty());
+  int witnessed = 0;
+  for (const auto& m : r.modules)
+    for (const auto& t : m.tests) {
+      if (!t.perf || t.perf->witness.empty()) continue;
+      ++witnessed;
+      EXPECT_EQ(m.kind, "gpu") << t.name << ": only GPU modules' kernels are witnessed";
+      EXPECT_NE(specs.find("\"" + t.perf->witness + "\""), std::string::npos)
+          << t.name << ": specs.cu has no witness " << t.perf->witness;
+      bool registered = false;
+      for (const auto& f : std::filesystem::directory_iterator(root / "autograder" / m.id))
+        registered = registered || text(f.path()).find("K2C_WITNESS(" + t.perf->witness + ")") != std::string::npos;
+      EXPECT_TRUE(registered) << t.name << ": no K2C_WITNESS(" << t.perf->witness << ") in autograder/" << m.id;
+    }
+  EXPECT_GE(witnessed, 4);
 }
 
 TEST(Rubric, MissingFileIsAnError) {

@@ -52,13 +52,14 @@ class Reader {
 };
 
 PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"ceiling", "unit", "threshold", "goal", "max_ratio"});
+  rd.only_keys(j, path, {"ceiling", "unit", "threshold", "goal", "max_ratio", "witness"});
   PerfSpec p;
   p.ceiling = rd.string(j, path, "ceiling");
   p.unit = rd.string(j, path, "unit");
   p.max_ratio = rd.number(j, path, "max_ratio");
   p.threshold = rd.number(j, path, "threshold");
   p.goal = rd.number(j, path, "goal");
+  if (j.contains("witness")) p.witness = rd.string(j, path, "witness");
   if (!(p.max_ratio > 0)) rd.error(path + ".max_ratio", "expected a number > 0");
   if (!(p.threshold > 0 && p.threshold <= p.max_ratio))
     rd.error(path + ".threshold", "expected a number in (0, max_ratio]");

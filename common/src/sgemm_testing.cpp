@@ -120,4 +120,9 @@ double measure_rate(SgemmFn fn, int M, int N, int K, int repeats) {
   return 2.0 * M * static_cast<double>(N) * K / (t.median_ms * 1e-3);
 }
 
+void run_witness(SgemmFn fn, const testing::WitnessLaunch& w) {
+  const int n = w.dim(0);
+  fn(n, n, n, 1.0f, w.at<float>(0), w.at<float>(1), 0.0f, w.at<float>(2), nullptr);
+}
+
 }  // namespace k2c::sgemm_testing

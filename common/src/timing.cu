@@ -39,6 +39,13 @@ __global__ void read_through_l2(const uint4* p, std::size_t n, unsigned* never) 
   if (acc == 0x9E3779B9u && never != nullptr) *never = acc;
 }
 
+void flush_l2(cudaStream_t stream) {
+  DeviceBuffer<char>& buf = l2_flush_buffer();
+  read_through_l2<<<4 * device_info().sms, 256, 0, stream>>>(reinterpret_cast<const uint4*>(buf.data()),
+                                                              buf.bytes() / sizeof(uint4), nullptr);
+  K2C_CUDA_CHECK(cudaGetLastError());
+}
+
 namespace {
 
 struct EventPair {
@@ -60,12 +67,7 @@ void check_options(const char* who, const TimingOptions& o) {
 
 // One timed repeat: the L2 flush, then `work` between events.
 double time_once(const std::function<void()>& work, const TimingOptions& o, const EventPair& ev) {
-  if (o.flush_l2) {
-    DeviceBuffer<char>& buf = l2_flush_buffer();
-    read_through_l2<<<4 * device_info().sms, 256, 0, o.stream>>>(reinterpret_cast<const uint4*>(buf.data()),
-                                                                 buf.bytes() / sizeof(uint4), nullptr);
-    K2C_CUDA_CHECK(cudaGetLastError());
-  }
+  if (o.flush_l2) flush_l2(o.stream);
   K2C_CUDA_CHECK(cudaEventRecord(ev.start, o.stream));
   work();
   K2C_CUDA_CHECK(cudaEventRecord(ev.stop, o.stream));

@@ -27,6 +27,7 @@ struct PerfSpec {
   double threshold = 0;    // student bar: full points at ratio >= threshold
   double goal = 0;         // what the reference solution must reach (>= threshold)
   double max_ratio = 0;    // a ratio above this is physically impossible: the result is invalid
+  std::string witness;     // "" or the grader's own run of the timed kernel (autograder/witness/specs.cu)
 
   // The bar code from the tree `impl` ("solutions" or "assignments") must clear: the reference
   // solutions are held to the goal, student code to the threshold. The one home of that rule:

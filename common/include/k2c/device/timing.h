@@ -36,6 +36,10 @@ struct Timing {
 
 Timing time_gpu(const std::function<void()>& work, const TimingOptions& options = {});
 
+// What time_gpu does before each timed repeat: reads a buffer twice the size of L2 on `stream`,
+// leaving L2 clean and holding nothing of earlier work (the grader's witness run uses it too).
+void flush_l2(cudaStream_t stream = nullptr);
+
 // One Timing per entry of `works`, in their order: options.warmup untimed rounds, then
 // options.repeats timed rounds, each round running every piece of work once in the given order.
 std::vector<Timing> time_gpu_interleaved(const std::vector<std::function<void()>>& works,

@@ -16,6 +16,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "k2c/testing/witness.h"
+
 namespace k2c::sgemm_testing {
 
 using SgemmFn = void (*)(int M, int N, int K, float alpha, const float* A, const float* B,
@@ -43,5 +45,10 @@ void check_case(SgemmFn fn, const Case& c);
 // the timed runs (beta == 0) at 256 positions drawn afresh after them; a wrong result fails the
 // test and returns 0.
 double measure_rate(SgemmFn fn, int M, int N, int K, int repeats);
+
+// One launch of the grader's witness `sgemm_4096` (k2c/testing/witness.h): fn at the witness's
+// n³ with alpha 1 and beta 0, on its buffers A, B and C. Each module registers it:
+//   K2C_WITNESS(sgemm_4096) { st::run_witness(kMatmul, w); }
+void run_witness(SgemmFn fn, const testing::WitnessLaunch& w);
 
 }  // namespace k2c::sgemm_testing

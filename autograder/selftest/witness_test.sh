@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# witness_test.sh K2C_BIN WORKDIR [REFERENCE_BUILD] — the grader's own run of a timed kernel (k2c_witness), on a
+# machine with an NVIDIA GPU (elsewhere: skipped, exit 77). Module 06 graded three ways:
+#   - the reference solution: full marks, its figure witnessed and consistent with the report;
+#   - a correct softmax at a crawl whose report is forged to claim 95% of the copy rate: void,
+#     the report's figure is far above what the grader's own run saw;
+#   - a wrong softmax whose forged report says every test passed: void, the grader's own run
+#     checked the output itself.
+set -euo pipefail
+k2c=$1
+work=$2
+reference_build=${3:-$work/reference}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+ls /dev/nvidia0 >/dev/null 2>&1 || { echo "no NVIDIA device: the witness needs a GPU"; exit 77; }
+rm -rf "$work"
+mkdir -p "$work"
+
+field() {  # field FILE KEY: the first "KEY": "value" of the JSON report
+  grep -o "\"$2\": \"[^\"]*\"" "$1" | head -n 1 | sed 's/^[^:]*: "//; s/"$//'
+}
+
+"$k2c" --root "$root" grade --impl solutions --modules 06 --build-dir "$reference_build" \
+  --json "$work/reference.json" > "$work/reference.log" 2>&1 || true
+status=$(field "$work/reference.json" status)
+[ "$status" = ok ] || { cat "$work/reference.log"; echo "FAIL: the reference solution graded '$status'"; exit 1; }
+grep -q '"witnessed": [0-9]' "$work/reference.json" ||
+  { grep -n witness "$work/reference.json"; echo "FAIL: the reference's figure was not witnessed"; exit 1; }
+grep -o '"achieved": [0-9.e+]*\|"witnessed": [0-9.e+]*' "$work/reference.json"
+
+for case in slow wrong; do
+  sub="$work/$case/submission"
+  mkdir -p "$sub/assignments/06_softmax"
+  cat "$here/witness/forger.inc" "$here/witness/${case}_softmax.cu" > "$sub/assignments/06_softmax/softmax.cu"
+  "$k2c" --root "$root" grade --submission "$sub" --modules 06 --build-dir "$work/submissions" \
+    --json "$work/$case.json" > "$work/$case.log" 2>&1 || true
+  status=$(field "$work/$case.json" status)
+  detail=$(field "$work/$case.json" detail)
+  echo "$case: $status: $detail"
+  [ "$status" = invalid ] || { tail -n 30 "$work/$case.log"; echo "FAIL: the $case forgery graded '$status'"; exit 1; }
+done
+grep -q "the report says 3800 GB/s, the grader's own run of the same kernel reached at most" "$work/slow.json" ||
+  { echo "FAIL: the slow forgery was voided for another reason"; exit 1; }
+grep -q "the grader's own run of the timed kernel failed: window 1, launch 1 of" "$work/wrong.json" ||
+  { echo "FAIL: the wrong forgery was voided for another reason"; exit 1; }
+echo "PASS: the witness voids both forgeries and agrees with the reference"

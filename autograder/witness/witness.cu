@@ -1,0 +1,438 @@
+// k2c_witness — the grader's own run of one timed kernel, in a process with no student code.
+//
+//   k2c_witness NAME --out VERDICT.json [--timeout S] [--uid U --gid G] [--cwd DIR] [--env K=V]...
+//               -- TEST_PROGRAM [ARGS...]
+//
+// The protocol is in common/include/k2c/testing/witness.h; what each witness launches, on which
+// buffers, and how its output is checked is in specs.cu. The verdict (JSON) says what the
+// checker saw: the best rate over its windows in the rubric's unit, or the problem, and whose
+// fault it was: "grader" when the checker could not set the run up (no device, no CUDA IPC),
+// "submission" for anything that happened once the test program was started, including its
+// silence. The grader (k2c grade) compares the rate with the test program's own report.
+//
+// A window holds more than the work: the socket's round trip, the GPU's switch from this process's
+// context to the test program's and back, the read of the outputs (about 0.6 ms on an H200, as
+// long as a dozen launches of a bandwidth-bound kernel). So the checker first runs the same
+// windows against itself (`k2c_witness --serve-calibration`, an empty kernel per set) and takes
+// the fastest of those off each window of the test program.
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <nlohmann/json.hpp>
+
+#include "k2c/core/random.h"
+#include "k2c/device/device.h"
+#include "k2c/device/timing.h"
+#include "k2c/testing/witness.h"
+#include "process.h"
+#include "specs.h"
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+namespace wp = k2c::witness;
+
+constexpr int kWindows = 5;
+// What all sets together may take of the device: enough launches per window that the round trip
+// over the socket (tens of microseconds) is a small part of the window, without crowding a GPU
+// smaller than the H200.
+constexpr std::size_t kSetBudget = std::size_t{16} << 30;
+
+struct Args {
+  std::string name, out;
+  double timeout_s = 300;
+  int uid = -1, gid = -1;
+  std::string cwd;
+  std::vector<std::pair<std::string, std::string>> env;
+  std::vector<std::string> program;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  if (argc < 2) throw std::invalid_argument("usage: k2c_witness NAME --out FILE [options] -- PROGRAM [ARGS]");
+  a.name = argv[1];
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--") {
+      a.program.assign(argv + i + 1, argv + argc);
+      break;
+    }
+    if (arg == "--out") a.out = value();
+    else if (arg == "--timeout") a.timeout_s = std::stod(value());
+    else if (arg == "--uid") a.uid = std::stoi(value());
+    else if (arg == "--gid") a.gid = std::stoi(value());
+    else if (arg == "--cwd") a.cwd = value();
+    else if (arg == "--env") {
+      const std::string kv = value();
+      const auto eq = kv.find('=');
+      if (eq == std::string::npos) throw std::invalid_argument("--env " + kv + ": expected K=V");
+      a.env.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+    } else {
+      throw std::invalid_argument("unknown option " + arg);
+    }
+  }
+  if (a.out.empty() || a.program.empty()) throw std::invalid_argument("--out and a program after -- are required");
+  return a;
+}
+
+void write_verdict(const std::string& path, const json& v) {
+  const std::string tmp = path + ".part";
+  std::ofstream(tmp) << v.dump(2) << "\n";
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+json verdict(const std::string& name, const std::string& fault, const std::string& problem) {
+  return {{"witness", name}, {"fault", fault}, {"problem", problem}};
+}
+
+// This program's own path, to start it as the calibration's server.
+std::string self_path() {
+  std::vector<char> buf(4096);
+  const ssize_t n = readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) throw std::runtime_error("cannot find k2c_witness's own path");
+  return std::string(buf.data(), static_cast<std::size_t>(n));
+}
+
+__global__ void empty_kernel() {}
+
+// Copies each range of the shared allocation into `staging` (one block per range).
+__global__ void gather(const char* base, const k2c::witness_specs::Range* ranges, const std::uint64_t* into,
+                       char* staging) {
+  const k2c::witness_specs::Range r = ranges[blockIdx.x];
+  for (std::uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) staging[into[blockIdx.x] + i] = base[r.offset + i];
+}
+
+#define CHECK_CUDA(call)                                                                   \
+  do {                                                                                     \
+    const cudaError_t e_ = (call);                                                         \
+    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+// The socket to the test program, read with deadlines; the child's exit ends any wait early.
+class Channel {
+ public:
+  Channel(int fd, const std::atomic<bool>& child_done) : fd_(fd), child_done_(child_done) {}
+  bool send(const void* data, std::size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t put = ::send(fd_, p, n, MSG_NOSIGNAL);
+      if (put <= 0) return false;
+      p += put;
+      n -= static_cast<std::size_t>(put);
+    }
+    return true;
+  }
+  // "" once a whole Reply arrived, else why not.
+  std::string receive(wp::Reply& r, double seconds) {
+    char* p = reinterpret_cast<char*>(&r);
+    std::size_t need = sizeof r;
+    const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+    while (need > 0) {
+      if (Clock::now() >= deadline) return "no answer within " + std::to_string(static_cast<int>(seconds)) + " s";
+      pollfd pf{fd_, POLLIN, 0};
+      const int ready = poll(&pf, 1, 20);
+      if (ready > 0) {
+        const ssize_t got = recv(fd_, p, need, 0);
+        if (got <= 0) return "the test program closed the channel";
+        p += got;
+        need -= static_cast<std::size_t>(got);
+      } else if (child_done_.load()) {
+        return "the test program ended";
+      }
+    }
+    if (r.magic != wp::kMagic) return "the test program sent something that is not a reply";
+    r.message[sizeof r.message - 1] = '\0';
+    return "";
+  }
+
+ private:
+  int fd_;
+  const std::atomic<bool>& child_done_;
+};
+
+// The allocation shared with a test program: every set's buffers, and the greeting naming them.
+struct Layout {
+  const k2c::witness_specs::Spec* spec = nullptr;
+  int sets = 0;
+  char* base = nullptr;
+  wp::Hello hello;
+  std::vector<char*> buffers(int set) const {
+    std::vector<char*> p;
+    for (std::size_t b = 0; b < spec->buffers.size(); ++b) p.push_back(base + hello.offset[set][b]);
+    return p;
+  }
+};
+
+// Lays out as many sets as the budget holds (at most kMaxSets); throws what stands in the way.
+Layout lay_out(const k2c::witness_specs::Spec& spec) {
+  Layout l;
+  l.spec = &spec;
+  std::size_t set_bytes = 0;
+  std::vector<std::size_t> buffer_offset;  // within a set
+  for (const auto& b : spec.buffers) {
+    buffer_offset.push_back(set_bytes);
+    set_bytes += (b.bytes + 255) / 256 * 256;
+  }
+  if (!k2c::device_info().present) throw std::runtime_error("no CUDA device: " + k2c::device_info().reason);
+  std::size_t free_bytes = 0, total = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total));
+  const std::size_t budget = std::min(kSetBudget, free_bytes / 2);
+  l.sets = static_cast<int>(std::min<std::size_t>(std::min(wp::kMaxSets, spec.max_sets), budget / set_bytes));
+  if (l.sets < 1) throw std::runtime_error("not enough device memory for one launch's buffers");
+  CHECK_CUDA(cudaMalloc(&l.base, set_bytes * l.sets));
+  l.hello.buffers = static_cast<std::uint32_t>(spec.buffers.size());
+  l.hello.sets = static_cast<std::uint32_t>(l.sets);
+  std::snprintf(l.hello.name, sizeof l.hello.name, "%s", spec.name.c_str());
+  CHECK_CUDA(cudaIpcGetMemHandle(&l.hello.memory, l.base));
+  for (std::size_t i = 0; i < spec.shape.size(); ++i) l.hello.shape[i] = spec.shape[i];
+  for (int s = 0; s < l.sets; ++s)
+    for (std::size_t b = 0; b < spec.buffers.size(); ++b) l.hello.offset[s][b] = s * set_bytes + buffer_offset[b];
+  return l;
+}
+
+struct Session {
+  std::string problem;            // "" when every window was timed (and, if checked, right)
+  std::vector<double> window_ms;  // per window: Go to the checker's read of the outputs
+  std::string output;             // the tail of what the test program printed
+};
+
+// Starts `program` with the channel on its fd 3 and runs kWindows windows (see witness.h). With
+// `check`, each window's sampled outputs are compared with the CPU reference.
+Session run_session(const Layout& l, const std::vector<std::string>& program, const Args& a, int uid, int gid,
+                    bool check, std::mt19937_64& rng) {
+  namespace ws = k2c::witness_specs;
+  const ws::Spec& spec = *l.spec;
+  Session result;
+  int fds[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
+    result.problem = std::string("socketpair: ") + std::strerror(errno);
+    return result;
+  }
+  std::atomic<bool> child_done{false};
+  std::atomic<int> child_pid{0};
+  k2c::grader::ProcessResult child;
+  auto env = a.env;
+  env.emplace_back("K2C_WITNESS_FD", std::to_string(wp::kChannelFd));
+  std::thread runner([&] {
+    child = k2c::grader::run_process(program, {.env = env,
+                                               .cwd = a.cwd,
+                                               .timeout_s = a.timeout_s,
+                                               .uid = uid,
+                                               .gid = gid,
+                                               .on_start = [&](int pid) { child_pid = pid; },
+                                               .channel_fd = fds[1]});
+    child_done = true;
+  });
+  Channel channel(fds[0], child_done);
+  auto finish = [&](const std::string& problem) {
+    result.problem = problem;
+    // A polite end first (an honest test program exits on End), then the group, whatever it does.
+    for (int i = 0; i < 100 && !child_done.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (const int pid = child_pid.load(); pid > 0 && !child_done.load()) kill(-pid, SIGKILL);
+    runner.join();
+    close(fds[0]);
+    close(fds[1]);
+    result.output = child.output.substr(child.output.size() > 4000 ? child.output.size() - 4000 : 0);
+    return result;
+  };
+
+  if (!channel.send(&l.hello, sizeof l.hello)) return finish("the test program did not take the checker's greeting");
+  wp::Reply reply;
+  // Start-up: CUDA's initialisation, mapping the buffers, two warm-up rounds of every set.
+  if (std::string why = channel.receive(reply, std::min(a.timeout_s, 180.0)); !why.empty())
+    return finish("before its first window: " + why);
+  if (reply.status != wp::Status::ready) return finish(std::string("the test program could not start: ") + reply.message);
+
+  char* staging = nullptr;
+  ws::Range* d_ranges = nullptr;
+  std::uint64_t* d_into = nullptr;
+  auto release = [&] {
+    cudaFree(staging);
+    cudaFree(d_ranges);
+    cudaFree(d_into);
+    staging = nullptr;
+    d_ranges = nullptr;
+    d_into = nullptr;
+  };
+  try {
+    for (int w = 0; w < kWindows; ++w) {
+      const std::string window = "window " + std::to_string(w + 1);
+      // Fresh inputs for every set, outputs poisoned (0xFF: NaN in fp32 and bf16), L2 emptied.
+      const std::uint64_t seed = rng();
+      for (int s = 0; s < l.sets; ++s) {
+        const std::vector<char*> p = l.buffers(s);
+        spec.fill(p, k2c::mix64(seed + s));
+        for (std::size_t b = 0; b < spec.buffers.size(); ++b)
+          if (spec.buffers[b].output) CHECK_CUDA(cudaMemset(p[b], 0xFF, spec.buffers[b].bytes));
+      }
+      // Where the checker will read, drawn now and kept in this process: the test program cannot
+      // know them in advance.
+      std::vector<ws::Range> ranges;
+      std::vector<std::uint64_t> into;
+      std::vector<std::size_t> first_of_set;
+      std::uint64_t staged = 0;
+      for (int s = 0; s < l.sets; ++s) {
+        first_of_set.push_back(ranges.size());
+        for (ws::Range r : spec.sample(rng)) {
+          r.offset += l.hello.offset[s][r.buffer];
+          ranges.push_back(r);
+          into.push_back(staged);
+          staged += (r.bytes + 15) / 16 * 16;
+        }
+      }
+      first_of_set.push_back(ranges.size());
+      release();
+      CHECK_CUDA(cudaMalloc(&staging, staged));
+      CHECK_CUDA(cudaMalloc(&d_ranges, ranges.size() * sizeof(ws::Range)));
+      CHECK_CUDA(cudaMalloc(&d_into, into.size() * sizeof(std::uint64_t)));
+      CHECK_CUDA(cudaMemcpy(d_ranges, ranges.data(), ranges.size() * sizeof(ws::Range), cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(d_into, into.data(), into.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice));
+      std::vector<char> got(staged);
+      // The outputs must still hold the poison when Go is sent: a test program that computed them
+      // from the inputs while this process was still filling them would otherwise be done before
+      // its clock starts.
+      gather<<<static_cast<unsigned>(ranges.size()), 256>>>(l.base, d_ranges, d_into, staging);
+      CHECK_CUDA(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
+      for (std::size_t i = 0; i < ranges.size(); ++i)
+        if (spec.buffers[ranges[i].buffer].output &&
+            std::any_of(got.data() + into[i], got.data() + into[i] + ranges[i].bytes, [](char c) { return c != '\xFF'; }))
+          return release(), finish(window + ": outputs were written before the launches were asked for");
+      k2c::flush_l2();
+      CHECK_CUDA(cudaDeviceSynchronize());
+
+      // The window: Go, the test program's launches, Done, and the checker's own read of the
+      // outputs. Work still running when Done came is either read unfinished (and caught) or
+      // finished before the read completes, on the clock either way.
+      const auto t0 = Clock::now();
+      wp::Order go;
+      go.command = wp::Command::go;
+      go.window = static_cast<std::uint32_t>(w);
+      if (!channel.send(&go, sizeof go)) return finish("the test program left before " + window);
+      if (std::string why = channel.receive(reply, std::max(60.0, a.timeout_s / 2)); !why.empty())
+        return finish(window + ": " + why);
+      if (reply.status != wp::Status::done || reply.window != go.window)
+        return finish(window + ": " + (reply.status == wp::Status::failed ? std::string(reply.message) : "an answer out of turn"));
+      gather<<<static_cast<unsigned>(ranges.size()), 256>>>(l.base, d_ranges, d_into, staging);
+      CHECK_CUDA(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
+      result.window_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+
+      // Off the clock: every set's sample against the CPU reference.
+      for (int s = 0; check && s < l.sets; ++s) {
+        std::vector<ws::Range> mine;
+        std::vector<const char*> bytes;
+        for (std::size_t i = first_of_set[s]; i < first_of_set[s + 1]; ++i) {
+          ws::Range r = ranges[i];
+          r.offset -= l.hello.offset[s][r.buffer];
+          mine.push_back(r);
+          bytes.push_back(got.data() + into[i]);
+        }
+        const std::string problem = spec.check(k2c::mix64(seed + s), mine, bytes);
+        if (!problem.empty())
+          return release(), finish(window + ", launch " + std::to_string(s + 1) + " of " + std::to_string(l.sets) + ": " + problem);
+      }
+    }
+  } catch (const std::exception& e) {
+    // The checker's own CUDA calls: the test program may have broken the shared device state.
+    release();
+    return finish(std::string("the checker's CUDA work failed: ") + e.what());
+  }
+  release();
+  wp::Order end;
+  end.command = wp::Command::end;
+  channel.send(&end, sizeof end);
+  return finish("");
+}
+
+int run(const Args& a) {
+  namespace ws = k2c::witness_specs;
+  const ws::Spec* spec = ws::find(a.name);
+  if (spec == nullptr) {
+    write_verdict(a.out, verdict(a.name, "grader", "k2c_witness has no witness named '" + a.name + "'"));
+    return 0;
+  }
+  std::random_device entropy;
+  std::mt19937_64 rng((static_cast<std::uint64_t>(entropy()) << 32) ^ entropy());
+
+  // ---- the grader's side: a failure here is not the submission's -------------------------------
+  // The calibration: the same windows served by this program itself, launching an empty kernel
+  // per set. What such a window takes (the socket's round trip, the GPU's switches between this
+  // process and the server, the read of the outputs) is what every window takes beside the work;
+  // it is taken off the test program's windows. Measured with code of the course's own, before
+  // the test program runs, so nothing it does can stretch it.
+  Layout layout;
+  Session calibration;
+  try {
+    layout = lay_out(*spec);
+    calibration = run_session(layout, {self_path(), "--serve-calibration"}, a, -1, -1, false, rng);
+  } catch (const std::exception& e) {
+    calibration.problem = e.what();
+  }
+  if (!calibration.problem.empty()) {
+    write_verdict(a.out, verdict(a.name, "grader", "the checker's calibration failed: " + calibration.problem));
+    return 0;
+  }
+  const double overhead_ms = *std::min_element(calibration.window_ms.begin(), calibration.window_ms.end());
+
+  // ---- from here on the test program runs: what goes wrong is the submission's ---------------
+  write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
+  std::vector<std::string> program = a.program;
+  program.push_back("--k2c_witness=" + a.name);
+  const Session s = run_session(layout, program, a, a.uid, a.gid, true, rng);
+  if (!s.problem.empty()) {
+    json v = verdict(a.name, "submission", s.problem);
+    v["output"] = s.output;
+    write_verdict(a.out, v);
+    return 0;
+  }
+  // The work's share of a window, never taken below a quarter of the window: a calibration that
+  // happened to be slow must not make a kernel look faster than its window allows.
+  std::vector<double> rates;
+  for (const double ms : s.window_ms) {
+    const double work_ms = std::max(ms - overhead_ms, 0.25 * ms);
+    rates.push_back(spec->work * layout.sets / (work_ms * 1e-3) / spec->unit_scale);
+  }
+  json v = verdict(a.name, "", "");
+  v["unit"] = spec->unit;
+  v["rate"] = *std::max_element(rates.begin(), rates.end());
+  v["rates"] = rates;
+  v["sets"] = layout.sets;
+  v["window_ms"] = s.window_ms;
+  v["overhead_ms"] = calibration.window_ms;
+  write_verdict(a.out, v);
+  return 0;
+}
+
+}  // namespace
+
+// The calibration's server: one empty kernel per set.
+K2C_WITNESS(calibration) { empty_kernel<<<1, 1>>>(); }
+
+int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "--serve-calibration") return k2c::testing::serve_witness("calibration");
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "k2c_witness: %s\n", e.what());
+    return 2;
+  }
+}
