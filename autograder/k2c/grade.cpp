@@ -962,6 +962,11 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       return out;
     };
 
+    const std::vector<std::string> kSanitizer = {"compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86",
+                                                 "--print-limit", "20"};
+    const bool has_cuda_parts = std::any_of(spec.files.begin(), spec.files.end(), [](const std::string& f) {
+      return f.size() > 3 && f.compare(f.size() - 3, 3, ".cu") == 0;
+    });
     if (spec.kind == "mpi") {
       // Every run the rubric lists, started as `k2c run` starts ranks (launch.h); the module's
       // verdict combines them.
@@ -970,15 +975,17 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       const auto runs = run_until_void(labels, [&](std::size_t k) {
         const RunSpec& rs = spec.runs[k];
         progress << tag << ": running on " << rs.label() << " (time limit " << timeout << " s) ...\n" << std::flush;
-        const Launch l = mpirun_prefix(
+        Launch l = mpirun_prefix(
             {.ranks = rs.ranks, .backend = rs.backend, .dist_timeout_s = std::max(10, static_cast<int>(timeout / 3))});
+        // A distributed module's CUDA parts (19's decode kernel) are tested in its one-rank run:
+        // under --sanitize that run goes through compute-sanitizer too.
+        if (o.sanitize && rs.ranks == 1 && has_cuda_parts) l.argv.insert(l.argv.end(), kSanitizer.begin(), kSanitizer.end());
         return run_once(l.argv, "." + rs.backend + std::to_string(rs.ranks), l.env, spec, "");
       });
       m = combine_runs(spec, runs);
     } else {
       std::vector<std::string> prefix;
-      if (o.sanitize && spec.kind == "gpu")
-        prefix = {"compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20"};
+      if (o.sanitize && spec.kind == "gpu") prefix = kSanitizer;
       progress << tag << ": running (time limit " << timeout << " s) ...\n" << std::flush;
       if (std::any_of(spec.tests.begin(), spec.tests.end(), [](const TestSpec& t) { return t.bonus; })) {
         const ModuleSpec main = main_part(spec), bonus = bonus_part(spec);
