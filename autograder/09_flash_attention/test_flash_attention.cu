@@ -41,6 +41,7 @@
 #include "k2c/reference/reference.h"
 #include "k2c/testing/bf16.h"
 #include "k2c/testing/testing.h"
+#include "k2c/testing/witness.h"
 
 namespace fa = k2c::flash_attention;
 using k2c::bf16;
@@ -385,6 +386,17 @@ struct ArgBuffers {
 };
 
 }  // namespace
+
+// The grader's own runs of the timed forward passes (k2c/testing/witness.h), on its buffers.
+static Shape witness_shape(const k2c::testing::WitnessLaunch& w) {
+  return make_shape(w.dim(0), w.dim(1), w.dim(2), w.dim(3), w.dim(4), w.dim(5), w.dim(6) != 0);
+}
+K2C_WITNESS(attention_forward) {
+  fa::forward(witness_shape(w), w.at<bf16>(0), w.at<bf16>(1), w.at<bf16>(2), w.at<bf16>(3), w.at<float>(4));
+}
+K2C_WITNESS(attention_forward_hopper) {
+  fa::forward_hopper(witness_shape(w), w.at<bf16>(0), w.at<bf16>(1), w.at<bf16>(2), w.at<bf16>(3), w.at<float>(4));
+}
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.
 TEST(FlashAttentionContract, Implemented) {

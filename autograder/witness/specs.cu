@@ -3,6 +3,7 @@
 // reference recomputes any element from the seed alone.
 #include "specs.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -14,6 +15,7 @@
 
 #include "k2c/core/random.h"
 #include "k2c/device/device.h"
+#include "k2c/reference/moe_baseline.h"
 #include "k2c/reference/reference.h"
 #include "k2c/testing/compare.h"
 
@@ -426,10 +428,138 @@ Spec rope(bool cache) {
   return s;
 }
 
+// Module 09: causal attention forward at B 4, 32 heads, 4,096 tokens, d 128 (the graded shape),
+// inputs as the module's tests draw them; two query rows of o and their lse checked per launch,
+// each against the reference over exactly the keys it sees, within the tests' bounds.
+constexpr std::int64_t kAttnBatch = 4, kAttnHeads = 32, kAttnLen = 4096, kAttnDim = 128;
+
+Spec attention_forward(const std::string& name) {
+  constexpr std::int64_t rows = kAttnBatch * kAttnHeads * kAttnLen, n = rows * kAttnDim;
+  const double scale = 1.0f / std::sqrt(static_cast<float>(kAttnDim));  // as the tests' make_shape rounds it
+  Spec s;
+  s.name = name;
+  s.shape = {kAttnBatch, kAttnHeads, kAttnHeads, kAttnLen, kAttnLen, kAttnDim, 1};
+  // q, k, v; o, lse
+  s.buffers = {{n * sizeof(bf16), false}, {n * sizeof(bf16), false}, {n * sizeof(bf16), false},
+               {n * sizeof(bf16), true},  {rows * sizeof(float), true}};
+  s.work = 4.0 * kAttnBatch * kAttnHeads * static_cast<double>(kAttnLen) * kAttnLen * kAttnDim * 0.5;
+  s.unit = "TFLOP/s";
+  s.unit_scale = 1e12;
+  s.max_sets = 16;
+  s.fill = [](const std::vector<char*>& p, std::uint64_t seed) {
+    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), n, buffer_seed(seed, 0), -2.0f, 2.0f);
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), n, buffer_seed(seed, 1), -2.0f, 2.0f);
+    fill_uniform_device(reinterpret_cast<bf16*>(p[2]), n, buffer_seed(seed, 2), -1.0f, 1.0f);
+  };
+  s.sample = [](std::mt19937_64& rng) {
+    std::vector<Range> r;
+    for (int t = 0; t < 2; ++t) {
+      const std::uint64_t row = rng() % rows;
+      r.push_back({3, row * kAttnDim * sizeof(bf16), kAttnDim * sizeof(bf16)});
+      r.push_back({4, row * sizeof(float), sizeof(float)});
+    }
+    return r;
+  };
+  s.check = [scale](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    for (std::size_t t = 0; t + 1 < ranges.size(); t += 2) {
+      const std::int64_t row = static_cast<std::int64_t>(ranges[t + 1].offset / sizeof(float));
+      const std::int64_t i = row % kAttnLen, head_row = row / kAttnLen;  // (batch, head), kv head = head
+      const std::int64_t seen = i + 1;
+      std::vector<float> q(kAttnDim), k(seen * kAttnDim), v(seen * kAttnDim);
+      for (std::int64_t c = 0; c < kAttnDim; ++c) q[c] = bf16_at(buffer_seed(seed, 0), row * kAttnDim + c, -2.0f, 2.0f);
+      const std::int64_t kv0 = head_row * kAttnLen * kAttnDim;
+      for (std::int64_t j = 0; j < seen * kAttnDim; ++j) {
+        k[j] = bf16_at(buffer_seed(seed, 1), kv0 + j, -2.0f, 2.0f);
+        v[j] = bf16_at(buffer_seed(seed, 2), kv0 + j, -1.0f, 1.0f);
+      }
+      const ref::AttentionForward want =
+          ref::attention_forward(q, k, v, {1, 1, 1, 1, static_cast<int>(seen), static_cast<int>(kAttnDim), false, scale});
+      for (std::int64_t c = 0; c < kAttnDim; ++c) {
+        const double got = read_bf16(bytes[t] + c * sizeof(bf16));
+        // The bound of module 09's tests: a bf16 rounding of every intermediate, with a margin.
+        const double bound = 1.25 * std::ldexp(want.o_magnitude[c] + std::fabs(want.o[c]), -8) + 1e-5;
+        if (!(std::fabs(got - want.o[c]) <= bound))
+          return "o[row " + std::to_string(row) + "][" + std::to_string(c) + "] = " + std::to_string(got) + ", expected " +
+                 std::to_string(want.o[c]);
+      }
+      float lse;
+      std::memcpy(&lse, bytes[t + 1], sizeof lse);
+      if (!(std::fabs(lse - want.lse[0]) <= 1e-4 + kAttnLen * 6e-8 + 1e-6 * std::fabs(want.lse[0])))
+        return "lse[row " + std::to_string(row) + "] = " + std::to_string(lse) + ", expected " + std::to_string(want.lse[0]);
+    }
+    return std::string();
+  };
+  return s;
+}
+
+// Module 10: the routed experts' up projection at the module's shape (16,384 tokens, each to 6 of
+// 64 experts picked uniformly, [g|u] = x·W13ᵀ with n = 2 × 1,408 and k = 2,048), loads drawn
+// afresh for every launch; 32 elements of C checked.
+constexpr int kMoeTokens = 16384, kMoeExperts = 64, kMoeTopK = 6, kMoeN = 2 * 1408, kMoeK = 2048;
+
+Spec moe_up_projection() {
+  constexpr std::int64_t rows = static_cast<std::int64_t>(kMoeTokens) * kMoeTopK;
+  Spec s;
+  s.name = "moe_up_projection";
+  s.shape = {kMoeExperts, rows, kMoeN, kMoeK};
+  // a, b (every expert's weight), offsets; c
+  s.buffers = {{rows * kMoeK * sizeof(bf16), false},
+               {static_cast<std::size_t>(kMoeExperts) * kMoeN * kMoeK * sizeof(bf16), false},
+               {(kMoeExperts + 1) * sizeof(int), false},
+               {rows * kMoeN * sizeof(bf16), true}};
+  s.work = 2.0 * rows * static_cast<double>(kMoeN) * kMoeK;
+  s.unit = "TFLOP/s";
+  s.unit_scale = 1e12;
+  s.max_sets = 8;
+  // The offsets are kept here for the check: the copy in the shared buffers is the test
+  // program's to overwrite.
+  auto kept = std::make_shared<std::map<std::uint64_t, std::vector<int>>>();
+  s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
+    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), rows * kMoeK, buffer_seed(seed, 0));
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), static_cast<std::size_t>(kMoeExperts) * kMoeN * kMoeK,
+                        buffer_seed(seed, 1));
+    const std::vector<int> counts = baseline::expert_loads(kMoeTokens, kMoeExperts, kMoeTopK, false, buffer_seed(seed, 2));
+    std::vector<int> offsets(kMoeExperts + 1, 0);
+    for (int e = 0; e < kMoeExperts; ++e) offsets[e + 1] = offsets[e] + counts[e];
+    if (offsets.back() != rows) throw std::runtime_error("expert_loads: rows do not add up");
+    if (cudaMemcpy(p[2], offsets.data(), offsets.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("cannot upload the offsets");
+    if (kept->size() >= 2 * 32) kept->clear();  // earlier windows' sets, all checked by now
+    (*kept)[seed] = offsets;
+  };
+  s.sample = [](std::mt19937_64& rng) {
+    std::vector<Range> r;
+    for (int t = 0; t < 32; ++t) r.push_back({3, (rng() % (rows * kMoeN)) * sizeof(bf16), sizeof(bf16)});
+    return r;
+  };
+  s.check = [kept](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    const std::vector<int>& offsets = kept->at(seed);
+    for (std::size_t t = 0; t < ranges.size(); ++t) {
+      const std::int64_t at = static_cast<std::int64_t>(ranges[t].offset / sizeof(bf16)), r = at / kMoeN, c = at % kMoeN;
+      const std::int64_t e = std::upper_bound(offsets.begin(), offsets.end(), static_cast<int>(r)) - offsets.begin() - 1;
+      double want = 0, magnitude = 0;
+      for (std::int64_t i = 0; i < kMoeK; ++i) {
+        const double p = static_cast<double>(bf16_at(buffer_seed(seed, 0), r * kMoeK + i, -1.0f, 1.0f)) *
+                         bf16_at(buffer_seed(seed, 1), (e * kMoeN + c) * kMoeK + i, -1.0f, 1.0f);
+        want += p;
+        magnitude += std::fabs(p);
+      }
+      const double got = read_bf16(bytes[t]);
+      if (!(std::fabs(got - want) <= 0x1p-7 * std::fabs(want) + 2e-4 * magnitude))
+        return "C[" + std::to_string(r) + "][" + std::to_string(c) + "] (expert " + std::to_string(e) +
+               ") = " + std::to_string(got) + ", expected " + std::to_string(want);
+    }
+    return std::string();
+  };
+  return s;
+}
+
 const std::vector<Spec>& all() {
   static const std::vector<Spec> specs = {copy(),          fma(),          sgemm_4096(),
                                           bf16_gemm("bf16_gemm"), bf16_gemm("bf16_gemm_hopper"), softmax_fast(),
-                                          rmsnorm_forward(), rmsnorm_backward(), rope(true), rope(false)};
+                                          rmsnorm_forward(), rmsnorm_backward(), rope(true), rope(false),
+                                          attention_forward("attention_forward"),
+                                          attention_forward("attention_forward_hopper"), moe_up_projection()};
   return specs;
 }
 
