@@ -808,7 +808,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   const fs::path witness_bin = build / "bin" / "k2c_witness";
   const bool witnessing = conf.exit_code == 0 && gpu_here && !o.sanitize &&
                           std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
-                            return s->kind == "gpu" && std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) {
+                            return s->kind != "cpu" && std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) {
                                      return t.perf && !t.perf->witness.empty();
                                    });
                           });
@@ -1006,7 +1006,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
 
     // The grader's own run of each witnessed kernel whose test passed with figures: the report
     // came from a process that holds the student's code, and so could have been written by it.
-    if (witnessing && spec.kind == "gpu")
+    if (witnessing && spec.kind != "cpu")
       for (const TestSpec& ts : spec.tests) {
         if (!ts.perf || ts.perf->witness.empty() || voids_module(m)) continue;
         const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == ts.name; });

@@ -728,7 +728,7 @@ TEST(Rubric, EveryWitnessHasBothSides) {
     for (const auto& t : m.tests) {
       if (!t.perf || t.perf->witness.empty()) continue;
       ++witnessed;
-      EXPECT_EQ(m.kind, "gpu") << t.name << ": only GPU modules' kernels are witnessed";
+      EXPECT_NE(m.kind, "cpu") << t.name << ": only kernels timed on a GPU are witnessed";
       EXPECT_NE(specs.find("\"" + t.perf->witness + "\""), std::string::npos)
           << t.name << ": specs.cu has no witness " << t.perf->witness;
       bool registered = false;

@@ -554,12 +554,90 @@ Spec moe_up_projection() {
   return s;
 }
 
+// Module 19: one decode step over a paged cache, 32 sequences of 8,192 tokens, 32 query heads over
+// 8 KV heads of 128, pages of 16 tokens drawn from the pool in a random order per launch (a cache
+// after some traffic). Every cached element is drawn on its own, so a sequence's keys can be
+// recomputed from the page table alone; two (sequence, query head) rows checked per launch, with
+// module 19's tolerance.
+constexpr int kDecBatch = 32, kDecLen = 8192, kDecQHeads = 32, kDecKvHeads = 8, kDecDim = 128, kDecPage = 16;
+
+Spec decode_attention() {
+  constexpr int pages_per_seq = kDecLen / kDecPage, pool_pages = kDecBatch * pages_per_seq + 3;
+  constexpr std::int64_t pool = static_cast<std::int64_t>(pool_pages) * kDecKvHeads * kDecPage * kDecDim,
+                         nq = static_cast<std::int64_t>(kDecBatch) * kDecQHeads * kDecDim;
+  Spec s;
+  s.name = "decode_attention";
+  s.shape = {kDecBatch, kDecQHeads, kDecKvHeads, kDecDim, kDecPage, pages_per_seq, kDecLen};
+  // q, k_pool, v_pool, page_table, lengths; o
+  s.buffers = {{nq * sizeof(bf16), false},
+               {pool * sizeof(bf16), false},
+               {pool * sizeof(bf16), false},
+               {static_cast<std::size_t>(kDecBatch) * pages_per_seq * sizeof(int), false},
+               {kDecBatch * sizeof(int), false},
+               {nq * sizeof(bf16), true}};
+  s.work = 2.0 * kDecBatch * static_cast<double>(kDecLen) * kDecKvHeads * kDecDim * sizeof(bf16);
+  s.unit = "GB/s";
+  // The page table is kept here for the check: the copy in the shared buffers is the test
+  // program's to overwrite.
+  auto kept = std::make_shared<std::map<std::uint64_t, std::vector<int>>>();
+  s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
+    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), nq, buffer_seed(seed, 0), -3.0f, 3.0f);  // peaked softmaxes too
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), pool, buffer_seed(seed, 1));
+    fill_uniform_device(reinterpret_cast<bf16*>(p[2]), pool, buffer_seed(seed, 2));
+    std::vector<int> order(pool_pages);
+    for (int i = 0; i < pool_pages; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(buffer_seed(seed, 3)));
+    std::vector<int> table(order.begin(), order.begin() + kDecBatch * pages_per_seq);
+    const std::vector<int> lengths(kDecBatch, kDecLen);
+    if (cudaMemcpy(p[3], table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(p[4], lengths.data(), lengths.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess)
+      throw std::runtime_error("cannot upload the page table");
+    if (kept->size() >= 2 * 32) kept->clear();  // earlier windows' sets, all checked by now
+    (*kept)[seed] = std::move(table);
+  };
+  s.sample = [](std::mt19937_64& rng) {
+    std::vector<Range> r;
+    for (int t = 0; t < 2; ++t) r.push_back({5, (rng() % (kDecBatch * kDecQHeads)) * kDecDim * sizeof(bf16), kDecDim * sizeof(bf16)});
+    return r;
+  };
+  s.check = [kept](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    const std::vector<int>& table = kept->at(seed);
+    for (std::size_t t = 0; t < ranges.size(); ++t) {
+      const std::int64_t row = static_cast<std::int64_t>(ranges[t].offset / (kDecDim * sizeof(bf16)));
+      const std::int64_t b = row / kDecQHeads, h = row % kDecQHeads, g = h / (kDecQHeads / kDecKvHeads);
+      std::vector<float> q(kDecDim), k(static_cast<std::size_t>(kDecLen) * kDecDim), v(k.size());
+      for (int d = 0; d < kDecDim; ++d) q[d] = bf16_at(buffer_seed(seed, 0), row * kDecDim + d, -3.0f, 3.0f);
+      for (std::int64_t tok = 0; tok < kDecLen; ++tok) {
+        const std::int64_t page = table[b * pages_per_seq + tok / kDecPage];
+        const std::int64_t from = ((page * kDecKvHeads + g) * kDecPage + tok % kDecPage) * kDecDim;
+        for (int d = 0; d < kDecDim; ++d) {
+          k[tok * kDecDim + d] = bf16_at(buffer_seed(seed, 1), from + d, -1.0f, 1.0f);
+          v[tok * kDecDim + d] = bf16_at(buffer_seed(seed, 2), from + d, -1.0f, 1.0f);
+        }
+      }
+      const std::vector<double> want =
+          ref::attention_forward(q, k, v, {1, 1, 1, 1, kDecLen, kDecDim, false, 1.0 / std::sqrt(double(kDecDim))}).o;
+      double top = 0;
+      for (double w : want) top = std::max(top, std::fabs(w));
+      for (int d = 0; d < kDecDim; ++d) {
+        const double got = read_bf16(bytes[t] + d * sizeof(bf16));
+        if (!(std::fabs(got - want[d]) <= 1e-2 * top + 1e-2 * std::fabs(want[d])))
+          return "sequence " + std::to_string(b) + ", query head " + std::to_string(h) + ", value " + std::to_string(d) +
+                 " = " + std::to_string(got) + ", expected " + std::to_string(want[d]);
+      }
+    }
+    return std::string();
+  };
+  return s;
+}
+
 const std::vector<Spec>& all() {
   static const std::vector<Spec> specs = {copy(),          fma(),          sgemm_4096(),
                                           bf16_gemm("bf16_gemm"), bf16_gemm("bf16_gemm_hopper"), softmax_fast(),
                                           rmsnorm_forward(), rmsnorm_backward(), rope(true), rope(false),
                                           attention_forward("attention_forward"),
-                                          attention_forward("attention_forward_hopper"), moe_up_projection()};
+                                          attention_forward("attention_forward_hopper"), moe_up_projection(),
+                                          decode_attention()};
   return specs;
 }
 
