@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -36,6 +37,27 @@ float read_bf16(const char* p) {
   std::memcpy(&v, p, sizeof v);
   return __bfloat162float(v);
 }
+
+// What a fill keeps on the host for the check of the same launch (seed → value): the copy in the
+// shared buffers is the test program's to overwrite. The last 64 launches' are kept, twice a
+// window's worth, so a check always finds the launches of its own window.
+template <class T>
+class Kept {
+ public:
+  void put(std::uint64_t seed, T value) {
+    if (order_.size() == 64) {
+      values_.erase(order_.front());
+      order_.pop_front();
+    }
+    order_.push_back(seed);
+    values_[seed] = std::move(value);
+  }
+  const T& at(std::uint64_t seed) const { return values_.at(seed); }
+
+ private:
+  std::map<std::uint64_t, T> values_;
+  std::deque<std::uint64_t> order_;
+};
 
 // Module 00: a 1 GiB copy, fp32, checked bit for bit on 16 runs of 4,096 elements.
 Spec copy() {
@@ -317,7 +339,7 @@ Spec rmsnorm_backward() {
   s.unit = "GB/s";
   // rstd is computed from h here, and kept on the host for the check: the copy in the shared
   // buffers is the test program's to overwrite.
-  auto kept = std::make_shared<std::map<std::uint64_t, std::vector<float>>>();
+  auto kept = std::make_shared<Kept<std::vector<float>>>();
   s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), n, buffer_seed(seed, 0), -2.0f, 2.0f);
     fill_uniform_device(reinterpret_cast<bf16*>(p[1]), kNormCols, buffer_seed(seed, 1), 0.5f, 1.5f);
@@ -330,8 +352,7 @@ Spec rmsnorm_backward() {
     cudaMemcpy(p[3], rstd, kNormRows * sizeof(float), cudaMemcpyDeviceToDevice);
     cudaFree(rstd);
     if (e != cudaSuccess) throw std::runtime_error(std::string("rstd: ") + cudaGetErrorString(e));
-    if (kept->size() >= 2 * 32) kept->clear();  // earlier windows' sets, all checked by now
-    (*kept)[seed] = std::move(host);
+    kept->put(seed, std::move(host));
   };
   s.sample = [](std::mt19937_64& rng) {
     std::vector<Range> r;
@@ -513,7 +534,7 @@ Spec moe_up_projection() {
   s.max_sets = 8;
   // The offsets are kept here for the check: the copy in the shared buffers is the test
   // program's to overwrite.
-  auto kept = std::make_shared<std::map<std::uint64_t, std::vector<int>>>();
+  auto kept = std::make_shared<Kept<std::vector<int>>>();
   s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), rows * kMoeK, buffer_seed(seed, 0));
     fill_uniform_device(reinterpret_cast<bf16*>(p[1]), static_cast<std::size_t>(kMoeExperts) * kMoeN * kMoeK,
@@ -524,8 +545,7 @@ Spec moe_up_projection() {
     if (offsets.back() != rows) throw std::runtime_error("expert_loads: rows do not add up");
     if (cudaMemcpy(p[2], offsets.data(), offsets.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess)
       throw std::runtime_error("cannot upload the offsets");
-    if (kept->size() >= 2 * 32) kept->clear();  // earlier windows' sets, all checked by now
-    (*kept)[seed] = offsets;
+    kept->put(seed, offsets);
   };
   s.sample = [](std::mt19937_64& rng) {
     std::vector<Range> r;
@@ -579,7 +599,7 @@ Spec decode_attention() {
   s.unit = "GB/s";
   // The page table is kept here for the check: the copy in the shared buffers is the test
   // program's to overwrite.
-  auto kept = std::make_shared<std::map<std::uint64_t, std::vector<int>>>();
+  auto kept = std::make_shared<Kept<std::vector<int>>>();
   s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), nq, buffer_seed(seed, 0), -3.0f, 3.0f);  // peaked softmaxes too
     fill_uniform_device(reinterpret_cast<bf16*>(p[1]), pool, buffer_seed(seed, 1));
@@ -592,8 +612,7 @@ Spec decode_attention() {
     if (cudaMemcpy(p[3], table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess ||
         cudaMemcpy(p[4], lengths.data(), lengths.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess)
       throw std::runtime_error("cannot upload the page table");
-    if (kept->size() >= 2 * 32) kept->clear();  // earlier windows' sets, all checked by now
-    (*kept)[seed] = std::move(table);
+    kept->put(seed, std::move(table));
   };
   s.sample = [](std::mt19937_64& rng) {
     std::vector<Range> r;
