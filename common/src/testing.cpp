@@ -2,6 +2,7 @@
 #include "k2c/testing/testing.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <sstream>
@@ -9,6 +10,7 @@
 #include "k2c/core/random.h"
 #if K2C_HAS_CUDA
 #include "k2c/device/device.h"
+#include "k2c/testing/witness.h"
 #endif
 
 namespace k2c::testing {
@@ -64,6 +66,21 @@ std::string gpu_unavailable_reason() {
 #else
   return "built without a CUDA toolkit";
 #endif
+}
+
+int serve_witness_if_asked(int argc, char** argv) {
+  const std::string flag = "--k2c_witness=";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind(flag, 0) != 0) continue;
+#if K2C_HAS_CUDA
+    return serve_witness(arg.substr(flag.size()));
+#else
+    std::fprintf(stderr, "built without a CUDA toolkit: no witness runs\n");
+    return 2;
+#endif
+  }
+  return -1;
 }
 
 bool sanitizing() {

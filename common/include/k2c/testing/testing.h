@@ -46,6 +46,11 @@ struct RowShape {
 };
 std::vector<RowShape> random_row_shapes(std::uint64_t seed, int count, int max_cols, int max_elements);
 
+// A test program's main() starts with this: for --k2c_witness=NAME (the grader's own run of a
+// timed kernel, k2c/testing/witness.h) it serves that run and returns the exit status; otherwise
+// it returns -1 and the program goes on to its tests.
+int serve_witness_if_asked(int argc, char** argv);
+
 bool gpu_available();
 std::string gpu_unavailable_reason();
 bool sanitizing();  // K2C_SANITIZE=1: running under compute-sanitizer, timings meaningless
