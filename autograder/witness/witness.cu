@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 #include <nlohmann/json.hpp>
 
+#include "k2c/core/check.h"
 #include "k2c/core/random.h"
 #include "k2c/device/device.h"
 #include "k2c/device/timing.h"
@@ -49,9 +50,9 @@ using Clock = std::chrono::steady_clock;
 namespace wp = k2c::witness;
 
 constexpr int kWindows = 5;
-// What all sets together may take of the device: enough launches per window that the round trip
-// over the socket (tens of microseconds) is a small part of the window, without crowding a GPU
-// smaller than the H200.
+// What all sets together may take of the device: enough launches per window that its fixed cost
+// (about half a millisecond, see the calibration in run()) is a small part of it, without crowding
+// a GPU smaller than the H200.
 constexpr std::size_t kSetBudget = std::size_t{16} << 30;
 
 struct Args {
@@ -122,11 +123,6 @@ __global__ void gather(const char* base, const k2c::witness_specs::Range* ranges
   for (std::uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) staging[into[blockIdx.x] + i] = base[r.offset + i];
 }
 
-#define CHECK_CUDA(call)                                                                   \
-  do {                                                                                     \
-    const cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
 
 // The socket to the test program, read with deadlines; the child's exit ends any wait early.
 class Channel {
@@ -195,15 +191,15 @@ Layout lay_out(const k2c::witness_specs::Spec& spec) {
   }
   if (!k2c::device_info().present) throw std::runtime_error("no CUDA device: " + k2c::device_info().reason);
   std::size_t free_bytes = 0, total = 0;
-  CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total));
+  K2C_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
   const std::size_t budget = std::min(kSetBudget, free_bytes / 2);
   l.sets = static_cast<int>(std::min<std::size_t>(std::min(wp::kMaxSets, spec.max_sets), budget / set_bytes));
   if (l.sets < 1) throw std::runtime_error("not enough device memory for one launch's buffers");
-  CHECK_CUDA(cudaMalloc(&l.base, set_bytes * l.sets));
+  K2C_CUDA_CHECK(cudaMalloc(&l.base, set_bytes * l.sets));
   l.hello.buffers = static_cast<std::uint32_t>(spec.buffers.size());
   l.hello.sets = static_cast<std::uint32_t>(l.sets);
   std::snprintf(l.hello.name, sizeof l.hello.name, "%s", spec.name.c_str());
-  CHECK_CUDA(cudaIpcGetMemHandle(&l.hello.memory, l.base));
+  K2C_CUDA_CHECK(cudaIpcGetMemHandle(&l.hello.memory, l.base));
   for (std::size_t i = 0; i < spec.shape.size(); ++i) l.hello.shape[i] = spec.shape[i];
   for (int s = 0; s < l.sets; ++s)
     for (std::size_t b = 0; b < spec.buffers.size(); ++b) l.hello.offset[s][b] = s * set_bytes + buffer_offset[b];
@@ -283,7 +279,7 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
         const std::vector<char*> p = l.buffers(s);
         spec.fill(p, k2c::mix64(seed + s));
         for (std::size_t b = 0; b < spec.buffers.size(); ++b)
-          if (spec.buffers[b].output) CHECK_CUDA(cudaMemset(p[b], 0xFF, spec.buffers[b].bytes));
+          if (spec.buffers[b].output) K2C_CUDA_CHECK(cudaMemset(p[b], 0xFF, spec.buffers[b].bytes));
       }
       // Where the checker will read, drawn now and kept in this process: the test program cannot
       // know them in advance.
@@ -302,23 +298,23 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
       }
       first_of_set.push_back(ranges.size());
       release();
-      CHECK_CUDA(cudaMalloc(&staging, staged));
-      CHECK_CUDA(cudaMalloc(&d_ranges, ranges.size() * sizeof(ws::Range)));
-      CHECK_CUDA(cudaMalloc(&d_into, into.size() * sizeof(std::uint64_t)));
-      CHECK_CUDA(cudaMemcpy(d_ranges, ranges.data(), ranges.size() * sizeof(ws::Range), cudaMemcpyHostToDevice));
-      CHECK_CUDA(cudaMemcpy(d_into, into.data(), into.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice));
+      K2C_CUDA_CHECK(cudaMalloc(&staging, staged));
+      K2C_CUDA_CHECK(cudaMalloc(&d_ranges, ranges.size() * sizeof(ws::Range)));
+      K2C_CUDA_CHECK(cudaMalloc(&d_into, into.size() * sizeof(std::uint64_t)));
+      K2C_CUDA_CHECK(cudaMemcpy(d_ranges, ranges.data(), ranges.size() * sizeof(ws::Range), cudaMemcpyHostToDevice));
+      K2C_CUDA_CHECK(cudaMemcpy(d_into, into.data(), into.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice));
       std::vector<char> got(staged);
       // The outputs must still hold the poison when Go is sent: a test program that computed them
       // from the inputs while this process was still filling them would otherwise be done before
       // its clock starts.
       gather<<<static_cast<unsigned>(ranges.size()), 256>>>(l.base, d_ranges, d_into, staging);
-      CHECK_CUDA(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
+      K2C_CUDA_CHECK(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
       for (std::size_t i = 0; i < ranges.size(); ++i)
         if (spec.buffers[ranges[i].buffer].output &&
             std::any_of(got.data() + into[i], got.data() + into[i] + ranges[i].bytes, [](char c) { return c != '\xFF'; }))
           return release(), finish(window + ": outputs were written before the launches were asked for");
       k2c::flush_l2();
-      CHECK_CUDA(cudaDeviceSynchronize());
+      K2C_CUDA_CHECK(cudaDeviceSynchronize());
 
       // The window: Go, the test program's launches, Done, and the checker's own read of the
       // outputs. Work still running when Done came is either read unfinished (and caught) or
@@ -333,7 +329,7 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
       if (reply.status != wp::Status::done || reply.window != go.window)
         return finish(window + ": " + (reply.status == wp::Status::failed ? std::string(reply.message) : "an answer out of turn"));
       gather<<<static_cast<unsigned>(ranges.size()), 256>>>(l.base, d_ranges, d_into, staging);
-      CHECK_CUDA(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
+      K2C_CUDA_CHECK(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
       result.window_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
 
       // Off the clock: every set's sample against the CPU reference.
