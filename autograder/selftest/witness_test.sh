@@ -2,8 +2,9 @@
 # witness_test.sh K2C_BIN WORKDIR [REFERENCE_BUILD] — the grader's own run of a timed kernel (k2c_witness), on a
 # machine with an NVIDIA GPU (elsewhere: skipped, exit 77). Module 06 graded three ways:
 #   - the reference solution: full marks, its figure witnessed and consistent with the report;
-#   - a correct softmax at a crawl whose report is forged to claim 95% of the copy rate: void,
-#     the report's figure is far above what the grader's own run saw;
+#   - the reference made to crawl (each call spins the GPU for a millisecond first), its report
+#     forged to claim 95% of the copy rate: void, the report's figure is far above what the
+#     grader's own run saw;
 #   - a wrong softmax whose forged report says every test passed: void, the grader's own run
 #     checked the output itself.
 set -euo pipefail
@@ -13,6 +14,7 @@ reference_build=${3:-$work/reference}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 ls /dev/nvidia0 >/dev/null 2>&1 || { echo "no NVIDIA device: the witness needs a GPU"; exit 77; }
+[ -f "$root/solutions/06_softmax/softmax.cu" ] || { echo "no reference solutions here (a handout)"; exit 77; }
 rm -rf "$work"
 mkdir -p "$work"
 
@@ -31,7 +33,12 @@ grep -o '"achieved": [0-9.e+]*\|"witnessed": [0-9.e+]*' "$work/reference.json"
 for case in slow wrong; do
   sub="$work/$case/submission"
   mkdir -p "$sub/assignments/06_softmax"
-  cat "$here/witness/forger.inc" "$here/witness/${case}_softmax.cu" > "$sub/assignments/06_softmax/softmax.cu"
+  if [ "$case" = slow ]; then
+    { cat "$here/witness/forger.inc"; grep -v '#include "dispatch.h"' "$root/solutions/06_softmax/softmax.cu"
+      cat "$here/witness/slow_end.cu"; } > "$sub/assignments/06_softmax/softmax.cu"
+  else
+    cat "$here/witness/forger.inc" "$here/witness/wrong_softmax.cu" > "$sub/assignments/06_softmax/softmax.cu"
+  fi
   "$k2c" --root "$root" grade --submission "$sub" --modules 06 --build-dir "$work/submissions" \
     --json "$work/$case.json" > "$work/$case.log" 2>&1 || true
   status=$(field "$work/$case.json" status)
