@@ -301,6 +301,32 @@ class RunFolder {
   fs::path path_;
 };
 
+// The command-line form of a sanitized run (--sanitize): exit code 86 when memcheck finds errors.
+const std::vector<std::string> kSanitizer = {"compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86",
+                                             "--print-limit", "20"};
+
+// One run of k2c_witness `bin` for witness `name` of test program `program`, which it starts as
+// `runner` in a fresh run folder; its verdict is written to a folder of the grader's own (0700),
+// out of the test program's reach. What that run left behind is killed afterwards.
+WitnessVerdict run_witness(const fs::path& bin, const std::string& name, const fs::path& program, const Runner& runner,
+                           double timeout) {
+  const RunFolder folder(runner);
+  const RunFolder verdict_folder(Runner{});
+  const fs::path verdict = verdict_folder.path() / "verdict.json";
+  const std::string run_mark = folder.path().filename().string();
+  std::vector<std::string> cmd = {bin.string(), name, "--out", verdict.string(), "--timeout", std::to_string(timeout),
+                                  "--cwd", folder.path().string(), "--env", "K2C_RUN=" + run_mark,
+                                  "--env", "HOME=" + folder.path().string()};
+  if (runner.uid >= 0) cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
+  cmd.insert(cmd.end(), {"--", program.string()});
+  const ProcessResult w = run_process(cmd, {.timeout_s = timeout + 60});
+  if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
+  WitnessVerdict v = read_witness_verdict(read_report(verdict));
+  if (v.fault == "grader" && v.problem.rfind("no verdict", 0) == 0)
+    v.problem += " (" + describe_exit(w, timeout + 60) + ": " + first_lines(w.output, 1) + ")";
+  return v;
+}
+
 }  // namespace
 
 double GradeReport::points() const {
@@ -667,6 +693,7 @@ WitnessVerdict read_witness_verdict(const std::string& json_text) {
     v.problem = j.value("problem", "");
     v.unit = j.value("unit", "");
     v.rate = j.value("rate", 0.0);
+    v.output = j.value("output", "");
     if (v.fault.empty() && !(v.rate > 0 && std::isfinite(v.rate))) {
       v.fault = "grader";
       v.problem = "the witness reported no rate";
@@ -962,8 +989,6 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       return out;
     };
 
-    const std::vector<std::string> kSanitizer = {"compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86",
-                                                 "--print-limit", "20"};
     const bool has_cuda_parts = std::any_of(spec.files.begin(), spec.files.end(), [](const std::string& f) {
       return f.size() > 3 && f.compare(f.size() - 3, 3, ".cu") == 0;
     });
@@ -1019,33 +1044,18 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
           throw std::runtime_error(witness_bin.string() + " changed while grading " + spec.id +
                                    ". Grading stopped: its verdicts can no longer be trusted.");
         progress << tag << ": the grader's own run of " << ts.name << " ...\n" << std::flush;
-        const RunFolder folder(runner);
-        const RunFolder verdict_folder(Runner{});  // the grader's own, 0700: out of the test program's reach
-        const fs::path verdict = verdict_folder.path() / "verdict.json";
-        const std::string run_mark = folder.path().filename().string();
-        std::vector<std::string> cmd = {witness_bin.string(), ts.perf->witness, "--out", verdict.string(),
-                                        "--timeout", std::to_string(timeout), "--cwd", folder.path().string(),
-                                        "--env", "K2C_RUN=" + run_mark, "--env", "HOME=" + folder.path().string()};
-        if (runner.uid >= 0)
-          cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
-        cmd.insert(cmd.end(), {"--", program.string()});
-        const ProcessResult w = run_process(cmd, {.timeout_s = timeout + 60});
-        if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
-        WitnessVerdict v = read_witness_verdict(read_report(verdict));
-        if (v.fault == "grader" && v.problem.rfind("no verdict", 0) == 0)
-          v.problem += " (" + describe_exit(w, timeout + 60) + ": " + first_lines(w.output, 1) + ")";
-        const double reported = t->perf->achieved;  // t may not survive apply_witness's verdict
-        apply_witness(m, ts.name, v);
+        const WitnessVerdict v = run_witness(witness_bin, ts.perf->witness, program, runner, timeout);
         if (v.fault.empty()) {
           std::ostringstream os;
-          os << std::setprecision(4) << tag << ": " << ts.name << ": the report says " << reported << " " << v.unit
-             << ", the grader's own run saw " << v.rate << "\n";
+          os << std::setprecision(4) << tag << ": " << ts.name << ": the report says " << t->perf->achieved << " "
+             << v.unit << ", the grader's own run saw " << v.rate << "\n";
           progress << os.str() << std::flush;
         } else {
           progress << tag << ": " << ts.name << ": " << (v.fault == "grader" ? "not witnessed: " : "") << v.problem << "\n"
                    << std::flush;
         }
-        if (v.fault == "submission") m.log += "\n[k2c_witness] " + v.problem + "\n" + w.output;
+        if (v.fault == "submission") m.log += "\n[k2c_witness] " + v.problem + "\n" + v.output;
+        apply_witness(m, ts.name, v);
       }
 
     if (!gtest_json.empty()) {

@@ -147,6 +147,7 @@ void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::s
 struct WitnessVerdict {
   std::string fault, problem, unit;
   double rate = 0;
+  std::string output;  // the end of what the test program printed, when it was at fault
 };
 WitnessVerdict read_witness_verdict(const std::string& json_text);
 
