@@ -308,8 +308,9 @@ const std::vector<std::string> kSanitizer = {"compute-sanitizer", "--tool", "mem
 // One run of k2c_witness `bin` for witness `name` of test program `program`, which it starts as
 // `runner` in a fresh run folder; its verdict is written to a folder of the grader's own (0700),
 // out of the test program's reach. What that run left behind is killed afterwards.
+// `shapes` > 0: a correctness run over that many shapes, see k2c_witness.
 WitnessVerdict run_witness(const fs::path& bin, const std::string& name, const fs::path& program, const Runner& runner,
-                           double timeout) {
+                           double timeout, int shapes) {
   const RunFolder folder(runner);
   const RunFolder verdict_folder(Runner{});
   const fs::path verdict = verdict_folder.path() / "verdict.json";
@@ -318,6 +319,7 @@ WitnessVerdict run_witness(const fs::path& bin, const std::string& name, const f
                                   "--cwd", folder.path().string(), "--env", "K2C_RUN=" + run_mark,
                                   "--env", "HOME=" + folder.path().string()};
   if (runner.uid >= 0) cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
+  if (shapes > 0) cmd.insert(cmd.end(), {"--shapes", std::to_string(shapes)});
   cmd.insert(cmd.end(), {"--", program.string()});
   const ProcessResult w = run_process(cmd, {.timeout_s = timeout + 60});
   if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
@@ -694,7 +696,8 @@ WitnessVerdict read_witness_verdict(const std::string& json_text) {
     v.unit = j.value("unit", "");
     v.rate = j.value("rate", 0.0);
     v.output = j.value("output", "");
-    if (v.fault.empty() && !(v.rate > 0 && std::isfinite(v.rate))) {
+    if (j.contains("shapes") && j["shapes"].is_array()) v.shapes = static_cast<int>(j["shapes"].size());
+    if (v.fault.empty() && v.shapes == 0 && !(v.rate > 0 && std::isfinite(v.rate))) {
       v.fault = "grader";
       v.problem = "the witness reported no rate";
     }
@@ -731,6 +734,27 @@ void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdi
        << ": the report was not written by the course's harness";
     void_module(os.str());
   }
+}
+
+void apply_recheck(ModuleOutcome& m, const std::string& test, const WitnessVerdict& v) {
+  const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == test; });
+  if (t == m.tests.end()) return;
+  if (v.fault == "grader") {
+    t->rechecked = "not checked again: " + v.problem;
+    return;
+  }
+  if (v.fault.empty() && v.shapes > 0) {
+    t->rechecked = "checked again at " + std::to_string(v.shapes) + " shapes the grader drew";
+    return;
+  }
+  t->status = "failed";
+  t->message = "the grader's own run at shapes it drew: " + v.problem;
+  t->rechecked = "failed";
+  t->points = 0;
+  double points = 0;
+  for (const TestOutcome& x : m.tests) points += x.points;
+  m.points = points;
+  m.status = module_status(m.tests);
 }
 
 json find_reference(const std::string& dir, const std::string& gpu, std::string* file) {
@@ -836,7 +860,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   const bool witnessing = conf.exit_code == 0 && gpu_here && !o.sanitize &&
                           std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
                             return s->kind != "cpu" && std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) {
-                                     return t.perf && !t.perf->witness.empty();
+                                     return !t.witness.empty() || (t.perf && !t.perf->witness.empty());
                                    });
                           });
   if (witnessing) {
@@ -1029,22 +1053,36 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
 
     if (!loading.empty()) withhold_performance(m, spec, loading);
 
-    // The grader's own run of each witnessed kernel whose test passed with figures: the report
-    // came from a process that holds the student's code, and so could have been written by it.
+    // The grader's own run of each witnessed kernel whose test passed (with figures, for a
+    // performance test): the report came from a process that holds the student's code, and so
+    // could have been written by it.
     if (witnessing && spec.kind != "cpu")
       for (const TestSpec& ts : spec.tests) {
-        if (!ts.perf || ts.perf->witness.empty() || voids_module(m)) continue;
+        const bool timed = ts.perf && !ts.perf->witness.empty();
+        if ((!timed && ts.witness.empty()) || voids_module(m)) continue;
         const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == ts.name; });
-        if (t == m.tests.end() || t->status != "passed" || !t->perf) continue;
+        if (t == m.tests.end() || t->status != "passed" || (timed && !t->perf)) continue;
         if (!witness_problem.empty()) {
-          t->perf->not_witnessed = witness_problem;
+          if (timed) t->perf->not_witnessed = witness_problem;
+          else t->rechecked = "not checked again: " + witness_problem;
           continue;
         }
         if (read_file(witness_bin) != witness_bytes)
           throw std::runtime_error(witness_bin.string() + " changed while grading " + spec.id +
                                    ". Grading stopped: its verdicts can no longer be trusted.");
+        if (!timed) {
+          progress << tag << ": the grader's own check of " << ts.name << " at " << kRecheckShapes
+                   << " shapes it draws ...\n" << std::flush;
+          const WitnessVerdict v = run_witness(witness_bin, ts.witness, program, runner, timeout, kRecheckShapes);
+          if (!v.fault.empty())
+            progress << tag << ": " << ts.name << ": " << (v.fault == "grader" ? "not checked again: " : "") << v.problem
+                     << "\n" << std::flush;
+          if (v.fault == "submission") m.log += "\n[k2c_witness] " + v.problem + "\n" + v.output;
+          apply_recheck(m, ts.name, v);
+          continue;
+        }
         progress << tag << ": the grader's own run of " << ts.name << " ...\n" << std::flush;
-        const WitnessVerdict v = run_witness(witness_bin, ts.perf->witness, program, runner, timeout);
+        const WitnessVerdict v = run_witness(witness_bin, ts.perf->witness, program, runner, timeout, 0);
         if (v.fault.empty()) {
           std::ostringstream os;
           os << std::setprecision(4) << tag << ": " << ts.name << ": the report says " << t->perf->achieved << " "

@@ -64,6 +64,9 @@ struct TestOutcome {
                         // | withheld (a performance test's points, see withhold_performance)
   std::string message;  // first lines of the failure, or the skip reason
   std::optional<PerfOutcome> perf;
+  // A correctness test the rubric has the grader check again itself (k2c_witness --shapes): what
+  // that check found, "" when there was none.
+  std::string rechecked;
 };
 
 struct ModuleOutcome {
@@ -147,6 +150,7 @@ void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::s
 struct WitnessVerdict {
   std::string fault, problem, unit;
   double rate = 0;
+  int shapes = 0;      // a correctness run (--shapes): the shapes it checked
   std::string output;  // the end of what the test program printed, when it was at fault
 };
 WitnessVerdict read_witness_verdict(const std::string& json_text);
@@ -160,6 +164,14 @@ inline constexpr double kWitnessSlack = 0.15;
 // faster than kWitnessSlack over the witness void the module ("invalid"); a grader-side failure
 // only notes that the figure was not witnessed.
 void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdict& v);
+
+// How many shapes the grader draws to check a correctness test again (k2c_witness --shapes).
+inline constexpr int kRecheckShapes = 3;
+
+// Applies the verdict of a correctness run on test `test`: wrong outputs or a failed run fail the
+// test (with the shape and the first wrong element), as a test that drew that shape would have;
+// a grader-side failure only notes that the test was not checked again.
+void apply_recheck(ModuleOutcome& m, const std::string& test, const WitnessVerdict& v);
 
 // Reference ratios: <dir>/*.json whose "gpu" equals the device name. Empty object if none.
 nlohmann::json find_reference(const std::string& dir, const std::string& gpu, std::string* file);

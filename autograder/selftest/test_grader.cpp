@@ -453,6 +453,51 @@ TEST(Verdict, TheWitnessJudgesTheReport) {
   EXPECT_EQ(read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 0})").fault, "grader");
 }
 
+TEST(Verdict, TheGradersOwnCheckJudgesACorrectnessTest) {
+  using k2c::grader::apply_recheck;
+  using k2c::grader::read_witness_verdict;
+  const k2c::ModuleSpec spec = two_test_module();
+  const auto reported = [&] {  // everything passed: 10 points
+    return evaluate_module(spec, exited(0), gtest_report("COMPLETED", R"(, "k2c_achieved": "95", "k2c_ceiling": "100")"),
+                           "assignments", 9);
+  };
+
+  auto m = reported();
+  apply_recheck(m, "A.Correct", read_witness_verdict(R"({"fault": "", "shapes": [[3, 7], [1, 1], [200, 33]]})"));
+  EXPECT_EQ(m.points, 10);
+  EXPECT_EQ(m.tests[0].rechecked, "checked again at 3 shapes the grader drew");
+
+  m = reported();  // wrong at a shape the grader drew: the test fails, the rest stands
+  apply_recheck(m, "A.Correct",
+                read_witness_verdict(R"({"fault": "submission", "problem": "at shape [5,9]: window 1, launch 1 of 1: row 3: bad"})"));
+  EXPECT_EQ(m.tests[0].status, "failed");
+  EXPECT_EQ(m.tests[0].points, 0);
+  EXPECT_EQ(m.points, 4);
+  EXPECT_EQ(m.status, "partial");
+  EXPECT_NE(m.tests[0].message.find("the grader's own run at shapes it drew: at shape [5,9]"), std::string::npos)
+      << m.tests[0].message;
+
+  for (const std::string grader_side : {R"({"fault": "grader", "problem": "no CUDA device"})", R"({"fault": ""})", ""}) {
+    m = reported();
+    apply_recheck(m, "A.Correct", read_witness_verdict(grader_side));
+    EXPECT_EQ(m.points, 10) << grader_side;
+    EXPECT_EQ(m.tests[0].rechecked.rfind("not checked again: ", 0), 0u) << grader_side;
+  }
+}
+
+TEST(Rubric, ACorrectnessWitnessIsATestsOwnAndNotAPerformanceTests) {
+  const auto parse = [](const std::string& test) {
+    return k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+      {"id": "50_demo", "title": "demo", "kind": "gpu", "timeout_s": 9, "files": [], "tests": [)" + test + "]}]}");
+  };
+  EXPECT_EQ(parse(R"({"name": "A.Correct", "points": 6, "witness": "softmax_fast"})").modules[0].tests[0].witness,
+            "softmax_fast");
+  EXPECT_THROW(parse(R"({"name": "A.Correct", "points": 6, "witness": 3})"), k2c::RubricError);
+  EXPECT_THROW(parse(R"({"name": "APerf.Rate", "points": 4, "witness": "copy", "perf": {"ceiling": "copy", "unit": "GB/s",
+                 "threshold": 0.5, "goal": 0.9, "max_ratio": 1.1}})"),
+               k2c::RubricError);
+}
+
 // ---------------------------------------------------------------------------- processes ---
 
 TEST(Process, TimeoutKillsTheGroupAndOutputIsBounded) {

@@ -17,6 +17,9 @@ status=0
 status=0
 "$witness" copy --out "$work/v.json" --frobnicate -- true > "$work/bad.txt" 2>&1 || status=$?
 [ "$status" = 2 ] && grep -q "unknown option --frobnicate" "$work/bad.txt" || fail "an unknown option was not refused"
+status=0
+"$witness" copy --out "$work/v.json" --shapes 1000 -- true > "$work/bad.txt" 2>&1 || status=$?
+[ "$status" = 2 ] && grep -q -- "--shapes: expected 0 to 64" "$work/bad.txt" || fail "--shapes 1000 was not refused"
 
 "$witness" no_such_witness --out "$work/unknown.json" -- true
 grep -q '"fault": "grader"' "$work/unknown.json" && grep -q "has no witness named 'no_such_witness'" "$work/unknown.json" ||
@@ -26,4 +29,7 @@ ls /dev/nvidia0 >/dev/null 2>&1 && { echo "an NVIDIA device is here: witness_tes
 "$witness" copy --out "$work/nodevice.json" -- true
 grep -q '"fault": "grader"' "$work/nodevice.json" && grep -q "no CUDA device" "$work/nodevice.json" ||
   { cat "$work/nodevice.json"; fail "a machine without a device is not the grader's fault"; }
+"$witness" softmax_fast --shapes 3 --out "$work/nodevice_shapes.json" -- true
+grep -q '"fault": "grader"' "$work/nodevice_shapes.json" && grep -q "no CUDA device" "$work/nodevice_shapes.json" ||
+  { cat "$work/nodevice_shapes.json"; fail "a correctness run without a device is not the grader's fault"; }
 echo "PASS: k2c_witness refuses bad arguments and blames itself for what it cannot set up"

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # witness_test.sh K2C_BIN WORKDIR [REFERENCE_BUILD] — the grader's own run of a timed kernel (k2c_witness), on a
-# machine with an NVIDIA GPU (elsewhere: skipped, exit 77). Module 06 graded three ways:
-#   - the reference solution: full marks, its figure witnessed and consistent with the report;
+# machine with an NVIDIA GPU (elsewhere: skipped, exit 77). Module 06 graded four ways:
+#   - the reference solution: full marks, its figure witnessed and consistent with the report, its
+#     fast softmax checked again at shapes the grader drew;
 #   - the reference made to crawl (each call spins the GPU for a millisecond first), its report
 #     forged to claim 95% of the copy rate: void, the report's figure is far above what the
 #     grader's own run saw;
 #   - a wrong softmax whose forged report says every test passed: void, the grader's own run
-#     checked the output itself.
+#     checked the output itself;
+#   - the reference at the timed width only (nothing at any other), its report forged to say
+#     every test passed at an honest speed: the figure stands, and the fast softmax's correctness
+#     test fails on the grader's own check at shapes it drew.
 set -euo pipefail
 k2c=$1
 work=$2
@@ -29,13 +33,15 @@ status=$(field "$work/reference.json" status)
 grep -q '"witnessed": [0-9]' "$work/reference.json" ||
   { grep -n witness "$work/reference.json"; echo "FAIL: the reference's figure was not witnessed"; exit 1; }
 grep -o '"achieved": [0-9.e+]*\|"witnessed": [0-9.e+]*' "$work/reference.json"
+grep -q '"rechecked": "checked again at 3 shapes the grader drew"' "$work/reference.json" ||
+  { grep -n rechecked "$work/reference.json"; echo "FAIL: the reference's fast softmax was not checked again"; exit 1; }
 
-for case in slow wrong; do
+for case in slow wrong tail; do
   sub="$work/$case/submission"
   mkdir -p "$sub/assignments/06_softmax"
-  if [ "$case" = slow ]; then
+  if [ "$case" != wrong ]; then
     { cat "$here/witness/forger.inc"; grep -v '#include "dispatch.h"' "$root/solutions/06_softmax/softmax.cu"
-      cat "$here/witness/slow_end.cu"; } > "$sub/assignments/06_softmax/softmax.cu"
+      cat "$here/witness/${case}_end.cu"; } > "$sub/assignments/06_softmax/softmax.cu"
   else
     cat "$here/witness/forger.inc" "$here/witness/wrong_softmax.cu" > "$sub/assignments/06_softmax/softmax.cu"
   fi
@@ -44,10 +50,14 @@ for case in slow wrong; do
   status=$(field "$work/$case.json" status)
   detail=$(field "$work/$case.json" detail)
   echo "$case: $status: $detail"
-  [ "$status" = invalid ] || { tail -n 30 "$work/$case.log"; echo "FAIL: the $case forgery graded '$status'"; exit 1; }
+  want=invalid
+  [ "$case" = tail ] && want=partial
+  [ "$status" = "$want" ] || { tail -n 30 "$work/$case.log"; echo "FAIL: the $case forgery graded '$status'"; exit 1; }
 done
 grep -q "the report says 3800 GB/s, the grader's own run of the same kernel reached at most" "$work/slow.json" ||
   { echo "FAIL: the slow forgery was voided for another reason"; exit 1; }
 grep -q "the grader's own run of the timed kernel failed: window 1, launch 1 of" "$work/wrong.json" ||
   { echo "FAIL: the wrong forgery was voided for another reason"; exit 1; }
-echo "PASS: the witness voids both forgeries and agrees with the reference"
+grep -q "the grader's own run at shapes it drew: at shape" "$work/tail.json" ||
+  { echo "FAIL: the tail forgery's correctness test did not fail on the grader's own check"; exit 1; }
+echo "PASS: the witness voids both forgeries, fails the third's unwritten shapes, and agrees with the reference"

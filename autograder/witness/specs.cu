@@ -59,24 +59,47 @@ class Kept {
   std::deque<std::uint64_t> order_;
 };
 
-// Module 00: a 1 GiB copy, fp32, checked bit for bit on 16 runs of 4,096 elements.
-Spec copy() {
-  constexpr std::int64_t n = std::int64_t{1} << 28;
-  constexpr std::uint64_t run = 4096;
+// Draws from [lo, hi].
+std::int64_t pick(std::mt19937_64& rng, std::int64_t lo, std::int64_t hi) {
+  return lo + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(hi - lo + 1));
+}
+
+// A piece of output that is one range of `bytes` bytes at index i of buffer `buffer`.
+std::function<std::vector<Range>(std::int64_t)> pieces_of(std::uint32_t buffer, std::uint64_t bytes) {
+  return [buffer, bytes](std::int64_t i) { return std::vector<Range>{{buffer, static_cast<std::uint64_t>(i) * bytes, bytes}}; };
+}
+
+// Σ a(i)·b(i) over i < k in double, and Σ |a(i)·b(i)|, the scale of its rounding error.
+template <class A, class B>
+std::pair<double, double> dot(std::int64_t k, A a, B b) {
+  double sum = 0, magnitude = 0;
+  for (std::int64_t i = 0; i < k; ++i) {
+    const double p = static_cast<double>(a(i)) * b(i);
+    sum += p;
+    magnitude += std::fabs(p);
+  }
+  return {sum, magnitude};
+}
+
+// Module 00: a copy of n floats (timed: 1 GiB), checked bit for bit in runs of 4,096 elements.
+Spec copy(const Shape& shape) {
+  const std::int64_t n = shape.at(0);
+  constexpr std::int64_t run = 4096;
   Spec s;
   s.name = "copy";
-  s.shape = {n};
+  s.shape = shape;
   s.buffers = {{n * sizeof(float), false}, {n * sizeof(float), true}};
   s.work = 2.0 * n * sizeof(float);
   s.unit = "GB/s";
-  s.fill = [](const std::vector<char*>& p, std::uint64_t seed) {
+  s.fill = [n](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<float*>(p[0]), n, buffer_seed(seed, 0));
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 16; ++k) r.push_back({1, (rng() % (n - run)) * sizeof(float), run * sizeof(float)});
-    return r;
+  s.pieces = (n + run - 1) / run;
+  s.piece = [n, run](std::int64_t i) {
+    return std::vector<Range>{{1, static_cast<std::uint64_t>(i * run) * sizeof(float),
+                               static_cast<std::uint64_t>(std::min(run, n - i * run)) * sizeof(float)}};
   };
+  s.sampled = 16;
   s.check = [](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
     for (std::size_t k = 0; k < ranges.size(); ++k) {
       const std::uint64_t first = ranges[k].offset / sizeof(float);
@@ -93,24 +116,23 @@ Spec copy() {
   return s;
 }
 
-// Module 06: softmax of 16,384 rows of 4,096 bf16 logits in [-8, 8), four whole rows checked.
-Spec softmax_fast() {
-  constexpr std::int64_t rows = 16384, cols = 4096, n = rows * cols;
+// Module 06: softmax of rows × cols bf16 logits in [-8, 8) (timed: 16,384 × 4,096), whole rows
+// checked.
+Spec softmax_fast(const Shape& shape) {
+  const std::int64_t rows = shape.at(0), cols = shape.at(1), n = rows * cols;
   Spec s;
   s.name = "softmax_fast";
-  s.shape = {rows, cols};
+  s.shape = shape;
   s.buffers = {{n * sizeof(bf16), false}, {n * sizeof(bf16), true}};
   s.work = 2.0 * n * sizeof(bf16);
   s.unit = "GB/s";
-  s.fill = [](const std::vector<char*>& p, std::uint64_t seed) {
+  s.fill = [n](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), n, buffer_seed(seed, 0), -8.0f, 8.0f);
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 4; ++k) r.push_back({1, (rng() % rows) * cols * sizeof(bf16), cols * sizeof(bf16)});
-    return r;
-  };
-  s.check = [](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+  s.pieces = rows;
+  s.piece = pieces_of(1, cols * sizeof(bf16));
+  s.sampled = 4;
+  s.check = [cols](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
     for (std::size_t k = 0; k < ranges.size(); ++k) {
       const std::int64_t row = static_cast<std::int64_t>(ranges[k].offset / (cols * sizeof(bf16)));
       std::vector<float> x(cols), got(cols);
@@ -127,38 +149,32 @@ Spec softmax_fast() {
   return s;
 }
 
-// Module 05: C = A·Bᵀ at 8192³ in bf16 (fp32 accumulation), 32 elements checked. An element's
-// error is its bf16 rounding (2⁻⁸ of its size) plus fp32 rounding over 8,192 products, far below
-// the error of a wrong or missing element (the size of the element itself).
-Spec bf16_gemm(const std::string& name) {
-  constexpr std::int64_t n = 8192, nn = n * n;
+// Module 05: C = A·Bᵀ (A m×k, B n×k) in bf16 with fp32 accumulation (timed: 8192³). An element's
+// error is its bf16 rounding (2⁻⁸ of its size) plus fp32 rounding over k products, far below the
+// error of a wrong or missing element (the size of the element itself).
+Spec bf16_gemm(const std::string& name, const Shape& shape) {
+  const std::int64_t m = shape.at(0), n = shape.at(1), k = shape.at(2);
   Spec s;
   s.name = name;
-  s.shape = {n};
-  s.buffers = {{nn * sizeof(bf16), false}, {nn * sizeof(bf16), false}, {nn * sizeof(bf16), true}};
-  s.work = 2.0 * n * n * n;
+  s.shape = shape;
+  s.buffers = {{m * k * sizeof(bf16), false}, {n * k * sizeof(bf16), false}, {m * n * sizeof(bf16), true}};
+  s.work = 2.0 * m * n * k;
   s.unit = "TFLOP/s";
   s.unit_scale = 1e12;
-  s.fill = [](const std::vector<char*>& p, std::uint64_t seed) {
-    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), nn, buffer_seed(seed, 0));
-    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), nn, buffer_seed(seed, 1));
+  s.fill = [m, n, k](const std::vector<char*>& p, std::uint64_t seed) {
+    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), m * k, buffer_seed(seed, 0));
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), n * k, buffer_seed(seed, 1));
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 32; ++k) r.push_back({2, (rng() % nn) * sizeof(bf16), sizeof(bf16)});
-    return r;
-  };
-  s.check = [](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
-    for (std::size_t k = 0; k < ranges.size(); ++k) {
-      const std::int64_t at = static_cast<std::int64_t>(ranges[k].offset / sizeof(bf16)), r = at / n, c = at % n;
-      double want = 0, magnitude = 0;
-      for (std::int64_t i = 0; i < n; ++i) {
-        const double p = static_cast<double>(bf16_at(buffer_seed(seed, 0), r * n + i, -1.0f, 1.0f)) *
-                         bf16_at(buffer_seed(seed, 1), c * n + i, -1.0f, 1.0f);
-        want += p;
-        magnitude += std::fabs(p);
-      }
-      const double got = read_bf16(bytes[k]);
+  s.pieces = m * n;
+  s.piece = pieces_of(2, sizeof(bf16));
+  s.sampled = 32;
+  s.check = [n, k](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    for (std::size_t t = 0; t < ranges.size(); ++t) {
+      const std::int64_t at = static_cast<std::int64_t>(ranges[t].offset / sizeof(bf16)), r = at / n, c = at % n;
+      const auto [want, magnitude] =
+          dot(k, [&](std::int64_t i) { return bf16_at(buffer_seed(seed, 0), r * k + i, -1.0f, 1.0f); },
+              [&](std::int64_t i) { return bf16_at(buffer_seed(seed, 1), c * k + i, -1.0f, 1.0f); });
+      const double got = read_bf16(bytes[t]);
       if (!(std::fabs(got - want) <= 0x1p-7 * std::fabs(want) + 2e-4 * magnitude))
         return "C[" + std::to_string(r) + "][" + std::to_string(c) + "] = " + std::to_string(got) + ", expected " +
                std::to_string(want);
@@ -169,15 +185,16 @@ Spec bf16_gemm(const std::string& name) {
 }
 
 // Module 00: the FMA chains of roofline.h (kFmaChains = 8 chains per element starting at
-// x + j/8, each x = fma(x, 0.999, 0.001) 4,096 times, then summed), in place on two waves of
-// threads of this GPU; 32 elements per launch replayed on the CPU.
-Spec fma() {
-  constexpr int iters = 4096, chains = 8;
+// x + j/8, each x = fma(x, 0.999, 0.001) `iters` times, then summed), in place on n elements
+// (timed: two waves of threads of this GPU, 4,096 steps); elements replayed on the CPU.
+Spec fma(const Shape& shape) {
+  constexpr int chains = 8;
   constexpr float step = 0.125f, mul = 0.999f, add = 0.001f;
-  const std::int64_t n = static_cast<std::int64_t>(device_info().sms) * 2048 * 2;
+  const std::int64_t n = shape.at(0);
+  const int iters = static_cast<int>(shape.at(1));
   Spec s;
   s.name = "fma";
-  s.shape = {n, iters};
+  s.shape = shape;
   s.buffers = {{n * sizeof(float), false}};  // updated in place: filled, never poisoned
   s.work = 2.0 * chains * iters * static_cast<double>(n);
   s.unit = "TFLOP/s";
@@ -185,12 +202,10 @@ Spec fma() {
   s.fill = [n](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<float*>(p[0]), n, buffer_seed(seed, 0));
   };
-  s.sample = [n](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 32; ++k) r.push_back({0, (rng() % n) * sizeof(float), sizeof(float)});
-    return r;
-  };
-  s.check = [](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+  s.pieces = n;
+  s.piece = pieces_of(0, sizeof(float));
+  s.sampled = 32;
+  s.check = [iters](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
     for (std::size_t k = 0; k < ranges.size(); ++k) {
       const std::uint64_t i = ranges[k].offset / sizeof(float);
       const float start = uniform_at(buffer_seed(seed, 0), i, -1.0f, 1.0f);
@@ -205,41 +220,35 @@ Spec fma() {
   return s;
 }
 
-// Modules 01–04: C = A·B in fp32 at 4096³, row-major, alpha 1 and beta 0, 32 elements checked.
-// Rounding over 4,096 products stays far below 4e-5 of the sum of their sizes, and a wrong
-// element is off by the size of the element (about 20).
-Spec sgemm_4096() {
-  constexpr std::int64_t n = 4096, nn = n * n;
+// Modules 01–04: C = A·B in fp32 (A m×k, B k×n, row-major, alpha 1 and beta 0; timed: 4096³).
+// Rounding over k products stays far below 4e-5 of the sum of their sizes, and a wrong element is
+// off by about the size of the element.
+Spec sgemm(const Shape& shape) {
+  const std::int64_t m = shape.at(0), n = shape.at(1), k = shape.at(2);
   Spec s;
-  s.name = "sgemm_4096";
-  s.shape = {n};
-  s.buffers = {{nn * sizeof(float), false}, {nn * sizeof(float), false}, {nn * sizeof(float), true}};
-  s.work = 2.0 * n * n * n;
+  s.name = "sgemm";
+  s.shape = shape;
+  s.buffers = {{m * k * sizeof(float), false}, {k * n * sizeof(float), false}, {m * n * sizeof(float), true}};
+  s.work = 2.0 * m * n * k;
   s.unit = "TFLOP/s";
   s.unit_scale = 1e12;
-  s.max_sets = 8;  // the naive kernel takes about 0.1 s a launch
-  s.fill = [](const std::vector<char*>& p, std::uint64_t seed) {
-    fill_uniform_device(reinterpret_cast<float*>(p[0]), nn, buffer_seed(seed, 0));
-    fill_uniform_device(reinterpret_cast<float*>(p[1]), nn, buffer_seed(seed, 1));
+  s.max_sets = 8;  // the naive kernel takes about 0.1 s a launch at 4096³
+  s.fill = [m, n, k](const std::vector<char*>& p, std::uint64_t seed) {
+    fill_uniform_device(reinterpret_cast<float*>(p[0]), m * k, buffer_seed(seed, 0));
+    fill_uniform_device(reinterpret_cast<float*>(p[1]), k * n, buffer_seed(seed, 1));
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 32; ++k) r.push_back({2, (rng() % nn) * sizeof(float), sizeof(float)});
-    return r;
-  };
-  s.check = [](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
-    for (std::size_t k = 0; k < ranges.size(); ++k) {
-      const std::int64_t at = static_cast<std::int64_t>(ranges[k].offset / sizeof(float)), r = at / n, c = at % n;
-      double want = 0, magnitude = 0;
-      for (std::int64_t i = 0; i < n; ++i) {
-        const double p = static_cast<double>(uniform_at(buffer_seed(seed, 0), r * n + i, -1.0f, 1.0f)) *
-                         uniform_at(buffer_seed(seed, 1), i * n + c, -1.0f, 1.0f);
-        want += p;
-        magnitude += std::fabs(p);
-      }
+  s.pieces = m * n;
+  s.piece = pieces_of(2, sizeof(float));
+  s.sampled = 32;
+  s.check = [n, k](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    for (std::size_t t = 0; t < ranges.size(); ++t) {
+      const std::int64_t at = static_cast<std::int64_t>(ranges[t].offset / sizeof(float)), r = at / n, c = at % n;
+      const auto [want, magnitude] =
+          dot(k, [&](std::int64_t i) { return uniform_at(buffer_seed(seed, 0), r * k + i, -1.0f, 1.0f); },
+              [&](std::int64_t i) { return uniform_at(buffer_seed(seed, 1), i * n + c, -1.0f, 1.0f); });
       float got;
-      std::memcpy(&got, bytes[k], sizeof got);
-      if (!(std::fabs(got - want) <= 4e-5 * magnitude))
+      std::memcpy(&got, bytes[t], sizeof got);
+      if (!(std::fabs(got - want) <= 4e-5 * magnitude + 1e-30))
         return "C[" + std::to_string(r) + "][" + std::to_string(c) + "] = " + std::to_string(got) + ", expected " +
                std::to_string(want);
     }
@@ -257,48 +266,44 @@ std::string compare_row(const char* what, std::int64_t row, const char* bytes, c
   return c.ok ? std::string() : std::string(what) + " " + std::to_string(row) + ": " + c.summary();
 }
 
-// Module 07: RMSNorm of 16,384 rows of 4,096 (eps 1e-5, no residual), with the tolerances of the
-// module's tests.
-constexpr std::int64_t kNormRows = 16384, kNormCols = 4096;
+// Module 07: RMSNorm of rows × cols (eps 1e-5, no residual; timed: 16,384 × 4,096), with the
+// tolerances of the module's tests.
 constexpr double kNormEps = 1e-5;
 constexpr Tolerance kNormOut{1e-4, 4.5e-3, 4e-3}, kNormRstd{0, 2e-5, 1e-5};
 
-std::vector<float> norm_row(std::uint64_t seed, int buffer, std::int64_t row, float lo, float hi) {
-  std::vector<float> x(kNormCols);
-  for (std::int64_t j = 0; j < kNormCols; ++j) x[j] = bf16_at(buffer_seed(seed, buffer), row * kNormCols + j, lo, hi);
+std::vector<float> norm_row(std::uint64_t seed, int buffer, std::int64_t row, std::int64_t cols, float lo, float hi) {
+  std::vector<float> x(cols);
+  for (std::int64_t j = 0; j < cols; ++j) x[j] = bf16_at(buffer_seed(seed, buffer), row * cols + j, lo, hi);
   return x;
 }
 
-std::vector<float> norm_gamma(std::uint64_t seed) { return norm_row(seed, 1, 0, 0.5f, 1.5f); }
+std::vector<float> norm_gamma(std::uint64_t seed, std::int64_t cols) { return norm_row(seed, 1, 0, cols, 0.5f, 1.5f); }
 
-Spec rmsnorm_forward() {
-  constexpr std::int64_t n = kNormRows * kNormCols;
+Spec rmsnorm_forward(const Shape& shape) {
+  const std::int64_t rows = shape.at(0), cols = shape.at(1), n = rows * cols;
   Spec s;
   s.name = "rmsnorm_forward";
-  s.shape = {kNormRows, kNormCols};
+  s.shape = shape;
   // h, gamma; y, rstd
-  s.buffers = {{n * sizeof(bf16), false}, {kNormCols * sizeof(bf16), false}, {n * sizeof(bf16), true},
-               {kNormRows * sizeof(float), true}};
+  s.buffers = {{n * sizeof(bf16), false}, {cols * sizeof(bf16), false}, {n * sizeof(bf16), true},
+               {rows * sizeof(float), true}};
   s.work = 2.0 * n * sizeof(bf16);
   s.unit = "GB/s";
-  s.fill = [](const std::vector<char*>& p, std::uint64_t seed) {
+  s.fill = [n, cols](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), n, buffer_seed(seed, 0), -2.0f, 2.0f);
-    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), kNormCols, buffer_seed(seed, 1), 0.5f, 1.5f);
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), cols, buffer_seed(seed, 1), 0.5f, 1.5f);
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 4; ++k) {
-      const std::uint64_t row = rng() % kNormRows;
-      r.push_back({2, row * kNormCols * sizeof(bf16), kNormCols * sizeof(bf16)});
-      r.push_back({3, row * sizeof(float), sizeof(float)});
-    }
-    return r;
+  s.pieces = rows;  // a row of y and its rstd
+  s.piece = [cols](std::int64_t row) {
+    const std::uint64_t r = static_cast<std::uint64_t>(row);
+    return std::vector<Range>{{2, r * cols * sizeof(bf16), cols * sizeof(bf16)}, {3, r * sizeof(float), sizeof(float)}};
   };
-  s.check = [](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
-    const std::vector<float> gamma = norm_gamma(seed);
+  s.sampled = 4;
+  s.check = [cols](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    const std::vector<float> gamma = norm_gamma(seed, cols);
     for (std::size_t k = 0; k + 1 < ranges.size(); k += 2) {
       const std::int64_t row = static_cast<std::int64_t>(ranges[k + 1].offset / sizeof(float));
-      const ref::RmsNormForward want = ref::rmsnorm_forward(norm_row(seed, 0, row, -2.0f, 2.0f), gamma, 1, kNormCols, kNormEps);
+      const ref::RmsNormForward want = ref::rmsnorm_forward(norm_row(seed, 0, row, cols, -2.0f, 2.0f), gamma, 1, cols, kNormEps);
       if (std::string p = compare_row("y row", row, bytes[k], want.y, kNormOut); !p.empty()) return p;
       float rstd;
       std::memcpy(&rstd, bytes[k + 1], sizeof rstd);
@@ -327,59 +332,59 @@ __global__ void row_rstd(const bf16* h, float* rstd, int cols, double eps) {
   if (threadIdx.x == 0) rstd[blockIdx.x] = static_cast<float>(1.0 / sqrt(partial[0] / cols + eps));
 }
 
-Spec rmsnorm_backward() {
-  constexpr std::int64_t n = kNormRows * kNormCols;
+Spec rmsnorm_backward(const Shape& shape) {
+  const std::int64_t rows = shape.at(0), cols = shape.at(1), n = rows * cols;
   Spec s;
   s.name = "rmsnorm_backward";
-  s.shape = {kNormRows, kNormCols};
+  s.shape = shape;
   // h, gamma, dy, rstd; dx, dgamma
-  s.buffers = {{n * sizeof(bf16), false},         {kNormCols * sizeof(bf16), false}, {n * sizeof(bf16), false},
-               {kNormRows * sizeof(float), false}, {n * sizeof(bf16), true},          {kNormCols * sizeof(float), true}};
+  s.buffers = {{n * sizeof(bf16), false},    {cols * sizeof(bf16), false}, {n * sizeof(bf16), false},
+               {rows * sizeof(float), false}, {n * sizeof(bf16), true},     {cols * sizeof(float), true}};
   s.work = 3.0 * n * sizeof(bf16);
   s.unit = "GB/s";
   // rstd is computed from h here, and kept on the host for the check: the copy in the shared
   // buffers is the test program's to overwrite.
   auto kept = std::make_shared<Kept<std::vector<float>>>();
-  s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
+  s.fill = [kept, rows, cols, n](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), n, buffer_seed(seed, 0), -2.0f, 2.0f);
-    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), kNormCols, buffer_seed(seed, 1), 0.5f, 1.5f);
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), cols, buffer_seed(seed, 1), 0.5f, 1.5f);
     fill_uniform_device(reinterpret_cast<bf16*>(p[2]), n, buffer_seed(seed, 2), -1.0f, 1.0f);
     float* rstd = nullptr;
-    if (cudaMalloc(&rstd, kNormRows * sizeof(float)) != cudaSuccess) throw std::runtime_error("cudaMalloc of rstd failed");
-    row_rstd<<<kNormRows, 256>>>(reinterpret_cast<const bf16*>(p[0]), rstd, kNormCols, kNormEps);
-    std::vector<float> host(kNormRows);
-    const cudaError_t e = cudaMemcpy(host.data(), rstd, kNormRows * sizeof(float), cudaMemcpyDeviceToHost);
-    cudaMemcpy(p[3], rstd, kNormRows * sizeof(float), cudaMemcpyDeviceToDevice);
+    if (cudaMalloc(&rstd, rows * sizeof(float)) != cudaSuccess) throw std::runtime_error("cudaMalloc of rstd failed");
+    row_rstd<<<static_cast<unsigned>(rows), 256>>>(reinterpret_cast<const bf16*>(p[0]), rstd, static_cast<int>(cols), kNormEps);
+    std::vector<float> host(rows);
+    const cudaError_t e = cudaMemcpy(host.data(), rstd, rows * sizeof(float), cudaMemcpyDeviceToHost);
+    cudaMemcpy(p[3], rstd, rows * sizeof(float), cudaMemcpyDeviceToDevice);
     cudaFree(rstd);
     if (e != cudaSuccess) throw std::runtime_error(std::string("rstd: ") + cudaGetErrorString(e));
     kept->put(seed, std::move(host));
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 4; ++k) r.push_back({4, (rng() % kNormRows) * kNormCols * sizeof(bf16), kNormCols * sizeof(bf16)});
-    for (int k = 0; k < 4; ++k) r.push_back({5, (rng() % kNormCols) * sizeof(float), sizeof(float)});
-    return r;
+  s.pieces = rows + cols;  // the rows of dx, then the elements of dgamma
+  s.piece = [rows, cols](std::int64_t i) {
+    if (i < rows) return std::vector<Range>{{4, static_cast<std::uint64_t>(i * cols) * sizeof(bf16), cols * sizeof(bf16)}};
+    return std::vector<Range>{{5, static_cast<std::uint64_t>(i - rows) * sizeof(float), sizeof(float)}};
   };
-  s.check = [kept](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
-    const std::vector<float> gamma = norm_gamma(seed);
+  s.sampled = 8;
+  s.check = [kept, rows, cols](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    const std::vector<float> gamma = norm_gamma(seed, cols);
     const std::vector<float>& rstd = kept->at(seed);
     for (std::size_t k = 0; k < ranges.size(); ++k) {
       if (ranges[k].buffer == 4) {
-        const std::int64_t row = static_cast<std::int64_t>(ranges[k].offset / (kNormCols * sizeof(bf16)));
-        const ref::RmsNormBackward want = ref::rmsnorm_backward(
-            norm_row(seed, 0, row, -2.0f, 2.0f), gamma, norm_row(seed, 2, row, -1.0f, 1.0f), 1, kNormCols, kNormEps);
+        const std::int64_t row = static_cast<std::int64_t>(ranges[k].offset / (cols * sizeof(bf16)));
+        const ref::RmsNormBackward want = ref::rmsnorm_backward(norm_row(seed, 0, row, cols, -2.0f, 2.0f), gamma,
+                                                                norm_row(seed, 2, row, cols, -1.0f, 1.0f), 1, cols, kNormEps);
         if (std::string p = compare_row("dx row", row, bytes[k], want.dx, kNormOut); !p.empty()) return p;
         continue;
       }
       const std::int64_t col = static_cast<std::int64_t>(ranges[k].offset / sizeof(float));
       double want = 0;
-      for (std::int64_t r = 0; r < kNormRows; ++r)
-        want += static_cast<double>(bf16_at(buffer_seed(seed, 2), r * kNormCols + col, -1.0f, 1.0f)) *
-                bf16_at(buffer_seed(seed, 0), r * kNormCols + col, -2.0f, 2.0f) * rstd[r];
+      for (std::int64_t r = 0; r < rows; ++r)
+        want += static_cast<double>(bf16_at(buffer_seed(seed, 2), r * cols + col, -1.0f, 1.0f)) *
+                bf16_at(buffer_seed(seed, 0), r * cols + col, -2.0f, 2.0f) * rstd[r];
       float got;
       std::memcpy(&got, bytes[k], sizeof got);
       // The tolerance of module 07's tests for dgamma summed over this many rows.
-      if (!(std::fabs(got - want) <= 1e-6 + 2.4e-7 * kNormRows + 1e-5 * std::fabs(want)))
+      if (!(std::fabs(got - want) <= 1e-6 + 2.4e-7 * rows + 1e-5 * std::fabs(want)))
         return "dgamma[" + std::to_string(col) + "] = " + std::to_string(got) + ", expected " + std::to_string(want);
     }
     return std::string();
@@ -387,58 +392,56 @@ Spec rmsnorm_backward() {
   return s;
 }
 
-// Module 08: RoPE on Llama-sized q and k (4 × 4,096 tokens, 32 query and 8 key heads of 128,
-// half-split pairs, base 10,000), with the table (`rope_cache`) or without (`rope_on_the_fly`);
-// four tokens of q and k checked.
-constexpr std::int64_t kRopeBatch = 4, kRopeSeq = 4096, kRopeQHeads = 32, kRopeKHeads = 8, kRopeDim = 128;
+// Module 08: RoPE on q and k of batch × seq tokens, q_heads and k_heads heads of dim, half-split
+// pairs, base 10,000, from position 0 (timed: 4 × 4,096 tokens, 32 and 8 heads of 128), with the
+// table (`rope_cache`) or without (`rope_on_the_fly`); whole tokens of q and k checked.
 constexpr double kRopeBase = 10000.0;
 
-Spec rope(bool cache) {
-  constexpr std::int64_t tokens = kRopeBatch * kRopeSeq, nq = tokens * kRopeQHeads * kRopeDim,
-                         nk = tokens * kRopeKHeads * kRopeDim, pairs = kRopeSeq * kRopeDim / 2;
+Spec rope(bool cache, const Shape& shape) {
+  const std::int64_t batch = shape.at(0), seq = shape.at(1), q_heads = shape.at(2), k_heads = shape.at(3), dim = shape.at(4);
+  const std::int64_t tokens = batch * seq, nq = tokens * q_heads * dim, nk = tokens * k_heads * dim, pairs = seq * dim / 2;
   Spec s;
   s.name = cache ? "rope_cache" : "rope_on_the_fly";
-  s.shape = {kRopeBatch, kRopeSeq, kRopeQHeads, kRopeKHeads, kRopeDim};
+  s.shape = shape;
   // q, k; q_out, k_out; the cos/sin table
   s.buffers = {{nq * sizeof(bf16), false}, {nk * sizeof(bf16), false}, {nq * sizeof(bf16), true}, {nk * sizeof(bf16), true}};
   if (cache) s.buffers.push_back({pairs * 2 * sizeof(float), false});
   s.work = 2.0 * (nq + nk) * sizeof(bf16);
   s.unit = "GB/s";
-  s.fill = [cache](const std::vector<char*>& p, std::uint64_t seed) {
+  // As build_cache's contract has it: angles in double, stored as fp32.
+  auto table = std::make_shared<std::vector<float>>();
+  if (cache) {
+    table->resize(pairs * 2);
+    for (std::int64_t pos = 0; pos < seq; ++pos)
+      for (std::int64_t i = 0; i < dim / 2; ++i) {
+        const double angle = pos * std::pow(kRopeBase, -2.0 * i / dim);
+        (*table)[2 * (pos * dim / 2 + i)] = static_cast<float>(std::cos(angle));
+        (*table)[2 * (pos * dim / 2 + i) + 1] = static_cast<float>(std::sin(angle));
+      }
+  }
+  s.fill = [cache, nq, nk, table](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), nq, buffer_seed(seed, 0));
     fill_uniform_device(reinterpret_cast<bf16*>(p[1]), nk, buffer_seed(seed, 1));
-    if (!cache) return;
-    static const std::vector<float> table = [] {  // as build_cache's contract has it: double, stored as fp32
-      std::vector<float> t(pairs * 2);
-      for (std::int64_t pos = 0; pos < kRopeSeq; ++pos)
-        for (std::int64_t i = 0; i < kRopeDim / 2; ++i) {
-          const double angle = pos * std::pow(kRopeBase, -2.0 * i / kRopeDim);
-          t[2 * (pos * kRopeDim / 2 + i)] = static_cast<float>(std::cos(angle));
-          t[2 * (pos * kRopeDim / 2 + i) + 1] = static_cast<float>(std::sin(angle));
-        }
-      return t;
-    }();
-    if (cudaMemcpy(p[4], table.data(), table.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess)
+    if (cache && cudaMemcpy(p[4], table->data(), table->size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess)
       throw std::runtime_error("cannot upload the cos/sin table");
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int k = 0; k < 4; ++k) {
-      const std::uint64_t token = rng() % tokens;
-      r.push_back({2, token * kRopeQHeads * kRopeDim * sizeof(bf16), kRopeQHeads * kRopeDim * sizeof(bf16)});
-      r.push_back({3, token * kRopeKHeads * kRopeDim * sizeof(bf16), kRopeKHeads * kRopeDim * sizeof(bf16)});
-    }
-    return r;
+  s.pieces = tokens;  // a token's q and k
+  s.piece = [q_heads, k_heads, dim](std::int64_t token) {
+    const std::uint64_t t = static_cast<std::uint64_t>(token);
+    return std::vector<Range>{{2, t * q_heads * dim * sizeof(bf16), q_heads * dim * sizeof(bf16)},
+                              {3, t * k_heads * dim * sizeof(bf16), k_heads * dim * sizeof(bf16)}};
   };
-  s.check = [](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+  s.sampled = 4;
+  s.check = [seq, q_heads, k_heads, dim](std::uint64_t seed, const std::vector<Range>& ranges,
+                                         const std::vector<const char*>& bytes) {
     for (std::size_t k = 0; k < ranges.size(); ++k) {
       const bool is_q = ranges[k].buffer == 2;
-      const std::int64_t heads = is_q ? kRopeQHeads : kRopeKHeads, len = heads * kRopeDim;
+      const std::int64_t heads = is_q ? q_heads : k_heads, len = heads * dim;
       const std::int64_t token = static_cast<std::int64_t>(ranges[k].offset / (len * sizeof(bf16)));
       std::vector<float> in(len);
       for (std::int64_t j = 0; j < len; ++j) in[j] = bf16_at(buffer_seed(seed, is_q ? 0 : 1), token * len + j, -1.0f, 1.0f);
-      const std::vector<double> want = ref::rope(in, 1, static_cast<int>(heads), kRopeDim, token % kRopeSeq, kRopeBase,
-                                                 ref::RopeLayout::half_split, false);
+      const std::vector<double> want = ref::rope(in, 1, static_cast<int>(heads), static_cast<int>(dim), token % seq,
+                                                 kRopeBase, ref::RopeLayout::half_split, false);
       // The tolerance of module 08's tests.
       if (std::string p = compare_row(is_q ? "q of token" : "k of token", token, bytes[k], want, {1e-3, 4.5e-3, 4e-3});
           !p.empty())
@@ -449,53 +452,67 @@ Spec rope(bool cache) {
   return s;
 }
 
-// Module 09: causal attention forward at B 4, 32 heads, 4,096 tokens, d 128 (the graded shape),
-// inputs as the module's tests draw them; two query rows of o and their lse checked per launch,
-// each against the reference over exactly the keys it sees, within the tests' bounds.
-constexpr std::int64_t kAttnBatch = 4, kAttnHeads = 32, kAttnLen = 4096, kAttnDim = 128;
-
-Spec attention_forward(const std::string& name) {
-  constexpr std::int64_t rows = kAttnBatch * kAttnHeads * kAttnLen, n = rows * kAttnDim;
-  const double scale = 1.0f / std::sqrt(static_cast<float>(kAttnDim));  // as the tests' make_shape rounds it
+// Module 09: attention forward (shape: batch, heads, kv heads, q_len, kv_len, head_dim, causal;
+// timed: B 4, 32 heads, 4,096 tokens, d 128, causal), inputs as the module's tests draw them; a
+// piece is one query row of o and its lse, checked against the reference over exactly the keys it
+// sees (the bottom-right causal mask of the module's contract), within the tests' bounds.
+Spec attention_forward(const std::string& name, const Shape& shape) {
+  const std::int64_t batch = shape.at(0), heads = shape.at(1), kv_heads = shape.at(2), q_len = shape.at(3),
+                     kv_len = shape.at(4), d = shape.at(5);
+  const bool causal = shape.at(6) != 0;
+  const std::int64_t rows = batch * heads * q_len, nq = rows * d, nkv = batch * kv_heads * kv_len * d;
+  const double scale = 1.0f / std::sqrt(static_cast<float>(d));  // as the tests' make_shape rounds it
   Spec s;
   s.name = name;
-  s.shape = {kAttnBatch, kAttnHeads, kAttnHeads, kAttnLen, kAttnLen, kAttnDim, 1};
+  s.shape = shape;
   // q, k, v; o, lse
-  s.buffers = {{n * sizeof(bf16), false}, {n * sizeof(bf16), false}, {n * sizeof(bf16), false},
-               {n * sizeof(bf16), true},  {rows * sizeof(float), true}};
-  s.work = 4.0 * kAttnBatch * kAttnHeads * static_cast<double>(kAttnLen) * kAttnLen * kAttnDim * 0.5;
+  s.buffers = {{nq * sizeof(bf16), false}, {nkv * sizeof(bf16), false}, {nkv * sizeof(bf16), false},
+               {nq * sizeof(bf16), true},  {rows * sizeof(float), true}};
+  s.work = 4.0 * batch * heads * static_cast<double>(q_len) * kv_len * d * (causal ? 0.5 : 1.0);
   s.unit = "TFLOP/s";
   s.unit_scale = 1e12;
   s.max_sets = 16;
-  s.fill = [](const std::vector<char*>& p, std::uint64_t seed) {
-    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), n, buffer_seed(seed, 0), -2.0f, 2.0f);
-    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), n, buffer_seed(seed, 1), -2.0f, 2.0f);
-    fill_uniform_device(reinterpret_cast<bf16*>(p[2]), n, buffer_seed(seed, 2), -1.0f, 1.0f);
+  s.fill = [nq, nkv](const std::vector<char*>& p, std::uint64_t seed) {
+    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), nq, buffer_seed(seed, 0), -2.0f, 2.0f);
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), nkv, buffer_seed(seed, 1), -2.0f, 2.0f);
+    fill_uniform_device(reinterpret_cast<bf16*>(p[2]), nkv, buffer_seed(seed, 2), -1.0f, 1.0f);
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int t = 0; t < 2; ++t) {
-      const std::uint64_t row = rng() % rows;
-      r.push_back({3, row * kAttnDim * sizeof(bf16), kAttnDim * sizeof(bf16)});
-      r.push_back({4, row * sizeof(float), sizeof(float)});
-    }
-    return r;
+  s.pieces = rows;
+  s.piece = [d](std::int64_t row) {
+    const std::uint64_t r = static_cast<std::uint64_t>(row);
+    return std::vector<Range>{{3, r * d * sizeof(bf16), d * sizeof(bf16)}, {4, r * sizeof(float), sizeof(float)}};
   };
-  s.check = [scale](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+  s.sampled = 2;
+  s.check = [=](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    std::map<std::int64_t, std::pair<std::vector<float>, std::vector<float>>> kv;
     for (std::size_t t = 0; t + 1 < ranges.size(); t += 2) {
       const std::int64_t row = static_cast<std::int64_t>(ranges[t + 1].offset / sizeof(float));
-      const std::int64_t i = row % kAttnLen, head_row = row / kAttnLen;  // (batch, head), kv head = head
-      const std::int64_t seen = i + 1;
-      std::vector<float> q(kAttnDim), k(seen * kAttnDim), v(seen * kAttnDim);
-      for (std::int64_t c = 0; c < kAttnDim; ++c) q[c] = bf16_at(buffer_seed(seed, 0), row * kAttnDim + c, -2.0f, 2.0f);
-      const std::int64_t kv0 = head_row * kAttnLen * kAttnDim;
-      for (std::int64_t j = 0; j < seen * kAttnDim; ++j) {
-        k[j] = bf16_at(buffer_seed(seed, 1), kv0 + j, -2.0f, 2.0f);
-        v[j] = bf16_at(buffer_seed(seed, 2), kv0 + j, -1.0f, 1.0f);
+      const std::int64_t i = row % q_len, bh = row / q_len, b = bh / heads, g = (bh % heads) / (heads / kv_heads);
+      const std::int64_t seen = causal ? std::clamp<std::int64_t>(i + 1 + kv_len - q_len, 0, kv_len) : kv_len;
+      float lse;
+      std::memcpy(&lse, bytes[t + 1], sizeof lse);
+      if (seen == 0) {  // output 0 and lse +inf, exactly
+        for (std::int64_t c = 0; c < d; ++c)
+          if (read_bf16(bytes[t] + c * sizeof(bf16)) != 0.0f)
+            return "o[row " + std::to_string(row) + "][" + std::to_string(c) + "] of a query that sees no key is not 0";
+        if (!(std::isinf(lse) && lse > 0)) return "lse[row " + std::to_string(row) + "] of a query that sees no key is not +inf";
+        continue;
+      }
+      std::vector<float> q(d);
+      for (std::int64_t c = 0; c < d; ++c) q[c] = bf16_at(buffer_seed(seed, 0), row * d + c, -2.0f, 2.0f);
+      // The keys and values of this row's KV head, drawn once per check for all its rows.
+      auto& [k, v] = kv[b * kv_heads + g];
+      if (k.empty()) {
+        const std::int64_t kv0 = (b * kv_heads + g) * kv_len * d;
+        for (std::int64_t j = 0; j < kv_len * d; ++j) {
+          k.push_back(bf16_at(buffer_seed(seed, 1), kv0 + j, -2.0f, 2.0f));
+          v.push_back(bf16_at(buffer_seed(seed, 2), kv0 + j, -1.0f, 1.0f));
+        }
       }
       const ref::AttentionForward want =
-          ref::attention_forward(q, k, v, {1, 1, 1, 1, static_cast<int>(seen), static_cast<int>(kAttnDim), false, scale});
-      for (std::int64_t c = 0; c < kAttnDim; ++c) {
+          ref::attention_forward(q, std::span<const float>(k.data(), seen * d), std::span<const float>(v.data(), seen * d),
+                                 {1, 1, 1, 1, static_cast<int>(seen), static_cast<int>(d), false, scale});
+      for (std::int64_t c = 0; c < d; ++c) {
         const double got = read_bf16(bytes[t] + c * sizeof(bf16));
         // The bound of module 09's tests: a bf16 rounding of every intermediate, with a margin.
         const double bound = 1.25 * std::ldexp(want.o_magnitude[c] + std::fabs(want.o[c]), -8) + 1e-5;
@@ -503,9 +520,7 @@ Spec attention_forward(const std::string& name) {
           return "o[row " + std::to_string(row) + "][" + std::to_string(c) + "] = " + std::to_string(got) + ", expected " +
                  std::to_string(want.o[c]);
       }
-      float lse;
-      std::memcpy(&lse, bytes[t + 1], sizeof lse);
-      if (!(std::fabs(lse - want.lse[0]) <= 1e-4 + kAttnLen * 6e-8 + 1e-6 * std::fabs(want.lse[0])))
+      if (!(std::isfinite(lse) && std::fabs(lse - want.lse[0]) <= 1e-4 + kv_len * 6e-8 + 1e-6 * std::fabs(want.lse[0])))
         return "lse[row " + std::to_string(row) + "] = " + std::to_string(lse) + ", expected " + std::to_string(want.lse[0]);
     }
     return std::string();
@@ -513,57 +528,49 @@ Spec attention_forward(const std::string& name) {
   return s;
 }
 
-// Module 10: the routed experts' up projection at the module's shape (16,384 tokens, each to 6 of
-// 64 experts picked uniformly, [g|u] = x·W13ᵀ with n = 2 × 1,408 and k = 2,048), loads drawn
-// afresh for every launch; 32 elements of C checked.
-constexpr int kMoeTokens = 16384, kMoeExperts = 64, kMoeTopK = 6, kMoeN = 2 * 1408, kMoeK = 2048;
-
-Spec moe_up_projection() {
-  constexpr std::int64_t rows = static_cast<std::int64_t>(kMoeTokens) * kMoeTopK;
+// Module 10: the routed experts' up projection, [g|u] = x·W13ᵀ per expert (shape: experts, rows,
+// n, k, top_k; timed: 16,384 tokens each to 6 of 64 experts picked uniformly, n = 2 × 1,408,
+// k = 2,048), loads drawn afresh for every launch; elements of C checked.
+Spec moe_up_projection(const Shape& shape) {
+  const std::int64_t experts = shape.at(0), rows = shape.at(1), n = shape.at(2), k = shape.at(3), top_k = shape.at(4);
   Spec s;
   s.name = "moe_up_projection";
-  s.shape = {kMoeExperts, rows, kMoeN, kMoeK};
+  s.shape = shape;
   // a, b (every expert's weight), offsets; c
-  s.buffers = {{rows * kMoeK * sizeof(bf16), false},
-               {static_cast<std::size_t>(kMoeExperts) * kMoeN * kMoeK * sizeof(bf16), false},
-               {(kMoeExperts + 1) * sizeof(int), false},
-               {rows * kMoeN * sizeof(bf16), true}};
-  s.work = 2.0 * rows * static_cast<double>(kMoeN) * kMoeK;
+  s.buffers = {{rows * k * sizeof(bf16), false},
+               {static_cast<std::size_t>(experts * n * k) * sizeof(bf16), false},
+               {(experts + 1) * sizeof(int), false},
+               {rows * n * sizeof(bf16), true}};
+  s.work = 2.0 * rows * static_cast<double>(n) * k;
   s.unit = "TFLOP/s";
   s.unit_scale = 1e12;
   s.max_sets = 8;
   // The offsets are kept here for the check: the copy in the shared buffers is the test
   // program's to overwrite.
   auto kept = std::make_shared<Kept<std::vector<int>>>();
-  s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
-    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), rows * kMoeK, buffer_seed(seed, 0));
-    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), static_cast<std::size_t>(kMoeExperts) * kMoeN * kMoeK,
-                        buffer_seed(seed, 1));
-    const std::vector<int> counts = baseline::expert_loads(kMoeTokens, kMoeExperts, kMoeTopK, false, buffer_seed(seed, 2));
-    std::vector<int> offsets(kMoeExperts + 1, 0);
-    for (int e = 0; e < kMoeExperts; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  s.fill = [=](const std::vector<char*>& p, std::uint64_t seed) {
+    fill_uniform_device(reinterpret_cast<bf16*>(p[0]), rows * k, buffer_seed(seed, 0));
+    fill_uniform_device(reinterpret_cast<bf16*>(p[1]), experts * n * k, buffer_seed(seed, 1));
+    const std::vector<int> counts = baseline::expert_loads(static_cast<int>(rows / top_k), static_cast<int>(experts),
+                                                           static_cast<int>(top_k), false, buffer_seed(seed, 2));
+    std::vector<int> offsets(experts + 1, 0);
+    for (std::int64_t e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + counts[e];
     if (offsets.back() != rows) throw std::runtime_error("expert_loads: rows do not add up");
     if (cudaMemcpy(p[2], offsets.data(), offsets.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess)
       throw std::runtime_error("cannot upload the offsets");
     kept->put(seed, offsets);
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int t = 0; t < 32; ++t) r.push_back({3, (rng() % (rows * kMoeN)) * sizeof(bf16), sizeof(bf16)});
-    return r;
-  };
-  s.check = [kept](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+  s.pieces = rows * n;
+  s.piece = pieces_of(3, sizeof(bf16));
+  s.sampled = 32;
+  s.check = [kept, n, k](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
     const std::vector<int>& offsets = kept->at(seed);
     for (std::size_t t = 0; t < ranges.size(); ++t) {
-      const std::int64_t at = static_cast<std::int64_t>(ranges[t].offset / sizeof(bf16)), r = at / kMoeN, c = at % kMoeN;
+      const std::int64_t at = static_cast<std::int64_t>(ranges[t].offset / sizeof(bf16)), r = at / n, c = at % n;
       const std::int64_t e = std::upper_bound(offsets.begin(), offsets.end(), static_cast<int>(r)) - offsets.begin() - 1;
-      double want = 0, magnitude = 0;
-      for (std::int64_t i = 0; i < kMoeK; ++i) {
-        const double p = static_cast<double>(bf16_at(buffer_seed(seed, 0), r * kMoeK + i, -1.0f, 1.0f)) *
-                         bf16_at(buffer_seed(seed, 1), (e * kMoeN + c) * kMoeK + i, -1.0f, 1.0f);
-        want += p;
-        magnitude += std::fabs(p);
-      }
+      const auto [want, magnitude] =
+          dot(k, [&](std::int64_t i) { return bf16_at(buffer_seed(seed, 0), r * k + i, -1.0f, 1.0f); },
+              [&](std::int64_t i) { return bf16_at(buffer_seed(seed, 1), (e * n + c) * k + i, -1.0f, 1.0f); });
       const double got = read_bf16(bytes[t]);
       if (!(std::fabs(got - want) <= 0x1p-7 * std::fabs(want) + 2e-4 * magnitude))
         return "C[" + std::to_string(r) + "][" + std::to_string(c) + "] (expert " + std::to_string(e) +
@@ -574,75 +581,79 @@ Spec moe_up_projection() {
   return s;
 }
 
-// Module 19: one decode step over a paged cache, 32 sequences of 8,192 tokens, 32 query heads over
-// 8 KV heads of 128, pages of 16 tokens drawn from the pool in a random order per launch (a cache
-// after some traffic). Every cached element is drawn on its own, so a sequence's keys can be
-// recomputed from the page table alone; two (sequence, query head) rows checked per launch, with
-// module 19's tolerance.
-constexpr int kDecBatch = 32, kDecLen = 8192, kDecQHeads = 32, kDecKvHeads = 8, kDecDim = 128, kDecPage = 16;
-
-Spec decode_attention() {
-  constexpr int pages_per_seq = kDecLen / kDecPage, pool_pages = kDecBatch * pages_per_seq + 3;
-  constexpr std::int64_t pool = static_cast<std::int64_t>(pool_pages) * kDecKvHeads * kDecPage * kDecDim,
-                         nq = static_cast<std::int64_t>(kDecBatch) * kDecQHeads * kDecDim;
+// Module 19: one decode step over a paged cache (shape: batch, query heads, KV heads, head_dim,
+// page size, pages per sequence, longest length, and 1 to draw each sequence's length below it;
+// timed: 32 sequences of 8,192 tokens, 32 query heads over 8 KV heads of 128, pages of 16), pages
+// drawn from the pool in a random order per launch (a cache after some traffic). Every cached
+// element is drawn on its own, so a sequence's keys can be recomputed from the page table alone;
+// a piece is one (sequence, query head) row of o, checked with module 19's tolerance.
+Spec decode_attention(const Shape& shape) {
+  const std::int64_t batch = shape.at(0), q_heads = shape.at(1), kv_heads = shape.at(2), d = shape.at(3),
+                     page = shape.at(4), pages_per_seq = shape.at(5), max_len = shape.at(6);
+  const bool varied = shape.size() > 7 && shape[7] != 0;
+  const std::int64_t pool_pages = batch * pages_per_seq + 3, pool = pool_pages * kv_heads * page * d,
+                     nq = batch * q_heads * d;
   Spec s;
   s.name = "decode_attention";
-  s.shape = {kDecBatch, kDecQHeads, kDecKvHeads, kDecDim, kDecPage, pages_per_seq, kDecLen};
+  s.shape = shape;
   // q, k_pool, v_pool, page_table, lengths; o
   s.buffers = {{nq * sizeof(bf16), false},
                {pool * sizeof(bf16), false},
                {pool * sizeof(bf16), false},
-               {static_cast<std::size_t>(kDecBatch) * pages_per_seq * sizeof(int), false},
-               {kDecBatch * sizeof(int), false},
+               {static_cast<std::size_t>(batch * pages_per_seq) * sizeof(int), false},
+               {batch * sizeof(int), false},
                {nq * sizeof(bf16), true}};
-  s.work = 2.0 * kDecBatch * static_cast<double>(kDecLen) * kDecKvHeads * kDecDim * sizeof(bf16);
+  s.work = 2.0 * batch * static_cast<double>(max_len) * kv_heads * d * sizeof(bf16);
   s.unit = "GB/s";
-  // The page table is kept here for the check: the copy in the shared buffers is the test
-  // program's to overwrite.
-  auto kept = std::make_shared<Kept<std::vector<int>>>();
-  s.fill = [kept](const std::vector<char*>& p, std::uint64_t seed) {
+  // The page table and the lengths are kept here for the check: the copies in the shared buffers
+  // are the test program's to overwrite.
+  struct Cache {
+    std::vector<int> table, lengths;
+  };
+  auto kept = std::make_shared<Kept<Cache>>();
+  s.fill = [=](const std::vector<char*>& p, std::uint64_t seed) {
     fill_uniform_device(reinterpret_cast<bf16*>(p[0]), nq, buffer_seed(seed, 0), -3.0f, 3.0f);  // peaked softmaxes too
     fill_uniform_device(reinterpret_cast<bf16*>(p[1]), pool, buffer_seed(seed, 1));
     fill_uniform_device(reinterpret_cast<bf16*>(p[2]), pool, buffer_seed(seed, 2));
     std::vector<int> order(pool_pages);
-    for (int i = 0; i < pool_pages; ++i) order[i] = i;
-    std::shuffle(order.begin(), order.end(), std::mt19937_64(buffer_seed(seed, 3)));
-    std::vector<int> table(order.begin(), order.begin() + kDecBatch * pages_per_seq);
-    const std::vector<int> lengths(kDecBatch, kDecLen);
-    if (cudaMemcpy(p[3], table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess ||
-        cudaMemcpy(p[4], lengths.data(), lengths.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess)
+    for (std::int64_t i = 0; i < pool_pages; ++i) order[i] = static_cast<int>(i);
+    std::mt19937_64 rng(buffer_seed(seed, 3));
+    std::shuffle(order.begin(), order.end(), rng);
+    Cache c{std::vector<int>(order.begin(), order.begin() + batch * pages_per_seq), std::vector<int>(batch, static_cast<int>(max_len))};
+    if (varied)
+      for (int& len : c.lengths) len = static_cast<int>(pick(rng, 1, max_len));
+    if (cudaMemcpy(p[3], c.table.data(), c.table.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(p[4], c.lengths.data(), c.lengths.size() * sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess)
       throw std::runtime_error("cannot upload the page table");
-    kept->put(seed, std::move(table));
+    kept->put(seed, std::move(c));
   };
-  s.sample = [](std::mt19937_64& rng) {
-    std::vector<Range> r;
-    for (int t = 0; t < 2; ++t) r.push_back({5, (rng() % (kDecBatch * kDecQHeads)) * kDecDim * sizeof(bf16), kDecDim * sizeof(bf16)});
-    return r;
-  };
-  s.check = [kept](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
-    const std::vector<int>& table = kept->at(seed);
+  s.pieces = batch * q_heads;
+  s.piece = pieces_of(5, d * sizeof(bf16));
+  s.sampled = 2;
+  s.check = [=](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    const Cache& c = kept->at(seed);
     for (std::size_t t = 0; t < ranges.size(); ++t) {
-      const std::int64_t row = static_cast<std::int64_t>(ranges[t].offset / (kDecDim * sizeof(bf16)));
-      const std::int64_t b = row / kDecQHeads, h = row % kDecQHeads, g = h / (kDecQHeads / kDecKvHeads);
-      std::vector<float> q(kDecDim), k(static_cast<std::size_t>(kDecLen) * kDecDim), v(k.size());
-      for (int d = 0; d < kDecDim; ++d) q[d] = bf16_at(buffer_seed(seed, 0), row * kDecDim + d, -3.0f, 3.0f);
-      for (std::int64_t tok = 0; tok < kDecLen; ++tok) {
-        const std::int64_t page = table[b * pages_per_seq + tok / kDecPage];
-        const std::int64_t from = ((page * kDecKvHeads + g) * kDecPage + tok % kDecPage) * kDecDim;
-        for (int d = 0; d < kDecDim; ++d) {
-          k[tok * kDecDim + d] = bf16_at(buffer_seed(seed, 1), from + d, -1.0f, 1.0f);
-          v[tok * kDecDim + d] = bf16_at(buffer_seed(seed, 2), from + d, -1.0f, 1.0f);
+      const std::int64_t row = static_cast<std::int64_t>(ranges[t].offset / (d * sizeof(bf16)));
+      const std::int64_t b = row / q_heads, h = row % q_heads, g = h / (q_heads / kv_heads), len = c.lengths[b];
+      std::vector<float> q(d), k(len * d), v(len * d);
+      for (std::int64_t i = 0; i < d; ++i) q[i] = bf16_at(buffer_seed(seed, 0), row * d + i, -3.0f, 3.0f);
+      for (std::int64_t tok = 0; tok < len; ++tok) {
+        const std::int64_t pg = c.table[b * pages_per_seq + tok / page];
+        const std::int64_t from = ((pg * kv_heads + g) * page + tok % page) * d;
+        for (std::int64_t i = 0; i < d; ++i) {
+          k[tok * d + i] = bf16_at(buffer_seed(seed, 1), from + i, -1.0f, 1.0f);
+          v[tok * d + i] = bf16_at(buffer_seed(seed, 2), from + i, -1.0f, 1.0f);
         }
       }
       const std::vector<double> want =
-          ref::attention_forward(q, k, v, {1, 1, 1, 1, kDecLen, kDecDim, false, 1.0 / std::sqrt(double(kDecDim))}).o;
+          ref::attention_forward(q, k, v, {1, 1, 1, 1, static_cast<int>(len), static_cast<int>(d), false, 1.0 / std::sqrt(double(d))}).o;
       double top = 0;
       for (double w : want) top = std::max(top, std::fabs(w));
-      for (int d = 0; d < kDecDim; ++d) {
-        const double got = read_bf16(bytes[t] + d * sizeof(bf16));
-        if (!(std::fabs(got - want[d]) <= 1e-2 * top + 1e-2 * std::fabs(want[d])))
-          return "sequence " + std::to_string(b) + ", query head " + std::to_string(h) + ", value " + std::to_string(d) +
-                 " = " + std::to_string(got) + ", expected " + std::to_string(want[d]);
+      for (std::int64_t i = 0; i < d; ++i) {
+        const double got = read_bf16(bytes[t] + i * sizeof(bf16));
+        if (!(std::fabs(got - want[i]) <= 1e-2 * top + 1e-2 * std::fabs(want[i])))
+          return "sequence " + std::to_string(b) + ", query head " + std::to_string(h) + ", value " + std::to_string(i) +
+                 " = " + std::to_string(got) + ", expected " + std::to_string(want[i]);
       }
     }
     return std::string();
@@ -650,21 +661,71 @@ Spec decode_attention() {
   return s;
 }
 
-const std::vector<Spec>& all() {
-  static const std::vector<Spec> specs = {copy(),          fma(),          sgemm_4096(),
-                                          bf16_gemm("bf16_gemm"), bf16_gemm("bf16_gemm_hopper"), softmax_fast(),
-                                          rmsnorm_forward(), rmsnorm_backward(), rope(true), rope(false),
-                                          attention_forward("attention_forward"),
-                                          attention_forward("attention_forward_hopper"), moe_up_projection(),
-                                          decode_attention()};
-  return specs;
+// Rows × cols as modules 06 and 07 draw them (k2c::testing::random_row_shapes): any width up to
+// 20,000, about 200,000 elements at most.
+Shape row_shape(std::mt19937_64& rng) {
+  const std::int64_t cols = pick(rng, 1, 20000);
+  return {pick(rng, 1, std::max<std::int64_t>(1, 200000 / cols)), cols};
+}
+
+// M, N and K up to 300 each, K a multiple of 8 (module 05's fast path, and Part B's contract).
+Shape gemm_shape(std::mt19937_64& rng, bool k_multiple_of_8) {
+  std::int64_t k = pick(rng, 1, 300);
+  if (k_multiple_of_8) k = (k + 7) / 8 * 8;
+  return {pick(rng, 1, 300), pick(rng, 1, 300), k};
+}
+
+const std::vector<Witness>& all() {
+  static const std::vector<Witness> witnesses = [] {
+    const std::int64_t sms = device_info().sms;
+    std::vector<Witness> w;
+    w.push_back({"copy", {std::int64_t{1} << 28}, copy,
+                 [](std::mt19937_64& rng) { return Shape{pick(rng, 1, pick(rng, 0, 1) ? 5000 : 3000000)}; }});
+    w.push_back({"fma", {sms * 2048 * 2, 4096}, fma,
+                 [](std::mt19937_64& rng) { return Shape{pick(rng, 1, 30000), pick(rng, 0, 256)}; }});
+    w.push_back({"sgemm", {4096, 4096, 4096}, sgemm, [](std::mt19937_64& rng) { return gemm_shape(rng, false); }});
+    for (const char* name : {"bf16_gemm", "bf16_gemm_hopper"})
+      w.push_back({name, {8192, 8192, 8192}, [name](const Shape& s) { return bf16_gemm(name, s); },
+                   [](std::mt19937_64& rng) { return gemm_shape(rng, true); }});
+    w.push_back({"softmax_fast", {16384, 4096}, softmax_fast, row_shape});
+    w.push_back({"rmsnorm_forward", {16384, 4096}, rmsnorm_forward, row_shape});
+    w.push_back({"rmsnorm_backward", {16384, 4096}, rmsnorm_backward, row_shape});
+    for (const bool cache : {true, false})
+      w.push_back({cache ? "rope_cache" : "rope_on_the_fly", {4, 4096, 32, 8, 128},
+                   [cache](const Shape& s) { return rope(cache, s); },
+                   [](std::mt19937_64& rng) {  // as module 08's random cases, from position 0
+                     static constexpr std::int64_t dims[] = {2, 4, 8, 16, 32, 64, 80, 128, 256};
+                     const std::int64_t kv = pick(rng, 1, 4);
+                     return Shape{pick(rng, 1, 3), pick(rng, 1, 300), kv * pick(rng, 1, 4), kv, dims[pick(rng, 0, 8)]};
+                   }});
+    for (const char* name : {"attention_forward", "attention_forward_hopper"})
+      w.push_back({name, {4, 32, 32, 4096, 4096, 128, 1}, [name](const Shape& s) { return attention_forward(name, s); },
+                   [](std::mt19937_64& rng) {  // as module 09's random shapes, up to 300 tokens
+                     const std::int64_t kv_heads = pick(rng, 1, 3);
+                     return Shape{pick(rng, 1, 2),   kv_heads * pick(rng, 1, 4), kv_heads, pick(rng, 1, 300),
+                                  pick(rng, 1, 300), pick(rng, 0, 1) ? 128 : 64,  pick(rng, 0, 1)};
+                   }});
+    w.push_back({"moe_up_projection", {64, 16384 * 6, 2 * 1408, 2048, 6}, moe_up_projection,
+                 [](std::mt19937_64& rng) {  // empty experts included; k % 8 == 0 for Part B
+                   const std::int64_t experts = pick(rng, 1, 16), top_k = pick(rng, 1, std::min<std::int64_t>(experts, 6));
+                   return Shape{experts, pick(rng, 1, 60) * top_k, pick(rng, 1, 300), 8 * pick(rng, 1, 40), top_k};
+                 }});
+    w.push_back({"decode_attention", {32, 32, 8, 128, 16, 512, 8192}, decode_attention,
+                 [](std::mt19937_64& rng) {  // module 19's contract: groups up to 8, any page size
+                   const std::int64_t kv = pick(rng, 1, 4), page = pick(rng, 1, 64), longest = pick(rng, 1, 3000);
+                   return Shape{pick(rng, 1, 4), kv * pick(rng, 1, 8), kv, pick(rng, 0, 1) ? 128 : 64,
+                                page, (longest + page - 1) / page, longest, 1};
+                 }});
+    return w;
+  }();
+  return witnesses;
 }
 
 }  // namespace
 
-const Spec* find(const std::string& name) {
-  for (const Spec& s : all())
-    if (s.name == name) return &s;
+const Witness* find(const std::string& name) {
+  for (const Witness& w : all())
+    if (w.name == name) return &w;
   return nullptr;
 }
 

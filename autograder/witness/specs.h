@@ -26,9 +26,12 @@ struct Range {
   std::uint64_t offset = 0, bytes = 0;
 };
 
+using Shape = std::vector<std::int64_t>;
+
+// One launch at one shape.
 struct Spec {
   std::string name;
-  std::vector<std::int64_t> shape;
+  Shape shape;
   std::vector<Buffer> buffers;
   double work = 0;          // bytes moved or FLOPs per launch
   std::string unit;         // the rubric's unit for work per second: "GB/s" or "TFLOP/s"
@@ -36,15 +39,30 @@ struct Spec {
   int max_sets = 32;        // fewer for slow kernels: a window of the slowest still passes quickly
   // Fills a launch's inputs (device pointers, in the order of `buffers`) from `seed`.
   std::function<void(const std::vector<char*>& buffers, std::uint64_t seed)> fill;
-  // Where to read one launch's output: always the same number of ranges.
-  std::function<std::vector<Range>(std::mt19937_64& rng)> sample;
-  // "" or the first problem with what was read at `ranges` (bytes[i] holds ranges[i]).
+  // The output in the pieces the check takes one at a time (a row, an element, a token...):
+  // `pieces` of them, piece(i) the ranges of piece i. A timed window reads `sampled` pieces of
+  // each launch at random; a correctness run reads them all.
+  std::int64_t pieces = 0;
+  std::function<std::vector<Range>(std::int64_t i)> piece;
+  int sampled = 1;
+  // "" or the first problem with what was read at `ranges` (bytes[i] holds ranges[i]): a list of
+  // whole pieces, in any order.
   std::function<std::string(std::uint64_t seed, const std::vector<Range>& ranges,
                             const std::vector<const char*>& bytes)>
       check;
 };
 
-// nullptr for a name no spec has.
-const Spec* find(const std::string& name);
+// A kernel the checker knows: the shape its performance test times, and the shapes of its
+// correctness runs, drawn within the contract the module's tests check (tails, non-powers of two,
+// tiny sizes), so that an honest kernel that passes the tests passes them too.
+struct Witness {
+  std::string name;
+  Shape timed;
+  std::function<Spec(const Shape&)> make;
+  std::function<Shape(std::mt19937_64&)> draw;
+};
+
+// nullptr for a name no witness has.
+const Witness* find(const std::string& name);
 
 }  // namespace k2c::witness_specs

@@ -1,7 +1,12 @@
 // k2c_witness — the grader's own run of one timed kernel, in a process with no student code.
 //
-//   k2c_witness NAME --out VERDICT.json [--timeout S] [--uid U --gid G] [--cwd DIR] [--env K=V]...
-//               -- TEST_PROGRAM [ARGS...]
+//   k2c_witness NAME --out VERDICT.json [--shapes N] [--timeout S] [--uid U --gid G] [--cwd DIR]
+//               [--env K=V]... -- TEST_PROGRAM [ARGS...]
+//
+// Two kinds of run. Timed (the default): the kernel at its performance test's shape, in windows
+// the checker clocks, a sample of each launch's output checked. Correctness (--shapes N): N shapes
+// the checker draws within the contract the module's tests check, one launch each, every output
+// element checked; no clock.
 //
 // The protocol is in common/include/k2c/testing/witness.h; what each witness launches, on which
 // buffers, and how its output is checked is in specs.cu. The verdict (JSON) says what the
@@ -57,6 +62,7 @@ constexpr std::size_t kSetBudget = std::size_t{16} << 30;
 
 struct Args {
   std::string name, out;
+  int shapes = 0;  // > 0: a correctness run over that many drawn shapes
   double timeout_s = 300;
   int uid = -1, gid = -1;
   std::string cwd;
@@ -80,6 +86,7 @@ Args parse(int argc, char** argv) {
     }
     if (arg == "--out") a.out = value();
     else if (arg == "--timeout") a.timeout_s = std::stod(value());
+    else if (arg == "--shapes") a.shapes = std::stoi(value());
     else if (arg == "--uid") a.uid = std::stoi(value());
     else if (arg == "--gid") a.gid = std::stoi(value());
     else if (arg == "--cwd") a.cwd = value();
@@ -93,6 +100,7 @@ Args parse(int argc, char** argv) {
     }
   }
   if (a.out.empty() || a.program.empty()) throw std::invalid_argument("--out and a program after -- are required");
+  if (a.shapes < 0 || a.shapes > 64) throw std::invalid_argument("--shapes: expected 0 to 64");
   return a;
 }
 
@@ -123,6 +131,11 @@ __global__ void gather(const char* base, const k2c::witness_specs::Range* ranges
   for (std::uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) staging[into[blockIdx.x] + i] = base[r.offset + i];
 }
 
+void gather_all(const char* base, std::size_t count, const k2c::witness_specs::Range* ranges, const std::uint64_t* into,
+                char* staging) {
+  if (count > 0) gather<<<static_cast<unsigned>(count), 256>>>(base, ranges, into, staging);
+  K2C_CUDA_CHECK(cudaGetLastError());
+}
 
 // The socket to the test program, read with deadlines; the child's exit ends any wait early.
 class Channel {
@@ -179,8 +192,9 @@ struct Layout {
   }
 };
 
-// Lays out as many sets as the budget holds (at most kMaxSets); throws what stands in the way.
-Layout lay_out(const k2c::witness_specs::Spec& spec) {
+// Lays out as many sets as the budget holds (at most kMaxSets and `max_sets`); throws what stands
+// in the way.
+Layout lay_out(const k2c::witness_specs::Spec& spec, int max_sets) {
   Layout l;
   l.spec = &spec;
   std::size_t set_bytes = 0;
@@ -193,9 +207,10 @@ Layout lay_out(const k2c::witness_specs::Spec& spec) {
   std::size_t free_bytes = 0, total = 0;
   K2C_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
   const std::size_t budget = std::min(kSetBudget, free_bytes / 2);
-  l.sets = static_cast<int>(std::min<std::size_t>(std::min(wp::kMaxSets, spec.max_sets), budget / set_bytes));
+  l.sets = static_cast<int>(std::min<std::size_t>(std::min({wp::kMaxSets, spec.max_sets, max_sets}),
+                                                  budget / std::max<std::size_t>(set_bytes, 1)));
   if (l.sets < 1) throw std::runtime_error("not enough device memory for one launch's buffers");
-  K2C_CUDA_CHECK(cudaMalloc(&l.base, set_bytes * l.sets));
+  K2C_CUDA_CHECK(cudaMalloc(&l.base, std::max<std::size_t>(set_bytes * l.sets, 256)));
   l.hello.buffers = static_cast<std::uint32_t>(spec.buffers.size());
   l.hello.sets = static_cast<std::uint32_t>(l.sets);
   std::snprintf(l.hello.name, sizeof l.hello.name, "%s", spec.name.c_str());
@@ -212,10 +227,16 @@ struct Session {
   std::string output;             // the tail of what the test program printed
 };
 
-// Starts `program` with the channel on its fd 3 and runs kWindows windows (see witness.h). With
-// `check`, each window's sampled outputs are compared with the CPU reference.
+// How a session reads and judges the outputs: `check` compares them with the CPU reference,
+// `whole` reads every piece of every launch rather than a sample.
+struct Reading {
+  int windows = kWindows;
+  bool check = true, whole = false;
+};
+
+// Starts `program` with the channel on its fd 3 and runs the windows of `how` (see witness.h).
 Session run_session(const Layout& l, const std::vector<std::string>& program, const Args& a, int uid, int gid,
-                    bool check, std::mt19937_64& rng) {
+                    Reading how, std::mt19937_64& rng) {
   namespace ws = k2c::witness_specs;
   const ws::Spec& spec = *l.spec;
   Session result;
@@ -271,7 +292,7 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
     d_into = nullptr;
   };
   try {
-    for (int w = 0; w < kWindows; ++w) {
+    for (int w = 0; w < how.windows; ++w) {
       const std::string window = "window " + std::to_string(w + 1);
       // Fresh inputs for every set, outputs poisoned (0xFF: NaN in fp32 and bf16), L2 emptied.
       const std::uint64_t seed = rng();
@@ -289,25 +310,27 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
       std::uint64_t staged = 0;
       for (int s = 0; s < l.sets; ++s) {
         first_of_set.push_back(ranges.size());
-        for (ws::Range r : spec.sample(rng)) {
-          r.offset += l.hello.offset[s][r.buffer];
-          ranges.push_back(r);
-          into.push_back(staged);
-          staged += (r.bytes + 15) / 16 * 16;
-        }
+        const std::int64_t count = how.whole ? spec.pieces : std::min<std::int64_t>(spec.sampled, spec.pieces);
+        for (std::int64_t i = 0; i < count; ++i)
+          for (ws::Range r : spec.piece(how.whole ? i : static_cast<std::int64_t>(rng() % spec.pieces))) {
+            r.offset += l.hello.offset[s][r.buffer];
+            ranges.push_back(r);
+            into.push_back(staged);
+            staged += (r.bytes + 15) / 16 * 16;
+          }
       }
       first_of_set.push_back(ranges.size());
       release();
-      K2C_CUDA_CHECK(cudaMalloc(&staging, staged));
-      K2C_CUDA_CHECK(cudaMalloc(&d_ranges, ranges.size() * sizeof(ws::Range)));
-      K2C_CUDA_CHECK(cudaMalloc(&d_into, into.size() * sizeof(std::uint64_t)));
+      K2C_CUDA_CHECK(cudaMalloc(&staging, std::max<std::uint64_t>(staged, 16)));
+      K2C_CUDA_CHECK(cudaMalloc(&d_ranges, std::max<std::size_t>(ranges.size(), 1) * sizeof(ws::Range)));
+      K2C_CUDA_CHECK(cudaMalloc(&d_into, std::max<std::size_t>(into.size(), 1) * sizeof(std::uint64_t)));
       K2C_CUDA_CHECK(cudaMemcpy(d_ranges, ranges.data(), ranges.size() * sizeof(ws::Range), cudaMemcpyHostToDevice));
       K2C_CUDA_CHECK(cudaMemcpy(d_into, into.data(), into.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice));
       std::vector<char> got(staged);
       // The outputs must still hold the poison when Go is sent: a test program that computed them
       // from the inputs while this process was still filling them would otherwise be done before
       // its clock starts.
-      gather<<<static_cast<unsigned>(ranges.size()), 256>>>(l.base, d_ranges, d_into, staging);
+      gather_all(l.base, ranges.size(), d_ranges, d_into, staging);
       K2C_CUDA_CHECK(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
       for (std::size_t i = 0; i < ranges.size(); ++i)
         if (spec.buffers[ranges[i].buffer].output &&
@@ -328,12 +351,12 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
         return finish(window + ": " + why);
       if (reply.status != wp::Status::done || reply.window != go.window)
         return finish(window + ": " + (reply.status == wp::Status::failed ? std::string(reply.message) : "an answer out of turn"));
-      gather<<<static_cast<unsigned>(ranges.size()), 256>>>(l.base, d_ranges, d_into, staging);
+      gather_all(l.base, ranges.size(), d_ranges, d_into, staging);
       K2C_CUDA_CHECK(cudaMemcpy(got.data(), staging, staged, cudaMemcpyDeviceToHost));
       result.window_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
 
       // Off the clock: every set's sample against the CPU reference.
-      for (int s = 0; check && s < l.sets; ++s) {
+      for (int s = 0; how.check && s < l.sets; ++s) {
         std::vector<ws::Range> mine;
         std::vector<const char*> bytes;
         for (std::size_t i = first_of_set[s]; i < first_of_set[s + 1]; ++i) {
@@ -359,15 +382,55 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
   return finish("");
 }
 
+// A correctness run: a.shapes shapes drawn within the module's contract, each in a session of its
+// own (one launch, every piece of the output checked).
+int run_shapes(const Args& a, const k2c::witness_specs::Witness& witness, std::mt19937_64& rng) {
+  namespace ws = k2c::witness_specs;
+  json shapes = json::array();
+  std::vector<std::string> program = a.program;
+  program.push_back("--k2c_witness=" + a.name);
+  for (int i = 0; i < a.shapes; ++i) {
+    const ws::Shape shape = witness.draw(rng);
+    const ws::Spec spec = witness.make(shape);
+    Layout layout;
+    try {
+      layout = lay_out(spec, 1);
+    } catch (const std::exception& e) {
+      write_verdict(a.out, verdict(a.name, "grader", std::string("cannot lay out a launch: ") + e.what()));
+      return 0;
+    }
+    // From here on the test program runs: what goes wrong is the submission's.
+    write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
+    const Session s = run_session(layout, program, a, a.uid, a.gid, {.windows = 1, .check = true, .whole = true}, rng);
+    cudaFree(layout.base);
+    if (!s.problem.empty()) {
+      json v = verdict(a.name, "submission", "at shape " + json(shape).dump() + ": " + s.problem);
+      v["output"] = s.output;
+      write_verdict(a.out, v);
+      return 0;
+    }
+    shapes.push_back(shape);
+  }
+  json v = verdict(a.name, "", "");
+  v["shapes"] = shapes;
+  write_verdict(a.out, v);
+  return 0;
+}
+
 int run(const Args& a) {
   namespace ws = k2c::witness_specs;
-  const ws::Spec* spec = ws::find(a.name);
-  if (spec == nullptr) {
+  const ws::Witness* witness = ws::find(a.name);
+  if (witness == nullptr) {
     write_verdict(a.out, verdict(a.name, "grader", "k2c_witness has no witness named '" + a.name + "'"));
     return 0;
   }
   std::random_device entropy;
   std::mt19937_64 rng((static_cast<std::uint64_t>(entropy()) << 32) ^ entropy());
+  if (!k2c::device_info().present) {
+    write_verdict(a.out, verdict(a.name, "grader", "no CUDA device: " + k2c::device_info().reason));
+    return 0;
+  }
+  if (a.shapes > 0) return run_shapes(a, *witness, rng);
 
   // ---- the grader's side: a failure here is not the submission's -------------------------------
   // The calibration: the same windows served by this program itself, launching an empty kernel
@@ -375,11 +438,12 @@ int run(const Args& a) {
   // process and the server, the read of the outputs) is what every window takes beside the work;
   // it is taken off the test program's windows. Measured with code of the course's own, before
   // the test program runs, so nothing it does can stretch it.
+  const ws::Spec spec = witness->make(witness->timed);
   Layout layout;
   Session calibration;
   try {
-    layout = lay_out(*spec);
-    calibration = run_session(layout, {self_path(), "--serve-calibration"}, a, -1, -1, false, rng);
+    layout = lay_out(spec, wp::kMaxSets);
+    calibration = run_session(layout, {self_path(), "--serve-calibration"}, a, -1, -1, {.check = false}, rng);
   } catch (const std::exception& e) {
     calibration.problem = e.what();
   }
@@ -393,7 +457,7 @@ int run(const Args& a) {
   write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
   std::vector<std::string> program = a.program;
   program.push_back("--k2c_witness=" + a.name);
-  const Session s = run_session(layout, program, a, a.uid, a.gid, true, rng);
+  const Session s = run_session(layout, program, a, a.uid, a.gid, {}, rng);
   if (!s.problem.empty()) {
     json v = verdict(a.name, "submission", s.problem);
     v["output"] = s.output;
@@ -406,10 +470,10 @@ int run(const Args& a) {
   std::vector<double> rates;
   for (const double ms : s.window_ms) {
     const double work_ms = std::max(ms - overhead_ms, 0.5 * ms);
-    rates.push_back(spec->work * layout.sets / (work_ms * 1e-3) / spec->unit_scale);
+    rates.push_back(spec.work * layout.sets / (work_ms * 1e-3) / spec.unit_scale);
   }
   json v = verdict(a.name, "", "");
-  v["unit"] = spec->unit;
+  v["unit"] = spec.unit;
   v["rate"] = *std::max_element(rates.begin(), rates.end());
   v["rates"] = rates;
   v["sets"] = layout.sets;

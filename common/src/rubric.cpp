@@ -69,7 +69,7 @@ PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
 }
 
 TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"name", "points", "bonus", "perf"});
+  rd.only_keys(j, path, {"name", "points", "bonus", "perf", "witness"});
   TestSpec t;
   t.name = rd.string(j, path, "name");
   static const std::regex kName("[A-Za-z][A-Za-z0-9_]*\\.[A-Za-z][A-Za-z0-9_/]*");
@@ -81,6 +81,10 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
     t.bonus = j["bonus"].get<bool>();
   }
   if (j.contains("perf")) t.perf = read_perf(rd, j["perf"], path + ".perf");
+  if (j.contains("witness")) {
+    t.witness = rd.string(j, path, "witness");
+    if (t.perf) rd.error(path + ".witness", "a performance test names its witness in perf.witness");
+  }
   return t;
 }
 

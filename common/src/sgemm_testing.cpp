@@ -121,8 +121,7 @@ double measure_rate(SgemmFn fn, int M, int N, int K, int repeats) {
 }
 
 void run_witness(SgemmFn fn, const testing::WitnessLaunch& w) {
-  const int n = w.dim(0);
-  fn(n, n, n, 1.0f, w.at<float>(0), w.at<float>(1), 0.0f, w.at<float>(2), nullptr);
+  fn(w.dim(0), w.dim(1), w.dim(2), 1.0f, w.at<float>(0), w.at<float>(1), 0.0f, w.at<float>(2), nullptr);
 }
 
 }  // namespace k2c::sgemm_testing

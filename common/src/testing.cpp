@@ -60,6 +60,14 @@ bool gpu_available() {
 #endif
 }
 
+std::string gpu_name() {
+#if K2C_HAS_CUDA
+  return device_info().present ? device_info().name : "";
+#else
+  return "";
+#endif
+}
+
 std::string gpu_unavailable_reason() {
 #if K2C_HAS_CUDA
   return device_info().reason;

@@ -48,6 +48,9 @@ struct TestSpec {
   double points = 0;
   bool bonus = false;      // points on top of the module's total (an advanced, optional part)
   std::optional<PerfSpec> perf;
+  // A correctness test: "" or the kernel the grader checks again itself, at shapes it draws
+  // (k2c_witness --shapes, autograder/witness/specs.cu), when the report says the test passed.
+  std::string witness;
 };
 
 // One launch of a distributed module's test program: `ranks` processes under mpirun, on a backend.

@@ -46,9 +46,9 @@ void check_case(SgemmFn fn, const Case& c);
 // test and returns 0.
 double measure_rate(SgemmFn fn, int M, int N, int K, int repeats);
 
-// One launch of the grader's witness `sgemm_4096` (k2c/testing/witness.h): fn at the witness's
-// n³ with alpha 1 and beta 0, on its buffers A, B and C. Each module registers it:
-//   K2C_WITNESS(sgemm_4096) { st::run_witness(kMatmul, w); }
+// One launch of the grader's witness `sgemm` (k2c/testing/witness.h): fn at the witness's
+// M, N and K with alpha 1 and beta 0, on its buffers A, B and C. Each module registers it:
+//   K2C_WITNESS(sgemm) { st::run_witness(kMatmul, w); }
 void run_witness(SgemmFn fn, const testing::WitnessLaunch& w);
 
 }  // namespace k2c::sgemm_testing

@@ -53,6 +53,8 @@ int serve_witness_if_asked(int argc, char** argv);
 
 bool gpu_available();
 std::string gpu_unavailable_reason();
+// The device's name, "" when there is none.
+std::string gpu_name();
 bool sanitizing();  // K2C_SANITIZE=1: running under compute-sanitizer, timings meaningless
 
 // The rubric entry of the running test; fails the test (and returns nullptr) when absent.
