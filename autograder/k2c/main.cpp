@@ -23,6 +23,7 @@
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
@@ -105,11 +106,29 @@ json run_probe(bool ceilings, std::string* error) {
                            " (Open MPI's mpirun must be on PATH: make deps)");
 }
 
+// The top-level names of what git would hand over from `root` (files it tracks, and new ones it
+// does not ignore); empty when `root` is no git checkout or git is missing.
+std::set<std::string> git_top_level(const fs::path& root) {
+  const ProcessResult r = run_process({"git", "-C", root.string(), "ls-files", "-z", "--cached", "--others", "--exclude-standard"},
+                                      {.timeout_s = 60, .keep_head = std::size_t{1} << 26});
+  std::set<std::string> names;
+  if (r.exit_code != 0 || r.output_bytes > r.output.size()) return names;
+  std::istringstream paths(r.output);
+  for (std::string path; std::getline(paths, path, '\0');)
+    if (!path.empty()) names.insert(path.substr(0, path.find('/')));
+  return names;
+}
+
 void copy_handout(const fs::path& root, const fs::path& out) {
   std::error_code ec;
   if (fs::exists(out) && !fs::is_empty(out, ec))
     throw std::runtime_error("handout: " + out.string() + " exists and is not empty");
   copy_course(root.string(), out.string());
+  // In a git checkout, what git ignores or never saw at the top (an instructor's scratch files and
+  // folders, generated data) stays behind: it could hold anything, solutions included.
+  if (const std::set<std::string> shipped = git_top_level(root); !shipped.empty())
+    for (const auto& entry : fs::directory_iterator(out))
+      if (!shipped.count(entry.path().filename().string())) fs::remove_all(entry.path());
   // Students get their own README: the course's speaks of grading the solutions, which a handout
   // does not ship.
   if (const fs::path students = root / "docs" / "README.handout.md"; fs::exists(students))
