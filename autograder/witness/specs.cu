@@ -212,7 +212,8 @@ Spec fma(const Shape& shape) {
       const double want = ref::fma_chains(std::span<const float>(&start, 1), iters, chains, step, mul, add)[0];
       float got;
       std::memcpy(&got, bytes[k], sizeof got);
-      if (!(std::fabs(got - want) <= 1e-5 * std::fabs(want) + 1e-6))
+      // The elementwise bound of module 00's test (kFp32Tolerance).
+      if (!(std::fabs(got - want) <= 1e-5 * std::fabs(want) + 1e-5))
         return "out[" + std::to_string(i) + "] = " + std::to_string(got) + ", expected " + std::to_string(want);
     }
     return std::string();
@@ -373,7 +374,11 @@ Spec rmsnorm_backward(const Shape& shape) {
         const std::int64_t row = static_cast<std::int64_t>(ranges[k].offset / (cols * sizeof(bf16)));
         const ref::RmsNormBackward want = ref::rmsnorm_backward(norm_row(seed, 0, row, cols, -2.0f, 2.0f), gamma,
                                                                 norm_row(seed, 2, row, cols, -1.0f, 1.0f), 1, cols, kNormEps);
-        if (std::string p = compare_row("dx row", row, bytes[k], want.dx, kNormOut); !p.empty()) return p;
+        // With one column dx is zero up to eps-sized terms, pure rounding noise: as module 07's test
+        // does, only the elementwise bound holds then.
+        Tolerance dx_tolerance = kNormOut;
+        if (cols == 1) dx_tolerance.max_rel_l2 = 1.0;
+        if (std::string p = compare_row("dx row", row, bytes[k], want.dx, dx_tolerance); !p.empty()) return p;
         continue;
       }
       const std::int64_t col = static_cast<std::int64_t>(ranges[k].offset / sizeof(float));

@@ -106,7 +106,8 @@ Args parse(int argc, char** argv) {
 
 void write_verdict(const std::string& path, const json& v) {
   const std::string tmp = path + ".part";
-  std::ofstream(tmp) << v.dump(2) << "\n";
+  // The test program's output may be any bytes: replaced where it is not UTF-8, not an exception.
+  std::ofstream(tmp) << v.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
   std::rename(tmp.c_str(), path.c_str());
 }
 
@@ -215,6 +216,7 @@ Layout lay_out(const k2c::witness_specs::Spec& spec, int max_sets) {
   l.hello.sets = static_cast<std::uint32_t>(l.sets);
   std::snprintf(l.hello.name, sizeof l.hello.name, "%s", spec.name.c_str());
   K2C_CUDA_CHECK(cudaIpcGetMemHandle(&l.hello.memory, l.base));
+  if (spec.shape.size() > wp::kMaxShape) throw std::runtime_error("a shape of more than kMaxShape dimensions");
   for (std::size_t i = 0; i < spec.shape.size(); ++i) l.hello.shape[i] = spec.shape[i];
   for (int s = 0; s < l.sets; ++s)
     for (std::size_t b = 0; b < spec.buffers.size(); ++b) l.hello.offset[s][b] = s * set_bytes + buffer_offset[b];
@@ -383,33 +385,42 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
 }
 
 // A correctness run: a.shapes shapes drawn within the module's contract, each in a session of its
-// own (one launch, every piece of the output checked).
+// own (one launch, every piece of the output checked). Every shape is drawn and laid out, and its
+// buffers filled once (the test program's warm-up launches run on them before the first window),
+// before any test program starts: what it does cannot then make the checker's own set-up fail.
 int run_shapes(const Args& a, const k2c::witness_specs::Witness& witness, std::mt19937_64& rng) {
   namespace ws = k2c::witness_specs;
-  json shapes = json::array();
+  std::vector<ws::Spec> specs;
+  std::vector<Layout> layouts;
+  specs.reserve(a.shapes);  // a Layout points at its Spec
+  try {
+    for (int i = 0; i < a.shapes; ++i) {
+      specs.push_back(witness.make(witness.draw(rng)));
+      layouts.push_back(lay_out(specs.back(), 1));
+      const std::vector<char*> p = layouts.back().buffers(0);
+      specs.back().fill(p, rng());
+      for (std::size_t b = 0; b < specs.back().buffers.size(); ++b)
+        if (specs.back().buffers[b].output) K2C_CUDA_CHECK(cudaMemset(p[b], 0xFF, specs.back().buffers[b].bytes));
+    }
+    K2C_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    write_verdict(a.out, verdict(a.name, "grader", std::string("cannot set up the correctness run: ") + e.what()));
+    return 0;
+  }
+  // From here on the test program runs: what goes wrong is the submission's.
+  write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
   std::vector<std::string> program = a.program;
   program.push_back("--k2c_witness=" + a.name);
-  for (int i = 0; i < a.shapes; ++i) {
-    const ws::Shape shape = witness.draw(rng);
-    const ws::Spec spec = witness.make(shape);
-    Layout layout;
-    try {
-      layout = lay_out(spec, 1);
-    } catch (const std::exception& e) {
-      write_verdict(a.out, verdict(a.name, "grader", std::string("cannot lay out a launch: ") + e.what()));
-      return 0;
-    }
-    // From here on the test program runs: what goes wrong is the submission's.
-    write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
-    const Session s = run_session(layout, program, a, a.uid, a.gid, {.windows = 1, .check = true, .whole = true}, rng);
-    cudaFree(layout.base);
+  json shapes = json::array();
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const Session s = run_session(layouts[i], program, a, a.uid, a.gid, {.windows = 1, .check = true, .whole = true}, rng);
     if (!s.problem.empty()) {
-      json v = verdict(a.name, "submission", "at shape " + json(shape).dump() + ": " + s.problem);
+      json v = verdict(a.name, "submission", "at shape " + json(specs[i].shape).dump() + ": " + s.problem);
       v["output"] = s.output;
       write_verdict(a.out, v);
       return 0;
     }
-    shapes.push_back(shape);
+    shapes.push_back(specs[i].shape);
   }
   json v = verdict(a.name, "", "");
   v["shapes"] = shapes;
