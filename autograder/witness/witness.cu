@@ -223,6 +223,21 @@ Layout lay_out(const k2c::witness_specs::Spec& spec, int max_sets) {
   return l;
 }
 
+// Fills set `set`'s inputs from `seed` and poisons its outputs (0xFF: NaN in fp32 and bf16).
+void fill_set(const Layout& l, int set, std::uint64_t seed) {
+  const std::vector<char*> p = l.buffers(set);
+  l.spec->fill(p, seed);
+  for (std::size_t b = 0; b < l.spec->buffers.size(); ++b)
+    if (l.spec->buffers[b].output) K2C_CUDA_CHECK(cudaMemset(p[b], 0xFF, l.spec->buffers[b].bytes));
+}
+
+// The test program's command line for a witness run of `a`.
+std::vector<std::string> witness_program(const Args& a) {
+  std::vector<std::string> program = a.program;
+  program.push_back("--k2c_witness=" + a.name);
+  return program;
+}
+
 struct Session {
   std::string problem;            // "" when every window was timed (and, if checked, right)
   std::vector<double> window_ms;  // per window: Go to the checker's read of the outputs
@@ -298,12 +313,7 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
       const std::string window = "window " + std::to_string(w + 1);
       // Fresh inputs for every set, outputs poisoned (0xFF: NaN in fp32 and bf16), L2 emptied.
       const std::uint64_t seed = rng();
-      for (int s = 0; s < l.sets; ++s) {
-        const std::vector<char*> p = l.buffers(s);
-        spec.fill(p, k2c::mix64(seed + s));
-        for (std::size_t b = 0; b < spec.buffers.size(); ++b)
-          if (spec.buffers[b].output) K2C_CUDA_CHECK(cudaMemset(p[b], 0xFF, spec.buffers[b].bytes));
-      }
+      for (int s = 0; s < l.sets; ++s) fill_set(l, s, k2c::mix64(seed + s));
       // Where the checker will read, drawn now and kept in this process: the test program cannot
       // know them in advance.
       std::vector<ws::Range> ranges;
@@ -397,10 +407,7 @@ int run_shapes(const Args& a, const k2c::witness_specs::Witness& witness, std::m
     for (int i = 0; i < a.shapes; ++i) {
       specs.push_back(witness.make(witness.draw(rng)));
       layouts.push_back(lay_out(specs.back(), 1));
-      const std::vector<char*> p = layouts.back().buffers(0);
-      specs.back().fill(p, rng());
-      for (std::size_t b = 0; b < specs.back().buffers.size(); ++b)
-        if (specs.back().buffers[b].output) K2C_CUDA_CHECK(cudaMemset(p[b], 0xFF, specs.back().buffers[b].bytes));
+      fill_set(layouts.back(), 0, rng());
     }
     K2C_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
@@ -409,8 +416,7 @@ int run_shapes(const Args& a, const k2c::witness_specs::Witness& witness, std::m
   }
   // From here on the test program runs: what goes wrong is the submission's.
   write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
-  std::vector<std::string> program = a.program;
-  program.push_back("--k2c_witness=" + a.name);
+  const std::vector<std::string> program = witness_program(a);
   json shapes = json::array();
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const Session s = run_session(layouts[i], program, a, a.uid, a.gid, {.windows = 1, .check = true, .whole = true}, rng);
@@ -466,9 +472,7 @@ int run(const Args& a) {
 
   // ---- from here on the test program runs: what goes wrong is the submission's ---------------
   write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
-  std::vector<std::string> program = a.program;
-  program.push_back("--k2c_witness=" + a.name);
-  const Session s = run_session(layout, program, a, a.uid, a.gid, {}, rng);
+  const Session s = run_session(layout, witness_program(a), a, a.uid, a.gid, {}, rng);
   if (!s.problem.empty()) {
     json v = verdict(a.name, "submission", s.problem);
     v["output"] = s.output;
