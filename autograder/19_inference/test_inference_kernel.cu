@@ -31,7 +31,6 @@
 #include "k2c/device/buffer.h"
 #include "k2c/device/timing.h"
 #include "k2c/dist/testing.h"
-#include "k2c/reference/ceilings.h"
 #include "k2c/reference/reference.h"
 #include "k2c/testing/bf16.h"
 #include "k2c/testing/testing.h"
@@ -231,13 +230,22 @@ namespace {
 
 // Decode reads each cached key and value once: 2·B·L·Hkv·hd·2 bytes for 4·B·L·Hq·hd FLOPs, two
 // FLOPs per byte at GQA 4, far below the H200's ~200 FLOPs per byte of balance: the time is the
-// cache's bytes at memory bandwidth, and the device copy is the ceiling.
+// cache's bytes at memory bandwidth, and the device copy (1 GiB, bytes read + written, as module
+// 00 counts it) is the ceiling. The two are timed in alternation, a repeat of each in turn, as
+// module 10 times its ceiling: timed one after the other, the copy first, the ratio moved by
+// several percent from one process to the next while the kernel's own duration under Nsight
+// Compute did not; alternated, it is the same in every process.
 void time_decode(int batch, int length) {
   Problem p = make_problem(batch, 32, 8, 128, 16, std::vector<int>(batch, length), "perf" + std::to_string(batch),
                            std::size_t{1} << 24);
-  const double ceiling = k2c::copy_bandwidth();
+  const std::size_t copy_bytes = std::size_t{1} << 30;
+  k2c::DeviceBuffer<char> src(copy_bytes), dst(copy_bytes);
+  K2C_CUDA_CHECK(cudaMemset(src.data(), 0x5A, copy_bytes));
   p.o_d.poison();
-  const k2c::Timing t = k2c::time_gpu([&] { inf::decode_attention_paged(p.shape, p.args(), p.workspace.data()); });
+  const std::vector<k2c::Timing> t = k2c::time_gpu_interleaved(
+      {[&] { inf::decode_attention_paged(p.shape, p.args(), p.workspace.data()); },
+       [&] { K2C_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice)); }});
+  const double ceiling = 2.0 * static_cast<double>(copy_bytes) / (t[1].median_ms * 1e-3);
   K2C_CUDA_CHECK(cudaDeviceSynchronize());
   // The timed output, at sequences drawn after timing.
   std::mt19937_64 pick(std::random_device{}());
@@ -245,8 +253,9 @@ void time_decode(int batch, int length) {
   for (int k = 0; k < std::min(batch, 2); ++k) rows.push_back(static_cast<int>(pick() % batch));
   ASSERT_EQ(check_rows(p, rows), "") << "the timed decode attention is wrong";
   const std::string detail = std::to_string(batch) + " × " + std::to_string(length) +
-                             " tokens, 32/8 heads of 128, bf16, pages of 16; median of " + std::to_string(t.repeats) + " runs";
-  K2C_EXPECT_PERF(p.cache_bytes() / (t.median_ms * 1e-3) / 1e9, ceiling / 1e9, detail);
+                             " tokens, 32/8 heads of 128, bf16, pages of 16; median of " + std::to_string(t[0].repeats) +
+                             " runs, each beside a run of the copy";
+  K2C_EXPECT_PERF(p.cache_bytes() / (t[0].median_ms * 1e-3) / 1e9, ceiling / 1e9, detail);
 }
 
 }  // namespace
