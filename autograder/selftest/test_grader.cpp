@@ -631,6 +631,8 @@ TEST(FakeCourse, EachMisbehaviourCostsOnlyItsModule) {
 }
 
 // -------------------------------------------------------------------------------- intake ---
+// Each test stages into a folder of its own: CTest runs them side by side (-j), and a shared
+// stage folder removed by one while the other fills it fails both.
 
 TEST(Intake, TakesOnlyListedRegularFiles) {
   const fs::path root = kTmp / "intake_course", sub = kTmp / "intake_submission";
@@ -648,7 +650,7 @@ TEST(Intake, TakesOnlyListedRegularFiles) {
 
   k2c::Rubric rubric = k2c::load_rubric((kFake / "rubric.json").string());
   const std::vector<const k2c::ModuleSpec*> mods = {rubric.find("80")};
-  auto in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "stage").string());
+  auto in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "intake_stage").string());
   ASSERT_EQ(in.files.size(), 1u);
   EXPECT_EQ(in.files[0].problem, "");
   EXPECT_EQ(in.problem_for(*mods[0]), "");
@@ -664,16 +666,16 @@ TEST(Intake, TakesOnlyListedRegularFiles) {
   // A symlink is refused (it could point at the tests or at /etc/passwd) ...
   fs::remove(sub / "ok.cpp");
   fs::create_symlink(root / "autograder/test.cpp", sub / "ok.cpp");
-  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "stage").string());
+  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "intake_stage").string());
   EXPECT_NE(in.problem_for(*mods[0]).find("symbolic link"), std::string::npos);
   // ... and so is a file over the rubric's size limit (1000 bytes in the fake rubric).
   fs::remove(sub / "ok.cpp");
   std::ofstream(sub / "ok.cpp") << std::string(5000, 'x');
-  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "stage").string());
+  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "intake_stage").string());
   EXPECT_NE(in.problem_for(*mods[0]).find("more than 1000"), std::string::npos);
   // A missing file is no problem: the stub is graded.
   fs::remove(sub / "ok.cpp");
-  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "stage").string());
+  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "intake_stage").string());
   EXPECT_EQ(in.problem_for(*mods[0]), "");
   EXPECT_EQ(in.files[0].source, "");
 }
@@ -692,7 +694,7 @@ TEST(Intake, RefusesAnyPathThroughASymbolicLink) {
 
   k2c::Rubric rubric = k2c::load_rubric((kFake / "rubric.json").string());
   const std::vector<const k2c::ModuleSpec*> mods = {rubric.find("80")};
-  auto in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "stage").string());
+  auto in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), (kTmp / "link_stage").string());
   const std::string problem = in.problem_for(*mods[0]);
   EXPECT_NE(problem.find("assignments/80_ok is a symbolic link"), std::string::npos) << problem;
   EXPECT_NE(problem.find((solutions / "80_ok").string()), std::string::npos) << problem;  // and where to
@@ -705,7 +707,7 @@ TEST(Intake, RefusesAnyPathThroughASymbolicLink) {
   fs::remove(kTmp / "link_to_submission");
   fs::create_directory_symlink(sub, kTmp / "link_to_submission");
   in = k2c::grader::take_submission(rubric, mods, (kTmp / "link_to_submission").string(), root.string(),
-                                    (kTmp / "stage").string());
+                                    (kTmp / "link_stage").string());
   EXPECT_EQ(in.problem_for(*mods[0]), "");
   EXPECT_EQ(slurp(fs::path(in.staged_root) / "assignments/80_ok/ok.cpp"), "student work");
 }
