@@ -98,7 +98,7 @@ function(k2c_add_module id)
   set_property(TARGET k2c_impl_${id} APPEND PROPERTY LINK_DEPENDS ${exports})
 
   if(arg_KIND STREQUAL "mpi")
-    set(test_main ${root}/common/src/dist/test_main.cpp)
+    set(test_main ${root}/common/src/dist/test_main.cpp ${root}/common/src/dist/rank_witness.cpp)
   else()
     set(test_main ${root}/common/src/test_main.cpp)
   endif()

@@ -22,6 +22,7 @@
 
 #include "collectives.h"
 #include "k2c/core/random.h"
+#include "k2c/dist/rank_witness.h"
 #include "k2c/dist/testing.h"
 #include "k2c/testing/testing.h"
 
@@ -199,6 +200,38 @@ TEST_F(Collectives, AllReduceInPlace) {
   expect_close(got, reference<int>(count, w.size(), DType::i32, ReduceOp::sum, "inplace"), 0, true,
                w.size(), "in-place all_reduce");
 }
+
+// The grader's own check of the tests above (k2c/dist/rank_witness.h): one case the checker drew,
+// on this rank, with its input and into its poisoned output. args: which (0 all-reduce,
+// 1 reduce-scatter, 2 all-gather), dtype, op, count, in place.
+namespace {
+void run_case(k2c::dist::testing::RankCase& c) {
+  kd::Communicator& w = world();
+  kd::PointToPointView p2p(w);
+  const auto t = static_cast<DType>(c.args[1]);
+  const auto op = static_cast<ReduceOp>(c.args[2]);
+  const auto count = static_cast<std::size_t>(c.args[3]);
+  const bool in_place = c.args[4] != 0;
+  // A 64-byte guard past each buffer: a case of 0 elements still allocates something.
+  kd::Buffer data(w, std::max(c.in.size(), c.out.size()) + 64), out(w, c.out.size() + 64);
+  w.to_backend(data.get(), c.in.data(), c.in.size());
+  w.to_backend(out.get(), c.out.data(), c.out.size());
+  if (c.args[0] == 2)
+    col::ring_all_gather(p2p, data.get(), out.get(), count, t);
+  else if (c.args[0] == 1)
+    col::ring_reduce_scatter(p2p, data.get(), out.get(), count, t, op);
+  else
+    col::ring_all_reduce(p2p, data.get(), in_place ? data.get() : out.get(), count, t, op);
+  w.synchronize();
+  w.to_host(c.out.data(), in_place ? data.get() : out.get(), c.out.size());
+}
+}  // namespace
+
+K2C_RANK_WITNESS(all_reduce_sum) { run_case(c); }
+K2C_RANK_WITNESS(all_reduce_max) { run_case(c); }
+K2C_RANK_WITNESS(reduce_scatter) { run_case(c); }
+K2C_RANK_WITNESS(all_gather) { run_case(c); }
+K2C_RANK_WITNESS(all_reduce_in_place) { run_case(c); }
 
 // Bus bandwidth of the hand ring against the library, 1 GiB of fp32, NCCL only.
 using CollectivesPerf = k2c::dist::testing::DistTest;

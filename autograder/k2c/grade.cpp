@@ -309,8 +309,10 @@ const std::vector<std::string> kSanitizer = {"compute-sanitizer", "--tool", "mem
 // `runner` in a fresh run folder; its verdict is written to a folder of the grader's own (0700),
 // out of the test program's reach. What that run left behind is killed afterwards.
 // `shapes` > 0: a correctness run over that many shapes, see k2c_witness.
-WitnessVerdict run_witness(const fs::path& bin, const std::string& name, const fs::path& program, const Runner& runner,
-                           double timeout, int shapes) {
+// Runs one of the grader's checkers (k2c_witness, k2c_rank_witness: the same options up to `--`)
+// in a fresh folder of the runner's, and reads its verdict; a grader fault says why there is none.
+WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const std::vector<std::string>& options,
+                           const std::vector<std::string>& program, const Runner& runner, double timeout, double limit) {
   const RunFolder folder(runner);
   const RunFolder verdict_folder(Runner{});
   const fs::path verdict = verdict_folder.path() / "verdict.json";
@@ -319,17 +321,46 @@ WitnessVerdict run_witness(const fs::path& bin, const std::string& name, const f
                                   "--cwd", folder.path().string(), "--env", "K2C_RUN=" + run_mark,
                                   "--env", "HOME=" + folder.path().string()};
   if (runner.uid >= 0) cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
-  if (shapes > 0) cmd.insert(cmd.end(), {"--shapes", std::to_string(shapes)});
-  cmd.insert(cmd.end(), {"--", program.string()});
-  // Each of its sessions (the calibration and the test program's, or one per shape) ends within
-  // the test program's own limit; the checker's own work adds little.
-  const double limit = std::max(shapes, 1) * (timeout + 30) + 60;
+  cmd.insert(cmd.end(), options.begin(), options.end());
+  cmd.push_back("--");
+  cmd.insert(cmd.end(), program.begin(), program.end());
   const ProcessResult w = run_process(cmd, {.timeout_s = limit});
   if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
   WitnessVerdict v = read_witness_verdict(read_report(verdict));
   if (v.fault == "grader" && v.problem.rfind("no verdict", 0) == 0)
     v.problem += " (" + describe_exit(w, limit) + ": " + first_lines(w.output, 1) + ")";
   return v;
+}
+
+WitnessVerdict run_witness(const fs::path& bin, const std::string& name, const fs::path& program, const Runner& runner,
+                           double timeout, int shapes) {
+  std::vector<std::string> options;
+  if (shapes > 0) options = {"--shapes", std::to_string(shapes)};
+  // Each of its sessions (the calibration and the test program's, or one per shape) ends within
+  // the test program's own limit; the checker's own work adds little.
+  return run_checker(bin, name, options, {program.string()}, runner, timeout, std::max(shapes, 1) * (timeout + 30) + 60);
+}
+
+// k2c_rank_witness checks a distributed module's correctness test `name` again (`cases` cases it
+// draws) on the `ranks` ranks `launch` starts (the settings mpirun itself reads go as --env).
+WitnessVerdict run_rank_witness(const fs::path& bin, const std::string& name, const Launch& launch, int ranks,
+                                const Runner& runner, double timeout, int cases) {
+  std::vector<std::string> options = {"--ranks", std::to_string(ranks), "--cases", std::to_string(cases)};
+  for (const auto& [k, v] : launch.env) options.insert(options.end(), {"--env", k + "=" + v});
+  // The ranks' start, then every case, each within the test program's own limit.
+  return run_checker(bin, name, options, launch.argv, runner, timeout, 2 * timeout + 60);
+}
+
+// The rank count a distributed module's correctness is checked again at: three ranks where the
+// rubric runs them (a count that divides few sizes), else the largest MPI run up to four.
+int rank_witness_ranks(const ModuleSpec& spec) {
+  int best = 0;
+  for (const RunSpec& r : spec.runs) {
+    if (r.backend != "mpi") continue;
+    if (r.ranks == 3) return 3;
+    if (r.ranks <= 4) best = std::max(best, r.ranks);
+  }
+  return best;
 }
 
 }  // namespace
@@ -876,6 +907,24 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       witness_bytes = read_file(witness_bin);
   }
 
+  // The grader's own check of distributed correctness tests (k2c_rank_witness), likewise: it needs
+  // no GPU, and holds no student code either.
+  std::string rank_witness_problem, rank_witness_bytes;
+  const fs::path rank_witness_bin = build / "bin" / "k2c_rank_witness";
+  const bool rank_witnessing =
+      conf.exit_code == 0 && !o.sanitize && std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
+        return std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) { return !t.rank_witness.empty(); });
+      });
+  if (rank_witnessing) {
+    progress << "building k2c_rank_witness (the grader's own checks of distributed tests) ...\n" << std::flush;
+    const ProcessResult b = run_process(
+        {"cmake", "--build", build.string(), "--target", "k2c_rank_witness", "-j", std::to_string(jobs)}, {.timeout_s = 1800});
+    if (b.exit_code != 0 || !fs::is_regular_file(rank_witness_bin))
+      rank_witness_problem = "k2c_rank_witness did not build: " + first_lines(build_failure_detail(b.output), 1);
+    else
+      rank_witness_bytes = read_file(rank_witness_bin);
+  }
+
   for (std::size_t i = 0; i < selected.size(); ++i) {
     const ModuleSpec& spec = *selected[i];
     const std::string tag = "[" + std::to_string(i + 1) + "/" + std::to_string(selected.size()) + "] " + spec.id;
@@ -1097,6 +1146,34 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
         }
         if (v.fault == "submission") m.log += "\n[k2c_witness] " + v.problem + "\n" + v.output;
         apply_witness(m, ts.name, v);
+      }
+
+    // The same for a distributed module's correctness tests, on its ranks (k2c/dist/rank_witness.h).
+    if (rank_witnessing && spec.kind == "mpi")
+      for (const TestSpec& ts : spec.tests) {
+        if (ts.rank_witness.empty() || voids_module(m)) continue;
+        const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == ts.name; });
+        if (t == m.tests.end() || t->status != "passed") continue;
+        const int ranks = rank_witness_ranks(spec);
+        if (!rank_witness_problem.empty() || ranks < 1) {
+          t->rechecked = "not checked again: " + (ranks < 1 ? "the rubric runs this module on no MPI ranks"
+                                                             : rank_witness_problem);
+          continue;
+        }
+        if (read_file(rank_witness_bin) != rank_witness_bytes)
+          throw std::runtime_error(rank_witness_bin.string() + " changed while grading " + spec.id +
+                                   ". Grading stopped: its verdicts can no longer be trusted.");
+        progress << tag << ": the grader's own check of " << ts.name << " on " << ranks << " ranks, "
+                 << kRecheckShapes << " cases it draws ...\n" << std::flush;
+        Launch l = mpirun_prefix({.ranks = ranks, .backend = "mpi", .dist_timeout_s = std::max(10, static_cast<int>(timeout / 3))});
+        l.argv.insert(l.argv.end(), {"-x", "K2C_RANK_WITNESS", "-x", "K2C_RUN", program.string(),
+                                     "--k2c_rank_witness=" + ts.rank_witness});
+        const WitnessVerdict v = run_rank_witness(rank_witness_bin, ts.rank_witness, l, ranks, runner, timeout, kRecheckShapes);
+        if (!v.fault.empty())
+          progress << tag << ": " << ts.name << ": " << (v.fault == "grader" ? "not checked again: " : "") << v.problem
+                   << "\n" << std::flush;
+        if (v.fault == "submission") m.log += "\n[k2c_rank_witness] " + v.problem + "\n" + v.output;
+        apply_recheck(m, ts.name, v);
       }
 
     if (!gtest_json.empty()) {

@@ -498,6 +498,23 @@ TEST(Rubric, ACorrectnessWitnessIsATestsOwnAndNotAPerformanceTests) {
                k2c::RubricError);
 }
 
+TEST(Rubric, ARankWitnessBelongsToADistributedCorrectnessTest) {
+  const auto parse = [](const std::string& kind, const std::string& test) {
+    const std::string runs = kind == "mpi" ? R"("runs": [{"backend": "mpi", "ranks": 2}], )" : "";
+    return k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+      {"id": "50_demo", "title": "demo", "kind": ")" + kind + R"(", )" + runs +
+                             R"("timeout_s": 9, "files": [], "tests": [)" + test + "]}]}");
+  };
+  EXPECT_EQ(parse("mpi", R"({"name": "A.Correct", "points": 6, "rank_witness": "all_gather"})").modules[0].tests[0].rank_witness,
+            "all_gather");
+  EXPECT_THROW(parse("gpu", R"({"name": "A.Correct", "points": 6, "rank_witness": "all_gather"})"), k2c::RubricError);
+  EXPECT_THROW(parse("mpi", R"({"name": "A.Correct", "points": 6, "rank_witness": "all_gather", "witness": "copy"})"),
+               k2c::RubricError);
+  EXPECT_THROW(parse("mpi", R"({"name": "APerf.Rate", "points": 4, "rank_witness": "all_gather", "perf": {"ceiling": "copy",
+                 "unit": "GB/s", "threshold": 0.5, "goal": 0.9, "max_ratio": 1.1}})"),
+               k2c::RubricError);
+}
+
 // ---------------------------------------------------------------------------- processes ---
 
 TEST(Process, TimeoutKillsTheGroupAndOutputIsBounded) {

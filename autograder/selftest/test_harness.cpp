@@ -740,6 +740,32 @@ TEST(Rubric, EveryWitnessHasBothSides) {
   EXPECT_GE(rechecked, 4);
 }
 
+// Likewise for the checks of distributed correctness tests: the checker's kinds
+// (autograder/witness/rank_witness.cpp) and K2C_RANK_WITNESS in the module's test files.
+TEST(Rubric, EveryRankWitnessHasBothSides) {
+  const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
+  const std::filesystem::path root = std::filesystem::path(K2C_RUBRIC_PATH).parent_path().parent_path();
+  auto text = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string checker = text(root / "autograder/witness/rank_witness.cpp");
+  ASSERT_FALSE(checker.empty());
+  int named = 0;
+  for (const auto& m : r.modules)
+    for (const auto& t : m.tests) {
+      if (t.rank_witness.empty()) continue;
+      ++named;
+      EXPECT_NE(checker.find("\"" + t.rank_witness + "\""), std::string::npos)
+          << t.name << ": rank_witness.cpp has no kind " << t.rank_witness;
+      bool registered = false;
+      for (const auto& f : std::filesystem::directory_iterator(root / "autograder" / m.id))
+        registered = registered || text(f.path()).find("K2C_RANK_WITNESS(" + t.rank_witness + ")") != std::string::npos;
+      EXPECT_TRUE(registered) << t.name << ": no K2C_RANK_WITNESS(" << t.rank_witness << ") in autograder/" << m.id;
+    }
+  EXPECT_GE(named, 5);
+}
+
 TEST(Rubric, MissingFileIsAnError) {
   EXPECT_THROW(k2c::load_rubric("/nonexistent/rubric.json"), k2c::RubricError);
 }

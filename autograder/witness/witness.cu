@@ -41,6 +41,7 @@
 #include <nlohmann/json.hpp>
 
 #include "k2c/core/check.h"
+#include "k2c/core/fd_io.h"
 #include "k2c/core/random.h"
 #include "k2c/device/device.h"
 #include "k2c/device/timing.h"
@@ -142,16 +143,7 @@ void gather_all(const char* base, std::size_t count, const k2c::witness_specs::R
 class Channel {
  public:
   Channel(int fd, const std::atomic<bool>& child_done) : fd_(fd), child_done_(child_done) {}
-  bool send(const void* data, std::size_t n) {
-    const char* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const ssize_t put = ::send(fd_, p, n, MSG_NOSIGNAL);
-      if (put <= 0) return false;
-      p += put;
-      n -= static_cast<std::size_t>(put);
-    }
-    return true;
-  }
+  bool send(const void* data, std::size_t n) { return k2c::send_fully(fd_, data, n); }
   // "" once a whole Reply arrived, else why not.
   std::string receive(wp::Reply& r, double seconds) {
     char* p = reinterpret_cast<char*>(&r);

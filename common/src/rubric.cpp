@@ -69,7 +69,7 @@ PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
 }
 
 TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"name", "points", "bonus", "perf", "witness"});
+  rd.only_keys(j, path, {"name", "points", "bonus", "perf", "witness", "rank_witness"});
   TestSpec t;
   t.name = rd.string(j, path, "name");
   static const std::regex kName("[A-Za-z][A-Za-z0-9_]*\\.[A-Za-z][A-Za-z0-9_/]*");
@@ -84,6 +84,11 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
   if (j.contains("witness")) {
     t.witness = rd.string(j, path, "witness");
     if (t.perf) rd.error(path + ".witness", "a performance test names its witness in perf.witness");
+  }
+  if (j.contains("rank_witness")) {
+    t.rank_witness = rd.string(j, path, "rank_witness");
+    if (t.perf || !t.witness.empty())
+      rd.error(path + ".rank_witness", "only a correctness test without a \"witness\" has a rank witness");
   }
   return t;
 }
@@ -161,6 +166,8 @@ ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path)
     const std::string tp = path + ".tests[" + std::to_string(i) + "]";
     m.tests.push_back(read_test(rd, tests[i], tp));
     if (!seen.insert(m.tests.back().name).second) rd.error(tp + ".name", "duplicate test");
+    if (!m.tests.back().rank_witness.empty() && m.kind != "mpi")
+      rd.error(tp + ".rank_witness", "only a module of kind \"mpi\" runs on ranks");
   }
   return m;
 }

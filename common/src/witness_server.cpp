@@ -1,7 +1,4 @@
 // witness_server.cpp — the test program's side of the grader's witness run (k2c/testing/witness.h).
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -10,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include "k2c/core/fd_io.h"
 #include "k2c/testing/witness.h"
 
 namespace k2c::testing {
@@ -20,36 +18,12 @@ std::map<std::string, WitnessFn>& registry() {
   return r;
 }
 
-bool read_all(int fd, void* data, std::size_t n) {
-  auto* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t got = read(fd, p, n);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return false;
-    p += got;
-    n -= static_cast<std::size_t>(got);
-  }
-  return true;
-}
-
-bool write_all(int fd, const void* data, std::size_t n) {
-  const auto* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t put = write(fd, p, n);
-    if (put < 0 && errno == EINTR) continue;
-    if (put <= 0) return false;
-    p += put;
-    n -= static_cast<std::size_t>(put);
-  }
-  return true;
-}
-
 bool reply(int fd, witness::Status status, std::uint32_t window, const std::string& message = "") {
   witness::Reply r;
   r.status = status;
   r.window = window;
   std::snprintf(r.message, sizeof r.message, "%s", message.c_str());
-  return write_all(fd, &r, sizeof r);
+  return k2c::write_fully(fd, &r, sizeof r);
 }
 
 // Runs the kernel on every set, then waits for the device; "" or what went wrong.
@@ -85,7 +59,7 @@ int serve_witness(const std::string& name) {
     return 2;
   }
   witness::Hello hello;
-  if (!read_all(fd, &hello, sizeof hello) || hello.magic != witness::kMagic || hello.sets == 0 ||
+  if (!k2c::read_fully(fd, &hello, sizeof hello) || hello.magic != witness::kMagic || hello.sets == 0 ||
       hello.sets > witness::kMaxSets || hello.buffers == 0 || hello.buffers > witness::kMaxBuffers) {
     std::fprintf(stderr, "witness: no valid greeting on fd %d\n", fd);
     return 2;
@@ -106,7 +80,7 @@ int serve_witness(const std::string& name) {
   if (!reply(fd, witness::Status::ready, 0)) return 1;
   for (;;) {
     witness::Order order;
-    if (!read_all(fd, &order, sizeof order) || order.magic != witness::kMagic) return 1;
+    if (!k2c::read_fully(fd, &order, sizeof order) || order.magic != witness::kMagic) return 1;
     if (order.command == witness::Command::end) break;
     const std::string problem = run_sets(it->second, hello, base);
     if (!reply(fd, problem.empty() ? witness::Status::done : witness::Status::failed, order.window, problem))

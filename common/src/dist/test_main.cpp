@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "k2c/dist/rank_witness.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/testing.h"
 #include "k2c/testing/testing.h"
@@ -80,6 +81,12 @@ int main(int argc, char** argv) {
     k2c::dist::Runtime runtime(&argc, &argv);
     k2c::dist::testing::g_runtime = &runtime;
     k2c::dist::Communicator& w = runtime.world();
+    // The grader's own check of a correctness test (k2c/dist/rank_witness.h): every rank serves
+    // the checker's cases; no tests, no report.
+    if (const int status = k2c::dist::testing::serve_rank_witness_if_asked(argc, argv); status >= 0) {
+      k2c::dist::testing::g_runtime = nullptr;
+      return status;
+    }
 
     const k2c::testing::Context c =
         k2c::testing::context_from_env(K2C_MODULE_ID, K2C_IMPL_NAME, K2C_RUBRIC_DEFAULT);

@@ -51,6 +51,9 @@ struct TestSpec {
   // A correctness test: "" or the kernel the grader checks again itself, at shapes it draws
   // (k2c_witness --shapes, autograder/witness/specs.cu), when the report says the test passed.
   std::string witness;
+  // A distributed module's correctness test: "" or the check the grader runs again itself on the
+  // module's ranks, with cases it draws (k2c_rank_witness, autograder/witness/rank_witness.cpp).
+  std::string rank_witness;
 };
 
 // One launch of a distributed module's test program: `ranks` processes under mpirun, on a backend.

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# rank_witness_test.sh K2C_BIN WORKDIR — the grader's own check of a distributed module's
+# correctness tests (k2c_rank_witness), on the CPU: module 11 graded twice.
+#   - the reference solution: full marks for its correctness tests, each checked again on three
+#     ranks at cases the grader drew;
+#   - collectives that never communicate (witness/wrong_collectives.cpp), whose forged report says
+#     every correctness test passed: each of them fails on the grader's own check, 0 points.
+# Skipped (77) without mpirun or without the reference solutions (a handout).
+set -euo pipefail
+k2c=$1
+work=$2
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+command -v mpirun >/dev/null 2>&1 || { echo "no mpirun: the distributed modules cannot run here"; exit 77; }
+[ -f "$root/solutions/11_collectives/collectives.cpp" ] || { echo "no reference solutions here (a handout)"; exit 77; }
+rm -rf "$work"
+mkdir -p "$work/submission/assignments/11_collectives"
+tests="AllReduceSum AllReduceMax ReduceScatter AllGather AllReduceInPlace"
+
+# test_field REPORT TEST KEY: the value of KEY in TEST's entry of a grader report.
+test_field() {
+  python3 -c 'import json, sys
+r = json.load(open(sys.argv[1]))
+t = [t for m in r["modules"] for t in m["tests"] if t["name"] == "Collectives." + sys.argv[2]]
+print(t[0].get(sys.argv[3], "") if t else "(no such test)")' "$@"
+}
+
+"$k2c" --root "$root" grade --impl solutions --modules 11 --build-dir "$work/reference" \
+  --json "$work/reference.json" > "$work/reference.log" 2>&1 || true
+for t in $tests; do
+  status=$(test_field "$work/reference.json" "$t" status)
+  rechecked=$(test_field "$work/reference.json" "$t" rechecked)
+  echo "reference $t: $status, $rechecked"
+  [ "$status" = passed ] && [ "$rechecked" = "checked again at 3 shapes the grader drew" ] ||
+    { tail -n 30 "$work/reference.log"; echo "FAIL: the reference's $t was not passed and checked again"; exit 1; }
+done
+
+cp "$here/witness/wrong_collectives.cpp" "$work/submission/assignments/11_collectives/collectives.cpp"
+"$k2c" --root "$root" grade --submission "$work/submission" --modules 11 --build-dir "$work/forged" \
+  --json "$work/forged.json" > "$work/forged.log" 2>&1 || true
+for t in $tests; do
+  status=$(test_field "$work/forged.json" "$t" status)
+  message=$(test_field "$work/forged.json" "$t" message)
+  echo "forged $t: $status: $message"
+  [ "$status" = failed ] && [[ "$message" == "the grader's own run at shapes it drew: case "* ]] ||
+    { tail -n 30 "$work/forged.log"; echo "FAIL: the forged $t was not failed by the grader's own check"; exit 1; }
+done
+points=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["points"])' "$work/forged.json")
+[ "$points" = 0 ] || [ "$points" = 0.0 ] || { echo "FAIL: the forgery earned $points points"; exit 1; }
+echo "PASS: the reference's collectives are checked again and pass; the forgery's fail on the grader's own check"
