@@ -48,6 +48,12 @@ using Clock = std::chrono::steady_clock;
 using Bytes = std::vector<unsigned char>;
 using Deadline = std::chrono::time_point<Clock, std::chrono::duration<double>>;
 
+// Time limits within the test program's own (--timeout): for the ranks to start and reach the
+// checker (MPI's start-up included), and for each case. The largest case is a few hundred thousand
+// elements, which a ring moves in milliseconds and even element-by-element messages in seconds;
+// a rank that hangs costs a submission this much, not a module's whole time limit per check.
+constexpr double kStartSeconds = 120, kCaseSeconds = 30;
+
 struct Args {
   std::string name, out, cwd;
   int ranks = 0, cases = 3, uid = -1, gid = -1;
@@ -334,8 +340,8 @@ int run(const Args& a) {
     return 0;
   };
 
-  // Every rank connects and says who it is; start-up (MPI's included) gets the whole time limit.
-  const Deadline start_deadline = Clock::now() + std::chrono::duration<double>(a.timeout_s);
+  // Every rank connects and says who it is.
+  const Deadline start_deadline = Clock::now() + std::chrono::duration<double>(std::min(a.timeout_s, kStartSeconds));
   for (int connected = 0; connected < a.ranks;) {
     if (Clock::now() >= start_deadline) return finish("submission", "only " + std::to_string(connected) + " of " +
                                                                         std::to_string(a.ranks) + " ranks reached the checker in time");
@@ -379,7 +385,7 @@ int run(const Args& a) {
       if (!k2c::send_fully(rank_fd[r], &job, sizeof job) || !k2c::send_fully(rank_fd[r], c.in[r].data(), c.in[r].size()))
         return finish("submission", label + ": rank " + std::to_string(r) + " stopped taking input");
     }
-    const Deadline deadline = Clock::now() + std::chrono::duration<double>(a.timeout_s);
+    const Deadline deadline = Clock::now() + std::chrono::duration<double>(std::min(a.timeout_s, kCaseSeconds));
     std::vector<Bytes> got(a.ranks);
     for (int r = 0; r < a.ranks; ++r) {
       const std::string rank = label + ": rank " + std::to_string(r);
