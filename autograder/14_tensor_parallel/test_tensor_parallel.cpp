@@ -38,6 +38,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,7 @@
 #include "k2c/core/random.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
+#include "k2c/dist/rank_witness.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/backend.h"
 #include "k2c/model/block.h"
@@ -722,3 +724,40 @@ TEST_F(TensorParallelPerf, MlpScaling) {
                         " tokens, forward + backward: one GPU " + std::to_string(t1) + " ms, tensor-parallel on " +
                         std::to_string(n) + " GPUs " + std::to_string(tn) + " ms");
 }
+
+// The grader's own check of the two linear layers' forward passes (k2c/dist/rank_witness.h): the
+// checker's x and this rank's shard of its weight, [out/n, in] for the column-parallel layer and
+// [out, in/n] for the row-parallel one (whose x is this rank's in/n columns too); the answer is
+// this rank's columns of y, or the whole y. args: in, out, tokens.
+namespace {
+void linear_case(k2c::dist::testing::RankCase& c, bool column) {
+  const std::int64_t in = c.args[0], out = c.args[1], tokens = c.args[2];
+  const int n = world().size();
+  km::Ops* ops = parallel_ops();
+  if (ops == nullptr) throw std::runtime_error("this run has no backend for the layers");
+  Side par(*ops);
+  Group& g = group();
+  const std::int64_t x_cols = column ? in : in / n, y_cols = column ? out / n : out;
+  std::vector<float> values(c.in.size() / sizeof(float));
+  std::memcpy(values.data(), c.in.data(), values.size() * sizeof(float));
+  const Host x(values.begin(), values.begin() + tokens * x_cols), w(values.begin() + tokens * x_cols, values.end());
+  km::Tensor xp = par.upload(x, {tokens, x_cols}), yp = par.tensor({tokens, y_cols});
+  auto run = [&](const auto& layer) {
+    par.materialize(kWeightSeed);
+    km::Tensor& weight = par.params.value(layer.weight());
+    if (weight.numel() != static_cast<std::int64_t>(w.size())) throw std::runtime_error("the weight has an unexpected shape");
+    par.ops().upload(weight, w.data());
+    layer.forward(par.ctx, xp, yp);
+  };
+  if (column)
+    run(tp::ColumnParallelLinear(g.tp(), par.params, "proj", in, out));
+  else
+    run(tp::RowParallelLinear(g.tp(), par.params, "proj", in, out));
+  const Host y = par.download(yp);
+  if (y.size() * sizeof(float) != c.out.size()) throw std::runtime_error("y has an unexpected size");
+  std::memcpy(c.out.data(), y.data(), c.out.size());
+}
+}  // namespace
+
+K2C_RANK_WITNESS(column_parallel_forward) { linear_case(c, true); }
+K2C_RANK_WITNESS(row_parallel_forward) { linear_case(c, false); }

@@ -233,10 +233,83 @@ Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
 
 }  // namespace collectives
 
+// Module 14's linear layers, forward. args: in, out, tokens (in and out divisible by the ranks).
+// column_parallel_forward: rank r gets x [tokens, in] and rows r·out/n.. of W [out, in], and
+// answers its columns of y = x·Wᵀ; row_parallel_forward: rank r gets columns r·in/n.. of x and of
+// W, and answers the whole y, the same on every rank.
+namespace linear {
+
+Bytes floats(const std::vector<float>& v) {
+  Bytes b(v.size() * sizeof(float));
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const bool column = kind == "column_parallel_forward";
+  // In turn: one token, a few, many; widths of a few elements per rank up to 32.
+  const std::int64_t tokens = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 15 : 64 + rng() % 129;
+  const std::int64_t in = n * (1 + rng() % 32), out = n * (1 + rng() % 32);
+  Case c;
+  c.args[0] = in;
+  c.args[1] = out;
+  c.args[2] = tokens;
+  c.what = kind + ", " + std::to_string(tokens) + " tokens, " + std::to_string(in) + " → " + std::to_string(out) +
+           " on " + std::to_string(n) + " ranks";
+  const std::uint64_t seed = rng();
+  std::vector<float> x(tokens * in), w(out * in);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = k2c::uniform_at(seed, i, -1.0f, 1.0f);
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = k2c::uniform_at(seed + 1, i, -0.5f, 0.5f);
+  std::vector<double> y(tokens * out, 0.0);
+  double top = 0;
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t o = 0; o < out; ++o) {
+      for (std::int64_t k = 0; k < in; ++k) y[t * out + o] += double(x[t * in + k]) * w[o * in + k];
+      top = std::max(top, std::abs(y[t * out + o]));
+    }
+  const std::int64_t lo = out / n, li = in / n;
+  for (int r = 0; r < n; ++r) {
+    std::vector<float> mine;
+    if (column) {
+      mine = x;
+      mine.insert(mine.end(), w.begin() + r * lo * in, w.begin() + (r + 1) * lo * in);
+      c.out_bytes.push_back(tokens * lo * sizeof(float));
+    } else {
+      for (std::int64_t t = 0; t < tokens; ++t) mine.insert(mine.end(), x.begin() + t * in + r * li, x.begin() + t * in + (r + 1) * li);
+      for (std::int64_t o = 0; o < out; ++o) mine.insert(mine.end(), w.begin() + o * in + r * li, w.begin() + o * in + (r + 1) * li);
+      c.out_bytes.push_back(tokens * out * sizeof(float));
+    }
+    c.in.push_back(floats(mine));
+  }
+  // fp32 dot products of at most 96 terms, summed in another order (and, by rows, across ranks).
+  const double tol = 1e-4 * std::max(top, 1.0);
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      const std::int64_t cols = column ? lo : out, first = column ? r * lo : 0;
+      for (std::int64_t t = 0; t < tokens; ++t)
+        for (std::int64_t j = 0; j < cols; ++j) {
+          float g;
+          std::memcpy(&g, got[r].data() + (t * cols + j) * sizeof(float), sizeof g);
+          const double want = y[t * out + first + j];
+          if (!(std::abs(g - want) <= tol))
+            return "rank " + std::to_string(r) + ", y[" + std::to_string(t) + "][" + std::to_string(first + j) +
+                   "]: got " + std::to_string(g) + ", want " + std::to_string(want);
+        }
+      if (!column && got[r] != got[0]) return "rank " + std::to_string(r) + "'s y differs from rank 0's";
+    }
+    return "";
+  };
+  return c;
+}
+
+}  // namespace linear
+
 using Drawer = Case (*)(const std::string& kind, int ranks, int index, std::mt19937_64& rng);
 Drawer find(const std::string& name) {
   for (const char* k : {"all_reduce_sum", "all_reduce_max", "reduce_scatter", "all_gather", "all_reduce_in_place"})
     if (name == k) return collectives::draw;
+  for (const char* k : {"column_parallel_forward", "row_parallel_forward"})
+    if (name == k) return linear::draw;
   return nullptr;
 }
 
