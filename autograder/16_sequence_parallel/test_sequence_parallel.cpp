@@ -52,6 +52,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,7 @@
 #include "k2c/core/random.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/grid.h"
+#include "k2c/dist/rank_witness.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/backend.h"
 #include "k2c/model/block.h"
@@ -832,3 +834,30 @@ TEST_F(SequenceParallelRingAttentionPerf, VsOneGpu) {
                         std::to_string(one_tflops) + " TFLOP/s)");
   }
 }
+
+// The grader's own check of ring attention's forward pass (k2c/dist/rank_witness.h): this rank's
+// rows of q, k and v in local order, as the checker laid them out; the answer is o for the same
+// rows. args: batch, seq_len, q_heads, kv_heads, head_dim.
+namespace {
+void ring_case(k2c::dist::testing::RankCase& c, bool causal) {
+  const int B = static_cast<int>(c.args[0]), H = static_cast<int>(c.args[2]), Hkv = static_cast<int>(c.args[3]),
+            hd = static_cast<int>(c.args[4]);
+  const std::int64_t T = c.args[1], C = T / (2 * world().size()), local = 2 * B * C;
+  if (c.in.size() != static_cast<std::size_t>(local * (H + 2 * Hkv) * hd) * sizeof(float))
+    throw std::runtime_error("the input has an unexpected size");
+  std::vector<float> in(c.in.size() / sizeof(float));
+  std::memcpy(in.data(), c.in.data(), c.in.size());
+  const auto q_end = in.begin() + local * H * hd, k_end = q_end + local * Hkv * hd;
+  Side par(km::cpu_ops());  // the check runs on the MPI backend: host memory
+  const sp::RingAttention ring(par.ctx, world(), {B, T, H, Hkv, hd, causal});
+  km::Tensor q = par.upload(Host(in.begin(), q_end), {local, H * hd});
+  km::Tensor k = par.upload(Host(q_end, k_end), {local, Hkv * hd}), v = par.upload(Host(k_end, in.end()), {local, Hkv * hd});
+  km::Tensor o = par.tensor({local, H * hd}), lse = par.tensor({2 * B, H, C});
+  ring.forward(par.ctx, q, k, v, o, lse);
+  const Host got = par.download(o);
+  std::memcpy(c.out.data(), got.data(), std::min(c.out.size(), got.size() * sizeof(float)));
+}
+}  // namespace
+
+K2C_RANK_WITNESS(ring_attention_causal) { ring_case(c, true); }
+K2C_RANK_WITNESS(ring_attention_full) { ring_case(c, false); }

@@ -304,12 +304,89 @@ Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
 
 }  // namespace linear
 
+// Module 16's ring attention, forward. args: batch B, seq_len T (2·n·C), q_heads H, kv_heads Hkv,
+// head_dim hd. Rank r gets its rows of q, k and v in the contract's local order (its chunks r and
+// 2n − 1 − r, chunk-major, then sequence, then token) and answers o for the same rows.
+namespace ring {
+
+Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const bool causal = kind == "ring_attention_causal";
+  const int B = 1 + static_cast<int>(rng() % 2), kv_heads = 1 + static_cast<int>(rng() % 2);
+  const int heads = kv_heads * (1 + static_cast<int>(rng() % 3)), hd = 4 * (1 + static_cast<int>(rng() % 4));
+  // In turn: chunks of one token, a few, more.
+  const std::int64_t C = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 3 : 5 + rng() % 4, T = 2 * n * C;
+  Case c;
+  c.args[0] = B;
+  c.args[1] = T;
+  c.args[2] = heads;
+  c.args[3] = kv_heads;
+  c.args[4] = hd;
+  c.what = kind + ", " + std::to_string(B) + " × " + std::to_string(T) + " tokens, " + std::to_string(heads) + "/" +
+           std::to_string(kv_heads) + " heads of " + std::to_string(hd) + " on " + std::to_string(n) + " ranks";
+  const std::uint64_t seed = rng();
+  const std::int64_t qw = heads * hd, kw = kv_heads * hd;
+  std::vector<float> q(B * T * qw), k(B * T * kw), v(B * T * kw);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = k2c::uniform_at(seed, i, -2.0f, 2.0f);
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = k2c::uniform_at(seed + 1, i, -2.0f, 2.0f);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed + 2, i, -1.0f, 1.0f);
+  // The reference, in double: softmax(q·kᵀ/sqrt(hd)) over the visible keys, query head h reading
+  // key-value head h / (H / Hkv).
+  std::vector<double> o(B * T * qw, 0.0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < T; ++i) {
+        const int g = h / (heads / kv_heads);
+        const std::int64_t last = causal ? i : T - 1;
+        std::vector<double> p(last + 1);
+        double top = -1e300, sum = 0;
+        for (std::int64_t j = 0; j <= last; ++j) {
+          double dot = 0;
+          for (int d = 0; d < hd; ++d) dot += double(q[(b * T + i) * qw + h * hd + d]) * k[(b * T + j) * kw + g * hd + d];
+          p[j] = dot / std::sqrt(double(hd));
+          top = std::max(top, p[j]);
+        }
+        for (double& x : p) sum += (x = std::exp(x - top));
+        for (std::int64_t j = 0; j <= last; ++j)
+          for (int d = 0; d < hd; ++d) o[(b * T + i) * qw + h * hd + d] += p[j] / sum * v[(b * T + j) * kw + g * hd + d];
+      }
+  std::vector<std::vector<std::int64_t>> rows(n);  // each rank's rows of the whole, in local order
+  for (int r = 0; r < n; ++r) {
+    for (const std::int64_t chunk : {std::int64_t{r}, std::int64_t{2 * n - 1 - r}})
+      for (int b = 0; b < B; ++b)
+        for (std::int64_t t = 0; t < C; ++t) rows[r].push_back(b * T + chunk * C + t);
+    std::vector<float> mine;
+    for (const auto& [data, width] : {std::pair{&q, qw}, std::pair{&k, kw}, std::pair{&v, kw}})
+      for (const std::int64_t row : rows[r]) mine.insert(mine.end(), data->begin() + row * width, data->begin() + (row + 1) * width);
+    c.in.push_back(linear::floats(mine));
+    c.out_bytes.push_back(rows[r].size() * qw * sizeof(float));
+  }
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < rows[r].size(); ++i)
+        for (std::int64_t e = 0; e < qw; ++e) {
+          float g;
+          std::memcpy(&g, got[r].data() + (i * qw + e) * sizeof(float), sizeof g);
+          const double want = o[rows[r][i] * qw + e];
+          if (!(std::abs(g - want) <= 1e-4))  // outputs are averages of values in [-1, 1]
+            return "rank " + std::to_string(r) + ", o of token " + std::to_string(rows[r][i] % T) + " of sequence " +
+                   std::to_string(rows[r][i] / T) + ", element " + std::to_string(e) + ": got " + std::to_string(g) +
+                   ", want " + std::to_string(want);
+        }
+    return "";
+  };
+  return c;
+}
+
+}  // namespace ring
+
 using Drawer = Case (*)(const std::string& kind, int ranks, int index, std::mt19937_64& rng);
 Drawer find(const std::string& name) {
   for (const char* k : {"all_reduce_sum", "all_reduce_max", "reduce_scatter", "all_gather", "all_reduce_in_place"})
     if (name == k) return collectives::draw;
   for (const char* k : {"column_parallel_forward", "row_parallel_forward"})
     if (name == k) return linear::draw;
+  for (const char* k : {"ring_attention_causal", "ring_attention_full"})
+    if (name == k) return ring::draw;
   return nullptr;
 }
 
