@@ -37,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -45,9 +46,11 @@
 
 #include "data_parallel.h"
 #include "k2c/dist/counting.h"
+#include "k2c/dist/rank_witness.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/forwarding_ops.h"
 #include "k2c/model/optim.h"
+#include "k2c/model/testing.h"
 #include "k2c/testing/testing.h"
 #include "replica.h"
 
@@ -703,4 +706,31 @@ TEST_F(DataParallelPerf, StepVsNoSync) {
                         " GPUs; DDP step " + std::to_string(ddp_ms) + " ms, no-sync step " + std::to_string(solo_ms) +
                         " ms");
 #endif
+}
+
+// The grader's own check of broadcast_parameters (k2c/dist/rank_witness.h): parameters of the
+// checker's sizes, the last one frozen, holding this rank's values from the checker; the answer
+// is every value afterwards. args: the number of parameters, then each one's element count.
+K2C_RANK_WITNESS(broadcast_parameters) {
+  k2c::model::testing::Side s(km::cpu_ops());  // the check runs on the MPI backend: host memory
+  const int count = static_cast<int>(c.args[0]);
+  std::vector<km::ParamId> ids;
+  for (int p = 0; p < count; ++p)
+    ids.push_back(s.params.add("p" + std::to_string(p), {c.args[1 + p]}, km::Init{}, p == count - 1));
+  s.materialize(1);
+  if (s.params.numel() * sizeof(float) != c.in.size()) throw std::runtime_error("the parameters have an unexpected size");
+  std::vector<float> values(c.in.size() / sizeof(float));
+  std::memcpy(values.data(), c.in.data(), c.in.size());
+  std::size_t at = 0;
+  for (km::ParamId id : ids) {
+    s.ops().upload(s.params.value(id), values.data() + at);
+    at += static_cast<std::size_t>(s.params.value(id).numel());
+  }
+  dp::broadcast_parameters(world(), s.params);
+  at = 0;
+  for (km::ParamId id : ids) {
+    const std::vector<float> got = s.download(s.params.value(id));
+    std::memcpy(c.out.data() + at * sizeof(float), got.data(), got.size() * sizeof(float));
+    at += got.size();
+  }
 }

@@ -379,6 +379,49 @@ Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
 
 }  // namespace ring
 
+// Module 12's broadcast of the parameters from rank 0. args: the number of parameters P (1 to 7),
+// then each one's element count (the last one frozen: it is broadcast too). Every rank gets values
+// of its own and answers what it holds afterwards: rank 0's, to the bit.
+namespace broadcast {
+
+Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int params = 1 + static_cast<int>(rng() % 7);
+  Case c;
+  c.args[0] = params;
+  std::int64_t total = 0;
+  for (int p = 0; p < params; ++p) {
+    // In turn: a few values each, hundreds, tens of thousands.
+    const std::int64_t size = index % 3 == 0 ? 1 + rng() % 3 : index % 3 == 1 ? 1 + rng() % 999 : 10000 + rng() % 40000;
+    c.args[1 + p] = size;
+    total += size;
+  }
+  c.what = kind + ", " + std::to_string(params) + " parameters of " + std::to_string(total) + " values on " +
+           std::to_string(n) + " ranks";
+  const std::uint64_t seed = rng();
+  for (int r = 0; r < n; ++r) {
+    std::vector<float> v(total);
+    for (std::int64_t i = 0; i < total; ++i) v[i] = k2c::uniform_at(seed + r, i, -1.0f, 1.0f);
+    c.in.push_back(linear::floats(v));
+    c.out_bytes.push_back(total * sizeof(float));
+  }
+  const Bytes want = c.in[0];
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < want.size(); i += sizeof(float))
+        if (std::memcmp(got[r].data() + i, want.data() + i, sizeof(float)) != 0) {
+          float g, w;
+          std::memcpy(&g, got[r].data() + i, sizeof g);
+          std::memcpy(&w, want.data() + i, sizeof w);
+          return "rank " + std::to_string(r) + ", value " + std::to_string(i / sizeof(float)) + ": got " +
+                 std::to_string(g) + ", rank 0 had " + std::to_string(w);
+        }
+    return "";
+  };
+  return c;
+}
+
+}  // namespace broadcast
+
 using Drawer = Case (*)(const std::string& kind, int ranks, int index, std::mt19937_64& rng);
 Drawer find(const std::string& name) {
   for (const char* k : {"all_reduce_sum", "all_reduce_max", "reduce_scatter", "all_gather", "all_reduce_in_place"})
@@ -387,6 +430,7 @@ Drawer find(const std::string& name) {
     if (name == k) return linear::draw;
   for (const char* k : {"ring_attention_causal", "ring_attention_full"})
     if (name == k) return ring::draw;
+  if (name == "broadcast_parameters") return broadcast::draw;
   return nullptr;
 }
 
