@@ -708,29 +708,61 @@ TEST_F(DataParallelPerf, StepVsNoSync) {
 #endif
 }
 
-// The grader's own check of broadcast_parameters (k2c/dist/rank_witness.h): parameters of the
-// checker's sizes, the last one frozen, holding this rank's values from the checker; the answer
-// is every value afterwards. args: the number of parameters, then each one's element count.
-K2C_RANK_WITNESS(broadcast_parameters) {
-  k2c::model::testing::Side s(km::cpu_ops());  // the check runs on the MPI backend: host memory
+// The grader's own checks of broadcast_parameters and all_reduce_gradients
+// (k2c/dist/rank_witness.h), on parameters of the checker's sizes, the last one frozen. args: the
+// number of parameters, then each one's element count.
+namespace {
+
+std::vector<km::ParamId> witness_params(k2c::model::testing::Side& s, const k2c::dist::testing::RankCase& c) {
   const int count = static_cast<int>(c.args[0]);
   std::vector<km::ParamId> ids;
   for (int p = 0; p < count; ++p)
     ids.push_back(s.params.add("p" + std::to_string(p), {c.args[1 + p]}, km::Init{}, p == count - 1));
   s.materialize(1);
-  if (s.params.numel() * sizeof(float) != c.in.size()) throw std::runtime_error("the parameters have an unexpected size");
-  std::vector<float> values(c.in.size() / sizeof(float));
-  std::memcpy(values.data(), c.in.data(), c.in.size());
+  return ids;
+}
+
+// Fills the tensors `pick` gives for `ids` from the checker's input (if `in`), or the output from them.
+template <class Pick>
+void transfer(k2c::model::testing::Side& s, const std::vector<km::ParamId>& ids, Pick pick,
+              k2c::dist::testing::RankCase& c, bool in) {
   std::size_t at = 0;
   for (km::ParamId id : ids) {
-    s.ops().upload(s.params.value(id), values.data() + at);
-    at += static_cast<std::size_t>(s.params.value(id).numel());
+    km::Tensor& t = pick(id);
+    const std::size_t bytes = static_cast<std::size_t>(t.numel()) * sizeof(float);
+    if (at + bytes > (in ? c.in.size() : c.out.size())) throw std::runtime_error("the parameters have an unexpected size");
+    if (in) {
+      std::vector<float> v(t.numel());
+      std::memcpy(v.data(), c.in.data() + at, bytes);
+      s.ops().upload(t, v.data());
+    } else {
+      const std::vector<float> v = s.download(t);
+      std::memcpy(c.out.data() + at, v.data(), bytes);
+    }
+    at += bytes;
   }
+}
+
+}  // namespace
+
+// Every value, this rank's from the checker before; the answer is every value afterwards.
+K2C_RANK_WITNESS(broadcast_parameters) {
+  k2c::model::testing::Side s(km::cpu_ops());  // the check runs on the MPI backend: host memory
+  const std::vector<km::ParamId> ids = witness_params(s, c);
+  auto value = [&](km::ParamId id) -> km::Tensor& { return s.params.value(id); };
+  transfer(s, ids, value, c, true);
   dp::broadcast_parameters(world(), s.params);
-  at = 0;
-  for (km::ParamId id : ids) {
-    const std::vector<float> got = s.download(s.params.value(id));
-    std::memcpy(c.out.data() + at * sizeof(float), got.data(), got.size() * sizeof(float));
-    at += got.size();
-  }
+  transfer(s, ids, value, c, false);
+}
+
+// The trainable parameters' gradients, this rank's from the checker before; the answer is them
+// afterwards (the frozen one has none).
+K2C_RANK_WITNESS(all_reduce_gradients) {
+  k2c::model::testing::Side s(km::cpu_ops());
+  std::vector<km::ParamId> ids = witness_params(s, c);
+  ids.pop_back();
+  auto grad = [&](km::ParamId id) -> km::Tensor& { return s.params.grad(id); };
+  transfer(s, ids, grad, c, true);
+  dp::all_reduce_gradients(world(), s.params);
+  transfer(s, ids, grad, c, false);
 }

@@ -379,48 +379,64 @@ Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
 
 }  // namespace ring
 
-// Module 12's broadcast of the parameters from rank 0. args: the number of parameters P (1 to 7),
-// then each one's element count (the last one frozen: it is broadcast too). Every rank gets values
-// of its own and answers what it holds afterwards: rank 0's, to the bit.
-namespace broadcast {
+// Module 12's broadcast of the parameters from rank 0, and its naive all-reduce of the gradients.
+// args: the number of parameters P (2 to 7), then each one's element count; the last one is
+// frozen. broadcast_parameters: every rank gets values of its own for all P and answers what it
+// holds afterwards, rank 0's to the bit. all_reduce_gradients: every rank gets gradients of its
+// own for the P − 1 trainable ones and answers them afterwards, their average over the ranks.
+namespace parameters {
+
+float at(const Bytes& b, std::size_t i) {
+  float v;
+  std::memcpy(&v, b.data() + i * sizeof(float), sizeof v);
+  return v;
+}
 
 Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
-  const int params = 1 + static_cast<int>(rng() % 7);
+  const bool gradients = kind == "all_reduce_gradients";
+  const int params = 2 + static_cast<int>(rng() % 6);
   Case c;
   c.args[0] = params;
-  std::int64_t total = 0;
+  std::int64_t total = 0, trainable = 0;
   for (int p = 0; p < params; ++p) {
     // In turn: a few values each, hundreds, tens of thousands.
     const std::int64_t size = index % 3 == 0 ? 1 + rng() % 3 : index % 3 == 1 ? 1 + rng() % 999 : 10000 + rng() % 40000;
     c.args[1 + p] = size;
     total += size;
+    if (p < params - 1) trainable += size;
   }
-  c.what = kind + ", " + std::to_string(params) + " parameters of " + std::to_string(total) + " values on " +
+  const std::int64_t count = gradients ? trainable : total;
+  c.what = kind + ", " + std::to_string(params) + " parameters, " + std::to_string(count) + " values on " +
            std::to_string(n) + " ranks";
   const std::uint64_t seed = rng();
   for (int r = 0; r < n; ++r) {
-    std::vector<float> v(total);
-    for (std::int64_t i = 0; i < total; ++i) v[i] = k2c::uniform_at(seed + r, i, -1.0f, 1.0f);
+    std::vector<float> v(count);
+    for (std::int64_t i = 0; i < count; ++i) v[i] = k2c::uniform_at(seed + r, i, -1.0f, 1.0f);
     c.in.push_back(linear::floats(v));
-    c.out_bytes.push_back(total * sizeof(float));
+    c.out_bytes.push_back(count * sizeof(float));
   }
-  const Bytes want = c.in[0];
+  std::vector<double> mean(count, 0.0);
+  for (int r = 0; r < n; ++r)
+    for (std::int64_t i = 0; i < count; ++i) mean[i] += at(c.in[r], i) / n;
+  const Bytes first = c.in[0];
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r)
-      for (std::size_t i = 0; i < want.size(); i += sizeof(float))
-        if (std::memcmp(got[r].data() + i, want.data() + i, sizeof(float)) != 0) {
-          float g, w;
-          std::memcpy(&g, got[r].data() + i, sizeof g);
-          std::memcpy(&w, want.data() + i, sizeof w);
-          return "rank " + std::to_string(r) + ", value " + std::to_string(i / sizeof(float)) + ": got " +
-                 std::to_string(g) + ", rank 0 had " + std::to_string(w);
-        }
+      for (std::int64_t i = 0; i < count; ++i) {
+        const double g = at(got[r], i), want = gradients ? mean[i] : at(first, i);
+        // The average is rounded to fp32 (a few ulps); the broadcast moves bits.
+        if (gradients ? !(std::abs(g - want) <= 1e-6) : std::memcmp(got[r].data() + i * 4, first.data() + i * 4, 4) != 0)
+          return "rank " + std::to_string(r) + ", value " + std::to_string(i) + ": got " + std::to_string(g) +
+                 (gradients ? ", want " : ", rank 0 had ") + std::to_string(want);
+      }
+    if (gradients)
+      for (int r = 1; r < n; ++r)
+        if (got[r] != got[0]) return "rank " + std::to_string(r) + "'s gradients differ from rank 0's";
     return "";
   };
   return c;
 }
 
-}  // namespace broadcast
+}  // namespace parameters
 
 using Drawer = Case (*)(const std::string& kind, int ranks, int index, std::mt19937_64& rng);
 Drawer find(const std::string& name) {
@@ -430,7 +446,8 @@ Drawer find(const std::string& name) {
     if (name == k) return linear::draw;
   for (const char* k : {"ring_attention_causal", "ring_attention_full"})
     if (name == k) return ring::draw;
-  if (name == "broadcast_parameters") return broadcast::draw;
+  for (const char* k : {"broadcast_parameters", "all_reduce_gradients"})
+    if (name == k) return parameters::draw;
   return nullptr;
 }
 
