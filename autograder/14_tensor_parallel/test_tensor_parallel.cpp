@@ -741,7 +741,7 @@ void linear_case(k2c::dist::testing::RankCase& c, bool column) {
   std::vector<float> values(c.in.size() / sizeof(float));
   std::memcpy(values.data(), c.in.data(), values.size() * sizeof(float));
   const Host x(values.begin(), values.begin() + tokens * x_cols), w(values.begin() + tokens * x_cols, values.end());
-  km::Tensor xp = par.upload(x, {tokens, x_cols}), yp = par.tensor({tokens, y_cols});
+  km::Tensor xp = par.upload(x, {tokens, x_cols}), yp = par.poisoned({tokens, y_cols});
   auto run = [&](const auto& layer) {
     par.materialize(kWeightSeed);
     km::Tensor& weight = par.params.value(layer.weight());

@@ -763,7 +763,7 @@ TEST(Rubric, EveryRankWitnessHasBothSides) {
         registered = registered || text(f.path()).find("K2C_RANK_WITNESS(" + t.rank_witness + ")") != std::string::npos;
       EXPECT_TRUE(registered) << t.name << ": no K2C_RANK_WITNESS(" << t.rank_witness << ") in autograder/" << m.id;
     }
-  EXPECT_GE(named, 11);
+  EXPECT_GE(named, 12);
 }
 
 TEST(Rubric, MissingFileIsAnError) {

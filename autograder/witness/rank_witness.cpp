@@ -438,6 +438,55 @@ Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
 
 }  // namespace parameters
 
+// Module 16's row collectives. args: M rows per rank, d columns. Rank r gets its shard [M, d]
+// and its partial [n·M, d]; it answers all_gather_rows' whole [n·M, d] (rank q's shard at rows
+// q·M, to the bit) followed by reduce_scatter_rows' shard [M, d] (rows r·M of the sum).
+namespace rows {
+
+Case draw(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  // In turn: one row of one column, a few, many.
+  const std::int64_t M = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 9 : 100 + rng() % 200;
+  const std::int64_t d = index % 3 == 0 ? 1 : 1 + rng() % 64;
+  Case c;
+  c.args[0] = M;
+  c.args[1] = d;
+  c.what = kind + ", " + std::to_string(M) + " rows of " + std::to_string(d) + " per rank on " + std::to_string(n) +
+           " ranks";
+  const std::uint64_t seed = rng();
+  std::vector<std::vector<float>> shard(n), partial(n);
+  std::vector<double> sum(n * M * d, 0.0);
+  for (int r = 0; r < n; ++r) {
+    for (std::int64_t i = 0; i < M * d; ++i) shard[r].push_back(k2c::uniform_at(seed + 2 * r, i, -1.0f, 1.0f));
+    for (std::int64_t i = 0; i < n * M * d; ++i) {
+      partial[r].push_back(k2c::uniform_at(seed + 2 * r + 1, i, -1.0f, 1.0f));
+      sum[i] += partial[r][i];
+    }
+    std::vector<float> in = shard[r];
+    in.insert(in.end(), partial[r].begin(), partial[r].end());
+    c.in.push_back(linear::floats(in));
+    c.out_bytes.push_back((n + 1) * M * d * sizeof(float));
+  }
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      for (int q = 0; q < n; ++q)
+        if (std::memcmp(got[r].data() + q * M * d * sizeof(float), shard[q].data(), M * d * sizeof(float)) != 0)
+          return "rank " + std::to_string(r) + ": all_gather_rows: rows " + std::to_string(q * M) + ".. are not rank " +
+                 std::to_string(q) + "'s shard";
+      for (std::int64_t i = 0; i < M * d; ++i) {
+        const double g = parameters::at(got[r], n * M * d + i), want = sum[r * M * d + i];
+        if (!(std::abs(g - want) <= 1e-5))  // fp32 sums of a few values in [-1, 1]
+          return "rank " + std::to_string(r) + ": reduce_scatter_rows: row " + std::to_string(i / d) + ", column " +
+                 std::to_string(i % d) + ": got " + std::to_string(g) + ", want " + std::to_string(want);
+      }
+    }
+    return "";
+  };
+  return c;
+}
+
+}  // namespace rows
+
+
 using Drawer = Case (*)(const std::string& kind, int ranks, int index, std::mt19937_64& rng);
 Drawer find(const std::string& name) {
   for (const char* k : {"all_reduce_sum", "all_reduce_max", "reduce_scatter", "all_gather", "all_reduce_in_place"})
@@ -446,6 +495,7 @@ Drawer find(const std::string& name) {
     if (name == k) return linear::draw;
   for (const char* k : {"ring_attention_causal", "ring_attention_full"})
     if (name == k) return ring::draw;
+  if (name == "row_collectives") return rows::draw;
   for (const char* k : {"broadcast_parameters", "all_reduce_gradients"})
     if (name == k) return parameters::draw;
   return nullptr;
