@@ -351,6 +351,43 @@ WitnessVerdict run_rank_witness(const fs::path& bin, const std::string& name, co
   return run_checker(bin, name, options, launch.argv, runner, timeout, 2 * timeout + 60);
 }
 
+// One of the grader's checkers (k2c_witness, k2c_rank_witness), built before any code under test
+// runs; its bytes then, so that a checker rewritten during grading is noticed before it is used.
+struct Checker {
+  fs::path bin;
+  std::string problem, bytes;  // problem: why it cannot be used ("" when it can)
+  // Throws, stopping the grading, if the program changed since it was built.
+  void check_unchanged(const std::string& module) const {
+    if (read_file(bin) != bytes)
+      throw std::runtime_error(bin.string() + " changed while grading " + module +
+                               ". Grading stopped: its verdicts can no longer be trusted.");
+  }
+};
+
+Checker build_checker(const fs::path& build, const std::string& target, const std::string& what, int jobs,
+                      std::ostream& progress) {
+  Checker c{build / "bin" / target, "", ""};
+  progress << "building " << target << " (" << what << ") ...\n" << std::flush;
+  const ProcessResult b = run_process({"cmake", "--build", build.string(), "--target", target, "-j", std::to_string(jobs)},
+                                      {.timeout_s = 1800});
+  if (b.exit_code != 0 || !fs::is_regular_file(c.bin))
+    c.problem = target + " did not build: " + first_lines(build_failure_detail(b.output), 1);
+  else
+    c.bytes = read_file(c.bin);
+  return c;
+}
+
+// A correctness test's re-check `v` by `checker`: said in the progress, the submission's fault
+// kept in the module's log, and applied to the test (apply_recheck).
+void record_recheck(ModuleOutcome& m, const std::string& test, const std::string& checker, const WitnessVerdict& v,
+                    const std::string& tag, std::ostream& progress) {
+  if (!v.fault.empty())
+    progress << tag << ": " << test << ": " << (v.fault == "grader" ? "not checked again: " : "") << v.problem << "\n"
+             << std::flush;
+  if (v.fault == "submission") m.log += "\n[" + checker + "] " + v.problem + "\n" + v.output;
+  apply_recheck(m, test, v);
+}
+
 // The rank count a distributed module's correctness is checked again at: three ranks where the
 // rubric runs them (a count that divides few sizes), else the largest MPI run up to four.
 int rank_witness_ranks(const ModuleSpec& spec) {
@@ -889,41 +926,23 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   // The grader's own runs of timed kernels (k2c_witness, k2c/testing/witness.h), built once before
   // any code under test runs and kept as built: its bytes are compared before every use, since the
   // build tree is not part of the course's fingerprint.
-  std::string witness_problem, witness_bytes;
-  const fs::path witness_bin = build / "bin" / "k2c_witness";
   const bool witnessing = conf.exit_code == 0 && gpu_here && !o.sanitize &&
                           std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
                             return s->kind != "cpu" && std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) {
                                      return !t.witness.empty() || (t.perf && !t.perf->witness.empty());
                                    });
                           });
-  if (witnessing) {
-    progress << "building k2c_witness (the grader's own runs of timed kernels) ...\n" << std::flush;
-    const ProcessResult b = run_process({"cmake", "--build", build.string(), "--target", "k2c_witness", "-j", std::to_string(jobs)},
-                                        {.timeout_s = 1800});
-    if (b.exit_code != 0 || !fs::is_regular_file(witness_bin))
-      witness_problem = "k2c_witness did not build: " + first_lines(build_failure_detail(b.output), 1);
-    else
-      witness_bytes = read_file(witness_bin);
-  }
-
+  const Checker witness =
+      witnessing ? build_checker(build, "k2c_witness", "the grader's own runs of timed kernels", jobs, progress) : Checker{};
   // The grader's own check of distributed correctness tests (k2c_rank_witness), likewise: it needs
   // no GPU, and holds no student code either.
-  std::string rank_witness_problem, rank_witness_bytes;
-  const fs::path rank_witness_bin = build / "bin" / "k2c_rank_witness";
   const bool rank_witnessing =
       conf.exit_code == 0 && !o.sanitize && std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
         return std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) { return !t.rank_witness.empty(); });
       });
-  if (rank_witnessing) {
-    progress << "building k2c_rank_witness (the grader's own checks of distributed tests) ...\n" << std::flush;
-    const ProcessResult b = run_process(
-        {"cmake", "--build", build.string(), "--target", "k2c_rank_witness", "-j", std::to_string(jobs)}, {.timeout_s = 1800});
-    if (b.exit_code != 0 || !fs::is_regular_file(rank_witness_bin))
-      rank_witness_problem = "k2c_rank_witness did not build: " + first_lines(build_failure_detail(b.output), 1);
-    else
-      rank_witness_bytes = read_file(rank_witness_bin);
-  }
+  const Checker rank_witness =
+      rank_witnessing ? build_checker(build, "k2c_rank_witness", "the grader's own checks of distributed tests", jobs, progress)
+                      : Checker{};
 
   for (std::size_t i = 0; i < selected.size(); ++i) {
     const ModuleSpec& spec = *selected[i];
@@ -1114,27 +1133,21 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
         if ((!timed && ts.witness.empty()) || voids_module(m)) continue;
         const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == ts.name; });
         if (t == m.tests.end() || t->status != "passed" || (timed && !t->perf)) continue;
-        if (!witness_problem.empty()) {
-          if (timed) t->perf->not_witnessed = witness_problem;
-          else t->rechecked = "not checked again: " + witness_problem;
+        if (!witness.problem.empty()) {
+          if (timed) t->perf->not_witnessed = witness.problem;
+          else t->rechecked = "not checked again: " + witness.problem;
           continue;
         }
-        if (read_file(witness_bin) != witness_bytes)
-          throw std::runtime_error(witness_bin.string() + " changed while grading " + spec.id +
-                                   ". Grading stopped: its verdicts can no longer be trusted.");
+        witness.check_unchanged(spec.id);
         if (!timed) {
           progress << tag << ": the grader's own check of " << ts.name << " at " << kRecheckShapes
                    << " shapes it draws ...\n" << std::flush;
-          const WitnessVerdict v = run_witness(witness_bin, ts.witness, program, runner, timeout, kRecheckShapes);
-          if (!v.fault.empty())
-            progress << tag << ": " << ts.name << ": " << (v.fault == "grader" ? "not checked again: " : "") << v.problem
-                     << "\n" << std::flush;
-          if (v.fault == "submission") m.log += "\n[k2c_witness] " + v.problem + "\n" + v.output;
-          apply_recheck(m, ts.name, v);
+          record_recheck(m, ts.name, "k2c_witness",
+                         run_witness(witness.bin, ts.witness, program, runner, timeout, kRecheckShapes), tag, progress);
           continue;
         }
         progress << tag << ": the grader's own run of " << ts.name << " ...\n" << std::flush;
-        const WitnessVerdict v = run_witness(witness_bin, ts.perf->witness, program, runner, timeout, 0);
+        const WitnessVerdict v = run_witness(witness.bin, ts.perf->witness, program, runner, timeout, 0);
         if (v.fault.empty()) {
           std::ostringstream os;
           os << std::setprecision(4) << tag << ": " << ts.name << ": the report says " << t->perf->achieved << " "
@@ -1155,25 +1168,20 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
         const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == ts.name; });
         if (t == m.tests.end() || t->status != "passed") continue;
         const int ranks = rank_witness_ranks(spec);
-        if (!rank_witness_problem.empty() || ranks < 1) {
+        if (!rank_witness.problem.empty() || ranks < 1) {
           t->rechecked = "not checked again: " + (ranks < 1 ? "the rubric runs this module on no MPI ranks"
-                                                             : rank_witness_problem);
+                                                             : rank_witness.problem);
           continue;
         }
-        if (read_file(rank_witness_bin) != rank_witness_bytes)
-          throw std::runtime_error(rank_witness_bin.string() + " changed while grading " + spec.id +
-                                   ". Grading stopped: its verdicts can no longer be trusted.");
+        rank_witness.check_unchanged(spec.id);
         progress << tag << ": the grader's own check of " << ts.name << " on " << ranks << " ranks, "
                  << kRecheckShapes << " cases it draws ...\n" << std::flush;
         Launch l = mpirun_prefix({.ranks = ranks, .backend = "mpi", .dist_timeout_s = std::max(10, static_cast<int>(timeout / 3))});
         l.argv.insert(l.argv.end(), {"-x", "K2C_RANK_WITNESS", "-x", "K2C_RUN", program.string(),
                                      "--k2c_rank_witness=" + ts.rank_witness});
-        const WitnessVerdict v = run_rank_witness(rank_witness_bin, ts.rank_witness, l, ranks, runner, timeout, kRecheckShapes);
-        if (!v.fault.empty())
-          progress << tag << ": " << ts.name << ": " << (v.fault == "grader" ? "not checked again: " : "") << v.problem
-                   << "\n" << std::flush;
-        if (v.fault == "submission") m.log += "\n[k2c_rank_witness] " + v.problem + "\n" + v.output;
-        apply_recheck(m, ts.name, v);
+        record_recheck(m, ts.name, "k2c_rank_witness",
+                       run_rank_witness(rank_witness.bin, ts.rank_witness, l, ranks, runner, timeout, kRecheckShapes), tag,
+                       progress);
       }
 
     if (!gtest_json.empty()) {

@@ -711,17 +711,26 @@ TEST(Rubric, EveryModuleHasItsDocs) {
   }
 }
 
+// A file's text ("" when it cannot be read), and whether `needle` appears in a file of `dir`.
+namespace {
+std::string file_text(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+bool in_some_file(const std::filesystem::path& dir, const std::string& needle) {
+  for (const auto& f : std::filesystem::directory_iterator(dir))
+    if (file_text(f.path()).find(needle) != std::string::npos) return true;
+  return false;
+}
+}  // namespace
+
 // A witness the rubric names must exist on both sides: the checker's spec (autograder/witness/
 // specs.cu) and the module's test program (K2C_WITNESS in one of its test files), or the grader's own
 // run would fail on every machine for a reason that is not the submission's.
 TEST(Rubric, EveryWitnessHasBothSides) {
   const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
   const std::filesystem::path root = std::filesystem::path(K2C_RUBRIC_PATH).parent_path().parent_path();
-  auto text = [](const std::filesystem::path& p) {
-    std::ifstream in(p);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  const std::string specs = text(root / "autograder/witness/specs.cu");
+  const std::string specs = file_text(root / "autograder/witness/specs.cu");
   ASSERT_FALSE(specs.empty());
   int timed = 0, rechecked = 0;
   for (const auto& m : r.modules)
@@ -731,10 +740,8 @@ TEST(Rubric, EveryWitnessHasBothSides) {
       ++(t.perf ? timed : rechecked);
       EXPECT_NE(m.kind, "cpu") << t.name << ": only kernels run on a GPU are witnessed";
       EXPECT_NE(specs.find("\"" + witness + "\""), std::string::npos) << t.name << ": specs.cu has no witness " << witness;
-      bool registered = false;
-      for (const auto& f : std::filesystem::directory_iterator(root / "autograder" / m.id))
-        registered = registered || text(f.path()).find("K2C_WITNESS(" + witness + ")") != std::string::npos;
-      EXPECT_TRUE(registered) << t.name << ": no K2C_WITNESS(" << witness << ") in autograder/" << m.id;
+      EXPECT_TRUE(in_some_file(root / "autograder" / m.id, "K2C_WITNESS(" + witness + ")"))
+          << t.name << ": no K2C_WITNESS(" << witness << ") in autograder/" << m.id;
     }
   EXPECT_GE(timed, 4);
   EXPECT_GE(rechecked, 4);
@@ -745,11 +752,7 @@ TEST(Rubric, EveryWitnessHasBothSides) {
 TEST(Rubric, EveryRankWitnessHasBothSides) {
   const k2c::Rubric r = k2c::load_rubric(K2C_RUBRIC_PATH);
   const std::filesystem::path root = std::filesystem::path(K2C_RUBRIC_PATH).parent_path().parent_path();
-  auto text = [](const std::filesystem::path& p) {
-    std::ifstream in(p);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  const std::string checker = text(root / "autograder/witness/rank_witness.cpp");
+  const std::string checker = file_text(root / "autograder/witness/rank_witness.cpp");
   ASSERT_FALSE(checker.empty());
   int named = 0;
   for (const auto& m : r.modules)
@@ -758,10 +761,8 @@ TEST(Rubric, EveryRankWitnessHasBothSides) {
       ++named;
       EXPECT_NE(checker.find("\"" + t.rank_witness + "\""), std::string::npos)
           << t.name << ": rank_witness.cpp has no kind " << t.rank_witness;
-      bool registered = false;
-      for (const auto& f : std::filesystem::directory_iterator(root / "autograder" / m.id))
-        registered = registered || text(f.path()).find("K2C_RANK_WITNESS(" + t.rank_witness + ")") != std::string::npos;
-      EXPECT_TRUE(registered) << t.name << ": no K2C_RANK_WITNESS(" << t.rank_witness << ") in autograder/" << m.id;
+      EXPECT_TRUE(in_some_file(root / "autograder" / m.id, "K2C_RANK_WITNESS(" + t.rank_witness + ")"))
+          << t.name << ": no K2C_RANK_WITNESS(" << t.rank_witness << ") in autograder/" << m.id;
     }
   EXPECT_GE(named, 12);
 }
