@@ -63,14 +63,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "expert_parallel_testing.h"
+#include "k2c/dist/rank_witness.h"
 #include "k2c/model/moe.h"
 
 using namespace k2c::expert_parallel_testing;  // the shared helpers and the fixture
@@ -287,6 +290,60 @@ TEST_F(ExpertParallel, DispatchCombine) {
     EXPECT_EQ(g.counting.calls_except({{"ep", "all_to_all_v"}}), 0u);
   }
 }
+
+
+// The grader's own check of the plan, the exchange and dispatch with combine
+// (k2c/dist/rank_witness.h; the cases and their layout in autograder/witness/rank_cases_experts.cpp):
+// the checker's routing (choices and weights) for this rank's N tokens, with its rows, x and y₀.
+// args: N, d, E, top_k, capacity.
+namespace {
+void expert_case(k2c::dist::testing::RankCase& c, int which) {
+  const std::int64_t N = c.args[0], d = c.args[1], E = c.args[2], k = c.args[3], C = c.args[4];
+  const std::size_t nk = static_cast<std::size_t>(N * k);
+  if (c.in.size() < nk * 8) throw std::runtime_error("the input is shorter than the routing");
+  std::vector<std::int32_t> choices(nk);
+  std::vector<float> weights(nk), rest((c.in.size() - nk * 8) / sizeof(float));
+  std::memcpy(choices.data(), c.in.data(), nk * 4);
+  std::memcpy(weights.data(), c.in.data() + nk * 4, nk * 4);
+  if (!rest.empty()) std::memcpy(rest.data(), c.in.data() + nk * 8, rest.size() * sizeof(float));
+  Group& g = group();
+  Side s(km::cpu_ops());
+  const xp::Plan p = xp::plan_exchange(g.ep(), s.ctx, km::Routing::plan(choices, static_cast<int>(N), static_cast<int>(k),
+                                                                       static_cast<int>(E)), weights, C);
+  std::vector<unsigned char> out;
+  auto put = [&out](const auto& v) {
+    const std::size_t at = out.size(), bytes = v.size() * sizeof(v[0]);
+    out.resize(at + bytes);
+    if (bytes) std::memcpy(out.data() + at, v.data(), bytes);
+  };
+  if (which == 0) {
+    put(p.kept), put(p.begin), put(std::vector<std::int64_t>{p.dropped}), put(p.from), put(p.offsets);
+    put(s.download_ids(p.token)), put(s.download(p.weight));
+  } else if (which == 1) {
+    km::Tensor rows = s.upload(rest, {p.rows(), d}), there = s.poisoned({p.expert_rows(), d}),
+               back = s.poisoned({p.rows(), d});
+    xp::to_experts(g.ep(), s.ctx, p, rows, there);
+    xp::from_experts(g.ep(), s.ctx, p, there, back);
+    put(s.download(there)), put(s.download(back));
+  } else {
+    const std::size_t half = rest.size() / 2;
+    km::Tensor x = s.upload(Host(rest.begin(), rest.begin() + half), {N, d}),
+               y = s.upload(Host(rest.begin() + half, rest.end()), {N, d}),
+               in = s.poisoned({p.expert_rows(), d}), returned = s.poisoned({p.rows(), d});
+    xp::dispatch(g.ep(), s.ctx, p, x, in);
+    xp::combine(g.ep(), s.ctx, p, in, returned, y);
+    put(s.download(in)), put(s.download(returned)), put(s.download(y));
+  }
+  if (out.size() != c.out.size())
+    throw std::runtime_error("the answer has " + std::to_string(out.size()) + " bytes, the checker expects " +
+                             std::to_string(c.out.size()));
+  c.out = std::move(out);
+}
+}  // namespace
+
+K2C_RANK_WITNESS(expert_plan) { expert_case(c, 0); }
+K2C_RANK_WITNESS(expert_exchange) { expert_case(c, 1); }
+K2C_RANK_WITNESS(expert_dispatch_combine) { expert_case(c, 2); }
 
 
 TEST_F(ExpertParallel, MatchesOneProcess) {

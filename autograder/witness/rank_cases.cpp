@@ -1,0 +1,40 @@
+// autograder/witness/rank_cases.cpp — which drawer makes the cases of which check.
+#include "rank_cases.h"
+
+#include <cstring>
+#include <initializer_list>
+
+namespace k2c::rank_witness {
+
+Drawer find_drawer(const std::string& name) {
+  struct Entry {
+    Drawer draw;
+    std::initializer_list<const char*> names;
+  };
+  static const Entry table[] = {
+      {draw_collectives, {"all_reduce_sum", "all_reduce_max", "reduce_scatter", "all_gather", "all_reduce_in_place"}},
+      {draw_parameters, {"broadcast_parameters", "all_reduce_gradients"}},
+      {draw_linear, {"column_parallel_forward", "row_parallel_forward"}},
+      {draw_rows, {"row_collectives"}},
+      {draw_ring, {"ring_attention_causal", "ring_attention_full"}},
+      {draw_experts, {"expert_plan", "expert_exchange", "expert_dispatch_combine"}},
+  };
+  for (const Entry& e : table)
+    for (const char* n : e.names)
+      if (name == n) return e.draw;
+  return nullptr;
+}
+
+Bytes floats(const std::vector<float>& v) {
+  Bytes b(v.size() * sizeof(float));
+  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+float float_at(const Bytes& b, std::size_t i) {
+  float v;
+  std::memcpy(&v, b.data() + i * sizeof(float), sizeof v);
+  return v;
+}
+
+}  // namespace k2c::rank_witness

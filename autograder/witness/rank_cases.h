@@ -1,0 +1,50 @@
+// autograder/witness/rank_cases.h — the cases k2c_rank_witness draws. For each check a rubric
+// test can name (its "rank_witness" key), a drawer makes one case: the arguments every rank is
+// sent, each rank's input, how many bytes each rank must answer, and the judge of the answers,
+// computed here from the course's own references before any rank starts.
+//
+// Every drawer takes the case's index: index % 3 picks, in turn, a tiny case (one element, one
+// token, one row: the edges), a small one with tails (sizes the ranks do not divide), and a larger
+// one. Inputs come from seeds drawn then, so a test program cannot know them in advance.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "k2c/dist/rank_witness.h"
+
+namespace k2c::rank_witness {
+
+using Bytes = std::vector<unsigned char>;
+
+struct Case {
+  std::string what;  // for the verdict: what the case was
+  std::int64_t args[dist::witness::kArgs] = {};
+  std::vector<Bytes> in;               // per rank
+  std::vector<std::size_t> out_bytes;  // per rank
+  std::function<std::string(const std::vector<Bytes>&)> check;  // "" when right, else the first miss
+};
+
+using Drawer = Case (*)(const std::string& kind, int ranks, int index, std::mt19937_64& rng);
+// The drawer of check `name`; nullptr for a name no drawer knows.
+Drawer find_drawer(const std::string& name);
+
+// fp32 values as bytes, and back.
+Bytes floats(const std::vector<float>& v);
+float float_at(const Bytes& b, std::size_t i);
+
+// The drawers, by module (the comment above each says its arguments and what a rank answers).
+Case draw_collectives(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 11
+Case draw_parameters(const std::string& kind, int ranks, int index, std::mt19937_64& rng);   // 12
+Case draw_zero(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 13
+Case draw_linear(const std::string& kind, int ranks, int index, std::mt19937_64& rng);       // 14
+Case draw_pipeline(const std::string& kind, int ranks, int index, std::mt19937_64& rng);     // 15
+Case draw_rows(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
+Case draw_ring(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
+Case draw_experts(const std::string& kind, int ranks, int index, std::mt19937_64& rng);      // 17
+
+}  // namespace k2c::rank_witness

@@ -1,0 +1,191 @@
+// autograder/witness/rank_cases_layers.cpp — k2c_rank_witness's cases of module 14's
+// tensor-parallel linear layers and module 16's row collectives and ring attention.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "k2c/core/random.h"
+#include "rank_cases.h"
+
+namespace k2c::rank_witness {
+
+// Module 14's linear layers, forward. args: in, out, tokens (in and out divisible by the ranks).
+// column_parallel_forward: rank r gets x [tokens, in] and rows r·out/n.. of W [out, in], and
+// answers its columns of y = x·Wᵀ; row_parallel_forward: rank r gets columns r·in/n.. of x and of
+// W, and answers the whole y, the same on every rank.
+
+Case draw_linear(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const bool column = kind == "column_parallel_forward";
+  // In turn: one token, a few, many; widths of a few elements per rank up to 32.
+  const std::int64_t tokens = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 15 : 64 + rng() % 129;
+  const std::int64_t in = n * (1 + rng() % 32), out = n * (1 + rng() % 32);
+  Case c;
+  c.args[0] = in;
+  c.args[1] = out;
+  c.args[2] = tokens;
+  c.what = kind + ", " + std::to_string(tokens) + " tokens, " + std::to_string(in) + " → " + std::to_string(out) +
+           " on " + std::to_string(n) + " ranks";
+  const std::uint64_t seed = rng();
+  std::vector<float> x(tokens * in), w(out * in);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = k2c::uniform_at(seed, i, -1.0f, 1.0f);
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = k2c::uniform_at(seed + 1, i, -0.5f, 0.5f);
+  std::vector<double> y(tokens * out, 0.0);
+  double top = 0;
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t o = 0; o < out; ++o) {
+      for (std::int64_t k = 0; k < in; ++k) y[t * out + o] += double(x[t * in + k]) * w[o * in + k];
+      top = std::max(top, std::abs(y[t * out + o]));
+    }
+  const std::int64_t lo = out / n, li = in / n;
+  for (int r = 0; r < n; ++r) {
+    std::vector<float> mine;
+    if (column) {
+      mine = x;
+      mine.insert(mine.end(), w.begin() + r * lo * in, w.begin() + (r + 1) * lo * in);
+      c.out_bytes.push_back(tokens * lo * sizeof(float));
+    } else {
+      for (std::int64_t t = 0; t < tokens; ++t) mine.insert(mine.end(), x.begin() + t * in + r * li, x.begin() + t * in + (r + 1) * li);
+      for (std::int64_t o = 0; o < out; ++o) mine.insert(mine.end(), w.begin() + o * in + r * li, w.begin() + o * in + (r + 1) * li);
+      c.out_bytes.push_back(tokens * out * sizeof(float));
+    }
+    c.in.push_back(floats(mine));
+  }
+  // fp32 dot products of at most 96 terms, summed in another order (and, by rows, across ranks).
+  const double tol = 1e-4 * std::max(top, 1.0);
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      const std::int64_t cols = column ? lo : out, first = column ? r * lo : 0;
+      for (std::int64_t t = 0; t < tokens; ++t)
+        for (std::int64_t j = 0; j < cols; ++j) {
+          float g;
+          std::memcpy(&g, got[r].data() + (t * cols + j) * sizeof(float), sizeof g);
+          const double want = y[t * out + first + j];
+          if (!(std::abs(g - want) <= tol))
+            return "rank " + std::to_string(r) + ", y[" + std::to_string(t) + "][" + std::to_string(first + j) +
+                   "]: got " + std::to_string(g) + ", want " + std::to_string(want);
+        }
+      if (!column && got[r] != got[0]) return "rank " + std::to_string(r) + "'s y differs from rank 0's";
+    }
+    return "";
+  };
+  return c;
+}
+
+// Module 16's row collectives. args: M rows per rank, d columns. Rank r gets its shard [M, d]
+// and its partial [n·M, d]; it answers all_gather_rows' whole [n·M, d] (rank q's shard at rows
+// q·M, to the bit) followed by reduce_scatter_rows' shard [M, d] (rows r·M of the sum).
+
+Case draw_rows(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  // In turn: one row of one column, a few, many.
+  const std::int64_t M = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 9 : 100 + rng() % 200;
+  const std::int64_t d = index % 3 == 0 ? 1 : 1 + rng() % 64;
+  Case c;
+  c.args[0] = M;
+  c.args[1] = d;
+  c.what = kind + ", " + std::to_string(M) + " rows of " + std::to_string(d) + " per rank on " + std::to_string(n) +
+           " ranks";
+  const std::uint64_t seed = rng();
+  std::vector<std::vector<float>> shard(n), partial(n);
+  std::vector<double> sum(n * M * d, 0.0);
+  for (int r = 0; r < n; ++r) {
+    for (std::int64_t i = 0; i < M * d; ++i) shard[r].push_back(k2c::uniform_at(seed + 2 * r, i, -1.0f, 1.0f));
+    for (std::int64_t i = 0; i < n * M * d; ++i) {
+      partial[r].push_back(k2c::uniform_at(seed + 2 * r + 1, i, -1.0f, 1.0f));
+      sum[i] += partial[r][i];
+    }
+    std::vector<float> in = shard[r];
+    in.insert(in.end(), partial[r].begin(), partial[r].end());
+    c.in.push_back(floats(in));
+    c.out_bytes.push_back((n + 1) * M * d * sizeof(float));
+  }
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      for (int q = 0; q < n; ++q)
+        if (std::memcmp(got[r].data() + q * M * d * sizeof(float), shard[q].data(), M * d * sizeof(float)) != 0)
+          return "rank " + std::to_string(r) + ": all_gather_rows: rows " + std::to_string(q * M) + ".. are not rank " +
+                 std::to_string(q) + "'s shard";
+      for (std::int64_t i = 0; i < M * d; ++i) {
+        const double g = float_at(got[r], n * M * d + i), want = sum[r * M * d + i];
+        if (!(std::abs(g - want) <= 1e-5))  // fp32 sums of a few values in [-1, 1]
+          return "rank " + std::to_string(r) + ": reduce_scatter_rows: row " + std::to_string(i / d) + ", column " +
+                 std::to_string(i % d) + ": got " + std::to_string(g) + ", want " + std::to_string(want);
+      }
+    }
+    return "";
+  };
+  return c;
+}
+
+// Module 16's ring attention, forward. args: batch B, seq_len T (2·n·C), q_heads H, kv_heads Hkv,
+// head_dim hd. Rank r gets its rows of q, k and v in the contract's local order (its chunks r and
+// 2n − 1 − r, chunk-major, then sequence, then token) and answers o for the same rows.
+
+Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const bool causal = kind == "ring_attention_causal";
+  const int B = 1 + static_cast<int>(rng() % 2), kv_heads = 1 + static_cast<int>(rng() % 2);
+  const int heads = kv_heads * (1 + static_cast<int>(rng() % 3)), hd = 4 * (1 + static_cast<int>(rng() % 4));
+  // In turn: chunks of one token, a few, more.
+  const std::int64_t C = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 3 : 5 + rng() % 4, T = 2 * n * C;
+  Case c;
+  c.args[0] = B;
+  c.args[1] = T;
+  c.args[2] = heads;
+  c.args[3] = kv_heads;
+  c.args[4] = hd;
+  c.what = kind + ", " + std::to_string(B) + " × " + std::to_string(T) + " tokens, " + std::to_string(heads) + "/" +
+           std::to_string(kv_heads) + " heads of " + std::to_string(hd) + " on " + std::to_string(n) + " ranks";
+  const std::uint64_t seed = rng();
+  const std::int64_t qw = heads * hd, kw = kv_heads * hd;
+  std::vector<float> q(B * T * qw), k(B * T * kw), v(B * T * kw);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = k2c::uniform_at(seed, i, -2.0f, 2.0f);
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = k2c::uniform_at(seed + 1, i, -2.0f, 2.0f);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed + 2, i, -1.0f, 1.0f);
+  // The reference, in double: softmax(q·kᵀ/sqrt(hd)) over the visible keys, query head h reading
+  // key-value head h / (H / Hkv).
+  std::vector<double> o(B * T * qw, 0.0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < T; ++i) {
+        const int g = h / (heads / kv_heads);
+        const std::int64_t last = causal ? i : T - 1;
+        std::vector<double> p(last + 1);
+        double top = -1e300, sum = 0;
+        for (std::int64_t j = 0; j <= last; ++j) {
+          double dot = 0;
+          for (int d = 0; d < hd; ++d) dot += double(q[(b * T + i) * qw + h * hd + d]) * k[(b * T + j) * kw + g * hd + d];
+          p[j] = dot / std::sqrt(double(hd));
+          top = std::max(top, p[j]);
+        }
+        for (double& x : p) sum += (x = std::exp(x - top));
+        for (std::int64_t j = 0; j <= last; ++j)
+          for (int d = 0; d < hd; ++d) o[(b * T + i) * qw + h * hd + d] += p[j] / sum * v[(b * T + j) * kw + g * hd + d];
+      }
+  std::vector<std::vector<std::int64_t>> rows(n);  // each rank's rows of the whole, in local order
+  for (int r = 0; r < n; ++r) {
+    for (const std::int64_t chunk : {std::int64_t{r}, std::int64_t{2 * n - 1 - r}})
+      for (int b = 0; b < B; ++b)
+        for (std::int64_t t = 0; t < C; ++t) rows[r].push_back(b * T + chunk * C + t);
+    std::vector<float> mine;
+    for (const auto& [data, width] : {std::pair{&q, qw}, std::pair{&k, kw}, std::pair{&v, kw}})
+      for (const std::int64_t row : rows[r]) mine.insert(mine.end(), data->begin() + row * width, data->begin() + (row + 1) * width);
+    c.in.push_back(floats(mine));
+    c.out_bytes.push_back(rows[r].size() * qw * sizeof(float));
+  }
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < rows[r].size(); ++i)
+        for (std::int64_t e = 0; e < qw; ++e) {
+          float g;
+          std::memcpy(&g, got[r].data() + (i * qw + e) * sizeof(float), sizeof g);
+          const double want = o[rows[r][i] * qw + e];
+          if (!(std::abs(g - want) <= 1e-4))  // outputs are averages of values in [-1, 1]
+            return "rank " + std::to_string(r) + ", o of token " + std::to_string(rows[r][i] % T) + " of sequence " +
+                   std::to_string(rows[r][i] / T) + ", element " + std::to_string(e) + ": got " + std::to_string(g) +
+                   ", want " + std::to_string(want);
+        }
+    return "";
+  };
+  return c;
+}
+
+}  // namespace k2c::rank_witness
