@@ -17,6 +17,8 @@ Drawer find_drawer(const std::string& name) {
       {draw_linear, {"column_parallel_forward", "row_parallel_forward"}},
       {draw_rows, {"row_collectives"}},
       {draw_ring, {"ring_attention_causal", "ring_attention_full"}},
+      {draw_zero, {"zero_stage1", "zero_stage2", "zero_stage3", "zero_uneven_tied", "zero_clipping"}},
+      {draw_pipeline, {"pipeline_gpipe", "pipeline_1f1b", "pipeline_few_micro_batches", "pipeline_recompute"}},
       {draw_experts, {"expert_plan", "expert_exchange", "expert_dispatch_combine"}},
   };
   for (const Entry& e : table)

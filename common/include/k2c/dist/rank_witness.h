@@ -27,7 +27,7 @@
 namespace k2c::dist::witness {
 
 inline constexpr std::uint32_t kMagic = 0x5752324Bu;  // "K2RW"
-inline constexpr int kArgs = 8;
+inline constexpr int kArgs = 16;
 // Inputs and outputs of one case, per rank: the checker refuses to send or take more.
 inline constexpr std::uint64_t kMaxBytes = std::uint64_t{64} << 20;
 

@@ -25,8 +25,21 @@
 #include "k2c/model/backend.h"
 #include "k2c/model/params.h"
 #include "k2c/model/testing.h"
+#include "k2c/model/transformer.h"
 
 namespace k2c::model::testing {
+
+// The model a check of the grader's names (k2c_rank_witness's training cases, layout in
+// autograder/witness/rank_cases_training.cpp): args[4 .. 11] = vocab, d_model, n_layers, q_heads,
+// kv_heads, d_ff, seq_len, tied head. Throws std::invalid_argument for a model that cannot be.
+inline ModelConfig witness_model(const std::int64_t* args) {
+  ModelConfig c;
+  c.vocab = static_cast<int>(args[4]), c.d_model = static_cast<int>(args[5]), c.n_layers = static_cast<int>(args[6]);
+  c.q_heads = static_cast<int>(args[7]), c.kv_heads = static_cast<int>(args[8]), c.d_ff = args[9];
+  c.seq_len = static_cast<int>(args[10]), c.tied_head = args[11] != 0;
+  c.check();
+  return c;
+}
 
 // Skips (on every rank alike) where K2C_REQUIRE_GPU_RANKS does, and in a program built without
 // the model library's GPU backend; gpu() is that backend in bf16, its kernels issued to the

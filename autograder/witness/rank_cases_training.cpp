@@ -1,0 +1,276 @@
+// autograder/witness/rank_cases_training.cpp — k2c_rank_witness's cases of the modules that train
+// the model library's transformer over ranks: module 13's ZeRO steps and module 15's pipeline
+// schedules. The checker's reference is the unsplit model in this process, on the library's CPU
+// backend (compiled into the checker: no student code, and no library a test program could have
+// replaced).
+//
+// The model, in args[4 .. 11] for both: vocab, d_model, n_layers, q_heads, kv_heads, d_ff,
+// seq_len, tied head (0/1); args[12] the seed its parameters are drawn from.
+//
+// zero_stage1 / zero_stage2 / zero_stage3 / zero_uneven_tied / zero_clipping
+//   args: 0 stage, 1 prefetch, 2 clip·10⁶ (0: none), 3 steps S, 13 rows per rank.
+//   Rank r gets, for each step, its rows' ids then targets (int32 [rows·T] each). It builds the
+//   model, Zero(world, ..., seed, {stage, prefetch, clip}), runs S steps at learning rate 10⁻²
+//   with grad_scale 1 / (n·rows·T), and answers its S losses (double), then gather_values().
+//   Reference: for each step the ranks' rows one after the other through train_step into one
+//   gradient buffer, clip_grad_norm if clipping, one AdamW step. At n > 2 ranks the sums of the
+//   gradients add in another order, so values agree within 10⁻⁶ + 10⁻⁴·|want| (the module's own
+//   tolerance), losses within 10⁻⁵ relative; every rank's values must be the same to the bit.
+//
+// pipeline_gpipe / pipeline_1f1b / pipeline_few_micro_batches / pipeline_recompute
+//   args: 0 schedule (0 GPipe, 1 1F1B), 1 recompute, 2 micro-batches m, 3 rows per micro-batch,
+//   13 dropout seed, 14 step (keys the dropout masks), 15 dropout·10⁶.
+//   Every stage gets the same micro-batches (ids then targets of each, int32 [rows·T]). Stage s
+//   of the n ranks builds pipeline_stage::Stage with the contract's split of the blocks, runs one
+//   pipeline_parallel::train_step, and answers the step's loss (double; 0 on all but the last
+//   stage), then its parameters' gradients in its parameters' order. Reference: the micro-batches
+//   one after the other through Transformer::train_step with grad_scale 1 / (m·rows·T); a
+//   pipeline runs the same operations in the same order, so gradients and loss must agree to the
+//   bit.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "k2c/core/random.h"
+#include "k2c/model/ops.h"
+#include "k2c/model/optim.h"
+#include "k2c/model/params.h"
+#include "k2c/model/transformer.h"
+#include "pipeline_harness.h"  // the contract's split of blocks over stages
+#include "rank_cases.h"
+#include "stage.h"             // the layers a stage holds (course code)
+
+namespace k2c::rank_witness {
+
+namespace {
+
+namespace km = k2c::model;
+
+// A small model in turn: tiny (one head of 2 or 4, a handful of tokens), small with odd sizes,
+// and the tests' size. `min_layers`: the pipeline needs a block per stage.
+km::ModelConfig draw_model(int index, int min_layers, std::mt19937_64& rng) {
+  km::ModelConfig c;
+  const int shape = index % 3;
+  c.kv_heads = 1 + static_cast<int>(rng() % 2);
+  c.q_heads = c.kv_heads * (shape == 0 ? 1 : 1 + static_cast<int>(rng() % 2));
+  const int head = shape == 0 ? 2 : 2 * (1 + static_cast<int>(rng() % (shape == 1 ? 4 : 8)));
+  c.d_model = c.q_heads * head;
+  c.vocab = shape == 0 ? 3 + static_cast<int>(rng() % 5) : shape == 1 ? 5 + static_cast<int>(rng() % 60) : 200 + static_cast<int>(rng() % 57);
+  c.n_layers = min_layers + static_cast<int>(rng() % (shape == 0 ? 1 : 3));
+  c.d_ff = shape == 0 ? 1 + static_cast<std::int64_t>(rng() % 3) : 3 + static_cast<std::int64_t>(rng() % (shape == 1 ? 30 : 120));
+  c.seq_len = shape == 0 ? 1 + static_cast<int>(rng() % 3) : shape == 1 ? 3 + static_cast<int>(rng() % 9) : 16 + static_cast<int>(rng() % 17);
+  c.check();
+  return c;
+}
+
+void put_model(Case& c, const km::ModelConfig& m, std::uint64_t seed) {
+  const std::int64_t v[] = {m.vocab, m.d_model, m.n_layers, m.q_heads, m.kv_heads, m.d_ff, m.seq_len, m.tied_head};
+  std::copy(std::begin(v), std::end(v), c.args + 4);
+  c.args[12] = static_cast<std::int64_t>(seed >> 1);  // non-negative: the rank reads it back as int64
+}
+
+std::string count(std::int64_t n, const std::string& thing) {
+  return std::to_string(n) + " " + thing + (n == 1 ? "" : thing.back() == 'h' ? "es" : "s");
+}
+
+std::string describe(const km::ModelConfig& m) {
+  return "d " + std::to_string(m.d_model) + ", " + count(m.n_layers, "block") + ", " + std::to_string(m.q_heads) +
+         "/" + std::to_string(m.kv_heads) + " heads, ff " + std::to_string(m.d_ff) + ", vocab " + std::to_string(m.vocab) +
+         ", T " + std::to_string(m.seq_len) + (m.tied_head ? ", tied head" : "");
+}
+
+std::vector<std::int32_t> tokens(std::size_t count, int vocab, std::uint64_t seed) {
+  std::vector<std::int32_t> t(count);
+  for (std::size_t i = 0; i < count; ++i) t[i] = static_cast<std::int32_t>(k2c::mix64(seed + i) % static_cast<std::uint64_t>(vocab));
+  return t;
+}
+
+km::Tensor upload(km::Ops& ops, km::MemoryLedger& ledger, const std::vector<std::int32_t>& v) {
+  km::Tensor t(ops.memory(), ledger, km::Category::activations, {static_cast<std::int64_t>(v.size())}, km::DType::i32);
+  if (!v.empty()) ops.upload(t, v.data());
+  return t;
+}
+
+std::vector<float> host(km::Ops& ops, const km::Tensor& t) {
+  std::vector<float> v(static_cast<std::size_t>(t.numel()));
+  if (!v.empty()) ops.download(v.data(), t);
+  return v;
+}
+
+template <class T>
+void append(Bytes& b, const T* v, std::size_t count) {
+  const std::size_t at = b.size();
+  b.resize(at + count * sizeof(T));
+  if (count) std::memcpy(b.data() + at, v, count * sizeof(T));
+}
+
+double double_at(const Bytes& b, std::size_t i) {
+  double v;
+  std::memcpy(&v, b.data() + i * sizeof(double), sizeof v);
+  return v;
+}
+
+}  // namespace
+
+Case draw_zero(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int stage = kind == "zero_stage1" ? 1 : kind == "zero_stage2" ? 2 : kind == "zero_stage3" ? 3 : 1 + static_cast<int>(rng() % 3);
+  const bool prefetch = rng() % 2, clipping = kind == "zero_clipping";
+  km::ModelConfig m = draw_model(index, 1, rng);
+  // Uneven shards: units of a few elements (some smaller than the ranks), a head tied or not.
+  if (kind == "zero_uneven_tied") {
+    m.vocab = 3 + static_cast<int>(rng() % 6), m.d_model = 2, m.q_heads = m.kv_heads = 1, m.d_ff = 1 + rng() % 3;
+    m.tied_head = rng() % 2 == 0 || index == 0;
+  }
+  const int steps = 2, rows = 1 + static_cast<int>(rng() % 2);
+  const std::uint64_t seed = rng();
+  // A clip well under any gradient norm of these models at their first steps, so it always acts;
+  // in millionths, as the rank reads it.
+  const std::int64_t clip_millionths = clipping ? 1000 * (1 + static_cast<std::int64_t>(rng() % 9)) : 0;
+  const double clip = static_cast<double>(clip_millionths) / 1e6;
+  Case c;
+  c.args[0] = stage, c.args[1] = prefetch, c.args[2] = clip_millionths, c.args[3] = steps;
+  c.args[13] = rows;
+  put_model(c, m, seed);
+  c.what = kind + ", stage " + std::to_string(stage) + (stage == 3 ? (prefetch ? " with prefetch" : " without prefetch") : "") +
+           (clipping ? ", clip " + std::to_string(clip) : "") + ", " + count(steps, "step") + " of " +
+           count(rows, "row") + " per rank, " + describe(m) + " on " + std::to_string(n) + " ranks";
+  const std::size_t per = static_cast<std::size_t>(rows) * m.seq_len;
+  const std::uint64_t data = rng();
+  std::vector<std::vector<std::vector<std::int32_t>>> ids(steps), targets(steps);  // [step][rank]
+  c.in.resize(n);
+  for (int s = 0; s < steps; ++s)
+    for (int r = 0; r < n; ++r) {
+      ids[s].push_back(tokens(per, m.vocab, data + 1000003u * (2 * (s * n + r))));
+      targets[s].push_back(tokens(per, m.vocab, data + 1000003u * (2 * (s * n + r) + 1)));
+      append(c.in[r], ids[s][r].data(), per);
+      append(c.in[r], targets[s][r].data(), per);
+    }
+
+  // The reference, one process.
+  km::Ops& ops = km::cpu_ops();
+  km::MemoryLedger ledger, activations;
+  km::ParamList params;
+  km::Transformer model(params, m);
+  km::Context ctx{ops, activations, params};
+  params.materialize(ops, ledger, static_cast<std::uint64_t>(c.args[12]));
+  km::AdamW adam(params, ops, ledger);
+  std::vector<std::vector<double>> loss(steps, std::vector<double>(n));
+  const float scale = 1.0f / static_cast<float>(n * per);
+  for (int s = 0; s < steps; ++s) {
+    params.zero_grads(ops);
+    for (int r = 0; r < n; ++r)
+      loss[s][r] = model.train_step(ctx, upload(ops, activations, ids[s][r]), upload(ops, activations, targets[s][r]), rows, scale);
+    if (clipping) km::clip_grad_norm(params, ops, clip);
+    adam.step(1e-2f);
+  }
+  const std::vector<float> values = host(ops, params.flat_values());
+  for (int r = 0; r < n; ++r) c.out_bytes.push_back(steps * sizeof(double) + values.size() * sizeof(float));
+
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      const std::string rank = "rank " + std::to_string(r);
+      for (int s = 0; s < steps; ++s) {
+        const double g = double_at(got[r], s), w = loss[s][r];
+        if (!(std::abs(g - w) <= 1e-5 * std::abs(w) + 1e-9))
+          return rank + ": the loss of step " + std::to_string(s) + " is " + std::to_string(g) + ", one process's " + std::to_string(w);
+      }
+      const std::size_t at = steps * sizeof(double);
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        float g;
+        std::memcpy(&g, got[r].data() + at + i * sizeof(float), sizeof g);
+        if (!(std::abs(g - values[i]) <= 1e-6f + 1e-4f * std::abs(values[i])))
+          return rank + ": after " + std::to_string(steps) + " steps, parameter element " + std::to_string(i) + " is " +
+                 std::to_string(g) + ", data parallelism's " + std::to_string(values[i]);
+      }
+      if (got[r] != got[0] && std::memcmp(got[r].data() + at, got[0].data() + at, values.size() * sizeof(float)) != 0)
+        return rank + "'s parameters differ from rank 0's";
+    }
+    return "";
+  };
+  return c;
+}
+
+Case draw_pipeline(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const bool one_f_one_b = kind == "pipeline_1f1b" || (kind != "pipeline_gpipe" && rng() % 2);
+  const bool recompute = kind == "pipeline_recompute";
+  const int m = kind == "pipeline_few_micro_batches" ? 1 + static_cast<int>(rng() % std::max(1, n - 1))
+                : index % 3 == 0                      ? 1 + static_cast<int>(rng() % 2)
+                                                      : n + static_cast<int>(rng() % (2 * n));
+  const int rows = 1 + static_cast<int>(rng() % 2);
+  const km::ModelConfig model_config = draw_model(index, n, rng);
+  const std::uint64_t seed = rng(), data = rng();
+  const std::int64_t dropout_seed = static_cast<std::int64_t>(rng() >> 1), step = static_cast<std::int64_t>(rng() % 1000);
+  const std::int64_t dropout_millionths = index % 3 == 0 ? 0 : 100000;
+  const float dropout = static_cast<float>(dropout_millionths) / 1e6f;  // as the rank reads it
+  Case c;
+  c.args[0] = one_f_one_b, c.args[1] = recompute, c.args[2] = m, c.args[3] = rows;
+  put_model(c, model_config, seed);
+  c.args[13] = dropout_seed, c.args[14] = step, c.args[15] = dropout_millionths;
+  c.what = kind + ", " + (one_f_one_b ? "1F1B" : "GPipe") + (recompute ? " with recomputation" : "") + ", " +
+           count(m, "micro-batch") + " of " + count(rows, "row") + ", dropout " +
+           (dropout > 0 ? "0.1" : "off") + ", " + describe(model_config) + " on " + std::to_string(n) + " stages";
+
+  const std::size_t per = static_cast<std::size_t>(rows) * model_config.seq_len;
+  std::vector<std::vector<std::int32_t>> ids, targets;
+  Bytes in;
+  for (int k = 0; k < m; ++k) {
+    ids.push_back(tokens(per, model_config.vocab, data + 1000003u * (2 * k)));
+    targets.push_back(tokens(per, model_config.vocab, data + 1000003u * (2 * k + 1)));
+    append(in, ids[k].data(), per);
+    append(in, targets[k].data(), per);
+  }
+  c.in.assign(n, in);
+
+  // The reference: the unsplit model, the micro-batches one after the other.
+  km::Ops& ops = km::cpu_ops();
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Transformer model(params, model_config);
+  km::Context ctx{ops, ledger, params};
+  params.materialize(ops, ledger, static_cast<std::uint64_t>(c.args[12]));
+  ctx.dropout = dropout;
+  ctx.seed = static_cast<std::uint64_t>(dropout_seed);
+  ctx.step = static_cast<std::uint64_t>(step);
+  params.zero_grads(ops);
+  double loss = 0;
+  for (int k = 0; k < m; ++k) {
+    ctx.row_offset = static_cast<std::int64_t>(k) * rows;
+    loss += model.train_step(ctx, upload(ops, ledger, ids[k]), upload(ops, ledger, targets[k]), rows,
+                             1.0f / static_cast<float>(m * per)) /
+            static_cast<double>(per);
+  }
+  loss /= m;
+  std::map<std::string, std::vector<float>> grads;
+  for (km::ParamId id = 0; id < params.size(); ++id) grads[params.info(id).name] = host(ops, params.grad(id));
+
+  // Each stage's answer: its loss, then the gradients of the parameters its Stage registers.
+  std::vector<Bytes> want(n);
+  for (int s = 0; s < n; ++s) {
+    km::ParamList stage_params;
+    const pipeline_stage::Stage stage(stage_params, model_config, k2c::pipeline_harness::split(model_config.n_layers, n, s), s, n);
+    const double l = s == n - 1 ? loss : 0.0;
+    append(want[s], &l, 1);
+    for (km::ParamId id = 0; id < stage_params.size(); ++id) {
+      const std::vector<float>& g = grads.at(stage_params.info(id).name);
+      append(want[s], g.data(), g.size());
+    }
+    c.out_bytes.push_back(want[s].size());
+  }
+
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int s = 0; s < n; ++s) {
+      if (std::memcmp(got[s].data(), want[s].data(), sizeof(double)) != 0)
+        return "stage " + std::to_string(s) + ": the step's loss is " + std::to_string(double_at(got[s], 0)) + ", not " +
+               std::to_string(double_at(want[s], 0)) + (s == n - 1 ? " (the unsplit model's)" : " (only the last stage has one)");
+      for (std::size_t i = sizeof(double); i < want[s].size(); i += sizeof(float))
+        if (std::memcmp(got[s].data() + i, want[s].data() + i, sizeof(float)) != 0)
+          return "stage " + std::to_string(s) + ": gradient element " + std::to_string((i - sizeof(double)) / sizeof(float)) +
+                 " of the stage's parameters differs from the unsplit model's (bit for bit: same operations, same order)";
+    }
+    return "";
+  };
+  return c;
+}
+
+}  // namespace k2c::rank_witness
