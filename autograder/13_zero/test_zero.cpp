@@ -32,6 +32,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -247,7 +248,8 @@ void zero_case(k2c::dist::testing::RankCase& c) {
   const km::ModelConfig m = km::testing::witness_model(c.args);
   const int steps = static_cast<int>(c.args[3]), rows = static_cast<int>(c.args[13]);
   const ZeroConfig config{.stage = static_cast<int>(c.args[0]), .prefetch = c.args[1] != 0,
-                          .clip = static_cast<double>(c.args[2]) / 1e6};
+                          .clip = static_cast<double>(c.args[2]) / 1e6,
+                          .adamw = {.eps = std::bit_cast<float>(static_cast<std::int32_t>(c.args[14]))}};
   kd::Communicator& w = world();
   km::Ops& ops = km::cpu_ops();
   km::MemoryLedger data;

@@ -37,17 +37,22 @@
 
 #include <unistd.h>
 
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "capstone_testing.h"
+#include "k2c/dist/rank_witness.h"
+#include "k2c/model/dist_testing.h"
 #include "k2c/testing/compare.h"
 #include "k2c/testing/testing.h"
 
@@ -169,6 +174,56 @@ TEST_F(Capstone, GridDp2Ep2MatchesOneRank) {
 // tp × ep: attention cut over tp, experts over ep, the MoE replicated over tp. Each tp rank's ep
 // group is every data rank, so the balance term is one process's, as at ep 2.
 TEST_F(Capstone, GridTp2Ep2MatchesOneRank) { expect_grid_matches("tp2,ep2", Model::moe, 1, Match::tolerance); }
+
+// The grader's own check of a grid (k2c/dist/rank_witness.h; the cases and the layout in
+// autograder/witness/rank_cases_training.cpp): the checker's grid, model, schedule and tokens.
+namespace {
+void grid_case(k2c::dist::testing::RankCase& c) {
+  kc::CapstoneConfig config;
+  config.grid.dp = static_cast<int>(c.args[0]), config.grid.tp = static_cast<int>(c.args[1]);
+  config.grid.pp = static_cast<int>(c.args[2]), config.grid.ep = static_cast<int>(c.args[3]);
+  config.micro_batches = static_cast<int>(c.args[13]);
+  km::TrainConfig& t = config.train;
+  t.model = km::testing::witness_model(c.args);
+  t.seed = static_cast<std::uint64_t>(c.args[12]);
+  t.steps = static_cast<int>(c.args[14]), t.batch = static_cast<int>(c.args[15]);
+  t.eval_every = 0;
+  constexpr std::size_t kFields = 11;
+  std::int64_t f[kFields];
+  if (c.in.size() < sizeof f) throw std::runtime_error("the input is shorter than its fields");
+  std::memcpy(f, c.in.data(), sizeof f);
+  auto as_float = [](std::int64_t bits) { return std::bit_cast<float>(static_cast<std::int32_t>(bits)); };
+  t.model.experts = static_cast<int>(f[0]), t.model.top_k = static_cast<int>(f[1]), t.model.d_expert = f[2];
+  t.model.shared_experts = static_cast<int>(f[3]), t.model.balance_coef = as_float(f[4]);
+  t.lr = as_float(f[5]), t.min_lr = as_float(f[6]), t.clip = as_float(f[7]), t.adamw.eps = as_float(f[8]);
+  t.warmup = static_cast<int>(f[9]);
+  if (f[10] < 0 || c.in.size() != sizeof f + static_cast<std::size_t>(f[10]) * sizeof(std::uint16_t))
+    throw std::runtime_error("the token stream is not the size its field says");
+  std::vector<std::uint16_t> tokens(static_cast<std::size_t>(f[10]));
+  if (!tokens.empty()) std::memcpy(tokens.data(), c.in.data() + sizeof f, tokens.size() * sizeof(std::uint16_t));
+  const kc::LoaderFactory data = [&](bool validation, int rank, int ranks) {
+    return km::TokenLoader(tokens, static_cast<std::uint32_t>(t.model.vocab),
+                           {t.model.seq_len, t.batch, rank, ranks, validation ? 102u : 101u});
+  };
+  kc::GridTrainer trainer(world(), km::cpu_ops(), config, data);
+  std::vector<double> head;
+  for (int s = 0; s < t.steps; ++s) {
+    const km::StepRecord r = trainer.step();
+    head.insert(head.end(), {r.loss, r.grad_norm, r.lr});
+  }
+  const std::vector<float> values = trainer.gather_values();
+  if (c.out.size() != head.size() * sizeof(double) + values.size() * sizeof(float))
+    throw std::runtime_error("gather_values() returned " + std::to_string(values.size()) + " values, not what the model has");
+  std::memcpy(c.out.data(), head.data(), head.size() * sizeof(double));
+  if (!values.empty()) std::memcpy(c.out.data() + head.size() * sizeof(double), values.data(), values.size() * sizeof(float));
+}
+}  // namespace
+
+K2C_RANK_WITNESS(capstone_dp2_tp2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_dp2_pp2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_tp2_pp2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_dp2_ep2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_tp2_ep2) { grid_case(c); }
 
 // A configuration the grid cannot run is refused on every rank before anything is communicated.
 TEST_F(Capstone, RefusesGridsThatDoNotFit) {

@@ -20,6 +20,7 @@ Drawer find_drawer(const std::string& name) {
       {draw_zero, {"zero_stage1", "zero_stage2", "zero_stage3", "zero_uneven_tied", "zero_clipping"}},
       {draw_pipeline, {"pipeline_gpipe", "pipeline_1f1b", "pipeline_few_micro_batches", "pipeline_recompute"}},
       {draw_experts, {"expert_plan", "expert_exchange", "expert_dispatch_combine"}},
+      {draw_capstone, {"capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2"}},
   };
   for (const Entry& e : table)
     for (const char* n : e.names)

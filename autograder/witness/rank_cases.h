@@ -46,5 +46,6 @@ Case draw_pipeline(const std::string& kind, int ranks, int index, std::mt19937_6
 Case draw_rows(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
 Case draw_ring(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
 Case draw_experts(const std::string& kind, int ranks, int index, std::mt19937_64& rng);      // 17
+Case draw_capstone(const std::string& kind, int ranks, int index, std::mt19937_64& rng);     // 18
 
 }  // namespace k2c::rank_witness

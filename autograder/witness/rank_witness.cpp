@@ -1,7 +1,7 @@
 // k2c_rank_witness — the grader's own check of a distributed module's correctness test, in a
 // process that holds no student code. The protocol is in common/include/k2c/dist/rank_witness.h.
 //
-//   k2c_rank_witness NAME --out VERDICT.json --ranks N [--cases C] [--timeout S] [--cwd DIR]
+//   k2c_rank_witness NAME --out VERDICT.json --ranks N [--cases C] [--seed S] [--timeout S] [--cwd DIR]
 //                    [--env K=V]... [--uid U --gid G] -- mpirun ... PROGRAM --k2c_rank_witness=NAME
 //
 // It listens on DIR/rank_witness.sock, starts the command with the socket's path in
@@ -56,6 +56,7 @@ constexpr double kStartSeconds = 120, kCaseSeconds = 30;
 struct Args {
   std::string name, out, cwd;
   int ranks = 0, cases = 3, uid = -1, gid = -1;
+  std::uint64_t seed = 0;  // 0: drawn afresh (the grader's way); else a verdict's seed, to replay its cases
   double timeout_s = 300;
   std::vector<std::pair<std::string, std::string>> env;
   std::vector<std::string> program;
@@ -78,6 +79,7 @@ Args parse(int argc, char** argv) {
     if (arg == "--out") a.out = value();
     else if (arg == "--ranks") a.ranks = std::stoi(value());
     else if (arg == "--cases") a.cases = std::stoi(value());
+    else if (arg == "--seed") a.seed = std::stoull(value());
     else if (arg == "--timeout") a.timeout_s = std::stod(value());
     else if (arg == "--cwd") a.cwd = value();
     else if (arg == "--uid") a.uid = std::stoi(value());
@@ -153,10 +155,16 @@ int run(const Args& a) {
     return 0;
   }
   std::random_device entropy;
-  std::mt19937_64 rng((static_cast<std::uint64_t>(entropy()) << 32) ^ entropy());
+  const std::uint64_t seed = a.seed != 0 ? a.seed : ((static_cast<std::uint64_t>(entropy()) << 32) ^ entropy()) | 1;
+  std::mt19937_64 rng(seed);
   // Every case drawn, and its reference computed, before any rank starts.
   std::vector<rw::Case> cases;
-  for (int k = 0; k < a.cases; ++k) cases.push_back(draw(a.name, a.ranks, k, rng));
+  try {
+    for (int k = 0; k < a.cases; ++k) cases.push_back(draw(a.name, a.ranks, k, rng));
+  } catch (const std::exception& e) {
+    write_verdict(a.out, verdict("grader", "k2c_rank_witness could not draw a case of '" + a.name + "': " + e.what()));
+    return 0;
+  }
   const std::string path = (a.cwd.empty() ? std::string(".") : a.cwd) + "/rank_witness.sock";
   std::string why;
   const int listener = listen_at(path, a.ranks, why);
@@ -196,6 +204,7 @@ int run(const Args& a) {
     close(listener);
     unlink(path.c_str());
     json v = verdict(fault, problem);
+    v["seed"] = std::to_string(seed);  // a string: JSON readers round integers above 2^53
     if (!fault.empty()) v["output"] = child.output.substr(child.output.size() > 4000 ? child.output.size() - 4000 : 0);
     json shapes = json::array();
     for (const rw::Case& c : cases) shapes.push_back(c.what);
