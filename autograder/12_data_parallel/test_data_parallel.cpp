@@ -766,3 +766,46 @@ K2C_RANK_WITNESS(all_reduce_gradients) {
   dp::all_reduce_gradients(world(), s.params);
   transfer(s, ids, grad, c, false);
 }
+
+// DataParallel's buckets: this rank's M sets of gradients from the checker (args[10] = M), each
+// added into the gradients in a backward pass of the witness's own making (the last parameter
+// reports first, as in a model's backward), the last one synchronised; the answer is the
+// gradients after finish_gradients(). args[9]: the bucket size in bytes.
+namespace {
+void bucketed_case(k2c::dist::testing::RankCase& c) {
+  k2c::model::testing::Side s(km::cpu_ops());
+  std::vector<km::ParamId> ids = witness_params(s, c);
+  ids.pop_back();  // the frozen one
+  const int micros = static_cast<int>(c.args[10]);
+  std::size_t count = 0;
+  for (km::ParamId id : ids) count += static_cast<std::size_t>(s.params.grad(id).numel());
+  if (c.in.size() != count * micros * sizeof(float)) throw std::runtime_error("the gradients have an unexpected size");
+  dp::DataParallel ddp(world(), s.params, static_cast<std::size_t>(c.args[9]));
+  s.params.zero_grads(s.ops());
+  for (int m = 0; m < micros; ++m) {
+    ddp.before_backward(m == micros - 1);
+    km::BackwardPass pass(s.params);
+    std::size_t at = count * m;
+    std::vector<std::size_t> first(ids.size());
+    for (std::size_t p = 0; p < ids.size(); ++p) first[p] = at, at += static_cast<std::size_t>(s.params.grad(ids[p]).numel());
+    for (std::size_t p = ids.size(); p-- > 0;) {
+      km::Tensor& g = s.params.grad(ids[p]);
+      std::vector<float> v = s.download(g);
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        float add;
+        std::memcpy(&add, c.in.data() + (first[p] + i) * sizeof(float), sizeof add);
+        v[i] += add;
+      }
+      s.ops().upload(g, v.data());
+      s.params.grad_done(ids[p]);
+    }
+    pass.finish();
+  }
+  ddp.finish_gradients();
+  auto grad = [&](km::ParamId id) -> km::Tensor& { return s.params.grad(id); };
+  transfer(s, ids, grad, c, false);
+}
+}  // namespace
+
+K2C_RANK_WITNESS(all_reduce_buckets) { bucketed_case(c); }
+K2C_RANK_WITNESS(accumulate_buckets) { bucketed_case(c); }

@@ -13,7 +13,7 @@ Drawer find_drawer(const std::string& name) {
   };
   static const Entry table[] = {
       {draw_collectives, {"all_reduce_sum", "all_reduce_max", "reduce_scatter", "all_gather", "all_reduce_in_place"}},
-      {draw_parameters, {"broadcast_parameters", "all_reduce_gradients"}},
+      {draw_parameters, {"broadcast_parameters", "all_reduce_gradients", "all_reduce_buckets", "accumulate_buckets"}},
       {draw_linear, {"column_parallel_forward", "row_parallel_forward"}},
       {draw_rows, {"row_collectives"}},
       {draw_ring, {"ring_attention_causal", "ring_attention_full"}},

@@ -128,15 +128,24 @@ Case draw_collectives(const std::string& kind, int n, int index, std::mt19937_64
   return c;
 }
 
-// Module 12's broadcast of the parameters from rank 0, and its naive all-reduce of the gradients.
-// args: the number of parameters P (2 to 7), then each one's element count; the last one is
-// frozen. broadcast_parameters: every rank gets values of its own for all P and answers what it
-// holds afterwards, rank 0's to the bit. all_reduce_gradients: every rank gets gradients of its
-// own for the P − 1 trainable ones and answers them afterwards, their average over the ranks.
-
+// Module 12's broadcast of the parameters from rank 0, its naive all-reduce of the gradients, and
+// DataParallel's bucketed one. args: the number of parameters P (2 to 7), then each one's element
+// count; the last one is frozen; args[9] the bucket size in bytes, args[10] the micro-batches M.
+//   broadcast_parameters  every rank gets values of its own for all P and answers what it holds
+//                         afterwards, rank 0's to the bit
+//   all_reduce_gradients  every rank gets gradients of its own for the P − 1 trainable ones and
+//                         answers them afterwards, their average over the ranks
+//   all_reduce_buckets / accumulate_buckets
+//                         every rank gets M sets of gradients (M = 1, or 2 to 3 for
+//                         accumulation); for each it runs a backward pass of its own making
+//                         (before_backward(sync on the last), each trainable parameter's set added
+//                         into its gradient and reported done, last parameter first), then
+//                         finish_gradients(), and answers the gradients: for each element the
+//                         average over the ranks of the sum of its M sets
 Case draw_parameters(const std::string& kind, int n, int index, std::mt19937_64& rng) {
-  const bool gradients = kind == "all_reduce_gradients";
+  const bool broadcast = kind == "broadcast_parameters";
   const int params = 2 + static_cast<int>(rng() % 6);
+  const int micros = kind == "accumulate_buckets" ? 2 + static_cast<int>(rng() % 2) : 1;
   Case c;
   c.args[0] = params;
   std::int64_t total = 0, trainable = 0;
@@ -147,30 +156,39 @@ Case draw_parameters(const std::string& kind, int n, int index, std::mt19937_64&
     total += size;
     if (p < params - 1) trainable += size;
   }
-  const std::int64_t count = gradients ? trainable : total;
-  c.what = kind + ", " + std::to_string(params) + " parameters, " + std::to_string(count) + " values on " +
-           std::to_string(n) + " ranks";
+  // Buckets from one float (a bucket per parameter) to more than all of them (one bucket).
+  const std::int64_t bucket_bytes = 4 * (1 + static_cast<std::int64_t>(rng() % (trainable + trainable / 2 + 1)));
+  c.args[9] = bucket_bytes, c.args[10] = micros;
+  const std::int64_t count = broadcast ? total : trainable;
+  c.what = kind + ", " + std::to_string(params) + " parameters, " + std::to_string(count) + " values" +
+           (kind == "all_reduce_buckets" || micros > 1
+                ? ", buckets of " + std::to_string(bucket_bytes) + " bytes, " + std::to_string(micros) + " micro-batch" +
+                      (micros > 1 ? "es" : "")
+                : std::string()) +
+           " on " + std::to_string(n) + " ranks";
   const std::uint64_t seed = rng();
   for (int r = 0; r < n; ++r) {
-    std::vector<float> v(count);
-    for (std::int64_t i = 0; i < count; ++i) v[i] = k2c::uniform_at(seed + r, i, -1.0f, 1.0f);
+    std::vector<float> v(count * micros);
+    for (std::int64_t i = 0; i < count * micros; ++i) v[i] = k2c::uniform_at(seed + r, i, -1.0f, 1.0f);
     c.in.push_back(floats(v));
     c.out_bytes.push_back(count * sizeof(float));
   }
   std::vector<double> mean(count, 0.0);
   for (int r = 0; r < n; ++r)
-    for (std::int64_t i = 0; i < count; ++i) mean[i] += float_at(c.in[r], i) / n;
+    for (int m = 0; m < micros; ++m)
+      for (std::int64_t i = 0; i < count; ++i) mean[i] += float_at(c.in[r], m * count + i) / n;
   const Bytes first = c.in[0];
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r)
       for (std::int64_t i = 0; i < count; ++i) {
-        const double g = float_at(got[r], i), want = gradients ? mean[i] : float_at(first, i);
-        // The average is rounded to fp32 (a few ulps); the broadcast moves bits.
-        if (gradients ? !(std::abs(g - want) <= 1e-6) : std::memcmp(got[r].data() + i * 4, first.data() + i * 4, 4) != 0)
+        const double g = float_at(got[r], i), want = broadcast ? float_at(first, i) : mean[i];
+        // The broadcast moves bits; sums of M values in [-1, 1], averaged, round to fp32 by a few
+        // ulps of M.
+        if (broadcast ? std::memcmp(got[r].data() + i * 4, first.data() + i * 4, 4) != 0 : !(std::abs(g - want) <= 1e-6 * micros))
           return "rank " + std::to_string(r) + ", value " + std::to_string(i) + ": got " + std::to_string(g) +
-                 (gradients ? ", want " : ", rank 0 had ") + std::to_string(want);
+                 (broadcast ? ", rank 0 had " : ", want ") + std::to_string(want);
       }
-    if (gradients)
+    if (!broadcast)
       for (int r = 1; r < n; ++r)
         if (got[r] != got[0]) return "rank " + std::to_string(r) + "'s gradients differ from rank 0's";
     return "";
