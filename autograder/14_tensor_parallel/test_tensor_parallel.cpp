@@ -759,5 +759,43 @@ void linear_case(k2c::dist::testing::RankCase& c, bool column) {
 }
 }  // namespace
 
+// The grader's own check of the parallel MLP's forward and backward (the layout in
+// autograder/witness/rank_cases_training.cpp): the checker's x and dy and the weights' seed;
+// the answer is y, dx and this rank's gradients of gate, up and down, in that order.
+K2C_RANK_WITNESS(parallel_mlp) {
+  const std::int64_t d = c.args[0], f = c.args[1], tokens = c.args[2];
+  km::Ops* ops = parallel_ops();
+  if (ops == nullptr) throw std::runtime_error("this run has no backend for the layers");
+  Side par(*ops);
+  if (c.in.size() != static_cast<std::size_t>(2 * tokens * d) * sizeof(float)) throw std::runtime_error("x and dy have an unexpected size");
+  Host x(tokens * d), dy(tokens * d);
+  std::memcpy(x.data(), c.in.data(), x.size() * sizeof(float));
+  std::memcpy(dy.data(), c.in.data() + x.size() * sizeof(float), dy.size() * sizeof(float));
+  tp::ParallelMlp mlp(group().tp(), par.params, "mlp", d, f);
+  par.materialize(static_cast<std::uint64_t>(c.args[12]));
+  km::Tensor xp = par.upload(x, {tokens, d}), yp = par.poisoned({tokens, d}), dyp = par.upload(dy, {tokens, d}),
+             dxp = par.poisoned({tokens, d});
+  tp::ParallelMlp::Saved saved;
+  mlp.forward(par.ctx, xp, yp, saved);
+  par.params.zero_grads(par.ops());
+  par.params.begin_backward();
+  mlp.backward(par.ctx, xp, saved, dyp, dxp);
+  par.params.end_backward();
+  std::vector<unsigned char> out;
+  auto put = [&out](const Host& v) {
+    const std::size_t at = out.size();
+    out.resize(at + v.size() * sizeof(float));
+    if (!v.empty()) std::memcpy(out.data() + at, v.data(), v.size() * sizeof(float));
+  };
+  put(par.download(yp)), put(par.download(dxp));
+  for (const char* name : {"mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"}) {
+    const km::ParamId id = par.find(name);
+    if (id < 0) throw std::runtime_error(std::string("the parallel MLP registered no ") + name);
+    put(par.download(par.params.grad(id)));
+  }
+  if (out.size() != c.out.size()) throw std::runtime_error("the answer is not the size the checker expects");
+  c.out = std::move(out);
+}
+
 K2C_RANK_WITNESS(column_parallel_forward) { linear_case(c, true); }
 K2C_RANK_WITNESS(row_parallel_forward) { linear_case(c, false); }

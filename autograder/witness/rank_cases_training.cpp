@@ -1,6 +1,6 @@
-// autograder/witness/rank_cases_training.cpp — k2c_rank_witness's cases of the modules that train
-// the model library's transformer over ranks: module 13's ZeRO steps and module 15's pipeline
-// schedules. The checker's reference is the unsplit model in this process, on the library's CPU
+// autograder/witness/rank_cases_training.cpp — k2c_rank_witness's cases whose reference is the
+// model library's: module 13's ZeRO steps, 14's parallel MLP, 15's pipeline schedules and 18's
+// grids. The checker's reference is the unsplit model (or layer) in this process, on the library's CPU
 // backend (compiled into the checker: no student code, and no library a test program could have
 // replaced).
 //
@@ -16,6 +16,15 @@
 // lr/ε times a gradient's difference: every tolerance below then held with ten times less, over
 // 35 rounds or more of every check. Every rank is sent ε.
 //
+// parallel_mlp (module 14)
+//   args: 0 d_model, 1 d_ff (a multiple of the ranks), 2 tokens N, 12 the weights' seed. Every
+//   rank gets x [N, d] then dy [N, d]; it builds tensor_parallel::ParallelMlp "mlp" over all the
+//   ranks, materializes its parameters from the seed (its slices of the weights one process would
+//   make), runs forward and backward, and answers y and dx [N, d] (whole), then the gradients of
+//   "mlp.gate.weight", "mlp.up.weight" and "mlp.down.weight" as it holds them: rows r·F/n.. of
+//   gate and up [F, d], columns r·F/n.. of down [d, F]. Reference: model::Mlp whole, in fp32; sums
+//   cut over ranks add in another order, so each tensor within 1e-5 of its largest |value| plus
+//   1e-4 relative; y and dx the same bits on every rank.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -24,6 +33,7 @@
 
 #include "k2c/core/random.h"
 #include "k2c/model/data.h"
+#include "k2c/model/layers.h"
 #include "k2c/model/ops.h"
 #include "k2c/model/optim.h"
 #include "k2c/model/params.h"
@@ -83,6 +93,12 @@ std::vector<std::int32_t> tokens(std::size_t count, int vocab, std::uint64_t see
 
 km::Tensor upload(km::Ops& ops, km::MemoryLedger& ledger, const std::vector<std::int32_t>& v) {
   km::Tensor t(ops.memory(), ledger, km::Category::activations, {static_cast<std::int64_t>(v.size())}, km::DType::i32);
+  if (!v.empty()) ops.upload(t, v.data());
+  return t;
+}
+
+km::Tensor upload_floats(km::Ops& ops, km::MemoryLedger& ledger, const std::vector<float>& v, km::Shape shape) {
+  km::Tensor t(ops.memory(), ledger, km::Category::activations, shape, km::DType::f32);
   if (!v.empty()) ops.upload(t, v.data());
   return t;
 }
@@ -378,6 +394,83 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
       if (!v.empty()) std::memcpy(v.data(), got[r].data() + head, v.size() * sizeof(float));
       const k2c::CompareReport rep = k2c::compare(v, values, {5e-5, 1e-4, 5e-6});
       if (!rep.ok) return rank + ": the parameters after " + count(static_cast<int>(records.size()), "step") + ": " + rep.summary();
+    }
+    return "";
+  };
+  return c;
+}
+
+Case draw_mlp(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int shape = index % 3;
+  const std::int64_t d = shape == 0 ? 1 : shape == 1 ? 3 + static_cast<std::int64_t>(rng() % 18) : 32 + static_cast<std::int64_t>(rng() % 33);
+  const std::int64_t F = n * (shape == 0 ? 1 : shape == 1 ? 1 + static_cast<std::int64_t>(rng() % 8) : 8 + static_cast<std::int64_t>(rng() % 25));
+  const std::int64_t N = shape == 0 ? 1 : shape == 1 ? 2 + static_cast<std::int64_t>(rng() % 16) : 64 + static_cast<std::int64_t>(rng() % 97);
+  const std::uint64_t seed = rng() >> 1, data = rng();
+  Case c;
+  c.args[0] = d, c.args[1] = F, c.args[2] = N, c.args[12] = static_cast<std::int64_t>(seed);
+  c.what = kind + ", " + count(N, "token") + ", d " + std::to_string(d) + ", d_ff " + std::to_string(F) + " on " +
+           std::to_string(n) + " ranks";
+  std::vector<float> x(N * d), dy(N * d);
+  for (std::int64_t i = 0; i < N * d; ++i) x[i] = k2c::uniform_at(data, i, -1.0f, 1.0f), dy[i] = k2c::uniform_at(data + 1, i, -1.0f, 1.0f);
+  Bytes in;
+  append(in, x.data(), x.size());
+  append(in, dy.data(), dy.size());
+  c.in.assign(n, in);
+
+  // The reference: the whole MLP, one process.
+  km::Ops& ops = km::cpu_ops();
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Context ctx{ops, ledger, params};
+  const km::Mlp mlp(params, "mlp", d, F);
+  params.materialize(ops, ledger, seed);
+  km::Tensor xt = upload_floats(ops, ledger, x, {N, d}), dyt = upload_floats(ops, ledger, dy, {N, d});
+  km::Tensor y = ctx.tensor({N, d}, km::Category::activations), dx = ctx.tensor({N, d}, km::Category::activations);
+  km::Mlp::Saved saved;
+  mlp.forward(ctx, xt, y, saved);
+  params.zero_grads(ops);
+  params.begin_backward();
+  mlp.backward(ctx, xt, saved, dyt, dx);
+  params.end_backward();
+  auto grad = [&](const char* name) {
+    for (km::ParamId id = 0; id < params.size(); ++id)
+      if (params.info(id).name == name) return host(ops, params.grad(id));
+    throw std::logic_error(std::string("model::Mlp has no parameter ") + name);
+  };
+  const std::vector<float> gate = grad("mlp.gate.weight"), up = grad("mlp.up.weight"), down = grad("mlp.down.weight");
+  // Each rank's answer, tensor by tensor: name, values.
+  using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
+  std::vector<Tensors> want(n);
+  const std::int64_t L = F / n;
+  for (int r = 0; r < n; ++r) {
+    Tensors& w = want[r];
+    w.emplace_back("y", host(ops, y));
+    w.emplace_back("dx", host(ops, dx));
+    w.emplace_back("mlp.gate.weight gradient", std::vector<float>(gate.begin() + r * L * d, gate.begin() + (r + 1) * L * d));
+    w.emplace_back("mlp.up.weight gradient", std::vector<float>(up.begin() + r * L * d, up.begin() + (r + 1) * L * d));
+    std::vector<float> cols;
+    for (std::int64_t i = 0; i < d; ++i) cols.insert(cols.end(), down.begin() + i * F + r * L, down.begin() + i * F + (r + 1) * L);
+    w.emplace_back("mlp.down.weight gradient", cols);
+    std::size_t bytes = 0;
+    for (const auto& [name, v] : w) bytes += v.size() * sizeof(float);
+    c.out_bytes.push_back(bytes);
+  }
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      std::size_t at = 0;
+      for (const auto& [name, w] : want[r]) {
+        double top = 0;
+        for (float v : w) top = std::max(top, static_cast<double>(std::abs(v)));
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          const double g = float_at(got[r], at + i);
+          if (!(std::abs(g - w[i]) <= 1e-5 * top + 1e-4 * std::abs(w[i])))
+            return "rank " + std::to_string(r) + ": " + name + ", element " + std::to_string(i) + ": got " + std::to_string(g) +
+                   ", the whole MLP's " + std::to_string(w[i]);
+        }
+        at += w.size();
+      }
+      const std::size_t whole = 2 * sizeof(float) * static_cast<std::size_t>(N * d);
+      if (std::memcmp(got[r].data(), got[0].data(), whole) != 0) return "rank " + std::to_string(r) + "'s y or dx differs from rank 0's";
     }
     return "";
   };
