@@ -31,6 +31,7 @@
 // run: (T1 / Tn) / n.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -795,6 +796,30 @@ K2C_RANK_WITNESS(parallel_mlp) {
   }
   if (out.size() != c.out.size()) throw std::runtime_error("the answer is not the size the checker expects");
   c.out = std::move(out);
+}
+
+// The grader's own check of the vocabulary-parallel cross-entropy (the layout in
+// autograder/witness/rank_cases_layers.cpp): this rank's columns of the checker's logits and the
+// targets; the answer is the loss, then this rank's dlogits.
+K2C_RANK_WITNESS(vocab_parallel_cross_entropy) {
+  const std::int64_t rows = c.args[0], cols = c.args[1] / world().size();
+  const float scale = std::bit_cast<float>(static_cast<std::int32_t>(c.args[2]));
+  km::Ops* ops = parallel_ops();
+  if (ops == nullptr) throw std::runtime_error("this run has no backend for the layers");
+  Side par(*ops);
+  const std::size_t logit_bytes = static_cast<std::size_t>(rows * cols) * sizeof(float);
+  if (c.in.size() != logit_bytes + static_cast<std::size_t>(rows) * sizeof(std::int32_t))
+    throw std::runtime_error("the logits and targets have an unexpected size");
+  Host logits(rows * cols);
+  std::vector<std::int32_t> targets(rows);
+  std::memcpy(logits.data(), c.in.data(), logit_bytes);
+  std::memcpy(targets.data(), c.in.data() + logit_bytes, targets.size() * sizeof(std::int32_t));
+  km::Tensor lp = par.upload(logits, {rows, cols}), tp_targets = par.upload_ids(targets), dp = par.poisoned({rows, cols});
+  const double loss = tp::vocab_parallel_cross_entropy(group().tp(), par.ctx, lp, tp_targets, scale, dp);
+  const Host d = par.download(dp);
+  if (c.out.size() != sizeof loss + d.size() * sizeof(float)) throw std::runtime_error("dlogits has an unexpected size");
+  std::memcpy(c.out.data(), &loss, sizeof loss);
+  std::memcpy(c.out.data() + sizeof loss, d.data(), d.size() * sizeof(float));
 }
 
 K2C_RANK_WITNESS(column_parallel_forward) { linear_case(c, true); }

@@ -1,6 +1,8 @@
 // autograder/witness/rank_cases_layers.cpp — k2c_rank_witness's cases of module 14's
-// tensor-parallel linear layers and module 16's row collectives and ring attention.
+// tensor-parallel linear layers and vocabulary-parallel cross-entropy, and module 16's row
+// collectives and ring attention.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -183,6 +185,76 @@ Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) 
                    std::to_string(rows[r][i] / T) + ", element " + std::to_string(e) + ": got " + std::to_string(g) +
                    ", want " + std::to_string(want);
         }
+    return "";
+  };
+  return c;
+}
+
+// Module 14's vocabulary-parallel cross-entropy. args: N rows, V (a multiple of the ranks),
+// grad_scale (float bits). Rank r gets its columns [r·V/n, (r+1)·V/n) of the logits [N, V], then
+// the targets (int32 [N], global ids, −1 for an ignored row), and answers the loss (double: the
+// sum over counted rows) and dlogits [N, V/n] = grad_scale·(softmax − onehot) on its columns.
+// Some rows are shifted by +100, beyond what exp can take in fp32 without the row maximum taken
+// out first. Reference in double: the loss within 1e-5 relative (fp32 rows of at most a few
+// hundred terms), dlogits within 1e-6·grad_scale + 1e-5 relative; the loss the same bits on every rank.
+Case draw_cross_entropy(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int shape = index % 3;
+  const std::int64_t N = shape == 0 ? 1 : shape == 1 ? 2 + static_cast<std::int64_t>(rng() % 16) : 64 + static_cast<std::int64_t>(rng() % 129);
+  const std::int64_t V = n * (shape == 0 ? 1 : shape == 1 ? 1 + static_cast<std::int64_t>(rng() % 9) : 20 + static_cast<std::int64_t>(rng() % 80));
+  const float scale = 1.0f / static_cast<float>(N + static_cast<std::int64_t>(rng() % 7));
+  Case c;
+  c.args[0] = N, c.args[1] = V, c.args[2] = std::bit_cast<std::int32_t>(scale);
+  c.what = kind + ", " + std::to_string(N) + " row" + (N == 1 ? "" : "s") + " of " + std::to_string(V) + " logits on " +
+           std::to_string(n) + " ranks";
+  const std::uint64_t seed = rng();
+  std::vector<float> logits(N * V);
+  std::vector<std::int32_t> targets(N);
+  for (std::int64_t i = 0; i < N; ++i) {
+    const float shift = shape != 0 && rng() % 4 == 0 ? 100.0f : 0.0f;
+    for (std::int64_t v = 0; v < V; ++v) logits[i * V + v] = shift + k2c::uniform_at(seed, i * V + v, -4.0f, 4.0f);
+    // A few rows ignored (not the only row of the tiny case).
+    targets[i] = shape != 0 && rng() % 8 == 0 ? -1 : static_cast<std::int32_t>(rng() % V);
+  }
+  const std::int64_t L = V / n;
+  for (int r = 0; r < n; ++r) {
+    std::vector<float> mine;
+    for (std::int64_t i = 0; i < N; ++i) mine.insert(mine.end(), logits.begin() + i * V + r * L, logits.begin() + i * V + (r + 1) * L);
+    Bytes in = floats(mine);
+    const std::size_t at = in.size();
+    in.resize(at + targets.size() * sizeof(std::int32_t));
+    std::memcpy(in.data() + at, targets.data(), targets.size() * sizeof(std::int32_t));
+    c.in.push_back(std::move(in));
+    c.out_bytes.push_back(sizeof(double) + N * L * sizeof(float));
+  }
+  double loss = 0;
+  std::vector<double> grad(N * V, 0.0);
+  for (std::int64_t i = 0; i < N; ++i) {
+    if (targets[i] < 0) continue;
+    double top = -1e300, sum = 0;
+    for (std::int64_t v = 0; v < V; ++v) top = std::max(top, double{logits[i * V + v]});
+    for (std::int64_t v = 0; v < V; ++v) sum += std::exp(logits[i * V + v] - top);
+    loss += top + std::log(sum) - logits[i * V + targets[i]];
+    for (std::int64_t v = 0; v < V; ++v)
+      grad[i * V + v] = scale * (std::exp(logits[i * V + v] - top) / sum - (v == targets[i] ? 1.0 : 0.0));
+  }
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      const std::string rank = "rank " + std::to_string(r);
+      double l;
+      std::memcpy(&l, got[r].data(), sizeof l);
+      if (!(std::abs(l - loss) <= 1e-5 * std::max(1.0, std::abs(loss))))
+        return rank + ": the loss is " + std::to_string(l) + ", not " + std::to_string(loss);
+      if (std::memcmp(got[r].data(), got[0].data(), sizeof l) != 0) return rank + "'s loss is not rank 0's to the bit";
+      for (std::int64_t i = 0; i < N; ++i)
+        for (std::int64_t j = 0; j < L; ++j) {
+          float g;
+          std::memcpy(&g, got[r].data() + sizeof l + (i * L + j) * sizeof(float), sizeof g);
+          const double w = grad[i * V + r * L + j];
+          if (!(std::abs(g - w) <= 1e-6 * scale + 1e-5 * std::abs(w)))
+            return rank + ": dlogits of row " + std::to_string(i) + ", column " + std::to_string(r * L + j) + ": got " +
+                   std::to_string(g) + ", want " + std::to_string(w);
+        }
+    }
     return "";
   };
   return c;
