@@ -16,6 +16,7 @@ Drawer find_drawer(const std::string& name) {
       {draw_parameters, {"broadcast_parameters", "all_reduce_gradients", "all_reduce_buckets", "accumulate_buckets"}},
       {draw_linear, {"column_parallel_forward", "row_parallel_forward"}},
       {draw_mlp, {"parallel_mlp"}},
+      {draw_attention, {"parallel_attention"}},
       {draw_cross_entropy, {"vocab_parallel_cross_entropy"}},
       {draw_rows, {"row_collectives"}},
       {draw_ring, {"ring_attention_causal", "ring_attention_full"}},

@@ -16,6 +16,12 @@
 // lr/ε times a gradient's difference: every tolerance below then held with ten times less, over
 // 35 rounds or more of every check. Every rank is sent ε.
 //
+// parallel_attention (module 14)
+//   args: 0 d_model, 1 q_heads, 2 kv_heads (both multiples of the ranks), 3 batch B, 4 T, 12 the
+//   weights' seed. As parallel_mlp, with tensor_parallel::ParallelAttention "attn" (positions
+//   0 .. T − 1): y, dx, then the gradients of attn.wq, wk, wv (this rank's heads' rows) and wo
+//   (their columns). Reference: model::Attention whole.
+//
 // parallel_mlp (module 14)
 //   args: 0 d_model, 1 d_ff (a multiple of the ranks), 2 tokens N, 12 the weights' seed. Every
 //   rank gets x [N, d] then dy [N, d]; it builds tensor_parallel::ParallelMlp "mlp" over all the
@@ -29,6 +35,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 
 #include "k2c/core/random.h"
@@ -120,6 +127,44 @@ double double_at(const Bytes& b, std::size_t i) {
   double v;
   std::memcpy(&v, b.data() + i * sizeof(double), sizeof v);
   return v;
+}
+
+// The judge of a tensor-parallel layer's answers (want: each rank's tensors in order, the first two
+// the whole y and dx of `whole` floats each): each tensor within 1e-5 of its largest |value| plus
+// 1e-4 relative; y and dx the same bits on every rank.
+using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
+std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
+                                                                  const std::string& reference) {
+  return [=](const std::vector<Bytes>& got) -> std::string {
+    for (std::size_t r = 0; r < want.size(); ++r) {
+      std::size_t at = 0;
+      for (const auto& [name, w] : want[r]) {
+        double top = 0;
+        for (float v : w) top = std::max(top, static_cast<double>(std::abs(v)));
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          const double g = float_at(got[r], at + i);
+          if (!(std::abs(g - w[i]) <= 1e-5 * top + 1e-4 * std::abs(w[i])))
+            return "rank " + std::to_string(r) + ": " + name + ", element " + std::to_string(i) + ": got " + std::to_string(g) +
+                   ", " + reference + " " + std::to_string(w[i]);
+        }
+        at += w.size();
+      }
+      if (std::memcmp(got[r].data(), got[0].data(), 2 * whole * sizeof(float)) != 0)
+        return "rank " + std::to_string(r) + "'s y or dx differs from rank 0's";
+    }
+    return "";
+  };
+}
+
+// Rows [first, first + count) of a row-major [rows, cols] matrix, or its columns.
+std::vector<float> row_slice(const std::vector<float>& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
+  return {m.begin() + first * cols, m.begin() + (first + count) * cols};
+}
+std::vector<float> column_slice(const std::vector<float>& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
+  std::vector<float> out;
+  for (std::size_t row = 0; row < m.size() / static_cast<std::size_t>(cols); ++row)
+    out.insert(out.end(), m.begin() + row * cols + first, m.begin() + row * cols + first + count);
+  return out;
 }
 
 }  // namespace
@@ -439,41 +484,81 @@ Case draw_mlp(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   };
   const std::vector<float> gate = grad("mlp.gate.weight"), up = grad("mlp.up.weight"), down = grad("mlp.down.weight");
   // Each rank's answer, tensor by tensor: name, values.
-  using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
   std::vector<Tensors> want(n);
   const std::int64_t L = F / n;
   for (int r = 0; r < n; ++r) {
-    Tensors& w = want[r];
-    w.emplace_back("y", host(ops, y));
-    w.emplace_back("dx", host(ops, dx));
-    w.emplace_back("mlp.gate.weight gradient", std::vector<float>(gate.begin() + r * L * d, gate.begin() + (r + 1) * L * d));
-    w.emplace_back("mlp.up.weight gradient", std::vector<float>(up.begin() + r * L * d, up.begin() + (r + 1) * L * d));
-    std::vector<float> cols;
-    for (std::int64_t i = 0; i < d; ++i) cols.insert(cols.end(), down.begin() + i * F + r * L, down.begin() + i * F + (r + 1) * L);
-    w.emplace_back("mlp.down.weight gradient", cols);
+    want[r] = {{"y", host(ops, y)},
+               {"dx", host(ops, dx)},
+               {"mlp.gate.weight gradient", row_slice(gate, d, r * L, L)},
+               {"mlp.up.weight gradient", row_slice(up, d, r * L, L)},
+               {"mlp.down.weight gradient", column_slice(down, F, r * L, L)}};
     std::size_t bytes = 0;
-    for (const auto& [name, v] : w) bytes += v.size() * sizeof(float);
+    for (const auto& t : want[r]) bytes += t.second.size() * sizeof(float);
     c.out_bytes.push_back(bytes);
   }
-  c.check = [=](const std::vector<Bytes>& got) -> std::string {
-    for (int r = 0; r < n; ++r) {
-      std::size_t at = 0;
-      for (const auto& [name, w] : want[r]) {
-        double top = 0;
-        for (float v : w) top = std::max(top, static_cast<double>(std::abs(v)));
-        for (std::size_t i = 0; i < w.size(); ++i) {
-          const double g = float_at(got[r], at + i);
-          if (!(std::abs(g - w[i]) <= 1e-5 * top + 1e-4 * std::abs(w[i])))
-            return "rank " + std::to_string(r) + ": " + name + ", element " + std::to_string(i) + ": got " + std::to_string(g) +
-                   ", the whole MLP's " + std::to_string(w[i]);
-        }
-        at += w.size();
-      }
-      const std::size_t whole = 2 * sizeof(float) * static_cast<std::size_t>(N * d);
-      if (std::memcmp(got[r].data(), got[0].data(), whole) != 0) return "rank " + std::to_string(r) + "'s y or dx differs from rank 0's";
-    }
-    return "";
-  };
+  c.check = judge_layer(want, static_cast<std::size_t>(N * d), "the whole MLP's");
+  return c;
+}
+
+Case draw_attention(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int shape = index % 3;
+  km::AttentionConfig a;
+  a.kv_heads = n * (shape == 2 ? 1 + static_cast<int>(rng() % 2) : 1);
+  a.q_heads = a.kv_heads * (shape == 0 ? 1 : 1 + static_cast<int>(rng() % 3));
+  const int hd = shape == 0 ? 2 : 2 * (1 + static_cast<int>(rng() % (shape == 1 ? 3 : 8)));
+  a.d_model = a.q_heads * hd;
+  const int B = shape == 0 ? 1 : 1 + static_cast<int>(rng() % 2);
+  const int T = shape == 0 ? 1 : shape == 1 ? 2 + static_cast<int>(rng() % 8) : 16 + static_cast<int>(rng() % 33);
+  const std::int64_t N = std::int64_t{B} * T, d = a.d_model;
+  const std::uint64_t seed = rng() >> 1, data = rng();
+  Case c;
+  c.args[0] = d, c.args[1] = a.q_heads, c.args[2] = a.kv_heads, c.args[3] = B, c.args[4] = T;
+  c.args[12] = static_cast<std::int64_t>(seed);
+  c.what = kind + ", " + std::to_string(B) + " × " + count(T, "token") + ", " + std::to_string(a.q_heads) + "/" +
+           std::to_string(a.kv_heads) + " heads of " + std::to_string(hd) + " on " + std::to_string(n) + " ranks";
+  std::vector<float> x(N * d), dy(N * d);
+  for (std::int64_t i = 0; i < N * d; ++i) x[i] = k2c::uniform_at(data, i, -1.0f, 1.0f), dy[i] = k2c::uniform_at(data + 1, i, -1.0f, 1.0f);
+  Bytes in;
+  append(in, x.data(), x.size());
+  append(in, dy.data(), dy.size());
+  c.in.assign(n, in);
+
+  // The reference: the whole attention layer, one process.
+  km::Ops& ops = km::cpu_ops();
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Context ctx{ops, ledger, params};
+  const km::Attention attention(params, "attn", a);
+  params.materialize(ops, ledger, seed);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
+  for (int t = 0; t < T; ++t) pos[t] = t;
+  km::Tensor xt = upload_floats(ops, ledger, x, {N, d}), dyt = upload_floats(ops, ledger, dy, {N, d}),
+             positions = upload(ops, ledger, pos);
+  km::Tensor y = ctx.tensor({N, d}, km::Category::activations), dx = ctx.tensor({N, d}, km::Category::activations);
+  km::Attention::Saved saved;
+  attention.forward(ctx, xt, positions, B, y, saved);
+  params.zero_grads(ops);
+  params.begin_backward();
+  attention.backward(ctx, xt, positions, B, saved, dyt, dx);
+  params.end_backward();
+  std::map<std::string, std::vector<float>> grads;
+  for (km::ParamId id = 0; id < params.size(); ++id) grads[params.info(id).name] = host(ops, params.grad(id));
+  // Rank r's heads: q heads [r·H/n, ..), key-value heads [r·Hkv/n, ..); wq, wk, wv rows of theirs,
+  // wo its columns.
+  const std::int64_t q_rows = std::int64_t{a.q_heads} / n * hd, kv_rows = std::int64_t{a.kv_heads} / n * hd;
+  std::vector<Tensors> want(n);
+  for (int r = 0; r < n; ++r) {
+    want[r] = {{"y", host(ops, y)},
+               {"dx", host(ops, dx)},
+               {"attn.wq.weight gradient", row_slice(grads.at("attn.wq.weight"), d, r * q_rows, q_rows)},
+               {"attn.wk.weight gradient", row_slice(grads.at("attn.wk.weight"), d, r * kv_rows, kv_rows)},
+               {"attn.wv.weight gradient", row_slice(grads.at("attn.wv.weight"), d, r * kv_rows, kv_rows)},
+               {"attn.wo.weight gradient", column_slice(grads.at("attn.wo.weight"), std::int64_t{a.q_heads} * hd, r * q_rows, q_rows)}};
+    std::size_t bytes = 0;
+    for (const auto& t : want[r]) bytes += t.second.size() * sizeof(float);
+    c.out_bytes.push_back(bytes);
+  }
+  c.check = judge_layer(want, static_cast<std::size_t>(N * d), "the whole attention's");
   return c;
 }
 
