@@ -48,6 +48,19 @@ inline model::Tensor upload_i32(model::Ops& ops, model::MemoryLedger& ledger, co
   return t;
 }
 
+// Micro-batch k of a step, `rows` sequences of the given ids and targets, uploaded into `ledger`.
+inline pipeline_stage::MicroBatch micro_batch(model::Ops& ops, model::MemoryLedger& ledger,
+                                              const std::vector<std::int32_t>& ids,
+                                              const std::vector<std::int32_t>& targets, int rows, int k) {
+  pipeline_stage::MicroBatch mb;
+  mb.ids = upload_i32(ops, ledger, ids);
+  mb.targets = upload_i32(ops, ledger, targets);
+  mb.rows = rows;
+  mb.row_offset = static_cast<std::int64_t>(k) * rows;
+  mb.index = k;
+  return mb;
+}
+
 // m micro-batches of `rows` sequences of arbitrary tokens (for timing: the values do not
 // matter, only that they are valid ids), in `ledger` (kept apart from the stage's own).
 inline std::vector<pipeline_stage::MicroBatch> synthetic_micro_batches(model::Ops& ops, model::MemoryLedger& ledger,
@@ -60,12 +73,7 @@ inline std::vector<pipeline_stage::MicroBatch> synthetic_micro_batches(model::Op
       ids[i] = static_cast<std::int32_t>((i * 7919u + static_cast<std::size_t>(k) * 104729u) % static_cast<std::size_t>(c.vocab));
       targets[i] = static_cast<std::int32_t>((i * 6151u + static_cast<std::size_t>(k) * 3571u) % static_cast<std::size_t>(c.vocab));
     }
-    pipeline_stage::MicroBatch& mb = out[static_cast<std::size_t>(k)];
-    mb.ids = upload_i32(ops, ledger, ids);
-    mb.targets = upload_i32(ops, ledger, targets);
-    mb.rows = rows;
-    mb.row_offset = static_cast<std::int64_t>(k) * rows;
-    mb.index = k;
+    out[static_cast<std::size_t>(k)] = micro_batch(ops, ledger, ids, targets, rows, k);
   }
   return out;
 }

@@ -102,12 +102,7 @@ std::vector<ps::MicroBatch> micro_batches(km::Ops& ops, km::MemoryLedger& ledger
   std::vector<ps::MicroBatch> out(static_cast<std::size_t>(m));
   for (int k = 0; k < m; ++k) {
     const HostBatch h = host_batch(c, step, k, rows);
-    ps::MicroBatch& mb = out[static_cast<std::size_t>(k)];
-    mb.ids = upload_i32(ops, ledger, h.ids);
-    mb.targets = upload_i32(ops, ledger, h.targets);
-    mb.rows = rows;
-    mb.row_offset = static_cast<std::int64_t>(k) * rows;
-    mb.index = k;
+    out[static_cast<std::size_t>(k)] = k2c::pipeline_harness::micro_batch(ops, ledger, h.ids, h.targets, rows, k);
   }
   return out;
 }
@@ -385,12 +380,7 @@ void pipeline_case(k2c::dist::testing::RankCase& c) {
     std::vector<std::int32_t> ids(per), targets(per);
     std::memcpy(ids.data(), c.in.data() + (2 * k) * per * sizeof(std::int32_t), per * sizeof(std::int32_t));
     std::memcpy(targets.data(), c.in.data() + (2 * k + 1) * per * sizeof(std::int32_t), per * sizeof(std::int32_t));
-    ps::MicroBatch& mb = mbs[static_cast<std::size_t>(k)];
-    mb.ids = upload_i32(ops, data, ids);
-    mb.targets = upload_i32(ops, data, targets);
-    mb.rows = rows;
-    mb.row_offset = static_cast<std::int64_t>(k) * rows;
-    mb.index = k;
+    mbs[static_cast<std::size_t>(k)] = k2c::pipeline_harness::micro_batch(ops, data, ids, targets, rows, k);
   }
   const pp::Schedule schedule = c.args[0] ? pp::Schedule::one_f_one_b : pp::Schedule::gpipe;
   const double loss = pp::train_step(p2p, stage, ctx, mbs, {schedule, c.args[1] != 0}, nullptr);

@@ -156,6 +156,18 @@ std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vec
   };
 }
 
+// A layer check's x and dy (count values each, in [-1, 1], from `data`), sent to every rank one
+// after the other.
+std::pair<std::vector<float>, std::vector<float>> send_x_dy(Case& c, int n, std::int64_t count, std::uint64_t data) {
+  std::vector<float> x(count), dy(count);
+  for (std::int64_t i = 0; i < count; ++i) x[i] = k2c::uniform_at(data, i, -1.0f, 1.0f), dy[i] = k2c::uniform_at(data + 1, i, -1.0f, 1.0f);
+  Bytes in;
+  append(in, x.data(), x.size());
+  append(in, dy.data(), dy.size());
+  c.in.assign(n, in);
+  return {x, dy};
+}
+
 // Rows [first, first + count) of a row-major [rows, cols] matrix, or its columns.
 std::vector<float> row_slice(const std::vector<float>& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
   return {m.begin() + first * cols, m.begin() + (first + count) * cols};
@@ -455,12 +467,7 @@ Case draw_mlp(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   c.args[0] = d, c.args[1] = F, c.args[2] = N, c.args[12] = static_cast<std::int64_t>(seed);
   c.what = kind + ", " + count(N, "token") + ", d " + std::to_string(d) + ", d_ff " + std::to_string(F) + " on " +
            std::to_string(n) + " ranks";
-  std::vector<float> x(N * d), dy(N * d);
-  for (std::int64_t i = 0; i < N * d; ++i) x[i] = k2c::uniform_at(data, i, -1.0f, 1.0f), dy[i] = k2c::uniform_at(data + 1, i, -1.0f, 1.0f);
-  Bytes in;
-  append(in, x.data(), x.size());
-  append(in, dy.data(), dy.size());
-  c.in.assign(n, in);
+  const auto [x, dy] = send_x_dy(c, n, N * d, data);
 
   // The reference: the whole MLP, one process.
   km::Ops& ops = km::cpu_ops();
@@ -516,12 +523,7 @@ Case draw_attention(const std::string& kind, int n, int index, std::mt19937_64& 
   c.args[12] = static_cast<std::int64_t>(seed);
   c.what = kind + ", " + std::to_string(B) + " × " + count(T, "token") + ", " + std::to_string(a.q_heads) + "/" +
            std::to_string(a.kv_heads) + " heads of " + std::to_string(hd) + " on " + std::to_string(n) + " ranks";
-  std::vector<float> x(N * d), dy(N * d);
-  for (std::int64_t i = 0; i < N * d; ++i) x[i] = k2c::uniform_at(data, i, -1.0f, 1.0f), dy[i] = k2c::uniform_at(data + 1, i, -1.0f, 1.0f);
-  Bytes in;
-  append(in, x.data(), x.size());
-  append(in, dy.data(), dy.size());
-  c.in.assign(n, in);
+  const auto [x, dy] = send_x_dy(c, n, N * d, data);
 
   // The reference: the whole attention layer, one process.
   km::Ops& ops = km::cpu_ops();
