@@ -765,34 +765,6 @@ void linear_case(k2c::dist::testing::RankCase& c, bool column) {
 // the answer is y, dx and this rank's gradients of the layer's weights, in the contract's order.
 namespace {
 
-// x and dy [tokens, d], one after the other in the checker's input.
-std::pair<Host, Host> witness_x_dy(const k2c::dist::testing::RankCase& c, std::int64_t tokens, std::int64_t d) {
-  if (c.in.size() != static_cast<std::size_t>(2 * tokens * d) * sizeof(float)) throw std::runtime_error("x and dy have an unexpected size");
-  Host x(tokens * d), dy(tokens * d);
-  std::memcpy(x.data(), c.in.data(), x.size() * sizeof(float));
-  std::memcpy(dy.data(), c.in.data() + x.size() * sizeof(float), dy.size() * sizeof(float));
-  return {x, dy};
-}
-
-// y, dx, then the gradients of the parameters named, as this rank holds them.
-void answer_layer(k2c::dist::testing::RankCase& c, Side& par, const km::Tensor& y, const km::Tensor& dx,
-                  std::initializer_list<const char*> names) {
-  std::vector<unsigned char> out;
-  auto put = [&out](const Host& v) {
-    const std::size_t at = out.size();
-    out.resize(at + v.size() * sizeof(float));
-    if (!v.empty()) std::memcpy(out.data() + at, v.data(), v.size() * sizeof(float));
-  };
-  put(par.download(y)), put(par.download(dx));
-  for (const char* name : names) {
-    const km::ParamId id = par.find(name);
-    if (id < 0) throw std::runtime_error(std::string("the layer registered no ") + name);
-    put(par.download(par.params.grad(id)));
-  }
-  if (out.size() != c.out.size()) throw std::runtime_error("the answer is not the size the checker expects");
-  c.out = std::move(out);
-}
-
 km::Ops& witness_ops() {
   km::Ops* ops = parallel_ops();
   if (ops == nullptr) throw std::runtime_error("this run has no backend for the layers");
@@ -805,7 +777,7 @@ km::Ops& witness_ops() {
 K2C_RANK_WITNESS(parallel_mlp) {
   const std::int64_t d = c.args[0], f = c.args[1], tokens = c.args[2];
   Side par(witness_ops());
-  const auto [x, dy] = witness_x_dy(c, tokens, d);
+  const auto [x, dy] = km::testing::witness_x_dy(c, tokens, d);
   tp::ParallelMlp mlp(group().tp(), par.params, "mlp", d, f);
   par.materialize(static_cast<std::uint64_t>(c.args[12]));
   km::Tensor xp = par.upload(x, {tokens, d}), yp = par.poisoned({tokens, d}), dyp = par.upload(dy, {tokens, d}),
@@ -816,7 +788,7 @@ K2C_RANK_WITNESS(parallel_mlp) {
   par.params.begin_backward();
   mlp.backward(par.ctx, xp, saved, dyp, dxp);
   par.params.end_backward();
-  answer_layer(c, par, yp, dxp, {"mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"});
+  km::testing::answer_layer(c, par, yp, dxp, {"mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"});
 }
 
 // args: d_model, q_heads, kv_heads, batch, T; args[12] the seed. Positions 0 .. T − 1.
@@ -826,7 +798,7 @@ K2C_RANK_WITNESS(parallel_attention) {
   const int batch = static_cast<int>(c.args[3]), T = static_cast<int>(c.args[4]);
   const std::int64_t d = a.d_model, tokens = std::int64_t{batch} * T;
   Side par(witness_ops());
-  const auto [x, dy] = witness_x_dy(c, tokens, d);
+  const auto [x, dy] = km::testing::witness_x_dy(c, tokens, d);
   tp::ParallelAttention attention(group().tp(), par.params, "attn", a);
   par.materialize(static_cast<std::uint64_t>(c.args[12]));
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
@@ -839,7 +811,18 @@ K2C_RANK_WITNESS(parallel_attention) {
   par.params.begin_backward();
   attention.backward(par.ctx, xp, positions, batch, saved, dyp, dxp);
   par.params.end_backward();
-  answer_layer(c, par, yp, dxp, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "attn.wo.weight"});
+  km::testing::answer_layer(c, par, yp, dxp, {"attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "attn.wo.weight"});
+}
+
+// The grader's own check of ParallelBlock (layout: k2c/model/dist_testing.h, witness_blocks):
+// blocks of the checker's size over the checker's x and dy, no dropout.
+K2C_RANK_WITNESS(parallel_block) {
+  Side par(witness_ops());
+  const km::testing::WitnessBlocks w = km::testing::witness_blocks(c, par.ctx, world().size());
+  std::vector<tp::ParallelBlock> blocks;
+  for (int b = 0; b < w.blocks; ++b) blocks.emplace_back(group().tp(), par.params, "blocks." + std::to_string(b), w.config);
+  par.materialize(w.weights);
+  km::testing::answer_blocks(c, par, w, blocks);
 }
 
 // The grader's own check of the vocabulary-parallel cross-entropy (the layout in

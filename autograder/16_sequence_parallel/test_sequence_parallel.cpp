@@ -862,6 +862,23 @@ void ring_case(k2c::dist::testing::RankCase& c, bool causal) {
 K2C_RANK_WITNESS(ring_attention_causal) { ring_case(c, true); }
 K2C_RANK_WITNESS(ring_attention_full) { ring_case(c, false); }
 
+// The grader's own checks of SequenceParallelBlock, with sequence parallelism (this rank's rows)
+// and without (all rows), dropout on (layout: k2c/model/dist_testing.h, witness_blocks).
+namespace {
+void block_case(k2c::dist::testing::RankCase& c) {
+  Side par(km::cpu_ops());  // the check runs on the MPI backend: host memory
+  const km::testing::WitnessBlocks w = km::testing::witness_blocks(c, par.ctx, world().size());
+  std::vector<sp::SequenceParallelBlock> blocks;
+  for (int b = 0; b < w.blocks; ++b)
+    blocks.emplace_back(world(), par.params, "blocks." + std::to_string(b), w.config, b, w.sequence_parallel);
+  par.materialize(w.weights);
+  km::testing::answer_blocks(c, par, w, blocks);
+}
+}  // namespace
+
+K2C_RANK_WITNESS(sequence_parallel_block) { block_case(c); }
+K2C_RANK_WITNESS(tensor_parallel_block) { block_case(c); }
+
 // The grader's own check of the row collectives: this rank's shard [M, d] and partial [n·M, d]
 // from the checker; the answer is all_gather_rows' whole, then reduce_scatter_rows' shard.
 // args: M, d.

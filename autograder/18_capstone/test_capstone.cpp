@@ -219,6 +219,13 @@ void grid_case(k2c::dist::testing::RankCase& c) {
 }
 }  // namespace
 
+K2C_RANK_WITNESS(capstone_one_rank) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_one_rank_moe) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_dp2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_tp2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_pp2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_pp2_micro_batches) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_ep2) { grid_case(c); }
 K2C_RANK_WITNESS(capstone_dp2_tp2) { grid_case(c); }
 K2C_RANK_WITNESS(capstone_dp2_pp2) { grid_case(c); }
 K2C_RANK_WITNESS(capstone_tp2_pp2) { grid_case(c); }

@@ -1167,7 +1167,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
         if (ts.rank_witness.empty() || voids_module(m)) continue;
         const auto t = std::find_if(m.tests.begin(), m.tests.end(), [&](const TestOutcome& x) { return x.name == ts.name; });
         if (t == m.tests.end() || t->status != "passed") continue;
-        const int ranks = rank_witness_ranks(spec);
+        const int ranks = ts.rank_witness_ranks > 0 ? ts.rank_witness_ranks : rank_witness_ranks(spec);
         if (!rank_witness.problem.empty() || ranks < 1) {
           t->rechecked = "not checked again: " + (ranks < 1 ? "the rubric runs this module on no MPI ranks"
                                                              : rank_witness.problem);

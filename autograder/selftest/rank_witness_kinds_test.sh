@@ -32,13 +32,14 @@ except Exception as e:
   echo "$module $test ($kind, $ranks ranks): $verdict"
   case "$verdict" in ok*) ;; *) failed=1; tail -n 20 "$work/$kind.log" ;; esac
 done < <(python3 -c 'import json, sys
-# The rank count the grader checks a module at (rank_witness_ranks in autograder/k2c/grade.cpp):
-# three where the rubric runs three ranks, else its largest MPI run up to four.
+# The rank count the grader checks a test at (autograder/k2c/grade.cpp): its own
+# rank_witness_ranks, else three where the rubric runs three ranks, else its largest MPI run up
+# to four.
 for m in json.load(open(sys.argv[1]))["modules"]:
     mpi = [r["ranks"] for r in m.get("runs", []) if r.get("backend") == "mpi"]
     ranks = 3 if 3 in mpi else max([r for r in mpi if r <= 4], default=0)
     for t in m["tests"]:
         if "rank_witness" in t:
-            print(m["id"], ranks, t["name"], t["rank_witness"])' "$root/autograder/rubric.json")
+            print(m["id"], t.get("rank_witness_ranks", ranks), t["name"], t["rank_witness"])' "$root/autograder/rubric.json")
 [ "$failed" = 0 ] || { echo "FAIL: a check does not pass against the reference solutions"; exit 1; }
 echo "PASS: every check of a distributed correctness test passes against the reference solutions"

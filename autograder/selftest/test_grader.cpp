@@ -512,6 +512,14 @@ TEST(Rubric, ARankWitnessBelongsToADistributedCorrectnessTest) {
                k2c::RubricError);
   EXPECT_THROW(parse("mpi", R"({"name": "APerf.Rate", "points": 4, "rank_witness": "all_gather", "perf": {"ceiling": "copy",
                  "unit": "GB/s", "threshold": 0.5, "goal": 0.9, "max_ratio": 1.1}})"),
+               k2c::RubricError);  // Its own rank count must be one the module runs at.
+  EXPECT_EQ(parse("mpi", R"({"name": "A.Correct", "points": 6, "rank_witness": "grid", "rank_witness_ranks": 2})")
+                .modules[0].tests[0].rank_witness_ranks,
+            2);
+  EXPECT_THROW(parse("mpi", R"({"name": "A.Correct", "points": 6, "rank_witness": "grid", "rank_witness_ranks": 3})"),
+               k2c::RubricError);
+  EXPECT_THROW(parse("mpi", R"({"name": "A.Correct", "points": 6, "rank_witness_ranks": 2})"), k2c::RubricError);
+  EXPECT_THROW(parse("mpi", R"({"name": "A.Correct", "points": 6, "rank_witness": "grid", "rank_witness_ranks": 1.5})"),
                k2c::RubricError);
 }
 

@@ -17,13 +17,15 @@ Drawer find_drawer(const std::string& name) {
       {draw_linear, {"column_parallel_forward", "row_parallel_forward"}},
       {draw_mlp, {"parallel_mlp"}},
       {draw_attention, {"parallel_attention"}},
+      {draw_block, {"parallel_block", "tensor_parallel_block", "sequence_parallel_block"}},
       {draw_cross_entropy, {"vocab_parallel_cross_entropy"}},
       {draw_rows, {"row_collectives"}},
       {draw_ring, {"ring_attention_causal", "ring_attention_full"}},
       {draw_zero, {"zero_stage1", "zero_stage2", "zero_stage3", "zero_uneven_tied", "zero_clipping"}},
       {draw_pipeline, {"pipeline_gpipe", "pipeline_1f1b", "pipeline_few_micro_batches", "pipeline_recompute"}},
       {draw_experts, {"expert_plan", "expert_exchange", "expert_dispatch_combine"}},
-      {draw_capstone, {"capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2"}},
+      {draw_capstone, {"capstone_one_rank", "capstone_one_rank_moe", "capstone_dp2", "capstone_tp2", "capstone_pp2",
+                       "capstone_pp2_micro_batches", "capstone_ep2", "capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2"}},
   };
   for (const Entry& e : table)
     for (const char* n : e.names)

@@ -45,6 +45,7 @@ Case draw_linear(const std::string& kind, int ranks, int index, std::mt19937_64&
 Case draw_cross_entropy(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 14
 Case draw_attention(const std::string& kind, int ranks, int index, std::mt19937_64& rng);    // 14
 Case draw_mlp(const std::string& kind, int ranks, int index, std::mt19937_64& rng);          // 14
+Case draw_block(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 14, 16
 Case draw_pipeline(const std::string& kind, int ranks, int index, std::mt19937_64& rng);     // 15
 Case draw_rows(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
 Case draw_ring(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16

@@ -1,6 +1,6 @@
 // autograder/witness/rank_cases_training.cpp — k2c_rank_witness's cases whose reference is the
-// model library's: module 13's ZeRO steps, 14's parallel MLP, 15's pipeline schedules and 18's
-// grids. The checker's reference is the unsplit model (or layer) in this process, on the library's CPU
+// model library's: module 13's ZeRO steps, 14's parallel MLP, attention and blocks, 15's pipeline
+// schedules, 16's blocks and 18's grids. The checker's reference is the unsplit model (or layer) in this process, on the library's CPU
 // backend (compiled into the checker: no student code, and no library a test program could have
 // replaced).
 //
@@ -22,6 +22,17 @@
 //   0 .. T − 1): y, dx, then the gradients of attn.wq, wk, wv (this rank's heads' rows) and wo
 //   (their columns). Reference: model::Attention whole.
 //
+// parallel_block (module 14), tensor_parallel_block and sequence_parallel_block (module 16)
+//   args and input as k2c/model/dist_testing.h's witness_blocks reads them: one or two dense
+//   blocks (heads and d_ff multiples of the ranks), this rank's rows of x and dy (all of them, or
+//   its 1/n under sequence parallelism, T then a multiple of n), and the parameters to answer by
+//   name. Module 16's checks run residual dropout 0.1 at a drawn row offset, seed and step: its
+//   masks are keyed on rows' places in the global batch, so each rank's must be one process's.
+//   The answer is the rank's rows of y and dx, then per block the gradients of norm1 and norm2
+//   (whole) and of the attention's and MLP's weights as module 14 cuts them. Reference:
+//   model::Block whole, judged as parallel_mlp (y and dx compared across ranks only where every
+//   rank holds all rows).
+//
 // parallel_mlp (module 14)
 //   args: 0 d_model, 1 d_ff (a multiple of the ranks), 2 tokens N, 12 the weights' seed. Every
 //   rank gets x [N, d] then dy [N, d]; it builds tensor_parallel::ParallelMlp "mlp" over all the
@@ -39,6 +50,7 @@
 #include <map>
 
 #include "k2c/core/random.h"
+#include "k2c/model/block.h"
 #include "k2c/model/data.h"
 #include "k2c/model/layers.h"
 #include "k2c/model/ops.h"
@@ -131,7 +143,8 @@ double double_at(const Bytes& b, std::size_t i) {
 
 // The judge of a tensor-parallel layer's answers (want: each rank's tensors in order, the first two
 // the whole y and dx of `whole` floats each): each tensor within 1e-5 of its largest |value| plus
-// 1e-4 relative; y and dx the same bits on every rank.
+// 1e-4 relative; y and dx the same bits on every rank (whole = 0: each rank answers rows of its
+// own, not compared across ranks).
 using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
 std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
                                                                   const std::string& reference) {
@@ -149,7 +162,7 @@ std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vec
         }
         at += w.size();
       }
-      if (std::memcmp(got[r].data(), got[0].data(), 2 * whole * sizeof(float)) != 0)
+      if (whole > 0 && std::memcmp(got[r].data(), got[0].data(), 2 * whole * sizeof(float)) != 0)
         return "rank " + std::to_string(r) + "'s y or dx differs from rank 0's";
     }
     return "";
@@ -342,17 +355,30 @@ Case draw_pipeline(const std::string& kind, int n, int index, std::mt19937_64& r
 }
 
 Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  // How closely a grid must follow one process: to the bit where it runs the same operations in
+  // the same order (one rank; pipeline stages of one micro-batch for the loss), else within the
+  // tolerances below.
+  enum class Match { bits, loss_bits, tolerance };
   struct Grid {
     const char* kind;
     int dp, tp, pp, ep, micro_batches;
     bool moe, balanced;
+    Match match;
   };
-  static const Grid grids[] = {{"capstone_dp2_tp2", 2, 2, 1, 1, 1, false, false},
-                               {"capstone_dp2_pp2", 2, 1, 2, 1, 2, false, false},
-                               {"capstone_tp2_pp2", 1, 2, 2, 1, 2, false, false},
+  static const Grid grids[] = {{"capstone_one_rank", 1, 1, 1, 1, 1, false, false, Match::bits},
+                               {"capstone_one_rank_moe", 1, 1, 1, 1, 1, true, true, Match::bits},
+                               {"capstone_dp2", 2, 1, 1, 1, 1, false, false, Match::tolerance},
+                               {"capstone_tp2", 1, 2, 1, 1, 1, false, false, Match::tolerance},
+                               {"capstone_pp2", 1, 1, 2, 1, 1, false, false, Match::loss_bits},
+                               {"capstone_pp2_micro_batches", 1, 1, 2, 1, 4, false, false, Match::tolerance},
+                               // With ep alone the ep group is every data rank: one process's balance term.
+                               {"capstone_ep2", 1, 1, 1, 2, 1, true, true, Match::tolerance},
+                               {"capstone_dp2_tp2", 2, 2, 1, 1, 1, false, false, Match::tolerance},
+                               {"capstone_dp2_pp2", 2, 1, 2, 1, 2, false, false, Match::tolerance},
+                               {"capstone_tp2_pp2", 1, 2, 2, 1, 2, false, false, Match::tolerance},
                                // Under dp × ep each ep group balances its own tokens: no balance term.
-                               {"capstone_dp2_ep2", 2, 1, 1, 2, 1, true, false},
-                               {"capstone_tp2_ep2", 1, 2, 1, 2, 1, true, true}};
+                               {"capstone_dp2_ep2", 2, 1, 1, 2, 1, true, false, Match::tolerance},
+                               {"capstone_tp2_ep2", 1, 2, 1, 2, 1, true, true, Match::tolerance}};
   const Grid* g = nullptr;
   for (const Grid& candidate : grids)
     if (kind == candidate.kind) g = &candidate;
@@ -432,6 +458,7 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
   const std::size_t head = 3 * sizeof(double) * t.steps;
   c.out_bytes.assign(n, head + values.size() * sizeof(float));
 
+  const Match match = g->match;
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r) {
       const std::string rank = "rank " + std::to_string(r);
@@ -439,16 +466,25 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
         const double loss = double_at(got[r], 3 * s), norm = double_at(got[r], 3 * s + 1), lr = double_at(got[r], 3 * s + 2);
         const km::StepRecord& w = records[s];
         const std::string step = rank + ", step " + std::to_string(s) + ": ";
-        if (!(std::abs(loss - w.loss) <= 2e-6 * std::max(1.0, w.loss)))
-          return step + "loss " + std::to_string(loss) + ", one process's " + std::to_string(w.loss);
-        if (!(std::abs(norm - w.grad_norm) <= 5e-6 * w.grad_norm))
-          return step + "gradient norm " + std::to_string(norm) + ", one process's " + std::to_string(w.grad_norm);
+        const bool loss_bits = match != Match::tolerance, norm_bits = match == Match::bits;
+        if (loss_bits ? std::memcmp(&loss, &w.loss, sizeof loss) != 0 : !(std::abs(loss - w.loss) <= 2e-6 * std::max(1.0, w.loss)))
+          return step + "loss " + std::to_string(loss) + ", one process's " + std::to_string(w.loss) + (loss_bits ? " (bit for bit)" : "");
+        if (norm_bits ? std::memcmp(&norm, &w.grad_norm, sizeof norm) != 0 : !(std::abs(norm - w.grad_norm) <= 5e-6 * w.grad_norm))
+          return step + "gradient norm " + std::to_string(norm) + ", one process's " + std::to_string(w.grad_norm) +
+                 (norm_bits ? " (bit for bit)" : "");
         if (lr != w.lr) return step + "learning rate " + std::to_string(lr) + ", the schedule's " + std::to_string(w.lr);
         if (std::memcmp(got[r].data() + 24 * s, got[0].data() + 24 * s, 16) != 0)
           return step + "loss or norm not the same bits as rank 0's";
       }
       std::vector<float> v(values.size());
       if (!v.empty()) std::memcpy(v.data(), got[r].data() + head, v.size() * sizeof(float));
+      if (match == Match::bits) {
+        for (std::size_t i = 0; i < v.size(); ++i)
+          if (!(static_cast<double>(v[i]) == values[i]))
+            return rank + ": parameter " + std::to_string(i) + " after " + count(static_cast<int>(records.size()), "step") +
+                   " is " + std::to_string(v[i]) + ", one process's " + std::to_string(values[i]) + " (bit for bit)";
+        continue;
+      }
       const k2c::CompareReport rep = k2c::compare(v, values, {5e-5, 1e-4, 5e-6});
       if (!rep.ok) return rank + ": the parameters after " + count(static_cast<int>(records.size()), "step") + ": " + rep.summary();
     }
@@ -561,6 +597,113 @@ Case draw_attention(const std::string& kind, int n, int index, std::mt19937_64& 
     c.out_bytes.push_back(bytes);
   }
   c.check = judge_layer(want, static_cast<std::size_t>(N * d), "the whole attention's");
+  return c;
+}
+
+Case draw_block(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const bool sequence_parallel = kind == "sequence_parallel_block", dropout_on = kind != "parallel_block";
+  const int shape = index % 3;
+  km::BlockConfig config;
+  km::AttentionConfig& a = config.attention;
+  a.kv_heads = n * (shape == 2 ? 1 + static_cast<int>(rng() % 2) : 1);
+  a.q_heads = a.kv_heads * (shape == 0 ? 1 : 1 + static_cast<int>(rng() % 2));
+  const int hd = shape == 0 ? 2 : 2 * (1 + static_cast<int>(rng() % (shape == 1 ? 3 : 6)));
+  a.d_model = a.q_heads * hd;
+  config.d_ff = n * (shape == 0 ? 1 : 1 + static_cast<std::int64_t>(rng() % (shape == 1 ? 6 : 20)));
+  // Sequence parallelism cuts batch·T rows into n equal blocks: T a multiple of n there.
+  const int step_t = sequence_parallel ? n : 1;
+  const int B = shape == 0 ? 1 : 1 + static_cast<int>(rng() % 2);
+  const int T = step_t * (shape == 0 ? 1 : shape == 1 ? 1 + static_cast<int>(rng() % 5) : 4 + static_cast<int>(rng() % 6));
+  const int blocks = shape == 0 ? 1 : 1 + static_cast<int>(rng() % 2);
+  const std::int64_t N = std::int64_t{B} * T, d = a.d_model, M = sequence_parallel ? N / n : N;
+  const float dropout = dropout_on ? 0.1f : 0.0f;
+  const std::int64_t row_offset = static_cast<std::int64_t>(rng() % 64), seed = static_cast<std::int64_t>(rng() >> 1),
+                     step = static_cast<std::int64_t>(rng() % 1000);
+  const std::uint64_t weights = rng() >> 1, data = rng();
+  Case c;
+  const std::int64_t args[] = {d, a.q_heads, a.kv_heads, B, T, config.d_ff, blocks, std::bit_cast<std::int32_t>(dropout),
+                               row_offset, seed, step, sequence_parallel, static_cast<std::int64_t>(weights)};
+  std::copy(std::begin(args), std::end(args), c.args);
+  c.what = kind + ", " + count(blocks, "block") + ", " + std::to_string(B) + " × " + count(T, "token") + ", " +
+           std::to_string(a.q_heads) + "/" + std::to_string(a.kv_heads) + " heads of " + std::to_string(hd) + ", d_ff " +
+           std::to_string(config.d_ff) + (dropout_on ? ", dropout 0.1" : "") + " on " + std::to_string(n) + " ranks";
+
+  // The reference: the library's blocks whole, one process, the same dropout masks (keyed on the
+  // rows' places in the global batch).
+  std::vector<float> x(static_cast<std::size_t>(N * d)), dy(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = k2c::uniform_at(data, i, -1.0f, 1.0f), dy[i] = k2c::uniform_at(data + 1, i, -1.0f, 1.0f);
+  km::Ops& ops = km::cpu_ops();
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Context ctx{ops, ledger, params};
+  ctx.dropout = dropout, ctx.row_offset = row_offset, ctx.seed = static_cast<std::uint64_t>(seed), ctx.step = static_cast<std::uint64_t>(step);
+  std::vector<km::Block> whole;
+  for (int b = 0; b < blocks; ++b) whole.emplace_back(params, "blocks." + std::to_string(b), config, b);
+  params.materialize(ops, ledger, weights);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
+  for (int t = 0; t < T; ++t) pos[t] = t;
+  const km::Tensor positions = upload(ops, ledger, pos);
+  std::vector<km::Tensor> acts;
+  std::vector<km::Block::Saved> saved(static_cast<std::size_t>(blocks));
+  acts.push_back(upload_floats(ops, ledger, x, {N, d}));
+  for (int b = 0; b < blocks; ++b) {
+    whole[b].forward(ctx, acts[b], positions, B, false, saved[b]);
+    acts.push_back(ctx.tensor({N, d}, km::Category::activations));
+    ops.copy(acts[b + 1], saved[b].out);
+  }
+  km::Tensor grad = upload_floats(ops, ledger, dy, {N, d});
+  params.zero_grads(ops);
+  params.begin_backward();
+  for (int b = blocks - 1; b >= 0; --b) {
+    km::Tensor dx = ctx.tensor({N, d}, km::Category::activations);
+    whole[b].backward(ctx, acts[b], positions, B, saved[b], grad, dx);
+    grad = std::move(dx);
+  }
+  params.end_backward();
+  std::map<std::string, std::vector<float>> grads;
+  for (km::ParamId id = 0; id < params.size(); ++id) grads[params.info(id).name] = host(ops, params.grad(id));
+  const std::vector<float> y = host(ops, acts.back()), dx = host(ops, grad);
+
+  // Each rank's answer: its rows of y and dx, then per block the norms' gradients whole and the
+  // attention's and MLP's as module 14 cuts them (this rank's heads, its slice of d_ff).
+  const std::int64_t q_rows = std::int64_t{a.q_heads} / n * hd, kv_rows = std::int64_t{a.kv_heads} / n * hd,
+                     L = config.d_ff / n;
+  std::string names;
+  std::vector<Tensors> want(n);
+  for (int r = 0; r < n; ++r) {
+    const std::int64_t first = sequence_parallel ? r * M : 0;
+    want[r] = {{"y (rows " + std::to_string(first) + ".." + std::to_string(first + M) + ")", row_slice(y, d, first, M)},
+               {"dx (rows " + std::to_string(first) + ".." + std::to_string(first + M) + ")", row_slice(dx, d, first, M)}};
+    for (int b = 0; b < blocks; ++b) {
+      const std::string p = "blocks." + std::to_string(b) + ".";
+      const std::pair<std::string, std::vector<float>> tensors[] = {
+          {p + "norm1.weight", grads.at(p + "norm1.weight")},
+          {p + "attn.wq.weight", row_slice(grads.at(p + "attn.wq.weight"), d, r * q_rows, q_rows)},
+          {p + "attn.wk.weight", row_slice(grads.at(p + "attn.wk.weight"), d, r * kv_rows, kv_rows)},
+          {p + "attn.wv.weight", row_slice(grads.at(p + "attn.wv.weight"), d, r * kv_rows, kv_rows)},
+          {p + "attn.wo.weight", column_slice(grads.at(p + "attn.wo.weight"), std::int64_t{a.q_heads} * hd, r * q_rows, q_rows)},
+          {p + "norm2.weight", grads.at(p + "norm2.weight")},
+          {p + "mlp.gate.weight", row_slice(grads.at(p + "mlp.gate.weight"), d, r * L, L)},
+          {p + "mlp.up.weight", row_slice(grads.at(p + "mlp.up.weight"), d, r * L, L)},
+          {p + "mlp.down.weight", column_slice(grads.at(p + "mlp.down.weight"), config.d_ff, r * L, L)}};
+      for (const auto& [name, values] : tensors) {
+        want[r].push_back({name + " gradient", values});
+        if (r == 0) names += name + "\n";
+      }
+    }
+    std::size_t bytes = 0;
+    for (const auto& t : want[r]) bytes += t.second.size() * sizeof(float);
+    c.out_bytes.push_back(bytes);
+  }
+  c.in.resize(n);
+  for (int r = 0; r < n; ++r) {
+    const std::int64_t first = sequence_parallel ? r * M : 0;
+    const std::vector<float> xr = row_slice(x, d, first, M), dyr = row_slice(dy, d, first, M);
+    append(c.in[r], xr.data(), xr.size());
+    append(c.in[r], dyr.data(), dyr.size());
+    append(c.in[r], names.data(), names.size());
+  }
+  c.check = judge_layer(want, sequence_parallel ? 0 : static_cast<std::size_t>(N * d), "the whole blocks'");
   return c;
 }
 

@@ -2,6 +2,7 @@
 // with a message naming the field, not silently award or withhold points.
 #include "k2c/core/rubric.h"
 
+#include <algorithm>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -69,7 +70,7 @@ PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
 }
 
 TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"name", "points", "bonus", "perf", "witness", "rank_witness"});
+  rd.only_keys(j, path, {"name", "points", "bonus", "perf", "witness", "rank_witness", "rank_witness_ranks"});
   TestSpec t;
   t.name = rd.string(j, path, "name");
   static const std::regex kName("[A-Za-z][A-Za-z0-9_]*\\.[A-Za-z][A-Za-z0-9_/]*");
@@ -89,6 +90,13 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
     t.rank_witness = rd.string(j, path, "rank_witness");
     if (t.perf || !t.witness.empty())
       rd.error(path + ".rank_witness", "only a correctness test without a \"witness\" has a rank witness");
+  }
+  if (j.contains("rank_witness_ranks")) {
+    const double ranks = rd.number(j, path, "rank_witness_ranks");
+    if (t.rank_witness.empty()) rd.error(path + ".rank_witness_ranks", "only a test with a \"rank_witness\" has its ranks");
+    if (!(ranks >= 1 && ranks <= 1024 && ranks == static_cast<int>(ranks)))
+      rd.error(path + ".rank_witness_ranks", "expected an integer in 1..1024");
+    t.rank_witness_ranks = static_cast<int>(ranks);
   }
   return t;
 }
@@ -168,6 +176,10 @@ ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path)
     if (!seen.insert(m.tests.back().name).second) rd.error(tp + ".name", "duplicate test");
     if (!m.tests.back().rank_witness.empty() && m.kind != "mpi")
       rd.error(tp + ".rank_witness", "only a module of kind \"mpi\" runs on ranks");
+    const int ranks = m.tests.back().rank_witness_ranks;
+    if (ranks > 0 && std::none_of(m.runs.begin(), m.runs.end(),
+                                  [&](const RunSpec& r) { return r.backend == "mpi" && r.ranks == ranks; }))
+      rd.error(tp + ".rank_witness_ranks", "the module has no MPI run on " + std::to_string(ranks) + " ranks");
   }
   return m;
 }

@@ -54,6 +54,9 @@ struct TestSpec {
   // A distributed module's correctness test: "" or the check the grader runs again itself on the
   // module's ranks, with cases it draws (k2c_rank_witness, autograder/witness/rank_witness.cpp).
   std::string rank_witness;
+  // The rank count of that check: 0 for the module's (three where the rubric runs three ranks,
+  // else its largest MPI run up to four); else one of the module's MPI runs (a grid of 1 or 2).
+  int rank_witness_ranks = 0;
 };
 
 // One launch of a distributed module's test program: `ranks` processes under mpirun, on a backend.

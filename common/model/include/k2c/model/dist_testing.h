@@ -17,11 +17,19 @@
 
 #include <mpi.h>
 
+#include <bit>
+#include <cstring>
+#include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
+#include "k2c/dist/rank_witness.h"
 #include "k2c/dist/testing.h"
+#include "k2c/model/block.h"
 #include "k2c/model/backend.h"
 #include "k2c/model/params.h"
 #include "k2c/model/testing.h"
@@ -39,6 +47,106 @@ inline ModelConfig witness_model(const std::int64_t* args) {
   c.seq_len = static_cast<int>(args[10]), c.tied_head = args[11] != 0;
   c.check();
   return c;
+}
+
+// A layer check's x and dy [rows, d], one after the other at the start of the checker's input;
+// `exact`: nothing may follow them.
+inline std::pair<std::vector<float>, std::vector<float>> witness_x_dy(const k2c::dist::testing::RankCase& c,
+                                                                      std::int64_t rows, std::int64_t d, bool exact = true) {
+  const std::size_t bytes = static_cast<std::size_t>(2 * rows * d) * sizeof(float);
+  if (exact ? c.in.size() != bytes : c.in.size() < bytes) throw std::runtime_error("x and dy have an unexpected size");
+  std::vector<float> x(static_cast<std::size_t>(rows * d)), dy(x.size());
+  if (!x.empty()) {
+    std::memcpy(x.data(), c.in.data(), x.size() * sizeof(float));
+    std::memcpy(dy.data(), c.in.data() + x.size() * sizeof(float), dy.size() * sizeof(float));
+  }
+  return {x, dy};
+}
+
+// A layer check's answer: y, dx, then the gradients of the parameters named, as this rank holds them.
+inline void answer_layer(k2c::dist::testing::RankCase& c, Side& par, const Tensor& y, const Tensor& dx,
+                         const std::vector<std::string>& names) {
+  std::vector<unsigned char> out;
+  auto put = [&out](const std::vector<float>& v) {
+    const std::size_t at = out.size();
+    out.resize(at + v.size() * sizeof(float));
+    if (!v.empty()) std::memcpy(out.data() + at, v.data(), v.size() * sizeof(float));
+  };
+  put(par.download(y)), put(par.download(dx));
+  for (const std::string& name : names) {
+    const ParamId id = par.find(name);
+    if (id < 0) throw std::runtime_error("the layer registered no " + name);
+    put(par.download(par.params.grad(id)));
+  }
+  if (out.size() != c.out.size()) throw std::runtime_error("the answer is not the size the checker expects");
+  c.out = std::move(out);
+}
+
+// A check of blocks (modules 14 and 16; the layout in autograder/witness/rank_cases_training.cpp,
+// draw_block): args 0 d_model, 1 q_heads, 2 kv_heads, 3 batch, 4 T, 5 d_ff, 6 blocks, 7 dropout
+// (the float's bits), 8 row_offset, 9 the dropout seed, 10 the step, 11 sequence parallel (0/1),
+// 12 the weights' seed. The input: this rank's rows of x, then of dy (all rows, or its 1/n of
+// them under sequence parallelism), then the names of the parameters whose gradients it answers,
+// one per line.
+struct WitnessBlocks {
+  BlockConfig config;
+  int batch = 0, seq_len = 0, blocks = 0;
+  bool sequence_parallel = false;
+  std::uint64_t weights = 0;
+  std::int64_t rows = 0;
+  std::vector<float> x, dy;
+  std::vector<std::string> names;
+};
+
+inline WitnessBlocks witness_blocks(k2c::dist::testing::RankCase& c, Context& ctx, int ranks) {
+  WitnessBlocks w;
+  w.config.attention.d_model = static_cast<int>(c.args[0]);
+  w.config.attention.q_heads = static_cast<int>(c.args[1]), w.config.attention.kv_heads = static_cast<int>(c.args[2]);
+  w.batch = static_cast<int>(c.args[3]), w.seq_len = static_cast<int>(c.args[4]);
+  w.config.d_ff = c.args[5], w.blocks = static_cast<int>(c.args[6]);
+  ctx.dropout = std::bit_cast<float>(static_cast<std::int32_t>(c.args[7]));
+  ctx.row_offset = c.args[8], ctx.seed = static_cast<std::uint64_t>(c.args[9]), ctx.step = static_cast<std::uint64_t>(c.args[10]);
+  w.sequence_parallel = c.args[11] != 0, w.weights = static_cast<std::uint64_t>(c.args[12]);
+  if (w.batch < 1 || w.seq_len < 1 || w.blocks < 1 || ranks < 1) throw std::runtime_error("a block case without rows or blocks");
+  w.rows = std::int64_t{w.batch} * w.seq_len / (w.sequence_parallel ? ranks : 1);
+  std::tie(w.x, w.dy) = witness_x_dy(c, w.rows, w.config.attention.d_model, false);
+  const std::size_t at = 2 * w.x.size() * sizeof(float);
+  std::string line;
+  for (std::size_t i = at; i < c.in.size(); ++i)
+    if (c.in[i] == '\n') {
+      w.names.push_back(line);
+      line.clear();
+    } else {
+      line += static_cast<char>(c.in[i]);
+    }
+  return w;
+}
+
+// Runs a check of blocks: `blocks` (made by the caller over this rank's parameters, materialized
+// from w.weights) forward over x then backward from dy, and answers y, dx and the gradients named.
+template <class B>
+void answer_blocks(k2c::dist::testing::RankCase& c, Side& par, const WitnessBlocks& w, const std::vector<B>& blocks) {
+  const std::int64_t d = w.config.attention.d_model;
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(w.seq_len));
+  for (int t = 0; t < w.seq_len; ++t) pos[t] = t;
+  const Tensor positions = par.upload_ids(pos);
+  std::vector<Tensor> acts;  // acts[b]: block b's input; acts.back(): the output
+  std::vector<typename B::Saved> saved(blocks.size());
+  acts.push_back(par.upload(w.x, {w.rows, d}));
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    acts.push_back(par.poisoned({w.rows, d}));
+    blocks[b].forward(par.ctx, acts[b], positions, w.batch, acts[b + 1], saved[b]);
+  }
+  Tensor grad = par.upload(w.dy, {w.rows, d});
+  par.params.zero_grads(par.ops());
+  par.params.begin_backward();
+  for (std::size_t b = blocks.size(); b-- > 0;) {
+    Tensor dx = par.poisoned({w.rows, d});
+    blocks[b].backward(par.ctx, acts[b], positions, w.batch, saved[b], grad, dx);
+    grad = std::move(dx);
+  }
+  par.params.end_backward();
+  answer_layer(c, par, acts.back(), grad, w.names);
 }
 
 // Skips (on every rank alike) where K2C_REQUIRE_GPU_RANKS does, and in a program built without
