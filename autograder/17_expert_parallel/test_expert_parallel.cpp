@@ -61,6 +61,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -74,6 +75,7 @@
 
 #include "expert_parallel_testing.h"
 #include "k2c/dist/rank_witness.h"
+#include "k2c/model/dist_testing.h"
 #include "k2c/model/moe.h"
 
 using namespace k2c::expert_parallel_testing;  // the shared helpers and the fixture
@@ -344,6 +346,53 @@ void expert_case(k2c::dist::testing::RankCase& c, int which) {
 K2C_RANK_WITNESS(expert_plan) { expert_case(c, 0); }
 K2C_RANK_WITNESS(expert_exchange) { expert_case(c, 1); }
 K2C_RANK_WITNESS(expert_dispatch_combine) { expert_case(c, 2); }
+
+// The grader's own check of the whole layer (the layout in autograder/witness/rank_cases_experts.cpp):
+// the checker's config, router, x and dy; the answer is the balance term, the dropped assignments,
+// y, dx and the gradients it names after reduce_gradients.
+namespace {
+void layer_case(k2c::dist::testing::RankCase& c) {
+  km::MoeConfig cfg;
+  const std::int64_t N = c.args[0];
+  cfg.d_model = static_cast<int>(c.args[1]), cfg.experts = static_cast<int>(c.args[2]), cfg.top_k = static_cast<int>(c.args[3]);
+  cfg.d_expert = c.args[4], cfg.shared_experts = static_cast<int>(c.args[5]);
+  cfg.balance_coef = std::bit_cast<float>(static_cast<std::int32_t>(c.args[6]));
+  Group& g = group();
+  Side s(km::cpu_ops());
+  s.ctx.loss_scale = std::bit_cast<float>(static_cast<std::int32_t>(c.args[7]));
+  const xp::ExpertParallelMoe moe(g.ep(), s.params, "moe", cfg, std::bit_cast<double>(c.args[8]));
+  s.materialize(static_cast<std::uint64_t>(c.args[12]));
+  const std::int64_t d = cfg.d_model;
+  const auto [x, dy] = km::testing::witness_x_dy(c, N, d, false);
+  const std::size_t router_at = 2 * x.size() * sizeof(float), router_bytes = static_cast<std::size_t>(cfg.experts * d) * sizeof(float);
+  if (c.in.size() < router_at + router_bytes) throw std::runtime_error("the input is shorter than the router's weight");
+  Host router(static_cast<std::size_t>(cfg.experts * d));
+  std::memcpy(router.data(), c.in.data() + router_at, router_bytes);
+  const km::ParamId rid = s.find("moe.router.weight");
+  if (rid < 0 || s.params.value(rid).numel() != static_cast<std::int64_t>(router.size()))
+    throw std::runtime_error("the layer has no router weight of [E, d]");
+  s.ops().upload(s.params.value(rid), router.data());
+  km::Tensor xm = s.upload(x, {N, d}), ym = s.poisoned({N, d}), dym = s.upload(dy, {N, d}), dxm = s.poisoned({N, d});
+  xp::ExpertParallelMoe::Saved saved;
+  moe.forward(s.ctx, xm, ym, saved);
+  s.params.zero_grads(s.ops());
+  s.params.begin_backward();
+  moe.backward(s.ctx, xm, saved, dym, dxm);
+  s.params.end_backward();
+  xp::reduce_gradients(g.dense(), g.expert_dp(), s.ctx, moe);
+  const km::testing::WitnessNames names = km::testing::witness_names(c, router_at + router_bytes);
+  std::vector<unsigned char> head(sizeof(double) + 2 * sizeof(std::int64_t));
+  std::memcpy(head.data(), &saved.balance_loss, sizeof(double));
+  std::memcpy(head.data() + 8, &saved.dropped, sizeof(std::int64_t));
+  std::memcpy(head.data() + 16, &saved.group_dropped, sizeof(std::int64_t));
+  km::testing::answer_layer(c, s, ym, dxm, names, std::move(head));
+}
+}  // namespace
+
+K2C_RANK_WITNESS(expert_layer) { layer_case(c); }
+K2C_RANK_WITNESS(expert_layer_top_one) { layer_case(c); }
+K2C_RANK_WITNESS(expert_layer_skewed) { layer_case(c); }
+K2C_RANK_WITNESS(expert_layer_capacity) { layer_case(c); }
 
 
 TEST_F(ExpertParallel, MatchesOneProcess) {

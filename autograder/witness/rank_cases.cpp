@@ -1,6 +1,8 @@
 // autograder/witness/rank_cases.cpp — which drawer makes the cases of which check.
 #include "rank_cases.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <initializer_list>
 
@@ -24,6 +26,7 @@ Drawer find_drawer(const std::string& name) {
       {draw_zero, {"zero_stage1", "zero_stage2", "zero_stage3", "zero_uneven_tied", "zero_clipping"}},
       {draw_pipeline, {"pipeline_gpipe", "pipeline_1f1b", "pipeline_few_micro_batches", "pipeline_recompute"}},
       {draw_experts, {"expert_plan", "expert_exchange", "expert_dispatch_combine"}},
+      {draw_expert_layer, {"expert_layer", "expert_layer_top_one", "expert_layer_skewed", "expert_layer_capacity"}},
       {draw_capstone, {"capstone_one_rank", "capstone_one_rank_moe", "capstone_dp2", "capstone_tp2", "capstone_pp2",
                        "capstone_pp2_micro_batches", "capstone_ep2", "capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2"}},
   };
@@ -32,6 +35,33 @@ Drawer find_drawer(const std::string& name) {
       if (name == n) return e.draw;
   return nullptr;
 }
+
+std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
+                                                                  const std::string& reference) {
+  return [=](const std::vector<Bytes>& got) -> std::string {
+    for (std::size_t r = 0; r < want.size(); ++r) {
+      double largest = 0;  // over all the rank's tensors
+      for (const auto& t : want[r])
+        for (float v : t.second) largest = std::max(largest, static_cast<double>(std::abs(v)));
+      std::size_t at = 0;
+      for (const auto& [name, w] : want[r]) {
+        double top = 1e-3 * largest;
+        for (float v : w) top = std::max(top, static_cast<double>(std::abs(v)));
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          const double g = float_at(got[r], at + i);
+          if (!(std::abs(g - w[i]) <= 1e-5 * top + 1e-4 * std::abs(w[i])))
+            return "rank " + std::to_string(r) + ": " + name + ", element " + std::to_string(i) + ": got " + std::to_string(g) +
+                   ", " + reference + " " + std::to_string(w[i]);
+        }
+        at += w.size();
+      }
+      if (whole > 0 && std::memcmp(got[r].data(), got[0].data(), 2 * whole * sizeof(float)) != 0)
+        return "rank " + std::to_string(r) + "'s y or dx differs from rank 0's";
+    }
+    return "";
+  };
+}
+
 
 Bytes floats(const std::vector<float>& v) {
   Bytes b(v.size() * sizeof(float));

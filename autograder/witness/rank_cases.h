@@ -13,6 +13,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "k2c/dist/rank_witness.h"
@@ -33,6 +34,15 @@ using Drawer = Case (*)(const std::string& kind, int ranks, int index, std::mt19
 // The drawer of check `name`; nullptr for a name no drawer knows.
 Drawer find_drawer(const std::string& name);
 
+// The judge of a layer's answers (want: each rank's tensors in order, named, the first two its y
+// and dx): each tensor within 1e-5 of its largest |value| plus 1e-4 relative, the first element
+// out of it named (a tensor far smaller than the rank's others, such as a gradient that is zero
+// but for rounding, within 1e-8 of the rank's largest |value|); where every rank answers the whole y and dx (`whole` floats each, > 0), those
+// must be the same bits on every rank.
+using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
+std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
+                                                                  const std::string& reference);
+
 // fp32 values as bytes, and back.
 Bytes floats(const std::vector<float>& v);
 float float_at(const Bytes& b, std::size_t i);
@@ -50,6 +60,7 @@ Case draw_pipeline(const std::string& kind, int ranks, int index, std::mt19937_6
 Case draw_rows(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
 Case draw_ring(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
 Case draw_experts(const std::string& kind, int ranks, int index, std::mt19937_64& rng);      // 17
+Case draw_expert_layer(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 17
 Case draw_capstone(const std::string& kind, int ranks, int index, std::mt19937_64& rng);     // 18
 
 }  // namespace k2c::rank_witness

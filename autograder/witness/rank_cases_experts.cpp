@@ -1,5 +1,5 @@
 // autograder/witness/rank_cases_experts.cpp — k2c_rank_witness's cases of module 17's expert
-// parallelism: the plan, the exchange of rows and back, and dispatch with combine.
+// parallelism: the plan, the exchange of rows and back, dispatch with combine, and the whole layer.
 //
 // args: N tokens per rank, d, E experts (n·L), top_k, capacity C (−1: none). Every rank gets its
 // routing: choices [N·k] (int32, distinct experts per token) and weights [N·k] (fp32), then
@@ -14,11 +14,35 @@
 // The contract's rules (expert_parallel.h): a rank keeps, per expert, its first C assignments in
 // token order; plan order is by expert, then token; the experts' input on rank r is grouped by
 // local expert, then sending rank, then that rank's plan order.
+//
+// expert_layer, expert_layer_top_one, expert_layer_skewed, expert_layer_capacity: the whole layer
+// (ExpertParallelMoe "moe" over all the ranks), forward, backward and reduce_gradients.
+//   args: 0 N tokens per rank, 1 d, 2 E (n·L), 3 top_k, 4 d_expert, 5 shared experts, 6 the
+//   balance coefficient, 7 ctx.loss_scale (both the float's bits), 8 the capacity factor (the
+//   double's bits; 0: none), 12 the weights' seed. Input: the rank's x [N, d], dy [N, d], the
+//   router's weight [E, d] (the checker's: every token's top k + 1 logits at least 1e-3 apart, so
+//   fp32 and double pick the same experts), then the names of the parameters to answer, one per
+//   line. The answer: the balance term (double), the rank's and the group's dropped assignments
+//   (int64), y and dx [N, d], then the gradients named as the rank holds them after
+//   reduce_gradients: the router and the shared expert whole, its experts' slices of the rest.
+//   Skewed: tokens lie near one direction the router's rows point along or against, so expert 0
+//   takes most rows and the last rank's experts none (that rank receives no row at all).
+//   Reference: model::Moe over every rank's tokens in one process; with a capacity, the double
+//   oracle of k2c/reference (per sending rank, as capacity is), no balance term.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <span>
+#include <stdexcept>
 
 #include "k2c/core/random.h"
+#include "k2c/model/moe.h"
+#include "k2c/model/ops.h"
+#include "k2c/model/params.h"
+#include "k2c/reference/reference.h"
 #include "rank_cases.h"
 
 namespace k2c::rank_witness {
@@ -228,6 +252,190 @@ Case draw_experts(const std::string& kind, int n, int index, std::mt19937_64& rn
       }
     }
     return "";
+  };
+  return c;
+}
+
+Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  namespace km = k2c::model;
+  const bool skewed = kind == "expert_layer_skewed" || kind == "expert_layer_capacity";
+  const bool capacity = kind == "expert_layer_capacity";
+  const int shape = index % 3;
+  const int L = 1 + static_cast<int>(rng() % 2), E = n * L;
+  // Skewed routing leaves the last rank's L experts out: top k of the other E − L.
+  const int k_max = std::min(3, skewed ? E - L : E);
+  const int k = kind == "expert_layer_top_one" || shape == 0 ? 1 : 1 + static_cast<int>(rng() % k_max);
+  const int N = shape == 0 ? 1 : shape == 1 ? 2 + static_cast<int>(rng() % 7) : 24 + static_cast<int>(rng() % 41);
+  const int d = shape == 0 ? 2 : shape == 1 ? 2 + static_cast<int>(rng() % 7) : 8 + static_cast<int>(rng() % 17);
+  km::MoeConfig cfg;
+  cfg.d_model = d, cfg.experts = E, cfg.top_k = k;
+  cfg.d_expert = shape == 0 ? 1 : 1 + static_cast<std::int64_t>(rng() % (shape == 1 ? 6 : 24));
+  cfg.shared_experts = static_cast<int>(rng() % 2);
+  cfg.balance_coef = capacity ? 0.0f : 0.01f;
+  const float scale = capacity ? 1.0f : 1.0f / static_cast<float>(n * N);
+  const double factor = capacity ? 0.3 + (rng() % 800) / 1000.0 : 0.0;
+  const std::uint64_t weights = rng() >> 1, data = rng();
+  Case c;
+  const std::int64_t args[] = {N, d, E, k, cfg.d_expert, cfg.shared_experts, std::bit_cast<std::int32_t>(cfg.balance_coef),
+                               std::bit_cast<std::int32_t>(scale), std::bit_cast<std::int64_t>(factor)};
+  std::copy(std::begin(args), std::end(args), c.args);
+  c.args[12] = static_cast<std::int64_t>(weights);
+  const std::int64_t T = std::int64_t{n} * N, C = factor > 0 ? static_cast<std::int64_t>(std::ceil(factor * N * k / E)) : -1;
+  c.what = kind + ", " + std::to_string(N) + (N == 1 ? " token" : " tokens") + " of " + std::to_string(d) + " per rank, top " + std::to_string(k) +
+           " of " + std::to_string(E) + " experts of " + std::to_string(cfg.d_expert) +
+           (cfg.shared_experts ? " and a shared one" : "") + (capacity ? ", capacity " + std::to_string(C) : "") + " on " +
+           std::to_string(n) + " ranks";
+
+  // The router and the tokens. Skewed: a direction u, router rows a_e·u + noise (a_0 = 2, the last
+  // rank's −2, the rest in [−1, 1]), tokens s·u + noise with s in [1, 3].
+  std::vector<double> u(d);
+  for (int j = 0; j < d; ++j) u[j] = (k2c::mix64(data + 5 + j) % 2 ? 1.0 : -1.0) / std::sqrt(static_cast<double>(d));
+  std::vector<float> router(static_cast<std::size_t>(E) * d);
+  for (int e = 0; e < E; ++e) {
+    const double a = e == 0 ? 2.0 : e >= E - L ? -2.0 : k2c::uniform_at(data + 2, e, -1.0f, 1.0f);
+    for (int j = 0; j < d; ++j)
+      router[std::size_t(e) * d + j] = skewed ? static_cast<float>(a * u[j]) + k2c::uniform_at(data + 3, e * d + j, -0.05f, 0.05f)
+                                              : k2c::uniform_at(data + 3, e * d + j, -1.0f, 1.0f);
+  }
+  std::vector<float> x(static_cast<std::size_t>(T) * d), dy(x.size());
+  for (std::int64_t t = 0; t < T; ++t) {
+    // Draw the token again until its top k + 1 logits are clear of each other.
+    for (std::uint64_t attempt = 0;; ++attempt) {
+      if (attempt == 1000) throw std::runtime_error("no token with clear routing margins in 1000 draws");
+      const std::uint64_t key = k2c::mix64(data + 17 * static_cast<std::uint64_t>(t) + (attempt << 32));
+      const double s = 1.0 + 2.0 * k2c::uniform_at(key, 0, 0.0f, 1.0f);
+      for (int j = 0; j < d; ++j)
+        x[t * d + j] = skewed ? static_cast<float>(s * u[j]) + k2c::uniform_at(key, 1 + j, -0.3f, 0.3f) : k2c::uniform_at(key, 1 + j, -1.0f, 1.0f);
+      std::vector<double> logit(E);
+      for (int e = 0; e < E; ++e)
+        for (int j = 0; j < d; ++j) logit[e] += static_cast<double>(x[t * d + j]) * router[std::size_t(e) * d + j];
+      std::sort(logit.begin(), logit.end(), std::greater<>());
+      bool clear = true;
+      for (int j = 0; j + 1 < E && j < k; ++j) clear = clear && logit[j] - logit[j + 1] >= 1e-3;
+      if (clear) break;
+    }
+    for (int j = 0; j < d; ++j) dy[t * d + j] = k2c::uniform_at(data + 1, t * d + j, -1.0f, 1.0f);
+  }
+
+  // The reference's parameters: the whole layer's, from the seed, the router replaced.
+  km::Ops& ops = km::cpu_ops();
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Context ctx{ops, ledger, params};
+  const km::Moe whole(params, "moe", cfg);
+  params.materialize(ops, ledger, weights);
+  auto find = [&](const std::string& name) {
+    for (km::ParamId id = 0; id < params.size(); ++id)
+      if (params.info(id).name == name) return id;
+    throw std::logic_error("model::Moe has no parameter " + name);
+  };
+  ops.upload(params.value(find("moe.router.weight")), router.data());
+  auto host = [&](const km::Tensor& t) {
+    std::vector<float> v(static_cast<std::size_t>(t.numel()));
+    if (!v.empty()) ops.download(v.data(), t);
+    return v;
+  };
+  std::vector<std::string> names = {"moe.router.weight", "moe.experts.gate.weight", "moe.experts.up.weight",
+                                    "moe.experts.down.weight"};
+  if (cfg.shared_experts) names.insert(names.end(), {"moe.shared.gate.weight", "moe.shared.up.weight", "moe.shared.down.weight"});
+
+  std::vector<float> y, dx;
+  std::map<std::string, std::vector<float>> grads;
+  double balance = 0;
+  std::vector<std::int64_t> dropped(n, 0);
+  if (!capacity) {
+    ctx.loss_scale = scale;
+    auto tensor = [&] { return ctx.tensor({T, d}, km::Category::activations); };
+    km::Tensor xt = tensor(), dyt = tensor(), yt = tensor(), dxt = tensor();
+    ops.upload(xt, x.data()), ops.upload(dyt, dy.data());
+    km::Moe::Saved saved;
+    whole.forward(ctx, xt, yt, saved);
+    params.zero_grads(ops);
+    params.begin_backward();
+    whole.backward(ctx, xt, saved, dyt, dxt);
+    params.end_backward();
+    y = host(yt), dx = host(dxt), balance = saved.balance_loss;
+    for (const std::string& name : names) grads[name] = host(params.grad(find(name)));
+  } else {
+    // The oracle, once per sending rank (its capacity counts its own assignments), gradients summed.
+    k2c::ref::MoeLayer layer;
+    layer.hidden = d, layer.ffn = static_cast<int>(cfg.d_expert), layer.shared_ffn = static_cast<int>(cfg.d_expert);
+    layer.shared = cfg.shared_experts, layer.router.experts = E, layer.router.top_k = k, layer.router.normalize = true;
+    layer.capacity = static_cast<int>(C);
+    // The oracle reads the weights through spans: they live here.
+    std::map<std::string, std::vector<float>> held;
+    for (const std::string& name : names) held[name] = host(params.value(find(name)));
+    layer.w_router = held["moe.router.weight"];
+    layer.w1 = held["moe.experts.gate.weight"], layer.w3 = held["moe.experts.up.weight"], layer.w2 = held["moe.experts.down.weight"];
+    if (cfg.shared_experts)  // one shared expert: the Mlp's [F, d], [F, d], [d, F] are the oracle's stacks
+      layer.shared_w1 = held["moe.shared.gate.weight"], layer.shared_w3 = held["moe.shared.up.weight"],
+      layer.shared_w2 = held["moe.shared.down.weight"];
+    std::map<std::string, std::vector<double>> sums;
+    for (int q = 0; q < n; ++q) {
+      const std::span<const float> xq(x.data() + std::size_t(q) * N * d, std::size_t(N) * d),
+          dyq(dy.data() + std::size_t(q) * N * d, std::size_t(N) * d);
+      const k2c::ref::MoeForward f = k2c::ref::moe_forward(xq, N, layer);
+      const k2c::ref::MoeBackward b = k2c::ref::moe_backward(xq, N, layer, dyq);
+      y.insert(y.end(), f.y.begin(), f.y.end()), dx.insert(dx.end(), b.dx.begin(), b.dx.end());
+      dropped[q] = f.dispatch.dropped;
+      const std::pair<const char*, const std::vector<double>*> parts[] = {
+          {"moe.router.weight", &b.dw_router}, {"moe.experts.gate.weight", &b.dw1}, {"moe.experts.up.weight", &b.dw3},
+          {"moe.experts.down.weight", &b.dw2}, {"moe.shared.gate.weight", &b.dshared_w1},
+          {"moe.shared.up.weight", &b.dshared_w3}, {"moe.shared.down.weight", &b.dshared_w2}};
+      for (const auto& [name, v] : parts) {
+        std::vector<double>& sum = sums[name];
+        if (sum.empty()) sum.assign(v->size(), 0.0);
+        for (std::size_t i = 0; i < v->size(); ++i) sum[i] += (*v)[i];
+      }
+    }
+    for (const std::string& name : names) grads[name].assign(sums[name].begin(), sums[name].end());
+  }
+  std::int64_t group_dropped = 0;
+  for (std::int64_t v : dropped) group_dropped += v;
+
+  std::string listed;
+  for (const std::string& name : names) listed += name + "\n";
+  std::vector<Tensors> want(n);
+  for (int r = 0; r < n; ++r) {
+    const std::size_t rows = std::size_t(N) * d, first = std::size_t(r) * rows;
+    want[r] = {{"y (this rank's tokens)", {y.begin() + first, y.begin() + first + rows}},
+               {"dx (this rank's tokens)", {dx.begin() + first, dx.begin() + first + rows}}};
+    for (const std::string& name : names) {
+      const std::vector<float>& g = grads.at(name);
+      const bool expert = name.find(".experts.") != std::string::npos;
+      const std::size_t slice = expert ? g.size() / n : g.size(), at = expert ? r * slice : 0;
+      want[r].push_back({name + " gradient" + (expert ? " (this rank's experts)" : ""), {g.begin() + at, g.begin() + at + slice}});
+    }
+    std::size_t bytes = sizeof(double) + 2 * sizeof(std::int64_t);
+    for (const auto& t : want[r]) bytes += t.second.size() * sizeof(float);
+    c.out_bytes.push_back(bytes);
+    Bytes in;
+    append(in, x.data() + first, rows);
+    append(in, dy.data() + first, rows);
+    append(in, router.data(), router.size());
+    append(in, listed.data(), listed.size());
+    c.in.push_back(std::move(in));
+  }
+  const auto tensors = judge_layer(want, 0, capacity ? "the double oracle's" : "one process's");
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    constexpr std::size_t kHead = sizeof(double) + 2 * sizeof(std::int64_t);
+    std::vector<Bytes> rest;
+    for (int r = 0; r < n; ++r) {
+      const std::string rank = "rank " + std::to_string(r) + ": ";
+      double b;
+      std::int64_t mine, group;
+      std::memcpy(&b, got[r].data(), sizeof b);
+      std::memcpy(&mine, got[r].data() + 8, sizeof mine);
+      std::memcpy(&group, got[r].data() + 16, sizeof group);
+      if (!(std::abs(b - balance) <= 1e-5 * std::abs(balance) + 1e-12))
+        return rank + "the balance term is " + std::to_string(b) + ", one process's " + std::to_string(balance);
+      if (std::memcmp(got[r].data(), got[0].data(), sizeof b) != 0) return rank + "the balance term differs from rank 0's";
+      if (mine != dropped[r] || group != group_dropped)
+        return rank + std::to_string(mine) + " dropped here and " + std::to_string(group) + " in the group, not " +
+               std::to_string(dropped[r]) + " and " + std::to_string(group_dropped) + " (capacity " + std::to_string(C) + ")";
+      rest.emplace_back(got[r].begin() + kHead, got[r].end());
+    }
+    return tensors(rest);
   };
   return c;
 }

@@ -141,34 +141,6 @@ double double_at(const Bytes& b, std::size_t i) {
   return v;
 }
 
-// The judge of a tensor-parallel layer's answers (want: each rank's tensors in order, the first two
-// the whole y and dx of `whole` floats each): each tensor within 1e-5 of its largest |value| plus
-// 1e-4 relative; y and dx the same bits on every rank (whole = 0: each rank answers rows of its
-// own, not compared across ranks).
-using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
-std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
-                                                                  const std::string& reference) {
-  return [=](const std::vector<Bytes>& got) -> std::string {
-    for (std::size_t r = 0; r < want.size(); ++r) {
-      std::size_t at = 0;
-      for (const auto& [name, w] : want[r]) {
-        double top = 0;
-        for (float v : w) top = std::max(top, static_cast<double>(std::abs(v)));
-        for (std::size_t i = 0; i < w.size(); ++i) {
-          const double g = float_at(got[r], at + i);
-          if (!(std::abs(g - w[i]) <= 1e-5 * top + 1e-4 * std::abs(w[i])))
-            return "rank " + std::to_string(r) + ": " + name + ", element " + std::to_string(i) + ": got " + std::to_string(g) +
-                   ", " + reference + " " + std::to_string(w[i]);
-        }
-        at += w.size();
-      }
-      if (whole > 0 && std::memcmp(got[r].data(), got[0].data(), 2 * whole * sizeof(float)) != 0)
-        return "rank " + std::to_string(r) + "'s y or dx differs from rank 0's";
-    }
-    return "";
-  };
-}
-
 // A layer check's x and dy (count values each, in [-1, 1], from `data`), sent to every rank one
 // after the other.
 std::pair<std::vector<float>, std::vector<float>> send_x_dy(Case& c, int n, std::int64_t count, std::uint64_t data) {

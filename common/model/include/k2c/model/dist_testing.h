@@ -63,10 +63,11 @@ inline std::pair<std::vector<float>, std::vector<float>> witness_x_dy(const k2c:
   return {x, dy};
 }
 
-// A layer check's answer: y, dx, then the gradients of the parameters named, as this rank holds them.
+// A layer check's answer: `head` (figures of the check's own, as bytes), y, dx, then the gradients
+// of the parameters named, as this rank holds them.
 inline void answer_layer(k2c::dist::testing::RankCase& c, Side& par, const Tensor& y, const Tensor& dx,
-                         const std::vector<std::string>& names) {
-  std::vector<unsigned char> out;
+                         const std::vector<std::string>& names, std::vector<unsigned char> head = {}) {
+  std::vector<unsigned char> out = std::move(head);
   auto put = [&out](const std::vector<float>& v) {
     const std::size_t at = out.size();
     out.resize(at + v.size() * sizeof(float));
@@ -82,6 +83,22 @@ inline void answer_layer(k2c::dist::testing::RankCase& c, Side& par, const Tenso
   c.out = std::move(out);
 }
 
+// The names of the parameters whose gradients a check asks for: the rest of its input from byte
+// `at`, one per line.
+using WitnessNames = std::vector<std::string>;
+inline WitnessNames witness_names(const k2c::dist::testing::RankCase& c, std::size_t at) {
+  WitnessNames names;
+  std::string line;
+  for (std::size_t i = at; i < c.in.size(); ++i)
+    if (c.in[i] == '\n') {
+      names.push_back(line);
+      line.clear();
+    } else {
+      line += static_cast<char>(c.in[i]);
+    }
+  return names;
+}
+
 // A check of blocks (modules 14 and 16; the layout in autograder/witness/rank_cases_training.cpp,
 // draw_block): args 0 d_model, 1 q_heads, 2 kv_heads, 3 batch, 4 T, 5 d_ff, 6 blocks, 7 dropout
 // (the float's bits), 8 row_offset, 9 the dropout seed, 10 the step, 11 sequence parallel (0/1),
@@ -95,7 +112,7 @@ struct WitnessBlocks {
   std::uint64_t weights = 0;
   std::int64_t rows = 0;
   std::vector<float> x, dy;
-  std::vector<std::string> names;
+  WitnessNames names;
 };
 
 inline WitnessBlocks witness_blocks(k2c::dist::testing::RankCase& c, Context& ctx, int ranks) {
@@ -110,15 +127,7 @@ inline WitnessBlocks witness_blocks(k2c::dist::testing::RankCase& c, Context& ct
   if (w.batch < 1 || w.seq_len < 1 || w.blocks < 1 || ranks < 1) throw std::runtime_error("a block case without rows or blocks");
   w.rows = std::int64_t{w.batch} * w.seq_len / (w.sequence_parallel ? ranks : 1);
   std::tie(w.x, w.dy) = witness_x_dy(c, w.rows, w.config.attention.d_model, false);
-  const std::size_t at = 2 * w.x.size() * sizeof(float);
-  std::string line;
-  for (std::size_t i = at; i < c.in.size(); ++i)
-    if (c.in[i] == '\n') {
-      w.names.push_back(line);
-      line.clear();
-    } else {
-      line += static_cast<char>(c.in[i]);
-    }
+  w.names = witness_names(c, 2 * w.x.size() * sizeof(float));
   return w;
 }
 
