@@ -847,5 +847,38 @@ K2C_RANK_WITNESS(vocab_parallel_cross_entropy) {
   std::memcpy(c.out.data() + sizeof loss, d.data(), d.size() * sizeof(float));
 }
 
+// The grader's own check of the vocabulary-parallel embedding (the layout in
+// autograder/witness/rank_cases_layers.cpp): the checker's ids, this rank's rows of its table and
+// dout; the answer is the lookup, then this rank's gradient. args: V, D, N.
+K2C_RANK_WITNESS(vocab_parallel_embedding) {
+  const std::int64_t V = c.args[0], D = c.args[1], N = c.args[2], rows = V / world().size();
+  const std::size_t id_bytes = static_cast<std::size_t>(N) * sizeof(std::int32_t);
+  if (c.in.size() != id_bytes + static_cast<std::size_t>((rows + N) * D) * sizeof(float))
+    throw std::runtime_error("the ids, table and dout have an unexpected size");
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(N));
+  Host shard(static_cast<std::size_t>(rows * D)), dout(static_cast<std::size_t>(N * D));
+  std::memcpy(ids.data(), c.in.data(), id_bytes);
+  std::memcpy(shard.data(), c.in.data() + id_bytes, shard.size() * sizeof(float));
+  std::memcpy(dout.data(), c.in.data() + id_bytes + shard.size() * sizeof(float), dout.size() * sizeof(float));
+  Side par(witness_ops());
+  const tp::VocabParallelEmbedding embedding(group().tp(), par.params, "tok", V, D);
+  par.materialize(kWeightSeed);
+  km::Tensor& weight = par.params.value(embedding.weight());
+  if (weight.numel() != static_cast<std::int64_t>(shard.size())) throw std::runtime_error("the shard has an unexpected shape");
+  par.ops().upload(weight, shard.data());
+  km::Tensor ip = par.upload_ids(ids), out = par.poisoned({N, D}), dp = par.upload(dout, {N, D});
+  tp::VocabParallelEmbedding::Saved saved;
+  embedding.forward(par.ctx, ip, out, saved);
+  par.params.zero_grads(par.ops());
+  par.params.begin_backward();
+  embedding.backward(par.ctx, saved, dp);
+  par.params.end_backward();
+  Host answer = par.download(out);
+  const Host grad = par.download(par.params.grad(embedding.weight()));
+  answer.insert(answer.end(), grad.begin(), grad.end());
+  if (answer.size() * sizeof(float) != c.out.size()) throw std::runtime_error("the answer has an unexpected size");
+  std::memcpy(c.out.data(), answer.data(), c.out.size());
+}
+
 K2C_RANK_WITNESS(column_parallel_forward) { linear_case(c, true); }
 K2C_RANK_WITNESS(row_parallel_forward) { linear_case(c, false); }

@@ -20,6 +20,7 @@ Drawer find_drawer(const std::string& name) {
       {draw_mlp, {"parallel_mlp"}},
       {draw_attention, {"parallel_attention"}},
       {draw_block, {"parallel_block", "tensor_parallel_block", "sequence_parallel_block"}},
+      {draw_embedding, {"vocab_parallel_embedding"}},
       {draw_cross_entropy, {"vocab_parallel_cross_entropy"}},
       {draw_rows, {"row_collectives"}},
       {draw_ring, {"ring_attention_causal", "ring_attention_full"}},

@@ -52,6 +52,7 @@ Case draw_collectives(const std::string& kind, int ranks, int index, std::mt1993
 Case draw_parameters(const std::string& kind, int ranks, int index, std::mt19937_64& rng);   // 12
 Case draw_zero(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 13
 Case draw_linear(const std::string& kind, int ranks, int index, std::mt19937_64& rng);       // 14
+Case draw_embedding(const std::string& kind, int ranks, int index, std::mt19937_64& rng);    // 14
 Case draw_cross_entropy(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 14
 Case draw_attention(const std::string& kind, int ranks, int index, std::mt19937_64& rng);    // 14
 Case draw_mlp(const std::string& kind, int ranks, int index, std::mt19937_64& rng);          // 14

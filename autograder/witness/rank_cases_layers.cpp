@@ -1,6 +1,6 @@
 // autograder/witness/rank_cases_layers.cpp — k2c_rank_witness's cases of module 14's
-// tensor-parallel linear layers and vocabulary-parallel cross-entropy, and module 16's row
-// collectives and ring attention.
+// tensor-parallel linear layers, vocabulary-parallel embedding and cross-entropy, and module 16's
+// row collectives and ring attention.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -67,6 +67,67 @@ Case draw_linear(const std::string& kind, int n, int index, std::mt19937_64& rng
                    "]: got " + std::to_string(g) + ", want " + std::to_string(want);
         }
       if (!column && got[r] != got[0]) return "rank " + std::to_string(r) + "'s y differs from rank 0's";
+    }
+    return "";
+  };
+  return c;
+}
+
+// Module 14's vocabulary-parallel embedding. args: V (divisible by the ranks), D, N ids. Rank r
+// gets the ids int32 [N] (both edges of every rank's shard, both ends of the vocabulary, repeats),
+// its rows r·V/n.. of the table [V/n, D], and dout [N, D]; it answers the lookup [N, D] (every row
+// the table's, to the bit, the same on every rank), then its shard's gradient [V/n, D] (the sum of
+// the dout rows of its ids, in fp32).
+
+Case draw_embedding(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int shape = index % 3;
+  const std::int64_t V = n * (shape == 0 ? 1 : 1 + static_cast<std::int64_t>(rng() % (shape == 1 ? 5 : 40)));
+  const std::int64_t D = shape == 0 ? 1 : 1 + static_cast<std::int64_t>(rng() % (shape == 1 ? 9 : 64));
+  const std::uint64_t seed = rng();
+  std::vector<std::int32_t> ids;
+  for (int q = 0; q < n; ++q)
+    ids.insert(ids.end(), {static_cast<std::int32_t>(q * V / n), static_cast<std::int32_t>((q + 1) * V / n - 1)});
+  const std::int64_t extra = shape == 0 ? 0 : shape == 1 ? 1 + static_cast<std::int64_t>(rng() % 8) : 50 + static_cast<std::int64_t>(rng() % 150);
+  for (std::int64_t i = 0; i < extra; ++i) ids.push_back(static_cast<std::int32_t>(k2c::mix64(seed + 3 + i) % static_cast<std::uint64_t>(V)));
+  std::shuffle(ids.begin(), ids.end(), rng);
+  const std::int64_t N = static_cast<std::int64_t>(ids.size()), rows = V / n;
+  Case c;
+  c.args[0] = V, c.args[1] = D, c.args[2] = N;
+  c.what = kind + ", " + std::to_string(N) + " ids of " + std::to_string(V) + ", D " + std::to_string(D) + " on " +
+           std::to_string(n) + " ranks";
+  std::vector<float> table(V * D), dout(N * D);
+  for (std::size_t i = 0; i < table.size(); ++i) table[i] = k2c::uniform_at(seed, i, -1.0f, 1.0f);
+  for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = k2c::uniform_at(seed + 1, i, -1.0f, 1.0f);
+  std::vector<float> lookup;
+  std::vector<double> grad(V * D, 0.0);
+  for (std::int64_t t = 0; t < N; ++t) {
+    lookup.insert(lookup.end(), table.begin() + ids[t] * D, table.begin() + (ids[t] + 1) * D);
+    for (std::int64_t j = 0; j < D; ++j) grad[ids[t] * D + j] += dout[t * D + j];
+  }
+  for (int r = 0; r < n; ++r) {
+    Bytes in(ids.size() * sizeof(std::int32_t));
+    std::memcpy(in.data(), ids.data(), in.size());
+    const Bytes shard = floats({table.begin() + r * rows * D, table.begin() + (r + 1) * rows * D}), d = floats(dout);
+    in.insert(in.end(), shard.begin(), shard.end());
+    in.insert(in.end(), d.begin(), d.end());
+    c.in.push_back(std::move(in));
+    c.out_bytes.push_back((N + rows) * D * sizeof(float));
+  }
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    for (int r = 0; r < n; ++r) {
+      const std::string rank = "rank " + std::to_string(r);
+      for (std::int64_t i = 0; i < N * D; ++i)
+        if (std::memcmp(got[r].data() + i * sizeof(float), &lookup[i], sizeof(float)) != 0)
+          return rank + ": the lookup of id " + std::to_string(ids[i / D]) + " (row " + std::to_string(i / D) + "), column " +
+                 std::to_string(i % D) + ": got " + std::to_string(float_at(got[r], i)) + ", the table's " +
+                 std::to_string(lookup[i]) + " (one rank's row plus zeros: exact)";
+      for (std::int64_t i = 0; i < rows * D; ++i) {
+        // A sum of at most N values of at most 1: fp32's rounding in any order stays far below 1e-5·N.
+        const double want = grad[r * rows * D + i], g = float_at(got[r], N * D + i);
+        if (!(std::abs(g - want) <= 1e-6 * static_cast<double>(N) + 1e-6 * std::abs(want)))
+          return rank + ": the gradient of id " + std::to_string(r * rows + i / D) + ", column " + std::to_string(i % D) +
+                 ": got " + std::to_string(g) + ", the sum of its dout rows " + std::to_string(want);
+      }
     }
     return "";
   };
