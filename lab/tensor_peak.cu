@@ -2,7 +2,11 @@
 // issue matrix instructions: mma.sync m16n8k16 (what module 05's Part A is built on) and wgmma
 // m64n256k16 (Part B), bf16 operands, fp32 accumulators, random data, with cuBLAS bf16 at 8192³
 // timed in the same process. These are the instruction paths' ceilings that lecture 05 compares
-// its kernels with: no loads, no stores, no address arithmetic, only the multiplies.
+// its kernels with: no loads, no stores, no address arithmetic, only the multiplies. Then the
+// ceiling of Part A's design once its operands come from shared memory: the reference's warp
+// layout (8 warps as 4 × 2, 64 × 64 warp tiles) reading its fragments by ldmatrix from one fixed,
+// swizzled 256 × 64 + 128 × 64 stage, over and over, with no global memory and no cp.async: what
+// no pipeline around that loop can beat.
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include lab/tensor_peak.cu \
 //        common/src/device.cu -lcublas -lcuda -o /tmp/tensor_peak && /tmp/tensor_peak
 #include <cstdint>
@@ -47,6 +51,63 @@ __global__ void mma_sync_peak(const std::uint32_t* in, float* out, int iters) {
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) s += d[j][0] + d[j][1] + d[j][2] + d[j][3];
   out[blockIdx.x * blockDim.x + threadIdx.x] = s;  // keeps the work; one float a thread
+}
+
+// The smem-fed loop: a block of 8 warps (4 along M × 2 along N, each 64 × 64) over one stage of
+// A [256][64] and B [128][64] bf16 in 128-byte swizzled rows, filled once with random data. Per
+// pass: 4 k steps of 16, each 4 ldmatrix_x4 of A, 4 of B and 32 mma. kSync: a __syncthreads per
+// pass (the reference's one barrier per k tile of 64); kAhead: each k step's fragments are loaded
+// during the previous step's mma (two fragment sets in registers).
+__device__ __forceinline__ std::uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+template <bool kSync, bool kAhead>
+__global__ void __launch_bounds__(256) mma_from_smem(const std::uint32_t* in, float* out, int iters) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const std::uint32_t sa = k2c::tc::smem_addr(smem), sb = sa + 256 * 128;
+  for (int i = threadIdx.x; i < (256 + 128) * 32; i += blockDim.x)
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sa + 4 * i), "r"(in[i % 4096]));
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = warp / 2, wn = warp % 2;
+  const int a_row = wm * 64 + (lane & 15), a_chunk = lane >> 4;
+  const int b_row = wn * 64 + (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
+  float acc[4][8][4] = {};
+  std::uint32_t a[2][4][4], b[2][8][2];
+  auto load = [&](int set, int ks) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) k2c::tc::ldmatrix_x4(a[set][mt], sa + swizzled(a_row + 16 * mt, 2 * ks + a_chunk));
+#pragma unroll
+    for (int nt = 0; nt < 8; nt += 2) {
+      std::uint32_t r[4];
+      k2c::tc::ldmatrix_x4(r, sb + swizzled(b_row + 8 * nt, 2 * ks + b_chunk));
+      b[set][nt][0] = r[0], b[set][nt][1] = r[1], b[set][nt + 1][0] = r[2], b[set][nt + 1][1] = r[3];
+    }
+  };
+  auto multiply = [&](int set) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) k2c::tc::mma_bf16_16816(acc[mt][nt], a[set][mt], b[set][nt]);
+  };
+  if (kAhead) load(0, 0);
+  for (int it = 0; it < iters; ++it) {
+    if (kSync) __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (kAhead) {
+        load((ks + 1) % 2, (ks + 1) % 4);  // the next step's (at the last, the next pass's first)
+        multiply(ks % 2);
+      } else {
+        load(0, ks);
+        multiply(0);
+      }
+    }
+  }
+  float s = 0;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) s += acc[mt][nt][0] + acc[mt][nt][1] + acc[mt][nt][2] + acc[mt][nt][3];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
 // wgmma: every warpgroup multiplies its own 64×64 A tile by a shared 256×64 B tile, both random
@@ -114,6 +175,23 @@ int main() {
   for (int w : {4, 8, 16, 32}) {
     mma_case(std::integral_constant<int, 4>{}, w);
     mma_case(std::integral_constant<int, 8>{}, w);
+  }
+
+  std::printf("mma.sync fed by ldmatrix from one fixed shared-memory stage (8 warps of 64x64):\n");
+  auto smem_case = [&](auto kernel, const char* name, int blocks_per_sm) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 * 1024), "shared memory opt-in");
+    const long long blocks = static_cast<long long>(sms) * blocks_per_sm;
+    const int iters = static_cast<int>(6e12 / (blocks * 8 * 524288.0));
+    const double ms = median_ms([&] { kernel<<<blocks, 256, 48 * 1024>>>(in, out, iters); }, 10);
+    check(cudaGetLastError(), name);
+    char what[96];
+    std::snprintf(what, sizeof what, "%s, %d block(s)/SM", name, blocks_per_sm);
+    report(what, 524288.0 * 8 * iters * blocks, ms);
+  };
+  for (int per_sm : {1, 2}) {
+    smem_case(mma_from_smem<false, false>, "in order", per_sm);
+    smem_case(mma_from_smem<false, true>, "fragments a step ahead", per_sm);
+    smem_case(mma_from_smem<true, false>, "in order, a barrier per 64 of k", per_sm);
   }
 
   std::printf("wgmma m64n256k16 bf16 -> fp32 (A, B from shared memory):\n");
