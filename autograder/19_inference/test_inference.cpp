@@ -34,8 +34,10 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <random>
 #include <set>
@@ -45,6 +47,8 @@
 #include <gtest/gtest.h>
 
 #include "inference_testing.h"
+#include "k2c/dist/rank_witness.h"
+#include "k2c/model/dist_testing.h"
 #include "k2c/model/forwarding_ops.h"
 
 using namespace k2c::inference_testing;  // the shared helpers and the fixture
@@ -506,4 +510,93 @@ TEST_F(Inference, MlaCacheBytesPerToken) {
   EXPECT_NEAR(vs_mha, 32768.0 / 576.0, 1e-9);
   EXPECT_THROW(inf::Mla(registry, "odd", {d, H, 128, 63, 512, 128, 10000.0f}), std::invalid_argument);
   EXPECT_THROW(inf::Mla(registry, "wide", {d, H, 16, 8, 512, 32, 10000.0f}), std::invalid_argument);
+}
+
+// =============================================================================================
+// The grader's own checks (k2c/dist/rank_witness.h; the cases and their layout in
+// autograder/witness/rank_cases_inference.cpp): every rank answers the same case on its own.
+
+namespace {
+
+// Reads `count` values of T from the checker's input at `at`, moving `at` past them.
+template <class T>
+std::vector<T> take(const k2c::dist::testing::RankCase& c, std::size_t& at, std::int64_t count) {
+  const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(T);
+  if (count < 0 || at + bytes > c.in.size()) throw std::runtime_error("the input is shorter than its layout");
+  std::vector<T> v(static_cast<std::size_t>(count));
+  if (bytes) std::memcpy(v.data(), c.in.data() + at, bytes);
+  at += bytes;
+  return v;
+}
+
+void answer(k2c::dist::testing::RankCase& c, const Host& v) {
+  if (v.size() * sizeof(float) != c.out.size()) throw std::runtime_error("the answer is not the size the checker expects");
+  if (!v.empty()) std::memcpy(c.out.data(), v.data(), c.out.size());
+}
+
+}  // namespace
+
+// args: kv_heads, head_dim, q_heads, page_size, pages, split_tokens, S, B, filler tokens.
+K2C_RANK_WITNESS(decode_attention) {
+  const int kv = static_cast<int>(c.args[0]), hd = static_cast<int>(c.args[1]), hq = static_cast<int>(c.args[2]);
+  const int S = static_cast<int>(c.args[6]), B = static_cast<int>(c.args[7]);
+  const std::int64_t filler = c.args[8], row = std::int64_t{kv} * hd;
+  std::size_t at = 0;
+  const std::vector<std::int64_t> length = take<std::int64_t>(c, at, S);
+  const std::vector<std::int32_t> which = take<std::int32_t>(c, at, B);
+  Side s;
+  inf::PagedKvCache cache(s.ctx, {1, kv, hd, static_cast<int>(c.args[3]), static_cast<int>(c.args[4]), false});
+  std::vector<int> ids, fillers;
+  for (int q = 0; q < S; ++q) {
+    fillers.push_back(cache.create(std::max<std::int64_t>(filler, 1)));
+    cache.extend(fillers.back(), filler);
+    ids.push_back(cache.create(length[q]));
+    cache.extend(ids.back(), length[q]);
+    const km::Tensor k = s.upload(take<float>(c, at, length[q] * row), {length[q], row});
+    const km::Tensor v = s.upload(take<float>(c, at, length[q] * row), {length[q], row});
+    cache.write(s.ctx, 0, ids.back(), 0, k, v);
+  }
+  for (int f : fillers) cache.release(f);
+  std::vector<int> seqs;
+  for (std::int32_t w : which) {
+    if (w < 0 || w >= S) throw std::runtime_error("a query names no sequence");
+    seqs.push_back(ids[static_cast<std::size_t>(w)]);
+  }
+  const km::Tensor q = s.upload(take<float>(c, at, std::int64_t{B} * hq * hd), {B, std::int64_t{hq} * hd});
+  km::Tensor o = s.poisoned({B, std::int64_t{hq} * hd});
+  inf::decode_attention(s.ctx, cache, 0, seqs, q, o, static_cast<int>(c.args[5]));
+  answer(c, s.download(o));
+}
+
+// args: pages, page_size, split_tokens, R, 4 .. 11 the model, 12 the weights' seed, 13 init_std.
+K2C_RANK_WITNESS(engine_decode) {
+  km::ModelConfig m = km::testing::witness_model(c.args);
+  m.init_std = std::bit_cast<float>(static_cast<std::int32_t>(c.args[13]));
+  const int R = static_cast<int>(c.args[3]);
+  std::size_t at = 0;
+  const std::vector<std::int32_t> sizes = take<std::int32_t>(c, at, 2 * std::int64_t{R});
+  std::vector<Ids> fed;
+  for (int r = 0; r < R; ++r) fed.push_back(take<std::int32_t>(c, at, std::int64_t{sizes[2 * r]} + sizes[2 * r + 1] - 1));
+  Side s;
+  const km::Transformer transformer(s.params, m);
+  s.materialize(static_cast<std::uint64_t>(c.args[12]));
+  inf::Engine engine(s.ctx, m, static_cast<int>(c.args[0]), static_cast<int>(c.args[1]), static_cast<int>(c.args[2]));
+  std::vector<int> seqs;
+  std::vector<Ids> prompts;
+  int longest = 0;
+  for (int r = 0; r < R; ++r) {
+    seqs.push_back(engine.cache().create(static_cast<std::int64_t>(fed[r].size())));
+    prompts.emplace_back(fed[r].begin(), fed[r].begin() + sizes[2 * r]);
+    longest = std::max(longest, sizes[2 * r + 1]);
+  }
+  Host out = s.download(engine.prefill(seqs, prompts).logits);
+  for (int j = 1; j < longest; ++j) {
+    std::vector<int> running;
+    Ids next;
+    for (int r = 0; r < R; ++r)
+      if (j < sizes[2 * r + 1]) running.push_back(seqs[r]), next.push_back(fed[r][static_cast<std::size_t>(sizes[2 * r] - 1 + j)]);
+    const Host rows = s.download(engine.decode(running, next).logits);
+    out.insert(out.end(), rows.begin(), rows.end());
+  }
+  answer(c, out);
 }

@@ -28,6 +28,8 @@ Drawer find_drawer(const std::string& name) {
       {draw_pipeline, {"pipeline_gpipe", "pipeline_1f1b", "pipeline_few_micro_batches", "pipeline_recompute"}},
       {draw_experts, {"expert_plan", "expert_exchange", "expert_dispatch_combine"}},
       {draw_expert_layer, {"expert_layer", "expert_layer_top_one", "expert_layer_skewed", "expert_layer_capacity"}},
+      {draw_decode_attention, {"decode_attention"}},
+      {draw_engine, {"engine_decode"}},
       {draw_capstone, {"capstone_one_rank", "capstone_one_rank_moe", "capstone_dp2", "capstone_tp2", "capstone_pp2",
                        "capstone_pp2_micro_batches", "capstone_ep2", "capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2"}},
   };

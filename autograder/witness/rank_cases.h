@@ -62,6 +62,8 @@ Case draw_rows(const std::string& kind, int ranks, int index, std::mt19937_64& r
 Case draw_ring(const std::string& kind, int ranks, int index, std::mt19937_64& rng);         // 16
 Case draw_experts(const std::string& kind, int ranks, int index, std::mt19937_64& rng);      // 17
 Case draw_expert_layer(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 17
+Case draw_decode_attention(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 19
+Case draw_engine(const std::string& kind, int ranks, int index, std::mt19937_64& rng);       // 19
 Case draw_capstone(const std::string& kind, int ranks, int index, std::mt19937_64& rng);     // 18
 
 }  // namespace k2c::rank_witness

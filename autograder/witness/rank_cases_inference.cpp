@@ -1,0 +1,230 @@
+// autograder/witness/rank_cases_inference.cpp — k2c_rank_witness's cases of module 19: split-KV
+// decode attention over a paged cache, and the engine's decode steps against a recomputation.
+// Module 19's work is one process's; every rank gets the same case and must answer it alone.
+//
+// decode_attention
+//   args: 0 kv_heads, 1 head_dim, 2 q_heads, 3 page_size, 4 pages, 5 split_tokens, 6 S sequences,
+//   7 B queries, 8 filler tokens F. Input: the lengths int64 [S], the queries' sequences int32 [B]
+//   (indices into the S, repeats allowed), then per sequence its keys and values [length,
+//   kv_heads·head_dim] one after the other, then q [B, q_heads·head_dim]. The rank makes a cache
+//   of one layer ({1, kv_heads, head_dim, page_size, pages}); before each sequence it creates and
+//   extends a filler of F tokens (created for at least one), released at the end, so that the sequences' pages are scattered
+//   over the pool; it writes each sequence's keys and values, runs decode_attention over the
+//   queries' sequences and answers o [B, q_heads·head_dim]. Reference: each query's attention
+//   over its sequence in double (query head h reads key-value head h / (q_heads/kv_heads)).
+//
+// engine_decode
+//   args: 0 pages, 1 page_size, 2 split_tokens, 3 R requests, 4 .. 11 the model (as the training
+//   checks: vocab, d_model, n_layers, q_heads, kv_heads, d_ff, seq_len, tied head), 12 the weights'
+//   seed, 13 init_std (the float's bits; large, so that attention decides the logits). Input: per
+//   request its prompt length and its decode steps (int32 pairs), then each request's fed tokens
+//   int32 [prompt + steps − 1]. The rank builds model::Transformer over its parameters,
+//   materializes them, makes an Engine, creates each request's sequence, prefills the prompts
+//   together, then decodes the requests still running one step at a time with the checker's next
+//   token (teacher forcing, so no greedy choice is involved). The answer: the logits rows in the
+//   order they came, [R] of the prefill, then per decode step those of the running requests in
+//   request order. Reference: model::Transformer::forward over each request's fed tokens in this
+//   process; to the bit where split_tokens ≥ seq_len (the contract: the same operations in the
+//   same order), else each row within 1e-5 of its largest |logit| plus 1e-4 relative.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "k2c/core/random.h"
+#include "k2c/model/ops.h"
+#include "k2c/model/params.h"
+#include "k2c/model/transformer.h"
+#include "rank_cases.h"
+
+namespace k2c::rank_witness {
+
+namespace {
+
+template <class T>
+void append(Bytes& b, const T* v, std::size_t count) {
+  const std::size_t at = b.size();
+  b.resize(at + count * sizeof(T));
+  if (count) std::memcpy(b.data() + at, v, count * sizeof(T));
+}
+
+std::int64_t pages_for(std::int64_t tokens, int page_size) { return (tokens + page_size - 1) / page_size; }
+
+}  // namespace
+
+Case draw_decode_attention(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int shape = index % 3;
+  const int kv = 1 + static_cast<int>(rng() % 2), group = shape == 0 ? 1 : 1 + static_cast<int>(rng() % 4);
+  const int hd = shape == 0 ? 1 : shape == 1 ? 2 + static_cast<int>(rng() % 7) : 16 + static_cast<int>(rng() % 49);
+  const int hq = kv * group, S = shape == 0 ? 1 : 1 + static_cast<int>(rng() % 3);
+  const int page_size = 1 + static_cast<int>(rng() % (shape == 2 ? 16 : 4));
+  const int F = static_cast<int>(rng() % 5);
+  std::vector<std::int64_t> length(S);
+  for (int s = 0; s < S; ++s)
+    length[s] = shape == 0 ? 1 : shape == 1 ? 1 + static_cast<std::int64_t>(rng() % 12) : 20 + static_cast<std::int64_t>(rng() % 180);
+  const int B = S + static_cast<int>(rng() % 3);  // every sequence once, then repeats
+  std::vector<std::int32_t> seqs(B);
+  for (int b = 0; b < B; ++b) seqs[b] = b < S ? b : static_cast<std::int32_t>(rng() % S);
+  std::shuffle(seqs.begin(), seqs.end(), rng);
+  std::int64_t pages = 0;
+  // A filler reserves room for at least one token (create's max_tokens >= 1), even when F = 0.
+  for (int s = 0; s < S; ++s) pages += pages_for(length[s], page_size) + pages_for(std::max(F, 1), page_size);
+  pages += static_cast<std::int64_t>(rng() % 3);
+  const std::int64_t longest = *std::max_element(length.begin(), length.end());
+  const int split = static_cast<int>(rng() % 2 ? longest : 1 + static_cast<std::int64_t>(rng() % longest));
+  Case c;
+  const std::int64_t args[] = {kv, hd, hq, page_size, pages, split, S, B, F};
+  std::copy(std::begin(args), std::end(args), c.args);
+  c.what = kind + ", " + std::to_string(B) + (B == 1 ? " query" : " queries") + " over " + std::to_string(S) +
+           (S == 1 ? " sequence" : " sequences") + " up to " +
+           std::to_string(longest) + " tokens, " + std::to_string(hq) + "/" + std::to_string(kv) + " heads of " +
+           std::to_string(hd) + ", pages of " + std::to_string(page_size) + ", parts of " + std::to_string(split);
+
+  const std::uint64_t data = rng();
+  const std::int64_t row = std::int64_t{kv} * hd;
+  std::vector<std::vector<float>> K(S), V(S);
+  Bytes in;
+  append(in, length.data(), length.size());
+  append(in, seqs.data(), seqs.size());
+  for (int s = 0; s < S; ++s) {
+    for (std::int64_t i = 0; i < length[s] * row; ++i) {
+      K[s].push_back(k2c::uniform_at(data + 2 * s, i, -1.0f, 1.0f));
+      V[s].push_back(k2c::uniform_at(data + 2 * s + 1, i, -1.0f, 1.0f));
+    }
+    append(in, K[s].data(), K[s].size());
+    append(in, V[s].data(), V[s].size());
+  }
+  std::vector<float> q(static_cast<std::size_t>(B) * hq * hd);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = k2c::uniform_at(data + 99, i, -2.0f, 2.0f);
+  append(in, q.data(), q.size());
+  c.in.assign(n, in);
+
+  std::vector<float> o(q.size());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (int b = 0; b < B; ++b) {
+    const int s = seqs[b];
+    for (int h = 0; h < hq; ++h) {
+      const int g = h / group;
+      const float* qv = q.data() + (std::size_t(b) * hq + h) * hd;
+      std::vector<double> p(static_cast<std::size_t>(length[s]));
+      double top = -1e300, sum = 0;
+      for (std::int64_t t = 0; t < length[s]; ++t) {
+        double dot = 0;
+        for (int j = 0; j < hd; ++j) dot += double(qv[j]) * K[s][t * row + g * hd + j];
+        p[t] = dot * scale;
+        top = std::max(top, p[t]);
+      }
+      for (double& v : p) sum += (v = std::exp(v - top));
+      for (int j = 0; j < hd; ++j) {
+        double acc = 0;
+        for (std::int64_t t = 0; t < length[s]; ++t) acc += p[t] * V[s][t * row + g * hd + j];
+        o[(std::size_t(b) * hq + h) * hd + j] = static_cast<float>(acc / sum);
+      }
+    }
+  }
+  std::vector<Tensors> want(n, Tensors{{"o", o}});
+  c.out_bytes.assign(n, o.size() * sizeof(float));
+  c.check = judge_layer(want, 0, "the attention in double's");
+  return c;
+}
+
+Case draw_engine(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  namespace km = k2c::model;
+  const int shape = index % 3;
+  km::ModelConfig m;
+  m.kv_heads = 1 + static_cast<int>(rng() % 2);
+  m.q_heads = m.kv_heads * (shape == 0 ? 1 : 1 + static_cast<int>(rng() % 2));
+  m.d_model = m.q_heads * (shape == 0 ? 2 : 2 * (1 + static_cast<int>(rng() % (shape == 1 ? 3 : 8))));
+  m.vocab = shape == 0 ? 3 + static_cast<int>(rng() % 4) : 5 + static_cast<int>(rng() % (shape == 1 ? 30 : 200));
+  m.n_layers = 1 + static_cast<int>(rng() % 2);
+  m.d_ff = 1 + static_cast<std::int64_t>(rng() % (shape == 0 ? 3 : 40));
+  m.seq_len = shape == 0 ? 2 + static_cast<int>(rng() % 3) : shape == 1 ? 4 + static_cast<int>(rng() % 8) : 16 + static_cast<int>(rng() % 25);
+  m.init_std = 0.3f;
+  m.check();
+  const int R = shape == 0 ? 1 : 1 + static_cast<int>(rng() % 3);
+  std::vector<std::int32_t> prompt(R), steps(R);
+  for (int r = 0; r < R; ++r) {
+    prompt[r] = 1 + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(m.seq_len - 1));
+    steps[r] = 1 + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(m.seq_len - prompt[r]));
+  }
+  const int page_size = 1 + static_cast<int>(rng() % 5);
+  std::int64_t pages = 0;
+  for (int r = 0; r < R; ++r) pages += pages_for(prompt[r] + steps[r] - 1, page_size);
+  pages += static_cast<std::int64_t>(rng() % 3);
+  const int split = rng() % 2 ? m.seq_len : 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(m.seq_len));
+  const std::uint64_t seed = rng() >> 1, data = rng();
+  Case c;
+  c.args[0] = pages, c.args[1] = page_size, c.args[2] = split, c.args[3] = R;
+  const std::int64_t model[] = {m.vocab, m.d_model, m.n_layers, m.q_heads, m.kv_heads, m.d_ff, m.seq_len, m.tied_head};
+  std::copy(std::begin(model), std::end(model), c.args + 4);
+  c.args[12] = static_cast<std::int64_t>(seed), c.args[13] = std::bit_cast<std::int32_t>(m.init_std);
+  c.what = kind + ", " + std::to_string(R) + " request(s), vocab " + std::to_string(m.vocab) + ", d " + std::to_string(m.d_model) +
+           ", " + std::to_string(m.n_layers) + " block(s), " + std::to_string(m.q_heads) + "/" + std::to_string(m.kv_heads) +
+           " heads, T " + std::to_string(m.seq_len) + ", pages of " + std::to_string(page_size) + ", parts of " + std::to_string(split);
+
+  std::vector<std::vector<std::int32_t>> fed(R);
+  Bytes in;
+  for (int r = 0; r < R; ++r) {
+    append(in, &prompt[r], 1);
+    append(in, &steps[r], 1);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < prompt[r] + steps[r] - 1; ++i)
+      fed[r].push_back(static_cast<std::int32_t>(k2c::mix64(data + 1000 * r + i) % static_cast<std::uint64_t>(m.vocab)));
+    append(in, fed[r].data(), fed[r].size());
+  }
+  c.in.assign(n, in);
+
+  // The reference: the whole model over each request's fed tokens (padded: causal, so the pad
+  // changes nothing before it), rows in the order the engine gives them.
+  km::Ops& ops = km::cpu_ops();
+  km::MemoryLedger ledger;
+  km::ParamList params;
+  km::Context ctx{ops, ledger, params};
+  const km::Transformer transformer(params, m);
+  params.materialize(ops, ledger, seed);
+  std::vector<std::vector<float>> logits(R);
+  for (int r = 0; r < R; ++r) {
+    std::vector<std::int32_t> ids = fed[r];
+    ids.resize(static_cast<std::size_t>(m.seq_len), 0);
+    km::Tensor t(ops.memory(), ledger, km::Category::activations, {m.seq_len}, km::DType::i32);
+    ops.upload(t, ids.data());
+    km::Transformer::Saved saved;
+    transformer.forward(ctx, t, 1, false, saved);
+    logits[r].resize(static_cast<std::size_t>(saved.logits.numel()));
+    ops.download(logits[r].data(), saved.logits);
+  }
+  Tensors rows;
+  const int longest = *std::max_element(steps.begin(), steps.end());
+  for (int j = 0; j < longest; ++j)
+    for (int r = 0; r < R; ++r) {
+      if (j >= steps[r]) continue;
+      const std::size_t pos = static_cast<std::size_t>(prompt[r] - 1 + j), V = static_cast<std::size_t>(m.vocab);
+      rows.push_back({"request " + std::to_string(r) + (j == 0 ? ", prefill" : ", decode step " + std::to_string(j)) + ": logits",
+                      {logits[r].begin() + pos * V, logits[r].begin() + (pos + 1) * V}});
+    }
+  std::size_t bytes = 0;
+  for (const auto& t : rows) bytes += t.second.size() * sizeof(float);
+  c.out_bytes.assign(n, bytes);
+  const bool bits = split >= m.seq_len;
+  const auto close = judge_layer(std::vector<Tensors>(n, rows), 0, "the recomputation's");
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    if (!bits) return close(got);
+    for (int r = 0; r < n; ++r) {
+      std::size_t at = 0;
+      for (const auto& [name, w] : rows) {
+        for (std::size_t i = 0; i < w.size(); ++i)
+          if (std::memcmp(got[r].data() + (at + i) * sizeof(float), &w[i], sizeof(float)) != 0)
+            return "rank " + std::to_string(r) + ": " + name + ", id " + std::to_string(i) + ": got " +
+                   std::to_string(float_at(got[r], at + i)) + ", the recomputation's " + std::to_string(w[i]) +
+                   " (one part over the whole context: bit for bit)";
+        at += w.size();
+      }
+    }
+    return "";
+  };
+  return c;
+}
+
+}  // namespace k2c::rank_witness
