@@ -57,13 +57,16 @@ __global__ void mma_sync_peak(const std::uint32_t* in, float* out, int iters) {
 // A [256][64] and B [128][64] bf16 in 128-byte swizzled rows, filled once with random data. Per
 // pass: 4 k steps of 16, each 4 ldmatrix_x4 of A, 4 of B and 32 mma. kSync: a __syncthreads per
 // pass (the reference's one barrier per k tile of 64); kAhead: each k step's fragments are loaded
-// during the previous step's mma (two fragment sets in registers).
+// during the previous step's mma (two fragment sets in registers); kCopy: each pass also copies a
+// stage's worth of bytes (48 KiB, what the pipeline brings per k tile) by cp.async from a small,
+// L2-resident global buffer into a second stage that no one reads, waiting for the previous
+// pass's copies before the barrier: the pipeline's shared-memory traffic and waits without DRAM.
 __device__ __forceinline__ std::uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-template <bool kSync, bool kAhead>
+template <bool kSync, bool kAhead, bool kCopy = false>
 __global__ void __launch_bounds__(256) mma_from_smem(const std::uint32_t* in, float* out, int iters) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const std::uint32_t sa = k2c::tc::smem_addr(smem), sb = sa + 256 * 128;
+  const std::uint32_t sa = k2c::tc::smem_addr(smem), sb = sa + 256 * 128, spare = sa + 384 * 128;
   for (int i = threadIdx.x; i < (256 + 128) * 32; i += blockDim.x)
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sa + 4 * i), "r"(in[i % 4096]));
   __syncthreads();
@@ -90,6 +93,16 @@ __global__ void __launch_bounds__(256) mma_from_smem(const std::uint32_t* in, fl
   };
   if (kAhead) load(0, 0);
   for (int it = 0; it < iters; ++it) {
+    if (kCopy) {
+      // 384 rows of 128 bytes: 12 chunks of 16 bytes a thread, from the first 16 KiB of `in`.
+      k2c::tc::cp_async_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 12; ++i) {
+        const int chunk = i * 256 + threadIdx.x;
+        k2c::tc::cp_async_16(spare + 16 * chunk, in + 4 * (chunk % 1024), true);
+      }
+      k2c::tc::cp_async_commit();
+    }
     if (kSync) __syncthreads();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -179,20 +192,22 @@ int main() {
 
   std::printf("mma.sync fed by ldmatrix from one fixed shared-memory stage (8 warps of 64x64):\n");
   auto smem_case = [&](auto kernel, const char* name, int blocks_per_sm) {
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 * 1024), "shared memory opt-in");
+    constexpr int kSmem = 96 * 1024;  // the stage and, for the copying variants, a second one
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), "shared memory opt-in");
     const long long blocks = static_cast<long long>(sms) * blocks_per_sm;
     const int iters = static_cast<int>(6e12 / (blocks * 8 * 524288.0));
-    const double ms = median_ms([&] { kernel<<<blocks, 256, 48 * 1024>>>(in, out, iters); }, 10);
+    const double ms = median_ms([&] { kernel<<<blocks, 256, kSmem>>>(in, out, iters); }, 10);
     check(cudaGetLastError(), name);
     char what[96];
     std::snprintf(what, sizeof what, "%s, %d block(s)/SM", name, blocks_per_sm);
     report(what, 524288.0 * 8 * iters * blocks, ms);
   };
-  for (int per_sm : {1, 2}) {
-    smem_case(mma_from_smem<false, false>, "in order", per_sm);
-    smem_case(mma_from_smem<false, true>, "fragments a step ahead", per_sm);
-    smem_case(mma_from_smem<true, false>, "in order, a barrier per 64 of k", per_sm);
-  }
+  smem_case(mma_from_smem<false, false>, "in order", 1);
+  smem_case(mma_from_smem<false, true>, "fragments a step ahead", 1);
+  smem_case(mma_from_smem<true, false>, "in order, a barrier per 64 of k", 1);
+  smem_case(mma_from_smem<true, true>, "a step ahead, a barrier per 64 of k", 1);
+  smem_case(mma_from_smem<true, false, true>, "in order, barrier, 48 KiB copied per 64 of k", 1);
+  smem_case(mma_from_smem<true, true, true>, "a step ahead, barrier, 48 KiB copied", 1);
 
   std::printf("wgmma m64n256k16 bf16 -> fp32 (A, B from shared memory):\n");
   check(cudaFuncSetAttribute(wgmma_peak, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024), "shared memory opt-in");
