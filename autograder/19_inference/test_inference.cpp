@@ -382,37 +382,10 @@ TEST_F(Inference, DecodeMatchesRecompute) {
 
 namespace {
 
-// The contract's MLA equations through the course's references (k2c/reference/reference.h: products
-// and attention in double, RoPE half-split): y [T, d] for x [T, d] at positions 0 .. T−1.
+// The contract's MLA equations through the course's reference (k2c::ref::mla_forward).
 std::vector<double> mla_host(const inf::MlaConfig& c, std::map<std::string, Host>& w, const Host& x, int T) {
-  namespace ref = k2c::ref;
-  const int d = c.d_model, H = c.heads, dn = c.nope_dim, dr = c.rope_dim, dc = c.latent_dim, dv = c.value_dim;
-  const int dqk = dn + dr;
-  auto rotate = [&](const std::vector<double>& v, int heads) {
-    return to_float(ref::rope(to_float(v), T, heads, dr, 0, c.rope_theta, ref::RopeLayout::half_split, false));
-  };
-  const Host qn = to_float(ref::gemm_abt(T, H * dn, d, x, w["wq_nope"]));
-  const Host qr = rotate(ref::gemm_abt(T, H * dr, d, x, w["wq_rope"]), H);
-  const Host lat = to_float(ref::gemm_abt(T, dc, d, x, w["w_dkv"]));
-  const Host kr = rotate(ref::gemm_abt(T, dr, d, x, w["w_kr"]), 1);
-  const Host kn = to_float(ref::gemm_abt(T, H * dn, dc, lat, w["w_uk"]));
-  const Host v = to_float(ref::gemm_abt(T, H * dv, dc, lat, w["w_uv"]));
-  Host Q(static_cast<std::size_t>(H) * T * dqk), K(Q.size()), V(Q.size(), 0.0f);  // [head][token][dqk]
-  for (int h = 0; h < H; ++h)
-    for (int t = 0; t < T; ++t) {
-      const std::size_t at = (static_cast<std::size_t>(h) * T + t) * dqk;
-      std::copy_n(qn.begin() + (t * H + h) * dn, dn, Q.begin() + at);
-      std::copy_n(qr.begin() + (t * H + h) * dr, dr, Q.begin() + at + dn);
-      std::copy_n(kn.begin() + (t * H + h) * dn, dn, K.begin() + at);
-      std::copy_n(kr.begin() + t * dr, dr, K.begin() + at + dn);
-      std::copy_n(v.begin() + (t * H + h) * dv, dv, V.begin() + at);
-    }
-  const std::vector<double> o = ref::attention_forward(Q, K, V, {1, H, H, T, T, dqk, true, 1.0 / std::sqrt(double(dqk))}).o;
-  Host heads(static_cast<std::size_t>(T) * H * dv);  // [token][head·dv]: each head's first dv numbers
-  for (int t = 0; t < T; ++t)
-    for (int h = 0; h < H; ++h)
-      for (int i = 0; i < dv; ++i) heads[(t * H + h) * dv + i] = static_cast<float>(o[(static_cast<std::size_t>(h) * T + t) * dqk + i]);
-  return ref::gemm_abt(T, d, H * dv, heads, w["wo"]);
+  return k2c::ref::mla_forward(x, T, {c.d_model, c.heads, c.nope_dim, c.rope_dim, c.latent_dim, c.value_dim, c.rope_theta},
+                               {w["wq_nope"], w["wq_rope"], w["w_dkv"], w["w_kr"], w["w_uk"], w["w_uv"], w["wo"]});
 }
 
 }  // namespace
@@ -597,6 +570,41 @@ K2C_RANK_WITNESS(engine_decode) {
       if (j < sizes[2 * r + 1]) running.push_back(seqs[r]), next.push_back(fed[r][static_cast<std::size_t>(sizes[2 * r] - 1 + j)]);
     const Host rows = s.download(engine.decode(running, next).logits);
     out.insert(out.end(), rows.begin(), rows.end());
+  }
+  answer(c, out);
+}
+
+// args: d_model, heads, nope, rope, latent, value dims, T, T0, pages, page_size, split_tokens; 12 the seed.
+K2C_RANK_WITNESS(mla_decode) {
+  const inf::MlaConfig cfg{static_cast<int>(c.args[0]), static_cast<int>(c.args[1]), static_cast<int>(c.args[2]),
+                           static_cast<int>(c.args[3]), static_cast<int>(c.args[4]), static_cast<int>(c.args[5]), 10000.0f};
+  const int T = static_cast<int>(c.args[6]), T0 = static_cast<int>(c.args[7]);
+  const std::int64_t d = cfg.d_model;
+  Side s;
+  inf::Mla mla(s.params, "attn", cfg);
+  s.materialize(static_cast<std::uint64_t>(c.args[12]));
+  std::size_t at = 0;
+  for (const char* name : {"wq_nope", "wq_rope", "w_dkv", "w_kr", "w_uk", "w_uv", "wo"}) {
+    km::Tensor& t = s.params.value(inf::find_param(s.params, std::string("attn.") + name));
+    const Host v = take<float>(c, at, t.numel());
+    s.ctx.ops.upload(t, v.data());
+  }
+  const Host x = take<float>(c, at, std::int64_t{T} * d);
+  km::Tensor y = s.poisoned({T, d});
+  mla.forward(s.ctx, s.upload(x, {T, d}), y);
+  Host out = s.download(y);
+  inf::PagedKvCache cache(s.ctx, mla.cache_config(static_cast<int>(c.args[8]), static_cast<int>(c.args[9])));
+  const int seq = cache.create(T);
+  km::Tensor y0 = s.poisoned({T0, d});
+  mla.prefill(s.ctx, cache, seq, s.upload(Host(x.begin(), x.begin() + T0 * d), {T0, d}), y0);
+  const Host prefilled = s.download(y0);
+  out.insert(out.end(), prefilled.begin(), prefilled.end());
+  mla.absorb(s.ctx);
+  for (int t = T0; t < T; ++t) {
+    km::Tensor row = s.poisoned({1, d});
+    mla.decode(s.ctx, cache, {seq}, s.upload(row_of(x, d, t), {1, d}), row, static_cast<int>(c.args[10]));
+    const Host r = s.download(row);
+    out.insert(out.end(), r.begin(), r.end());
   }
   answer(c, out);
 }

@@ -30,6 +30,7 @@ Drawer find_drawer(const std::string& name) {
       {draw_expert_layer, {"expert_layer", "expert_layer_top_one", "expert_layer_skewed", "expert_layer_capacity"}},
       {draw_decode_attention, {"decode_attention"}},
       {draw_engine, {"engine_decode"}},
+      {draw_mla, {"mla_decode"}},
       {draw_capstone, {"capstone_one_rank", "capstone_one_rank_moe", "capstone_dp2", "capstone_tp2", "capstone_pp2",
                        "capstone_pp2_micro_batches", "capstone_ep2", "capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2"}},
   };
@@ -40,7 +41,7 @@ Drawer find_drawer(const std::string& name) {
 }
 
 std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
-                                                                  const std::string& reference) {
+                                                                  const std::string& reference, double of_largest) {
   return [=](const std::vector<Bytes>& got) -> std::string {
     for (std::size_t r = 0; r < want.size(); ++r) {
       double largest = 0;  // over all the rank's tensors
@@ -52,7 +53,7 @@ std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vec
         for (float v : w) top = std::max(top, static_cast<double>(std::abs(v)));
         for (std::size_t i = 0; i < w.size(); ++i) {
           const double g = float_at(got[r], at + i);
-          if (!(std::abs(g - w[i]) <= 1e-5 * top + 1e-4 * std::abs(w[i])))
+          if (!(std::abs(g - w[i]) <= of_largest * top + 1e-4 * std::abs(w[i])))
             return "rank " + std::to_string(r) + ": " + name + ", element " + std::to_string(i) + ": got " + std::to_string(g) +
                    ", " + reference + " " + std::to_string(w[i]);
         }

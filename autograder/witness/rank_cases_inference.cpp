@@ -1,5 +1,6 @@
 // autograder/witness/rank_cases_inference.cpp — k2c_rank_witness's cases of module 19: split-KV
-// decode attention over a paged cache, and the engine's decode steps against a recomputation.
+// decode attention over a paged cache, the engine's decode steps against a recomputation, and MLA
+// in both forms.
 // Module 19's work is one process's; every rank gets the same case and must answer it alone.
 //
 // decode_attention
@@ -26,6 +27,17 @@
 //   request order. Reference: model::Transformer::forward over each request's fed tokens in this
 //   process; to the bit where split_tokens ≥ seq_len (the contract: the same operations in the
 //   same order), else each row within 1e-5 of its largest |logit| plus 1e-4 relative.
+//
+// mla_decode
+//   args: 0 d_model, 1 heads, 2 nope_dim, 3 rope_dim, 4 latent_dim, 5 value_dim, 6 T, 7 T0 (1 .. T−1),
+//   8 pages, 9 page_size, 10 split_tokens, 12 the seed the rank materializes from (its values are
+//   then replaced). Input: the weights wq_nope, wq_rope, w_dkv, w_kr, w_uk, w_uv, wo (as
+//   inference.h registers them, about 0.5 in size), then x [T, d]. The rank builds Mla "attn",
+//   replaces its weights, runs forward over x, prefills the first T0 tokens into a cache of
+//   cache_config(pages, page_size), absorbs, and decodes the rest one token at a time. The answer:
+//   forward's y [T, d], prefill's [T0, d] (forward's rows to the bit, as the contract says), then
+//   the decoded rows [T − T0, d]. Reference: k2c::ref::mla_forward, the equations in double;
+//   forward and decode within 1e-4 of the largest |y| plus 1e-4 relative (module 19's test's).
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -36,6 +48,7 @@
 #include "k2c/model/ops.h"
 #include "k2c/model/params.h"
 #include "k2c/model/transformer.h"
+#include "k2c/reference/reference.h"
 #include "rank_cases.h"
 
 namespace k2c::rank_witness {
@@ -223,6 +236,68 @@ Case draw_engine(const std::string& kind, int n, int index, std::mt19937_64& rng
       }
     }
     return "";
+  };
+  return c;
+}
+
+Case draw_mla(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  const int shape = index % 3;
+  k2c::ref::MlaShape m;
+  m.heads = 1 + static_cast<int>(rng() % (shape == 0 ? 1 : 3));
+  m.d_model = shape == 0 ? 2 : 4 + static_cast<int>(rng() % (shape == 1 ? 12 : 40));
+  m.nope_dim = 1 + static_cast<int>(rng() % (shape == 0 ? 2 : 12));
+  m.rope_dim = 2 * (1 + static_cast<int>(rng() % (shape == 0 ? 1 : 4)));
+  m.latent_dim = 1 + static_cast<int>(rng() % (shape == 0 ? 2 : 20));
+  m.value_dim = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(m.nope_dim + m.rope_dim));
+  const int T = shape == 0 ? 2 : shape == 1 ? 3 + static_cast<int>(rng() % 8) : 16 + static_cast<int>(rng() % 25);
+  const int T0 = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(T - 1));
+  const int page_size = 1 + static_cast<int>(rng() % 5);
+  const std::int64_t pages = pages_for(T, page_size) + static_cast<std::int64_t>(rng() % 3);
+  const int split = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(T));
+  Case c;
+  const std::int64_t args[] = {m.d_model, m.heads, m.nope_dim, m.rope_dim, m.latent_dim, m.value_dim, T, T0, pages, page_size, split};
+  std::copy(std::begin(args), std::end(args), c.args);
+  c.args[12] = static_cast<std::int64_t>(rng() >> 1);
+  c.what = kind + ", d " + std::to_string(m.d_model) + ", " + std::to_string(m.heads) + " head(s) of " + std::to_string(m.nope_dim) +
+           " + " + std::to_string(m.rope_dim) + ", latent " + std::to_string(m.latent_dim) + ", values " + std::to_string(m.value_dim) +
+           ", " + std::to_string(T) + " tokens (" + std::to_string(T0) + " prefilled), pages of " + std::to_string(page_size) +
+           ", parts of " + std::to_string(split);
+
+  // Weights of about 0.5 (not the init's 0.02): scores of a few units, a softmax far from uniform.
+  const int H = m.heads, d = m.d_model;
+  const std::int64_t sizes[] = {std::int64_t{H} * m.nope_dim * d, std::int64_t{H} * m.rope_dim * d, std::int64_t{m.latent_dim} * d,
+                                std::int64_t{m.rope_dim} * d, std::int64_t{H} * m.nope_dim * m.latent_dim,
+                                std::int64_t{H} * m.value_dim * m.latent_dim, std::int64_t{d} * H * m.value_dim};
+  const std::uint64_t data = rng();
+  std::vector<std::vector<float>> w(7);
+  Bytes in;
+  for (int i = 0; i < 7; ++i) {
+    for (std::int64_t j = 0; j < sizes[i]; ++j) w[i].push_back(k2c::uniform_at(data + i, j, -0.8f, 0.8f));
+    append(in, w[i].data(), w[i].size());
+  }
+  std::vector<float> x(static_cast<std::size_t>(T) * d);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = k2c::uniform_at(data + 7, i, -1.0f, 1.0f);
+  append(in, x.data(), x.size());
+  c.in.assign(n, in);
+
+  const std::vector<double> y = k2c::ref::mla_forward(x, T, m, {w[0], w[1], w[2], w[3], w[4], w[5], w[6]});
+  const std::vector<float> yf(y.begin(), y.end());
+  const std::size_t rows0 = std::size_t(T0) * d;
+  const Tensors want = {{"forward's y", yf}, {"decode's rows (positions " + std::to_string(T0) + " on)", {yf.begin() + rows0, yf.end()}}};
+  c.out_bytes.assign(n, (2 * yf.size()) * sizeof(float));
+  // The answer: forward's y [T, d], prefill's [T0, d] (forward's rows, to the bit), decode's [T − T0, d].
+  const auto close = judge_layer(std::vector<Tensors>(n, want), 0, "the equations'", 1e-4);
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    std::vector<Bytes> judged;
+    for (int r = 0; r < n; ++r) {
+      if (std::memcmp(got[r].data() + yf.size() * sizeof(float), got[r].data(), rows0 * sizeof(float)) != 0)
+        return "rank " + std::to_string(r) + ": prefill's output differs from forward's first " + std::to_string(T0) +
+               " rows (the same computation: bit for bit)";
+      Bytes b(got[r].begin(), got[r].begin() + yf.size() * sizeof(float));
+      b.insert(b.end(), got[r].begin() + (yf.size() + rows0) * sizeof(float), got[r].end());
+      judged.push_back(std::move(b));
+    }
+    return close(judged);
   };
   return c;
 }

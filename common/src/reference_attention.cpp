@@ -228,4 +228,37 @@ AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::
   return g;
 }
 
+std::vector<double> mla_forward(std::span<const float> x, int T, const MlaShape& c, const MlaWeights& w) {
+  const int d = c.d_model, H = c.heads, dn = c.nope_dim, dr = c.rope_dim, dc = c.latent_dim, dv = c.value_dim;
+  const int dqk = dn + dr;
+  auto narrow = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  auto rotate = [&](const std::vector<double>& v, int heads) {
+    return narrow(rope(narrow(v), T, heads, dr, 0, c.rope_theta, RopeLayout::half_split, false));
+  };
+  const std::vector<float> qn = narrow(gemm_abt(T, H * dn, d, x, w.wq_nope));
+  const std::vector<float> qr = rotate(gemm_abt(T, H * dr, d, x, w.wq_rope), H);
+  const std::vector<float> lat = narrow(gemm_abt(T, dc, d, x, w.w_dkv));
+  const std::vector<float> kr = rotate(gemm_abt(T, dr, d, x, w.w_kr), 1);
+  const std::vector<float> kn = narrow(gemm_abt(T, H * dn, dc, lat, w.w_uk));
+  const std::vector<float> v = narrow(gemm_abt(T, H * dv, dc, lat, w.w_uv));
+  // [head][token][dn + dr]; values padded with zeros to the same width (dv <= dn + dr).
+  std::vector<float> Q(static_cast<std::size_t>(H) * T * dqk), K(Q.size()), V(Q.size(), 0.0f);
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < T; ++t) {
+      const std::size_t at = (static_cast<std::size_t>(h) * T + t) * dqk;
+      std::copy_n(qn.begin() + (std::size_t(t) * H + h) * dn, dn, Q.begin() + at);
+      std::copy_n(qr.begin() + (std::size_t(t) * H + h) * dr, dr, Q.begin() + at + dn);
+      std::copy_n(kn.begin() + (std::size_t(t) * H + h) * dn, dn, K.begin() + at);
+      std::copy_n(kr.begin() + std::size_t(t) * dr, dr, K.begin() + at + dn);
+      std::copy_n(v.begin() + (std::size_t(t) * H + h) * dv, dv, V.begin() + at);
+    }
+  const std::vector<double> o = attention_forward(Q, K, V, {1, H, H, T, T, dqk, true, 1.0 / std::sqrt(double(dqk))}).o;
+  std::vector<float> heads(static_cast<std::size_t>(T) * H * dv);  // [token][head·dv]: each head's first dv numbers
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < dv; ++i)
+        heads[(std::size_t(t) * H + h) * dv + i] = static_cast<float>(o[(static_cast<std::size_t>(h) * T + t) * dqk + i]);
+  return gemm_abt(T, d, H * dv, heads, w.wo);
+}
+
 }  // namespace k2c::ref

@@ -124,6 +124,22 @@ AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::
                                                  std::span<const float> dout, std::span<const float> lse,
                                                  const AttentionShape& shape, int batch, int head, int query);
 
+// Multi-head latent attention (module 19, Part D) over one sequence x [T][d_model] at positions
+// 0 .. T−1, causal, in the training form: per-head queries [x·W_qnᵀ ; RoPE(x·W_qrᵀ)], keys
+// [c·W_ukᵀ ; RoPE(x·W_krᵀ)] (the rotated part shared by every head) and values c·W_uvᵀ from the
+// latent c = x·W_dkvᵀ; y = [o_1; ...; o_H]·W_oᵀ. RoPE half-split with base rope_theta; scores
+// scaled by 1/sqrt(nope_dim + rope_dim). Weights as linear layers' ([out][in]), head h owning
+// rows [h·dn, (h+1)·dn) of W_qn and W_uk (dr of W_qr, dv of W_uv). Products and attention in
+// double, each intermediate rounded to fp32 as a layer's output would be. y [T][d_model].
+struct MlaShape {
+  int d_model = 1, heads = 1, nope_dim = 1, rope_dim = 2, latent_dim = 1, value_dim = 1;
+  double rope_theta = 10000.0;
+};
+struct MlaWeights {
+  std::span<const float> wq_nope, wq_rope, w_dkv, w_kr, w_uk, w_uv, wo;
+};
+std::vector<double> mla_forward(std::span<const float> x, int tokens, const MlaShape& shape, const MlaWeights& w);
+
 // ---- mixture of experts (module 10) ----------------------------------------------------------------
 
 // The router: scores s = softmax(logits) or sigmoid(logits) per token ([tokens][experts]), top-k
