@@ -50,6 +50,7 @@
 #include "k2c/dist/rank_witness.h"
 #include "k2c/model/dist_testing.h"
 #include "k2c/model/forwarding_ops.h"
+#include "step_cost.h"
 
 using namespace k2c::inference_testing;  // the shared helpers and the fixture
 
@@ -608,3 +609,44 @@ K2C_RANK_WITNESS(mla_decode) {
   }
   answer(c, out);
 }
+
+// args: pages, page_size, split_tokens, R, 4 .. 11 the model, 12 the weights' seed, 13 init_std,
+// 14 max_batch. The trace served under the serving tests' cost model.
+namespace {
+void serving_case(k2c::dist::testing::RankCase& c, bool disaggregated) {
+  km::ModelConfig m = km::testing::witness_model(c.args);
+  m.init_std = std::bit_cast<float>(static_cast<std::int32_t>(c.args[13]));
+  const int R = static_cast<int>(c.args[3]);
+  std::size_t at = 0;
+  std::vector<inf::Request> trace;
+  for (int r = 0; r < R; ++r) {
+    const std::vector<std::int32_t> sizes = take<std::int32_t>(c, at, 2);
+    inf::Request q;
+    q.id = r;
+    q.arrival_s = take<double>(c, at, 1)[0];
+    q.prompt = take<std::int32_t>(c, at, sizes[0]);
+    q.output_len = sizes[1];
+    trace.push_back(std::move(q));
+  }
+  Side s;
+  const km::Transformer transformer(s.params, m);
+  s.materialize(static_cast<std::uint64_t>(c.args[12]));
+  inf::Engine engine(s.ctx, m, static_cast<int>(c.args[0]), static_cast<int>(c.args[1]), static_cast<int>(c.args[2]));
+  const inf::ServeConfig config{static_cast<int>(c.args[14]), k2c::inference_testing::step_cost};
+  const inf::ServeReport report =
+      disaggregated ? inf::serve_disaggregated(world(), engine, trace, config) : inf::serve(engine, trace, config);
+  if (report.results.size() != trace.size()) throw std::runtime_error("the report has another number of results than the trace");
+  std::vector<std::int32_t> out;
+  for (const inf::RequestResult& r : report.results) {
+    out.push_back(r.ok ? 1 : 0);
+    std::vector<std::int32_t> t = r.tokens;
+    t.resize(static_cast<std::size_t>(trace[static_cast<std::size_t>(&r - report.results.data())].output_len), -1);
+    out.insert(out.end(), t.begin(), t.end());
+  }
+  if (out.size() * sizeof(std::int32_t) != c.out.size()) throw std::runtime_error("the answer is not the size the checker expects");
+  std::memcpy(c.out.data(), out.data(), c.out.size());
+}
+}  // namespace
+
+K2C_RANK_WITNESS(serve_batched) { serving_case(c, false); }
+K2C_RANK_WITNESS(serve_disaggregated) { serving_case(c, true); }

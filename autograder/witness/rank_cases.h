@@ -66,6 +66,7 @@ Case draw_expert_layer(const std::string& kind, int ranks, int index, std::mt199
 Case draw_decode_attention(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 19
 Case draw_engine(const std::string& kind, int ranks, int index, std::mt19937_64& rng);       // 19
 Case draw_mla(const std::string& kind, int ranks, int index, std::mt19937_64& rng);          // 19
+Case draw_serving(const std::string& kind, int ranks, int index, std::mt19937_64& rng);      // 19
 Case draw_capstone(const std::string& kind, int ranks, int index, std::mt19937_64& rng);     // 18
 
 }  // namespace k2c::rank_witness

@@ -38,6 +38,16 @@
 //   forward's y [T, d], prefill's [T0, d] (forward's rows to the bit, as the contract says), then
 //   the decoded rows [T − T0, d]. Reference: k2c::ref::mla_forward, the equations in double;
 //   forward and decode within 1e-4 of the largest |y| plus 1e-4 relative (module 19's test's).
+//
+// serve_batched, serve_disaggregated
+//   args: 0 pages, 1 page_size, 2 split_tokens, 3 R requests, 4 .. 11 the model, 12 the weights'
+//   seed, 13 init_std (the float's bits), 14 max_batch. Input: per request its prompt length and
+//   output length (int32), its arrival time (double; some together, some while others decode),
+//   then its prompt. The rank builds model::Transformer and an Engine as engine_decode does and
+//   serves the trace (ids 0 .. R−1) with serve, or serve_disaggregated over the world's two
+//   ranks, under the serving tests' cost model; the answer, per request: ok (int32 1/0) and its
+//   tokens (int32 [output length]). Reference: each request's greedy continuation alone, the whole
+//   model over the sequence so far at every step, drawn again until no step has a near tie.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -300,6 +310,123 @@ Case draw_mla(const std::string& kind, int n, int index, std::mt19937_64& rng) {
     return close(judged);
   };
   return c;
+}
+
+Case draw_serving(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  namespace km = k2c::model;
+  const int shape = index % 3;
+  // Draw until every request's greedy continuation is clear of near ties (the best logit ahead of
+  // the second by 1e-3 of the largest |logit|): an engine that adds in another order must pick the
+  // same tokens.
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    km::ModelConfig m;
+    m.kv_heads = 1 + static_cast<int>(rng() % 2);
+    m.q_heads = m.kv_heads * (1 + static_cast<int>(rng() % 2));
+    m.d_model = m.q_heads * 2 * (1 + static_cast<int>(rng() % 4));
+    m.vocab = 5 + static_cast<int>(rng() % (shape == 2 ? 60 : 20));
+    m.n_layers = 1 + static_cast<int>(rng() % 2);
+    m.d_ff = 2 + static_cast<std::int64_t>(rng() % 30);
+    m.seq_len = shape == 0 ? 4 : 8 + static_cast<int>(rng() % 17);
+    m.init_std = 0.3f;
+    m.check();
+    const int R = shape == 0 ? 1 : 2 + static_cast<int>(rng() % (shape == 1 ? 3 : 6));
+    std::vector<int> prompt(R), output(R);
+    std::vector<double> arrival(R);
+    double t = 0;
+    for (int r = 0; r < R; ++r) {
+      prompt[r] = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(m.seq_len / 2));
+      output[r] = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(m.seq_len - prompt[r]));
+      arrival[r] = t;
+      t += (rng() % 3) * 0.01;  // some together, some while others decode (the cost model's steps are ~0.01 s)
+    }
+    const int page_size = 1 + static_cast<int>(rng() % 4), max_batch = 1 + static_cast<int>(rng() % 4);
+    std::int64_t biggest = 0;
+    for (int r = 0; r < R; ++r) biggest = std::max(biggest, pages_for(prompt[r] + output[r] - 1, page_size));
+    const std::int64_t pages = biggest + static_cast<std::int64_t>(rng() % 6);
+    const int split = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(m.seq_len));
+    const std::uint64_t seed = rng() >> 1, data = rng();
+    std::vector<std::vector<std::int32_t>> prompts(R);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < prompt[r]; ++i)
+        prompts[r].push_back(static_cast<std::int32_t>(k2c::mix64(data + 1000 * r + i) % static_cast<std::uint64_t>(m.vocab)));
+
+    // Greedy generation, one process, each step the whole model over the sequence so far.
+    km::Ops& ops = km::cpu_ops();
+    km::MemoryLedger ledger;
+    km::ParamList params;
+    km::Context ctx{ops, ledger, params};
+    const km::Transformer transformer(params, m);
+    params.materialize(ops, ledger, seed);
+    std::vector<std::vector<std::int32_t>> tokens(R);
+    bool clear = true;
+    for (int r = 0; r < R && clear; ++r) {
+      std::vector<std::int32_t> seq = prompts[r];
+      for (int j = 0; j < output[r] && clear; ++j) {
+        std::vector<std::int32_t> ids = seq;
+        ids.resize(static_cast<std::size_t>(m.seq_len), 0);
+        km::Tensor in_ids(ops.memory(), ledger, km::Category::activations, {m.seq_len}, km::DType::i32);
+        ops.upload(in_ids, ids.data());
+        km::Transformer::Saved saved;
+        transformer.forward(ctx, in_ids, 1, false, saved);
+        std::vector<float> all(static_cast<std::size_t>(saved.logits.numel()));
+        ops.download(all.data(), saved.logits);
+        const float* row = all.data() + (seq.size() - 1) * static_cast<std::size_t>(m.vocab);
+        int best = 0;
+        float top = 0;
+        for (int v = 0; v < m.vocab; ++v) {
+          if (row[v] > row[best]) best = v;
+          top = std::max(top, std::abs(row[v]));
+        }
+        for (int v = 0; v < m.vocab; ++v)
+          if (v != best && row[best] - row[v] < 1e-3f * top) clear = false;
+        tokens[r].push_back(best);
+        seq.push_back(best);
+      }
+    }
+    if (!clear) continue;
+
+    Case c;
+    c.args[0] = pages, c.args[1] = page_size, c.args[2] = split, c.args[3] = R;
+    const std::int64_t model[] = {m.vocab, m.d_model, m.n_layers, m.q_heads, m.kv_heads, m.d_ff, m.seq_len, m.tied_head};
+    std::copy(std::begin(model), std::end(model), c.args + 4);
+    c.args[12] = static_cast<std::int64_t>(seed), c.args[13] = std::bit_cast<std::int32_t>(m.init_std), c.args[14] = max_batch;
+    c.what = kind + ", " + std::to_string(R) + " request(s), batches of up to " + std::to_string(max_batch) + ", " +
+             std::to_string(pages) + " pages of " + std::to_string(page_size) + ", parts of " + std::to_string(split) +
+             ", vocab " + std::to_string(m.vocab) + ", T " + std::to_string(m.seq_len);
+    Bytes in;
+    std::size_t answer = 0;
+    for (int r = 0; r < R; ++r) {
+      const std::int32_t head[] = {prompt[r], output[r]};
+      append(in, head, 2);
+      append(in, &arrival[r], 1);
+      append(in, prompts[r].data(), prompts[r].size());
+      answer += (1 + static_cast<std::size_t>(output[r])) * sizeof(std::int32_t);
+    }
+    c.in.assign(n, in);
+    c.out_bytes.assign(n, answer);
+    c.check = [=](const std::vector<Bytes>& got) -> std::string {
+      for (int q = 0; q < n; ++q) {
+        std::size_t at = 0;
+        for (int r = 0; r < R; ++r) {
+          std::int32_t ok;
+          std::memcpy(&ok, got[q].data() + at, sizeof ok);
+          at += sizeof ok;
+          const std::string who = "rank " + std::to_string(q) + ", request " + std::to_string(r);
+          if (ok != 1) return who + ": not served (every request fits the model and the cache)";
+          for (int j = 0; j < output[r]; ++j, at += sizeof(std::int32_t)) {
+            std::int32_t tok;
+            std::memcpy(&tok, got[q].data() + at, sizeof tok);
+            if (tok != tokens[r][j])
+              return who + ", token " + std::to_string(j) + ": " + std::to_string(tok) + ", the greedy continuation's " +
+                     std::to_string(tokens[r][j]) + " (one request alone, whole recomputation)";
+          }
+        }
+      }
+      return "";
+    };
+    return c;
+  }
+  throw std::runtime_error("no model and trace clear of near ties in 50 draws");
 }
 
 }  // namespace k2c::rank_witness
