@@ -650,3 +650,39 @@ void serving_case(k2c::dist::testing::RankCase& c, bool disaggregated) {
 
 K2C_RANK_WITNESS(serve_batched) { serving_case(c, false); }
 K2C_RANK_WITNESS(serve_disaggregated) { serving_case(c, true); }
+
+// args: page_size, pages, operations. Sequences are the checker's indices; ids are this cache's.
+K2C_RANK_WITNESS(cache_pages) {
+  const int page_size = static_cast<int>(c.args[0]), pages = static_cast<int>(c.args[1]);
+  std::size_t at = 0;
+  const std::vector<std::int64_t> ops = take<std::int64_t>(c, at, 3 * c.args[2]);
+  Side s;
+  inf::PagedKvCache cache(s.ctx, {1, 1, 1, page_size, pages, false});
+  std::map<std::int64_t, int> id;  // the checker's index → this cache's id
+  std::vector<std::int64_t> out;
+  for (std::size_t i = 0; i < ops.size(); i += 3) {
+    const std::int64_t what = ops[i], seq = ops[i + 1], count = ops[i + 2];
+    std::int64_t status = 0;
+    try {
+      if (what == 0) {
+        id[seq] = cache.create(count);
+      } else if (what == 1) {
+        cache.extend(id.at(seq), count);
+      } else {
+        cache.release(id.at(seq));
+        id.erase(seq);
+      }
+    } catch (const std::length_error&) {
+      status = 1;
+    } catch (const std::out_of_range&) {
+      status = 2;
+    }
+    const auto it = id.find(seq);
+    const bool live = it != id.end() && cache.contains(it->second);
+    out.insert(out.end(), {status, cache.free_pages(), cache.used_pages(), cache.sequences(), live ? cache.length(it->second) : -1});
+    const std::vector<int> table = live ? cache.page_table(it->second) : std::vector<int>{};
+    for (int p = 0; p < pages; ++p) out.push_back(p < static_cast<int>(table.size()) ? table[static_cast<std::size_t>(p)] : -1);
+  }
+  if (out.size() * sizeof(std::int64_t) != c.out.size()) throw std::runtime_error("the answer is not the size the checker expects");
+  std::memcpy(c.out.data(), out.data(), c.out.size());
+}

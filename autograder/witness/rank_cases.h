@@ -67,6 +67,7 @@ Case draw_decode_attention(const std::string& kind, int ranks, int index, std::m
 Case draw_engine(const std::string& kind, int ranks, int index, std::mt19937_64& rng);       // 19
 Case draw_mla(const std::string& kind, int ranks, int index, std::mt19937_64& rng);          // 19
 Case draw_serving(const std::string& kind, int ranks, int index, std::mt19937_64& rng);      // 19
+Case draw_cache_pages(const std::string& kind, int ranks, int index, std::mt19937_64& rng);  // 19
 Case draw_capstone(const std::string& kind, int ranks, int index, std::mt19937_64& rng);     // 18
 
 }  // namespace k2c::rank_witness

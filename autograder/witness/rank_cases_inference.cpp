@@ -39,6 +39,16 @@
 //   the decoded rows [T − T0, d]. Reference: k2c::ref::mla_forward, the equations in double;
 //   forward and decode within 1e-4 of the largest |y| plus 1e-4 relative (module 19's test's).
 //
+// cache_pages
+//   args: 0 page_size, 1 pages, 2 operations. Input: the operations, int64 triples (0 create with
+//   max_tokens, 1 extend by tokens, 2 release; the sequence as the checker numbers them; the
+//   count). The rank runs them on a cache of one layer ({1, 1, 1, page_size, pages}), catching
+//   std::length_error and std::out_of_range, and answers one int64 record per operation: the
+//   outcome, free_pages(), used_pages(), sequences(), the sequence's length (−1 once released, or
+//   never made) and its page table padded with −1 to `pages` entries. Reference: the contract's
+//   bookkeeping simulated here (reservations at create, the lowest free page first at extend,
+//   refusals that change nothing).
+//
 // serve_batched, serve_disaggregated
 //   args: 0 pages, 1 page_size, 2 split_tokens, 3 R requests, 4 .. 11 the model, 12 the weights'
 //   seed, 13 init_std (the float's bits), 14 max_batch. Input: per request its prompt length and
@@ -427,6 +437,103 @@ Case draw_serving(const std::string& kind, int n, int index, std::mt19937_64& rn
     return c;
   }
   throw std::runtime_error("no model and trace clear of near ties in 50 draws");
+}
+
+Case draw_cache_pages(const std::string& kind, int n, int index, std::mt19937_64& rng) {
+  // The contract's allocator, simulated: pages held by sequences, the lowest free one taken first
+  // at extend; a sequence reserves pages_for(max_tokens) at create; free = neither held nor
+  // reserved.
+  const int shape = index % 3;
+  const int page_size = 1 + static_cast<int>(rng() % 4), pages = 1 + static_cast<int>(rng() % (shape == 0 ? 2 : shape == 1 ? 8 : 40));
+  const int ops = shape == 0 ? 6 : shape == 1 ? 20 : 80, max_tokens_cap = page_size * pages + 2;
+  struct Seq {
+    bool live = false;
+    std::int64_t length = 0, max_tokens = 0;
+    std::vector<std::int64_t> table;
+  };
+  std::vector<Seq> seqs;
+  std::vector<bool> held(static_cast<std::size_t>(pages), false);
+  auto reserved = [&] {
+    std::int64_t r = 0;
+    for (const Seq& q : seqs)
+      if (q.live) r += pages_for(q.max_tokens, page_size) - static_cast<std::int64_t>(q.table.size());
+    return r;
+  };
+  auto free_pages = [&] { return static_cast<std::int64_t>(std::count(held.begin(), held.end(), false)) - reserved(); };
+  // Per operation: kind (0 create, 1 extend, 2 release), the sequence (the checker's index), the
+  // count (max_tokens or tokens). Per answer record: status (0 done, 1 length_error, 2
+  // out_of_range), free_pages, used_pages, sequences, the sequence's length (−1 once released or
+  // never made), then its page table padded with −1 to `pages` entries.
+  std::vector<std::int64_t> op_list, want;
+  for (int i = 0; i < ops; ++i) {
+    const int live = static_cast<int>(std::count_if(seqs.begin(), seqs.end(), [](const Seq& q) { return q.live; }));
+    const int what = live == 0 ? 0 : static_cast<int>(rng() % 5) == 0 ? 2 : static_cast<int>(rng() % 3) == 0 ? 0 : 1;
+    std::int64_t target = 0, count = 0, status = 0;
+    if (what == 0) {
+      count = 1 + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(max_tokens_cap));
+      target = static_cast<std::int64_t>(seqs.size());
+      if (pages_for(count, page_size) > free_pages()) {
+        status = 1;  // refused: nothing changes, and the index stays unused
+        seqs.push_back({});
+      } else {
+        seqs.push_back({true, 0, count, {}});
+      }
+    } else {
+      std::vector<int> alive;
+      for (int q = 0; q < static_cast<int>(seqs.size()); ++q)
+        if (seqs[q].live) alive.push_back(q);
+      target = alive[rng() % alive.size()];
+      Seq& q = seqs[static_cast<std::size_t>(target)];
+      if (what == 2) {
+        for (std::int64_t p : q.table) held[static_cast<std::size_t>(p)] = false;
+        q = Seq{};
+      } else {
+        count = static_cast<std::int64_t>(rng() % 6);
+        if (q.length + count > q.max_tokens) {
+          status = 1;
+        } else {
+          q.length += count;
+          while (static_cast<std::int64_t>(q.table.size()) < pages_for(q.length, page_size)) {
+            const auto lowest = std::find(held.begin(), held.end(), false);
+            held[static_cast<std::size_t>(lowest - held.begin())] = true;
+            q.table.push_back(lowest - held.begin());
+          }
+        }
+      }
+    }
+    op_list.insert(op_list.end(), {what, target, count});
+    const Seq& q = seqs[static_cast<std::size_t>(target)];
+    std::int64_t used = static_cast<std::int64_t>(std::count(held.begin(), held.end(), true)), live_now = 0;
+    for (const Seq& x : seqs) live_now += x.live;
+    want.insert(want.end(), {status, free_pages(), used, live_now, q.live ? q.length : -1});
+    for (int p = 0; p < pages; ++p) want.push_back(q.live && p < static_cast<int>(q.table.size()) ? q.table[p] : -1);
+  }
+  Case c;
+  c.args[0] = page_size, c.args[1] = pages, c.args[2] = ops;
+  c.what = kind + ", " + std::to_string(ops) + " operations on " + std::to_string(pages) + " pages of " + std::to_string(page_size);
+  Bytes in;
+  append(in, op_list.data(), op_list.size());
+  c.in.assign(n, in);
+  c.out_bytes.assign(n, want.size() * sizeof(std::int64_t));
+  const std::size_t record = 5 + static_cast<std::size_t>(pages);
+  c.check = [=](const std::vector<Bytes>& got) -> std::string {
+    static const char* const fields[] = {"the outcome (0 done, 1 std::length_error, 2 std::out_of_range)", "free_pages()",
+                                         "used_pages()", "sequences()", "the sequence's length"};
+    static const char* const verbs[] = {"create", "extend", "release"};
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        std::int64_t g;
+        std::memcpy(&g, got[r].data() + i * sizeof g, sizeof g);
+        if (g == want[i]) continue;
+        const std::size_t op = i / record, field = i % record;
+        return "rank " + std::to_string(r) + ", operation " + std::to_string(op) + " (" + verbs[op_list[3 * op]] +
+               " of sequence " + std::to_string(op_list[3 * op + 1]) + ", " + std::to_string(op_list[3 * op + 2]) + "): " +
+               (field < 5 ? std::string(fields[field]) : "page table entry " + std::to_string(field - 5)) + " is " +
+               std::to_string(g) + ", the contract's " + std::to_string(want[i]) + " (the lowest free page first)";
+      }
+    return "";
+  };
+  return c;
 }
 
 }  // namespace k2c::rank_witness
