@@ -69,6 +69,12 @@ std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vec
 }
 
 
+void put_model(Case& c, const k2c::model::ModelConfig& m, std::uint64_t seed) {
+  const std::int64_t v[] = {m.vocab, m.d_model, m.n_layers, m.q_heads, m.kv_heads, m.d_ff, m.seq_len, m.tied_head};
+  std::copy(std::begin(v), std::end(v), c.args + 4);
+  c.args[12] = static_cast<std::int64_t>(seed >> 1);
+}
+
 Bytes floats(const std::vector<float>& v) {
   Bytes b(v.size() * sizeof(float));
   if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());

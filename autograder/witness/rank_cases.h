@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "k2c/dist/rank_witness.h"
+#include "k2c/model/transformer.h"
 
 namespace k2c::rank_witness {
 
@@ -43,6 +44,11 @@ Drawer find_drawer(const std::string& name);
 using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
 std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
                                                                   const std::string& reference, double of_largest = 1e-5);
+
+// A model in args[4 .. 11] (vocab, d_model, n_layers, q_heads, kv_heads, d_ff, seq_len, tied
+// head: what k2c/model/dist_testing.h's witness_model reads) and seed >> 1 in args[12], the seed
+// the rank materializes it from (non-negative: the rank reads it back as int64).
+void put_model(Case& c, const k2c::model::ModelConfig& m, std::uint64_t seed);
 
 // fp32 values as bytes, and back.
 Bytes floats(const std::vector<float>& v);

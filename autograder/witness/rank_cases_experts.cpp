@@ -40,8 +40,7 @@
 
 #include "k2c/core/random.h"
 #include "k2c/model/moe.h"
-#include "k2c/model/ops.h"
-#include "k2c/model/params.h"
+#include "k2c/model/testing.h"
 #include "k2c/reference/reference.h"
 #include "rank_cases.h"
 
@@ -318,23 +317,10 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
   }
 
   // The reference's parameters: the whole layer's, from the seed, the router replaced.
-  km::Ops& ops = km::cpu_ops();
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx{ops, ledger, params};
-  const km::Moe whole(params, "moe", cfg);
-  params.materialize(ops, ledger, weights);
-  auto find = [&](const std::string& name) {
-    for (km::ParamId id = 0; id < params.size(); ++id)
-      if (params.info(id).name == name) return id;
-    throw std::logic_error("model::Moe has no parameter " + name);
-  };
-  ops.upload(params.value(find("moe.router.weight")), router.data());
-  auto host = [&](const km::Tensor& t) {
-    std::vector<float> v(static_cast<std::size_t>(t.numel()));
-    if (!v.empty()) ops.download(v.data(), t);
-    return v;
-  };
+  km::testing::Side ref;
+  const km::Moe whole(ref.params, "moe", cfg);
+  ref.materialize(weights);
+  ref.ops().upload(ref.params.value(ref.find("moe.router.weight")), router.data());
   std::vector<std::string> names = {"moe.router.weight", "moe.experts.gate.weight", "moe.experts.up.weight",
                                     "moe.experts.down.weight"};
   if (cfg.shared_experts) names.insert(names.end(), {"moe.shared.gate.weight", "moe.shared.up.weight", "moe.shared.down.weight"});
@@ -344,18 +330,16 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
   double balance = 0;
   std::vector<std::int64_t> dropped(n, 0);
   if (!capacity) {
-    ctx.loss_scale = scale;
-    auto tensor = [&] { return ctx.tensor({T, d}, km::Category::activations); };
-    km::Tensor xt = tensor(), dyt = tensor(), yt = tensor(), dxt = tensor();
-    ops.upload(xt, x.data()), ops.upload(dyt, dy.data());
+    ref.ctx.loss_scale = scale;
+    km::Tensor xt = ref.upload(x, {T, d}), dyt = ref.upload(dy, {T, d}), yt = ref.tensor({T, d}), dxt = ref.tensor({T, d});
     km::Moe::Saved saved;
-    whole.forward(ctx, xt, yt, saved);
-    params.zero_grads(ops);
-    params.begin_backward();
-    whole.backward(ctx, xt, saved, dyt, dxt);
-    params.end_backward();
-    y = host(yt), dx = host(dxt), balance = saved.balance_loss;
-    for (const std::string& name : names) grads[name] = host(params.grad(find(name)));
+    whole.forward(ref.ctx, xt, yt, saved);
+    ref.params.zero_grads(ref.ops());
+    ref.params.begin_backward();
+    whole.backward(ref.ctx, xt, saved, dyt, dxt);
+    ref.params.end_backward();
+    y = ref.download(yt), dx = ref.download(dxt), balance = saved.balance_loss;
+    for (const std::string& name : names) grads[name] = ref.grad(name);
   } else {
     // The oracle, once per sending rank (its capacity counts its own assignments), gradients summed.
     k2c::ref::MoeLayer layer;
@@ -364,7 +348,7 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
     layer.capacity = static_cast<int>(C);
     // The oracle reads the weights through spans: they live here.
     std::map<std::string, std::vector<float>> held;
-    for (const std::string& name : names) held[name] = host(params.value(find(name)));
+    for (const std::string& name : names) held[name] = ref.value(name);
     layer.w_router = held["moe.router.weight"];
     layer.w1 = held["moe.experts.gate.weight"], layer.w3 = held["moe.experts.up.weight"], layer.w2 = held["moe.experts.down.weight"];
     if (cfg.shared_experts)  // one shared expert: the Mlp's [F, d], [F, d], [d, F] are the oracle's stacks

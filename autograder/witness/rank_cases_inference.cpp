@@ -65,8 +65,7 @@
 #include <stdexcept>
 
 #include "k2c/core/random.h"
-#include "k2c/model/ops.h"
-#include "k2c/model/params.h"
+#include "k2c/model/testing.h"
 #include "k2c/model/transformer.h"
 #include "k2c/reference/reference.h"
 #include "rank_cases.h"
@@ -83,6 +82,16 @@ void append(Bytes& b, const T* v, std::size_t count) {
 }
 
 std::int64_t pages_for(std::int64_t tokens, int page_size) { return (tokens + page_size - 1) / page_size; }
+
+// The logits [seq_len, vocab] of the whole model over `tokens`, padded to its length (causal, so
+// the pad changes nothing before it): the recomputation the engine's steps are held against.
+std::vector<float> recompute(k2c::model::testing::Side& s, const k2c::model::Transformer& transformer,
+                             const k2c::model::ModelConfig& m, std::vector<std::int32_t> tokens) {
+  tokens.resize(static_cast<std::size_t>(m.seq_len), 0);
+  k2c::model::Transformer::Saved saved;
+  transformer.forward(s.ctx, s.upload_ids(tokens), 1, false, saved);
+  return s.download(saved.logits);
+}
 
 }  // namespace
 
@@ -189,9 +198,7 @@ Case draw_engine(const std::string& kind, int n, int index, std::mt19937_64& rng
   const std::uint64_t seed = rng() >> 1, data = rng();
   Case c;
   c.args[0] = pages, c.args[1] = page_size, c.args[2] = split, c.args[3] = R;
-  const std::int64_t model[] = {m.vocab, m.d_model, m.n_layers, m.q_heads, m.kv_heads, m.d_ff, m.seq_len, m.tied_head};
-  std::copy(std::begin(model), std::end(model), c.args + 4);
-  c.args[12] = static_cast<std::int64_t>(seed), c.args[13] = std::bit_cast<std::int32_t>(m.init_std);
+  put_model(c, m, seed << 1), c.args[13] = std::bit_cast<std::int32_t>(m.init_std);
   c.what = kind + ", " + std::to_string(R) + " request(s), vocab " + std::to_string(m.vocab) + ", d " + std::to_string(m.d_model) +
            ", " + std::to_string(m.n_layers) + " block(s), " + std::to_string(m.q_heads) + "/" + std::to_string(m.kv_heads) +
            " heads, T " + std::to_string(m.seq_len) + ", pages of " + std::to_string(page_size) + ", parts of " + std::to_string(split);
@@ -209,25 +216,13 @@ Case draw_engine(const std::string& kind, int n, int index, std::mt19937_64& rng
   }
   c.in.assign(n, in);
 
-  // The reference: the whole model over each request's fed tokens (padded: causal, so the pad
-  // changes nothing before it), rows in the order the engine gives them.
-  km::Ops& ops = km::cpu_ops();
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx{ops, ledger, params};
-  const km::Transformer transformer(params, m);
-  params.materialize(ops, ledger, seed);
+  // The reference: the whole model over each request's fed tokens, rows in the order the engine
+  // gives them.
+  km::testing::Side ref;
+  const km::Transformer transformer(ref.params, m);
+  ref.materialize(seed);
   std::vector<std::vector<float>> logits(R);
-  for (int r = 0; r < R; ++r) {
-    std::vector<std::int32_t> ids = fed[r];
-    ids.resize(static_cast<std::size_t>(m.seq_len), 0);
-    km::Tensor t(ops.memory(), ledger, km::Category::activations, {m.seq_len}, km::DType::i32);
-    ops.upload(t, ids.data());
-    km::Transformer::Saved saved;
-    transformer.forward(ctx, t, 1, false, saved);
-    logits[r].resize(static_cast<std::size_t>(saved.logits.numel()));
-    ops.download(logits[r].data(), saved.logits);
-  }
+  for (int r = 0; r < R; ++r) logits[r] = recompute(ref, transformer, m, fed[r]);
   Tensors rows;
   const int longest = *std::max_element(steps.begin(), steps.end());
   for (int j = 0; j < longest; ++j)
@@ -361,25 +356,15 @@ Case draw_serving(const std::string& kind, int n, int index, std::mt19937_64& rn
         prompts[r].push_back(static_cast<std::int32_t>(k2c::mix64(data + 1000 * r + i) % static_cast<std::uint64_t>(m.vocab)));
 
     // Greedy generation, one process, each step the whole model over the sequence so far.
-    km::Ops& ops = km::cpu_ops();
-    km::MemoryLedger ledger;
-    km::ParamList params;
-    km::Context ctx{ops, ledger, params};
-    const km::Transformer transformer(params, m);
-    params.materialize(ops, ledger, seed);
+    km::testing::Side ref;
+    const km::Transformer transformer(ref.params, m);
+    ref.materialize(seed);
     std::vector<std::vector<std::int32_t>> tokens(R);
     bool clear = true;
     for (int r = 0; r < R && clear; ++r) {
       std::vector<std::int32_t> seq = prompts[r];
       for (int j = 0; j < output[r] && clear; ++j) {
-        std::vector<std::int32_t> ids = seq;
-        ids.resize(static_cast<std::size_t>(m.seq_len), 0);
-        km::Tensor in_ids(ops.memory(), ledger, km::Category::activations, {m.seq_len}, km::DType::i32);
-        ops.upload(in_ids, ids.data());
-        km::Transformer::Saved saved;
-        transformer.forward(ctx, in_ids, 1, false, saved);
-        std::vector<float> all(static_cast<std::size_t>(saved.logits.numel()));
-        ops.download(all.data(), saved.logits);
+        const std::vector<float> all = recompute(ref, transformer, m, seq);
         const float* row = all.data() + (seq.size() - 1) * static_cast<std::size_t>(m.vocab);
         int best = 0;
         float top = 0;
@@ -397,9 +382,7 @@ Case draw_serving(const std::string& kind, int n, int index, std::mt19937_64& rn
 
     Case c;
     c.args[0] = pages, c.args[1] = page_size, c.args[2] = split, c.args[3] = R;
-    const std::int64_t model[] = {m.vocab, m.d_model, m.n_layers, m.q_heads, m.kv_heads, m.d_ff, m.seq_len, m.tied_head};
-    std::copy(std::begin(model), std::end(model), c.args + 4);
-    c.args[12] = static_cast<std::int64_t>(seed), c.args[13] = std::bit_cast<std::int32_t>(m.init_std), c.args[14] = max_batch;
+    put_model(c, m, seed << 1), c.args[13] = std::bit_cast<std::int32_t>(m.init_std), c.args[14] = max_batch;
     c.what = kind + ", " + std::to_string(R) + " request(s), batches of up to " + std::to_string(max_batch) + ", " +
              std::to_string(pages) + " pages of " + std::to_string(page_size) + ", parts of " + std::to_string(split) +
              ", vocab " + std::to_string(m.vocab) + ", T " + std::to_string(m.seq_len);

@@ -56,6 +56,7 @@
 #include "k2c/model/ops.h"
 #include "k2c/model/optim.h"
 #include "k2c/model/params.h"
+#include "k2c/model/testing.h"
 #include "k2c/model/train.h"
 #include "k2c/testing/compare.h"
 #include "k2c/model/transformer.h"
@@ -86,12 +87,6 @@ km::ModelConfig draw_model(int index, int min_layers, std::mt19937_64& rng) {
   c.seq_len = shape == 0 ? 1 + static_cast<int>(rng() % 3) : shape == 1 ? 3 + static_cast<int>(rng() % 9) : 16 + static_cast<int>(rng() % 17);
   c.check();
   return c;
-}
-
-void put_model(Case& c, const km::ModelConfig& m, std::uint64_t seed) {
-  const std::int64_t v[] = {m.vocab, m.d_model, m.n_layers, m.q_heads, m.kv_heads, m.d_ff, m.seq_len, m.tied_head};
-  std::copy(std::begin(v), std::end(v), c.args + 4);
-  c.args[12] = static_cast<std::int64_t>(seed >> 1);  // non-negative: the rank reads it back as int64
 }
 
 std::string count(std::int64_t n, const std::string& thing) {
@@ -478,32 +473,23 @@ Case draw_mlp(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   const auto [x, dy] = send_x_dy(c, n, N * d, data);
 
   // The reference: the whole MLP, one process.
-  km::Ops& ops = km::cpu_ops();
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx{ops, ledger, params};
-  const km::Mlp mlp(params, "mlp", d, F);
-  params.materialize(ops, ledger, seed);
-  km::Tensor xt = upload_floats(ops, ledger, x, {N, d}), dyt = upload_floats(ops, ledger, dy, {N, d});
-  km::Tensor y = ctx.tensor({N, d}, km::Category::activations), dx = ctx.tensor({N, d}, km::Category::activations);
+  km::testing::Side ref;
+  const km::Mlp mlp(ref.params, "mlp", d, F);
+  ref.materialize(seed);
+  km::Tensor xt = ref.upload(x, {N, d}), dyt = ref.upload(dy, {N, d}), y = ref.tensor({N, d}), dx = ref.tensor({N, d});
   km::Mlp::Saved saved;
-  mlp.forward(ctx, xt, y, saved);
-  params.zero_grads(ops);
-  params.begin_backward();
-  mlp.backward(ctx, xt, saved, dyt, dx);
-  params.end_backward();
-  auto grad = [&](const char* name) {
-    for (km::ParamId id = 0; id < params.size(); ++id)
-      if (params.info(id).name == name) return host(ops, params.grad(id));
-    throw std::logic_error(std::string("model::Mlp has no parameter ") + name);
-  };
-  const std::vector<float> gate = grad("mlp.gate.weight"), up = grad("mlp.up.weight"), down = grad("mlp.down.weight");
+  mlp.forward(ref.ctx, xt, y, saved);
+  ref.params.zero_grads(ref.ops());
+  ref.params.begin_backward();
+  mlp.backward(ref.ctx, xt, saved, dyt, dx);
+  ref.params.end_backward();
+  const std::vector<float> gate = ref.grad("mlp.gate.weight"), up = ref.grad("mlp.up.weight"), down = ref.grad("mlp.down.weight");
   // Each rank's answer, tensor by tensor: name, values.
   std::vector<Tensors> want(n);
   const std::int64_t L = F / n;
   for (int r = 0; r < n; ++r) {
-    want[r] = {{"y", host(ops, y)},
-               {"dx", host(ops, dx)},
+    want[r] = {{"y", ref.download(y)},
+               {"dx", ref.download(dx)},
                {"mlp.gate.weight gradient", row_slice(gate, d, r * L, L)},
                {"mlp.up.weight gradient", row_slice(up, d, r * L, L)},
                {"mlp.down.weight gradient", column_slice(down, F, r * L, L)}};
@@ -534,32 +520,28 @@ Case draw_attention(const std::string& kind, int n, int index, std::mt19937_64& 
   const auto [x, dy] = send_x_dy(c, n, N * d, data);
 
   // The reference: the whole attention layer, one process.
-  km::Ops& ops = km::cpu_ops();
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx{ops, ledger, params};
-  const km::Attention attention(params, "attn", a);
-  params.materialize(ops, ledger, seed);
+  km::testing::Side ref;
+  const km::Attention attention(ref.params, "attn", a);
+  ref.materialize(seed);
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
   for (int t = 0; t < T; ++t) pos[t] = t;
-  km::Tensor xt = upload_floats(ops, ledger, x, {N, d}), dyt = upload_floats(ops, ledger, dy, {N, d}),
-             positions = upload(ops, ledger, pos);
-  km::Tensor y = ctx.tensor({N, d}, km::Category::activations), dx = ctx.tensor({N, d}, km::Category::activations);
+  km::Tensor xt = ref.upload(x, {N, d}), dyt = ref.upload(dy, {N, d}), positions = ref.upload_ids(pos);
+  km::Tensor y = ref.tensor({N, d}), dx = ref.tensor({N, d});
   km::Attention::Saved saved;
-  attention.forward(ctx, xt, positions, B, y, saved);
-  params.zero_grads(ops);
-  params.begin_backward();
-  attention.backward(ctx, xt, positions, B, saved, dyt, dx);
-  params.end_backward();
+  attention.forward(ref.ctx, xt, positions, B, y, saved);
+  ref.params.zero_grads(ref.ops());
+  ref.params.begin_backward();
+  attention.backward(ref.ctx, xt, positions, B, saved, dyt, dx);
+  ref.params.end_backward();
   std::map<std::string, std::vector<float>> grads;
-  for (km::ParamId id = 0; id < params.size(); ++id) grads[params.info(id).name] = host(ops, params.grad(id));
+  for (km::ParamId id = 0; id < ref.params.size(); ++id) grads[ref.params.info(id).name] = ref.download(ref.params.grad(id));
   // Rank r's heads: q heads [r·H/n, ..), key-value heads [r·Hkv/n, ..); wq, wk, wv rows of theirs,
   // wo its columns.
   const std::int64_t q_rows = std::int64_t{a.q_heads} / n * hd, kv_rows = std::int64_t{a.kv_heads} / n * hd;
   std::vector<Tensors> want(n);
   for (int r = 0; r < n; ++r) {
-    want[r] = {{"y", host(ops, y)},
-               {"dx", host(ops, dx)},
+    want[r] = {{"y", ref.download(y)},
+               {"dx", ref.download(dx)},
                {"attn.wq.weight gradient", row_slice(grads.at("attn.wq.weight"), d, r * q_rows, q_rows)},
                {"attn.wk.weight gradient", row_slice(grads.at("attn.wk.weight"), d, r * kv_rows, kv_rows)},
                {"attn.wv.weight gradient", row_slice(grads.at("attn.wv.weight"), d, r * kv_rows, kv_rows)},
@@ -604,37 +586,35 @@ Case draw_block(const std::string& kind, int n, int index, std::mt19937_64& rng)
   // rows' places in the global batch).
   std::vector<float> x(static_cast<std::size_t>(N * d)), dy(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = k2c::uniform_at(data, i, -1.0f, 1.0f), dy[i] = k2c::uniform_at(data + 1, i, -1.0f, 1.0f);
-  km::Ops& ops = km::cpu_ops();
-  km::MemoryLedger ledger;
-  km::ParamList params;
-  km::Context ctx{ops, ledger, params};
+  km::testing::Side ref;
+  km::Context& ctx = ref.ctx;
   ctx.dropout = dropout, ctx.row_offset = row_offset, ctx.seed = static_cast<std::uint64_t>(seed), ctx.step = static_cast<std::uint64_t>(step);
   std::vector<km::Block> whole;
-  for (int b = 0; b < blocks; ++b) whole.emplace_back(params, "blocks." + std::to_string(b), config, b);
-  params.materialize(ops, ledger, weights);
+  for (int b = 0; b < blocks; ++b) whole.emplace_back(ref.params, "blocks." + std::to_string(b), config, b);
+  ref.materialize(weights);
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
   for (int t = 0; t < T; ++t) pos[t] = t;
-  const km::Tensor positions = upload(ops, ledger, pos);
+  const km::Tensor positions = ref.upload_ids(pos);
   std::vector<km::Tensor> acts;
   std::vector<km::Block::Saved> saved(static_cast<std::size_t>(blocks));
-  acts.push_back(upload_floats(ops, ledger, x, {N, d}));
+  acts.push_back(ref.upload(x, {N, d}));
   for (int b = 0; b < blocks; ++b) {
     whole[b].forward(ctx, acts[b], positions, B, false, saved[b]);
-    acts.push_back(ctx.tensor({N, d}, km::Category::activations));
-    ops.copy(acts[b + 1], saved[b].out);
+    acts.push_back(ref.tensor({N, d}));
+    ref.ops().copy(acts[b + 1], saved[b].out);
   }
-  km::Tensor grad = upload_floats(ops, ledger, dy, {N, d});
-  params.zero_grads(ops);
-  params.begin_backward();
+  km::Tensor grad = ref.upload(dy, {N, d});
+  ref.params.zero_grads(ref.ops());
+  ref.params.begin_backward();
   for (int b = blocks - 1; b >= 0; --b) {
-    km::Tensor dx = ctx.tensor({N, d}, km::Category::activations);
+    km::Tensor dx = ref.tensor({N, d});
     whole[b].backward(ctx, acts[b], positions, B, saved[b], grad, dx);
     grad = std::move(dx);
   }
-  params.end_backward();
+  ref.params.end_backward();
   std::map<std::string, std::vector<float>> grads;
-  for (km::ParamId id = 0; id < params.size(); ++id) grads[params.info(id).name] = host(ops, params.grad(id));
-  const std::vector<float> y = host(ops, acts.back()), dx = host(ops, grad);
+  for (km::ParamId id = 0; id < ref.params.size(); ++id) grads[ref.params.info(id).name] = ref.download(ref.params.grad(id));
+  const std::vector<float> y = ref.download(acts.back()), dx = ref.download(grad);
 
   // Each rank's answer: its rows of y and dx, then per block the norms' gradients whole and the
   // attention's and MLP's as module 14 cuts them (this rank's heads, its slice of d_ff).

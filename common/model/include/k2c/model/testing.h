@@ -88,6 +88,12 @@ struct Side {
     if (id < 0) throw std::invalid_argument("Side::value: no parameter named '" + name + "'");
     return download(params.value(id));
   }
+  // Its gradient, on the host.
+  std::vector<float> grad(const std::string& name) {
+    const ParamId id = find(name);
+    if (id < 0) throw std::invalid_argument("Side::grad: no parameter named '" + name + "'");
+    return download(params.grad(id));
+  }
 };
 
 }  // namespace k2c::model::testing
