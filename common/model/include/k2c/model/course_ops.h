@@ -1,0 +1,116 @@
+// k2c/model/course_ops.h — "course mode": the model's operations computed by the course's own
+// kernels (a student's modules 05, 07, 08 and 09) where they exist and are right, by the trusted
+// backend everywhere else, with a table saying which ran.
+//
+// CourseOps wraps a trusted backend. For each operation it may hold a course kernel: a function
+// with the operation's arguments that computes it (returning true), declines a shape it does not
+// take (returning false: 09 takes head_dim 64 and 128 only), or throws (k2c::NotImplemented from a
+// stub, anything else from a fault). The first call of an operation at each shape is a check: the
+// trusted backend computes the outputs, the course kernel computes them again from the same
+// inputs, and the two are compared; the run goes on with the course kernel's outputs only when they
+// agree. A kernel that throws or disagrees once is never called again (its outputs are replaced by
+// the trusted ones, so nothing it wrote survives), and the table names the reason. Later calls at
+// a checked shape run the course kernel alone: the check costs one extra call per shape, and a
+// training step calls each operation at the same few shapes every time.
+//
+// Agreement is judged on what the call changed (for an output the operation adds into, the
+// difference from its old contents): no NaN or infinity the trusted result does not have, every
+// element within `max_error` of the largest trusted value, and the whole within `l2_error`
+// relative (root of the summed squares). Both default to what two bf16 computations of one
+// quantity differ by, and no more (see the tests in tests/test_course_ops.cpp).
+//
+// The kernels themselves (adapters between the model's fp32 tensors and a module's bf16 contract)
+// live with the program that links the student's libraries: autograder/18_capstone/course_kernels.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "k2c/model/forwarding_ops.h"
+
+namespace k2c::model {
+
+// One optional course kernel per operation; `names` says which module's function each one is.
+struct CourseKernels {
+  std::function<bool(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta)> matmul;
+  std::function<bool(const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd)> rmsnorm_forward;
+  // dgamma += (as Ops::rmsnorm_backward); residual_dy, when given, is added into dx.
+  std::function<bool(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                     const Tensor* residual_dy, Tensor& dx, Tensor& dgamma)>
+      rmsnorm_backward;
+  std::function<bool(Tensor& x, const Tensor& positions, int heads, int head_dim, float theta, bool inverse)> rope;
+  std::function<bool(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse)>
+      attention_forward;
+  // dq written, dk and dv added into (as Ops::attention_backward).
+  std::function<bool(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                     const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv)>
+      attention_backward;
+  std::map<std::string, std::string> names;  // operation → "09 flash_attention::forward_hopper"
+};
+
+class CourseOps final : public ForwardingOps {
+ public:
+  struct Tolerance {
+    double max_error = 3e-2, l2_error = 1e-2;
+  };
+  CourseOps(Ops& trusted, CourseKernels kernels, Tolerance tolerance);
+  CourseOps(Ops& trusted, CourseKernels kernels) : CourseOps(trusted, std::move(kernels), Tolerance{}) {}
+
+  std::string name() const override { return "course kernels over " + inner_.name(); }
+
+  // What ran, per operation, so far.
+  struct Row {
+    std::string op, kernel;     // kernel: empty when the course has none for this operation
+    long course_calls = 0, trusted_calls = 0;
+    int shapes_checked = 0;     // shapes at which the course kernel agreed
+    double worst_error = 0;     // the largest per-element error of those checks (of the largest value)
+    std::string fallback;       // why the trusted backend took over ("" while the course kernel runs)
+  };
+  std::vector<Row> table() const;
+  // The table as text: one line per operation, "op  kernel  ran  calls  note".
+  std::string report() const;
+
+  void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) override;
+  void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dw, Tensor* dx) override;
+  void shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) override;
+  void shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                              std::span<Tensor* const> dws, Tensor* dx) override;
+  void rmsnorm_forward(const Tensor& x, const Tensor& g, float eps, Tensor& y, Tensor& rstd) override;
+  void rmsnorm_backward(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                        Tensor& dg) override;
+  void rmsnorm_backward_add(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy, const Tensor& r,
+                            Tensor& dx, Tensor& dg) override;
+  void rope(Tensor& x, const Tensor& positions, int heads, int hd, float theta, bool inverse) override;
+  void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o,
+                         Tensor& lse) override;
+  void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                          const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override;
+
+ private:
+  // An output of a call: `adds` when the operation adds into it (its old contents matter).
+  struct Out {
+    Tensor* tensor;
+    bool adds;
+  };
+  struct Entry {
+    Row row;
+    std::map<std::string, bool> shapes;  // shape → course kernel used there (false: declined)
+  };
+  // Runs one call: the course kernel where it is (or is to be found) right, else the trusted one.
+  void run(const std::string& op, bool has_kernel, const std::string& shape, std::vector<Out> outs,
+           const std::function<bool()>& course, const std::function<void()>& trusted);
+  // The first call at a shape: both, compared. Returns whether the course kernel's outputs stand.
+  bool check(Entry& e, const std::string& shape, const std::vector<Out>& outs, const std::function<bool()>& course,
+             const std::function<void()>& trusted);
+  bool matmul_on() const;
+
+  CourseKernels kernels_;
+  Tolerance tolerance_;
+  std::map<std::string, Entry> entries_;
+  std::vector<std::string> order_;  // operations in order of first call, for the table
+  MemoryLedger scratch_ledger_;     // the check's copies (freed at once; never in the model's ledger)
+};
+
+}  // namespace k2c::model

@@ -1,0 +1,254 @@
+// course_ops.cpp — CourseOps (k2c/model/course_ops.h): each operation by the course's kernel where
+// it was found right at the shape, by the trusted backend otherwise.
+#include "k2c/model/course_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <utility>
+
+#include "k2c/core/todo.h"
+
+namespace k2c::model {
+
+namespace {
+
+// The operations a course kernel can take, in the order of the table.
+const char* const kOps[] = {"matmul", "rmsnorm", "rmsnorm backward", "rope", "attention", "attention backward"};
+
+std::vector<float> host_copy(Ops& ops, const Tensor& t) {
+  std::vector<float> v(static_cast<std::size_t>(t.numel()));
+  if (!v.empty()) ops.download(v.data(), t);
+  return v;
+}
+
+std::string number(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.4g", x);
+  return b;
+}
+
+// How far `got` is from `want`, both the change a call made (for an output that adds, each minus
+// the old contents). Empty when they agree within the tolerance, else what disagrees.
+std::string disagreement(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>* before,
+                         const CourseOps::Tolerance& tol, double& worst) {
+  auto change = [&](const std::vector<float>& v, std::size_t i) {
+    return before ? static_cast<double>(v[i]) - (*before)[i] : static_cast<double>(v[i]);
+  };
+  double largest = 0, sum_sq = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double w = change(want, i);
+    if (std::isfinite(w)) largest = std::max(largest, std::fabs(w)), sum_sq += w * w;
+  }
+  double worst_abs = 0, diff_sq = 0;
+  std::size_t worst_at = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double g = change(got, i), w = change(want, i);
+    if (!std::isfinite(w)) {  // -inf of a query that sees no key: the same value is required
+      if (!(g == w || (std::isnan(g) && std::isnan(w))))
+        return "element " + std::to_string(i) + " is " + number(g) + " where the trusted backend has " + number(w);
+      continue;
+    }
+    if (!std::isfinite(g))
+      return "element " + std::to_string(i) + " is " + number(g) + " where the trusted backend has " + number(w);
+    const double d = std::fabs(g - w);
+    diff_sq += d * d;
+    if (d > worst_abs) worst_abs = d, worst_at = i;
+  }
+  const double scale = largest > 0 ? largest : 1.0;
+  worst = worst_abs / scale;
+  const double l2 = sum_sq > 0 ? std::sqrt(diff_sq / sum_sq) : std::sqrt(diff_sq);
+  if (worst <= tol.max_error && l2 <= tol.l2_error) return "";
+  return "element " + std::to_string(worst_at) + " is " + number(change(got, worst_at)) + " where the trusted backend has " +
+         number(change(want, worst_at)) + " (error " + number(worst) + " of the largest value, allowed " +
+         number(tol.max_error) + "; relative L2 error " + number(l2) + ", allowed " + number(tol.l2_error) + ")";
+}
+
+std::string shape_of(const Tensor& t) { return t.shape().str(); }
+
+}  // namespace
+
+CourseOps::CourseOps(Ops& trusted, CourseKernels kernels, Tolerance tolerance)
+    : ForwardingOps(trusted), kernels_(std::move(kernels)), tolerance_(tolerance) {
+  const bool present[] = {bool(kernels_.matmul),   bool(kernels_.rmsnorm_forward),   bool(kernels_.rmsnorm_backward),
+                          bool(kernels_.rope),     bool(kernels_.attention_forward), bool(kernels_.attention_backward)};
+  for (int i = 0; i < 6; ++i) {
+    Entry& e = entries_[kOps[i]];
+    e.row.op = kOps[i];
+    if (present[i]) {
+      const auto name = kernels_.names.find(kOps[i]);
+      e.row.kernel = name != kernels_.names.end() ? name->second : "(unnamed)";
+    }
+  }
+}
+
+std::vector<CourseOps::Row> CourseOps::table() const {
+  std::vector<Row> rows;
+  for (const char* op : kOps) rows.push_back(entries_.at(op).row);
+  return rows;
+}
+
+std::string CourseOps::report() const {
+  std::ostringstream s;
+  char line[256];
+  std::snprintf(line, sizeof line, "%-19s %-40s %-8s %8s %8s  %s\n", "operation", "course kernel", "ran", "course",
+                "trusted", "note");
+  s << line;
+  for (const Row& r : table()) {
+    const char* ran = r.kernel.empty() || !r.fallback.empty() ? "trusted" : r.course_calls ? "course" : "-";
+    std::string note = r.kernel.empty() ? "no course kernel for this operation" : r.fallback;
+    if (note.empty() && r.shapes_checked)
+      note = "agreed at " + std::to_string(r.shapes_checked) + " shape" + (r.shapes_checked > 1 ? "s" : "") +
+             ", largest error " + number(r.worst_error) + " of the largest value";
+    std::snprintf(line, sizeof line, "%-19s %-40s %-8s %8ld %8ld  ", r.op.c_str(),
+                  r.kernel.empty() ? "-" : r.kernel.c_str(), ran, r.course_calls, r.trusted_calls);
+    s << line << note << "\n";
+  }
+  s << "every other operation: " << inner_.name() << "\n";
+  return s.str();
+}
+
+void CourseOps::run(const std::string& op, bool has_kernel, const std::string& shape, std::vector<Out> outs,
+                    const std::function<bool()>& course, const std::function<void()>& trusted) {
+  Entry& e = entries_.at(op);
+  if (!has_kernel || !e.row.fallback.empty()) {
+    trusted();
+    ++e.row.trusted_calls;
+    return;
+  }
+  const auto known = e.shapes.find(shape);
+  if (known == e.shapes.end()) {
+    e.shapes[shape] = check(e, shape, outs, course, trusted);
+    return;
+  }
+  if (known->second && course()) {
+    ++e.row.course_calls;
+    return;
+  }
+  trusted();
+  ++e.row.trusted_calls;
+}
+
+bool CourseOps::check(Entry& e, const std::string& shape, const std::vector<Out>& outs,
+                      const std::function<bool()>& course, const std::function<void()>& trusted) {
+  auto copy_of = [&](const Tensor& t) {
+    Tensor c(memory(), scratch_ledger_, Category::activations, t.shape(), t.dtype());
+    inner_.copy(c, t);
+    return c;
+  };
+  // The outputs' old contents (an in-place operation's input, an accumulator's sum so far), so
+  // that the course kernel starts from what the trusted one did; then the trusted results.
+  std::vector<Tensor> before, want;
+  for (const Out& o : outs) before.push_back(copy_of(*o.tensor));
+  trusted();
+  for (const Out& o : outs) want.push_back(copy_of(*o.tensor));
+  for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, before[i]);
+
+  std::string failure;
+  bool ran = false;
+  try {
+    ran = course();
+  } catch (const NotImplemented&) {
+    failure = "not implemented";
+  } catch (const std::exception& ex) {
+    failure = std::string("threw at ") + shape + ": " + ex.what();
+  }
+  double worst = 0;
+  if (failure.empty() && ran) {
+    for (std::size_t i = 0; i < outs.size() && failure.empty(); ++i) {
+      const std::vector<float> old = outs[i].adds ? host_copy(inner_, before[i]) : std::vector<float>{};
+      double w = 0;
+      const std::string d = disagreement(host_copy(inner_, *outs[i].tensor), host_copy(inner_, want[i]),
+                                         outs[i].adds ? &old : nullptr, tolerance_, w);
+      if (!d.empty()) failure = "disagreed at " + shape + " (output " + std::to_string(i + 1) + "): " + d;
+      worst = std::max(worst, w);
+    }
+  }
+  if (!failure.empty() || !ran) {
+    // The trusted results stand, whatever the course kernel wrote.
+    for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, want[i]);
+    if (!failure.empty()) e.row.fallback = failure;
+    ++e.row.trusted_calls;
+    return false;
+  }
+  ++e.row.course_calls;
+  ++e.row.shapes_checked;
+  e.row.worst_error = std::max(e.row.worst_error, worst);
+  return true;
+}
+
+bool CourseOps::matmul_on() const { return kernels_.matmul && entries_.at("matmul").row.fallback.empty(); }
+
+void CourseOps::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+  const std::string shape = shape_of(a) + (ta ? "T" : "") + " x " + shape_of(b) + (tb ? "T" : "") +
+                            (beta != 0.0f ? " +=" : "") + (alpha != 1.0f ? " scaled" : "");
+  run("matmul", bool(kernels_.matmul), shape, {{&c, beta != 0.0f}},
+      [&] { return kernels_.matmul(a, ta, b, tb, c, alpha, beta); },
+      [&] { inner_.matmul(a, ta, b, tb, c, alpha, beta); });
+}
+
+// The Linear layers' compound GEMMs: by their plain matmul calls (Ops's defaults) while the course
+// GEMM runs, so that each of them goes through it; by the trusted backend's fused forms otherwise.
+void CourseOps::linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dw, Tensor* dx) {
+  if (matmul_on()) Ops::linear_backward(x, w, dy, dw, dx);
+  else inner_.linear_backward(x, w, dy, dw, dx);
+}
+void CourseOps::shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
+  if (matmul_on()) Ops::shared_linear_forward(x, ws, ys);
+  else inner_.shared_linear_forward(x, ws, ys);
+}
+void CourseOps::shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws,
+                                       std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
+  if (matmul_on()) Ops::shared_linear_backward(x, ws, dys, dws, dx);
+  else inner_.shared_linear_backward(x, ws, dys, dws, dx);
+}
+
+void CourseOps::rmsnorm_forward(const Tensor& x, const Tensor& g, float eps, Tensor& y, Tensor& rstd) {
+  run("rmsnorm", bool(kernels_.rmsnorm_forward), shape_of(x), {{&y, false}, {&rstd, false}},
+      [&] { return kernels_.rmsnorm_forward(x, g, eps, y, rstd); }, [&] { inner_.rmsnorm_forward(x, g, eps, y, rstd); });
+}
+void CourseOps::rmsnorm_backward(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                 Tensor& dg) {
+  run("rmsnorm backward", bool(kernels_.rmsnorm_backward), shape_of(x), {{&dx, false}, {&dg, true}},
+      [&] { return kernels_.rmsnorm_backward(x, g, rstd, dy, nullptr, dx, dg); },
+      [&] { inner_.rmsnorm_backward(x, g, rstd, dy, dx, dg); });
+}
+void CourseOps::rmsnorm_backward_add(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy,
+                                     const Tensor& r, Tensor& dx, Tensor& dg) {
+  run("rmsnorm backward", bool(kernels_.rmsnorm_backward), shape_of(x) + " + residual", {{&dx, false}, {&dg, true}},
+      [&] { return kernels_.rmsnorm_backward(x, g, rstd, dy, &r, dx, dg); },
+      [&] { inner_.rmsnorm_backward_add(x, g, rstd, dy, r, dx, dg); });
+}
+
+void CourseOps::rope(Tensor& x, const Tensor& positions, int heads, int hd, float theta, bool inverse) {
+  const std::string shape = shape_of(x) + " heads " + std::to_string(heads) + (inverse ? " inverse" : "");
+  run("rope", bool(kernels_.rope), shape, {{&x, false}},
+      [&] { return kernels_.rope(x, positions, heads, hd, theta, inverse); },
+      [&] { inner_.rope(x, positions, heads, hd, theta, inverse); });
+}
+
+namespace {
+std::string attention_key(const AttentionShape& s) {
+  std::ostringstream k;
+  k << "batch " << s.batch << " q " << s.q_len << " kv " << s.kv_len << " heads " << s.q_heads << "/" << s.kv_heads
+    << " d " << s.head_dim << (s.causal ? " causal" : "") << " offsets " << s.q_offset << "/" << s.kv_offset;
+  return k.str();
+}
+}  // namespace
+
+void CourseOps::attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o,
+                                  Tensor& lse) {
+  run("attention", bool(kernels_.attention_forward), attention_key(s), {{&o, false}, {&lse, false}},
+      [&] { return kernels_.attention_forward(s, q, k, v, o, lse); },
+      [&] { inner_.attention_forward(s, q, k, v, o, lse); });
+}
+void CourseOps::attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& o, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                                   Tensor& dv) {
+  run("attention backward", bool(kernels_.attention_backward), attention_key(s), {{&dq, false}, {&dk, true}, {&dv, true}},
+      [&] { return kernels_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv); },
+      [&] { inner_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv); });
+}
+
+}  // namespace k2c::model

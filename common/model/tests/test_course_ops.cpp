@@ -1,0 +1,252 @@
+// test_course_ops.cpp — CourseOps (k2c/model/course_ops.h) on the CPU backend with kernels made
+// here: a right kernel is used after its check, and a stub, a wrong kernel, a kernel that writes
+// NaN, one that forgets to add into its output and one that throws are each caught at their first
+// call, their outputs replaced by the trusted ones and never called again.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "k2c/core/todo.h"
+#include "k2c/model/course_ops.h"
+#include "k2c/model/data.h"
+#include "k2c/model/testing.h"
+#include "k2c/model/train.h"
+
+namespace k2c::model {
+namespace {
+
+using testing::Side;
+
+std::vector<float> random_values(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(g);
+  return v;
+}
+
+const CourseOps::Row& row(const std::vector<CourseOps::Row>& t, const std::string& op) {
+  for (const auto& r : t)
+    if (r.op == op) return r;
+  throw std::logic_error("no row " + op);
+}
+
+// A matmul computed by the CPU backend and then nudged by `nudge` (relative): a course kernel that
+// is right to within rounding when nudge is small, and wrong when not.
+CourseKernels nudged_matmul(float nudge, int* calls) {
+  CourseKernels k;
+  k.matmul = [=](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+    ++*calls;
+    cpu_ops().matmul(a, ta, b, tb, c, alpha, beta);
+    cpu_ops().scale(c, 1.0f + nudge);
+    return true;
+  };
+  k.names["matmul"] = "test matmul";
+  return k;
+}
+
+TEST(CourseOps, ARightKernelIsCheckedOnceAtEachShapeThenUsed) {
+  int calls = 0;
+  CourseOps ops(cpu_ops(), nudged_matmul(1e-4f, &calls));
+  Side s(ops);
+  Tensor a = s.upload(random_values(6 * 5, 1), {6, 5}), b = s.upload(random_values(4 * 5, 2), {4, 5});
+  Tensor c = s.poisoned({6, 4});
+  for (int i = 0; i < 3; ++i) ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
+  Tensor c2 = s.poisoned({6, 6});
+  ops.matmul(a, false, a, true, c2, 1.0f, 0.0f);
+  const auto r = row(ops.table(), "matmul");
+  EXPECT_EQ(calls, 4);  // one check per shape, then the kernel alone
+  EXPECT_EQ(r.course_calls, 4);
+  EXPECT_EQ(r.trusted_calls, 0);
+  EXPECT_EQ(r.shapes_checked, 2);
+  EXPECT_TRUE(r.fallback.empty());
+  EXPECT_GT(r.worst_error, 0.0);
+  EXPECT_LT(r.worst_error, 1e-3);
+  // The result is the course kernel's (nudged), not the trusted one.
+  Side t;
+  Tensor ta = t.upload(random_values(30, 1), {6, 5}), tb = t.upload(random_values(20, 2), {4, 5}), tc = t.tensor({6, 4});
+  cpu_ops().matmul(ta, false, tb, true, tc, 1.0f, 0.0f);
+  const std::vector<float> got = s.download(c), want = t.download(tc);
+  EXPECT_FLOAT_EQ(got[3], want[3] * (1.0f + 1e-4f));
+  EXPECT_NE(ops.report().find("agreed at 2 shapes"), std::string::npos) << ops.report();
+}
+
+// Each faulty kernel: the first call's outputs are the trusted backend's bit for bit, the kernel is
+// never called again, and the table says why.
+void expect_caught(CourseKernels kernels, const std::string& reason, int* calls) {
+  CourseOps ops(cpu_ops(), std::move(kernels));
+  Side s(ops), t;
+  const std::vector<float> av = random_values(7 * 3, 3), bv = random_values(3 * 5, 4), cv = random_values(35, 5);
+  Tensor a = s.upload(av, {7, 3}), b = s.upload(bv, {3, 5}), c = s.upload(cv, {7, 5});
+  Tensor ta = t.upload(av, {7, 3}), tb = t.upload(bv, {3, 5}), tc = t.upload(cv, {7, 5});
+  for (int i = 0; i < 3; ++i) {  // c += a·b, as a weight gradient accumulates
+    ops.matmul(a, false, b, false, c, 1.0f, 1.0f);
+    cpu_ops().matmul(ta, false, tb, false, tc, 1.0f, 1.0f);
+  }
+  const std::vector<float> got = s.download(c), want = t.download(tc);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+  EXPECT_EQ(*calls, 1);
+  const auto r = row(ops.table(), "matmul");
+  EXPECT_EQ(r.course_calls, 0);
+  EXPECT_EQ(r.trusted_calls, 3);
+  EXPECT_NE(r.fallback.find(reason), std::string::npos) << r.fallback;
+  EXPECT_NE(ops.report().find(reason), std::string::npos);
+}
+
+TEST(CourseOps, AWrongKernelFallsBackToTheTrustedOne) {
+  int calls = 0;
+  expect_caught(nudged_matmul(0.05f, &calls), "disagreed at [7, 3] x [3, 5] +=", &calls);
+}
+
+TEST(CourseOps, AStubFallsBackAsNotImplemented) {
+  int calls = 0;
+  CourseKernels k;
+  k.matmul = [&](const Tensor&, bool, const Tensor&, bool, Tensor&, float, float) -> bool {
+    ++calls;
+    K2C_TODO("matmul");
+  };
+  expect_caught(std::move(k), "not implemented", &calls);
+}
+
+TEST(CourseOps, NaNAThrowAndAForgottenSumAreCaught) {
+  int calls = 0;
+  CourseKernels nan;
+  nan.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+    ++calls;
+    cpu_ops().matmul(a, ta, b, tb, c, alpha, beta);
+    c.f32()[c.numel() - 1] = std::numeric_limits<float>::quiet_NaN();  // only the last element
+    return true;
+  };
+  expect_caught(std::move(nan), "is nan where", &calls);
+
+  calls = 0;
+  CourseKernels overwrite;  // c = a·b where the operation asks for c += a·b
+  overwrite.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float) {
+    ++calls;
+    cpu_ops().matmul(a, ta, b, tb, c, alpha, 0.0f);
+    return true;
+  };
+  expect_caught(std::move(overwrite), "disagreed", &calls);
+
+  calls = 0;
+  CourseKernels throws;
+  throws.matmul = [&](const Tensor&, bool, const Tensor&, bool, Tensor& c, float, float) -> bool {
+    ++calls;
+    cpu_ops().fill(c, 7.0f);  // half-written, then a fault
+    throw std::invalid_argument("K must be a multiple of 8");
+  };
+  expect_caught(std::move(throws), "threw at [7, 3] x [3, 5] +=: K must be a multiple of 8", &calls);
+}
+
+TEST(CourseOps, ADeclinedShapeRunsTrustedAndOthersStillUseTheKernel) {
+  int calls = 0;
+  CourseKernels k;
+  k.rope = [&](Tensor& x, const Tensor& pos, int heads, int hd, float theta, bool inverse) {
+    if (hd != 4) return false;  // takes head_dim 4 only
+    ++calls;
+    cpu_ops().rope(x, pos, heads, hd, theta, inverse);
+    return true;
+  };
+  k.names["rope"] = "test rope";
+  CourseOps ops(cpu_ops(), std::move(k));
+  Side s(ops);
+  Tensor pos = s.upload_ids({0, 1, 2});
+  Tensor x4 = s.upload(random_values(2 * 3 * 8, 6), {6, 8}), x2 = s.upload(random_values(6 * 8, 7), {6, 8});
+  ops.rope(x4, pos, 2, 4, 10000.0f, false);
+  ops.rope(x2, pos, 4, 2, 10000.0f, false);
+  ops.rope(x2, pos, 4, 2, 10000.0f, false);
+  ops.rope(x4, pos, 2, 4, 10000.0f, true);
+  const auto r = row(ops.table(), "rope");
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(r.course_calls, 2);
+  EXPECT_EQ(r.trusted_calls, 2);
+  EXPECT_TRUE(r.fallback.empty());
+  // rope then its inverse gives x back: the in-place input was restored for the kernel's check.
+  const std::vector<float> back = s.download(x4), x = random_values(48, 6);
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(back[i], x[i], 1e-5) << i;
+}
+
+TEST(CourseOps, AttentionBackwardMustAddIntoDkAndDv) {
+  // A backward that writes dk and dv instead of adding into them (a ring sums several chunks).
+  int calls = 0;
+  CourseKernels k;
+  k.attention_backward = [&](const AttentionShape& sh, const Tensor& q, const Tensor& kk, const Tensor& v,
+                             const Tensor& o, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                             Tensor& dv) {
+    ++calls;
+    cpu_ops().fill(dk, 0.0f);
+    cpu_ops().fill(dv, 0.0f);
+    cpu_ops().attention_backward(sh, q, kk, v, o, lse, dout, dq, dk, dv);
+    return true;
+  };
+  CourseOps ops(cpu_ops(), std::move(k));
+  Side s(ops);
+  const AttentionShape sh = AttentionShape::causal_self(1, 5, 2, 1, 4);
+  Tensor q = s.upload(random_values(5 * 8, 8), {5, 8}), kk = s.upload(random_values(20, 9), {5, 4}),
+         v = s.upload(random_values(20, 10), {5, 4}), dout = s.upload(random_values(40, 11), {5, 8});
+  Tensor o = s.tensor({5, 8}), lse = s.tensor({1, 2, 5}), dq = s.tensor({5, 8});
+  Tensor dk = s.upload(random_values(20, 12), {5, 4}), dv = s.upload(random_values(20, 13), {5, 4});
+  ops.attention_forward(sh, q, kk, v, o, lse);
+  ops.attention_backward(sh, q, kk, v, o, lse, dout, dq, dk, dv);
+  const auto r = row(ops.table(), "attention backward");
+  EXPECT_EQ(calls, 1);
+  EXPECT_NE(r.fallback.find("(output 2)"), std::string::npos) << r.fallback;
+  EXPECT_EQ(row(ops.table(), "attention").trusted_calls, 1);  // no forward kernel: trusted
+  EXPECT_NE(ops.report().find("no course kernel for this operation"), std::string::npos);
+}
+
+// A whole training run whose kernels are the CPU backend's own: the Linear layers' compound GEMMs go
+// through the course matmul one product at a time, and the loss is the trusted run's to the bit.
+TEST(CourseOps, TrainingThroughCourseKernelsThatAreTheTrustedOnesChangesNoBit) {
+  TrainConfig c;
+  c.model = ModelConfig::tiny();
+  c.steps = 3, c.batch = 2;
+  MarkovSource source(5, c.model.vocab, 4);
+  const std::vector<std::uint16_t> tokens = source.sample(20000);
+  const auto v = static_cast<std::uint32_t>(c.model.vocab);
+  Ops& cpu = cpu_ops();
+  CourseKernels k;
+  k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& cc, float al, float be) {
+    cpu.matmul(a, ta, b, tb, cc, al, be);
+    return true;
+  };
+  k.rmsnorm_forward = [&](const Tensor& x, const Tensor& g, float eps, Tensor& y, Tensor& r) {
+    cpu.rmsnorm_forward(x, g, eps, y, r);
+    return true;
+  };
+  k.rmsnorm_backward = [&](const Tensor& x, const Tensor& g, const Tensor& r, const Tensor& dy, const Tensor* res,
+                           Tensor& dx, Tensor& dg) {
+    if (res) cpu.rmsnorm_backward_add(x, g, r, dy, *res, dx, dg);
+    else cpu.rmsnorm_backward(x, g, r, dy, dx, dg);
+    return true;
+  };
+  k.attention_forward = [&](const AttentionShape& s, const Tensor& q, const Tensor& kk, const Tensor& vv, Tensor& o,
+                            Tensor& lse) {
+    cpu.attention_forward(s, q, kk, vv, o, lse);
+    return true;
+  };
+  CourseOps course(cpu, std::move(k));
+  auto make = [&](Ops& ops) {
+    return Trainer(c, ops, TokenLoader(tokens, v, {c.model.seq_len, c.batch, 0, 1, 5}),
+                   TokenLoader(tokens, v, {c.model.seq_len, c.batch, 0, 1, 6}));
+  };
+  Trainer trusted = make(cpu), through = make(course);
+  for (int i = 0; i < c.steps; ++i) {
+    const double want = trusted.step().loss, got = through.step().loss;
+    EXPECT_EQ(got, want) << "step " << i;
+  }
+  for (const auto& r : course.table()) {
+    if (r.op == "rope" || r.op == "attention backward") continue;  // no kernel given
+    EXPECT_GT(r.course_calls, 0) << r.op;
+    EXPECT_EQ(r.trusted_calls, 0) << r.op;
+    EXPECT_TRUE(r.fallback.empty()) << r.op << ": " << r.fallback;
+  }
+}
+
+}  // namespace
+}  // namespace k2c::model
