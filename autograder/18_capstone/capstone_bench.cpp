@@ -4,7 +4,8 @@
 //           [--config tiny|tiny-moe|dense-135m|moe-135m] [--steps N] [--batch B]
 //           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
 //           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
-//           [--samples N] [--peak-tflops P]
+//           [--samples N] [--peak-tflops P] [--kernels course|trusted]
+//           [--time-ops]
 //
 // --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
 // dp-only grid (capstone.h says what it refuses), clipping inside ZeRO's step; --checkpoint is
@@ -22,6 +23,18 @@
 // figure) and a JSON summary, and at the end samples continuations of validation prompts from
 // the model gathered onto one rank (words, with the grammar data's vocabulary).
 //
+// --time-ops runs one more step at the end with every operation timed alone (a GPU sync around
+// each: the step runs slower than the others and is left out of their figures) and prints where
+// its time went, course kernels with their conversions; the JSON has it as "ops_ms".
+//
+// --kernels course (the default) runs the model's GEMMs, RMSNorm, RoPE and attention on the GPU
+// with the course's own kernels, modules 05, 07, 08 and 09 of the tree this program was built from
+// (a build from assignments/ runs yours), each checked against the trusted backend at its first
+// call at each shape and replaced by the trusted one where it is missing or disagrees; the run ends
+// with the table of which kernel ran (k2c/model/course_ops.h). --kernels trusted runs the model
+// library's own. The CPU backend (the MPI runs) always runs its own: the course's kernels are GPU
+// kernels.
+//
 // Exit status: 0 after training, 2 for bad arguments, 1 otherwise.
 #include <algorithm>
 #include <cstdio>
@@ -29,6 +42,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -36,11 +50,16 @@
 
 #include "capstone.h"
 #include "k2c/dist/runtime.h"
+#include "k2c/model/course_ops.h"
 #include "k2c/model/data.h"
+#include "k2c/model/timed_ops.h"
 #include "k2c/model/train.h"
 #if K2C_MODEL_CUDA
 #include "k2c/reference/ceilings.h"
 #include "k2c/model/cuda_ops.h"
+#endif
+#if K2C_COURSE_KERNELS
+#include "course_kernels.h"
 #endif
 
 namespace fs = std::filesystem;
@@ -48,6 +67,17 @@ namespace kc = k2c::capstone;
 namespace km = k2c::model;
 
 namespace {
+
+// A JSON string (the fallback reasons quote messages that may hold any character).
+std::string quoted(const std::string& s) {
+  std::string q = "\"";
+  for (const char ch : s) {
+    if (ch == '"' || ch == '\\') q += '\\', q += ch;
+    else if (static_cast<unsigned char>(ch) < 0x20) q += ' ';
+    else q += ch;
+  }
+  return q + "\"";
+}
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -70,11 +100,11 @@ km::ModelConfig preset(const std::string& name) {
 }
 
 struct Options {
-  std::string grid = "1", data, config = "tiny", log, json, checkpoint;
+  std::string grid = "1", data, config = "tiny", log, json, checkpoint, kernels = "course";
   int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0;
   std::uint64_t seed = 1;
-  bool resume = false, gpipe = false;
+  bool resume = false, gpipe = false, time_ops = false;
 };
 
 Options parse(int argc, char** argv) {
@@ -101,6 +131,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--log") o.log = value();
     else if (a == "--json") o.json = value();
     else if (a == "--checkpoint") o.checkpoint = value();
+    else if (a == "--kernels") o.kernels = value();
     else if (a == "--steps") o.steps = static_cast<int>(number());
     else if (a == "--batch") o.batch = static_cast<int>(number());
     else if (a == "--micro-batches") o.micro_batches = static_cast<int>(number());
@@ -113,8 +144,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
     else if (a == "--resume") o.resume = true;
     else if (a == "--gpipe") o.gpipe = true;
+    else if (a == "--time-ops") o.time_ops = true;
     else throw UsageError("unknown argument '" + a + "' (see the top of autograder/18_capstone/capstone_bench.cpp)");
   }
+  if (o.kernels != "course" && o.kernels != "trusted")
+    throw UsageError("--kernels " + o.kernels + ": course or trusted");
   if (o.resume && o.checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero " + std::to_string(o.zero) + ": 1, 2 or 3 (0: off)");
   if (o.zero > 0 && !o.checkpoint.empty())
@@ -169,15 +203,41 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   // There, the ceiling of the ratio: cuBLAS's bf16 GEMM rate, measured here before training.
   km::Ops* ops = &km::cpu_ops();
   double cublas = 0;
+  std::unique_ptr<km::CourseOps> course;
+  std::string kernels = "trusted (the CPU backend; the course's kernels are GPU kernels)";
   if (world.backend() == k2c::dist::Backend::nccl) {
 #if K2C_MODEL_CUDA
     km::cuda_ops_use_stream(world.compute_stream());
     ops = &km::cuda_ops();
+    kernels = "trusted (the model library's)";
+    if (o.kernels == "course") {
+#if K2C_COURSE_KERNELS
+      course = std::make_unique<km::CourseOps>(*ops, kc::course_kernels());
+      ops = course.get();
+      kernels = "course (modules 05, 07, 08 and 09, each checked against the trusted backend at its first call at each shape)";
+#else
+      kernels = "trusted: this build has no course kernels (it needs modules 05, 07, 08 and 09 built with CUDA)";
+#endif
+    }
     cublas = k2c::bf16_gemm_rate(8192);
     if (root) std::printf("cuBLAS bf16 GEMM on this GPU (this run): %.1f TFLOP/s\n", cublas / 1e12);
 #else
     throw std::runtime_error("the NCCL backend needs the model's GPU backend (k2c_model_cuda), not built here");
 #endif
+  }
+  // --time-ops: a timer around everything (the course kernels' conversions included), which times
+  // only when told to, so the training steps run untouched.
+  bool timing = false;
+  std::unique_ptr<km::TimedOps> timed;
+  if (o.time_ops) {
+    timed = std::make_unique<km::TimedOps>(*ops, [&timing, cuda = world.backend() == k2c::dist::Backend::nccl] {
+#if K2C_MODEL_CUDA
+      if (timing && cuda) km::cuda_ops_synchronize();
+#else
+      (void)timing, (void)cuda;
+#endif
+    });
+    ops = timed.get();
   }
   kc::GridTrainer trainer(world, *ops, config, loader);
   if (o.resume) trainer.load(o.checkpoint);
@@ -189,6 +249,7 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     if (o.zero > 0) optimizer += " under ZeRO stage " + std::to_string(o.zero) + " over dp " + std::to_string(config.grid.dp);
     if (o.clip > 0) std::printf("optimizer: %s, clipping at gradient norm %g\n", optimizer.c_str(), o.clip);
     else std::printf("optimizer: %s, no clipping\n", optimizer.c_str());
+    std::printf("kernels: %s\n", kernels.c_str());
     if (o.resume) std::printf("resumed from %s at step %d\n", o.checkpoint.c_str(), trainer.steps_done());
   }
   std::ofstream log;
@@ -225,6 +286,17 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   }
   if (!o.checkpoint.empty()) trainer.save(o.checkpoint);
   const std::vector<float> values = trainer.gather_values();
+  // --time-ops: one step past the run (after the checkpoint and the gathered weights, so neither
+  // sees it), each operation alone.
+  std::vector<std::pair<std::string, double>> ops_ms;
+  if (timed) {
+    timed->reset();
+    timing = true;
+    trainer.step();
+    timing = false;
+    for (const auto& [name, e] : timed->entries()) ops_ms.emplace_back(name, e.seconds * 1e3);
+    if (root) std::cout << "where one more step's time went (rank 0, each operation timed alone):\n" << timed->report();
+  }
   if (!root) return 0;
   // The steady rate: the median step after the first two (allocation, warm-up).
   double median_tps = 0;
@@ -239,12 +311,26 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     std::printf("\n");
   }
   std::cout << "memory of rank 0 (peak over the run):\n" << trainer.ledger().report();
+  if (course) std::cout << "kernels of rank 0 (calls over the run):\n" << course->report();
   if (!o.log.empty()) std::printf("log: %s  (plot: python3 tools/plot_loss.py %s)\n", o.log.c_str(), o.log.c_str());
   if (!o.json.empty()) {
     std::ofstream j(o.json);
     j << "{\n  \"grid\": \"" << kc::grid_name(config.grid) << "\", \"ranks\": " << world.size()
       << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches
-      << ", \"zero_stage\": " << o.zero << ",\n  \"steps\": [";
+      << ", \"zero_stage\": " << o.zero << ",\n  \"kernels\": [";
+    if (course) {
+      const auto rows = course->table();
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        const auto& r = rows[i];
+        j << (i ? ",\n    " : "\n    ") << "{\"op\": " << quoted(r.op) << ", \"kernel\": " << quoted(r.kernel)
+          << ", \"course_calls\": " << r.course_calls << ", \"trusted_calls\": " << r.trusted_calls
+          << ", \"worst_error\": " << r.worst_error << ", \"fallback\": " << quoted(r.fallback) << "}";
+      }
+    }
+    j << "],\n  \"ops_ms\": {";
+    for (std::size_t i = 0; i < ops_ms.size(); ++i)
+      j << (i ? ", " : "") << quoted(ops_ms[i].first) << ": " << ops_ms[i].second;
+    j << "},\n  \"steps\": [";
     for (std::size_t i = 0; i < records.size(); ++i)
       j << (i ? ",\n    " : "\n    ") << "{\"step\": " << records[i].step << ", \"loss\": " << records[i].loss
         << ", \"val_loss\": " << records[i].val_loss << ", \"grad_norm\": " << records[i].grad_norm

@@ -32,7 +32,7 @@ std::string number(double x) {
 // How far `got` is from `want`, both the change a call made (for an output that adds, each minus
 // the old contents). Empty when they agree within the tolerance, else what disagrees.
 std::string disagreement(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>* before,
-                         const CourseOps::Tolerance& tol, double& worst) {
+                         const CourseOps::Rules& tol, double& worst) {
   auto change = [&](const std::vector<float>& v, std::size_t i) {
     return before ? static_cast<double>(v[i]) - (*before)[i] : static_cast<double>(v[i]);
   };
@@ -69,8 +69,8 @@ std::string shape_of(const Tensor& t) { return t.shape().str(); }
 
 }  // namespace
 
-CourseOps::CourseOps(Ops& trusted, CourseKernels kernels, Tolerance tolerance)
-    : ForwardingOps(trusted), kernels_(std::move(kernels)), tolerance_(tolerance) {
+CourseOps::CourseOps(Ops& trusted, CourseKernels kernels, Rules rules)
+    : ForwardingOps(trusted), kernels_(std::move(kernels)), rules_(rules) {
   const bool present[] = {bool(kernels_.matmul),   bool(kernels_.rmsnorm_forward),   bool(kernels_.rmsnorm_backward),
                           bool(kernels_.rope),     bool(kernels_.attention_forward), bool(kernels_.attention_backward)};
   for (int i = 0; i < 6; ++i) {
@@ -101,6 +101,12 @@ std::string CourseOps::report() const {
     if (note.empty() && r.shapes_checked)
       note = "agreed at " + std::to_string(r.shapes_checked) + " shape" + (r.shapes_checked > 1 ? "s" : "") +
              ", largest error " + number(r.worst_error) + " of the largest value";
+    if (r.fallback.empty() && r.shapes_unchecked)
+      note += "; then " + std::to_string(r.shapes_unchecked) + " more shape" + (r.shapes_unchecked > 1 ? "s" : "") +
+              " unchecked";
+    if (r.fallback.empty() && r.shapes_declined)
+      note += std::string(note.empty() ? "" : "; ") + "declined " + std::to_string(r.shapes_declined) + " shape" +
+              (r.shapes_declined > 1 ? "s" : "") + " it does not take";
     std::snprintf(line, sizeof line, "%-19s %-40s %-8s %8ld %8ld  ", r.op.c_str(),
                   r.kernel.empty() ? "-" : r.kernel.c_str(), ran, r.course_calls, r.trusted_calls);
     s << line << note << "\n";
@@ -117,10 +123,14 @@ void CourseOps::run(const std::string& op, bool has_kernel, const std::string& s
     ++e.row.trusted_calls;
     return;
   }
-  const auto known = e.shapes.find(shape);
-  if (known == e.shapes.end()) {
+  auto known = e.shapes.find(shape);
+  if (known == e.shapes.end() && e.row.shapes_checked < rules_.checks) {
     e.shapes[shape] = check(e, shape, outs, course, trusted);
     return;
+  }
+  if (known == e.shapes.end()) {  // the checks have stopped: a new shape runs unchecked
+    known = e.shapes.emplace(shape, true).first;
+    ++e.row.shapes_unchecked;
   }
   if (known->second && course()) {
     ++e.row.course_calls;
@@ -160,7 +170,7 @@ bool CourseOps::check(Entry& e, const std::string& shape, const std::vector<Out>
       const std::vector<float> old = outs[i].adds ? host_copy(inner_, before[i]) : std::vector<float>{};
       double w = 0;
       const std::string d = disagreement(host_copy(inner_, *outs[i].tensor), host_copy(inner_, want[i]),
-                                         outs[i].adds ? &old : nullptr, tolerance_, w);
+                                         outs[i].adds ? &old : nullptr, rules_, w);
       if (!d.empty()) failure = "disagreed at " + shape + " (output " + std::to_string(i + 1) + "): " + d;
       worst = std::max(worst, w);
     }
@@ -169,6 +179,7 @@ bool CourseOps::check(Entry& e, const std::string& shape, const std::vector<Out>
     // The trusted results stand, whatever the course kernel wrote.
     for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, want[i]);
     if (!failure.empty()) e.row.fallback = failure;
+    else ++e.row.shapes_declined;
     ++e.row.trusted_calls;
     return false;
   }

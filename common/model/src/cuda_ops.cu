@@ -539,4 +539,8 @@ void cuda_ops_use_stream(void* stream) {
   g_stream = static_cast<cudaStream_t>(stream);
 }
 
+void* cuda_ops_stream() { return g_stream; }
+
+void cuda_ops_synchronize() { K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream)); }
+
 }  // namespace k2c::model

@@ -76,6 +76,24 @@ TEST(CourseOps, ARightKernelIsCheckedOnceAtEachShapeThenUsed) {
   EXPECT_NE(ops.report().find("agreed at 2 shapes"), std::string::npos) << ops.report();
 }
 
+TEST(CourseOps, ChecksStopAfterTheirBudgetAndTheRestIsCounted) {
+  int calls = 0;
+  CourseOps ops(cpu_ops(), nudged_matmul(1e-4f, &calls), CourseOps::Rules{3e-2, 1e-2, 2});
+  Side s(ops);
+  Tensor b = s.upload(random_values(4 * 5, 2), {4, 5});
+  for (int rows = 1; rows <= 5; ++rows) {  // an expert's GEMM: a new row count each time
+    Tensor a = s.upload(random_values(rows * 5, rows), {rows, 5}), c = s.poisoned({rows, 4});
+    ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
+  }
+  const auto r = row(ops.table(), "matmul");
+  EXPECT_EQ(calls, 5);  // 2 checked shapes (the course kernel once each), then 3 unchecked
+  EXPECT_EQ(r.shapes_checked, 2);
+  EXPECT_EQ(r.shapes_unchecked, 3);
+  EXPECT_EQ(r.course_calls, 5);
+  EXPECT_EQ(r.trusted_calls, 0);
+  EXPECT_NE(ops.report().find("then 3 more shapes unchecked"), std::string::npos) << ops.report();
+}
+
 // Each faulty kernel: the first call's outputs are the trusted backend's bit for bit, the kernel is
 // never called again, and the table says why.
 void expect_caught(CourseKernels kernels, const std::string& reason, int* calls) {
@@ -165,7 +183,9 @@ TEST(CourseOps, ADeclinedShapeRunsTrustedAndOthersStillUseTheKernel) {
   EXPECT_EQ(calls, 2);
   EXPECT_EQ(r.course_calls, 2);
   EXPECT_EQ(r.trusted_calls, 2);
+  EXPECT_EQ(r.shapes_declined, 1);
   EXPECT_TRUE(r.fallback.empty());
+  EXPECT_NE(ops.report().find("declined 1 shape it does not take"), std::string::npos) << ops.report();
   // rope then its inverse gives x back: the in-place input was restored for the kernel's check.
   const std::vector<float> back = s.download(x4), x = random_values(48, 6);
   for (std::size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(back[i], x[i], 1e-5) << i;

@@ -11,7 +11,10 @@
 // agree. A kernel that throws or disagrees once is never called again (its outputs are replaced by
 // the trusted ones, so nothing it wrote survives), and the table names the reason. Later calls at
 // a checked shape run the course kernel alone: the check costs one extra call per shape, and a
-// training step calls each operation at the same few shapes every time.
+// dense model's step calls each operation at the same few shapes every time. A MoE's expert GEMMs
+// meet new row counts at every step, so checks stop once `checks` shapes of an operation have
+// agreed: from then on a new shape runs the course kernel unchecked, and the table counts those
+// shapes.
 //
 // Agreement is judged on what the call changed (for an output the operation adds into, the
 // difference from its old contents): no NaN or infinity the trusted result does not have, every
@@ -52,11 +55,12 @@ struct CourseKernels {
 
 class CourseOps final : public ForwardingOps {
  public:
-  struct Tolerance {
-    double max_error = 3e-2, l2_error = 1e-2;
+  struct Rules {
+    double max_error = 3e-2, l2_error = 1e-2;  // the tolerances above
+    int checks = 16;                           // agreeing shapes per operation before checks stop
   };
-  CourseOps(Ops& trusted, CourseKernels kernels, Tolerance tolerance);
-  CourseOps(Ops& trusted, CourseKernels kernels) : CourseOps(trusted, std::move(kernels), Tolerance{}) {}
+  CourseOps(Ops& trusted, CourseKernels kernels, Rules rules);
+  CourseOps(Ops& trusted, CourseKernels kernels) : CourseOps(trusted, std::move(kernels), Rules{}) {}
 
   std::string name() const override { return "course kernels over " + inner_.name(); }
 
@@ -65,6 +69,8 @@ class CourseOps final : public ForwardingOps {
     std::string op, kernel;     // kernel: empty when the course has none for this operation
     long course_calls = 0, trusted_calls = 0;
     int shapes_checked = 0;     // shapes at which the course kernel agreed
+    int shapes_declined = 0;    // shapes it does not take (the trusted backend runs them)
+    int shapes_unchecked = 0;   // shapes it ran after the checks stopped
     double worst_error = 0;     // the largest per-element error of those checks (of the largest value)
     std::string fallback;       // why the trusted backend took over ("" while the course kernel runs)
   };
@@ -107,7 +113,7 @@ class CourseOps final : public ForwardingOps {
   bool matmul_on() const;
 
   CourseKernels kernels_;
-  Tolerance tolerance_;
+  Rules rules_;
   std::map<std::string, Entry> entries_;
   std::vector<std::string> order_;  // operations in order of first call, for the table
   MemoryLedger scratch_ledger_;     // the check's copies (freed at once; never in the model's ledger)

@@ -24,5 +24,10 @@ Ops& cuda_ops(GpuMath math = GpuMath::bf16);
 // backends reuse a freed tensor's memory in stream order: a tensor handed to a started
 // collective must live until that collective's wait().
 void cuda_ops_use_stream(void* stream);
+// The stream the GPU backends issue to now: where a caller's own kernels go to stay in their order
+// (the course kernels of k2c_capstone's course mode).
+void* cuda_ops_stream();
+// Waits for everything issued to that stream (for timing one operation alone).
+void cuda_ops_synchronize();
 
 }  // namespace k2c::model
