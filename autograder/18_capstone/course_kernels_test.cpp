@@ -1,0 +1,144 @@
+// course_kernels_test.cpp — k2c_course_kernels_test: the adapters of course mode
+// (course_kernels.cu) with the reference solutions' kernels, on shapes a training step never
+// makes: tails and sizes of one, K not a multiple of 8 (05's Part A instead of its Hopper part),
+// GQA, attention that is not causal or whose keys outnumber its queries, positions that do not
+// count from zero, outputs that add. Every call goes through CourseOps, which compares the course
+// kernel with the trusted GPU backend at each new shape; a test passes when no operation fell back
+// and the shapes that 09 cannot take were declined, not miscomputed. A build from assignments/
+// runs the student's kernels, which this program is not here to grade: it skips there.
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "course_kernels.h"
+#include "k2c/model/cuda_ops.h"
+#include "k2c/model/testing.h"
+
+namespace k2c::capstone {
+namespace {
+
+using model::AttentionShape;
+using model::CourseOps;
+using model::Tensor;
+using model::testing::Side;
+
+class CourseKernels : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!model::cuda_device_present()) GTEST_SKIP() << "needs a CUDA device";
+    if (std::string(K2C_IMPL_NAME) != "solutions")
+      GTEST_SKIP() << "checks the adapters with the reference kernels; this build runs " << K2C_IMPL_NAME;
+    course_ = std::make_unique<CourseOps>(model::cuda_ops(), course_kernels(), CourseOps::Rules{3e-2, 1e-2, 1000});
+    side_ = std::make_unique<Side>(*course_);
+  }
+
+  Tensor random(model::Shape shape) {
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    std::vector<float> v(static_cast<std::size_t>(shape.numel()));
+    for (float& x : v) x = d(rng_);
+    return side_->upload(v, shape);
+  }
+  // The operation's row of the table: the course kernel ran `checked` shapes, declined `declined`,
+  // and never fell back.
+  void expect_row(const std::string& op, int checked, int declined = 0) {
+    for (const auto& r : course_->table()) {
+      if (r.op != op) continue;
+      EXPECT_TRUE(r.fallback.empty()) << op << " fell back: " << r.fallback;
+      EXPECT_EQ(r.shapes_checked, checked) << op << "\n" << course_->report();
+      EXPECT_EQ(r.shapes_declined, declined) << op << "\n" << course_->report();
+      return;
+    }
+    ADD_FAILURE() << "no row " << op;
+  }
+
+  std::mt19937_64 rng_{2026};
+  std::unique_ptr<CourseOps> course_;
+  std::unique_ptr<Side> side_;
+};
+
+TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
+  struct Case {
+    int M, N, K;
+  };
+  // K = 13: 05's Hopper part needs K % 8 == 0, so the adapter runs Part A.
+  const Case cases[] = {{1, 1, 8}, {33, 17, 40}, {33, 17, 13}, {257, 130, 264}, {2048, 768, 768}};
+  int shapes = 0;
+  for (const Case& c : cases) {
+    Tensor x = random({c.M, c.K}), w = random({c.N, c.K}), dy = random({c.M, c.N});
+    Tensor y = side_->poisoned({c.M, c.N}), dx = side_->poisoned({c.M, c.K}), dw = random({c.N, c.K});
+    course_->matmul(x, false, w, true, y, 1.0f, 0.0f);     // forward, y = x·Wᵀ
+    course_->matmul(dy, false, w, false, dx, 1.0f, 0.0f);  // dx = dy·W
+    course_->matmul(dy, true, x, false, dw, 1.0f, 1.0f);   // dW += dyᵀ·x
+    course_->matmul(x, false, w, true, y, 0.5f, 0.25f);    // scaled, added
+    shapes += 4;
+  }
+  expect_row("matmul", shapes);
+}
+
+TEST_F(CourseKernels, RmsNormForwardAndBackward) {
+  const int shapes[][2] = {{1, 64}, {37, 100}, {1000, 768}};
+  for (const auto& [rows, cols] : shapes) {
+    Tensor x = random({rows, cols}), g = random({cols}), dy = random({rows, cols}), res = random({rows, cols});
+    Tensor y = side_->poisoned({rows, cols}), rstd = side_->poisoned({rows}), dx = side_->poisoned({rows, cols});
+    Tensor dg = random({cols});  // dgamma adds into what is there
+    course_->rmsnorm_forward(x, g, 1e-5f, y, rstd);
+    course_->rmsnorm_backward(x, g, rstd, dy, dx, dg);
+    course_->rmsnorm_backward_add(x, g, rstd, dy, res, dx, dg);
+  }
+  expect_row("rmsnorm", 3);
+  expect_row("rmsnorm backward", 6);
+}
+
+TEST_F(CourseKernels, RopeAtAnyPositions) {
+  // Positions are data, not shape: CourseOps checks once per tensor shape, so each set of
+  // positions comes with a sequence length of its own to be checked on its own.
+  const int batch = 3;
+  const std::vector<std::int32_t> from_zero{0, 1, 2, 3, 4, 5, 6}, offset{100, 101, 102, 103, 104},
+      scattered{9, 2, 40, 2, 0, 777};
+  for (const auto& positions : {from_zero, offset, scattered}) {
+    Tensor pos = side_->upload_ids(positions);
+    const int T = static_cast<int>(positions.size());
+    for (const auto& [heads, hd] : {std::pair{3, 16}, std::pair{2, 64}}) {
+      Tensor x = random({batch * T, heads * hd});
+      course_->rope(x, pos, heads, hd, 10000.0f, false);
+      course_->rope(x, pos, heads, hd, 10000.0f, true);
+    }
+  }
+  expect_row("rope", 12);
+}
+
+TEST_F(CourseKernels, AttentionShapesAndDeclines) {
+  struct Case {
+    AttentionShape s;
+    bool taken;
+  };
+  const Case cases[] = {
+      {AttentionShape::causal_self(2, 100, 4, 2, 64), true},           // GQA, a tail of 36 rows
+      {AttentionShape::causal_self(1, 33, 2, 2, 128), true},           // head_dim 128
+      {{2, 40, 70, 4, 1, 64, false, 0, 0}, true},                      // not causal, MQA, kv longer
+      {{1, 24, 56, 2, 2, 64, true, 32, 0}, true},                      // the last 24 queries of 56: bottom-right
+      {{1, 24, 56, 2, 2, 64, true, 0, 0}, false},                      // causal from the top: 09 cannot
+      {AttentionShape::causal_self(1, 16, 2, 2, 32), false},           // head_dim 32: 09 cannot
+  };
+  int taken = 0, declined = 0;
+  for (const Case& c : cases) {
+    const AttentionShape& s = c.s;
+    Tensor q = random({s.batch * s.q_len, s.q_heads * s.head_dim}), k = random({s.batch * s.kv_len, s.kv_heads * s.head_dim}),
+           v = random({s.batch * s.kv_len, s.kv_heads * s.head_dim}), dout = random({s.batch * s.q_len, s.q_heads * s.head_dim});
+    Tensor o = side_->poisoned({s.batch * s.q_len, s.q_heads * s.head_dim}), lse = side_->poisoned({s.batch, s.q_heads, s.q_len});
+    Tensor dq = side_->poisoned({s.batch * s.q_len, s.q_heads * s.head_dim});
+    Tensor dk = random({s.batch * s.kv_len, s.kv_heads * s.head_dim}), dv = random({s.batch * s.kv_len, s.kv_heads * s.head_dim});
+    course_->attention_forward(s, q, k, v, o, lse);
+    course_->attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+    (c.taken ? taken : declined) += 1;
+  }
+  expect_row("attention", taken, declined);
+  expect_row("attention backward", taken, declined);
+}
+
+}  // namespace
+}  // namespace k2c::capstone
