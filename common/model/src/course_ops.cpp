@@ -15,7 +15,9 @@ namespace k2c::model {
 namespace {
 
 // The operations a course kernel can take, in the order of the table.
-const char* const kOps[] = {"matmul", "rmsnorm", "rmsnorm backward", "rope", "attention", "attention backward"};
+const char* const kOps[] = {"matmul",    "grouped matmul", "grouped weight grad", "rmsnorm", "rmsnorm backward",
+                            "rope",      "attention",      "attention backward"};
+constexpr int kOpCount = sizeof kOps / sizeof kOps[0];
 
 std::vector<float> host_copy(Ops& ops, const Tensor& t) {
   std::vector<float> v(static_cast<std::size_t>(t.numel()));
@@ -71,9 +73,11 @@ std::string shape_of(const Tensor& t) { return t.shape().str(); }
 
 CourseOps::CourseOps(Ops& trusted, CourseKernels kernels, Rules rules)
     : ForwardingOps(trusted), kernels_(std::move(kernels)), rules_(rules) {
-  const bool present[] = {bool(kernels_.matmul),   bool(kernels_.rmsnorm_forward),   bool(kernels_.rmsnorm_backward),
-                          bool(kernels_.rope),     bool(kernels_.attention_forward), bool(kernels_.attention_backward)};
-  for (int i = 0; i < 6; ++i) {
+  const bool present[kOpCount] = {bool(kernels_.matmul),           bool(kernels_.grouped_matmul),
+                                  bool(kernels_.grouped_weight_grad), bool(kernels_.rmsnorm_forward),
+                                  bool(kernels_.rmsnorm_backward), bool(kernels_.rope),
+                                  bool(kernels_.attention_forward), bool(kernels_.attention_backward)};
+  for (int i = 0; i < kOpCount; ++i) {
     Entry& e = entries_[kOps[i]];
     e.row.op = kOps[i];
     if (present[i]) {
@@ -213,6 +217,28 @@ void CourseOps::shared_linear_backward(const Tensor& x, std::span<const Tensor* 
                                        std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
   if (matmul_on()) Ops::shared_linear_backward(x, ws, dys, dws, dx);
   else inner_.shared_linear_backward(x, ws, dys, dws, dx);
+}
+
+namespace {
+// A grouped call's key: its shapes and how many groups from which (the rows each group gets are
+// data: a MoE's routing changes them every step).
+std::string grouped_key(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w) {
+  return a.shape().str() + " x " + w.shape().str() + ", " + std::to_string(offsets.size() - 1) + " groups from " +
+         std::to_string(first);
+}
+}  // namespace
+
+void CourseOps::grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                               bool transpose_w, Tensor& c) {
+  run("grouped matmul", bool(kernels_.grouped_matmul), grouped_key(a, offsets, first, w) + (transpose_w ? " T" : ""),
+      {{&c, false}}, [&] { return kernels_.grouped_matmul(a, offsets, first, w, transpose_w, c); },
+      [&] { inner_.grouped_matmul(a, offsets, first, w, transpose_w, c); });
+}
+void CourseOps::grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets,
+                                    int first, Tensor& dw) {
+  run("grouped weight grad", bool(kernels_.grouped_weight_grad), grouped_key(dy, offsets, first, dw),
+      {{&dw, true}}, [&] { return kernels_.grouped_weight_grad(dy, x, offsets, first, dw); },
+      [&] { inner_.grouped_weight_grad(dy, x, offsets, first, dw); });
 }
 
 void CourseOps::rmsnorm_forward(const Tensor& x, const Tensor& g, float eps, Tensor& y, Tensor& rstd) {

@@ -46,6 +46,44 @@ void Ops::shared_linear_backward(const Tensor& x, std::span<const Tensor* const>
     for (std::size_t i = 0; i < ws.size(); ++i) matmul(*dys[i], false, *ws[i], false, *dx, 1.0f, i == 0 ? 0.0f : 1.0f);
 }
 
+namespace {
+// Group g's matrix of a stacked [E, n, k] tensor, and the range of offsets a grouped call covers.
+Tensor group_matrix(const Tensor& w, int e) {
+  if (w.rank() != 3 || e < 0 || e >= w.dim(0))
+    throw std::invalid_argument("grouped GEMM: group " + std::to_string(e) + " of a stacked weight " + w.shape().str());
+  return Tensor::view(w.f32() + e * w.dim(1) * w.dim(2), {w.dim(1), w.dim(2)});
+}
+void check_offsets(std::span<const std::int64_t> offsets, std::int64_t rows, const char* who) {
+  bool ok = !offsets.empty() && offsets.front() == 0 && offsets.back() == rows;
+  for (std::size_t g = 0; ok && g + 1 < offsets.size(); ++g) ok = offsets[g] <= offsets[g + 1];
+  if (!ok)
+    throw std::invalid_argument(std::string(who) + ": offsets must rise from 0 to the " + std::to_string(rows) +
+                                " rows given");
+}
+}  // namespace
+
+void Ops::grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                         bool transpose_w, Tensor& c) {
+  check_offsets(offsets, a.dim(0), "grouped_matmul");
+  for (std::size_t g = 0; g + 1 < offsets.size(); ++g) {
+    const std::int64_t r0 = offsets[g], count = offsets[g + 1] - r0;
+    if (count == 0) continue;
+    Tensor c_g = c.rows(r0, count);
+    matmul(a.rows(r0, count), false, group_matrix(w, first + static_cast<int>(g)), transpose_w, c_g, 1.0f, 0.0f);
+  }
+}
+
+void Ops::grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first,
+                              Tensor& dw) {
+  check_offsets(offsets, dy.dim(0), "grouped_weight_grad");
+  for (std::size_t g = 0; g + 1 < offsets.size(); ++g) {
+    const std::int64_t r0 = offsets[g], count = offsets[g + 1] - r0;
+    if (count == 0) continue;
+    Tensor dw_g = group_matrix(dw, first + static_cast<int>(g));
+    matmul(dy.rows(r0, count), true, x.rows(r0, count), false, dw_g, 1.0f, 1.0f);
+  }
+}
+
 void Ops::rmsnorm_backward_add(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
                                const Tensor& residual_dy, Tensor& dx, Tensor& dgamma) {
   rmsnorm_backward(x, gamma, rstd, dy, dx, dgamma);

@@ -43,13 +43,6 @@ Moe::Moe(ParamList& params, const std::string& name, const MoeConfig& c) : confi
   if (has_shared_) shared_ = Mlp(params, name + ".shared", c.d_model, c.d_expert * c.shared_experts);
 }
 
-// Expert e's [rows, cols] slice of a stacked weight (or of its gradient).
-Tensor Moe::expert_view(ParamId id, int e, bool grad, Context& ctx) const {
-  Tensor& t = grad ? ctx.params.grad(id) : ctx.params.value(id);
-  const std::int64_t rows = t.dim(1), cols = t.dim(2);
-  return Tensor::view(t.f32() + e * rows * cols, {rows, cols});
-}
-
 void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
   const std::int64_t N = x.dim(0);
   const int E = config_.experts, k = config_.top_k;
@@ -112,47 +105,29 @@ void Moe::experts_forward(Context& ctx, const std::vector<std::int64_t>& offsets
   s.up = ctx.tensor({R, F});
   s.h = ctx.tensor({R, F});
   s.yp = ctx.tensor({R, d});
-  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
-    const std::int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
-    if (c == 0) continue;
-    const int ex = first + static_cast<int>(e);
-    Tensor x_e = xp.rows(r0, c), g_e = s.gate.rows(r0, c), u_e = s.up.rows(r0, c), h_e = s.h.rows(r0, c),
-           y_e = s.yp.rows(r0, c);
-    ctx.ops.matmul(x_e, false, expert_view(gate_, ex, false, ctx), true, g_e, 1.0f, 0.0f);
-    ctx.ops.matmul(x_e, false, expert_view(up_, ex, false, ctx), true, u_e, 1.0f, 0.0f);
-    ctx.ops.swiglu_forward(g_e, u_e, h_e);
-    ctx.ops.matmul(h_e, false, expert_view(down_, ex, false, ctx), true, y_e, 1.0f, 0.0f);
-  }
+  if (R == 0) return;
+  // Each operation over every expert's rows at once (one grouped GEMM: module 10's shape of the
+  // work); row by row the same arithmetic as one expert at a time.
+  ctx.ops.grouped_matmul(xp, offsets, first, ctx.params.value(gate_), true, s.gate);
+  ctx.ops.grouped_matmul(xp, offsets, first, ctx.params.value(up_), true, s.up);
+  ctx.ops.swiglu_forward(s.gate, s.up, s.h);
+  ctx.ops.grouped_matmul(s.h, offsets, first, ctx.params.value(down_), true, s.yp);
 }
 
 void Moe::experts_backward(Context& ctx, const std::vector<std::int64_t>& offsets, int first, const Tensor& xp,
                            const Saved& s, const Tensor& dyp, Tensor& dxp) const {
-  const std::int64_t d = config_.d_model, F = config_.d_expert;
-  check_plan(offsets, first, config_.experts, xp.dim(0));
-  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
-    const std::int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
-    if (c == 0) continue;
-    const int ex = first + static_cast<int>(e);
-    Tensor x_e = xp.rows(r0, c), g_e = s.gate.rows(r0, c), u_e = s.up.rows(r0, c), h_e = s.h.rows(r0, c),
-           dy_e = dyp.rows(r0, c), dx_e = dxp.rows(r0, c);
-    Tensor dh = ctx.tensor({c, F}), dg = ctx.tensor({c, F}), du = ctx.tensor({c, F}), part = ctx.tensor({c, d});
-    if (ctx.trains(down_)) {
-      Tensor g = expert_view(down_, ex, true, ctx);
-      ctx.ops.matmul(dy_e, true, h_e, false, g, 1.0f, 1.0f);
-    }
-    ctx.ops.matmul(dy_e, false, expert_view(down_, ex, false, ctx), false, dh, 1.0f, 0.0f);
-    ctx.ops.swiglu_backward(g_e, u_e, dh, dg, du);
-    if (ctx.trains(gate_)) {
-      Tensor g = expert_view(gate_, ex, true, ctx);
-      ctx.ops.matmul(dg, true, x_e, false, g, 1.0f, 1.0f);
-    }
-    if (ctx.trains(up_)) {
-      Tensor g = expert_view(up_, ex, true, ctx);
-      ctx.ops.matmul(du, true, x_e, false, g, 1.0f, 1.0f);
-    }
-    ctx.ops.matmul(dg, false, expert_view(gate_, ex, false, ctx), false, dx_e, 1.0f, 0.0f);
-    ctx.ops.matmul(du, false, expert_view(up_, ex, false, ctx), false, part, 1.0f, 0.0f);
-    ctx.ops.accumulate(dx_e, part, 1.0f);
+  const std::int64_t R = xp.dim(0), F = config_.d_expert;
+  check_plan(offsets, first, config_.experts, R);
+  if (R > 0) {
+    Tensor dh = ctx.tensor({R, F}), dg = ctx.tensor({R, F}), du = ctx.tensor({R, F}), part = ctx.tensor(dxp.shape());
+    if (ctx.trains(down_)) ctx.ops.grouped_weight_grad(dyp, s.h, offsets, first, ctx.params.grad(down_));
+    ctx.ops.grouped_matmul(dyp, offsets, first, ctx.params.value(down_), false, dh);
+    ctx.ops.swiglu_backward(s.gate, s.up, dh, dg, du);
+    if (ctx.trains(gate_)) ctx.ops.grouped_weight_grad(dg, xp, offsets, first, ctx.params.grad(gate_));
+    if (ctx.trains(up_)) ctx.ops.grouped_weight_grad(du, xp, offsets, first, ctx.params.grad(up_));
+    ctx.ops.grouped_matmul(dg, offsets, first, ctx.params.value(gate_), false, dxp);
+    ctx.ops.grouped_matmul(du, offsets, first, ctx.params.value(up_), false, part);
+    ctx.ops.accumulate(dxp, part, 1.0f);
   }
   // Every expert's slice is final now, including those that got no rows.
   ctx.params.grad_done(down_);

@@ -1,5 +1,5 @@
 // k2c/model/course_ops.h — "course mode": the model's operations computed by the course's own
-// kernels (a student's modules 05, 07, 08 and 09) where they exist and are right, by the trusted
+// kernels (a student's modules 05, 07, 08, 09 and 10) where they exist and are right, by the trusted
 // backend everywhere else, with a table saying which ran.
 //
 // CourseOps wraps a trusted backend. For each operation it may hold a course kernel: a function
@@ -38,6 +38,12 @@ namespace k2c::model {
 // One optional course kernel per operation; `names` says which module's function each one is.
 struct CourseKernels {
   std::function<bool(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta)> matmul;
+  // The MoE layer's grouped GEMMs (Ops::grouped_matmul, Ops::grouped_weight_grad: dw +=).
+  std::function<bool(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                     bool transpose_w, Tensor& c)>
+      grouped_matmul;
+  std::function<bool(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first, Tensor& dw)>
+      grouped_weight_grad;
   std::function<bool(const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd)> rmsnorm_forward;
   // dgamma += (as Ops::rmsnorm_backward); residual_dy, when given, is added into dx.
   std::function<bool(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
@@ -83,6 +89,10 @@ class CourseOps final : public ForwardingOps {
   void shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) override;
   void shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
                               std::span<Tensor* const> dws, Tensor* dx) override;
+  void grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                      bool transpose_w, Tensor& c) override;
+  void grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first,
+                           Tensor& dw) override;
   void rmsnorm_forward(const Tensor& x, const Tensor& g, float eps, Tensor& y, Tensor& rstd) override;
   void rmsnorm_backward(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy, Tensor& dx,
                         Tensor& dg) override;

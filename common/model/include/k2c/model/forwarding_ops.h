@@ -51,6 +51,14 @@ class ForwardingOps : public Ops {
                               std::span<Tensor* const> dws, Tensor* dx) override {
     around("linear backward (dW, dX)", [&] { inner_.shared_linear_backward(x, ws, dys, dws, dx); });
   }
+  void grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                      bool transpose_w, Tensor& c) override {
+    around("grouped matmul", [&] { inner_.grouped_matmul(a, offsets, first, w, transpose_w, c); });
+  }
+  void grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first,
+                           Tensor& dw) override {
+    around("grouped weight grad", [&] { inner_.grouped_weight_grad(dy, x, offsets, first, dw); });
+  }
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
     around("embedding", [&] { inner_.embedding_forward(ids, table, out); });
   }

@@ -74,7 +74,6 @@ class Moe {
                         const Tensor& xp, const Saved& saved, const Tensor& dyp, Tensor& dxp) const;
 
  private:
-  Tensor expert_view(ParamId id, int e, bool grad, Context& ctx) const;
   MoeConfig config_;
   Linear router_;
   ParamId gate_ = -1, up_ = -1, down_ = -1;

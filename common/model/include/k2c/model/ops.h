@@ -94,6 +94,18 @@ class Ops {
   virtual void shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws,
                                       std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx);
 
+  // ---- grouped GEMMs (a MoE layer's experts). Rows [offsets[g], offsets[g+1]) of a (and of c, x)
+  // belong to group g, whose matrix is w[first + g] of a stacked weight w [E, n, k]; offsets start
+  // at 0 and end at a's row count. Groups with no rows do nothing. By default one matmul per group,
+  // so the CPU backend's sums are matmul's; a GPU backend may run all groups in one launch.
+  //   transpose_w:  c_g = a_g · w_gᵀ   (a [rows, k], c [rows, n]: the experts' forward)
+  //   otherwise:    c_g = a_g · w_g    (a [rows, n], c [rows, k]: their input gradient)
+  virtual void grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                              bool transpose_w, Tensor& c);
+  // dw[first + g] += dy_gᵀ · x_g: the experts' weight gradients (dy [rows, n], x [rows, k]).
+  virtual void grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first,
+                                   Tensor& dw);
+
   // ---- layers' kernels
   // out[i, :] = table[ids[i], :]; ids i32 [N], table [V, D], out [N, D]. An id outside [0, V)
   // throws (CPU) or is reported by the backend's checks.
