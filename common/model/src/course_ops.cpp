@@ -102,6 +102,8 @@ std::string CourseOps::report() const {
   for (const Row& r : table()) {
     const char* ran = r.kernel.empty() || !r.fallback.empty() ? "trusted" : r.course_calls ? "course" : "-";
     std::string note = r.kernel.empty() ? "no course kernel for this operation" : r.fallback;
+    if (r.kernel.empty() && r.op.starts_with("grouped") && kernels_.matmul)
+      note += ": one matmul per group, through the matmul row while that one runs";
     if (note.empty() && r.shapes_checked)
       note = "agreed at " + std::to_string(r.shapes_checked) + " shape" + (r.shapes_checked > 1 ? "s" : "") +
              ", largest error " + number(r.worst_error) + " of the largest value";
@@ -228,14 +230,18 @@ std::string grouped_key(const Tensor& a, std::span<const std::int64_t> offsets, 
 }
 }  // namespace
 
+// Without a grouped kernel, while the course GEMM runs, the groups go through it one at a time
+// (Ops's defaults: a matmul per group, counted in the matmul row).
 void CourseOps::grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
                                bool transpose_w, Tensor& c) {
+  if (!kernels_.grouped_matmul && matmul_on()) return Ops::grouped_matmul(a, offsets, first, w, transpose_w, c);
   run("grouped matmul", bool(kernels_.grouped_matmul), grouped_key(a, offsets, first, w) + (transpose_w ? " T" : ""),
       {{&c, false}}, [&] { return kernels_.grouped_matmul(a, offsets, first, w, transpose_w, c); },
       [&] { inner_.grouped_matmul(a, offsets, first, w, transpose_w, c); });
 }
 void CourseOps::grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets,
                                     int first, Tensor& dw) {
+  if (!kernels_.grouped_weight_grad && matmul_on()) return Ops::grouped_weight_grad(dy, x, offsets, first, dw);
   run("grouped weight grad", bool(kernels_.grouped_weight_grad), grouped_key(dy, offsets, first, dw),
       {{&dw, true}}, [&] { return kernels_.grouped_weight_grad(dy, x, offsets, first, dw); },
       [&] { inner_.grouped_weight_grad(dy, x, offsets, first, dw); });

@@ -258,6 +258,21 @@ TEST(CourseOps, GroupedGemmsAreCheckedLikeTheOthers) {
   EXPECT_EQ(g.course_calls, 1);
 }
 
+TEST(CourseOps, WithoutAGroupedKernelTheGroupsGoThroughTheCourseGemm) {
+  int calls = 0;
+  CourseOps ops(cpu_ops(), nudged_matmul(1e-4f, &calls));
+  Side s(ops);
+  const std::vector<std::int64_t> offsets{0, 3, 3, 7};  // the middle group empty
+  Tensor a = s.upload(random_values(7 * 5, 30), {7, 5}), w = s.upload(random_values(4 * 6 * 5, 31), {4, 6, 5});
+  Tensor c = s.poisoned({7, 6}), dw = s.upload(random_values(4 * 6 * 5, 32), {4, 6, 5});
+  ops.grouped_matmul(a, offsets, 1, w, true, c);
+  ops.grouped_weight_grad(c, a, offsets, 1, dw);
+  EXPECT_EQ(calls, 4);  // two non-empty groups, two operations
+  EXPECT_EQ(row(ops.table(), "matmul").course_calls, 4);
+  EXPECT_EQ(row(ops.table(), "grouped matmul").trusted_calls, 0);
+  EXPECT_NE(ops.report().find("one matmul per group, through the matmul row"), std::string::npos) << ops.report();
+}
+
 // A whole training run whose kernels are the CPU backend's own: the Linear layers' compound GEMMs go
 // through the course matmul one product at a time, and the loss is the trusted run's to the bit.
 TEST(CourseOps, TrainingThroughCourseKernelsThatAreTheTrustedOnesChangesNoBit) {

@@ -1,5 +1,5 @@
 // k2c/model/course_ops.h — "course mode": the model's operations computed by the course's own
-// kernels (a student's modules 05, 07, 08, 09 and 10) where they exist and are right, by the trusted
+// kernels (a student's modules 05, 07, 08 and 09) where they exist and are right, by the trusted
 // backend everywhere else, with a table saying which ran.
 //
 // CourseOps wraps a trusted backend. For each operation it may hold a course kernel: a function
@@ -38,7 +38,8 @@ namespace k2c::model {
 // One optional course kernel per operation; `names` says which module's function each one is.
 struct CourseKernels {
   std::function<bool(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta)> matmul;
-  // The MoE layer's grouped GEMMs (Ops::grouped_matmul, Ops::grouped_weight_grad: dw +=).
+  // The MoE layer's grouped GEMMs (Ops::grouped_matmul, Ops::grouped_weight_grad: dw +=). Without
+  // them, and while the matmul kernel runs, each group goes through the matmul kernel.
   std::function<bool(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
                      bool transpose_w, Tensor& c)>
       grouped_matmul;
