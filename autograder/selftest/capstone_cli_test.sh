@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# capstone_cli_test.sh PROGRAM MPIRUN WORKDIR IMPL — k2c_capstone's command line on two CPU ranks:
+# bad flags refused with exit 2 and the reason; a dp2 run that writes its progress lines, CSV log,
+# JSON summary (kernels table, one step timed operation by operation) and checkpoint; a resumed run
+# that continues the same log from the checkpoint's step. Skipped (77) in a build from assignments/,
+# whose capstone is the student's to finish.
+set -uo pipefail
+prog=$1
+mpirun=$2
+work=$3
+[ "${4:-}" = solutions ] || { echo "k2c_capstone here is built from ${4:-?}/: checked with the reference's only"; exit 77; }
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 K2C_BACKEND=mpi
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+rm -rf "$work" && mkdir -p "$work"
+fail() { echo "FAIL: $1"; [ -f "$work/out.txt" ] && tail -n 30 "$work/out.txt"; exit 1; }
+
+refused() {  # expected message, flags...
+  local want=$1 out rc
+  shift
+  out=$("$prog" "$@" 2>&1); rc=$?
+  [ $rc = 2 ] || fail "'$*' exited $rc, not 2"
+  grep -qF -- "$want" <<<"$out" || fail "'$*' said '$out', not '$want'"
+  echo "ok: '$*' refused: $out"
+}
+refused "--kernels fast: course or trusted" --kernels fast
+refused "--resume needs --checkpoint FILE" --resume
+refused "--steps: 'many' is not a number" --steps many
+
+run() { timeout 240 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp2 --batch 4 --samples 0 "$@" > "$work/out.txt" 2>&1; }
+run --steps 4 --time-ops --json "$work/run.json" --log "$work/run.csv" --checkpoint "$work/ckpt" || fail "the dp2 run exited $?"
+for line in "kernels: trusted (the CPU backend" "step     4/4" "where one more step's time went" "linear backward (dW, dX)"; do
+  grep -qF "$line" "$work/out.txt" || fail "no '$line' in the output"
+done
+python3 - "$work/run.json" <<'PY' || fail "the JSON summary"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["grid"] == "dp2" and r["ranks"] == 2, (r["grid"], r["ranks"])
+assert len(r["steps"]) == 4 and [s["step"] for s in r["steps"]] == [0, 1, 2, 3], r["steps"]
+assert r["kernels"] == {}, r["kernels"]  # no course kernels on the CPU backend
+assert r["ops_ms"].get("matmul fwd (a bT)", 0) > 0 and r["ops_ms"].get("attention backward", 0) > 0, r["ops_ms"]
+assert r["median_tokens_per_s"] > 0
+print("ok: the JSON summary:", len(r["steps"]), "steps,", len(r["ops_ms"]), "operations timed")
+PY
+[ "$(wc -l < "$work/run.csv")" = 5 ] || fail "the log has $(wc -l < "$work/run.csv") lines, not a header and 4 steps"
+
+run --steps 6 --log "$work/run.csv" --checkpoint "$work/ckpt" --resume || fail "the resumed run exited $?"
+grep -qF "resumed from $work/ckpt at step 4" "$work/out.txt" || fail "no 'resumed from ... at step 4'"
+[ "$(wc -l < "$work/run.csv")" = 7 ] || fail "the resumed log has $(wc -l < "$work/run.csv") lines, not 7"
+[ "$(tail -n 1 "$work/run.csv" | cut -d, -f1)" = 5 ] || fail "the log's last step is not 5"
+echo "ok: resumed at step 4, the log continued to step 5"
