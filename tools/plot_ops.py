@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Where one training step's time goes, operation by operation, for one run or several side by side.
+
+    python3 tools/plot_ops.py run.json [other.json ...] --png ops.png
+    python3 tools/plot_ops.py --reference autograder/reference/h200.json \\
+        "capstone/dense-135m" "capstone/dense-135m course" --labels trusted course \\
+        --png lectures/figures/capstone_ops.png
+
+Each run is a JSON summary written by `k2c_capstone --json FILE --time-ops` (its "ops_ms": one
+step with every operation timed alone), or with --reference, an entry of a reference file named
+by its path of keys. Horizontal bars, the most expensive operation on top, one bar per run for each
+operation; the legend gives each run's total. Operations below 1 % of every run's total are summed
+into "the rest".
+"""
+import argparse
+import json
+import sys
+
+
+def load(args):
+    """[(label, {operation: ms})] from the files or the reference entries."""
+    runs = []
+    if args.reference:
+        with open(args.reference) as f:
+            ref = json.load(f)
+        for path in args.entries:
+            node = ref
+            for key in path.split("/"):
+                node = node[key]
+            runs.append((path.split("/")[-1], node["ops_ms"]))
+    else:
+        for path in args.entries:
+            with open(path) as f:
+                run = json.load(f)
+            runs.append((f"{path} ({run.get('grid', '?')})", run["ops_ms"]))
+    return runs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("entries", nargs="+", help="k2c_capstone JSON files, or paths of keys with --reference")
+    ap.add_argument("--reference", metavar="JSON", help="read the entries from this reference file")
+    ap.add_argument("--labels", nargs="+", help="a name for each run in the legend (default: where it came from)")
+    ap.add_argument("--png", default="ops.png", help="output image (default ops.png)")
+    args = ap.parse_args()
+    if args.labels and len(args.labels) != len(args.entries):
+        ap.error(f"{len(args.labels)} labels for {len(args.entries)} runs")
+    try:
+        runs = load(args)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"plot_ops.py: no per-operation times there (run k2c_capstone with --time-ops): {e}", file=sys.stderr)
+        return 1
+    if args.labels:
+        runs = [(label, ops) for label, (_, ops) in zip(args.labels, runs)]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot_ops.py: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return 1
+
+    totals = [sum(ops.values()) for _, ops in runs]
+    names = {op for _, ops in runs for op in ops}
+    shown = sorted((op for op in names if any(ops.get(op, 0) >= 0.01 * t for (_, ops), t in zip(runs, totals))),
+                   key=lambda op: max(ops.get(op, 0) for _, ops in runs))
+    rest = [t - sum(ops.get(op, 0) for op in shown) for (_, ops), t in zip(runs, totals)]
+    rows = (["the rest"] if any(r > 0 for r in rest) else []) + shown
+
+    height = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) * max(1, len(runs) / 1.5) + 1.2))
+    for i, ((label, ops), total) in enumerate(zip(runs, totals)):
+        values = [rest[i] if op == "the rest" else ops.get(op, 0) for op in rows]
+        ax.barh([y + (i - (len(runs) - 1) / 2) * height for y in range(len(rows))], values, height,
+                label=f"{label}: {total:.1f} ms")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows)
+    ax.set_xlabel("ms in one step, each operation timed alone")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Where one training step's time goes")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=130)
+    print(f"plot_ops.py: wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
