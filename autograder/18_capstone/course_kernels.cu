@@ -178,7 +178,9 @@ model::CourseKernels course_kernels() {
     const auto [ar, ac] = matrix(a);
     const auto [br, bc] = matrix(b);
     const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc;
-    if (!fits_int(M) || !fits_int(N) || !fits_int(K) || M == 0 || N == 0) return false;
+    if (!fits_int(M) || !fits_int(N) || !fits_int(K) || M == 0 || N == 0 || K == 0) return false;
+    // A transposed operand's K rows are the transpose's grid rows (gridDim.y at most 65535).
+    if ((ta || !tb) && (K + 31) / 32 > 65535) return false;
     bf16* A = scratch->get<bf16>("gemm a", M * K);
     bf16* B = scratch->get<bf16>("gemm b", N * K);
     if (ta) {

@@ -76,7 +76,7 @@ TEST(CourseOps, ARightKernelIsCheckedOnceAtEachShapeThenUsed) {
   EXPECT_NE(ops.report().find("agreed at 2 shapes"), std::string::npos) << ops.report();
 }
 
-TEST(CourseOps, ChecksStopAfterTheirBudgetAndTheRestIsCounted) {
+TEST(CourseOps, ChecksStopAfterTheirBudgetPerFamilyAndTheRestIsCounted) {
   int calls = 0;
   CourseOps ops(cpu_ops(), nudged_matmul(1e-4f, &calls), CourseOps::Rules{3e-2, 1e-2, 2});
   Side s(ops);
@@ -85,13 +85,78 @@ TEST(CourseOps, ChecksStopAfterTheirBudgetAndTheRestIsCounted) {
     Tensor a = s.upload(random_values(rows * 5, rows), {rows, 5}), c = s.poisoned({rows, 4});
     ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
   }
+  for (int cols = 6; cols <= 8; ++cols) {  // other families (another width): each checked
+    Tensor a = s.upload(random_values(3 * cols, cols), {3, cols}), w = s.upload(random_values(4 * cols, 9), {4, cols});
+    Tensor c = s.poisoned({3, 4});
+    ops.matmul(a, false, w, true, c, 1.0f, 0.0f);
+  }
   const auto r = row(ops.table(), "matmul");
-  EXPECT_EQ(calls, 5);  // 2 checked shapes (the course kernel once each), then 3 unchecked
-  EXPECT_EQ(r.shapes_checked, 2);
-  EXPECT_EQ(r.shapes_unchecked, 3);
-  EXPECT_EQ(r.course_calls, 5);
+  EXPECT_EQ(calls, 8);  // every call once: the checked ones too run the kernel once
+  EXPECT_EQ(r.shapes_checked, 5);    // 2 of the first family, 3 families of one shape
+  EXPECT_EQ(r.shapes_unchecked, 3);  // the first family's rows 3, 4 and 5
+  EXPECT_EQ(r.course_calls, 8);
   EXPECT_EQ(r.trusted_calls, 0);
   EXPECT_NE(ops.report().find("then 3 more shapes unchecked"), std::string::npos) << ops.report();
+}
+
+TEST(CourseOps, AfterTheBudgetAThrowOrADeclineStillLeavesTheTrustedResult) {
+  // Right at 2 row counts, declines the third, throws at the fourth (half-written output).
+  int calls = 0;
+  CourseKernels k;
+  k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) -> bool {
+    ++calls;
+    if (a.dim(0) == 3) return false;
+    if (a.dim(0) == 4) {
+      cpu_ops().fill(c, 7.0f);
+      throw std::runtime_error("out of shared memory");
+    }
+    cpu_ops().matmul(a, ta, b, tb, c, alpha, beta);
+    return true;
+  };
+  CourseOps ops(cpu_ops(), std::move(k), CourseOps::Rules{3e-2, 1e-2, 2});
+  Side s(ops), t;
+  const std::vector<float> bv = random_values(4 * 5, 2);
+  Tensor b = s.upload(bv, {4, 5}), tb = t.upload(bv, {4, 5});
+  for (int rows = 1; rows <= 5; ++rows) {
+    const std::vector<float> av = random_values(rows * 5, rows), cv = random_values(rows * 4, 50 + rows);
+    Tensor a = s.upload(av, {rows, 5}), c = s.upload(cv, {rows, 4});  // c += a·bᵀ: old contents matter
+    Tensor ta = t.upload(av, {rows, 5}), tc = t.upload(cv, {rows, 4});
+    ops.matmul(a, false, b, true, c, 1.0f, 1.0f);
+    cpu_ops().matmul(ta, false, tb, true, tc, 1.0f, 1.0f);
+    const std::vector<float> got = s.download(c), want = t.download(tc);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << rows << " rows";
+  }
+  const auto r = row(ops.table(), "matmul");
+  EXPECT_EQ(calls, 4);  // the throw ended the kernel: rows 5 ran trusted
+  EXPECT_EQ(r.shapes_checked, 2);
+  EXPECT_EQ(r.shapes_declined, 1);
+  EXPECT_EQ(r.shapes_unchecked, 0);
+  EXPECT_NE(r.fallback.find("out of shared memory"), std::string::npos) << r.fallback;
+}
+
+TEST(CourseOps, AThrowAtAShapeComputedBeforeEndsTheRunByName) {
+  int calls = 0;
+  CourseKernels k;
+  k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) -> bool {
+    if (++calls == 3) throw std::runtime_error("illegal address");
+    cpu_ops().matmul(a, ta, b, tb, c, alpha, beta);
+    return true;
+  };
+  k.names["matmul"] = "test matmul";
+  CourseOps ops(cpu_ops(), std::move(k));
+  Side s(ops);
+  Tensor a = s.upload(random_values(15, 1), {3, 5}), b = s.upload(random_values(20, 2), {4, 5}), c = s.tensor({3, 4});
+  ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
+  ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
+  try {
+    ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
+    ADD_FAILURE() << "no throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("course kernel test matmul threw at [3, 5] x [4, 5]T, a shape it had computed "
+                                         "before: illegal address"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Each faulty kernel: the first call's outputs are the trusted backend's bit for bit, the kernel is

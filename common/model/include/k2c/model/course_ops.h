@@ -12,9 +12,11 @@
 // the trusted ones, so nothing it wrote survives), and the table names the reason. Later calls at
 // a checked shape run the course kernel alone: the check costs one extra call per shape, and a
 // dense model's step calls each operation at the same few shapes every time. A MoE's expert GEMMs
-// meet new row counts at every step, so checks stop once `checks` shapes of an operation have
-// agreed: from then on a new shape runs the course kernel unchecked, and the table counts those
-// shapes.
+// meet new row counts at every step, so checks stop once `checks` shapes of a family (the same
+// shape but for those rows) have agreed: from then on a new shape of that family runs the course
+// kernel uncompared (a throw or a decline there still leaves the trusted result), and the table
+// counts those shapes. A kernel that throws at a shape it had computed before ends the run with
+// that message: its outputs are half written and nothing is kept to fall back on.
 //
 // Agreement is judged on what the call changed (for an output the operation adds into, the
 // difference from its old contents): no NaN or infinity the trusted result does not have, every
@@ -64,7 +66,7 @@ class CourseOps final : public ForwardingOps {
  public:
   struct Rules {
     double max_error = 3e-2, l2_error = 1e-2;  // the tolerances above
-    int checks = 16;                           // agreeing shapes per operation before checks stop
+    int checks = 16;                           // agreeing shapes per family before checks stop
   };
   CourseOps(Ops& trusted, CourseKernels kernels, Rules rules);
   CourseOps(Ops& trusted, CourseKernels kernels) : CourseOps(trusted, std::move(kernels), Rules{}) {}
@@ -113,14 +115,18 @@ class CourseOps final : public ForwardingOps {
   };
   struct Entry {
     Row row;
-    std::map<std::string, bool> shapes;  // shape → course kernel used there (false: declined)
+    std::map<std::string, bool> shapes;   // shape → course kernel used there (false: declined)
+    std::map<std::string, int> families;  // family → shapes of it that agreed
   };
   // Runs one call: the course kernel where it is (or is to be found) right, else the trusted one.
-  void run(const std::string& op, bool has_kernel, const std::string& shape, std::vector<Out> outs,
-           const std::function<bool()>& course, const std::function<void()>& trusted);
-  // The first call at a shape: both, compared. Returns whether the course kernel's outputs stand.
-  bool check(Entry& e, const std::string& shape, const std::vector<Out>& outs, const std::function<bool()>& course,
-             const std::function<void()>& trusted);
+  // `family` is the shape without what a MoE's routing varies (the rows), for the check budget.
+  void run(const std::string& op, bool has_kernel, const std::string& shape, const std::string& family,
+           std::vector<Out> outs, const std::function<bool()>& course, const std::function<void()>& trusted);
+  // The first call at a shape: the course kernel from the outputs' old contents, compared with the
+  // trusted backend when `compare`; a throw or a decline leaves the trusted results. Returns
+  // whether the course kernel's outputs stand.
+  bool attempt(Entry& e, const std::string& shape, const std::vector<Out>& outs, const std::function<bool()>& course,
+               const std::function<void()>& trusted, bool compare);
   bool matmul_on() const;
 
   CourseKernels kernels_;
