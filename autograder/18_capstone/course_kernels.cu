@@ -137,6 +137,12 @@ bf16* to_bf16(Scratch& s, const std::string& name, const Tensor& t) {
   launch(to_bf16_plain, t.numel(), t.f32(), p, t.numel());
   return p;
 }
+// The model's [batch·T, H·d] tensor in 09's heads-first layout, in bf16.
+const bf16* heads_first(Scratch& s, const std::string& name, const Tensor& t, int T, int H, int d) {
+  bf16* p = s.get<bf16>(name, t.numel());
+  launch(to_heads_first, t.numel(), t.f32(), p, t.numel(), T, H, d);
+  return p;
+}
 // A 2-D tensor's rows and columns (a vector is one row).
 std::pair<std::int64_t, std::int64_t> matrix(const Tensor& t) {
   const std::int64_t cols = t.dim(t.rank() - 1);
@@ -290,13 +296,10 @@ model::CourseKernels course_kernels() {
     fa::Shape f;
     if (!fa_shape(s, f)) return false;
     const int d = s.head_dim;
-    auto heads_first = [&](const char* name, const Tensor& t, int T, int H) {
-      bf16* p = scratch->get<bf16>(name, t.numel());
-      launch(to_heads_first, t.numel(), t.f32(), p, t.numel(), T, H, d);
-      return p;
-    };
-    const bf16 *q16 = heads_first("attn q", q, s.q_len, s.q_heads), *k16 = heads_first("attn k", kk, s.kv_len, s.kv_heads),
-               *v16 = heads_first("attn v", v, s.kv_len, s.kv_heads);
+    Scratch& sc = *scratch;
+    const bf16 *q16 = heads_first(sc, "attn q", q, s.q_len, s.q_heads, d),
+               *k16 = heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d),
+               *v16 = heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d);
     bf16* o16 = scratch->get<bf16>("attn o", o.numel());
     if (fwd_hopper) fa::forward_hopper(f, q16, k16, v16, o16, lse.f32(), stream());
     else fa::forward(f, q16, k16, v16, o16, lse.f32(), stream());
@@ -311,14 +314,12 @@ model::CourseKernels course_kernels() {
     fa::Shape f;
     if (!fa_shape(s, f)) return false;
     const int d = s.head_dim;
-    auto heads_first = [&](const char* name, const Tensor& t, int T, int H) {
-      bf16* p = scratch->get<bf16>(name, t.numel());
-      launch(to_heads_first, t.numel(), t.f32(), p, t.numel(), T, H, d);
-      return p;
-    };
-    const bf16 *q16 = heads_first("attn q", q, s.q_len, s.q_heads), *k16 = heads_first("attn k", kk, s.kv_len, s.kv_heads),
-               *v16 = heads_first("attn v", v, s.kv_len, s.kv_heads), *o16 = heads_first("attn o", o, s.q_len, s.q_heads),
-               *do16 = heads_first("attn do", dout, s.q_len, s.q_heads);
+    Scratch& sc = *scratch;
+    const bf16 *q16 = heads_first(sc, "attn q", q, s.q_len, s.q_heads, d),
+               *k16 = heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d),
+               *v16 = heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d),
+               *o16 = heads_first(sc, "attn o", o, s.q_len, s.q_heads, d),
+               *do16 = heads_first(sc, "attn do", dout, s.q_len, s.q_heads, d);
     float* lse09 = scratch->get<float>("attn lse", lse.numel());
     launch(flip_infinite, lse.numel(), lse.f32(), lse09, lse.numel());
     bf16* dq16 = scratch->get<bf16>("attn dq", dq.numel());
