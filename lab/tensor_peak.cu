@@ -58,28 +58,41 @@ __global__ void mma_sync_peak(const std::uint32_t* in, float* out, int iters) {
 // pass: 4 k steps of 16, each 4 ldmatrix_x4 of A, 4 of B and 32 mma. kSync: a __syncthreads per
 // pass (the reference's one barrier per k tile of 64); kAhead: each k step's fragments are loaded
 // during the previous step's mma (two fragment sets in registers); kCopy: each pass also copies a
-// stage's worth of bytes (48 KiB, what the pipeline brings per k tile) by cp.async from a small,
-// L2-resident global buffer into a second stage that no one reads, waiting for the previous
-// pass's copies before the barrier: the pipeline's shared-memory traffic and waits without DRAM.
+// stage's worth of bytes (48 KiB, what the pipeline brings per k tile) from a small, L2-resident
+// global buffer into a second stage that no one reads, waiting for the previous pass's copies
+// before the barrier: the pipeline's shared-memory traffic and waits without DRAM. kCopy = 1 as
+// the reference copies, 16 bytes a thread by cp.async; 2 by one thread, bulk copies of 8 KiB
+// (cp.async.bulk, sm_90) completing on an mbarrier, so that the copies cost the warps no
+// instructions: whatever they still cost is the shared memory's time.
 __device__ __forceinline__ std::uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-template <bool kSync, bool kAhead, bool kCopy = false>
-__global__ void __launch_bounds__(256) mma_from_smem(const std::uint32_t* in, float* out, int iters) {
+//
+// kNT: n8 tiles a warp (8: the reference's 64 × 64 warp tiles; 12: 64 × 96, B a 192-row stage),
+// the wider tile reading 5 KiB of fragments per 16 of k for 1.5× the MMAs (39 FLOPs a byte
+// instead of 32), at 192 accumulators a thread.
+template <bool kSync, bool kAhead, int kCopy = 0, int kNT = 8>
+__global__ void __launch_bounds__(256, 1) mma_from_smem(const std::uint32_t* in, float* out, int iters) {
+  constexpr int kRows = 256 + 8 * 2 * kNT;  // A's 256 rows and B's 2 warps × 8·kNT
   extern __shared__ __align__(128) unsigned char smem[];
-  const std::uint32_t sa = k2c::tc::smem_addr(smem), sb = sa + 256 * 128, spare = sa + 384 * 128;
-  for (int i = threadIdx.x; i < (256 + 128) * 32; i += blockDim.x)
+  const std::uint32_t sa = k2c::tc::smem_addr(smem), sb = sa + 256 * 128, spare = sa + kRows * 128;
+  const std::uint32_t bar = spare + kRows * 128;  // kCopy = 2's barrier, after the spare stage
+  for (int i = threadIdx.x; i < kRows * 32; i += blockDim.x)
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sa + 4 * i), "r"(in[i % 4096]));
+  if (kCopy == 2 && threadIdx.x == 0) {
+    hp::mbarrier_init(bar, 1);
+    hp::fence_barrier_init();
+  }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = warp / 2, wn = warp % 2;
   const int a_row = wm * 64 + (lane & 15), a_chunk = lane >> 4;
-  const int b_row = wn * 64 + (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
-  float acc[4][8][4] = {};
-  std::uint32_t a[2][4][4], b[2][8][2];
+  const int b_row = wn * 8 * kNT + (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
+  float acc[4][kNT][4] = {};
+  std::uint32_t a[kAhead ? 2 : 1][4][4], b[kAhead ? 2 : 1][kNT][2];
   auto load = [&](int set, int ks) {
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) k2c::tc::ldmatrix_x4(a[set][mt], sa + swizzled(a_row + 16 * mt, 2 * ks + a_chunk));
 #pragma unroll
-    for (int nt = 0; nt < 8; nt += 2) {
+    for (int nt = 0; nt < kNT; nt += 2) {
       std::uint32_t r[4];
       k2c::tc::ldmatrix_x4(r, sb + swizzled(b_row + 8 * nt, 2 * ks + b_chunk));
       b[set][nt][0] = r[0], b[set][nt][1] = r[1], b[set][nt + 1][0] = r[2], b[set][nt + 1][1] = r[3];
@@ -89,15 +102,23 @@ __global__ void __launch_bounds__(256) mma_from_smem(const std::uint32_t* in, fl
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) k2c::tc::mma_bf16_16816(acc[mt][nt], a[set][mt], b[set][nt]);
+      for (int nt = 0; nt < kNT; ++nt) k2c::tc::mma_bf16_16816(acc[mt][nt], a[set][mt], b[set][nt]);
   };
   if (kAhead) load(0, 0);
   for (int it = 0; it < iters; ++it) {
-    if (kCopy) {
-      // 384 rows of 128 bytes: 12 chunks of 16 bytes a thread, from the first 16 KiB of `in`.
+    if (kCopy == 2) {
+      // Every thread sees the previous pass's copies land (the first pass's "previous" phase
+      // counts as done), then one thread starts this pass's: kRows rows of 128 bytes.
+      hp::mbarrier_wait(bar, (it & 1) ^ 1);
+      if (threadIdx.x == 0) {
+        hp::mbarrier_arrive_expect_tx(bar, kRows * 128);
+        for (int i = 0; i < kRows / 64; ++i) hp::bulk_load(spare + 8192 * i, in, 8192, bar);
+      }
+    } else if (kCopy == 1) {
+      // kRows rows of 128 bytes (384: 12 chunks of 16 bytes a thread), from the first 16 KiB of `in`.
       k2c::tc::cp_async_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 12; ++i) {
+#pragma unroll 2  // fully unrolled, the 64 × 96 variant's addresses spill
+      for (int i = 0; i < kRows / 32; ++i) {
         const int chunk = i * 256 + threadIdx.x;
         k2c::tc::cp_async_16(spare + 16 * chunk, in + 4 * (chunk % 1024), true);
       }
@@ -115,11 +136,14 @@ __global__ void __launch_bounds__(256) mma_from_smem(const std::uint32_t* in, fl
       }
     }
   }
+  // No copy may still be writing into the block's shared memory when it exits.
+  if (kCopy == 1) k2c::tc::cp_async_wait<0>();
+  if (kCopy == 2 && iters > 0) hp::mbarrier_wait(bar, (iters - 1) & 1);
   float s = 0;
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) s += acc[mt][nt][0] + acc[mt][nt][1] + acc[mt][nt][2] + acc[mt][nt][3];
+    for (int nt = 0; nt < kNT; ++nt) s += acc[mt][nt][0] + acc[mt][nt][1] + acc[mt][nt][2] + acc[mt][nt][3];
   out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
@@ -191,23 +215,29 @@ int main() {
   }
 
   std::printf("mma.sync fed by ldmatrix from one fixed shared-memory stage (8 warps of 64x64):\n");
-  auto smem_case = [&](auto kernel, const char* name, int blocks_per_sm) {
-    constexpr int kSmem = 96 * 1024;  // the stage and, for the copying variants, a second one
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem), "shared memory opt-in");
+  auto smem_case = [&](auto kernel, const char* name, int blocks_per_sm, int nt = 8) {
+    const int smem = 2 * (256 + 16 * nt) * 128 + 8;  // the stage, a second one to copy into, a barrier
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "shared memory opt-in");
     const long long blocks = static_cast<long long>(sms) * blocks_per_sm;
-    const int iters = static_cast<int>(6e12 / (blocks * 8 * 524288.0));
-    const double ms = median_ms([&] { kernel<<<blocks, 256, kSmem>>>(in, out, iters); }, 10);
+    const double pass = 4.0 * 4 * nt * 4096;  // a warp's FLOPs per pass: 4 k steps of 4 × nt mma
+    const int iters = static_cast<int>(6e12 / (blocks * 8 * pass));
+    const double ms = median_ms([&] { kernel<<<blocks, 256, smem>>>(in, out, iters); }, 10);
     check(cudaGetLastError(), name);
     char what[96];
     std::snprintf(what, sizeof what, "%s, %d block(s)/SM", name, blocks_per_sm);
-    report(what, 524288.0 * 8 * iters * blocks, ms);
+    report(what, pass * 8 * iters * blocks, ms);
   };
   smem_case(mma_from_smem<false, false>, "in order", 1);
   smem_case(mma_from_smem<false, true>, "fragments a step ahead", 1);
   smem_case(mma_from_smem<true, false>, "in order, a barrier per 64 of k", 1);
   smem_case(mma_from_smem<true, true>, "a step ahead, a barrier per 64 of k", 1);
-  smem_case(mma_from_smem<true, false, true>, "in order, barrier, 48 KiB copied per 64 of k", 1);
-  smem_case(mma_from_smem<true, true, true>, "a step ahead, barrier, 48 KiB copied", 1);
+  smem_case(mma_from_smem<true, false, 1>, "in order, barrier, 48 KiB copied per 64 of k", 1);
+  smem_case(mma_from_smem<true, true, 1>, "a step ahead, barrier, 48 KiB copied", 1);
+  smem_case(mma_from_smem<true, false, 2>, "in order, barrier, 48 KiB bulk-copied", 1);
+  smem_case(mma_from_smem<true, true, 2>, "a step ahead, barrier, 48 KiB bulk-copied", 1);
+  smem_case(mma_from_smem<true, false, 0, 12>, "64x96 warp tiles, in order, barrier", 1, 12);
+  smem_case(mma_from_smem<true, false, 1, 12>, "64x96, in order, barrier, 56 KiB copied", 1, 12);
+  smem_case(mma_from_smem<true, false, 2, 12>, "64x96, in order, barrier, 56 KiB bulk-copied", 1, 12);
 
   std::printf("wgmma m64n256k16 bf16 -> fp32 (A, B from shared memory):\n");
   check(cudaFuncSetAttribute(wgmma_peak, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024), "shared memory opt-in");

@@ -27,13 +27,13 @@
 // each: the step runs slower than the others and is left out of their figures) and prints where
 // its time went, course kernels with their conversions; the JSON has it as "ops_ms".
 //
-// --kernels course (the default) runs the model's GEMMs, RMSNorm, RoPE and attention on the GPU
-// with the course's own kernels, modules 05, 07, 08 and 09 of the tree this program was built from
-// (a build from assignments/ runs yours), each checked against the trusted backend at its first
-// call at each shape and replaced by the trusted one where it is missing or disagrees; the run ends
-// with the table of which kernel ran (k2c/model/course_ops.h). --kernels trusted runs the model
-// library's own. The CPU backend (the MPI runs) always runs its own: the course's kernels are GPU
-// kernels.
+// --kernels course (the default) runs the model's GEMMs, RMSNorm, RoPE, attention and the experts'
+// grouped GEMMs on the GPU with the course's own kernels, modules 05, 07, 08, 09 and 10 of the tree
+// this program was built from (a build from assignments/ runs yours), each checked against the
+// trusted backend at its first call at each shape and replaced by the trusted one where it is
+// missing or disagrees; the run ends with the table of which kernel ran (k2c/model/course_ops.h).
+// --kernels trusted runs the model library's own. The CPU backend (the MPI runs) always runs its
+// own: the course's kernels are GPU kernels.
 //
 // Exit status: 0 after training, 2 for bad arguments, 1 otherwise.
 #include <algorithm>
@@ -214,9 +214,9 @@ int run(k2c::dist::Communicator& world, const Options& o) {
 #if K2C_COURSE_KERNELS
       course = std::make_unique<km::CourseOps>(*ops, kc::course_kernels());
       ops = course.get();
-      kernels = "course (modules 05, 07, 08 and 09, each checked against the trusted backend at its first call at each shape)";
+      kernels = "course (modules 05, 07, 08, 09 and 10, each checked against the trusted backend at its first call at each shape)";
 #else
-      kernels = "trusted: this build has no course kernels (it needs modules 05, 07, 08 and 09 built with CUDA)";
+      kernels = "trusted: this build has no course kernels (it needs modules 05 to 10 built with CUDA)";
 #endif
     }
     cublas = k2c::bf16_gemm_rate(8192);

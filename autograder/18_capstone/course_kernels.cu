@@ -10,12 +10,15 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "flash_attention.h"
 #include "k2c/core/check.h"
 #include "k2c/core/todo.h"
 #include "k2c/model/cuda_ops.h"
+#include "moe.h"
 #include "rmsnorm.h"
 #include "rope.h"
 #include "tensor_core_matmul.h"
@@ -212,6 +215,54 @@ model::CourseKernels course_kernels() {
       tcm::matmul(int(M), int(N), int(K), A, B, C, stream());
       launch(gemm_epilogue<float>, M * N, C, c.f32(), M * N, alpha, beta);
     }
+    return true;
+  };
+
+  // ---- 10: the experts' grouped GEMMs, one launch over every group, fp32 outputs (Part A's; its
+  // Hopper part writes bf16). The group offsets go to the device as 10's int32.
+  namespace moe = k2c::moe;
+  auto grouped_args = [scratch](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                                const int*& device_offsets, const bf16*& a16, const bf16** w16) {
+    const int groups = static_cast<int>(offsets.size()) - 1;
+    if (groups < 1 || groups > moe::kMaxExperts || w.rank() != 3 || first < 0 || first + groups > w.dim(0) ||
+        !fits_int(a.dim(0)) || !fits_int(w.dim(1)) || !fits_int(w.dim(2)))
+      return false;
+    std::vector<int> host(offsets.begin(), offsets.end());
+    int* d = scratch->get<int>("moe offsets", groups + 1);
+    K2C_CUDA_CHECK(cudaMemcpyAsync(d, host.data(), host.size() * sizeof(int), cudaMemcpyHostToDevice, stream()));
+    K2C_CUDA_CHECK(cudaStreamSynchronize(stream()));  // `host` goes out of scope
+    device_offsets = d;
+    a16 = to_bf16(*scratch, "moe a", a);
+    if (w16) {  // the groups' weights (a weight gradient's call has none to read)
+      const std::int64_t per_group = w.dim(1) * w.dim(2), count = groups * per_group;
+      bf16* w_groups = scratch->get<bf16>("moe w", count);
+      launch(to_bf16_plain, count, static_cast<const float*>(w.f32() + first * per_group), w_groups, count);
+      *w16 = w_groups;
+    }
+    return true;
+  };
+  k.names["grouped matmul"] = "10 moe::grouped_gemm";
+  k.grouped_matmul = [grouped_args](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                                    bool transpose_w, Tensor& c) {
+    const int* off;
+    const bf16 *a16, *w16;
+    if (!grouped_args(a, offsets, first, w, off, a16, &w16)) return false;
+    // Forward: w_g is 10's B_g [n][k]. Input gradient: w_g [rows of w][cols of w] is 10's [k][n].
+    const int n = int(transpose_w ? w.dim(1) : w.dim(2)), kk = int(transpose_w ? w.dim(2) : w.dim(1));
+    moe::grouped_gemm(int(offsets.size()) - 1, off, n, kk, a16, w16, c.f32(), transpose_w, false, stream());
+    return true;
+  };
+  k.names["grouped weight grad"] = "10 moe::grouped_weight_grad";
+  k.grouped_weight_grad = [scratch, grouped_args](const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets,
+                                                  int first, Tensor& dw) {
+    const int* off;
+    const bf16* dy16;
+    if (!grouped_args(dy, offsets, first, dw, off, dy16, nullptr)) return false;
+    const int groups = int(offsets.size()) - 1, n = int(dw.dim(1)), kk = int(dw.dim(2));
+    const std::int64_t count = std::int64_t{groups} * n * kk;
+    float* part = scratch->get<float>("moe dw", count);
+    moe::grouped_weight_grad(groups, off, n, kk, dy16, to_bf16(*scratch, "moe x", x), part, stream());
+    launch(add_into, count, static_cast<const float*>(part), dw.f32() + first * std::int64_t{n} * kk, count);  // dw +=
     return true;
   };
 

@@ -1,6 +1,7 @@
 // course_kernels.h — the course kernels of k2c_capstone's course mode: modules 05 (GEMM), 07
-// (RMSNorm), 08 (RoPE) and 09 (FlashAttention) of the tree the program was built from, behind the
-// model's operations (k2c/model/course_ops.h checks them and says which ran).
+// (RMSNorm), 08 (RoPE), 09 (FlashAttention) and 10 (the experts' grouped GEMMs) of the tree the
+// program was built from, behind the model's operations (k2c/model/course_ops.h checks them and
+// says which ran).
 //
 // The model keeps its tensors in fp32 and the modules' contracts take bf16 (and their own layouts:
 // 09's heads before tokens, 05's two K-major operands), so each adapter converts its inputs on the
@@ -9,8 +10,9 @@
 // bought. Their buffers are the adapters' own, outside the model's memory ledger.
 //
 // Where a module's Hopper part (05's matmul_hopper, 09's forward_hopper and backward_hopper) runs
-// here and is implemented, it is the one used; otherwise its Part A. Built only where CUDA and
-// modules 05–09 are (K2C_COURSE_KERNELS).
+// here and is implemented, it is the one used; otherwise its Part A. 10's grouped GEMMs are its
+// Part A (fp32 outputs, as the model keeps them). Built only where CUDA and modules 05–10 are
+// (K2C_COURSE_KERNELS).
 #pragma once
 
 #include "k2c/model/course_ops.h"

@@ -1,11 +1,12 @@
 // course_kernels_test.cpp — k2c_course_kernels_test: the adapters of course mode
 // (course_kernels.cu) with the reference solutions' kernels, on shapes a training step never
 // makes: tails and sizes of one, K not a multiple of 8 (05's Part A instead of its Hopper part),
-// GQA, attention that is not causal or whose keys outnumber its queries, positions that do not
-// count from zero, outputs that add. Every call goes through CourseOps, which compares the course
-// kernel with the trusted GPU backend at each new shape; a test passes when no operation fell back
-// and the shapes that 09 cannot take were declined, not miscomputed. A build from assignments/
-// runs the student's kernels, which this program is not here to grade: it skips there.
+// empty groups and a first group past 0 (10), GQA, attention that is not causal or whose keys
+// outnumber its queries, positions that do not count from zero, outputs that add. Every call goes
+// through CourseOps, which compares the course kernel with the trusted GPU backend at each new
+// shape; a test passes when no operation fell back and the shapes that 09 cannot take were
+// declined, not miscomputed. A build from assignments/ runs the student's kernels, which this
+// program is not here to grade: it skips there.
 #include <cmath>
 #include <memory>
 #include <random>
@@ -77,6 +78,19 @@ TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
     shapes += 4;
   }
   expect_row("matmul", shapes);
+}
+
+TEST_F(CourseKernels, GroupedGemmsWithEmptyGroupsAndAnOffsetFirstGroup) {
+  // 5 groups of a stacked weight of 8, from group 2: sizes 3, 0, 17, 1 and 0 rows.
+  const std::vector<std::int64_t> offsets{0, 3, 3, 20, 21, 21};
+  const int rows = 21, n = 24, k = 40, first = 2;
+  Tensor x = random({rows, k}), w = random({8, n, k}), dy = random({rows, n}), dw = random({8, n, k});
+  Tensor y = side_->poisoned({rows, n}), dx = side_->poisoned({rows, k});
+  course_->grouped_matmul(x, offsets, first, w, true, y);    // y_g = x_g · w_gᵀ
+  course_->grouped_matmul(dy, offsets, first, w, false, dx);  // dx_g = dy_g · w_g
+  course_->grouped_weight_grad(dy, x, offsets, first, dw);    // dw_g += dy_gᵀ · x_g
+  expect_row("grouped matmul", 2);
+  expect_row("grouped weight grad", 1);
 }
 
 TEST_F(CourseKernels, RmsNormForwardAndBackward) {

@@ -3,6 +3,7 @@
 #include "k2c/model/course_ops.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -242,14 +243,20 @@ void CourseOps::shared_linear_backward(const Tensor& x, std::span<const Tensor* 
 }
 
 namespace {
-// A grouped call's key: its shapes and how many groups from which (the rows each group gets are
-// data: a MoE's routing changes them every step).
-std::string grouped_key(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w) {
-  return a.shape().str() + " x " + w.shape().str() + ", " + std::to_string(offsets.size() - 1) + " groups from " +
-         std::to_string(first);
+// A grouped call's family, for the check budget: the weights' shape and how many groups from
+// which; not a's rows, nor how they split into groups, which a MoE's routing changes every call.
+std::string grouped_family(std::span<const std::int64_t> offsets, int first, const Tensor& w) {
+  return " x " + w.shape().str() + ", " + std::to_string(offsets.size() - 1) + " groups from " + std::to_string(first);
 }
-// Its family: the key past the row count of a (the first bracket), which the routing varies.
-std::string grouped_family(const std::string& key) { return key.substr(key.find(']') + 1); }
+// Its key: the family, a's shape and the rows of each group (a digest of the offsets), since a
+// kernel can be right for one split of the rows and wrong for another.
+std::string grouped_key(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w) {
+  std::uint64_t digest = 14695981039346656037ull;  // FNV-1a over the offsets
+  for (const std::int64_t o : offsets) digest = (digest ^ static_cast<std::uint64_t>(o)) * 1099511628211ull;
+  char split[24];
+  std::snprintf(split, sizeof split, "%016llx", static_cast<unsigned long long>(digest));
+  return a.shape().str() + grouped_family(offsets, first, w) + ", split " + split;
+}
 }  // namespace
 
 // Without a grouped kernel, while the course GEMM runs, the groups go through it one at a time
@@ -257,15 +264,18 @@ std::string grouped_family(const std::string& key) { return key.substr(key.find(
 void CourseOps::grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
                                bool transpose_w, Tensor& c) {
   if (!kernels_.grouped_matmul && matmul_on()) return Ops::grouped_matmul(a, offsets, first, w, transpose_w, c);
-  const std::string shape = grouped_key(a, offsets, first, w) + (transpose_w ? " T" : "");
-  run("grouped matmul", bool(kernels_.grouped_matmul), shape, grouped_family(shape), {{&c, false}}, [&] { return kernels_.grouped_matmul(a, offsets, first, w, transpose_w, c); },
+  const std::string t = transpose_w ? " T" : "";
+  run("grouped matmul", bool(kernels_.grouped_matmul), grouped_key(a, offsets, first, w) + t,
+      grouped_family(offsets, first, w) + t, {{&c, false}},
+      [&] { return kernels_.grouped_matmul(a, offsets, first, w, transpose_w, c); },
       [&] { inner_.grouped_matmul(a, offsets, first, w, transpose_w, c); });
 }
 void CourseOps::grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets,
                                     int first, Tensor& dw) {
   if (!kernels_.grouped_weight_grad && matmul_on()) return Ops::grouped_weight_grad(dy, x, offsets, first, dw);
-  const std::string shape = grouped_key(dy, offsets, first, dw);
-  run("grouped weight grad", bool(kernels_.grouped_weight_grad), shape, grouped_family(shape), {{&dw, true}}, [&] { return kernels_.grouped_weight_grad(dy, x, offsets, first, dw); },
+  run("grouped weight grad", bool(kernels_.grouped_weight_grad), grouped_key(dy, offsets, first, dw),
+      grouped_family(offsets, first, dw), {{&dw, true}},
+      [&] { return kernels_.grouped_weight_grad(dy, x, offsets, first, dw); },
       [&] { inner_.grouped_weight_grad(dy, x, offsets, first, dw); });
 }
 

@@ -256,6 +256,50 @@ class CudaOps final : public Ops {
     }
   }
 
+  // The experts' GEMMs: each operand rounded to bf16 once for every group (not once per expert),
+  // then one cuBLAS GEMM per group with rows on bf16 pointers into those copies.
+  void grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                      bool transpose_w, Tensor& c) override {
+    if (math_ != GpuMath::bf16 || !grouped_fits(a, offsets, first, w, c)) return Ops::grouped_matmul(a, offsets, first, w, transpose_w, c);
+    const std::int64_t n = w.dim(1), k = w.dim(2), in = transpose_w ? k : n, out = transpose_w ? n : k;
+    if (a.dim(1) != in || c.dim(1) != out) return Ops::grouped_matmul(a, offsets, first, w, transpose_w, c);  // its error
+    K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
+    const __nv_bfloat16 *a16 = to_bf16(a, ws_, kGemmA), *w16 = to_bf16(w, ws_, kGemmB);
+    for (std::size_t g = 0; g + 1 < offsets.size(); ++g) {
+      const std::int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      if (rows == 0) continue;
+      Tensor c_g = c.rows(r0, rows);
+      gemm16(a16 + r0 * in, false, in, w16 + (first + static_cast<std::int64_t>(g)) * n * k, transpose_w, k, c_g, rows,
+             out, in, 1.0f, 0.0f);
+    }
+  }
+  void grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first,
+                           Tensor& dw) override {
+    if (math_ != GpuMath::bf16 || !grouped_fits(dy, offsets, first, dw, x) || dy.dim(1) != dw.dim(1) ||
+        x.dim(1) != dw.dim(2))
+      return Ops::grouped_weight_grad(dy, x, offsets, first, dw);
+    const std::int64_t n = dw.dim(1), k = dw.dim(2);
+    K2C_CUBLAS_CHECK(cublasSetStream(blas_, g_stream));
+    const __nv_bfloat16 *dy16 = to_bf16(dy, ws_, kLinearDy), *x16 = to_bf16(x, ws_, kGemmB);
+    for (std::size_t g = 0; g + 1 < offsets.size(); ++g) {
+      const std::int64_t r0 = offsets[g], rows = offsets[g + 1] - r0;
+      if (rows == 0) continue;
+      Tensor dw_g = Tensor::view(dw.f32() + (first + static_cast<std::int64_t>(g)) * n * k, {n, k});
+      gemm16(dy16 + r0 * n, true, n, x16 + r0 * k, false, k, dw_g, n, k, rows, 1.0f, 1.0f);
+    }
+  }
+  // Whether a grouped call is well formed (else the base class's checks name what is not) and has rows.
+  static bool grouped_fits(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                           const Tensor& other) {
+    if (a.rank() != 2 || w.rank() != 3 || other.rank() != 2 || other.dim(0) != a.dim(0) || a.dim(0) == 0) return false;
+    if (offsets.empty() || offsets.front() != 0 || offsets.back() != a.dim(0) || first < 0 ||
+        first + static_cast<std::int64_t>(offsets.size()) - 1 > w.dim(0))
+      return false;
+    for (std::size_t g = 0; g + 1 < offsets.size(); ++g)
+      if (offsets[g + 1] < offsets[g]) return false;
+    return true;
+  }
+
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
     const Matrix t = as_matrix(table);
     out.expect({ids.numel(), t.cols}, "embedding output");

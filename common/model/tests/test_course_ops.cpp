@@ -317,10 +317,46 @@ TEST(CourseOps, GroupedGemmsAreCheckedLikeTheOthers) {
   EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
   const auto r = row(ops.table(), "grouped matmul");
   EXPECT_EQ(calls, 1);
-  EXPECT_NE(r.fallback.find("disagreed at [7, 5] x [4, 6, 5], 3 groups from 1 T"), std::string::npos) << r.fallback;
+  EXPECT_NE(r.fallback.find("disagreed at [7, 5] x [4, 6, 5], 3 groups from 1, split "), std::string::npos) << r.fallback;
+  EXPECT_NE(r.fallback.find(" T (output 1)"), std::string::npos) << r.fallback;
   const auto g = row(ops.table(), "grouped weight grad");
   EXPECT_TRUE(g.fallback.empty()) << g.fallback;
   EXPECT_EQ(g.course_calls, 1);
+}
+
+TEST(CourseOps, AGroupedCallIsCheckedAtEachNewSplitOfItsRows) {
+  // A grouped GEMM that skips the group after an empty one: right while no group is empty, so it
+  // agrees at the first split, and is caught at the first call whose rows split differently
+  // (same shapes, same total rows: what a MoE's routing does from one step to the next).
+  int calls = 0;
+  CourseKernels k;
+  k.grouped_matmul = [&](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w, bool tw,
+                         Tensor& c) {
+    ++calls;
+    cpu_ops().grouped_matmul(a, offsets, first, w, tw, c);
+    for (std::size_t g = 1; g + 1 < offsets.size(); ++g)
+      if (offsets[g] == offsets[g - 1] && offsets[g + 1] > offsets[g]) {
+        Tensor skipped = c.rows(offsets[g], offsets[g + 1] - offsets[g]);
+        cpu_ops().fill(skipped, 0.0f);
+      }
+    return true;
+  };
+  CourseOps ops(cpu_ops(), std::move(k));
+  Side s(ops);
+  Tensor a = s.upload(random_values(7 * 5, 40), {7, 5}), w = s.upload(random_values(4 * 6 * 5, 41), {4, 6, 5});
+  Tensor c = s.poisoned({7, 6});
+  ops.grouped_matmul(a, std::vector<std::int64_t>{0, 3, 5, 7}, 1, w, true, c);
+  ops.grouped_matmul(a, std::vector<std::int64_t>{0, 3, 5, 7}, 1, w, true, c);  // the same split: not checked again
+  EXPECT_EQ(row(ops.table(), "grouped matmul").shapes_checked, 1);
+  ops.grouped_matmul(a, std::vector<std::int64_t>{0, 3, 3, 7}, 1, w, true, c);
+  const auto r = row(ops.table(), "grouped matmul");
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(r.course_calls, 2);
+  EXPECT_NE(r.fallback.find("disagreed at [7, 5] x [4, 6, 5], 3 groups from 1, split "), std::string::npos) << r.fallback;
+  Tensor want = s.poisoned({7, 6});
+  cpu_ops().grouped_matmul(a, std::vector<std::int64_t>{0, 3, 3, 7}, 1, w, true, want);
+  const std::vector<float> got = s.download(c), expected = s.download(want);
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0);
 }
 
 TEST(CourseOps, WithoutAGroupedKernelTheGroupsGoThroughTheCourseGemm) {

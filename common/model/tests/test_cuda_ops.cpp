@@ -311,6 +311,25 @@ TEST(CudaOpsBf16, GemmLayouts) {
   expect_close_bf16(dw, "dW += dyT x", 1e-2, 2e-2);
 }
 
+// The experts' grouped GEMMs (5 groups of a stack of 8 from group 2, two of them empty): the fast
+// path's bf16 operands rounded once for all groups, against the CPU's one matmul per group.
+TEST(CudaOpsBf16, GroupedGemms) {
+  REQUIRE_DEVICE();
+  Both t;
+  const std::vector<std::int64_t> offsets{0, 3, 3, 20, 21, 21};
+  Pair x = t.random({21, 40}), w = t.random({8, 24, 40}), dy = t.random({21, 24}), dw = t.random({8, 24, 40});
+  Pair y = t.make({21, 24}, std::vector<float>(21 * 24, NAN)), dx = t.make({21, 40}, std::vector<float>(21 * 40, NAN));
+  for (Ops* ops : {&cpu_ops(), &fast()}) {
+    const bool g = ops == &fast();
+    ops->grouped_matmul(g ? x.gpu : x.cpu, offsets, 2, g ? w.gpu : w.cpu, true, g ? y.gpu : y.cpu);
+    ops->grouped_matmul(g ? dy.gpu : dy.cpu, offsets, 2, g ? w.gpu : w.cpu, false, g ? dx.gpu : dx.cpu);
+    ops->grouped_weight_grad(g ? dy.gpu : dy.cpu, g ? x.gpu : x.cpu, offsets, 2, g ? dw.gpu : dw.cpu);
+  }
+  expect_close_bf16(y, "y_g = x_g W_gt", 1e-2, 2e-2);
+  expect_close_bf16(dx, "dx_g = dy_g W_g", 1e-2, 2e-2);
+  expect_close_bf16(dw, "dW_g += dy_gT x_g", 1e-2, 2e-2);
+}
+
 // Three projections of one input (q, k, v of a GQA layer: two widths), one of them frozen: the
 // fast path's shared-input operations against the CPU's plain matmuls. dx starts as NaN (it is
 // written, not added) and the trained dW from random values (they are added to).

@@ -1,5 +1,5 @@
 // k2c/model/course_ops.h — "course mode": the model's operations computed by the course's own
-// kernels (a student's modules 05, 07, 08 and 09) where they exist and are right, by the trusted
+// kernels (a student's modules 05, 07, 08, 09 and 10) where they exist and are right, by the trusted
 // backend everywhere else, with a table saying which ran.
 //
 // CourseOps wraps a trusted backend. For each operation it may hold a course kernel: a function
@@ -12,8 +12,8 @@
 // the trusted ones, so nothing it wrote survives), and the table names the reason. Later calls at
 // a checked shape run the course kernel alone: the check costs one extra call per shape, and a
 // dense model's step calls each operation at the same few shapes every time. A MoE's expert GEMMs
-// meet new row counts at every step, so checks stop once `checks` shapes of a family (the same
-// shape but for those rows) have agreed: from then on a new shape of that family runs the course
+// meet new rows at every call (a grouped call's shape includes how its rows split into groups),
+// so checks stop once `checks` shapes of a family (the same shape but for those rows) have agreed: from then on a new shape of that family runs the course
 // kernel uncompared (a throw or a decline there still leaves the trusted result), and the table
 // counts those shapes. A kernel that throws at a shape it had computed before ends the run with
 // that message: its outputs are half written and nothing is kept to fall back on.
