@@ -326,7 +326,7 @@ int run(k2c::dist::Communicator& world, const Options& o) {
           << ", \"course_calls\": " << r.course_calls << ", \"trusted_calls\": " << r.trusted_calls
           << ", \"shapes_checked\": " << r.shapes_checked << ", \"shapes_unchecked\": " << r.shapes_unchecked
           << ", \"shapes_declined\": " << r.shapes_declined << ", \"worst_error\": " << r.worst_error
-          << ", \"fallback\": " << quoted(r.fallback) << "}";
+          << ", \"fallback\": " << quoted(r.fallback) << ", \"replaced\": " << quoted(r.replaced) << "}";
       }
     }
     j << "},\n  \"ops_ms\": {";

@@ -35,7 +35,7 @@ std::string number(double x) {
 // How far `got` is from `want`, both the change a call made (for an output that adds, each minus
 // the old contents). Empty when they agree within the tolerance, else what disagrees.
 std::string disagreement(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>* before,
-                         const CourseOps::Rules& tol, double& worst) {
+                         const CourseOps::Rules& tol, bool log, double& worst) {
   auto change = [&](const std::vector<float>& v, std::size_t i) {
     return before ? static_cast<double>(v[i]) - (*before)[i] : static_cast<double>(v[i]);
   };
@@ -62,6 +62,10 @@ std::string disagreement(const std::vector<float>& got, const std::vector<float>
   const double scale = largest > 0 ? largest : 1.0;
   worst = worst_abs / scale;
   const double l2 = sum_sq > 0 ? std::sqrt(diff_sq / sum_sq) : std::sqrt(diff_sq);
+  if (log && worst_abs > tol.log_error)
+    return "element " + std::to_string(worst_at) + " is " + number(change(got, worst_at)) + " where the trusted backend has " +
+           number(change(want, worst_at)) + " (a logarithm: error " + number(worst_abs) + ", allowed " +
+           number(tol.log_error) + ")";
   if (worst <= tol.max_error && l2 <= tol.l2_error) return "";
   return "element " + std::to_string(worst_at) + " is " + number(change(got, worst_at)) + " where the trusted backend has " +
          number(change(want, worst_at)) + " (error " + number(worst) + " of the largest value, allowed " +
@@ -114,6 +118,7 @@ std::string CourseOps::report() const {
     if (r.fallback.empty() && r.shapes_declined)
       note += std::string(note.empty() ? "" : "; ") + "declined " + std::to_string(r.shapes_declined) + " shape" +
               (r.shapes_declined > 1 ? "s" : "") + " it does not take";
+    if (!r.replaced.empty()) note += std::string(note.empty() ? "" : "; ") + "in place of " + r.replaced;
     std::snprintf(line, sizeof line, "%-19s %-40s %-8s %8ld %8ld  ", r.op.c_str(),
                   r.kernel.empty() ? "-" : r.kernel.c_str(), ran, r.course_calls, r.trusted_calls);
     s << line << note << "\n";
@@ -150,15 +155,12 @@ void CourseOps::run(const std::string& op, bool has_kernel, const std::string& s
   // A new shape: compared with the trusted backend while its family (the same shape but for the
   // rows a MoE's routing varies) has fewer than rules_.checks agreeing shapes; after that run alone,
   // still guarded against a throw or a decline.
-  int& agreed = e.families[family];
-  const bool compare = agreed < rules_.checks;
-  const bool used = attempt(e, shape, outs, course, trusted, compare);
-  e.shapes[shape] = used;
-  if (used && compare) ++agreed;
+  attempt(e, shape, family, outs, course, trusted);
 }
 
-bool CourseOps::attempt(Entry& e, const std::string& shape, const std::vector<Out>& outs,
-                        const std::function<bool()>& course, const std::function<void()>& trusted, bool compare) {
+bool CourseOps::attempt(Entry& e, const std::string& shape, const std::string& family, const std::vector<Out>& outs,
+                        const std::function<bool()>& course, const std::function<void()>& trusted) {
+  const bool compare = e.families[family] < rules_.checks;
   auto copy_of = [&](const Tensor& t) {
     Tensor c(memory(), scratch_ledger_, Category::activations, t.shape(), t.dtype());
     inner_.copy(c, t);
@@ -189,9 +191,25 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::vector<Ou
       const std::vector<float> old = outs[i].adds ? host_copy(inner_, before[i]) : std::vector<float>{};
       double w = 0;
       const std::string d = disagreement(host_copy(inner_, *outs[i].tensor), host_copy(inner_, want[i]),
-                                         outs[i].adds ? &old : nullptr, rules_, w);
+                                         outs[i].adds ? &old : nullptr, rules_, outs[i].log, w);
       if (!d.empty()) failure = "disagreed at " + shape + " (output " + std::to_string(i + 1) + "): " + d;
       worst = std::max(worst, w);
+    }
+  }
+  if (!failure.empty()) {
+    // The operation's next implementation, if the adapter has one, gets the same call, from the
+    // same old contents, and is checked anew at every shape (what agreed was the other kernel).
+    const auto next = kernels_.second_choice.find(e.row.op);
+    const std::string name = next != kernels_.second_choice.end() && next->second ? next->second() : "";
+    if (!name.empty()) {
+      e.row.replaced = e.row.kernel + ", which " + (failure == "not implemented" ? "is not implemented" : failure);
+      e.row.kernel = name;
+      e.row.shapes_checked = e.row.shapes_unchecked = e.row.shapes_declined = 0;
+      e.row.worst_error = 0;
+      e.shapes.clear();
+      e.families.clear();
+      for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, before[i]);
+      return attempt(e, shape, family, outs, course, trusted);
     }
   }
   if (!failure.empty() || !ran) {
@@ -201,15 +219,18 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::vector<Ou
     if (!failure.empty()) e.row.fallback = failure;
     else ++e.row.shapes_declined;
     ++e.row.trusted_calls;
+    e.shapes[shape] = false;
     return false;
   }
   ++e.row.course_calls;
   if (compare) {
     ++e.row.shapes_checked;
     e.row.worst_error = std::max(e.row.worst_error, worst);
+    ++e.families[family];
   } else {
     ++e.row.shapes_unchecked;
   }
+  e.shapes[shape] = true;
   return true;
 }
 
@@ -315,7 +336,7 @@ std::string attention_key(const AttentionShape& s) {
 
 void CourseOps::attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o,
                                   Tensor& lse) {
-  run("attention", bool(kernels_.attention_forward), attention_key(s), attention_key(s), {{&o, false}, {&lse, false}},
+  run("attention", bool(kernels_.attention_forward), attention_key(s), attention_key(s), {{&o, false}, {&lse, false, true}},
       [&] { return kernels_.attention_forward(s, q, k, v, o, lse); },
       [&] { inner_.attention_forward(s, q, k, v, o, lse); });
 }

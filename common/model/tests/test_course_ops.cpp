@@ -285,6 +285,91 @@ TEST(CourseOps, AttentionBackwardMustAddIntoDkAndDv) {
   EXPECT_NE(ops.report().find("no course kernel for this operation"), std::string::npos);
 }
 
+TEST(CourseOps, AWrongFirstChoiceGivesWayToTheSecondWhichIsCheckedAnew) {
+  // A "Hopper part" right at one shape and 5 % off at another, then a "Part A" that is right at
+  // the second shape and wrong at the first: the switch happens at the second shape's call, and
+  // the first shape, agreed by the other kernel, is compared again for the new one and caught.
+  bool hopper = true;
+  int hopper_calls = 0, part_a_calls = 0;
+  CourseKernels k;
+  k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+    ++(hopper ? hopper_calls : part_a_calls);
+    cpu_ops().matmul(a, ta, b, tb, c, alpha, beta);
+    if (hopper == (c.dim(1) == 6)) cpu_ops().scale(c, 1.05f);  // Hopper: wrong at 6 columns; Part A: at 4
+    return true;
+  };
+  k.names["matmul"] = "hopper";
+  k.second_choice["matmul"] = [&] {
+    if (!hopper) return std::string();
+    hopper = false;
+    return std::string("part A");
+  };
+  CourseOps ops(cpu_ops(), std::move(k));
+  Side s(ops), t;
+  const std::vector<float> av = random_values(30, 50), b4 = random_values(20, 51), b6 = random_values(30, 52);
+  Tensor a = s.upload(av, {6, 5}), w4 = s.upload(b4, {4, 5}), w6 = s.upload(b6, {6, 5});
+  Tensor c4 = s.poisoned({6, 4}), c6 = s.poisoned({6, 6});
+  ops.matmul(a, false, w4, true, c4, 1.0f, 0.0f);  // Hopper agrees
+  ops.matmul(a, false, w6, true, c6, 1.0f, 0.0f);  // Hopper disagrees: Part A takes the call and agrees
+  auto r = row(ops.table(), "matmul");
+  EXPECT_EQ(r.kernel, "part A");
+  EXPECT_TRUE(r.fallback.empty()) << r.fallback;
+  EXPECT_NE(r.replaced.find("hopper, which disagreed at [6, 5] x [6, 5]"), std::string::npos) << r.replaced;
+  EXPECT_EQ(r.shapes_checked, 1);
+  EXPECT_EQ(part_a_calls, 1);
+  Tensor want6 = t.poisoned({6, 6});
+  cpu_ops().matmul(t.upload(av, {6, 5}), false, t.upload(b6, {6, 5}), true, want6, 1.0f, 0.0f);
+  const std::vector<float> got6 = s.download(c6), exp6 = t.download(want6);
+  for (std::size_t i = 0; i < got6.size(); ++i) EXPECT_NEAR(got6[i], exp6[i], 1e-5) << i;
+  ops.matmul(a, false, w4, true, c4, 1.0f, 0.0f);  // checked again, for Part A: caught
+  r = row(ops.table(), "matmul");
+  EXPECT_EQ(part_a_calls, 2);
+  EXPECT_NE(r.fallback.find("disagreed at [6, 5] x [4, 5]"), std::string::npos) << r.fallback;
+  EXPECT_NE(ops.report().find("in place of hopper, which disagreed"), std::string::npos) << ops.report();
+  Tensor want4 = t.poisoned({6, 4});
+  cpu_ops().matmul(t.upload(av, {6, 5}), false, t.upload(b4, {4, 5}), true, want4, 1.0f, 0.0f);
+  const std::vector<float> got4 = s.download(c4), exp4 = t.download(want4);
+  EXPECT_EQ(std::memcmp(got4.data(), exp4.data(), got4.size() * sizeof(float)), 0);
+}
+
+TEST(CourseOps, ALogSumExpOffByAConstantIsCaught) {
+  // A forward whose log-sum-exp is 0.05 too large (the backward would scale every attention weight
+  // by e^-0.05): within the relative rules at log-sum-exps of about 10, caught by the absolute one.
+  auto biased = [](int* calls) {
+    CourseKernels k;
+    k.attention_forward = [calls](const AttentionShape& sh, const Tensor& q, const Tensor& kk, const Tensor& v, Tensor& o,
+                                  Tensor& lse) {
+      ++*calls;
+      cpu_ops().attention_forward(sh, q, kk, v, o, lse);
+      for (std::int64_t i = 0; i < lse.numel(); ++i) lse.f32()[i] += 0.05f;  // host memory: the CPU backend
+      return true;
+    };
+    return k;
+  };
+  const AttentionShape sh = AttentionShape::causal_self(1, 48, 2, 2, 8);
+  std::vector<float> qv = random_values(48 * 16, 60);
+  for (float& x : qv) x *= 4.0f;  // scores of about ±10: log-sum-exps of about 10
+  for (const bool relative_only : {true, false}) {
+    int calls = 0;
+    CourseOps::Rules rules;
+    if (relative_only) rules.log_error = 1e9;
+    CourseOps ops(cpu_ops(), biased(&calls), rules);
+    Side s(ops);
+    Tensor q = s.upload(qv, {48, 16}), kk = s.upload(random_values(48 * 16, 61), {48, 16}),
+           v = s.upload(random_values(48 * 16, 62), {48, 16});
+    Tensor o = s.poisoned({48, 16}), lse = s.poisoned({1, 2, 48});
+    ops.attention_forward(sh, q, kk, v, o, lse);
+    const auto r = row(ops.table(), "attention");
+    EXPECT_EQ(calls, 1);
+    if (relative_only) {
+      EXPECT_TRUE(r.fallback.empty()) << r.fallback;
+    } else {
+      EXPECT_NE(r.fallback.find("(output 2)"), std::string::npos) << r.fallback;
+      EXPECT_NE(r.fallback.find("a logarithm: error 0.05"), std::string::npos) << r.fallback;
+    }
+  }
+}
+
 TEST(CourseOps, GroupedGemmsAreCheckedLikeTheOthers) {
   // A grouped GEMM that loses the last group's last row: caught at the first call, the trusted
   // result stands.
