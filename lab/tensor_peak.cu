@@ -58,12 +58,14 @@ __global__ void mma_sync_peak(const std::uint32_t* in, float* out, int iters) {
 // pass: 4 k steps of 16, each 4 ldmatrix_x4 of A, 4 of B and 32 mma. kSync: a __syncthreads per
 // pass (the reference's one barrier per k tile of 64); kAhead: each k step's fragments are loaded
 // during the previous step's mma (two fragment sets in registers); kCopy: each pass also copies a
-// stage's worth of bytes (48 KiB, what the pipeline brings per k tile) from a small, L2-resident
-// global buffer into a second stage that no one reads, waiting for the previous pass's copies
-// before the barrier: the pipeline's shared-memory traffic and waits without DRAM. kCopy = 1 as
+// stage's worth of bytes (48 KiB, what the pipeline brings per k tile) from global memory that
+// stays in L2 (each block its own 48 KiB, so that the blocks spread over L2 as a GEMM's tiles do)
+// into a second stage that no one reads, waiting for the previous pass's copies before the
+// barrier: the pipeline's L2 and shared-memory traffic and its waits, without DRAM. kCopy = 1 as
 // the reference copies, 16 bytes a thread by cp.async; 2 by one thread, bulk copies of 8 KiB
 // (cp.async.bulk, sm_90) completing on an mbarrier, so that the copies cost the warps no
-// instructions: whatever they still cost is the shared memory's time.
+// instructions; 3 the same bytes stored from registers (st.shared, 16 bytes a thread), no global
+// memory at all: the shared memory's share of the cost alone.
 __device__ __forceinline__ std::uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
 //
@@ -71,11 +73,13 @@ __device__ __forceinline__ std::uint32_t swizzled(int row, int chunk) { return r
 // the wider tile reading 5 KiB of fragments per 16 of k for 1.5× the MMAs (39 FLOPs a byte
 // instead of 32), at 192 accumulators a thread.
 template <bool kSync, bool kAhead, int kCopy = 0, int kNT = 8>
-__global__ void __launch_bounds__(256, 1) mma_from_smem(const std::uint32_t* in, float* out, int iters) {
+__global__ void __launch_bounds__(256, 1) mma_from_smem(const std::uint32_t* in, const std::uint32_t* copy_src, float* out,
+                                                        int iters) {
   constexpr int kRows = 256 + 8 * 2 * kNT;  // A's 256 rows and B's 2 warps × 8·kNT
   extern __shared__ __align__(128) unsigned char smem[];
   const std::uint32_t sa = k2c::tc::smem_addr(smem), sb = sa + 256 * 128, spare = sa + kRows * 128;
   const std::uint32_t bar = spare + kRows * 128;  // kCopy = 2's barrier, after the spare stage
+  const std::uint32_t* src = copy_src + static_cast<std::size_t>(blockIdx.x) * kRows * 32;  // this block's kRows rows
   for (int i = threadIdx.x; i < kRows * 32; i += blockDim.x)
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sa + 4 * i), "r"(in[i % 4096]));
   if (kCopy == 2 && threadIdx.x == 0) {
@@ -112,15 +116,22 @@ __global__ void __launch_bounds__(256, 1) mma_from_smem(const std::uint32_t* in,
       hp::mbarrier_wait(bar, (it & 1) ^ 1);
       if (threadIdx.x == 0) {
         hp::mbarrier_arrive_expect_tx(bar, kRows * 128);
-        for (int i = 0; i < kRows / 64; ++i) hp::bulk_load(spare + 8192 * i, in, 8192, bar);
+        for (int i = 0; i < kRows / 64; ++i) hp::bulk_load(spare + 8192 * i, src + 2048 * i, 8192, bar);
+      }
+    } else if (kCopy == 3) {
+#pragma unroll 2
+      for (int i = 0; i < kRows / 32; ++i) {
+        const int chunk = i * 256 + threadIdx.x;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(spare + 16 * chunk), "r"(chunk), "r"(i), "r"(it),
+                     "r"(lane));
       }
     } else if (kCopy == 1) {
-      // kRows rows of 128 bytes (384: 12 chunks of 16 bytes a thread), from the first 16 KiB of `in`.
+      // kRows rows of 128 bytes (384: 12 chunks of 16 bytes a thread).
       k2c::tc::cp_async_wait<0>();
 #pragma unroll 2  // fully unrolled, the 64 × 96 variant's addresses spill
       for (int i = 0; i < kRows / 32; ++i) {
         const int chunk = i * 256 + threadIdx.x;
-        k2c::tc::cp_async_16(spare + 16 * chunk, in + 4 * (chunk % 1024), true);
+        k2c::tc::cp_async_16(spare + 16 * chunk, src + 4 * chunk, true);
       }
       k2c::tc::cp_async_commit();
     }
@@ -193,6 +204,12 @@ int main() {
   cudaMalloc(&in, 4096 * 4);
   cudaMalloc(&out, sizeof(float) * sms * 4 * 1024);
   k2c::fill_uniform_device(reinterpret_cast<bf16*>(in), 8192, 7);
+  // The copying variants' sources: 56 KiB a block, the largest stage, for two blocks an SM (7 MiB
+  // for 132 SMs: well inside the 50 MiB L2).
+  std::uint32_t* copy_src = nullptr;
+  const std::size_t copy_bytes = static_cast<std::size_t>(sms) * 2 * 448 * 128;
+  cudaMalloc(&copy_src, copy_bytes);
+  k2c::fill_uniform_device(reinterpret_cast<bf16*>(copy_src), copy_bytes / 2, 8);
 
   // About 10 ms a run at the expected rates; medians of 10 runs after 3.
   auto report = [&](const char* what, double flops, double ms) {
@@ -221,7 +238,7 @@ int main() {
     const long long blocks = static_cast<long long>(sms) * blocks_per_sm;
     const double pass = 4.0 * 4 * nt * 4096;  // a warp's FLOPs per pass: 4 k steps of 4 × nt mma
     const int iters = static_cast<int>(6e12 / (blocks * 8 * pass));
-    const double ms = median_ms([&] { kernel<<<blocks, 256, smem>>>(in, out, iters); }, 10);
+    const double ms = median_ms([&] { kernel<<<blocks, 256, smem>>>(in, copy_src, out, iters); }, 10);
     check(cudaGetLastError(), name);
     char what[96];
     std::snprintf(what, sizeof what, "%s, %d block(s)/SM", name, blocks_per_sm);
@@ -233,6 +250,8 @@ int main() {
   smem_case(mma_from_smem<true, true>, "a step ahead, a barrier per 64 of k", 1);
   smem_case(mma_from_smem<true, false, 1>, "in order, barrier, 48 KiB copied per 64 of k", 1);
   smem_case(mma_from_smem<true, true, 1>, "a step ahead, barrier, 48 KiB copied", 1);
+  smem_case(mma_from_smem<true, false, 3>, "in order, barrier, 48 KiB stored from registers", 1);
+  smem_case(mma_from_smem<true, true, 3>, "a step ahead, barrier, 48 KiB stored from registers", 1);
   smem_case(mma_from_smem<true, false, 2>, "in order, barrier, 48 KiB bulk-copied", 1);
   smem_case(mma_from_smem<true, true, 2>, "a step ahead, barrier, 48 KiB bulk-copied", 1);
   smem_case(mma_from_smem<true, false, 0, 12>, "64x96 warp tiles, in order, barrier", 1, 12);
