@@ -9,7 +9,9 @@
 //     lab/flash_attention.cu common/src/device.cu -lcuda -o /tmp/fa && /tmp/fa [mode]
 // No mode: the tile sweep. "unroll": unrolling, dQ and launch-order variants. "hopper_bwd": Part
 // B's wgmma backward beside the shipped mma.sync one. "rounds": close variants in alternating
-// rounds. "once": one shipped forward, backward and Part B backward for a profiler.
+// rounds. "hopper_fwd": Part B's forward against the warp-specialised one (TMA, a producer
+// warpgroup, 128 x 128 tiles, with and without the consumers' turns), d = 128. "once": one shipped
+// forward, backward and Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -99,7 +101,7 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
 // backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
 // of close variants in alternating rounds.
-enum class Mode { tiles, unroll, hopper_backward, rounds };
+enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward };
 
 // Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
 // back to back); prints the rate per round and the ratio of the middle two rounds' mean times
@@ -158,6 +160,29 @@ void sweep(bool causal, Mode mode) {
     rounds("backward: 16-row dQ tiles / 32-row (shipped), TFLOP/s", 2.5 * flops,
            [&] { fa::launch_backward<Narrow, fa::backward_kernel<Narrow>>(q, s, nullptr); },
            [&] { fa::launch_backward<Shipped, fa::backward_kernel<Shipped>>(q, s, nullptr); });
+  } else if (mode == Mode::hopper_forward) {
+    if constexpr (D == 128) {
+      using Shipped = fa::HopperTile<D>;
+      using Turns = fa::HopperWsTile<D, true>;
+      using NoTurns = fa::HopperWsTile<D, false>;
+      forward_variant("wgmma", "shipped: 128 x 64, 2 warpgroups, 2 blocks", s, b, flops, fa::launch_hopper<Shipped>);
+      forward_variant("wgmma", "TMA + producer, 128 x 128, turns", s, b, flops, fa::launch_hopper_ws<Turns>);
+      forward_variant("wgmma", "TMA + producer, 128 x 128, no turns", s, b, flops, fa::launch_hopper_ws<NoTurns>);
+      forward_variant("wgmma", "TMA + producer, 128 x 128, turns, 3 stages", s, b, flops,
+                      fa::launch_hopper_ws<fa::HopperWsTile<D, true, 3>>);
+      using Overlap = fa::HopperWsTile<D, true, 2, true>;
+      forward_variant("wgmma", "TMA + producer, turns, S(j) under PV(j-1)", s, b, flops, fa::launch_hopper_ws<Overlap>);
+      forward_variant("wgmma", "TMA + producer, no turns, S(j) under PV(j-1)", s, b, flops,
+                      fa::launch_hopper_ws<fa::HopperWsTile<D, false, 2, true>>);
+      fa::Params p = fa::make_params(s);
+      p.wave_heads = g_wave_heads;
+      p.q = b.q, p.k = b.k, p.v = b.v, p.out = b.o, p.lse_out = b.lse;
+      rounds("forward: shipped / warp-specialised with turns, TFLOP/s", flops,
+             [&] { fa::launch_hopper<Shipped>(p, s, nullptr); }, [&] { fa::launch_hopper_ws<Turns>(p, s, nullptr); });
+      rounds("forward: turns / turns and S(j) under PV(j-1), TFLOP/s", flops,
+             [&] { fa::launch_hopper_ws<Turns>(p, s, nullptr); }, [&] { fa::launch_hopper_ws<Overlap>(p, s, nullptr); });
+      fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
+    }
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
@@ -237,6 +262,7 @@ int main(int argc, char** argv) {
     const Mode mode = arg == "unroll"       ? Mode::unroll
                       : arg == "hopper_bwd" ? Mode::hopper_backward
                       : arg == "rounds"     ? Mode::rounds
+                      : arg == "hopper_fwd" ? Mode::hopper_forward
                                             : Mode::tiles;
     sweep<128>(true, mode);
     sweep<128>(false, mode);

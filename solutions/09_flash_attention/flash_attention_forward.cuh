@@ -25,10 +25,12 @@ __device__ __forceinline__ void mask_strip(float (&s)[NT][4], const Mask& mask, 
 
 // Online softmax (lecture section 3): the new running max, what came before rescaled by
 // 2^((old − new)·scale·log2 e), this tile exponentiated with one FFMA + EX2 per score (s becomes
-// P, unnormalised).
-template <int NT, int DT>
-__device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float (&o)[DT][4], float (&row_max)[2],
-                                              float (&row_sum)[2], float scale_log2) {
+// P, unnormalised). In two halves: softmax_scores leaves the output's factors in `rescale`, for
+// a kernel whose previous P·V is still running on the accumulators when the scores are ready;
+// rescale_rows applies them.
+template <int NT>
+__device__ __forceinline__ void softmax_scores(float (&s)[NT][4], float (&row_max)[2], float (&row_sum)[2],
+                                               float scale_log2, float (&rescale)[2]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float mx = row_max[half];
@@ -39,7 +41,7 @@ __device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float (&o)[DT][
     // A row that has seen only masked keys keeps max −inf; using 0 instead keeps
     // −inf − (−inf) = NaN out of the exponent, and its terms are all 0 either way.
     const float base = mx == -INFINITY ? 0.0f : mx * scale_log2;
-    const float rescale = fast_exp2(row_max[half] * scale_log2 - base);
+    rescale[half] = fast_exp2(row_max[half] * scale_log2 - base);
     row_max[half] = mx;
     float sum = 0;
 #pragma unroll
@@ -49,13 +51,22 @@ __device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float (&o)[DT][
         s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -base));
         sum += s[nt][e];
       }
-    row_sum[half] = row_sum[half] * rescale + sum;  // this thread's columns only
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      o[dt][2 * half] *= rescale;
-      o[dt][2 * half + 1] *= rescale;
-    }
+    row_sum[half] = row_sum[half] * rescale[half] + sum;  // this thread's columns only
   }
+}
+template <int DT>
+__device__ __forceinline__ void rescale_rows(float (&o)[DT][4], const float (&rescale)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] *= rescale[e / 2];
+}
+template <int NT, int DT>
+__device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float (&o)[DT][4], float (&row_max)[2],
+                                              float (&row_sum)[2], float scale_log2) {
+  float rescale[2];
+  softmax_scores(s, row_max, row_sum, scale_log2, rescale);
+  rescale_rows(o, rescale);
 }
 
 // Divides the strip's output by its row sums once, at the end, writes it as bf16 and saves
@@ -330,3 +341,179 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
   (void)p;  // compiled without sm_90a: forward_hopper() refuses to launch (hopper_supported)
 #endif
 }
+
+// ---- Part B, warp-specialised: TMA copies, a producer warpgroup, two consumers taking turns ------
+//
+// The design of FlashAttention-3's forward pass on Hopper, for 128 query rows by 128 keys:
+//   block     384 threads, one block per SM. Warpgroup 0 produces: one thread issues TMA copies of
+//             Q (once) and of each K and V tile into a ring of STAGES slots; the group hands its
+//             registers to the consumers (setmaxnreg). Warpgroups 1 and 2 consume, 64 query rows
+//             each: S = Q Kᵀ (m64n128, both operands from shared memory), the mask and the online
+//             softmax in registers, O += P V (P from registers, V from shared memory).
+//   barriers  q_full; k_full[s] and v_full[s] complete on the copies' bytes, so S can start
+//             while V is still arriving; empty[s] takes one arrival per consumer once its P V
+//             has read the slot.
+//   turns     (kPingpong) the consumers issue their S = Q Kᵀ in turn, through two named
+//             barriers: while one warpgroup's products run on the tensor cores, the other does its
+//             softmax, so the tensor cores do not wait for the exponentials (the ping-pong
+//             schedule of FA3).
+//   overlap   (kOverlap) FA3's second schedule: S(j) = Q K(j)ᵀ is issued together with the
+//             previous tile's O += P(j−1) V(j−1), and the softmax of S(j) runs while that product
+//             is still on the tensor cores; O's rescaling waits for it.
+//   edges     TMA reads whole 128-row boxes: Q rows past the head's end are computed and never
+//             stored; K rows past kv_len are masked, and their V rows meet P = 0 (the next head's
+//             rows, or zeros past the tensor's end, which TMA fills in).
+// Shared memory: Q 128·D + STAGES·2·128·D bf16 = 160 KiB at D = 128 and two stages.
+template <int D_, bool PINGPONG = true, int STAGES = 2, bool OVERLAP = false>
+struct HopperWsTile {
+  static constexpr int D = D_, kRows = 128, kKeys = 128, kStages = STAGES, kThreads = 384;
+  static constexpr bool kPingpong = PINGPONG, kOverlap = OVERLAP;
+  static constexpr int kQBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;  // Q; one K or V tile
+  static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + kBarrierBytes + 1024;  // + alignment
+  static constexpr int kMinBlocks = 1;
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    hopper_ws_forward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                             const __grid_constant__ CUtensorMap map_v, Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  namespace hp = k2c::hopper;
+  constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8, S = T::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  const std::uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
+  auto sK = [&](int s) { return sQ + T::kQBytes + 2 * s * T::kTileBytes; };
+  auto sV = [&](int s) { return sQ + T::kQBytes + (2 * s + 1) * T::kTileBytes; };
+  const std::uint32_t q_full = sQ + T::kQBytes + 2 * S * T::kTileBytes;
+  auto k_full = [&](int s) { return q_full + 8 + 8 * s; };
+  auto v_full = [&](int s) { return q_full + 8 + 8 * (S + s); };
+  auto empty = [&](int s) { return q_full + 8 + 8 * (2 * S + s); };
+
+  int rank, h, b;
+  launch_place(p.wave_heads, rank, h, b);
+  const int m0 = (gridDim.x - 1 - rank) * BM, g = h / p.group;  // heaviest first, as above
+  const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    hp::mbarrier_init(q_full, 1);
+    for (int s = 0; s < S; ++s) {
+      hp::mbarrier_init(k_full(s), 1);
+      hp::mbarrier_init(v_full(s), 1);
+      hp::mbarrier_init(empty(s), 2);  // one arrival per consumer warpgroup
+    }
+    hp::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    hp::setmaxnreg_dec<24>();
+    if (threadIdx.x == 0) {
+      const int q_row = static_cast<int>(p.q_rows(b, h)) + m0, kv_row = static_cast<int>(p.kv_rows(b, g));
+      hp::mbarrier_arrive_expect_tx(q_full, T::kQBytes);
+      for (int c = 0; c < D / 64; ++c) hp::tma_load_2d(sQ + c * BM * 128, &map_q, q_full, 64 * c, q_row);
+      for (int j = 0; j < n_blocks; ++j) {
+        const int s = j % S, row = kv_row + j * BN;
+        hp::mbarrier_wait(empty(s), ((j / S) & 1) ^ 1);  // the consumers are done with its last lap
+        hp::mbarrier_arrive_expect_tx(k_full(s), T::kTileBytes);
+        for (int c = 0; c < D / 64; ++c) hp::tma_load_2d(sK(s) + c * BN * 128, &map_k, k_full(s), 64 * c, row);
+        hp::mbarrier_arrive_expect_tx(v_full(s), T::kTileBytes);
+        for (int c = 0; c < D / 64; ++c) hp::tma_load_2d(sV(s) + c * BN * 128, &map_v, v_full(s), 64 * c, row);
+      }
+    }
+  } else {
+    hp::setmaxnreg_inc<240>();
+    const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
+    const std::uint32_t q_rows = sQ + consumer * 64 * 128;  // this warpgroup's 64 rows in each column block
+    const int rows0 = m0 + consumer * 64, row0 = rows0 + warp * 16;
+    // Turns: consumer c waits on barrier 2 + c before its S = Q Kᵀ and, once it is issued, lets
+    // the other go. Consumer 0 goes first (consumer 1's arrival before the loop); consumer 1 skips
+    // its last hand-over, which no one would wait for.
+    constexpr int kTurn = 2;
+    if (T::kPingpong && consumer == 1 && n_blocks > 0) hp::named_arrive(kTurn, 256);
+    float o[DT][4] = {};
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {};
+    hp::mbarrier_wait(q_full, 0);
+    float sc[NT][4];
+    std::uint32_t a[BN / 16][4];
+    // S = Q K(j)ᵀ issued (in this consumer's turn) and committed; not waited for.
+    auto issue_scores = [&](int j) {
+      const int s = j % S;
+      hp::mbarrier_wait(k_full(s), (j / S) & 1);
+      if constexpr (T::kPingpong) hp::named_sync(kTurn + consumer, 256);
+      hp::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const std::uint32_t along = (kk % 4) * 32;
+        hp::wgmma_m64n128k16_ss(reinterpret_cast<float(&)[NT * 4]>(sc),
+                                hp::smem_desc_128b(q_rows + (kk / 4) * BM * 128 + along),
+                                hp::smem_desc_128b(sK(s) + (kk / 4) * BN * 128 + along), kk > 0);
+      }
+      hp::wgmma_commit();
+      if constexpr (T::kPingpong)
+        if (consumer == 0 || j + 1 < n_blocks) hp::named_arrive(kTurn + 1 - consumer, 256);
+    };
+    // O += P V(j), P in `a`; issued and committed, not waited for.
+    auto issue_pv = [&](int j) {
+      const int s = j % S;
+      hp::mbarrier_wait(v_full(s), (j / S) & 1);
+      hp::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_rs_tb<D>(o, a[kk], hp::smem_desc_128b_mn(sV(s) + kk * 16 * 128, BN * 128));
+      hp::wgmma_commit();
+    };
+    auto release = [&](int j) {
+      if (threadIdx.x % 128 == 0) hp::mbarrier_arrive(empty(j % S));  // the slot's K and V are read
+    };
+    // The mask and the softmax of S(j), into P; the output's factors left in `rescale`.
+    auto softmax = [&](int j, float (&rescale)[2]) {
+      if (tile_needs_mask(p, rows0, j * BN, BN)) mask_strip(sc, mask, row0, j * BN, lane);
+      softmax_scores(sc, row_max, row_sum, p.scale_log2, rescale);
+    };
+    auto to_a = [&] {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a(a[kk], sc[2 * kk], sc[2 * kk + 1]);
+    };
+    if constexpr (T::kOverlap) {
+      if (n_blocks > 0) {
+        float rescale[2];
+        issue_scores(0);
+        hp::wgmma_wait<0>();
+        softmax(0, rescale);
+        to_a();
+        for (int j = 1; j < n_blocks; ++j) {
+          issue_scores(j);
+          issue_pv(j - 1);
+          hp::wgmma_wait<1>();  // S(j) is done; P(j−1) V(j−1) may still run
+          softmax(j, rescale);
+          hp::wgmma_wait<0>();
+          release(j - 1);
+          rescale_rows(o, rescale);
+          to_a();
+        }
+        issue_pv(n_blocks - 1);
+        hp::wgmma_wait<0>();
+        release(n_blocks - 1);
+      }
+    } else {
+      for (int j = 0; j < n_blocks; ++j) {
+        float rescale[2];
+        issue_scores(j);
+        hp::wgmma_wait<0>();
+        softmax(j, rescale);
+        rescale_rows(o, rescale);
+        to_a();
+        issue_pv(j);
+        hp::wgmma_wait<0>();
+        release(j);
+      }
+    }
+    store_strip(o, row_max, row_sum, p, p.q_rows(b, h), row0, lane);
+  }
+#else
+  (void)map_q, (void)map_k, (void)map_v, (void)p;  // compiled without sm_90a: see forward_hopper()
+#endif
+}
+

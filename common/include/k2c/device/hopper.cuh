@@ -129,6 +129,11 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this warp towards barrier `id` without waiting for it: the other side of a named_sync
+// (`threads` is the same total, the syncing threads and the arriving ones together).
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // ------------------------------------------------------------------ dependent launches -------
 // Programmatic dependent launch (sm_90). A kernel launched with the attribute
