@@ -4,29 +4,53 @@ backward pass, the naive (materialising) forward and Part B's wgmma forward and 
 panel per head_dim and mask.
 
     tools/plot_attention.py BENCH_DIR [--png lectures/figures/attention.png] [--torch torch_attention.json]
+    tools/plot_attention.py autograder/reference/h200.json [--png lectures/figures/attention.png]
 
 BENCH_DIR holds Google Benchmark JSON written by `k2c bench` (entries
 BM_attention/<pass>/d<head_dim>/<causal|full>/<N>). --torch adds the curves that
-tools/compare_torch.py measured (PyTorch's SDPA backends), when that file exists. The numbers
-are printed as a table too, so the script is useful without matplotlib.
+tools/compare_torch.py measured (PyTorch's SDPA backends), when that file exists. Given a
+reference file instead, the script draws what it records under "attention" (the sweep under
+"bench", PyTorch's backends under "torch"), so the lecture's figure is redrawn from the numbers
+the lecture quotes. The numbers are printed as a table too, so the script is useful without
+matplotlib.
 """
 import json
 import pathlib
+import re
 
 import k2c_tools
 
 args = k2c_tools.plot_args("lectures/figures/attention.png", torch="tools/compare_torch.py")
 
-# ours[(d, mask)][pass][n] = TFLOP/s
-ours = {}
-gpu, entries = k2c_tools.benchmarks(args.bench_dir)
-for m, rate in k2c_tools.matches(entries, r"BM_attention/(\w+)/d(\d+)/(causal|full)/(\d+)", "TFLOP/s"):
-    ours.setdefault((int(m.group(2)), m.group(3)), {}).setdefault(m.group(1), {})[int(m.group(4))] = rate
+# ours[(d, mask)][pass][n] = TFLOP/s; theirs likewise for PyTorch's backends ("torch flash forward").
+ours, theirs = {}, {}
+source = pathlib.Path(args.bench_dir)
+if source.is_file():  # a reference file: its "attention" section
+    try:
+        ref = json.loads(source.read_text())
+        section = ref["attention"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise SystemExit(f"plot_attention: {source} is not a reference file with an 'attention' section ({e})")
+    gpu = ref.get("gpu", "GPU")
+    for panel, passes in section.get("bench", {}).items():
+        d, mask = re.fullmatch(r"d(\d+)_(causal|full)", panel).groups()
+        ours[(int(d), mask)] = {p: {int(n): r for n, r in by_n.items()} for p, by_n in passes.items()}
+    for shape, backends in section.get("torch", {}).items():
+        m = re.fullmatch(r"B(\d+)_H\d+_N(\d+)_d(\d+)_(causal|full)", shape)
+        if not m or int(m.group(1)) * int(m.group(2)) != 16384:
+            continue
+        for backend, rates in backends.items():
+            for p, rate in rates.items():
+                key = (int(m.group(3)), m.group(4))
+                theirs.setdefault(key, {}).setdefault(f"torch {backend} {p}", {})[int(m.group(2))] = rate
+else:
+    gpu, entries = k2c_tools.benchmarks(args.bench_dir)
+    for m, rate in k2c_tools.matches(entries, r"BM_attention/(\w+)/d(\d+)/(causal|full)/(\d+)", "TFLOP/s"):
+        ours.setdefault((int(m.group(2)), m.group(3)), {}).setdefault(m.group(1), {})[int(m.group(4))] = rate
 if not ours:
     raise SystemExit(f"no BM_attention results in {args.bench_dir}")
 
 # PyTorch's FlashAttention 2 and cuDNN backends (the table also lists the others measured).
-theirs = {}
 if args.torch and pathlib.Path(args.torch).exists():
     for r in json.loads(pathlib.Path(args.torch).read_text())["results"]:
         if "error" in r or r["batch"] * r["n"] != 16384:
