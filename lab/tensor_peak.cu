@@ -70,7 +70,7 @@ __device__ __forceinline__ std::uint32_t swizzled(int row, int chunk) { return r
 
 //
 // kNT: n8 tiles a warp (8: the reference's 64 × 64 warp tiles; 12: 64 × 96, B a 192-row stage),
-// the wider tile reading 5 KiB of fragments per 16 of k for 1.5× the MMAs (39 FLOPs a byte
+// the wider tile reading 5 KiB of fragments per 16 of k for 1.5× the MMAs (38 FLOPs a byte
 // instead of 32), at 192 accumulators a thread.
 template <bool kSync, bool kAhead, int kCopy = 0, int kNT = 8>
 __global__ void __launch_bounds__(256, 1) mma_from_smem(const std::uint32_t* in, const std::uint32_t* copy_src, float* out,

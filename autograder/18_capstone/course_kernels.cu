@@ -168,12 +168,17 @@ bool hopper_works(bool supported, Call call) {
   }
 }
 
-// CourseKernels::second_choice for a module with a Hopper part: the switch to its Part A, once.
-// `hopper` is shared with the operation's kernel, which reads it at every call.
-std::function<std::string()> part_a_after(std::shared_ptr<bool> hopper, std::string part_a) {
-  return [hopper, part_a] {
-    if (!*hopper) return std::string();
-    *hopper = false;
+// Which part of a module an operation calls: its Hopper part while `hopper`, and `ran_hopper`
+// records what the last call ran (05's GEMM takes Part A at a K the Hopper part does not).
+struct Parts {
+  bool hopper = false, ran_hopper = false;
+};
+// CourseKernels::second_choice for a module with a Hopper part: the switch to its Part A, once, and
+// only when the failing call ran the Hopper part (a Part A that fails has nothing to give way to).
+std::function<std::string()> part_a_after(std::shared_ptr<Parts> parts, std::string part_a) {
+  return [parts, part_a] {
+    if (!parts->hopper || !parts->ran_hopper) return std::string();
+    parts->hopper = false;
     return part_a;
   };
 }
@@ -187,12 +192,13 @@ model::CourseKernels course_kernels() {
   model::CourseKernels k;
 
   // ---- 05: c = alpha·op(a)·op(b) + beta·c as 05's C = A·Bᵀ with A (M×K) and B (N×K) K-major.
-  const auto gemm_hopper = std::make_shared<bool>(hopper_works(tcm::hopper_supported(), [&] {
+  const auto gemm_hopper = std::make_shared<Parts>();
+  gemm_hopper->hopper = hopper_works(tcm::hopper_supported(), [&] {
     bf16* a = scratch->get<bf16>("probe", 3 * 64 * 64);
     K2C_CUDA_CHECK(cudaMemsetAsync(a, 0, 2 * 64 * 64 * sizeof(bf16), stream()));
     tcm::matmul_hopper(64, 64, 64, a, a + 64 * 64, a + 2 * 64 * 64, stream());
-  }));
-  k.names["matmul"] = *gemm_hopper ? "05 tensor_core_matmul::matmul_hopper" : "05 tensor_core_matmul::matmul";
+  });
+  k.names["matmul"] = gemm_hopper->hopper ? "05 tensor_core_matmul::matmul_hopper" : "05 tensor_core_matmul::matmul";
   k.second_choice["matmul"] = part_a_after(gemm_hopper, "05 tensor_core_matmul::matmul");
   k.matmul = [scratch, gemm_hopper](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha,
                                     float beta) {
@@ -216,7 +222,8 @@ model::CourseKernels course_kernels() {
     } else {
       launch(to_bf16_plain, b.numel(), b.f32(), B, b.numel());
     }
-    if (*gemm_hopper && K % 8 == 0) {
+    gemm_hopper->ran_hopper = gemm_hopper->hopper && K % 8 == 0;
+    if (gemm_hopper->ran_hopper) {
       bf16* C = scratch->get<bf16>("gemm c16", M * N);
       tcm::matmul_hopper(int(M), int(N), int(K), A, B, C, stream());
       launch(gemm_epilogue<bf16>, M * N, C, c.f32(), M * N, alpha, beta);
@@ -346,14 +353,15 @@ model::CourseKernels course_kernels() {
       call(s, p, lse);
     });
   };
-  const auto fwd_hopper = std::make_shared<bool>(probe([](const fa::Shape& s, bf16* p, float* lse) {
+  const auto fwd_hopper = std::make_shared<Parts>(), bwd_hopper = std::make_shared<Parts>();
+  fwd_hopper->hopper = fwd_hopper->ran_hopper = probe([](const fa::Shape& s, bf16* p, float* lse) {
     fa::forward_hopper(s, p, p + 1024, p + 2048, p + 3072, lse, stream());
-  }));
-  const auto bwd_hopper = std::make_shared<bool>(probe([&](const fa::Shape& s, bf16* p, float* lse) {
+  });
+  bwd_hopper->hopper = bwd_hopper->ran_hopper = probe([&](const fa::Shape& s, bf16* p, float* lse) {
     void* ws = scratch->get<unsigned char>("probe ws", static_cast<std::int64_t>(fa::backward_workspace_bytes(s)));
     fa::backward_hopper(s, p, p + 1024, p + 2048, p + 3072, p + 4096, lse, p + 5120, p + 6144, p + 7168, ws, stream());
-  }));
-  k.names["attention"] = *fwd_hopper ? "09 flash_attention::forward_hopper" : "09 flash_attention::forward";
+  });
+  k.names["attention"] = fwd_hopper->hopper ? "09 flash_attention::forward_hopper" : "09 flash_attention::forward";
   k.second_choice["attention"] = part_a_after(fwd_hopper, "09 flash_attention::forward");
   k.attention_forward = [scratch, fa_shape, fwd_hopper](const AttentionShape& s, const Tensor& q, const Tensor& kk,
                                                         const Tensor& v, Tensor& o, Tensor& lse) {
@@ -365,13 +373,13 @@ model::CourseKernels course_kernels() {
                *k16 = heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d),
                *v16 = heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d);
     bf16* o16 = scratch->get<bf16>("attn o", o.numel());
-    if (*fwd_hopper) fa::forward_hopper(f, q16, k16, v16, o16, lse.f32(), stream());
+    if (fwd_hopper->hopper) fa::forward_hopper(f, q16, k16, v16, o16, lse.f32(), stream());
     else fa::forward(f, q16, k16, v16, o16, lse.f32(), stream());
     launch(from_heads_first, o.numel(), static_cast<const bf16*>(o16), o.f32(), o.numel(), s.q_len, s.q_heads, d, false);
     launch(flip_infinite, lse.numel(), static_cast<const float*>(lse.f32()), lse.f32(), lse.numel());
     return true;
   };
-  k.names["attention backward"] = *bwd_hopper ? "09 flash_attention::backward_hopper" : "09 flash_attention::backward";
+  k.names["attention backward"] = bwd_hopper->hopper ? "09 flash_attention::backward_hopper" : "09 flash_attention::backward";
   k.second_choice["attention backward"] = part_a_after(bwd_hopper, "09 flash_attention::backward");
   k.attention_backward = [scratch, fa_shape, bwd_hopper](const AttentionShape& s, const Tensor& q, const Tensor& kk,
                                                          const Tensor& v, const Tensor& o, const Tensor& lse,
@@ -391,7 +399,7 @@ model::CourseKernels course_kernels() {
     bf16* dk16 = scratch->get<bf16>("attn dk", dk.numel());
     bf16* dv16 = scratch->get<bf16>("attn dv", dv.numel());
     void* ws = scratch->get<unsigned char>("attn workspace", static_cast<std::int64_t>(fa::backward_workspace_bytes(f)));
-    if (*bwd_hopper) fa::backward_hopper(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
+    if (bwd_hopper->hopper) fa::backward_hopper(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
     else fa::backward(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
     launch(from_heads_first, dq.numel(), static_cast<const bf16*>(dq16), dq.f32(), dq.numel(), s.q_len, s.q_heads, d, false);
     launch(from_heads_first, dk.numel(), static_cast<const bf16*>(dk16), dk.f32(), dk.numel(), s.kv_len, s.kv_heads, d, true);

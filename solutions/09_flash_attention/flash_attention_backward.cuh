@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // Pᵀ and dSᵀ go from the accumulators straight into A fragments for dV += Pᵀ dO and dK += dSᵀ Q
 // (dO and Q read MN-major), and dSᵀ also goes to shared memory, where dQ = dS K reads it as an
 // MN-major A operand. There is no ldmatrix at all: waiting for ldmatrix results is where the
-// mma.sync backward's warps stall most (lecture sections 10.5 and 11). Tiles are laid out as the
+// mma.sync backward's warps stall most (lecture sections 10.6 and 11). Tiles are laid out as the
 // Hopper forward lays them out (load_tile_sw128). Shared memory: K, V 2·128·D, Q and dO
 // double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
 // of alignment slack, one block per SM and 255 registers per thread at D = 128 (241 at D = 64),
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   // field changes: hp::smem_desc_plus), known at compile time apart from the step's Q / dO
   // buffer, and the first descriptors pass through `opaque` in each step. Otherwise the compiler hoists the loop-invariant ones, dozens of 64-bit values,
   // out of the loop and holds them in registers across it: at d = 128 that spilled 124 bytes and
-  // measured 12 to 14 % slower (lecture section 10.5).
+  // measured 12 to 14 % slower (lecture section 10.6).
   const std::uint64_t k_desc0 = hp::smem_desc_128b(sK + 64 * wg * 128), v_desc0 = hp::smem_desc_128b(sV + 64 * wg * 128),
                       q_desc0 = hp::smem_desc_128b(sQ(0)), do_desc0 = hp::smem_desc_128b(sdO(0)),
                       q_mn0 = hp::smem_desc_128b_mn(sQ(0), BM * 128), do_mn0 = hp::smem_desc_128b_mn(sdO(0), BM * 128);

@@ -360,9 +360,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //   overlap   (kOverlap) FA3's second schedule: S(j) = Q K(j)ᵀ is issued together with the
 //             previous tile's O += P(j−1) V(j−1), and the softmax of S(j) runs while that product
 //             is still on the tensor cores; O's rescaling waits for it.
-//   edges     TMA reads whole 128-row boxes: Q rows past the head's end are computed and never
-//             stored; K rows past kv_len are masked, and their V rows meet P = 0 (the next head's
-//             rows, or zeros past the tensor's end, which TMA fills in).
+//   edges     TMA reads whole 128-row boxes of one tensor map over every head's rows: Q rows past
+//             the head's end are computed and never stored; K rows past kv_len are masked, and
+//             their V rows meet P = 0 (the next head's rows, or zeros past the tensor's end, which
+//             TMA fills in). P = 0 does not cancel a NaN or infinity, so this kernel assumes V is
+//             finite in every head; one matrix per head (a 3-D tensor map) would read zeros past
+//             each head's end instead (lecture 09, exercise 10).
 // Shared memory: Q 128·D + STAGES·2·128·D bf16 = 160 KiB at D = 128 and two stages.
 template <int D_, bool PINGPONG = true, int STAGES = 2, bool OVERLAP = false>
 struct HopperWsTile {

@@ -89,7 +89,7 @@ __device__ __forceinline__ int acc_col(int lane) { return 2 * (lane & 3); }
 // The value itself, through a volatile asm statement that the compiler's optimiser may neither
 // move nor look through: what a loop computes from it is not hoisted out of the loop and held in
 // registers across it. (ptxas sees a plain move; that the effect survives is checked in
-// ptxas -v's register and spill counts, lecture section 10.5.)
+// ptxas -v's register and spill counts, lecture section 10.6.)
 __device__ __forceinline__ std::uint64_t opaque(std::uint64_t v) {
   asm volatile("mov.b64 %0, %0;" : "+l"(v));
   return v;

@@ -201,7 +201,7 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::string& f
     // same old contents, and is checked anew at every shape (what agreed was the other kernel).
     const auto next = kernels_.second_choice.find(e.row.op);
     const std::string name = next != kernels_.second_choice.end() && next->second ? next->second() : "";
-    if (!name.empty()) {
+    if (!name.empty() && name != e.row.kernel) {  // a kernel cannot stand in for itself
       e.row.replaced = e.row.kernel + ", which " + (failure == "not implemented" ? "is not implemented" : failure);
       e.row.kernel = name;
       e.row.shapes_checked = e.row.shapes_unchecked = e.row.shapes_declined = 0;

@@ -64,8 +64,9 @@ struct CourseKernels {
       attention_backward;
   std::map<std::string, std::string> names;  // operation → "09 flash_attention::forward_hopper"
   // operation → switches that operation's kernel to the module's next implementation (its Part A
-  // after its Hopper part) and returns the new one's name, or "" when there is none. Called when
-  // the kernel throws or disagrees, so that a wrong Hopper part does not hide a right Part A.
+  // after its Hopper part) and returns the new one's name, or "" when there is none (or when the
+  // failing call did not run the part that would be replaced). Called when the kernel throws or
+  // disagrees, so that a wrong Hopper part does not hide a right Part A.
   std::map<std::string, std::function<std::string()>> second_choice;
 };
 
@@ -84,7 +85,7 @@ class CourseOps final : public ForwardingOps {
   // What ran, per operation, so far.
   struct Row {
     std::string op, kernel;     // kernel: empty when the course has none for this operation
-    long course_calls = 0, trusted_calls = 0;
+    long course_calls = 0, trusted_calls = 0;  // over the run (a replaced kernel's calls included)
     int shapes_checked = 0;     // shapes at which the course kernel agreed
     int shapes_declined = 0;    // shapes it does not take (the trusted backend runs them)
     int shapes_unchecked = 0;   // shapes it ran after the checks stopped
