@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -330,6 +331,45 @@ TEST(CourseOps, AWrongFirstChoiceGivesWayToTheSecondWhichIsCheckedAnew) {
   cpu_ops().matmul(t.upload(av, {6, 5}), false, t.upload(b4, {4, 5}), true, want4, 1.0f, 0.0f);
   const std::vector<float> got4 = s.download(c4), exp4 = t.download(want4);
   EXPECT_EQ(std::memcmp(got4.data(), exp4.data(), got4.size() * sizeof(float)), 0);
+}
+
+TEST(CourseOps, AThrowAlsoGivesWayToTheSecondChoiceButNotToItself) {
+  // A first choice that throws is replaced as a disagreeing one is; a second choice that names the
+  // kernel it would replace is refused (no endless retry), and the trusted backend takes over.
+  for (const bool names_itself : {false, true}) {
+    int calls = 0;
+    bool first = true;
+    CourseKernels k = nudged_matmul(1e-4f, &calls);
+    auto right = k.matmul;
+    k.matmul = [&, right](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+      if (first) throw std::runtime_error("Hopper part: illegal box");
+      return right(a, ta, b, tb, c, alpha, beta);
+    };
+    k.second_choice["matmul"] = [&] {
+      first = false;
+      return std::string(names_itself ? "test matmul" : "part A");
+    };
+    CourseOps ops(cpu_ops(), std::move(k));
+    Side s(ops);
+    Tensor a = s.upload(random_values(30, 70), {6, 5}), b = s.upload(random_values(20, 71), {4, 5});
+    Tensor c = s.poisoned({6, 4});
+    ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
+    const auto r = row(ops.table(), "matmul");
+    if (names_itself) {
+      EXPECT_NE(r.fallback.find("threw at"), std::string::npos) << r.fallback;
+      EXPECT_EQ(r.trusted_calls, 1);
+      EXPECT_EQ(calls, 0);
+    } else {
+      EXPECT_TRUE(r.fallback.empty()) << r.fallback;
+      EXPECT_EQ(r.kernel, "part A");
+      EXPECT_NE(r.replaced.find("test matmul, which threw at [6, 5] x [4, 5]"), std::string::npos) << r.replaced;
+      EXPECT_EQ(calls, 1);
+    }
+    Tensor want = s.poisoned({6, 4});
+    cpu_ops().matmul(a, false, b, true, want, 1.0f, 0.0f);
+    const std::vector<float> got = s.download(c), expected = s.download(want);
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], expected[i], 1e-3) << i;
+  }
 }
 
 TEST(CourseOps, ALogSumExpOffByAConstantIsCaught) {
