@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -155,15 +156,24 @@ std::pair<std::int64_t, std::int64_t> matrix(const Tensor& t) {
 bool fits_int(std::int64_t n) { return n >= 0 && n <= INT_MAX; }
 
 // Whether a module's Hopper entry point runs here and is implemented: one tiny call, so a student
-// who has not done the bonus still gets their Part A.
+// who has not done the bonus still gets their Part A. A call that faults on the GPU (an illegal
+// address, say) cannot be passed over: the fault is sticky, every later CUDA call of the process
+// fails with it, and nothing could fall back. So that case ends the run at once, naming the part,
+// instead of at some later call that did nothing wrong.
 template <class Call>
-bool hopper_works(bool supported, Call call) {
+bool hopper_works(bool supported, const char* part, Call call) {
   if (!supported) return false;
   try {
     call();
     K2C_CUDA_CHECK(cudaStreamSynchronize(stream()));
     return true;
   } catch (const std::exception&) {
+    (void)cudaGetLastError();  // clears an error that is not sticky (a bad launch, say)
+    if (const cudaError_t sticky = cudaDeviceSynchronize(); sticky != cudaSuccess)
+      throw std::runtime_error(std::string(part) + " faulted on the GPU in a one-call probe (" +
+                               cudaGetErrorString(sticky) +
+                               "); a fault ends the process's CUDA context, so course mode cannot fall back "
+                               "from it: fix that part, or run with --kernels trusted");
     return false;
   }
 }
@@ -193,7 +203,7 @@ model::CourseKernels course_kernels() {
 
   // ---- 05: c = alpha·op(a)·op(b) + beta·c as 05's C = A·Bᵀ with A (M×K) and B (N×K) K-major.
   const auto gemm_hopper = std::make_shared<Parts>();
-  gemm_hopper->hopper = hopper_works(tcm::hopper_supported(), [&] {
+  gemm_hopper->hopper = hopper_works(tcm::hopper_supported(), "05 tensor_core_matmul::matmul_hopper", [&] {
     bf16* a = scratch->get<bf16>("probe", 3 * 64 * 64);
     K2C_CUDA_CHECK(cudaMemsetAsync(a, 0, 2 * 64 * 64 * sizeof(bf16), stream()));
     tcm::matmul_hopper(64, 64, 64, a, a + 64 * 64, a + 2 * 64 * 64, stream());
@@ -343,8 +353,8 @@ model::CourseKernels course_kernels() {
            static_cast<float>(1.0 / std::sqrt(double(s.head_dim)))};
     return true;
   };
-  auto probe = [&](auto call) {
-    return hopper_works(fa::hopper_supported(), [&] {
+  auto probe = [&](const char* part, auto call) {
+    return hopper_works(fa::hopper_supported(), part, [&] {
       const fa::Shape s{1, 1, 1, 16, 16, 64, true, 0.125f};
       bf16* p = scratch->get<bf16>("probe", 8 * 16 * 64);
       auto* lse = scratch->get<float>("probe lse", 16);
@@ -354,13 +364,16 @@ model::CourseKernels course_kernels() {
     });
   };
   const auto fwd_hopper = std::make_shared<Parts>(), bwd_hopper = std::make_shared<Parts>();
-  fwd_hopper->hopper = fwd_hopper->ran_hopper = probe([](const fa::Shape& s, bf16* p, float* lse) {
-    fa::forward_hopper(s, p, p + 1024, p + 2048, p + 3072, lse, stream());
-  });
-  bwd_hopper->hopper = bwd_hopper->ran_hopper = probe([&](const fa::Shape& s, bf16* p, float* lse) {
-    void* ws = scratch->get<unsigned char>("probe ws", static_cast<std::int64_t>(fa::backward_workspace_bytes(s)));
-    fa::backward_hopper(s, p, p + 1024, p + 2048, p + 3072, p + 4096, lse, p + 5120, p + 6144, p + 7168, ws, stream());
-  });
+  fwd_hopper->hopper = fwd_hopper->ran_hopper =
+      probe("09 flash_attention::forward_hopper", [](const fa::Shape& s, bf16* p, float* lse) {
+        fa::forward_hopper(s, p, p + 1024, p + 2048, p + 3072, lse, stream());
+      });
+  bwd_hopper->hopper = bwd_hopper->ran_hopper =
+      probe("09 flash_attention::backward_hopper", [&](const fa::Shape& s, bf16* p, float* lse) {
+        void* ws = scratch->get<unsigned char>("probe ws", static_cast<std::int64_t>(fa::backward_workspace_bytes(s)));
+        fa::backward_hopper(s, p, p + 1024, p + 2048, p + 3072, p + 4096, lse, p + 5120, p + 6144, p + 7168, ws,
+                            stream());
+      });
   k.names["attention"] = fwd_hopper->hopper ? "09 flash_attention::forward_hopper" : "09 flash_attention::forward";
   k.second_choice["attention"] = part_a_after(fwd_hopper, "09 flash_attention::forward");
   k.attention_forward = [scratch, fa_shape, fwd_hopper](const AttentionShape& s, const Tensor& q, const Tensor& kk,

@@ -11,7 +11,8 @@
 //
 // Where a module's Hopper part (05's matmul_hopper, 09's forward_hopper and backward_hopper) runs
 // here and is implemented, it is the one used; otherwise its Part A. A Hopper part that throws or
-// disagrees with the trusted backend gives way to its Part A, which is then checked in turn.
+// disagrees with the trusted backend gives way to its Part A, which is then checked in turn; one
+// that faults on the GPU in its probe ends the run, naming it (a fault is sticky).
 // 10's grouped GEMMs are its Part A (fp32 outputs, as the model keeps them). Built only where CUDA
 // and modules 05–10 are (K2C_COURSE_KERNELS).
 #pragma once
