@@ -4,6 +4,7 @@
 // call, their outputs replaced by the trusted ones and never called again.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -410,19 +411,25 @@ TEST(CourseOps, ALogSumExpOffByAConstantIsCaught) {
   }
 }
 
+// A grouped matmul computed by the CPU backend, then damaged by `damage` (offsets, output).
+auto damaged_grouped_matmul(int* calls, std::function<void(std::span<const std::int64_t>, Tensor&)> damage) {
+  return [=](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w, bool tw, Tensor& c) {
+    ++*calls;
+    cpu_ops().grouped_matmul(a, offsets, first, w, tw, c);
+    damage(offsets, c);
+    return true;
+  };
+}
+
 TEST(CourseOps, GroupedGemmsAreCheckedLikeTheOthers) {
   // A grouped GEMM that loses the last group's last row: caught at the first call, the trusted
   // result stands.
   int calls = 0;
   CourseKernels k;
-  k.grouped_matmul = [&](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w, bool tw,
-                         Tensor& c) {
-    ++calls;
-    cpu_ops().grouped_matmul(a, offsets, first, w, tw, c);
+  k.grouped_matmul = damaged_grouped_matmul(&calls, [](std::span<const std::int64_t>, Tensor& c) {
     Tensor last = c.rows(c.dim(0) - 1, 1);
     cpu_ops().fill(last, 0.0f);
-    return true;
-  };
+  });
   k.grouped_weight_grad = [&](const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first,
                               Tensor& dw) {
     cpu_ops().grouped_weight_grad(dy, x, offsets, first, dw);
@@ -455,17 +462,13 @@ TEST(CourseOps, AGroupedCallIsCheckedAtEachNewSplitOfItsRows) {
   // (same shapes, same total rows: what a MoE's routing does from one step to the next).
   int calls = 0;
   CourseKernels k;
-  k.grouped_matmul = [&](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w, bool tw,
-                         Tensor& c) {
-    ++calls;
-    cpu_ops().grouped_matmul(a, offsets, first, w, tw, c);
+  k.grouped_matmul = damaged_grouped_matmul(&calls, [](std::span<const std::int64_t> offsets, Tensor& c) {
     for (std::size_t g = 1; g + 1 < offsets.size(); ++g)
       if (offsets[g] == offsets[g - 1] && offsets[g + 1] > offsets[g]) {
         Tensor skipped = c.rows(offsets[g], offsets[g + 1] - offsets[g]);
         cpu_ops().fill(skipped, 0.0f);
       }
-    return true;
-  };
+  });
   CourseOps ops(cpu_ops(), std::move(k));
   Side s(ops);
   Tensor a = s.upload(random_values(7 * 5, 40), {7, 5}), w = s.upload(random_values(4 * 6 * 5, 41), {4, 6, 5});
