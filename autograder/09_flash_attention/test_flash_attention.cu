@@ -27,6 +27,7 @@
 // run. The timed runs' outputs are spot-checked at fresh random rows.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -117,30 +118,69 @@ double bound(double ref, double magnitude) { return 1.25 * std::ldexp(magnitude 
 
 enum class Path { flash, naive, hopper };
 
+// One forward call on device tensors, by the path named (the naive one with a poisoned workspace).
+void run_forward(Path path, const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse) {
+  if (path == Path::flash) {
+    fa::forward(s, q, k, v, o, lse);
+  } else if (path == Path::hopper) {
+    fa::forward_hopper(s, q, k, v, o, lse);
+  } else {
+    k2c::DeviceBuffer<float> work(fa::naive_workspace_bytes(s) / sizeof(float));
+    work.poison();
+    fa::naive_forward(s, q, k, v, o, lse, work.data());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the workspace is freed
+  }
+}
+
+const char* path_name(Path path) { return path == Path::naive ? " (naive)" : path == Path::hopper ? " (Hopper)" : ""; }
+
 // One forward call on one shape, outputs poisoned, every element checked.
 void check_forward(const Shape& s, Path path = Path::flash) {
-  SCOPED_TRACE(describe(s) + (path == Path::naive ? " (naive)" : path == Path::hopper ? " (Hopper)" : ""));
+  SCOPED_TRACE(describe(s) + path_name(path));
   const Inputs in = make_inputs(s, describe(s));
   auto dq = k2c::to_device<bf16>(in.q), dk = k2c::to_device<bf16>(in.k), dv = k2c::to_device<bf16>(in.v);
   k2c::DeviceBuffer<bf16> o(q_elems(s));
   k2c::DeviceBuffer<float> lse(rows(s));
   o.poison();
   lse.poison();
-  if (path == Path::flash) {
-    fa::forward(s, dq.data(), dk.data(), dv.data(), o.data(), lse.data());
-  } else if (path == Path::hopper) {
-    fa::forward_hopper(s, dq.data(), dk.data(), dv.data(), o.data(), lse.data());
-  } else {
-    k2c::DeviceBuffer<float> work(fa::naive_workspace_bytes(s) / sizeof(float));
-    work.poison();
-    fa::naive_forward(s, dq.data(), dk.data(), dv.data(), o.data(), lse.data(), work.data());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  }
+  run_forward(path, s, dq.data(), dk.data(), dv.data(), o.data(), lse.data());
   const cudaError_t err = cudaDeviceSynchronize();
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   const auto ref = k2c::ref::attention_forward(in.q, in.k, in.v, ref_shape(s));
   EXPECT_TRUE(check_values("o", k2c::to_host(o), ref.o, ref.o_magnitude, s.head_dim));
   EXPECT_TRUE(check_lse(k2c::to_host(lse), ref.lse, s.kv_len));
+}
+
+// A head's output depends on that head's inputs only. Kernels load whole tiles, and a tile that
+// hangs past a head's last row (100 rows here, a tail for every tile size) must not bring in what
+// lies there: batch 1 is all NaN, which P = 0 would not cancel, and batch 0 must still match the
+// reference computed without it.
+void check_heads_apart(Path path) {
+  for (int d : {64, 128})
+    for (bool causal : {false, true}) {
+      const Shape one = make_shape(1, 2, 1, 100, 100, d, causal), two = make_shape(2, 2, 1, 100, 100, d, causal);
+      SCOPED_TRACE(describe(two) + path_name(path) + ", batch 1 all NaN");
+      const Inputs in = make_inputs(one, describe(one));
+      auto then_nan = [](std::vector<float> x) {
+        x.resize(2 * x.size(), std::numeric_limits<float>::quiet_NaN());
+        return x;
+      };
+      auto dq = k2c::to_device<bf16>(then_nan(in.q)), dk = k2c::to_device<bf16>(then_nan(in.k)),
+           dv = k2c::to_device<bf16>(then_nan(in.v));
+      k2c::DeviceBuffer<bf16> o(q_elems(two));
+      k2c::DeviceBuffer<float> lse(rows(two));
+      o.poison();
+      lse.poison();
+      run_forward(path, two, dq.data(), dk.data(), dv.data(), o.data(), lse.data());
+      const cudaError_t err = cudaDeviceSynchronize();
+      ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
+      std::vector<float> got_o = k2c::to_host(o), got_lse = k2c::to_host(lse);
+      got_o.resize(q_elems(one));
+      got_lse.resize(rows(one));
+      const auto ref = k2c::ref::attention_forward(in.q, in.k, in.v, ref_shape(one));
+      EXPECT_TRUE(check_values("o of batch 0", got_o, ref.o, ref.o_magnitude, d));
+      EXPECT_TRUE(check_lse(got_lse, ref.lse, one.kv_len));
+    }
 }
 
 // One backward call, given the reference's O (rounded to bf16, as a forward pass stores it) and
@@ -441,6 +481,7 @@ TEST(FlashAttentionNaive, Forward) {
 TEST(FlashAttentionForward, SequenceLengths) {
   K2C_REQUIRE_GPU();
   for (const Shape& s : length_shapes()) check_forward(s);
+  check_heads_apart(Path::flash);
 }
 
 TEST(FlashAttentionForward, CausalUnequalLengths) {
@@ -527,6 +568,7 @@ TEST(FlashAttentionHopper, Forward) {
   for (const Shape& s : unequal_shapes()) check_forward(s, Path::hopper);
   for (const Shape& s : grouped_shapes()) check_forward(s, Path::hopper);
   for (const Shape& s : random_shapes(seed_for("hopper shapes"), 6)) check_forward(s, Path::hopper);
+  check_heads_apart(Path::hopper);
 }
 
 // The wgmma backward on the mma.sync backward's fixed shapes, random shapes of its own and no

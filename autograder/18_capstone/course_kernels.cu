@@ -155,29 +155,6 @@ std::pair<std::int64_t, std::int64_t> matrix(const Tensor& t) {
 }
 bool fits_int(std::int64_t n) { return n >= 0 && n <= INT_MAX; }
 
-// Whether a module's Hopper entry point runs here and is implemented: one tiny call, so a student
-// who has not done the bonus still gets their Part A. A call that faults on the GPU (an illegal
-// address, say) cannot be passed over: the fault is sticky, every later CUDA call of the process
-// fails with it, and nothing could fall back. So that case ends the run at once, naming the part,
-// instead of at some later call that did nothing wrong.
-template <class Call>
-bool hopper_works(bool supported, const char* part, Call call) {
-  if (!supported) return false;
-  try {
-    call();
-    K2C_CUDA_CHECK(cudaStreamSynchronize(stream()));
-    return true;
-  } catch (const std::exception&) {
-    (void)cudaGetLastError();  // clears an error that is not sticky (a bad launch, say)
-    if (const cudaError_t sticky = cudaDeviceSynchronize(); sticky != cudaSuccess)
-      throw std::runtime_error(std::string(part) + " faulted on the GPU in a one-call probe (" +
-                               cudaGetErrorString(sticky) +
-                               "); a fault ends the process's CUDA context, so course mode cannot fall back "
-                               "from it: fix that part, or run with --kernels trusted");
-    return false;
-  }
-}
-
 // Which part of a module an operation calls: its Hopper part while `hopper`, and `ran_hopper`
 // records what the last call ran (05's GEMM takes Part A at a K the Hopper part does not).
 struct Parts {
@@ -195,6 +172,27 @@ std::function<std::string()> part_a_after(std::shared_ptr<Parts> parts, std::str
 
 }  // namespace
 
+// Declared in course_kernels.h. A call that faults on the GPU (an illegal address, say) cannot be
+// passed over: the fault is sticky, every later CUDA call of the process fails with it, and nothing
+// could fall back. So that case ends the run at once, naming the part, instead of at some later
+// call that did nothing wrong.
+bool probe_part(bool supported, const char* part, const std::function<void()>& call) {
+  if (!supported) return false;
+  try {
+    call();
+    K2C_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    return true;
+  } catch (const std::exception&) {
+    (void)cudaGetLastError();  // clears an error that is not sticky (a bad launch, say)
+    if (const cudaError_t sticky = cudaDeviceSynchronize(); sticky != cudaSuccess)
+      throw std::runtime_error(std::string(part) + " faulted on the GPU in a one-call probe (" +
+                               cudaGetErrorString(sticky) +
+                               "); a fault ends the process's CUDA context, so course mode cannot fall back "
+                               "from it: fix that part, or run with --kernels trusted");
+    return false;
+  }
+}
+
 model::CourseKernels course_kernels() {
   namespace tcm = k2c::tensor_core_matmul;
   namespace fa = k2c::flash_attention;
@@ -203,7 +201,7 @@ model::CourseKernels course_kernels() {
 
   // ---- 05: c = alpha·op(a)·op(b) + beta·c as 05's C = A·Bᵀ with A (M×K) and B (N×K) K-major.
   const auto gemm_hopper = std::make_shared<Parts>();
-  gemm_hopper->hopper = hopper_works(tcm::hopper_supported(), "05 tensor_core_matmul::matmul_hopper", [&] {
+  gemm_hopper->hopper = probe_part(tcm::hopper_supported(), "05 tensor_core_matmul::matmul_hopper", [&] {
     bf16* a = scratch->get<bf16>("probe", 3 * 64 * 64);
     K2C_CUDA_CHECK(cudaMemsetAsync(a, 0, 2 * 64 * 64 * sizeof(bf16), stream()));
     tcm::matmul_hopper(64, 64, 64, a, a + 64 * 64, a + 2 * 64 * 64, stream());
@@ -354,7 +352,7 @@ model::CourseKernels course_kernels() {
     return true;
   };
   auto probe = [&](const char* part, auto call) {
-    return hopper_works(fa::hopper_supported(), part, [&] {
+    return probe_part(fa::hopper_supported(), part, [&] {
       const fa::Shape s{1, 1, 1, 16, 16, 64, true, 0.125f};
       bf16* p = scratch->get<bf16>("probe", 8 * 16 * 64);
       auto* lse = scratch->get<float>("probe lse", 16);

@@ -17,10 +17,18 @@
 // and modules 05–10 are (K2C_COURSE_KERNELS).
 #pragma once
 
+#include <functional>
+
 #include "k2c/model/course_ops.h"
 
 namespace k2c::capstone {
 
 model::CourseKernels course_kernels();
+
+// Whether a module's Hopper part runs here and is implemented (`supported`, then `call`, one tiny
+// call of it on the GPU backend's stream, does not throw), so that a student who has not done the
+// bonus still gets their Part A. A call that faults on the GPU throws std::runtime_error naming
+// `part`: the fault is sticky, so no fallback could run after it.
+bool probe_part(bool supported, const char* part, const std::function<void()>& call);
 
 }  // namespace k2c::capstone

@@ -8,6 +8,9 @@
 // declined, not miscomputed. A build from assignments/ runs the student's kernels, which this
 // program is not here to grade: it skips there.
 #include <cmath>
+#include <cstdlib>
+#include <cstdio>
+#include <cstdint>
 #include <memory>
 #include <random>
 #include <string>
@@ -18,6 +21,7 @@
 #include "course_kernels.h"
 #include "k2c/model/cuda_ops.h"
 #include "k2c/model/testing.h"
+#include "tensor_core_matmul.h"
 
 namespace k2c::capstone {
 namespace {
@@ -152,6 +156,30 @@ TEST_F(CourseKernels, AttentionShapesAndDeclines) {
   }
   expect_row("attention", taken, declined);
   expect_row("attention backward", taken, declined);
+}
+
+// A part that faults in its probe (here 05's Part A reading and writing unmapped addresses) ends
+// the program with the part's name, not at some later call. Run in a child process (the fault
+// ends this one's CUDA context), started afresh rather than forked, as CUDA requires.
+TEST(CourseKernelsProbe, AFaultingPartEndsTheRunByName) {
+  if (!model::cuda_device_present()) GTEST_SKIP() << "needs a CUDA device";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        using bf16 = k2c::tensor_core_matmul::bf16;
+        auto* nowhere = reinterpret_cast<bf16*>(std::uintptr_t{1} << 46);  // aligned, never mapped
+        try {
+          probe_part(true, "a faulting test part", [&] {
+            k2c::tensor_core_matmul::matmul(256, 256, 256, nowhere, nowhere, nowhere,
+                                            static_cast<cudaStream_t>(model::cuda_ops_stream()));
+          });
+        } catch (const std::runtime_error& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          std::exit(3);
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(3), "a faulting test part faulted on the GPU in a one-call probe");
 }
 
 }  // namespace

@@ -164,20 +164,21 @@ void launch_hopper(const Params& p, const Shape& s, cudaStream_t stream) {
 }
 // Whether the warp-specialised kernel can describe these tensors for TMA: rows that start on 16
 // bytes (its pointers aligned), at least one row of each (no keys at all: the first kernel writes
-// the empty rows), and row counts that fit TMA's int coordinates.
+// the empty rows), and head counts that fit TMA's int coordinates.
 bool hopper_ws_fits(const Params& p, const Shape& s) {
   auto aligned = [](const void* x) { return reinterpret_cast<std::uintptr_t>(x) % 16 == 0; };
-  const long long q_rows = 1LL * s.batch * s.heads * s.q_len, kv_rows = 1LL * s.batch * s.kv_heads * s.kv_len;
-  return aligned(p.q) && aligned(p.k) && aligned(p.v) && q_rows > 0 && kv_rows > 0 && q_rows + 128 <= INT_MAX &&
-         kv_rows + 128 <= INT_MAX;
+  const long long q_heads = 1LL * s.batch * s.heads, kv_heads = 1LL * s.batch * s.kv_heads;
+  return aligned(p.q) && aligned(p.k) && aligned(p.v) && s.q_len > 0 && s.kv_len > 0 && q_heads > 0 &&
+         kv_heads > 0 && q_heads <= INT_MAX && kv_heads <= INT_MAX;
 }
 template <class T>
 void launch_hopper_ws(const Params& params, const Shape& s, cudaStream_t stream) {
   namespace hp = k2c::hopper;
   Params p = params;
-  const CUtensorMap map_q = hp::make_tensor_map_bf16(p.q, s.batch * s.heads * s.q_len, T::D, T::kRows, 64);
-  const CUtensorMap map_k = hp::make_tensor_map_bf16(p.k, s.batch * s.kv_heads * s.kv_len, T::D, T::kKeys, 64);
-  const CUtensorMap map_v = hp::make_tensor_map_bf16(p.v, s.batch * s.kv_heads * s.kv_len, T::D, T::kKeys, 64);
+  // Each head a matrix of its own, so that a box past its last row reads zeros (the kernel's "edges").
+  const CUtensorMap map_q = hp::make_tensor_map_bf16_3d(p.q, s.batch * s.heads, s.q_len, T::D, T::kRows, 64);
+  const CUtensorMap map_k = hp::make_tensor_map_bf16_3d(p.k, s.batch * s.kv_heads, s.kv_len, T::D, T::kKeys, 64);
+  const CUtensorMap map_v = hp::make_tensor_map_bf16_3d(p.v, s.batch * s.kv_heads, s.kv_len, T::D, T::kKeys, 64);
   auto* kernel = hopper_ws_forward_kernel<T>;
   set_smem(kernel, T::kSmemBytes);
   const dim3 grid(ceil_div(s.q_len, T::kRows), s.heads, s.batch);

@@ -360,12 +360,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //   overlap   (kOverlap) FA3's second schedule: S(j) = Q K(j)ᵀ is issued together with the
 //             previous tile's O += P(j−1) V(j−1), and the softmax of S(j) runs while that product
 //             is still on the tensor cores; O's rescaling waits for it.
-//   edges     TMA reads whole 128-row boxes of one tensor map over every head's rows: Q rows past
-//             the head's end are computed and never stored; K rows past kv_len are masked, and
-//             their V rows meet P = 0 (the next head's rows, or zeros past the tensor's end, which
-//             TMA fills in). P = 0 does not cancel a NaN or infinity, so this kernel assumes V is
-//             finite in every head; one matrix per head (a 3-D tensor map) would read zeros past
-//             each head's end instead (lecture 09, exercise 10).
+//   edges     TMA sees each head as a matrix of its own (3-D tensor maps: column, row, head), so
+//             a 128-row box that hangs past a head's last row reads zeros there, never the next
+//             head's rows: whatever those hold (a NaN in V would survive P = 0), one head's output
+//             depends on its own inputs only. Q rows past q_len are computed and never stored; K
+//             rows past kv_len are masked.
 // Shared memory: Q 128·D + STAGES·2·128·D bf16 = 160 KiB at D = 128 and two stages.
 template <int D_, bool PINGPONG = true, int STAGES = 2, bool OVERLAP = false>
 struct HopperWsTile {
@@ -412,16 +411,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (warpgroup == 0) {
     hp::setmaxnreg_dec<24>();
     if (threadIdx.x == 0) {
-      const int q_row = static_cast<int>(p.q_rows(b, h)) + m0, kv_row = static_cast<int>(p.kv_rows(b, g));
+      const int q_head = b * p.heads + h, kv_head = b * p.kv_heads + g;  // the maps' matrix index
       hp::mbarrier_arrive_expect_tx(q_full, T::kQBytes);
-      for (int c = 0; c < D / 64; ++c) hp::tma_load_2d(sQ + c * BM * 128, &map_q, q_full, 64 * c, q_row);
+      for (int c = 0; c < D / 64; ++c) hp::tma_load_3d(sQ + c * BM * 128, &map_q, q_full, 64 * c, m0, q_head);
       for (int j = 0; j < n_blocks; ++j) {
-        const int s = j % S, row = kv_row + j * BN;
+        const int s = j % S, row = j * BN;
         hp::mbarrier_wait(empty(s), ((j / S) & 1) ^ 1);  // the consumers are done with its last lap
         hp::mbarrier_arrive_expect_tx(k_full(s), T::kTileBytes);
-        for (int c = 0; c < D / 64; ++c) hp::tma_load_2d(sK(s) + c * BN * 128, &map_k, k_full(s), 64 * c, row);
+        for (int c = 0; c < D / 64; ++c)
+          hp::tma_load_3d(sK(s) + c * BN * 128, &map_k, k_full(s), 64 * c, row, kv_head);
         hp::mbarrier_arrive_expect_tx(v_full(s), T::kTileBytes);
-        for (int c = 0; c < D / 64; ++c) hp::tma_load_2d(sV(s) + c * BN * 128, &map_v, v_full(s), 64 * c, row);
+        for (int c = 0; c < D / 64; ++c)
+          hp::tma_load_3d(sV(s) + c * BN * 128, &map_v, v_full(s), 64 * c, row, kv_head);
       }
     }
   } else {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -166,14 +167,23 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::string& f
     inner_.copy(c, t);
     return c;
   };
-  // The outputs' old contents (an in-place operation's input, an accumulator's sum so far), so
-  // that the course kernel starts from what the trusted one did; then the trusted results.
-  std::vector<Tensor> before, want;
-  for (const Out& o : outs) before.push_back(copy_of(*o.tensor));
+  // The old contents of the outputs the operation reads (an in-place operation's input, an
+  // accumulator's sum so far), so that the course kernel starts from what the trusted one did and
+  // a failure can start the trusted one again; then the trusted results. An output written whole
+  // needs no copy: a trusted call rewrites it (past a family's checks that saves, for a MoE's
+  // expert outputs, a copy the size of the output at every call).
+  std::vector<Tensor> before(outs.size()), want;
+  for (std::size_t i = 0; i < outs.size(); ++i)
+    if (outs[i].reads()) before[i] = copy_of(*outs[i].tensor);
+  auto restore = [&] {  // the outputs as the call found them, the ones written whole poisoned
+    for (std::size_t i = 0; i < outs.size(); ++i)
+      if (outs[i].reads()) inner_.copy(*outs[i].tensor, before[i]);
+      else inner_.fill(*outs[i].tensor, std::numeric_limits<float>::quiet_NaN());
+  };
   if (compare) {
     trusted();
     for (const Out& o : outs) want.push_back(copy_of(*o.tensor));
-    for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, before[i]);
+    restore();
   }
 
   std::string failure;
@@ -208,14 +218,18 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::string& f
       e.row.worst_error = 0;
       e.shapes.clear();
       e.families.clear();
-      for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, before[i]);
+      restore();
       return attempt(e, shape, family, outs, course, trusted);
     }
   }
   if (!failure.empty() || !ran) {
     // The trusted results stand, whatever the course kernel wrote.
-    for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, compare ? want[i] : before[i]);
-    if (!compare) trusted();
+    if (compare) {
+      for (std::size_t i = 0; i < outs.size(); ++i) inner_.copy(*outs[i].tensor, want[i]);
+    } else {
+      restore();
+      trusted();
+    }
     if (!failure.empty()) e.row.fallback = failure;
     else ++e.row.shapes_declined;
     ++e.row.trusted_calls;
@@ -320,7 +334,7 @@ void CourseOps::rmsnorm_backward_add(const Tensor& x, const Tensor& g, const Ten
 
 void CourseOps::rope(Tensor& x, const Tensor& positions, int heads, int hd, float theta, bool inverse) {
   const std::string shape = shape_of(x) + " heads " + std::to_string(heads) + (inverse ? " inverse" : "");
-  run("rope", bool(kernels_.rope), shape, shape, {{&x, false}},
+  run("rope", bool(kernels_.rope), shape, shape, {{&x, false, false, true}},
       [&] { return kernels_.rope(x, positions, heads, hd, theta, inverse); },
       [&] { inner_.rope(x, positions, heads, hd, theta, inverse); });
 }

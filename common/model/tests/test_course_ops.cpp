@@ -78,6 +78,27 @@ TEST(CourseOps, ARightKernelIsCheckedOnceAtEachShapeThenUsed) {
   EXPECT_NE(ops.report().find("agreed at 2 shapes"), std::string::npos) << ops.report();
 }
 
+// A kernel that returns without writing its output is caught even where the output's buffer
+// already holds the right answer (as it can when a step recomputes what it computed before): the
+// checked call starts from NaN, not from the buffer's old contents.
+TEST(CourseOps, AKernelThatWritesNothingIsCaughtWhateverTheBufferHeld) {
+  int calls = 0;
+  CourseKernels k;
+  k.matmul = [&](const Tensor&, bool, const Tensor&, bool, Tensor&, float, float) { return ++calls > 0; };
+  k.names["matmul"] = "test matmul";
+  CourseOps ops(cpu_ops(), std::move(k));
+  Side s(ops);
+  Tensor a = s.upload(random_values(6 * 5, 1), {6, 5}), b = s.upload(random_values(4 * 5, 2), {4, 5});
+  Tensor c = s.poisoned({6, 4});
+  cpu_ops().matmul(a, false, b, true, c, 1.0f, 0.0f);  // the answer, already there
+  ops.matmul(a, false, b, true, c, 1.0f, 0.0f);
+  const auto r = row(ops.table(), "matmul");
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(r.shapes_checked, 0);
+  EXPECT_NE(r.fallback.find("disagreed"), std::string::npos) << r.fallback;
+  for (float x : s.download(c)) EXPECT_TRUE(std::isfinite(x));  // the trusted result stands
+}
+
 TEST(CourseOps, ChecksStopAfterTheirBudgetPerFamilyAndTheRestIsCounted) {
   int calls = 0;
   CourseOps ops(cpu_ops(), nudged_matmul(1e-4f, &calls), CourseOps::Rules{3e-2, 1e-2, 2});

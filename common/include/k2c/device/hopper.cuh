@@ -82,6 +82,16 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
       : "memory");
 }
 
+// The box at (x, y, z) of a 3-D tensor map (make_tensor_map_bf16_3d), as tma_load_2d.
+__device__ __forceinline__ void tma_load_3d(std::uint32_t dst, const CUtensorMap* map,
+                                            std::uint32_t bar, int x, int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(bar), "r"(x), "r"(y), "r"(z)
+      : "memory");
+}
+
 // Like tma_load_2d, but the tile lands at the same offset in every CTA of the cluster named in
 // `cta_mask`, and completes on the mbarrier at `bar`'s offset in each of them.
 __device__ __forceinline__ void tma_load_2d_multicast(std::uint32_t dst, const CUtensorMap* map,
@@ -441,23 +451,16 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 
 // ------------------------------------------------------------------ host ---------------------
 
-// A 2-D row-major bf16 tensor (rows × cols, cols contiguous) described for TMA: boxes of
-// box_rows × box_cols, 128-byte swizzled, zero-filled outside the tensor. TMA needs a 16-byte
-// aligned base and a row pitch that is a multiple of 16 bytes (cols % 8 == 0).
-inline CUtensorMap make_tensor_map_bf16(const void* base, int rows, int cols, int box_rows,
-                                        int box_cols) {
-  K2C_CHECK(rows >= 1 && cols >= 1, "a TMA tensor needs at least one row and column, got "
-                                        << rows << " x " << cols);
-  K2C_CHECK(cols % 8 == 0, "TMA rows must start on 16 bytes: cols % 8 == 0, got " << cols);
-  K2C_CHECK(reinterpret_cast<std::uintptr_t>(base) % 16 == 0, "a TMA tensor must start on 16 bytes");
-  K2C_CHECK(box_rows >= 1 && box_rows <= 256 && box_cols >= 1 && box_cols * 2 <= 128,
-            "a 128-byte-swizzled TMA box is at most 256 rows of 64 bf16, got " << box_rows << " x "
-                                                                           << box_cols);
+namespace detail {
+// A row-major bf16 tensor of `rank` dimensions (dims[0] contiguous, in elements) described for TMA:
+// boxes of box[0..rank), 128-byte swizzled, zero-filled outside the tensor. The runtime hands out
+// the driver's entry point, so the library links against cudart only.
+inline CUtensorMap encode_tensor_map_bf16(const void* base, int rank, const cuuint64_t* dims,
+                                          const cuuint32_t* box) {
   using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  // The runtime hands out the driver's entry point, so the library links against cudart only.
   static EncodeFn encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -467,19 +470,54 @@ inline CUtensorMap make_tensor_map_bf16(const void* base, int rows, int cols, in
               "the CUDA driver has no cuTensorMapEncodeTiled (needs a CUDA 12 driver)");
     return reinterpret_cast<EncodeFn>(fn);
   }();
+  cuuint64_t pitch[2] = {};  // bytes from one index of dimension d + 1 to the next
+  for (int d = 0; d + 1 < rank; ++d) pitch[d] = (d == 0 ? 2 : pitch[d - 1]) * dims[d];
+  const cuuint32_t unit_strides[3] = {1, 1, 1};
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t pitch[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t unit_strides[2] = {1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
-                            dims, pitch, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  K2C_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error " << static_cast<int>(r)
-                                   << ") for a " << rows << "x" << cols << " tensor, box "
-                                   << box_rows << "x" << box_cols);
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
+                            const_cast<void*>(base), dims, pitch, box, unit_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  K2C_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error "
+                                   << static_cast<int>(r) << ") for a " << rank << "-D tensor of "
+                                   << dims[rank - 1] << " x ... x " << dims[0] << ", box "
+                                   << box[1] << "x" << box[0]);
   return map;
+}
+inline void check_tensor_map_bf16(const void* base, int rows, int cols, int box_rows, int box_cols) {
+  K2C_CHECK(rows >= 1 && cols >= 1, "a TMA tensor needs at least one row and column, got "
+                                        << rows << " x " << cols);
+  K2C_CHECK(cols % 8 == 0, "TMA rows must start on 16 bytes: cols % 8 == 0, got " << cols);
+  K2C_CHECK(reinterpret_cast<std::uintptr_t>(base) % 16 == 0, "a TMA tensor must start on 16 bytes");
+  K2C_CHECK(box_rows >= 1 && box_rows <= 256 && box_cols >= 1 && box_cols * 2 <= 128,
+            "a 128-byte-swizzled TMA box is at most 256 rows of 64 bf16, got " << box_rows << " x "
+                                                                           << box_cols);
+}
+}  // namespace detail
+
+// A 2-D row-major bf16 tensor (rows × cols, cols contiguous) described for TMA: boxes of
+// box_rows × box_cols, 128-byte swizzled, zero-filled outside the tensor. TMA needs a 16-byte
+// aligned base and a row pitch that is a multiple of 16 bytes (cols % 8 == 0).
+inline CUtensorMap make_tensor_map_bf16(const void* base, int rows, int cols, int box_rows,
+                                        int box_cols) {
+  detail::check_tensor_map_bf16(base, rows, cols, box_rows, box_cols);
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  return detail::encode_tensor_map_bf16(base, 2, dims, box);
+}
+
+// `mats` row-major bf16 matrices of rows × cols, one after another, described as one 3-D tensor
+// (column, row, matrix) with boxes of box_rows × box_cols inside one matrix. Unlike the same bytes
+// seen as one tall 2-D tensor, a box that hangs past a matrix's last row reads zeros there, not the
+// next matrix's first rows.
+inline CUtensorMap make_tensor_map_bf16_3d(const void* base, int mats, int rows, int cols,
+                                           int box_rows, int box_cols) {
+  detail::check_tensor_map_bf16(base, rows, cols, box_rows, box_cols);
+  K2C_CHECK(mats >= 1, "a 3-D TMA tensor needs at least one matrix, got " << mats);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(mats)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
+  return detail::encode_tensor_map_bf16(base, 3, dims, box);
 }
 
 // ------------------------------------------------------------------ cluster launches --------

@@ -118,13 +118,18 @@ class CourseOps final : public ForwardingOps {
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override;
 
  private:
-  // An output of a call: `adds` when the operation adds into it (its old contents matter); `log`
-  // when it is a logarithm (attention's log-sum-exp), judged by Rules::log_error in absolute terms
-  // as well, since an error there scales everything computed from it.
+  // An output of a call: `adds` when the operation adds into it (judged on what it added);
+  // `in_place` when its old contents are the operation's input (RoPE's x); `log` when it is a
+  // logarithm (attention's log-sum-exp), judged by Rules::log_error in absolute terms as well,
+  // since an error there scales everything computed from it. An output that is neither adds nor
+  // in_place is poisoned with NaN before the course kernel's checked call, so that an element it
+  // does not write fails the check whatever the buffer held before.
   struct Out {
     Tensor* tensor;
     bool adds;
     bool log = false;
+    bool in_place = false;
+    bool reads() const { return adds || in_place; }
   };
   struct Entry {
     Row row;
