@@ -69,8 +69,10 @@ TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
   struct Case {
     int M, N, K;
   };
-  // K = 13: 05's Hopper part needs K % 8 == 0, so the adapter runs Part A.
-  const Case cases[] = {{1, 1, 8}, {33, 17, 40}, {33, 17, 13}, {257, 130, 264}, {2048, 768, 768}};
+  // K = 13: 05's Hopper part needs K % 8 == 0, so the adapter runs Part A. {2056, 96, 64}: a
+  // weight gradient of one output tile over a long K; {40, 24, 3000}: a forward product so.
+  const Case cases[] = {{1, 1, 8},         {33, 17, 40},    {33, 17, 13},    {257, 130, 264},
+                        {2048, 768, 768},  {2056, 96, 64},  {40, 24, 3000}};
   int shapes = 0;
   for (const Case& c : cases) {
     Tensor x = random({c.M, c.K}), w = random({c.N, c.K}), dy = random({c.M, c.N});

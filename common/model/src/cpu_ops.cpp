@@ -84,6 +84,34 @@ void Ops::grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const
   }
 }
 
+std::vector<double> Ops::column_sums(const Tensor& x) {
+  const checks::Matrix m = checks::as_matrix(x);
+  std::vector<float> host(static_cast<std::size_t>(x.numel()));
+  download(host.data(), x);
+  std::vector<double> sums(static_cast<std::size_t>(m.cols), 0.0);
+  for (std::int64_t r = 0; r < m.rows; ++r)
+    for (std::int64_t c = 0; c < m.cols; ++c) sums[c] += host[r * m.cols + c];
+  return sums;
+}
+
+void Ops::routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add, Tensor& out) {
+  const checks::Matrix m = checks::routing_grad_args(indices, values, column_add, out);
+  std::vector<std::int32_t> idx(static_cast<std::size_t>(indices.numel()));
+  std::vector<float> val(idx.size()), host(static_cast<std::size_t>(out.numel()), 0.0f);
+  download(idx.data(), indices);
+  download(val.data(), values);
+  const std::int64_t k = indices.dim(1);
+  for (std::int64_t n = 0; n < m.rows; ++n) {
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int32_t e = idx[n * k + j];
+      if (e < 0 || e >= m.cols) throw std::out_of_range("routing_grad: expert " + std::to_string(e));
+      host[n * m.cols + e] += val[n * k + j];
+    }
+    for (std::int64_t e = 0; e < m.cols; ++e) host[n * m.cols + e] += column_add[e];
+  }
+  upload(out, host.data());
+}
+
 void Ops::rmsnorm_backward_add(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
                                const Tensor& residual_dy, Tensor& dx, Tensor& dgamma) {
   rmsnorm_backward(x, gamma, rstd, dy, dx, dgamma);

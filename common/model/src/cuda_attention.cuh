@@ -94,7 +94,7 @@ class Workspace {
 
 // The workspace's slots.
 enum Slot { kGemmA, kGemmB, kAttnQ, kAttnK, kAttnV, kAttnDo, kScores, kProbs, kScoreGrads, kProbGrads, kGroupDk,
-            kGroupDv, kPointers, kLosses, kDelta, kLinearDy, kRope };
+            kGroupDv, kPointers, kLosses, kDelta, kLinearDy, kRope, kRouting };
 
 // ---------------------------------------------------------------------------------------------
 // fp32 → bf16, four at a time where the addresses allow

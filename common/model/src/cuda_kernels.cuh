@@ -469,6 +469,35 @@ __global__ void scatter_add_rows_kernel(const float* src, const int* rows, const
     atomicAdd(&out[r * d + e % d], (scale ? scale[e / d] : 1.0f) * src[e]);
   }
 }
+// One block per column of x [rows, cols]: its sum in double (the router's mean probability per
+// expert, for the balance loss).
+__global__ void column_sums_kernel(const float* x, double* sums, std::int64_t rows, std::int64_t cols) {
+  __shared__ double scratch[kThreads];
+  double s = 0;
+  for (std::int64_t r = threadIdx.x; r < rows; r += blockDim.x) s += x[r * cols + blockIdx.x];
+  scratch[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) scratch[threadIdx.x] += scratch[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) sums[blockIdx.x] = scratch[0];
+}
+// out[n, e] = Σ_j [idx[n, j] = e]·val[n, j] + add[e], in the CPU backend's order; an expert outside
+// [0, cols) sets *bad (checked by the row's thread for e = 0).
+__global__ void routing_grad_kernel(const int* idx, const float* val, const float* add, float* out, std::int64_t rows,
+                                    std::int64_t cols, int k, int* bad) {
+  K2C_FOR_EACH(i, rows * cols) {
+    const std::int64_t n = i / cols, e = i % cols;
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      const int x = idx[n * k + j];
+      if (x == e) s += val[n * k + j];
+      if (e == 0 && (x < 0 || x >= cols)) *bad = 1;
+    }
+    out[i] = s + add[e];
+  }
+}
 __global__ void row_dot_kernel(const float* a, const float* b, float* out, std::int64_t cols) {
   __shared__ float scratch[kThreads];
   const std::int64_t o = blockIdx.x * cols;

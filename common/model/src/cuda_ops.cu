@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -492,6 +493,32 @@ class CudaOps final : public Ops {
     const Matrix m = as_matrix(x);
     s.expect({m.rows}, "scale_rows scale");
     launch(scale_rows_kernel, x.numel(), x.f32(), s.f32(), m.rows, m.cols);
+  }
+  // The router's bookkeeping stays on the device: E numbers cross to the host, not N·E.
+  std::vector<double> column_sums(const Tensor& x) override {
+    const Matrix m = as_matrix(x);
+    std::vector<double> sums(static_cast<std::size_t>(m.cols), 0.0);
+    if (m.cols == 0) return sums;
+    K2C_CHECK(m.cols <= INT_MAX, "column_sums: " << m.cols << " columns");
+    auto* d = static_cast<double*>(ws_.get(kRouting, sums.size() * sizeof(double)));
+    column_sums_kernel<<<static_cast<unsigned>(m.cols), kThreads, 0, g_stream>>>(x.f32(), d, m.rows, m.cols);
+    K2C_CUDA_CHECK_LAUNCH();
+    K2C_CUDA_CHECK(cudaMemcpyAsync(sums.data(), d, sums.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));
+    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    return sums;
+  }
+  void routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
+                    Tensor& out) override {
+    const Matrix m = checks::routing_grad_args(indices, values, column_add, out);
+    if (out.numel() == 0) return;
+    auto* add = static_cast<float*>(ws_.get(kRouting, column_add.size() * sizeof(float)));
+    // From pageable memory the copy has read `column_add` by the time it returns.
+    K2C_CUDA_CHECK(cudaMemcpyAsync(add, column_add.data(), column_add.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                   g_stream));
+    clear_flag();
+    launch(routing_grad_kernel, out.numel(), indices.i32(), values.f32(), add, out.f32(), m.rows, m.cols,
+           static_cast<int>(indices.dim(1)), flag_);
+    if (flag_set()) throw std::out_of_range("routing_grad: an expert outside [0, " + std::to_string(m.cols) + ")");
   }
 
   void sgd_step(Tensor& param, const Tensor& grad, Tensor* momentum, float lr, float beta, float wd) override {

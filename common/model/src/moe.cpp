@@ -72,15 +72,10 @@ void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
   s.weight_of_row = ctx.tensor({N * k});
   ctx.ops.upload(s.token_of_row, s.routing.token_of_row.data());
   ctx.ops.upload(s.weight_of_row, w_row.data());
-  // Balance: f_e from the counts, P_e the mean probability (downloaded: E numbers a token).
-  std::vector<float> probs(static_cast<std::size_t>(N) * E);
-  ctx.ops.download(probs.data(), s.probs);
+  // Balance: f_e from the counts, P_e the mean probability (summed where the probabilities are).
+  const std::vector<double> p = ctx.ops.column_sums(s.probs);
   double balance = 0;
-  for (int e = 0; e < E; ++e) {
-    double p = 0;
-    for (std::int64_t n = 0; n < N; ++n) p += probs[n * E + e];
-    balance += static_cast<double>(s.routing.counts[e]) / (N * k) * (p / N);
-  }
+  for (int e = 0; e < E; ++e) balance += static_cast<double>(s.routing.counts[e]) / (N * k) * (p[e] / N);
   s.balance_loss = config_.balance_coef * E * balance;
 }
 
@@ -168,8 +163,9 @@ void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Te
   }
   ctx.ops.scatter_add_rows(dxp, s.token_of_row, nullptr, dx);  // un-permute
 
-  // Back through the weights to the router probabilities (host work on N·k and N·E numbers).
-  std::vector<float> dw_rows(R), val(static_cast<std::size_t>(N) * k), dprobs(static_cast<std::size_t>(N) * E, 0.0f);
+  // Back through the weights to the router probabilities: each token's k chosen probabilities on
+  // the host (N·k numbers), then the N × E gradient where the probabilities are.
+  std::vector<float> dw_rows(R), val(static_cast<std::size_t>(N) * k), dval(val.size());
   ctx.ops.download(dw_rows.data(), dw_row);
   ctx.ops.download(val.data(), s.top_val);
   for (std::int64_t n = 0; n < N; ++n) {
@@ -179,18 +175,19 @@ void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Te
     for (int j = 0; j < k; ++j) {
       const float dw = dw_rows[s.routing.row_of[n * k + j]];
       // w_j = v_j / Σv  =>  dv_j = (dw_j − Σ_i w_i dw_i) / Σv
-      dprobs[n * E + s.routing.expert[n * k + j]] += config_.normalize_top_k ? (dw - wdw) / sum : dw;
+      dval[n * k + j] = config_.normalize_top_k ? (dw - wdw) / sum : dw;
     }
   }
   // The balance term coef·E·Σ_e f_e·mean_n(p_ne) adds coef·E·f_e/N to every dp_ne; it is weighted
   // like the loss it joins (loss_scale per token, N tokens here).
   const double w_aux = static_cast<double>(ctx.loss_scale) * N;
-  for (int e = 0; e < E; ++e) {
-    const float g = static_cast<float>(w_aux * config_.balance_coef * E * s.routing.counts[e] / double(N * k) / N);
-    for (std::int64_t n = 0; n < N; ++n) dprobs[n * E + e] += g;
-  }
+  std::vector<float> per_expert(E);
+  for (int e = 0; e < E; ++e)
+    per_expert[e] = static_cast<float>(w_aux * config_.balance_coef * E * s.routing.counts[e] / double(N * k) / N);
+  Tensor dv = ctx.tensor({N, k});
+  ctx.ops.upload(dv, dval.data());
   Tensor dp = ctx.tensor({N, E}), dlogits = ctx.tensor({N, E}), part = ctx.tensor(x.shape());
-  ctx.ops.upload(dp, dprobs.data());
+  ctx.ops.routing_grad(s.top_idx, dv, per_expert, dp);
   ctx.ops.softmax_rows_backward(s.probs, dp, dlogits);
   router_.backward(ctx, x, dlogits, &part);
   ctx.ops.accumulate(dx, part, 1.0f);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <span>
 #include <string>
 
 #include "k2c/model/ops.h"
@@ -67,6 +68,19 @@ inline Matrix top_k_args(const Tensor& scores, int k, const Tensor& indices, con
     throw std::invalid_argument("top_k: k = " + std::to_string(k) + " with " + std::to_string(m.cols) + " scores a row");
   indices.expect({m.rows, k}, "top_k indices", DType::i32);
   values.expect({m.rows, k}, "top_k values");
+  return m;
+}
+
+inline Matrix routing_grad_args(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
+                                const Tensor& out) {
+  const Matrix m = as_matrix(out);
+  if (indices.rank() != 2)
+    throw std::invalid_argument("routing_grad: indices must be [N, k], got rank " + std::to_string(indices.rank()));
+  indices.expect({m.rows, indices.dim(1)}, "routing_grad indices", DType::i32);
+  values.expect(indices.shape(), "routing_grad values");
+  if (static_cast<std::int64_t>(column_add.size()) != m.cols)
+    throw std::invalid_argument("routing_grad: " + std::to_string(column_add.size()) + " column terms for " +
+                                std::to_string(m.cols) + " columns");
   return m;
 }
 

@@ -162,6 +162,19 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   expect_close(gathered, "gather_rows + scale_rows");
   expect_close(scat, "scatter_add_rows");
   expect_close(dots, "row_dot");
+  // The router's bookkeeping: column sums of the probabilities, and their gradient from each
+  // token's chosen experts (topi, from top_k above) plus a term per expert.
+  const std::vector<double> cs = cpu_ops().column_sums(p.cpu), gs = gpu().column_sums(p.gpu);
+  ASSERT_EQ(cs.size(), gs.size());
+  for (std::size_t e = 0; e < cs.size(); ++e) EXPECT_NEAR(cs[e], gs[e], 1e-6) << "column_sums " << e;
+  const std::vector<float> per_expert{0.5f, -1.0f, 0.25f, 2.0f, 0.0f, -0.125f, 1.5f, 3.0f, -2.0f};
+  Pair dval = t.random({6, 3}), dprobs = t.random({6, 9});  // written whole: the old contents go
+  run([&](Ops& o, bool g) { o.routing_grad(pick(topi, g), pick(dval, g), per_expert, pick(dprobs, g)); });
+  expect_close(dprobs, "routing_grad", 0.0f);
+  Pair bad_expert = t.ints({6, 3}, std::vector<std::int32_t>(18, 9));
+  EXPECT_THROW(gpu().routing_grad(bad_expert.gpu, dval.gpu, per_expert, dprobs.gpu), std::out_of_range);
+  EXPECT_THROW(cpu_ops().routing_grad(bad_expert.cpu, dval.cpu, per_expert, dprobs.cpu), std::out_of_range);
+  EXPECT_THROW(gpu().routing_grad(topi.gpu, dval.gpu, std::vector<float>(4), dprobs.gpu), std::invalid_argument);
   // Out-of-range indices are refused, not read.
   Pair wrong = t.ints({2}, {0, 9});
   Pair out2 = t.zeros({2, 11});

@@ -114,6 +114,15 @@ class ForwardingOps : public Ops {
   }
   void row_dot(const Tensor& a, const Tensor& b, Tensor& out) override { around("row_dot", [&] { inner_.row_dot(a, b, out); }); }
   void scale_rows(Tensor& x, const Tensor& s) override { around("scale_rows", [&] { inner_.scale_rows(x, s); }); }
+  std::vector<double> column_sums(const Tensor& x) override {
+    std::vector<double> sums;
+    around("column_sums", [&] { sums = inner_.column_sums(x); });
+    return sums;
+  }
+  void routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
+                    Tensor& out) override {
+    around("routing_grad", [&] { inner_.routing_grad(indices, values, column_add, out); });
+  }
   void sgd_step(Tensor& p, const Tensor& g, Tensor* m, float lr, float beta, float wd) override {
     around("sgd", [&] { inner_.sgd_step(p, g, m, lr, beta, wd); });
   }
