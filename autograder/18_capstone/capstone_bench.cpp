@@ -324,7 +324,7 @@ int run(k2c::dist::Communicator& world, const Options& o) {
         const auto& r = rows[i];
         j << (i ? ",\n    " : "\n    ") << quoted(r.op) << ": {\"kernel\": " << quoted(r.kernel)
           << ", \"course_calls\": " << r.course_calls << ", \"trusted_calls\": " << r.trusted_calls
-          << ", \"shapes_checked\": " << r.shapes_checked << ", \"shapes_unchecked\": " << r.shapes_unchecked
+          << ", \"shapes_checked\": " << r.shapes_checked << ", \"unchecked_calls\": " << r.unchecked_calls
           << ", \"shapes_declined\": " << r.shapes_declined << ", \"worst_error\": " << r.worst_error
           << ", \"fallback\": " << quoted(r.fallback) << ", \"replaced\": " << quoted(r.replaced) << "}";
       }

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -62,9 +63,24 @@ __global__ void from_heads_first(const bf16* src, float* dst, std::int64_t n, in
     dst[i] = add ? dst[i] + v : v;
   }
 }
-// dst (cols × rows) = bf16(srcᵀ), src rows × cols: 05's K-major operand from a K-minor one. A
-// 32 × 32 tile through shared memory keeps both the reads and the writes coalesced.
-__global__ void to_bf16_transposed(const float* src, bf16* dst, int rows, int cols) {
+// 05's operands with K cut into slices of `ks` (a multiple of 64; the last slice shorter, and
+// ks = K for one slice): slice after slice, each a K-major matrix of every row and its own length,
+// so that each slice is a GEMM's operand of its own (see slice_length below).
+//
+// dst = bf16(src) for an operand given K-major (src rows × K). A block per row at a time, its
+// threads along K, so a slice's index is one 32-bit division per element.
+__global__ void to_bf16_sliced(const float* src, bf16* dst, int rows, int K, int ks) {
+  for (int r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+      const int s = k / ks, length = min(ks, K - s * ks);
+      dst[std::int64_t{s} * rows * ks + std::int64_t{r} * length + (k - s * ks)] =
+          __float2bfloat16(src[std::int64_t{r} * K + k]);
+    }
+}
+// dst = bf16(srcᵀ) in slices, src rows × cols: 05's K-major operand (cols rows, K = rows) from a
+// K-minor one. A 32 × 32 tile through shared memory keeps both the reads and the writes coalesced;
+// a tile never straddles two slices (ks is a multiple of 32), so its slice is found once.
+__global__ void to_bf16_transposed(const float* src, bf16* dst, int rows, int cols, int ks) {
   __shared__ float tile[32][33];
   const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
   for (int y = threadIdx.y; y < 32; y += 8) {
@@ -72,17 +88,22 @@ __global__ void to_bf16_transposed(const float* src, bf16* dst, int rows, int co
     if (r < rows && c < cols) tile[y][threadIdx.x] = src[static_cast<std::int64_t>(r) * cols + c];
   }
   __syncthreads();
+  const int s = r0 / ks, k0 = s * ks, length = min(ks, rows - k0);
+  bf16* slice = dst + std::int64_t{k0} * cols;  // slices before this one: cols × ks each
   for (int y = threadIdx.y; y < 32; y += 8) {
     const int c = c0 + y, r = r0 + threadIdx.x;
-    if (r < rows && c < cols) dst[static_cast<std::int64_t>(c) * rows + r] = __float2bfloat16(tile[threadIdx.x][y]);
+    if (r < rows && c < cols)
+      slice[static_cast<std::int64_t>(c) * length + (r - k0)] = __float2bfloat16(tile[threadIdx.x][y]);
   }
 }
-// c = alpha·src + beta·c, with beta = 0 ignoring c's old contents (NaN included), as matmul's
-// contract says.
+// c = alpha·(the sum of `parts` products of n elements, one after another) + beta·c, summed in
+// fp32, with beta = 0 ignoring c's old contents (NaN included), as matmul's contract says.
 template <class T>
-__global__ void gemm_epilogue(const T* src, float* c, std::int64_t n, float alpha, float beta) {
+__global__ void gemm_epilogue(const T* src, int parts, float* c, std::int64_t n, float alpha, float beta) {
   FOR_EACH(i, n) {
-    const float v = alpha * static_cast<float>(src[i]);
+    float sum = 0.0f;
+    for (int p = 0; p < parts; ++p) sum += static_cast<float>(src[p * n + i]);
+    const float v = alpha * sum;
     c[i] = beta == 0.0f ? v : v + beta * c[i];
   }
 }
@@ -129,6 +150,57 @@ class Scratch {
   };
   std::map<std::string, Buffer> buffers_;
 };
+
+// Side streams for the slices of a split product, and the events that fork them from the
+// backend's stream and join them back into it (so everything after the product, the Scratch's
+// reuse of its buffers included, waits for every slice).
+class Fork {
+ public:
+  static constexpr int kMax = 16;
+  Fork() {
+    for (int i = 0; i < kMax; ++i) {
+      K2C_CUDA_CHECK(cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking));
+      K2C_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+    }
+    K2C_CUDA_CHECK(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming));
+  }
+  ~Fork() {
+    for (int i = 0; i < kMax; ++i) cudaStreamDestroy(side_[i]), cudaEventDestroy(done_[i]);
+    cudaEventDestroy(start_);
+  }
+  Fork(const Fork&) = delete;
+  Fork& operator=(const Fork&) = delete;
+  // Slice 0 runs on the backend's stream, slice i > 0 on a side stream that starts after
+  // everything issued so far.
+  void begin(int n) {
+    K2C_CUDA_CHECK(cudaEventRecord(start_, stream()));
+    for (int i = 1; i < n; ++i) K2C_CUDA_CHECK(cudaStreamWaitEvent(side_[i], start_));
+  }
+  cudaStream_t at(int i) const { return i == 0 ? stream() : side_[i]; }
+  void end(int n) {
+    for (int i = 1; i < n; ++i) {
+      K2C_CUDA_CHECK(cudaEventRecord(done_[i], side_[i]));
+      K2C_CUDA_CHECK(cudaStreamWaitEvent(stream(), done_[i]));
+    }
+  }
+
+ private:
+  cudaStream_t side_[kMax]{};
+  cudaEvent_t done_[kMax]{}, start_{};
+};
+
+// Split-K for products with too few output tiles to fill the GPU. A weight gradient dW = dyᵀ·x of
+// a 768 × 768 weight sums over 16384 tokens: 18 of 05's 128 × 256 tiles for 132 SMs, each with a
+// long K, so 114 SMs idle. Cut K into slices, run each slice as a GEMM of its own on a stream of
+// its own, and add their bf16 outputs in fp32 in the epilogue: as many slices as fit in one wave
+// of tiles, none shorter than 512, each a multiple of 64 long (so every slice keeps K % 8 == 0).
+// Returns the slice length (K itself for one slice).
+int slice_length(std::int64_t M, std::int64_t N, std::int64_t K, int sms) {
+  const std::int64_t tiles = ((M + 127) / 128) * ((N + 255) / 256);
+  const std::int64_t slices = std::min<std::int64_t>({sms / tiles, K / 512, Fork::kMax});
+  if (slices < 2) return static_cast<int>(K);
+  return static_cast<int>(((K + slices - 1) / slices + 63) / 64 * 64);
+}
 
 template <class Kernel, class... Args>
 void launch(Kernel k, std::int64_t n, Args... args) {
@@ -208,39 +280,56 @@ model::CourseKernels course_kernels() {
   });
   k.names["matmul"] = gemm_hopper->hopper ? "05 tensor_core_matmul::matmul_hopper" : "05 tensor_core_matmul::matmul";
   k.second_choice["matmul"] = part_a_after(gemm_hopper, "05 tensor_core_matmul::matmul");
-  k.matmul = [scratch, gemm_hopper](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha,
-                                    float beta) {
+  int sms = 0;
+  {
+    int device = 0;
+    K2C_CUDA_CHECK(cudaGetDevice(&device));
+    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  }
+  auto fork = std::make_shared<Fork>();
+  k.matmul = [scratch, gemm_hopper, fork, sms](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
+                                               float alpha, float beta) {
     const auto [ar, ac] = matrix(a);
     const auto [br, bc] = matrix(b);
     const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc;
     if (!fits_int(M) || !fits_int(N) || !fits_int(K) || M == 0 || N == 0 || K == 0) return false;
     // A transposed operand's K rows are the transpose's grid rows (gridDim.y at most 65535).
     if ((ta || !tb) && (K + 31) / 32 > 65535) return false;
+    gemm_hopper->ran_hopper = gemm_hopper->hopper && K % 8 == 0;
+    const int ks = gemm_hopper->ran_hopper ? slice_length(M, N, K, sms) : static_cast<int>(K);
+    const int slices = static_cast<int>((K + ks - 1) / ks);
     bf16* A = scratch->get<bf16>("gemm a", M * K);
     bf16* B = scratch->get<bf16>("gemm b", N * K);
-    if (ta) {
-      to_bf16_transposed<<<dim3((ac + 31) / 32, (ar + 31) / 32), dim3(32, 8), 0, stream()>>>(a.f32(), A, ar, ac);
-      K2C_CUDA_CHECK_LAUNCH();
-    } else {
-      launch(to_bf16_plain, a.numel(), a.f32(), A, a.numel());
-    }
-    if (!tb) {
-      to_bf16_transposed<<<dim3((bc + 31) / 32, (br + 31) / 32), dim3(32, 8), 0, stream()>>>(b.f32(), B, br, bc);
-      K2C_CUDA_CHECK_LAUNCH();
-    } else {
-      launch(to_bf16_plain, b.numel(), b.f32(), B, b.numel());
-    }
-    gemm_hopper->ran_hopper = gemm_hopper->hopper && K % 8 == 0;
+    auto convert = [&](const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed, bf16* dst) {
+      if (transposed) {
+        to_bf16_transposed<<<dim3((cols + 31) / 32, (rows + 31) / 32), dim3(32, 8), 0, stream()>>>(
+            t.f32(), dst, int(rows), int(cols), ks);
+        K2C_CUDA_CHECK_LAUNCH();
+      } else if (slices == 1) {
+        launch(to_bf16_plain, t.numel(), t.f32(), dst, t.numel());
+      } else {
+        to_bf16_sliced<<<static_cast<unsigned>(std::min<std::int64_t>(rows, 8192)), kThreads, 0, stream()>>>(
+            t.f32(), dst, int(rows), int(cols), ks);
+        K2C_CUDA_CHECK_LAUNCH();
+      }
+    };
+    convert(a, ar, ac, ta, A);   // A: M × K, K-major
+    convert(b, br, bc, !tb, B);  // B: N × K, K-major
     if (gemm_hopper->ran_hopper) {
-      bf16* C = scratch->get<bf16>("gemm c16", M * N);
-      tcm::matmul_hopper(int(M), int(N), int(K), A, B, C, stream());
-      launch(gemm_epilogue<bf16>, M * N, C, c.f32(), M * N, alpha, beta);
+      bf16* C = scratch->get<bf16>("gemm c16", slices * M * N);
+      fork->begin(slices);
+      for (int i = 0; i < slices; ++i) {
+        const std::int64_t k0 = std::int64_t{i} * ks, length = std::min<std::int64_t>(ks, K - k0);
+        tcm::matmul_hopper(int(M), int(N), int(length), A + M * k0, B + N * k0, C + i * M * N, fork->at(i));
+      }
+      fork->end(slices);
+      launch(gemm_epilogue<bf16>, M * N, C, slices, c.f32(), M * N, alpha, beta);
     } else if (alpha == 1.0f && beta == 0.0f) {
       tcm::matmul(int(M), int(N), int(K), A, B, c.f32(), stream());
     } else {
       float* C = scratch->get<float>("gemm c32", M * N);
       tcm::matmul(int(M), int(N), int(K), A, B, C, stream());
-      launch(gemm_epilogue<float>, M * N, C, c.f32(), M * N, alpha, beta);
+      launch(gemm_epilogue<float>, M * N, C, 1, c.f32(), M * N, alpha, beta);
     }
     return true;
   };

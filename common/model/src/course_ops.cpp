@@ -113,9 +113,9 @@ std::string CourseOps::report() const {
     if (note.empty() && r.shapes_checked)
       note = "agreed at " + std::to_string(r.shapes_checked) + " shape" + (r.shapes_checked > 1 ? "s" : "") +
              ", largest error " + number(r.worst_error) + " of the largest value";
-    if (r.fallback.empty() && r.shapes_unchecked)
-      note += "; then " + std::to_string(r.shapes_unchecked) + " more shape" + (r.shapes_unchecked > 1 ? "s" : "") +
-              " unchecked";
+    if (r.fallback.empty() && r.unchecked_calls)
+      note += "; then " + std::to_string(r.unchecked_calls) + " more call" + (r.unchecked_calls > 1 ? "s" : "") +
+              " uncompared";
     if (r.fallback.empty() && r.shapes_declined)
       note += std::string(note.empty() ? "" : "; ") + "declined " + std::to_string(r.shapes_declined) + " shape" +
               (r.shapes_declined > 1 ? "s" : "") + " it does not take";
@@ -214,7 +214,8 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::string& f
     if (!name.empty() && name != e.row.kernel) {  // a kernel cannot stand in for itself
       e.row.replaced = e.row.kernel + ", which " + (failure == "not implemented" ? "is not implemented" : failure);
       e.row.kernel = name;
-      e.row.shapes_checked = e.row.shapes_unchecked = e.row.shapes_declined = 0;
+      e.row.shapes_checked = e.row.shapes_declined = 0;
+      e.row.unchecked_calls = 0;
       e.row.worst_error = 0;
       e.shapes.clear();
       e.families.clear();
@@ -237,13 +238,15 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::string& f
     return false;
   }
   ++e.row.course_calls;
-  if (compare) {
-    ++e.row.shapes_checked;
-    e.row.worst_error = std::max(e.row.worst_error, worst);
-    ++e.families[family];
-  } else {
-    ++e.row.shapes_unchecked;
+  if (!compare) {
+    // Not remembered: a MoE meets a new split of its rows at nearly every call, and a table of
+    // them would grow through the whole run. The next call at this shape comes here again.
+    ++e.row.unchecked_calls;
+    return true;
   }
+  ++e.row.shapes_checked;
+  e.row.worst_error = std::max(e.row.worst_error, worst);
+  ++e.families[family];
   e.shapes[shape] = true;
   return true;
 }

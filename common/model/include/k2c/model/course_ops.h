@@ -13,9 +13,11 @@
 // a checked shape run the course kernel alone: the check costs one extra call per shape, and a
 // dense model's step calls each operation at the same few shapes every time. A MoE's expert GEMMs
 // meet new rows at every call (a grouped call's shape includes how its rows split into groups),
-// so checks stop once `checks` shapes of a family (the same shape but for those rows) have agreed: from then on a new shape of that family runs the course
-// kernel uncompared (a throw or a decline there still leaves the trusted result), and the table
-// counts those shapes. A kernel that throws at a shape it had computed before ends the run with
+// so checks stop once `checks` shapes of a family (the same shape but for those rows) have
+// agreed: from then on a new shape of that family runs the course kernel uncompared (a throw or a
+// decline there still leaves the trusted result), and the table counts those calls without
+// remembering their shapes (a declined shape is remembered, so that the kernel is not asked again).
+// A kernel that throws at a shape it had computed before ends the run with
 // that message: its outputs are half written and nothing is kept to fall back on.
 //
 // Agreement is judged on what the call changed (for an output the operation adds into, the
@@ -88,7 +90,7 @@ class CourseOps final : public ForwardingOps {
     long course_calls = 0, trusted_calls = 0;  // over the run (a replaced kernel's calls included)
     int shapes_checked = 0;     // shapes at which the course kernel agreed
     int shapes_declined = 0;    // shapes it does not take (the trusted backend runs them)
-    int shapes_unchecked = 0;   // shapes it ran after the checks stopped
+    long unchecked_calls = 0;   // uncompared calls: at shapes first met after their family's checks stopped
     double worst_error = 0;     // the largest per-element error of those checks (of the largest value)
     std::string fallback;       // why the trusted backend took over ("" while the course kernel runs)
     std::string replaced;       // the kernel that ran before `kernel` and why it was replaced ("" if none)

@@ -171,13 +171,14 @@ class Ops {
   virtual void row_dot(const Tensor& a, const Tensor& b, Tensor& out) = 0;
   // x[r, :] *= scale[r].
   virtual void scale_rows(Tensor& x, const Tensor& scale) = 0;
-  // The sum of each column of x [N, E], in double, in order of the rows: the router's mean
-  // probability per expert, for the balance loss. By default on the host after a download; a
-  // device backend sums where x is and returns E numbers.
+  // The sum of each column of x [N, E], in double: the router's mean probability per expert, for
+  // the balance loss. By default on the host after a download, in order of the rows; a device
+  // backend sums where x is (in its own order) and returns E numbers.
   virtual std::vector<double> column_sums(const Tensor& x);
   // The router probabilities' gradient: out[n, e] = Σ_j [indices[n, j] = e]·values[n, j] (in
   // order of j) + column_add[e]; indices i32 [N, k], values [N, k], out [N, E] written whole. By
-  // default on the host, then one upload of out; a device backend uploads E numbers instead.
+  // default on the host, then one upload of out; a device backend uploads E numbers instead. An
+  // expert outside [0, E) throws std::out_of_range (out may be written by then).
   virtual void routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
                             Tensor& out);
 
