@@ -242,6 +242,159 @@ std::function<std::string()> part_a_after(std::shared_ptr<Parts> parts, std::str
   };
 }
 
+namespace tcm = k2c::tensor_core_matmul;
+
+// 05's GEMM behind the model's products, c = alpha·op(a)·op(b) + beta·c on fp32 tensors, as 05's
+// C = A·Bᵀ with A (M×K) and B (N×K) K-major, in bf16 (Hopper part) or fp32 (Part A) out. The
+// Linear layers that share an input (attention's q, k and v; the MLP's gate and up) convert it
+// once for all their products, and sum their input gradients in one epilogue.
+class CourseGemm {
+ public:
+  CourseGemm(std::shared_ptr<Scratch> scratch, std::shared_ptr<Parts> parts, int sms)
+      : scratch_(std::move(scratch)), parts_(std::move(parts)), sms_(sms) {}
+
+  bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+    const auto [ar, ac] = matrix(a);
+    const auto [br, bc] = matrix(b);
+    const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc;
+    if (!fits(M, N, K, ta || !tb)) return false;
+    parts_->ran_hopper = parts_->hopper && K % 8 == 0;
+    const int ks = parts_->ran_hopper ? slice_length(M, N, K, sms_) : static_cast<int>(K);
+    bf16* A = operand("gemm a", a, ar, ac, ta, ks);
+    bf16* B = operand("gemm b", b, br, bc, !tb, ks);
+    if (parts_->ran_hopper) {
+      bf16* C = scratch_->get<bf16>("gemm c16", (K + ks - 1) / ks * M * N);
+      const int slices = products(A, B, M, N, K, ks, C);
+      launch(gemm_epilogue<bf16>, M * N, C, slices, c.f32(), M * N, alpha, beta);
+    } else if (alpha == 1.0f && beta == 0.0f) {
+      tcm::matmul(int(M), int(N), int(K), A, B, c.f32(), stream());
+    } else {
+      float* C = scratch_->get<float>("gemm c32", M * N);
+      tcm::matmul(int(M), int(N), int(K), A, B, C, stream());
+      launch(gemm_epilogue<float>, M * N, C, 1, c.f32(), M * N, alpha, beta);
+    }
+    return true;
+  }
+
+  // ys[i] = x·W_iᵀ (Ops::shared_linear_forward), x converted once.
+  bool shared_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
+    const auto [M, K] = matrix(x);
+    if (ys.size() != ws.size()) return false;  // the trusted backend names the error
+    bool one_slice = parts_->hopper && K % 8 == 0;
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      const auto [N, w_cols] = matrix(*ws[i]);
+      if (w_cols != K || matrix(*ys[i]) != std::pair{M, N} || !fits(M, N, K, false)) return false;
+      one_slice = one_slice && slice_length(M, N, K, sms_) == K;
+    }
+    if (!one_slice) {  // Part A, or a product to split: one matmul each
+      for (std::size_t i = 0; i < ws.size(); ++i) matmul(x, false, *ws[i], true, *ys[i], 1.0f, 0.0f);
+      return true;
+    }
+    parts_->ran_hopper = true;
+    bf16* A = operand("shared x", x, M, K, false, int(K));
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      const std::int64_t N = matrix(*ws[i]).first;
+      bf16* B = operand("gemm b", *ws[i], N, K, false, int(K));
+      bf16* C = scratch_->get<bf16>("gemm c16", M * N);
+      products(A, B, M, N, K, int(K), C);
+      launch(gemm_epilogue<bf16>, M * N, C, 1, ys[i]->f32(), M * N, 1.0f, 0.0f);
+    }
+    return true;
+  }
+
+  // dW_i += dy_iᵀ·x for each dws[i] given, then dx = Σ_i dy_i·W_i (Ops::shared_linear_backward):
+  // x transposed once for every weight gradient cut into the same slices, and the input
+  // gradient's products summed by one epilogue instead of one accumulation pass each.
+  bool shared_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                       std::span<Tensor* const> dws, Tensor* dx) {
+    const auto [T, K_in] = matrix(x);
+    if (dys.size() != ws.size() || dws.size() != ws.size() || (dx && matrix(*dx) != std::pair{T, K_in}))
+      return false;  // the trusted backend names the error
+    bool hopper = parts_->hopper && K_in % 8 == 0 && T % 8 == 0;
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      const auto [N_out, w_cols] = matrix(*ws[i]);
+      if (w_cols != K_in || matrix(*dys[i]) != std::pair{T, N_out} || (dws[i] && matrix(*dws[i]) != matrix(*ws[i])) ||
+          !fits(N_out, K_in, T, true) || !fits(T, K_in, N_out, true))
+        return false;  // before anything is written
+      hopper = hopper && N_out % 8 == 0 && slice_length(T, K_in, N_out, sms_) == N_out;
+    }
+    if (!hopper) {  // Part A, or a K the Hopper part does not take: one matmul each, in Ops's order
+      for (std::size_t i = 0; i < ws.size(); ++i)
+        if (dws[i]) matmul(*dys[i], true, x, false, *dws[i], 1.0f, 1.0f);
+      for (std::size_t i = 0; dx && i < ws.size(); ++i) matmul(*dys[i], false, *ws[i], false, *dx, 1.0f, i ? 1.0f : 0.0f);
+      return true;
+    }
+    parts_->ran_hopper = true;
+    int x_slices = -1;  // the slice length x was last transposed with
+    bf16* X = nullptr;
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      if (!dws[i]) continue;
+      const std::int64_t N_out = matrix(*ws[i]).first;
+      const int ks = slice_length(N_out, K_in, T, sms_);
+      if (ks != x_slices) X = operand("shared x", x, T, K_in, true, ks), x_slices = ks;
+      bf16* A = operand("gemm a", *dys[i], T, N_out, true, ks);
+      bf16* C = scratch_->get<bf16>("gemm c16", (T + ks - 1) / ks * N_out * K_in);
+      const int slices = products(A, X, N_out, K_in, T, ks, C);
+      launch(gemm_epilogue<bf16>, N_out * K_in, C, slices, dws[i]->f32(), N_out * K_in, 1.0f, 1.0f);
+    }
+    if (!dx || ws.empty()) return true;
+    bf16* parts = scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * T * K_in);
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      const std::int64_t N_out = matrix(*ws[i]).first;
+      bf16* A = operand("gemm a", *dys[i], T, N_out, false, int(N_out));
+      bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
+      products(A, B, T, K_in, N_out, int(N_out), parts + i * T * K_in);
+    }
+    launch(gemm_epilogue<bf16>, T * K_in, static_cast<const bf16*>(parts), static_cast<int>(ws.size()), dx->f32(),
+           T * K_in, 1.0f, 0.0f);
+    return true;
+  }
+
+ private:
+  // Sizes 05 takes: each within int, none zero; a transposed operand's K rows are the transpose's
+  // grid rows (gridDim.y at most 65535 · 32).
+  static bool fits(std::int64_t M, std::int64_t N, std::int64_t K, bool transposes) {
+    return fits_int(M) && fits_int(N) && fits_int(K) && M > 0 && N > 0 && K > 0 &&
+           (!transposes || (std::max({M, N, K}) + 31) / 32 <= 65535);
+  }
+  // t (rows × cols, fp32) as a K-major bf16 operand in slices of ks, in the scratch buffer `name`:
+  // transposed (K = rows) or not (K = cols).
+  bf16* operand(const std::string& name, const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed,
+                int ks) {
+    bf16* dst = scratch_->get<bf16>(name, rows * cols);
+    const std::int64_t K = transposed ? rows : cols;
+    if (transposed) {
+      to_bf16_transposed<<<dim3((cols + 31) / 32, (rows + 31) / 32), dim3(32, 8), 0, stream()>>>(
+          t.f32(), dst, int(rows), int(cols), ks);
+      K2C_CUDA_CHECK_LAUNCH();
+    } else if (ks >= K) {
+      launch(to_bf16_plain, t.numel(), t.f32(), dst, t.numel());
+    } else {
+      to_bf16_sliced<<<static_cast<unsigned>(std::min<std::int64_t>(rows, 8192)), kThreads, 0, stream()>>>(
+          t.f32(), dst, int(rows), int(cols), ks);
+      K2C_CUDA_CHECK_LAUNCH();
+    }
+    return dst;
+  }
+  // The Hopper part's products of A (M × K) and B (N × K) in slices of ks, slice i's bf16 product
+  // at C + i·M·N, each slice on a stream of its own; returns the number of slices.
+  int products(const bf16* A, const bf16* B, std::int64_t M, std::int64_t N, std::int64_t K, int ks, bf16* C) {
+    const int slices = static_cast<int>((K + ks - 1) / ks);
+    fork_.begin(slices);
+    for (int i = 0; i < slices; ++i) {
+      const std::int64_t k0 = std::int64_t{i} * ks, length = std::min<std::int64_t>(ks, K - k0);
+      tcm::matmul_hopper(int(M), int(N), int(length), A + M * k0, B + N * k0, C + i * M * N, fork_.at(i));
+    }
+    fork_.end(slices);
+    return slices;
+  }
+
+  std::shared_ptr<Scratch> scratch_;
+  std::shared_ptr<Parts> parts_;
+  int sms_;
+  Fork fork_;
+};
+
 }  // namespace
 
 // Declared in course_kernels.h. A call that faults on the GPU (an illegal address, say) cannot be
@@ -286,52 +439,16 @@ model::CourseKernels course_kernels() {
     K2C_CUDA_CHECK(cudaGetDevice(&device));
     K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   }
-  auto fork = std::make_shared<Fork>();
-  k.matmul = [scratch, gemm_hopper, fork, sms](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
-                                               float alpha, float beta) {
-    const auto [ar, ac] = matrix(a);
-    const auto [br, bc] = matrix(b);
-    const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc;
-    if (!fits_int(M) || !fits_int(N) || !fits_int(K) || M == 0 || N == 0 || K == 0) return false;
-    // A transposed operand's K rows are the transpose's grid rows (gridDim.y at most 65535).
-    if ((ta || !tb) && (K + 31) / 32 > 65535) return false;
-    gemm_hopper->ran_hopper = gemm_hopper->hopper && K % 8 == 0;
-    const int ks = gemm_hopper->ran_hopper ? slice_length(M, N, K, sms) : static_cast<int>(K);
-    const int slices = static_cast<int>((K + ks - 1) / ks);
-    bf16* A = scratch->get<bf16>("gemm a", M * K);
-    bf16* B = scratch->get<bf16>("gemm b", N * K);
-    auto convert = [&](const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed, bf16* dst) {
-      if (transposed) {
-        to_bf16_transposed<<<dim3((cols + 31) / 32, (rows + 31) / 32), dim3(32, 8), 0, stream()>>>(
-            t.f32(), dst, int(rows), int(cols), ks);
-        K2C_CUDA_CHECK_LAUNCH();
-      } else if (slices == 1) {
-        launch(to_bf16_plain, t.numel(), t.f32(), dst, t.numel());
-      } else {
-        to_bf16_sliced<<<static_cast<unsigned>(std::min<std::int64_t>(rows, 8192)), kThreads, 0, stream()>>>(
-            t.f32(), dst, int(rows), int(cols), ks);
-        K2C_CUDA_CHECK_LAUNCH();
-      }
-    };
-    convert(a, ar, ac, ta, A);   // A: M × K, K-major
-    convert(b, br, bc, !tb, B);  // B: N × K, K-major
-    if (gemm_hopper->ran_hopper) {
-      bf16* C = scratch->get<bf16>("gemm c16", slices * M * N);
-      fork->begin(slices);
-      for (int i = 0; i < slices; ++i) {
-        const std::int64_t k0 = std::int64_t{i} * ks, length = std::min<std::int64_t>(ks, K - k0);
-        tcm::matmul_hopper(int(M), int(N), int(length), A + M * k0, B + N * k0, C + i * M * N, fork->at(i));
-      }
-      fork->end(slices);
-      launch(gemm_epilogue<bf16>, M * N, C, slices, c.f32(), M * N, alpha, beta);
-    } else if (alpha == 1.0f && beta == 0.0f) {
-      tcm::matmul(int(M), int(N), int(K), A, B, c.f32(), stream());
-    } else {
-      float* C = scratch->get<float>("gemm c32", M * N);
-      tcm::matmul(int(M), int(N), int(K), A, B, C, stream());
-      launch(gemm_epilogue<float>, M * N, C, 1, c.f32(), M * N, alpha, beta);
-    }
-    return true;
+  const auto gemm = std::make_shared<CourseGemm>(scratch, gemm_hopper, sms);
+  k.matmul = [gemm](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+    return gemm->matmul(a, ta, b, tb, c, alpha, beta);
+  };
+  k.shared_linear_forward = [gemm](const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
+    return gemm->shared_forward(x, ws, ys);
+  };
+  k.shared_linear_backward = [gemm](const Tensor& x, std::span<const Tensor* const> ws,
+                                    std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
+    return gemm->shared_backward(x, ws, dys, dws, dx);
   };
 
   // ---- 10: the experts' grouped GEMMs, one launch over every group, fp32 outputs (Part A's; its

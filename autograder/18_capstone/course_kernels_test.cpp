@@ -88,6 +88,30 @@ TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
   expect_row("matmul", shapes);
 }
 
+// Linear layers that share an input: one compound call each way, checked as a shape of the matmul
+// row. T = 64, 520 and 2048 take the Hopper part's shared path (T % 8 == 0; 520 rows leave a
+// tile's tail; at 2048 the weight gradients are split into 4 slices of K, x transposed once for
+// all of them); T = 37 goes one product at a time (Part A: K % 8 ≠ 0 for the weight gradients).
+// The second weight is frozen (no gradient); dx is written whole.
+TEST_F(CourseKernels, LinearsThatShareAnInput) {
+  int shapes = 0;
+  for (const std::int64_t T : {64, 520, 2048, 37}) {
+    const std::int64_t K = 96;
+    Tensor x = random({T, K}), w0 = random({128, K}), w1 = random({32, K}), w2 = random({40, K});
+    Tensor y0 = side_->poisoned({T, 128}), y1 = side_->poisoned({T, 32}), y2 = side_->poisoned({T, 40});
+    const Tensor* ws[] = {&w0, &w1, &w2};
+    Tensor* ys[] = {&y0, &y1, &y2};
+    course_->shared_linear_forward(x, ws, ys);
+    Tensor dy0 = random({T, 128}), dy1 = random({T, 32}), dy2 = random({T, 40});
+    Tensor dw0 = random({128, K}), dw2 = random({40, K}), dx = side_->poisoned({T, K});
+    const Tensor* dys[] = {&dy0, &dy1, &dy2};
+    Tensor* dws[] = {&dw0, nullptr, &dw2};
+    course_->shared_linear_backward(x, ws, dys, dws, &dx);
+    shapes += 2;
+  }
+  expect_row("matmul", shapes);
+}
+
 TEST_F(CourseKernels, GroupedGemmsWithEmptyGroupsAndAnOffsetFirstGroup) {
   // 5 groups of a stacked weight of 8, from group 2: sizes 3, 0, 17, 1 and 0 rows.
   const std::vector<std::int64_t> offsets{0, 3, 3, 20, 21, 21};

@@ -270,14 +270,33 @@ void CourseOps::linear_backward(const Tensor& x, const Tensor& w, const Tensor& 
   if (matmul_on()) Ops::linear_backward(x, w, dy, dw, dx);
   else inner_.linear_backward(x, w, dy, dw, dx);
 }
+// With the adapter's compound kernels, one call (a shape of its own in the matmul row: every
+// weight, and which gradients it takes); without them, one matmul call per product.
 void CourseOps::shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
-  if (matmul_on()) Ops::shared_linear_forward(x, ws, ys);
-  else inner_.shared_linear_forward(x, ws, ys);
+  if (!matmul_on()) return inner_.shared_linear_forward(x, ws, ys);
+  if (!kernels_.shared_linear_forward) return Ops::shared_linear_forward(x, ws, ys);
+  std::string shape = shape_of(x) + " x shared";
+  std::vector<Out> outs;
+  for (std::size_t i = 0; i < ws.size(); ++i) {
+    shape += " " + shape_of(*ws[i]) + "T";
+    outs.push_back({ys[i], false});
+  }
+  run("matmul", true, shape, shape, outs, [&] { return kernels_.shared_linear_forward(x, ws, ys); },
+      [&] { inner_.shared_linear_forward(x, ws, ys); });
 }
 void CourseOps::shared_linear_backward(const Tensor& x, std::span<const Tensor* const> ws,
                                        std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
-  if (matmul_on()) Ops::shared_linear_backward(x, ws, dys, dws, dx);
-  else inner_.shared_linear_backward(x, ws, dys, dws, dx);
+  if (!matmul_on()) return inner_.shared_linear_backward(x, ws, dys, dws, dx);
+  if (!kernels_.shared_linear_backward) return Ops::shared_linear_backward(x, ws, dys, dws, dx);
+  std::string shape = "backward of " + shape_of(x) + " x shared";
+  std::vector<Out> outs;
+  for (std::size_t i = 0; i < ws.size(); ++i) {
+    shape += " " + shape_of(*ws[i]) + "T" + (dws[i] ? " dW" : "");
+    if (dws[i]) outs.push_back({dws[i], true});
+  }
+  if (dx) outs.push_back({dx, false}), shape += " dx";
+  run("matmul", true, shape, shape, outs, [&] { return kernels_.shared_linear_backward(x, ws, dys, dws, dx); },
+      [&] { inner_.shared_linear_backward(x, ws, dys, dws, dx); });
 }
 
 namespace {

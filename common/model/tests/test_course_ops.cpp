@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -531,6 +532,70 @@ TEST(CourseOps, WithoutAGroupedKernelTheGroupsGoThroughTheCourseGemm) {
 
 // A whole training run whose kernels are the CPU backend's own: the Linear layers' compound GEMMs go
 // through the course matmul one product at a time, and the loss is the trusted run's to the bit.
+// Linear layers that share an input go to the compound kernels as one call, checked as one shape
+// of the matmul row; a compound kernel that is wrong for one of its outputs is caught there, and
+// the trusted backend takes over the matmul row (the plain products included).
+TEST(CourseOps, SharedInputLinearsAreOneCheckedCall) {
+  for (const float nudge : {0.0f, 0.1f}) {
+    SCOPED_TRACE(nudge == 0.0f ? "right" : "dx 10 % off");
+    int forward = 0, backward = 0, plain = 0;
+    CourseKernels k;
+    k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float al, float be) {
+      ++plain;
+      cpu_ops().matmul(a, ta, b, tb, c, al, be);
+      return true;
+    };
+    k.shared_linear_forward = [&](const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
+      ++forward;
+      cpu_ops().shared_linear_forward(x, ws, ys);
+      return true;
+    };
+    k.shared_linear_backward = [&](const Tensor& x, std::span<const Tensor* const> ws,
+                                   std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
+      ++backward;
+      cpu_ops().shared_linear_backward(x, ws, dys, dws, dx);
+      if (dx) cpu_ops().scale(*dx, 1.0f + nudge);
+      return true;
+    };
+    k.names["matmul"] = "test matmul";
+    CourseOps ops(cpu_ops(), std::move(k));
+    Side s(ops);
+    Tensor x = s.upload(random_values(6 * 5, 1), {6, 5}), w0 = s.upload(random_values(4 * 5, 2), {4, 5}),
+           w1 = s.upload(random_values(3 * 5, 3), {3, 5});
+    Tensor dy0 = s.upload(random_values(6 * 4, 4), {6, 4}), dy1 = s.upload(random_values(6 * 3, 5), {6, 3});
+    const Tensor* ws[] = {&w0, &w1};
+    const Tensor* dys[] = {&dy0, &dy1};
+    for (int step = 0; step < 2; ++step) {
+      Tensor y0 = s.poisoned({6, 4}), y1 = s.poisoned({6, 3}), dw0 = s.tensor({4, 5}), dx = s.poisoned({6, 5});
+      cpu_ops().fill(dw0, 0.0f);
+      Tensor* ys[] = {&y0, &y1};
+      Tensor* dws[] = {&dw0, nullptr};
+      ops.shared_linear_forward(x, ws, ys);
+      ops.shared_linear_backward(x, ws, dys, dws, &dx);
+      // Whatever ran, the results are the trusted ones to rounding.
+      Side t;
+      Tensor tx = t.upload(s.download(x), {6, 5}), tw1 = t.upload(s.download(w1), {3, 5}), ty1 = t.tensor({6, 3});
+      cpu_ops().matmul(tx, false, tw1, true, ty1, 1.0f, 0.0f);
+      const std::vector<float> got = s.download(y1), want = t.download(ty1);
+      for (std::size_t i = 0; i < got.size(); ++i) EXPECT_FLOAT_EQ(got[i], want[i]);
+      for (float v : s.download(dx)) EXPECT_TRUE(std::isfinite(v));
+    }
+    const auto r = row(ops.table(), "matmul");
+    EXPECT_EQ(plain, 0);
+    EXPECT_EQ(forward, nudge == 0.0f ? 2 : 1);  // checked once, then alone; or replaced after the check
+    EXPECT_EQ(backward, 1 + (nudge == 0.0f));
+    if (nudge == 0.0f) {
+      EXPECT_EQ(r.shapes_checked, 2);
+      EXPECT_TRUE(r.fallback.empty()) << r.fallback;
+    } else {
+      EXPECT_NE(r.fallback.find("disagreed"), std::string::npos) << r.fallback;
+      // The failed call's trusted result; after it the compound calls go straight to the trusted
+      // backend's fused forms, not counted in the row.
+      EXPECT_EQ(r.trusted_calls, 1);
+    }
+  }
+}
+
 TEST(CourseOps, TrainingThroughCourseKernelsThatAreTheTrustedOnesChangesNoBit) {
   TrainConfig c;
   c.model = ModelConfig::tiny();
@@ -542,6 +607,15 @@ TEST(CourseOps, TrainingThroughCourseKernelsThatAreTheTrustedOnesChangesNoBit) {
   CourseKernels k;
   k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& cc, float al, float be) {
     cpu.matmul(a, ta, b, tb, cc, al, be);
+    return true;
+  };
+  k.shared_linear_forward = [&](const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
+    cpu.shared_linear_forward(x, ws, ys);
+    return true;
+  };
+  k.shared_linear_backward = [&](const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                                 std::span<Tensor* const> dws, Tensor* dx) {
+    cpu.shared_linear_backward(x, ws, dys, dws, dx);
     return true;
   };
   k.rmsnorm_forward = [&](const Tensor& x, const Tensor& g, float eps, Tensor& y, Tensor& r) {

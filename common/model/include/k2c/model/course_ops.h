@@ -45,6 +45,14 @@ namespace k2c::model {
 // One optional course kernel per operation; `names` says which module's function each one is.
 struct CourseKernels {
   std::function<bool(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta)> matmul;
+  // Several Linear layers that read one input (Ops::shared_linear_forward, shared_linear_backward),
+  // with the matmul kernel's GEMM: the adapter can convert that input once. Used, and checked as
+  // the matmul row, while the matmul kernel runs; without them each product goes through matmul.
+  std::function<bool(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys)>
+      shared_linear_forward;
+  std::function<bool(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                     std::span<Tensor* const> dws, Tensor* dx)>
+      shared_linear_backward;
   // The MoE layer's grouped GEMMs (Ops::grouped_matmul, Ops::grouped_weight_grad: dw +=). Without
   // them, and while the matmul kernel runs, each group goes through the matmul kernel.
   std::function<bool(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
