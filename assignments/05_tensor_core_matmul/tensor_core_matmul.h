@@ -8,6 +8,8 @@
 //      without transposing.
 //   C  M×N, row-major, bf16 (each fp32 sum rounded once, to nearest even) or fp32.
 // Densely packed device arrays; any M, N, K >= 0 (K == 0 writes zeros); asynchronous on `stream`.
+// Calls may run at once on different streams (the capstone's course mode splits a long K so),
+// so keep no state in device memory from one call to the next.
 // std::invalid_argument for a negative size or a null pointer that would be used.
 //
 // Part A, matmul(): mma.sync m16n8k16 + ldmatrix + cp.async, for any GPU from sm_80 on. Its fast

@@ -96,13 +96,14 @@ __global__ void to_bf16_transposed(const float* src, bf16* dst, int rows, int co
       slice[static_cast<std::int64_t>(c) * length + (r - k0)] = __float2bfloat16(tile[threadIdx.x][y]);
   }
 }
-// c = alpha·(the sum of `parts` products of n elements, one after another) + beta·c, summed in
-// fp32, with beta = 0 ignoring c's old contents (NaN included), as matmul's contract says.
+// c = alpha·(the sum of `parts` products of n elements, `stride` apart) + beta·c, summed in fp32,
+// with beta = 0 ignoring c's old contents (NaN included), as matmul's contract says.
 template <class T>
-__global__ void gemm_epilogue(const T* src, int parts, float* c, std::int64_t n, float alpha, float beta) {
+__global__ void gemm_epilogue(const T* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha,
+                              float beta) {
   FOR_EACH(i, n) {
     float sum = 0.0f;
-    for (int p = 0; p < parts; ++p) sum += static_cast<float>(src[p * n + i]);
+    for (int p = 0; p < parts; ++p) sum += static_cast<float>(src[p * stride + i]);
     const float v = alpha * sum;
     c[i] = beta == 0.0f ? v : v + beta * c[i];
   }
@@ -177,10 +178,12 @@ class Fork {
     for (int i = 1; i < n; ++i) K2C_CUDA_CHECK(cudaStreamWaitEvent(side_[i], start_));
   }
   cudaStream_t at(int i) const { return i == 0 ? stream() : side_[i]; }
-  void end(int n) {
+  // Unchecked, since it also runs while an exception unwinds: these calls fail only when the
+  // device already has, and the next checked call reports that.
+  void end(int n) noexcept {
     for (int i = 1; i < n; ++i) {
-      K2C_CUDA_CHECK(cudaEventRecord(done_[i], side_[i]));
-      K2C_CUDA_CHECK(cudaStreamWaitEvent(stream(), done_[i]));
+      cudaEventRecord(done_[i], side_[i]);
+      cudaStreamWaitEvent(stream(), done_[i]);
     }
   }
 
@@ -247,7 +250,8 @@ namespace tcm = k2c::tensor_core_matmul;
 // 05's GEMM behind the model's products, c = alpha·op(a)·op(b) + beta·c on fp32 tensors, as 05's
 // C = A·Bᵀ with A (M×K) and B (N×K) K-major, in bf16 (Hopper part) or fp32 (Part A) out. The
 // Linear layers that share an input (attention's q, k and v; the MLP's gate and up) convert it
-// once for all their products, and sum their input gradients in one epilogue.
+// once for all their products, and sum their input gradients in one epilogue. A call returns
+// false (declines) only before it has written anything.
 class CourseGemm {
  public:
   CourseGemm(std::shared_ptr<Scratch> scratch, std::shared_ptr<Parts> parts, int sms)
@@ -263,15 +267,16 @@ class CourseGemm {
     bf16* A = operand("gemm a", a, ar, ac, ta, ks);
     bf16* B = operand("gemm b", b, br, bc, !tb, ks);
     if (parts_->ran_hopper) {
-      bf16* C = scratch_->get<bf16>("gemm c16", (K + ks - 1) / ks * M * N);
-      const int slices = products(A, B, M, N, K, ks, C);
-      launch(gemm_epilogue<bf16>, M * N, C, slices, c.f32(), M * N, alpha, beta);
+      const std::int64_t stride = padded(M * N);
+      bf16* C = scratch_->get<bf16>("gemm c16", (K + ks - 1) / ks * stride);
+      const int slices = products(A, B, M, N, K, ks, C, stride);
+      launch(gemm_epilogue<bf16>, M * N, C, slices, stride, c.f32(), M * N, alpha, beta);
     } else if (alpha == 1.0f && beta == 0.0f) {
       tcm::matmul(int(M), int(N), int(K), A, B, c.f32(), stream());
     } else {
       float* C = scratch_->get<float>("gemm c32", M * N);
       tcm::matmul(int(M), int(N), int(K), A, B, C, stream());
-      launch(gemm_epilogue<float>, M * N, C, 1, c.f32(), M * N, alpha, beta);
+      launch(gemm_epilogue<float>, M * N, C, 1, M * N, c.f32(), M * N, alpha, beta);
     }
     return true;
   }
@@ -287,7 +292,12 @@ class CourseGemm {
       one_slice = one_slice && slice_length(M, N, K, sms_) == K;
     }
     if (!one_slice) {  // Part A, or a product to split: one matmul each
-      for (std::size_t i = 0; i < ws.size(); ++i) matmul(x, false, *ws[i], true, *ys[i], 1.0f, 0.0f);
+      bool hopper = false;
+      for (std::size_t i = 0; i < ws.size(); ++i) {
+        matmul(x, false, *ws[i], true, *ys[i], 1.0f, 0.0f);
+        hopper = hopper || parts_->ran_hopper;
+      }
+      parts_->ran_hopper = hopper;  // so that a failure here can give way to Part A
       return true;
     }
     parts_->ran_hopper = true;
@@ -296,8 +306,8 @@ class CourseGemm {
       const std::int64_t N = matrix(*ws[i]).first;
       bf16* B = operand("gemm b", *ws[i], N, K, false, int(K));
       bf16* C = scratch_->get<bf16>("gemm c16", M * N);
-      products(A, B, M, N, K, int(K), C);
-      launch(gemm_epilogue<bf16>, M * N, C, 1, ys[i]->f32(), M * N, 1.0f, 0.0f);
+      products(A, B, M, N, K, int(K), C, 0);
+      launch(gemm_epilogue<bf16>, M * N, C, 1, M * N, ys[i]->f32(), M * N, 1.0f, 0.0f);
     }
     return true;
   }
@@ -308,8 +318,9 @@ class CourseGemm {
   bool shared_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
                        std::span<Tensor* const> dws, Tensor* dx) {
     const auto [T, K_in] = matrix(x);
-    if (dys.size() != ws.size() || dws.size() != ws.size() || (dx && matrix(*dx) != std::pair{T, K_in}))
-      return false;  // the trusted backend names the error
+    if (dys.size() != ws.size() || dws.size() != ws.size() || (dx && matrix(*dx) != std::pair{T, K_in}) ||
+        (dx && ws.empty()))
+      return false;  // the trusted backend names the error (or writes dx's empty sum)
     bool hopper = parts_->hopper && K_in % 8 == 0 && T % 8 == 0;
     for (std::size_t i = 0; i < ws.size(); ++i) {
       const auto [N_out, w_cols] = matrix(*ws[i]);
@@ -319,9 +330,12 @@ class CourseGemm {
       hopper = hopper && N_out % 8 == 0 && slice_length(T, K_in, N_out, sms_) == N_out;
     }
     if (!hopper) {  // Part A, or a K the Hopper part does not take: one matmul each, in Ops's order
+      bool ran = false;
       for (std::size_t i = 0; i < ws.size(); ++i)
-        if (dws[i]) matmul(*dys[i], true, x, false, *dws[i], 1.0f, 1.0f);
-      for (std::size_t i = 0; dx && i < ws.size(); ++i) matmul(*dys[i], false, *ws[i], false, *dx, 1.0f, i ? 1.0f : 0.0f);
+        if (dws[i]) matmul(*dys[i], true, x, false, *dws[i], 1.0f, 1.0f), ran = ran || parts_->ran_hopper;
+      for (std::size_t i = 0; dx && i < ws.size(); ++i)
+        matmul(*dys[i], false, *ws[i], false, *dx, 1.0f, i ? 1.0f : 0.0f), ran = ran || parts_->ran_hopper;
+      parts_->ran_hopper = ran;  // so that a failure here can give way to Part A
       return true;
     }
     parts_->ran_hopper = true;
@@ -329,34 +343,38 @@ class CourseGemm {
     bf16* X = nullptr;
     for (std::size_t i = 0; i < ws.size(); ++i) {
       if (!dws[i]) continue;
-      const std::int64_t N_out = matrix(*ws[i]).first;
+      const std::int64_t N_out = matrix(*ws[i]).first, stride = padded(N_out * K_in);
       const int ks = slice_length(N_out, K_in, T, sms_);
       if (ks != x_slices) X = operand("shared x", x, T, K_in, true, ks), x_slices = ks;
       bf16* A = operand("gemm a", *dys[i], T, N_out, true, ks);
-      bf16* C = scratch_->get<bf16>("gemm c16", (T + ks - 1) / ks * N_out * K_in);
-      const int slices = products(A, X, N_out, K_in, T, ks, C);
-      launch(gemm_epilogue<bf16>, N_out * K_in, C, slices, dws[i]->f32(), N_out * K_in, 1.0f, 1.0f);
+      bf16* C = scratch_->get<bf16>("gemm c16", (T + ks - 1) / ks * stride);
+      const int slices = products(A, X, N_out, K_in, T, ks, C, stride);
+      launch(gemm_epilogue<bf16>, N_out * K_in, C, slices, stride, dws[i]->f32(), N_out * K_in, 1.0f, 1.0f);
     }
-    if (!dx || ws.empty()) return true;
-    bf16* parts = scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * T * K_in);
+    if (!dx) return true;
+    const std::int64_t stride = padded(T * K_in);
+    bf16* partial = scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * stride);
     for (std::size_t i = 0; i < ws.size(); ++i) {
       const std::int64_t N_out = matrix(*ws[i]).first;
       bf16* A = operand("gemm a", *dys[i], T, N_out, false, int(N_out));
       bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
-      products(A, B, T, K_in, N_out, int(N_out), parts + i * T * K_in);
+      products(A, B, T, K_in, N_out, int(N_out), partial + i * stride, 0);
     }
-    launch(gemm_epilogue<bf16>, T * K_in, static_cast<const bf16*>(parts), static_cast<int>(ws.size()), dx->f32(),
-           T * K_in, 1.0f, 0.0f);
+    launch(gemm_epilogue<bf16>, T * K_in, static_cast<const bf16*>(partial), static_cast<int>(ws.size()), stride,
+           dx->f32(), T * K_in, 1.0f, 0.0f);
     return true;
   }
 
  private:
-  // Sizes 05 takes: each within int, none zero; a transposed operand's K rows are the transpose's
-  // grid rows (gridDim.y at most 65535 · 32).
+  // Sizes 05 takes: each within int (with room for a thread's stride past the end), none zero;
+  // a transposed operand's K rows are the transpose's grid rows (gridDim.y at most 65535 · 32),
+  // and every operand transposed here has K rows.
   static bool fits(std::int64_t M, std::int64_t N, std::int64_t K, bool transposes) {
-    return fits_int(M) && fits_int(N) && fits_int(K) && M > 0 && N > 0 && K > 0 &&
-           (!transposes || (std::max({M, N, K}) + 31) / 32 <= 65535);
+    auto in_int = [](std::int64_t n) { return n > 0 && n <= INT_MAX - 1024; };
+    return in_int(M) && in_int(N) && in_int(K) && (!transposes || (K + 31) / 32 <= 65535);
   }
+  // A slice's partial product starts on 16 bytes, as the Hopper part's fast stores want.
+  static std::int64_t padded(std::int64_t elements) { return (elements + 7) / 8 * 8; }
   // t (rows × cols, fp32) as a K-major bf16 operand in slices of ks, in the scratch buffer `name`:
   // transposed (K = rows) or not (K = cols).
   bf16* operand(const std::string& name, const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed,
@@ -377,15 +395,22 @@ class CourseGemm {
     return dst;
   }
   // The Hopper part's products of A (M × K) and B (N × K) in slices of ks, slice i's bf16 product
-  // at C + i·M·N, each slice on a stream of its own; returns the number of slices.
-  int products(const bf16* A, const bf16* B, std::int64_t M, std::int64_t N, std::int64_t K, int ks, bf16* C) {
+  // at C + i·stride, each slice on a stream of its own; returns the number of slices. The side
+  // streams are joined back even when a launch throws, so that no slice still runs when the
+  // scratch buffers are reused.
+  int products(const bf16* A, const bf16* B, std::int64_t M, std::int64_t N, std::int64_t K, int ks, bf16* C,
+               std::int64_t stride) {
     const int slices = static_cast<int>((K + ks - 1) / ks);
     fork_.begin(slices);
+    struct Join {
+      Fork& fork;
+      int slices;
+      ~Join() { fork.end(slices); }
+    } join{fork_, slices};
     for (int i = 0; i < slices; ++i) {
       const std::int64_t k0 = std::int64_t{i} * ks, length = std::min<std::int64_t>(ks, K - k0);
-      tcm::matmul_hopper(int(M), int(N), int(length), A + M * k0, B + N * k0, C + i * M * N, fork_.at(i));
+      tcm::matmul_hopper(int(M), int(N), int(length), A + M * k0, B + N * k0, C + i * stride, fork_.at(i));
     }
-    fork_.end(slices);
     return slices;
   }
 

@@ -89,21 +89,34 @@ TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
 }
 
 // Linear layers that share an input: one compound call each way, checked as a shape of the matmul
-// row. T = 64, 520 and 2048 take the Hopper part's shared path (T % 8 == 0; 520 rows leave a
-// tile's tail; at 2048 the weight gradients are split into 4 slices of K, x transposed once for
-// all of them); T = 37 goes one product at a time (Part A: K % 8 ≠ 0 for the weight gradients).
-// The second weight is frozen (no gradient); dx is written whole.
+// row, through every path of the adapter (132 SMs). The second weight is frozen (no gradient);
+// dx is written whole.
+//   T 64, 520, 2048 (K 96)  the shared path; at 520 a tile's tail, at 2048 every weight gradient
+//                           in 4 slices of 512 with x transposed once for all of them
+//   T 4096, K 768           weight gradients in slices of 1408 (1536 rows) and 512 (40 rows): x
+//                           transposed anew for the second
+//   T 37                    one product at a time (K % 8 ≠ 0 for the weight gradients: Part A)
+//   K 100                   one product at a time (Part A throughout)
+//   T 64, K 2048            the forward products would be split: one at a time
+//   T 64, rows 2048         the input gradient's products would be split: one at a time
 TEST_F(CourseKernels, LinearsThatShareAnInput) {
+  struct Case {
+    std::int64_t T, K, rows[3];
+  };
+  const Case cases[] = {{64, 96, {128, 32, 40}},   {520, 96, {128, 32, 40}}, {2048, 96, {128, 32, 40}},
+                        {4096, 768, {1536, 8, 40}}, {37, 96, {128, 32, 40}},  {64, 100, {128, 32, 40}},
+                        {64, 2048, {128, 32, 40}},  {64, 96, {2048, 32, 40}}};
   int shapes = 0;
-  for (const std::int64_t T : {64, 520, 2048, 37}) {
-    const std::int64_t K = 96;
-    Tensor x = random({T, K}), w0 = random({128, K}), w1 = random({32, K}), w2 = random({40, K});
-    Tensor y0 = side_->poisoned({T, 128}), y1 = side_->poisoned({T, 32}), y2 = side_->poisoned({T, 40});
+  for (const Case& c : cases) {
+    const std::int64_t T = c.T, K = c.K;
+    Tensor x = random({T, K}), w0 = random({c.rows[0], K}), w1 = random({c.rows[1], K}), w2 = random({c.rows[2], K});
+    Tensor y0 = side_->poisoned({T, c.rows[0]}), y1 = side_->poisoned({T, c.rows[1]}),
+           y2 = side_->poisoned({T, c.rows[2]});
     const Tensor* ws[] = {&w0, &w1, &w2};
     Tensor* ys[] = {&y0, &y1, &y2};
     course_->shared_linear_forward(x, ws, ys);
-    Tensor dy0 = random({T, 128}), dy1 = random({T, 32}), dy2 = random({T, 40});
-    Tensor dw0 = random({128, K}), dw2 = random({40, K}), dx = side_->poisoned({T, K});
+    Tensor dy0 = random({T, c.rows[0]}), dy1 = random({T, c.rows[1]}), dy2 = random({T, c.rows[2]});
+    Tensor dw0 = random({c.rows[0], K}), dw2 = random({c.rows[2], K}), dx = side_->poisoned({T, K});
     const Tensor* dys[] = {&dy0, &dy1, &dy2};
     Tensor* dws[] = {&dw0, nullptr, &dw2};
     course_->shared_linear_backward(x, ws, dys, dws, &dx);

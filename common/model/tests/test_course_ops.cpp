@@ -530,14 +530,14 @@ TEST(CourseOps, WithoutAGroupedKernelTheGroupsGoThroughTheCourseGemm) {
   EXPECT_NE(ops.report().find("one matmul per group, through the matmul row"), std::string::npos) << ops.report();
 }
 
-// A whole training run whose kernels are the CPU backend's own: the Linear layers' compound GEMMs go
-// through the course matmul one product at a time, and the loss is the trusted run's to the bit.
 // Linear layers that share an input go to the compound kernels as one call, checked as one shape
-// of the matmul row; a compound kernel that is wrong for one of its outputs is caught there, and
-// the trusted backend takes over the matmul row (the plain products included).
+// of the matmul row; a compound kernel that is wrong for one of its outputs (dx, or a weight
+// gradient) is caught there, its outputs replaced by the trusted ones, and the trusted backend
+// takes over the matmul row (the plain products included).
 TEST(CourseOps, SharedInputLinearsAreOneCheckedCall) {
-  for (const float nudge : {0.0f, 0.1f}) {
-    SCOPED_TRACE(nudge == 0.0f ? "right" : "dx 10 % off");
+  enum class Wrong { nothing, dx, dw };
+  for (const Wrong wrong : {Wrong::nothing, Wrong::dx, Wrong::dw}) {
+    SCOPED_TRACE(wrong == Wrong::nothing ? "right" : wrong == Wrong::dx ? "dx 10 % off" : "dW 10 % off");
     int forward = 0, backward = 0, plain = 0;
     CourseKernels k;
     k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float al, float be) {
@@ -554,37 +554,44 @@ TEST(CourseOps, SharedInputLinearsAreOneCheckedCall) {
                                    std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
       ++backward;
       cpu_ops().shared_linear_backward(x, ws, dys, dws, dx);
-      if (dx) cpu_ops().scale(*dx, 1.0f + nudge);
+      if (wrong == Wrong::dx) cpu_ops().scale(*dx, 1.1f);
+      if (wrong == Wrong::dw) cpu_ops().scale(*dws[0], 1.1f);
       return true;
     };
     k.names["matmul"] = "test matmul";
     CourseOps ops(cpu_ops(), std::move(k));
-    Side s(ops);
-    Tensor x = s.upload(random_values(6 * 5, 1), {6, 5}), w0 = s.upload(random_values(4 * 5, 2), {4, 5}),
-           w1 = s.upload(random_values(3 * 5, 3), {3, 5});
-    Tensor dy0 = s.upload(random_values(6 * 4, 4), {6, 4}), dy1 = s.upload(random_values(6 * 3, 5), {6, 3});
+    Side s(ops), t;
+    const std::vector<float> xv = random_values(6 * 5, 1), w0v = random_values(4 * 5, 2), w1v = random_values(3 * 5, 3),
+                             dy0v = random_values(6 * 4, 4), dy1v = random_values(6 * 3, 5), old = random_values(4 * 5, 6);
+    Tensor x = s.upload(xv, {6, 5}), w0 = s.upload(w0v, {4, 5}), w1 = s.upload(w1v, {3, 5});
+    Tensor dy0 = s.upload(dy0v, {6, 4}), dy1 = s.upload(dy1v, {6, 3});
     const Tensor* ws[] = {&w0, &w1};
     const Tensor* dys[] = {&dy0, &dy1};
+    // The trusted results, computed apart: y1 = x·W1ᵀ, dW0 = old + dy0ᵀ·x, dx = dy0·W0 + dy1·W1.
+    Tensor tx = t.upload(xv, {6, 5}), tw0 = t.upload(w0v, {4, 5}), tw1 = t.upload(w1v, {3, 5});
+    Tensor tdy0 = t.upload(dy0v, {6, 4}), tdy1 = t.upload(dy1v, {6, 3});
+    Tensor ty1 = t.tensor({6, 3}), tdw0 = t.upload(old, {4, 5}), tdx = t.tensor({6, 5});
+    cpu_ops().matmul(tx, false, tw1, true, ty1, 1.0f, 0.0f);
+    cpu_ops().matmul(tdy0, true, tx, false, tdw0, 1.0f, 1.0f);
+    cpu_ops().matmul(tdy0, false, tw0, false, tdx, 1.0f, 0.0f);
+    cpu_ops().matmul(tdy1, false, tw1, false, tdx, 1.0f, 1.0f);
     for (int step = 0; step < 2; ++step) {
-      Tensor y0 = s.poisoned({6, 4}), y1 = s.poisoned({6, 3}), dw0 = s.tensor({4, 5}), dx = s.poisoned({6, 5});
-      cpu_ops().fill(dw0, 0.0f);
+      Tensor y0 = s.poisoned({6, 4}), y1 = s.poisoned({6, 3}), dw0 = s.upload(old, {4, 5}), dx = s.poisoned({6, 5});
       Tensor* ys[] = {&y0, &y1};
       Tensor* dws[] = {&dw0, nullptr};
       ops.shared_linear_forward(x, ws, ys);
       ops.shared_linear_backward(x, ws, dys, dws, &dx);
-      // Whatever ran, the results are the trusted ones to rounding.
-      Side t;
-      Tensor tx = t.upload(s.download(x), {6, 5}), tw1 = t.upload(s.download(w1), {3, 5}), ty1 = t.tensor({6, 3});
-      cpu_ops().matmul(tx, false, tw1, true, ty1, 1.0f, 0.0f);
-      const std::vector<float> got = s.download(y1), want = t.download(ty1);
-      for (std::size_t i = 0; i < got.size(); ++i) EXPECT_FLOAT_EQ(got[i], want[i]);
-      for (float v : s.download(dx)) EXPECT_TRUE(std::isfinite(v));
+      // Whatever ran, the results are the trusted ones (the same CPU sums: to the bit).
+      EXPECT_EQ(s.download(y1), t.download(ty1)) << "step " << step;
+      EXPECT_EQ(s.download(dw0), t.download(tdw0)) << "step " << step;
+      EXPECT_EQ(s.download(dx), t.download(tdx)) << "step " << step;
     }
     const auto r = row(ops.table(), "matmul");
     EXPECT_EQ(plain, 0);
-    EXPECT_EQ(forward, nudge == 0.0f ? 2 : 1);  // checked once, then alone; or replaced after the check
-    EXPECT_EQ(backward, 1 + (nudge == 0.0f));
-    if (nudge == 0.0f) {
+    // Checked once, then alone; or, after the backward's failure, the trusted backend's.
+    EXPECT_EQ(forward, wrong == Wrong::nothing ? 2 : 1);
+    EXPECT_EQ(backward, wrong == Wrong::nothing ? 2 : 1);
+    if (wrong == Wrong::nothing) {
       EXPECT_EQ(r.shapes_checked, 2);
       EXPECT_TRUE(r.fallback.empty()) << r.fallback;
     } else {
@@ -596,6 +603,8 @@ TEST(CourseOps, SharedInputLinearsAreOneCheckedCall) {
   }
 }
 
+// A whole training run whose kernels are the CPU backend's own (the compound GEMMs of Linear layers
+// that share an input included): the loss is the trusted run's to the bit.
 TEST(CourseOps, TrainingThroughCourseKernelsThatAreTheTrustedOnesChangesNoBit) {
   TrainConfig c;
   c.model = ModelConfig::tiny();
