@@ -18,7 +18,8 @@
 // floor of the loss.
 //
 // Rank 0 prints one progress line per step (step, loss, validation loss, learning rate,
-// gradient norm, tokens/s, MFU when --peak-tflops gives the hardware's peak, peak memory of the
+// gradient norm, tokens/s, MFU when --peak-tflops gives the hardware's peak, or else on a GPU the
+// model FLOP rate per GPU as a share of the cuBLAS rate measured at the start, peak memory of the
 // rank's ledger), writes the CSV log that tools/plot_loss.py draws (several logs overlay on one
 // figure) and a JSON summary, and at the end samples continuations of validation prompts from
 // the model gathered onto one rank (words, with the grammar data's vocabulary).
@@ -271,7 +272,10 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     if (!root) continue;
     char val[32] = "", mfu[32] = "", norm[32] = "|g|     -";  // a norm of -1: not measured (ZeRO)
     if (r.val_loss >= 0) std::snprintf(val, sizeof val, "  val %.4f", r.val_loss);
-    if (o.peak_tflops > 0) std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * r.mfu);
+    if (o.peak_tflops > 0)
+      std::snprintf(mfu, sizeof mfu, "  MFU %.1f%%", 100 * r.mfu);
+    else if (cublas > 0)
+      std::snprintf(mfu, sizeof mfu, "  %.3f of cuBLAS", r.tokens_per_s * flops_per_token / world.size() / cublas);
     if (r.grad_norm >= 0) std::snprintf(norm, sizeof norm, "|g| %.3f", r.grad_norm);
     std::printf("step %5d/%d  loss %.4f%s  lr %.2e  %s  %.0f tok/s%s  mem %.1f MiB\n", r.step + 1, c.steps, r.loss,
                 val, r.lr, norm, r.tokens_per_s, mfu, trainer.ledger().peak_total() / 1048576.0);
