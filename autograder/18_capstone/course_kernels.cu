@@ -35,7 +35,14 @@ using model::Tensor;
 
 cudaStream_t stream() { return static_cast<cudaStream_t>(model::cuda_ops_stream()); }
 
-// ---- conversion kernels (memory-bound passes; grid-stride loops over 64-bit indices)
+// ---- conversion kernels: memory-bound passes, grid-stride loops.
+//
+// A step makes hundreds of these passes, so each has two forms. The plain form takes one element
+// per thread at any address, over 64-bit indices. The x8 form takes 8 elements per thread (two
+// 16-byte fp32 accesses, one 16-byte bf16 access) where the pointers start on 16 bytes, and the
+// layout changes for 09 do their index arithmetic in 32 bits: per element, the plain form's 64-bit
+// divisions cost more than the memory traffic they serve. Both round the same way (to nearest even),
+// so which one ran never changes a result.
 
 constexpr int kThreads = 256;
 unsigned blocks_for(std::int64_t n) {
@@ -45,22 +52,82 @@ unsigned blocks_for(std::int64_t n) {
 #define FOR_EACH(i, n) \
   for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < (n); i += std::int64_t{gridDim.x} * blockDim.x)
 
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+// The x8 layout kernels count vectors in int, with room for a grid's stride past the end.
+constexpr std::int64_t kMaxVectors = INT_MAX / 2;
+
+struct alignas(16) Bf16x8 {
+  __nv_bfloat162 h[4];
+};
+__device__ __forceinline__ Bf16x8 bf16x8_of(const float* p) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  return {{__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w), __floats2bfloat162_rn(b.x, b.y),
+           __floats2bfloat162_rn(b.z, b.w)}};
+}
+// p[0..8) = v, or += v when add.
+__device__ __forceinline__ void store_f32x8(float* p, Bf16x8 v, bool add) {
+  float4* q = reinterpret_cast<float4*>(p);
+  for (int half = 0; half < 2; ++half) {
+    const float2 lo = __bfloat1622float2(v.h[2 * half]), hi = __bfloat1622float2(v.h[2 * half + 1]);
+    float4 r = make_float4(lo.x, lo.y, hi.x, hi.y);
+    if (add) {
+      const float4 o = q[half];
+      r = make_float4(o.x + r.x, o.y + r.y, o.z + r.z, o.w + r.w);
+    }
+    q[half] = r;
+  }
+}
+
 __global__ void to_bf16_plain(const float* src, bf16* dst, std::int64_t n) { FOR_EACH(i, n) dst[i] = __float2bfloat16(src[i]); }
+__global__ void to_bf16_x8(const float* src, bf16* dst, std::int64_t n) {
+  FOR_EACH(v, n / 8) reinterpret_cast<Bf16x8*>(dst)[v] = bf16x8_of(src + 8 * v);
+  FOR_EACH(i, n % 8) dst[n / 8 * 8 + i] = __float2bfloat16(src[n / 8 * 8 + i]);
+}
 __global__ void from_bf16_plain(const bf16* src, float* dst, std::int64_t n) { FOR_EACH(i, n) dst[i] = __bfloat162float(src[i]); }
+__global__ void from_bf16_x8(const bf16* src, float* dst, std::int64_t n) {
+  FOR_EACH(v, n / 8) store_f32x8(dst + 8 * v, reinterpret_cast<const Bf16x8*>(src)[v], false);
+  FOR_EACH(i, n % 8) dst[n / 8 * 8 + i] = __bfloat162float(src[n / 8 * 8 + i]);
+}
+__global__ void add_into_plain(const float* src, float* dst, std::int64_t n) { FOR_EACH(i, n) dst[i] += src[i]; }
+__global__ void add_into_x4(const float* src, float* dst, std::int64_t n) {
+  FOR_EACH(v, n / 4) {
+    const float4 a = reinterpret_cast<const float4*>(src)[v], b = reinterpret_cast<float4*>(dst)[v];
+    reinterpret_cast<float4*>(dst)[v] = make_float4(b.x + a.x, b.y + a.y, b.z + a.z, b.w + a.w);
+  }
+  FOR_EACH(i, n % 4) dst[n / 4 * 4 + i] += src[n / 4 * 4 + i];
+}
 // dst[b][h][t][:] = bf16(src[b][t][h][:]): the model's [batch·tokens, heads·d] to 09's heads-first
-// layout .
-__global__ void to_heads_first(const float* src, bf16* dst, std::int64_t n, int T, int H, int d) {
+// layout.
+__global__ void to_heads_first_plain(const float* src, bf16* dst, std::int64_t n, int T, int H, int d) {
   FOR_EACH(i, n) {
     const std::int64_t j = i % d, h = (i / d) % H, t = (i / (std::int64_t{d} * H)) % T, b = i / (std::int64_t{d} * H * T);
     dst[((b * H + h) * T + t) * d + j] = __float2bfloat16(src[i]);
   }
 }
+// The same, vector v being elements [8v, 8v + 8) of src (d a multiple of 8).
+__global__ void to_heads_first_x8(const float* src, bf16* dst, int vectors, int T, int H, int d) {
+  const int per_head = d / 8, per_row = H * per_head;
+  for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < vectors; v += gridDim.x * blockDim.x) {
+    const int row = v / per_row, c = v - row * per_row, h = c / per_head, b = row / T, t = row - b * T;
+    reinterpret_cast<Bf16x8*>(dst)[((std::int64_t{b} * H + h) * T + t) * per_head + (c - h * per_head)] =
+        bf16x8_of(src + 8 * std::int64_t{v});
+  }
+}
 // The way back: dst[b][t][h][:] (=, or += when add) src[b][h][t][:].
-__global__ void from_heads_first(const bf16* src, float* dst, std::int64_t n, int T, int H, int d, bool add) {
+__global__ void from_heads_first_plain(const bf16* src, float* dst, std::int64_t n, int T, int H, int d, bool add) {
   FOR_EACH(i, n) {
     const std::int64_t j = i % d, h = (i / d) % H, t = (i / (std::int64_t{d} * H)) % T, b = i / (std::int64_t{d} * H * T);
     const float v = __bfloat162float(src[((b * H + h) * T + t) * d + j]);
     dst[i] = add ? dst[i] + v : v;
+  }
+}
+__global__ void from_heads_first_x8(const bf16* src, float* dst, int vectors, int T, int H, int d, bool add) {
+  const int per_head = d / 8, per_row = H * per_head;
+  for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < vectors; v += gridDim.x * blockDim.x) {
+    const int row = v / per_row, c = v - row * per_row, h = c / per_head, b = row / T, t = row - b * T;
+    store_f32x8(dst + 8 * std::int64_t{v},
+                reinterpret_cast<const Bf16x8*>(src)[((std::int64_t{b} * H + h) * T + t) * per_head + (c - h * per_head)],
+                add);
   }
 }
 // 05's operands with K cut into slices of `ks` (a multiple of 64; the last slice shorter, and
@@ -78,37 +145,96 @@ __global__ void to_bf16_sliced(const float* src, bf16* dst, int rows, int K, int
     }
 }
 // dst = bf16(srcᵀ) in slices, src rows × cols: 05's K-major operand (cols rows, K = rows) from a
-// K-minor one. A 32 × 32 tile through shared memory keeps both the reads and the writes coalesced;
-// a tile never straddles two slices (ks is a multiple of 32), so its slice is found once.
-__global__ void to_bf16_transposed(const float* src, bf16* dst, int rows, int cols, int ks) {
-  __shared__ float tile[32][33];
-  const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
-  for (int y = threadIdx.y; y < 32; y += 8) {
-    const int r = r0 + y, c = c0 + threadIdx.x;
-    if (r < rows && c < cols) tile[y][threadIdx.x] = src[static_cast<std::int64_t>(r) * cols + c];
-  }
-  __syncthreads();
+// K-minor one; and where `plain` is given, bf16(src) as it stands too (a Linear layer's dy is both:
+// transposed for the weight gradient, as it is for the input gradient), read once for both.
+// A 64 × 64 tile through shared memory keeps both the reads and the writes coalesced; a tile never
+// straddles two slices (ks is a multiple of 64, or all of K), so its slice is found once. Where
+// `vec` (cols % 4 == 0, src on 16 bytes) a whole tile whose slice length is a multiple of 8 moves
+// 4 floats a load and 8 bf16 a store; other tiles go one element at a time.
+constexpr int kTransposeTile = 64, kTransposeThreads = 256;
+__global__ void __launch_bounds__(kTransposeThreads)
+    to_bf16_transposed(const float* src, bf16* dst, bf16* plain, int rows, int cols, int ks, bool vec) {
+  constexpr int kT = kTransposeTile;
+  __shared__ float tile[kT][kT + 1];
+  const int c0 = blockIdx.x * kT, r0 = blockIdx.y * kT;
   const int s = r0 / ks, k0 = s * ks, length = min(ks, rows - k0);
   bf16* slice = dst + std::int64_t{k0} * cols;  // slices before this one: cols × ks each
-  for (int y = threadIdx.y; y < 32; y += 8) {
-    const int c = c0 + y, r = r0 + threadIdx.x;
-    if (r < rows && c < cols)
-      slice[static_cast<std::int64_t>(c) * length + (r - k0)] = __float2bfloat16(tile[threadIdx.x][y]);
+  if (vec && r0 + kT <= rows && c0 + kT <= cols && length % 8 == 0) {
+    for (int i = threadIdx.x; i < kT * kT / 4; i += kTransposeThreads) {
+      const int r = i / (kT / 4), c = i % (kT / 4) * 4;
+      const std::int64_t at = std::int64_t{r0 + r} * cols + c0 + c;
+      const float4 v = *reinterpret_cast<const float4*>(src + at);
+      tile[r][c] = v.x, tile[r][c + 1] = v.y, tile[r][c + 2] = v.z, tile[r][c + 3] = v.w;
+      if (plain) {
+        const __nv_bfloat162 pair[2] = {__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
+        *reinterpret_cast<uint2*>(plain + at) = *reinterpret_cast<const uint2*>(pair);
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kT * kT / 8; i += kTransposeThreads) {
+      const int c = i / (kT / 8), r = i % (kT / 8) * 8;
+      Bf16x8 out;
+      for (int q = 0; q < 4; ++q) out.h[q] = __floats2bfloat162_rn(tile[r + 2 * q][c], tile[r + 2 * q + 1][c]);
+      *reinterpret_cast<Bf16x8*>(slice + std::int64_t{c0 + c} * length + (r0 - k0) + r) = out;
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < kT * kT; i += kTransposeThreads) {
+    const int r = r0 + i / kT, c = c0 + i % kT;
+    if (r < rows && c < cols) {
+      const std::int64_t at = std::int64_t{r} * cols + c;
+      tile[i / kT][i % kT] = src[at];
+      if (plain) plain[at] = __float2bfloat16(src[at]);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kT * kT; i += kTransposeThreads) {
+    const int c = c0 + i / kT, r = r0 + i % kT;
+    if (r < rows && c < cols) slice[std::int64_t{c} * length + (r - k0)] = __float2bfloat16(tile[i % kT][i / kT]);
   }
 }
 // c = alpha·(the sum of `parts` products of n elements, `stride` apart) + beta·c, summed in fp32,
 // with beta = 0 ignoring c's old contents (NaN included), as matmul's contract says.
+__device__ __forceinline__ float epilogue_of(float sum, float alpha, float beta, float old) {
+  const float v = alpha * sum;
+  return beta == 0.0f ? v : v + beta * old;
+}
 template <class T>
-__global__ void gemm_epilogue(const T* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha,
-                              float beta) {
+__global__ void gemm_epilogue_plain(const T* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha,
+                                    float beta) {
   FOR_EACH(i, n) {
     float sum = 0.0f;
     for (int p = 0; p < parts; ++p) sum += static_cast<float>(src[p * stride + i]);
-    const float v = alpha * sum;
-    c[i] = beta == 0.0f ? v : v + beta * c[i];
+    c[i] = epilogue_of(sum, alpha, beta, c[i]);
   }
 }
-__global__ void add_into(const float* src, float* dst, std::int64_t n) { FOR_EACH(i, n) dst[i] += src[i]; }
+// The same on bf16 products 8 elements at a time (stride a multiple of 8).
+__global__ void gemm_epilogue_x8(const bf16* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha,
+                                 float beta) {
+  FOR_EACH(v, n / 8) {
+    float sum[8] = {};
+    for (int p = 0; p < parts; ++p) {
+      const Bf16x8 x = reinterpret_cast<const Bf16x8*>(src + p * stride)[v];
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(x.h[q]);
+        sum[2 * q] += f.x, sum[2 * q + 1] += f.y;
+      }
+    }
+    float4* out = reinterpret_cast<float4*>(c + 8 * v);
+    for (int half = 0; half < 2; ++half) {
+      const float4 o = beta == 0.0f ? float4{} : out[half];
+      const float* s = sum + 4 * half;
+      out[half] = make_float4(epilogue_of(s[0], alpha, beta, o.x), epilogue_of(s[1], alpha, beta, o.y),
+                              epilogue_of(s[2], alpha, beta, o.z), epilogue_of(s[3], alpha, beta, o.w));
+    }
+  }
+  FOR_EACH(i, n % 8) {
+    const std::int64_t e = n / 8 * 8 + i;
+    float sum = 0.0f;
+    for (int p = 0; p < parts; ++p) sum += __bfloat162float(src[p * stride + e]);
+    c[e] = epilogue_of(sum, alpha, beta, c[e]);
+  }
+}
 // 09 marks a query that sees no key with lse = +inf, the model with −inf: the sign flips both ways.
 __global__ void flip_infinite(const float* src, float* dst, std::int64_t n) {
   FOR_EACH(i, n) dst[i] = isinf(src[i]) ? -src[i] : src[i];
@@ -212,16 +338,46 @@ void launch(Kernel k, std::int64_t n, Args... args) {
   K2C_CUDA_CHECK_LAUNCH();
 }
 
+// The passes above, each in its x8 form where the pointers allow. n counts elements.
+void convert(const float* src, bf16* dst, std::int64_t n) {
+  if (aligned16(src) && aligned16(dst)) launch(to_bf16_x8, (n + 7) / 8, src, dst, n);
+  else launch(to_bf16_plain, n, src, dst, n);
+}
+void convert(const bf16* src, float* dst, std::int64_t n) {
+  if (aligned16(src) && aligned16(dst)) launch(from_bf16_x8, (n + 7) / 8, src, dst, n);
+  else launch(from_bf16_plain, n, src, dst, n);
+}
+void add_into(const float* src, float* dst, std::int64_t n) {  // dst += src
+  if (aligned16(src) && aligned16(dst)) launch(add_into_x4, (n + 3) / 4, src, dst, n);
+  else launch(add_into_plain, n, src, dst, n);
+}
+// c = alpha·Σ parts + beta·c over bf16 products `stride` apart.
+void gemm_epilogue(const bf16* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha, float beta) {
+  if (aligned16(src) && (parts == 1 || stride % 8 == 0) && aligned16(c)) launch(gemm_epilogue_x8, (n + 7) / 8, src, parts, stride, c, n, alpha, beta);
+  else launch(gemm_epilogue_plain<bf16>, n, src, parts, stride, c, n, alpha, beta);
+}
+bool heads_x8(const void* a, const void* b, std::int64_t n, int d) {
+  return d % 8 == 0 && aligned16(a) && aligned16(b) && n / 8 <= kMaxVectors;
+}
+// bf16(t) in the scratch buffer `name`.
 bf16* to_bf16(Scratch& s, const std::string& name, const Tensor& t) {
   bf16* p = s.get<bf16>(name, t.numel());
-  launch(to_bf16_plain, t.numel(), t.f32(), p, t.numel());
+  convert(t.f32(), p, t.numel());
   return p;
 }
 // The model's [batch·T, H·d] tensor in 09's heads-first layout, in bf16.
 const bf16* heads_first(Scratch& s, const std::string& name, const Tensor& t, int T, int H, int d) {
   bf16* p = s.get<bf16>(name, t.numel());
-  launch(to_heads_first, t.numel(), t.f32(), p, t.numel(), T, H, d);
+  const std::int64_t n = t.numel();
+  if (heads_x8(t.f32(), p, n, d)) launch(to_heads_first_x8, n / 8, t.f32(), p, int(n / 8), T, H, d);
+  else launch(to_heads_first_plain, n, t.f32(), p, n, T, H, d);
   return p;
+}
+// The way back into the model's tensor: t (=, or += when add) src in the model's layout.
+void from_heads_first(const bf16* src, Tensor& t, int T, int H, int d, bool add) {
+  const std::int64_t n = t.numel();
+  if (heads_x8(src, t.f32(), n, d)) launch(from_heads_first_x8, n / 8, src, t.f32(), int(n / 8), T, H, d, add);
+  else launch(from_heads_first_plain, n, src, t.f32(), n, T, H, d, add);
 }
 // A 2-D tensor's rows and columns (a vector is one row).
 std::pair<std::int64_t, std::int64_t> matrix(const Tensor& t) {
@@ -270,13 +426,13 @@ class CourseGemm {
       const std::int64_t stride = padded(M * N);
       bf16* C = scratch_->get<bf16>("gemm c16", (K + ks - 1) / ks * stride);
       const int slices = products(A, B, M, N, K, ks, C, stride);
-      launch(gemm_epilogue<bf16>, M * N, C, slices, stride, c.f32(), M * N, alpha, beta);
+      gemm_epilogue(C, slices, stride, c.f32(), M * N, alpha, beta);
     } else if (alpha == 1.0f && beta == 0.0f) {
       tcm::matmul(int(M), int(N), int(K), A, B, c.f32(), stream());
     } else {
       float* C = scratch_->get<float>("gemm c32", M * N);
       tcm::matmul(int(M), int(N), int(K), A, B, C, stream());
-      launch(gemm_epilogue<float>, M * N, C, 1, M * N, c.f32(), M * N, alpha, beta);
+      launch(gemm_epilogue_plain<float>, M * N, C, 1, M * N, c.f32(), M * N, alpha, beta);
     }
     return true;
   }
@@ -307,14 +463,16 @@ class CourseGemm {
       bf16* B = operand("gemm b", *ws[i], N, K, false, int(K));
       bf16* C = scratch_->get<bf16>("gemm c16", M * N);
       products(A, B, M, N, K, int(K), C, 0);
-      launch(gemm_epilogue<bf16>, M * N, C, 1, M * N, ys[i]->f32(), M * N, 1.0f, 0.0f);
+      gemm_epilogue(C, 1, M * N, ys[i]->f32(), M * N, 1.0f, 0.0f);
     }
     return true;
   }
 
   // dW_i += dy_iᵀ·x for each dws[i] given, then dx = Σ_i dy_i·W_i (Ops::shared_linear_backward):
-  // x transposed once for every weight gradient cut into the same slices, and the input
-  // gradient's products summed by one epilogue instead of one accumulation pass each.
+  // x transposed once for every weight gradient cut into the same slices, each dy_i converted for
+  // both of its products in one pass, and the input gradient's products summed by one epilogue
+  // instead of one accumulation pass each. (A single Linear layer's backward comes here too, as a
+  // list of one.)
   bool shared_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
                        std::span<Tensor* const> dws, Tensor* dx) {
     const auto [T, K_in] = matrix(x);
@@ -339,54 +497,57 @@ class CourseGemm {
       return true;
     }
     parts_->ran_hopper = true;
+    // Weight by weight: dy_i read once, transposed for dW_i's product and kept as it is for dx's.
+    const std::int64_t dx_stride = padded(T * K_in);
+    bf16* partial = dx ? scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * dx_stride) : nullptr;
     int x_slices = -1;  // the slice length x was last transposed with
     bf16* X = nullptr;
     for (std::size_t i = 0; i < ws.size(); ++i) {
-      if (!dws[i]) continue;
-      const std::int64_t N_out = matrix(*ws[i]).first, stride = padded(N_out * K_in);
-      const int ks = slice_length(N_out, K_in, T, sms_);
-      if (ks != x_slices) X = operand("shared x", x, T, K_in, true, ks), x_slices = ks;
-      bf16* A = operand("gemm a", *dys[i], T, N_out, true, ks);
-      bf16* C = scratch_->get<bf16>("gemm c16", (T + ks - 1) / ks * stride);
-      const int slices = products(A, X, N_out, K_in, T, ks, C, stride);
-      launch(gemm_epilogue<bf16>, N_out * K_in, C, slices, stride, dws[i]->f32(), N_out * K_in, 1.0f, 1.0f);
-    }
-    if (!dx) return true;
-    const std::int64_t stride = padded(T * K_in);
-    bf16* partial = scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * stride);
-    for (std::size_t i = 0; i < ws.size(); ++i) {
       const std::int64_t N_out = matrix(*ws[i]).first;
-      bf16* A = operand("gemm a", *dys[i], T, N_out, false, int(N_out));
+      bf16* dy = nullptr;  // dy_i in bf16 as it stands: A of dx's product
+      if (dws[i]) {
+        const std::int64_t stride = padded(N_out * K_in);
+        const int ks = slice_length(N_out, K_in, T, sms_);
+        if (ks != x_slices) X = operand("shared x", x, T, K_in, true, ks), x_slices = ks;
+        bf16* A = operand("gemm a", *dys[i], T, N_out, true, ks, "dy", dx ? &dy : nullptr);
+        bf16* C = scratch_->get<bf16>("gemm c16", (T + ks - 1) / ks * stride);
+        const int slices = products(A, X, N_out, K_in, T, ks, C, stride);
+        gemm_epilogue(C, slices, stride, dws[i]->f32(), N_out * K_in, 1.0f, 1.0f);
+      }
+      if (!dx) continue;
+      if (!dy) dy = operand("dy", *dys[i], T, N_out, false, int(N_out));
       bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
-      products(A, B, T, K_in, N_out, int(N_out), partial + i * stride, 0);
+      products(dy, B, T, K_in, N_out, int(N_out), partial + i * dx_stride, 0);
     }
-    launch(gemm_epilogue<bf16>, T * K_in, static_cast<const bf16*>(partial), static_cast<int>(ws.size()), stride,
-           dx->f32(), T * K_in, 1.0f, 0.0f);
+    if (dx) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, dx->f32(), T * K_in, 1.0f, 0.0f);
     return true;
   }
 
  private:
   // Sizes 05 takes: each within int (with room for a thread's stride past the end), none zero;
-  // a transposed operand's K rows are the transpose's grid rows (gridDim.y at most 65535 · 32),
-  // and every operand transposed here has K rows.
+  // a transposed operand's K rows are the transpose's grid rows (gridDim.y at most 65535 tiles of
+  // 64), and every operand transposed here has K rows.
   static bool fits(std::int64_t M, std::int64_t N, std::int64_t K, bool transposes) {
     auto in_int = [](std::int64_t n) { return n > 0 && n <= INT_MAX - 1024; };
-    return in_int(M) && in_int(N) && in_int(K) && (!transposes || (K + 31) / 32 <= 65535);
+    return in_int(M) && in_int(N) && in_int(K) && (!transposes || (K + kTransposeTile - 1) / kTransposeTile <= 65535);
   }
   // A slice's partial product starts on 16 bytes, as the Hopper part's fast stores want.
   static std::int64_t padded(std::int64_t elements) { return (elements + 7) / 8 * 8; }
   // t (rows × cols, fp32) as a K-major bf16 operand in slices of ks, in the scratch buffer `name`:
-  // transposed (K = rows) or not (K = cols).
+  // transposed (K = rows) or not (K = cols). A transposed one can also leave bf16(t) untransposed
+  // in the scratch buffer `plain_name` (*plain), from the same pass over t.
   bf16* operand(const std::string& name, const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed,
-                int ks) {
+                int ks, const std::string& plain_name = {}, bf16** plain = nullptr) {
     bf16* dst = scratch_->get<bf16>(name, rows * cols);
     const std::int64_t K = transposed ? rows : cols;
     if (transposed) {
-      to_bf16_transposed<<<dim3((cols + 31) / 32, (rows + 31) / 32), dim3(32, 8), 0, stream()>>>(
-          t.f32(), dst, int(rows), int(cols), ks);
+      bf16* both = plain ? *plain = scratch_->get<bf16>(plain_name, rows * cols) : nullptr;
+      const bool vec = cols % 4 == 0 && aligned16(t.f32());
+      to_bf16_transposed<<<dim3((cols + kTransposeTile - 1) / kTransposeTile, (rows + kTransposeTile - 1) / kTransposeTile),
+                           kTransposeThreads, 0, stream()>>>(t.f32(), dst, both, int(rows), int(cols), ks, vec);
       K2C_CUDA_CHECK_LAUNCH();
     } else if (ks >= K) {
-      launch(to_bf16_plain, t.numel(), t.f32(), dst, t.numel());
+      convert(t.f32(), dst, t.numel());
     } else {
       to_bf16_sliced<<<static_cast<unsigned>(std::min<std::int64_t>(rows, 8192)), kThreads, 0, stream()>>>(
           t.f32(), dst, int(rows), int(cols), ks);
@@ -494,7 +655,7 @@ model::CourseKernels course_kernels() {
     if (w16) {  // the groups' weights (a weight gradient's call has none to read)
       const std::int64_t per_group = w.dim(1) * w.dim(2), count = groups * per_group;
       bf16* w_groups = scratch->get<bf16>("moe w", count);
-      launch(to_bf16_plain, count, static_cast<const float*>(w.f32() + first * per_group), w_groups, count);
+      convert(w.f32() + first * per_group, w_groups, count);
       *w16 = w_groups;
     }
     return true;
@@ -520,7 +681,7 @@ model::CourseKernels course_kernels() {
     const std::int64_t count = std::int64_t{groups} * n * kk;
     float* part = scratch->get<float>("moe dw", count);
     moe::grouped_weight_grad(groups, off, n, kk, dy16, to_bf16(*scratch, "moe x", x), part, stream());
-    launch(add_into, count, static_cast<const float*>(part), dw.f32() + first * std::int64_t{n} * kk, count);  // dw +=
+    add_into(part, dw.f32() + first * std::int64_t{n} * kk, count);  // dw +=
     return true;
   };
 
@@ -532,7 +693,7 @@ model::CourseKernels course_kernels() {
     bf16* y16 = scratch->get<bf16>("norm y", x.numel());
     rmsnorm::forward(to_bf16(*scratch, "norm x", x), nullptr, to_bf16(*scratch, "norm gamma", gamma), y16, nullptr,
                      rstd.f32(), int(rows), int(cols), eps, stream());
-    launch(from_bf16_plain, y.numel(), static_cast<const bf16*>(y16), y.f32(), y.numel());
+    convert(y16, y.f32(), y.numel());
     return true;
   };
   k.names["rmsnorm backward"] = "07 rmsnorm::backward";
@@ -546,9 +707,9 @@ model::CourseKernels course_kernels() {
                                            static_cast<std::int64_t>(rmsnorm::backward_workspace_bytes(int(rows), int(cols))));
     rmsnorm::backward(to_bf16(*scratch, "norm x", x), to_bf16(*scratch, "norm gamma", gamma),
                       to_bf16(*scratch, "norm dy", dy), rstd.f32(), dx16, dg, ws, int(rows), int(cols), stream());
-    launch(from_bf16_plain, dx.numel(), static_cast<const bf16*>(dx16), dx.f32(), dx.numel());
-    if (residual_dy) launch(add_into, dx.numel(), residual_dy->f32(), dx.f32(), dx.numel());
-    launch(add_into, cols, static_cast<const float*>(dg), dgamma.f32(), cols);  // dgamma +=
+    convert(dx16, dx.f32(), dx.numel());
+    if (residual_dy) add_into(residual_dy->f32(), dx.f32(), dx.numel());
+    add_into(dg, dgamma.f32(), cols);  // dgamma +=
     return true;
   };
 
@@ -568,7 +729,7 @@ model::CourseKernels course_kernels() {
     const rope::Shape s{int(rows / T), int(T), heads, 1, head_dim};
     rope::apply(x16, k16, x16, k16, s, 0, rope::Layout::half_split,
                 inverse ? rope::Direction::backward : rope::Direction::forward, theta, table, int(T), stream());
-    launch(from_bf16_plain, x.numel(), static_cast<const bf16*>(x16), x.f32(), x.numel());
+    convert(x16, x.f32(), x.numel());
     return true;
   };
 
@@ -615,10 +776,12 @@ model::CourseKernels course_kernels() {
                *k16 = heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d),
                *v16 = heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d);
     bf16* o16 = scratch->get<bf16>("attn o", o.numel());
-    if (fwd_hopper->hopper) fa::forward_hopper(f, q16, k16, v16, o16, lse.f32(), stream());
-    else fa::forward(f, q16, k16, v16, o16, lse.f32(), stream());
-    launch(from_heads_first, o.numel(), static_cast<const bf16*>(o16), o.f32(), o.numel(), s.q_len, s.q_heads, d, false);
-    launch(flip_infinite, lse.numel(), static_cast<const float*>(lse.f32()), lse.f32(), lse.numel());
+    // 09 takes pointers on 16 bytes: lse goes through scratch where the model's does not start there.
+    float* lse09 = aligned16(lse.f32()) ? lse.f32() : scratch->get<float>("attn lse", lse.numel());
+    if (fwd_hopper->hopper) fa::forward_hopper(f, q16, k16, v16, o16, lse09, stream());
+    else fa::forward(f, q16, k16, v16, o16, lse09, stream());
+    from_heads_first(o16, o, s.q_len, s.q_heads, d, false);
+    launch(flip_infinite, lse.numel(), static_cast<const float*>(lse09), lse.f32(), lse.numel());
     return true;
   };
   k.names["attention backward"] = bwd_hopper->hopper ? "09 flash_attention::backward_hopper" : "09 flash_attention::backward";
@@ -643,9 +806,9 @@ model::CourseKernels course_kernels() {
     void* ws = scratch->get<unsigned char>("attn workspace", static_cast<std::int64_t>(fa::backward_workspace_bytes(f)));
     if (bwd_hopper->hopper) fa::backward_hopper(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
     else fa::backward(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
-    launch(from_heads_first, dq.numel(), static_cast<const bf16*>(dq16), dq.f32(), dq.numel(), s.q_len, s.q_heads, d, false);
-    launch(from_heads_first, dk.numel(), static_cast<const bf16*>(dk16), dk.f32(), dk.numel(), s.kv_len, s.kv_heads, d, true);
-    launch(from_heads_first, dv.numel(), static_cast<const bf16*>(dv16), dv.f32(), dv.numel(), s.kv_len, s.kv_heads, d, true);
+    from_heads_first(dq16, dq, s.q_len, s.q_heads, d, false);
+    from_heads_first(dk16, dk, s.kv_len, s.kv_heads, d, true);
+    from_heads_first(dv16, dv, s.kv_len, s.kv_heads, d, true);
     return true;
   };
   return k;

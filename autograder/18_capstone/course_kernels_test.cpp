@@ -199,6 +199,36 @@ TEST_F(CourseKernels, AttentionShapesAndDeclines) {
   expect_row("attention backward", taken, declined);
 }
 
+// The adapters' conversions move 8 elements a thread where a tensor starts on 16 bytes and one at
+// a time where it does not (a parameter's slice of the flat buffer need not): tensors here are
+// views that start one float into their buffers, so every conversion takes its one-at-a-time form.
+TEST_F(CourseKernels, TensorsThatDoNotStartOn16Bytes) {
+  std::vector<Tensor> buffers;
+  auto shifted = [&](model::Shape shape, bool poison) {
+    buffers.push_back(poison ? side_->poisoned({shape.numel() + 1}) : random({shape.numel() + 1}));
+    return Tensor::view(buffers.back().f32() + 1, shape);
+  };
+  const int M = 72, N = 40, K = 64;
+  Tensor x = shifted({M, K}, false), w = shifted({N, K}, false), y = shifted({M, N}, true), dw = shifted({N, K}, false);
+  course_->matmul(x, false, w, true, y, 1.0f, 0.0f);
+  course_->matmul(y, true, x, false, dw, 1.0f, 1.0f);
+  Tensor g = shifted({K}, false), rstd = shifted({M}, true), n = shifted({M, K}, true), dn = shifted({M, K}, true);
+  course_->rmsnorm_forward(x, g, 1e-5f, n, rstd);
+  Tensor dg = shifted({K}, false);
+  course_->rmsnorm_backward_add(x, g, rstd, n, x, dn, dg);
+  const AttentionShape s = AttentionShape::causal_self(2, 36, 2, 2, 64);
+  Tensor q = shifted({72, 128}, false), k = shifted({72, 128}, false), v = shifted({72, 128}, false);
+  Tensor o = shifted({72, 128}, true), lse = shifted({2, 2, 36}, true), dq = shifted({72, 128}, true);
+  Tensor dk = shifted({72, 128}, false), dv = shifted({72, 128}, false);
+  course_->attention_forward(s, q, k, v, o, lse);
+  course_->attention_backward(s, q, k, v, o, lse, o, dq, dk, dv);
+  expect_row("matmul", 2);
+  expect_row("rmsnorm", 1);
+  expect_row("rmsnorm backward", 1);
+  expect_row("attention", 1);
+  expect_row("attention backward", 1);
+}
+
 // A part that faults in its probe (here 05's Part A reading and writing unmapped addresses) ends
 // the program with the part's name, not at some later call. Run in a child process (the fault
 // ends this one's CUDA context), started afresh rather than forked, as CUDA requires.

@@ -264,11 +264,16 @@ void CourseOps::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tenso
       [&] { inner_.matmul(a, ta, b, tb, c, alpha, beta); });
 }
 
-// The Linear layers' compound GEMMs: by their plain matmul calls (Ops's defaults) while the course
-// GEMM runs, so that each of them goes through it; by the trusted backend's fused forms otherwise.
+// The Linear layers' compound GEMMs: through the adapter's compound kernel where it has one (a
+// single layer's backward as a list of one), else by their plain matmul calls (Ops's defaults), so
+// that each goes through the course GEMM; by the trusted backend's fused forms when it does not run.
 void CourseOps::linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dw, Tensor* dx) {
-  if (matmul_on()) Ops::linear_backward(x, w, dy, dw, dx);
-  else inner_.linear_backward(x, w, dy, dw, dx);
+  if (!matmul_on()) return inner_.linear_backward(x, w, dy, dw, dx);
+  if (!kernels_.shared_linear_backward) return Ops::linear_backward(x, w, dy, dw, dx);
+  const Tensor* ws[] = {&w};
+  const Tensor* dys[] = {&dy};
+  Tensor* dws[] = {dw};
+  shared_linear_backward(x, ws, dys, dws, dx);
 }
 // With the adapter's compound kernels, one call (a shape of its own in the matmul row: every
 // weight, and which gradients it takes); without them, one matmul call per product.

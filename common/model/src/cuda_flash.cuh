@@ -448,8 +448,13 @@ __global__ void __launch_bounds__(kBlock) dq_kernel(Args a, const __nv_bfloat16*
 
 }  // namespace flash
 
-// Whether the fused kernels take this call (on top of blocked_attention_fits).
-bool flash_fits(const AttentionShape& s) { return blocked_attention_fits(s) && (s.head_dim == 64 || s.head_dim == 128); }
+// Whether the fused kernels take this call (on top of blocked_attention_fits). They store the fp32
+// rows of O (forward) or dQ (backward), `rows_out`, two elements at a time, so it must start on 8
+// bytes (a view that starts one float into its buffer goes the blocked way).
+bool flash_fits(const AttentionShape& s, const Tensor& rows_out) {
+  return blocked_attention_fits(s) && (s.head_dim == 64 || s.head_dim == 128) &&
+         reinterpret_cast<std::uintptr_t>(rows_out.raw()) % 8 == 0;
+}
 
 class FlashAttention {
  public:

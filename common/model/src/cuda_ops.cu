@@ -365,7 +365,7 @@ class CudaOps final : public Ops {
     o.expect(q.shape(), "attention output");
     lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
     if (s.q_len == 0) return;
-    if (math_ == GpuMath::bf16 && flash_fits(s)) {
+    if (math_ == GpuMath::bf16 && flash_fits(s, o)) {
       flash_.forward(s, q, k, v, o, lse);
       return;
     }
@@ -382,7 +382,7 @@ class CudaOps final : public Ops {
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
     checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     if (s.q_len == 0) return;
-    if (math_ == GpuMath::bf16 && flash_fits(s)) {
+    if (math_ == GpuMath::bf16 && flash_fits(s, dq)) {
       flash_.backward(s, q, k, v, o, lse, dout, dq, dk, dv);
       return;
     }

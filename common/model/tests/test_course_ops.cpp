@@ -530,6 +530,45 @@ TEST(CourseOps, WithoutAGroupedKernelTheGroupsGoThroughTheCourseGemm) {
   EXPECT_NE(ops.report().find("one matmul per group, through the matmul row"), std::string::npos) << ops.report();
 }
 
+// One Linear layer's backward goes to the compound kernel as a list of one where the adapter has
+// it (dy converted once for both products), else to two plain matmul calls.
+TEST(CourseOps, OneLinearBackwardIsACompoundCallOfOne) {
+  for (const bool compound : {true, false}) {
+    SCOPED_TRACE(compound ? "with the compound kernel" : "without it");
+    int plain = 0, backward = 0;
+    CourseKernels k;
+    k.matmul = [&](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float al, float be) {
+      ++plain;
+      cpu_ops().matmul(a, ta, b, tb, c, al, be);
+      return true;
+    };
+    if (compound)
+      k.shared_linear_backward = [&](const Tensor& x, std::span<const Tensor* const> ws,
+                                     std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
+        ++backward;
+        cpu_ops().shared_linear_backward(x, ws, dys, dws, dx);
+        return true;
+      };
+    k.names["matmul"] = "test matmul";
+    CourseOps ops(cpu_ops(), std::move(k));
+    Side s(ops), t;
+    const std::vector<float> xv = random_values(6 * 5, 1), wv = random_values(4 * 5, 2), dyv = random_values(6 * 4, 3),
+                             old = random_values(4 * 5, 4);
+    Tensor x = s.upload(xv, {6, 5}), w = s.upload(wv, {4, 5}), dy = s.upload(dyv, {6, 4});
+    Tensor dw = s.upload(old, {4, 5}), dx = s.poisoned({6, 5});
+    ops.linear_backward(x, w, dy, &dw, &dx);
+    Tensor tx = t.upload(xv, {6, 5}), tw = t.upload(wv, {4, 5}), tdy = t.upload(dyv, {6, 4});
+    Tensor tdw = t.upload(old, {4, 5}), tdx = t.tensor({6, 5});
+    cpu_ops().matmul(tdy, true, tx, false, tdw, 1.0f, 1.0f);
+    cpu_ops().matmul(tdy, false, tw, false, tdx, 1.0f, 0.0f);
+    EXPECT_EQ(s.download(dw), t.download(tdw));
+    EXPECT_EQ(s.download(dx), t.download(tdx));
+    EXPECT_EQ(backward, compound ? 1 : 0);
+    EXPECT_EQ(plain, compound ? 0 : 2);
+    EXPECT_EQ(row(ops.table(), "matmul").shapes_checked, compound ? 1 : 2);
+  }
+}
+
 // Linear layers that share an input go to the compound kernels as one call, checked as one shape
 // of the matmul row; a compound kernel that is wrong for one of its outputs (dx, or a weight
 // gradient) is caught there, its outputs replaced by the trusted ones, and the trusted backend
