@@ -64,14 +64,14 @@ __device__ __forceinline__ Bf16x8 bf16x8_of(const float* p) {
   return {{__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w), __floats2bfloat162_rn(b.x, b.y),
            __floats2bfloat162_rn(b.z, b.w)}};
 }
-// p[0..8) = v, or += v when add.
-__device__ __forceinline__ void store_f32x8(float* p, Bf16x8 v, bool add) {
+// p[0..8) = v, plus plus[0..8) where plus is given (p itself to add into it).
+__device__ __forceinline__ void store_f32x8(float* p, Bf16x8 v, const float* plus) {
   float4* q = reinterpret_cast<float4*>(p);
   for (int half = 0; half < 2; ++half) {
     const float2 lo = __bfloat1622float2(v.h[2 * half]), hi = __bfloat1622float2(v.h[2 * half + 1]);
     float4 r = make_float4(lo.x, lo.y, hi.x, hi.y);
-    if (add) {
-      const float4 o = q[half];
+    if (plus) {
+      const float4 o = reinterpret_cast<const float4*>(plus)[half];
       r = make_float4(o.x + r.x, o.y + r.y, o.z + r.z, o.w + r.w);
     }
     q[half] = r;
@@ -83,10 +83,16 @@ __global__ void to_bf16_x8(const float* src, bf16* dst, std::int64_t n) {
   FOR_EACH(v, n / 8) reinterpret_cast<Bf16x8*>(dst)[v] = bf16x8_of(src + 8 * v);
   FOR_EACH(i, n % 8) dst[n / 8 * 8 + i] = __float2bfloat16(src[n / 8 * 8 + i]);
 }
-__global__ void from_bf16_plain(const bf16* src, float* dst, std::int64_t n) { FOR_EACH(i, n) dst[i] = __bfloat162float(src[i]); }
-__global__ void from_bf16_x8(const bf16* src, float* dst, std::int64_t n) {
-  FOR_EACH(v, n / 8) store_f32x8(dst + 8 * v, reinterpret_cast<const Bf16x8*>(src)[v], false);
-  FOR_EACH(i, n % 8) dst[n / 8 * 8 + i] = __bfloat162float(src[n / 8 * 8 + i]);
+// dst = float(src), plus `plus` where given (a residual gradient added in the same pass).
+__global__ void from_bf16_plain(const bf16* src, const float* plus, float* dst, std::int64_t n) {
+  FOR_EACH(i, n) dst[i] = plus ? plus[i] + __bfloat162float(src[i]) : __bfloat162float(src[i]);
+}
+__global__ void from_bf16_x8(const bf16* src, const float* plus, float* dst, std::int64_t n) {
+  FOR_EACH(v, n / 8) store_f32x8(dst + 8 * v, reinterpret_cast<const Bf16x8*>(src)[v], plus ? plus + 8 * v : nullptr);
+  FOR_EACH(i, n % 8) {
+    const std::int64_t e = n / 8 * 8 + i;
+    dst[e] = plus ? plus[e] + __bfloat162float(src[e]) : __bfloat162float(src[e]);
+  }
 }
 __global__ void add_into_plain(const float* src, float* dst, std::int64_t n) { FOR_EACH(i, n) dst[i] += src[i]; }
 __global__ void add_into_x4(const float* src, float* dst, std::int64_t n) {
@@ -125,9 +131,9 @@ __global__ void from_heads_first_x8(const bf16* src, float* dst, int vectors, in
   const int per_head = d / 8, per_row = H * per_head;
   for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < vectors; v += gridDim.x * blockDim.x) {
     const int row = v / per_row, c = v - row * per_row, h = c / per_head, b = row / T, t = row - b * T;
-    store_f32x8(dst + 8 * std::int64_t{v},
-                reinterpret_cast<const Bf16x8*>(src)[((std::int64_t{b} * H + h) * T + t) * per_head + (c - h * per_head)],
-                add);
+    float* to = dst + 8 * std::int64_t{v};
+    store_f32x8(to, reinterpret_cast<const Bf16x8*>(src)[((std::int64_t{b} * H + h) * T + t) * per_head + (c - h * per_head)],
+                add ? to : nullptr);
   }
 }
 // 05's operands with K cut into slices of `ks` (a multiple of 64; the last slice shorter, and
@@ -343,9 +349,10 @@ void convert(const float* src, bf16* dst, std::int64_t n) {
   if (aligned16(src) && aligned16(dst)) launch(to_bf16_x8, (n + 7) / 8, src, dst, n);
   else launch(to_bf16_plain, n, src, dst, n);
 }
-void convert(const bf16* src, float* dst, std::int64_t n) {
-  if (aligned16(src) && aligned16(dst)) launch(from_bf16_x8, (n + 7) / 8, src, dst, n);
-  else launch(from_bf16_plain, n, src, dst, n);
+// dst = float(src), + plus where given.
+void convert(const bf16* src, float* dst, std::int64_t n, const float* plus = nullptr) {
+  if (aligned16(src) && aligned16(dst) && (!plus || aligned16(plus))) launch(from_bf16_x8, (n + 7) / 8, src, plus, dst, n);
+  else launch(from_bf16_plain, n, src, plus, dst, n);
 }
 void add_into(const float* src, float* dst, std::int64_t n) {  // dst += src
   if (aligned16(src) && aligned16(dst)) launch(add_into_x4, (n + 3) / 4, src, dst, n);
@@ -707,8 +714,7 @@ model::CourseKernels course_kernels() {
                                            static_cast<std::int64_t>(rmsnorm::backward_workspace_bytes(int(rows), int(cols))));
     rmsnorm::backward(to_bf16(*scratch, "norm x", x), to_bf16(*scratch, "norm gamma", gamma),
                       to_bf16(*scratch, "norm dy", dy), rstd.f32(), dx16, dg, ws, int(rows), int(cols), stream());
-    convert(dx16, dx.f32(), dx.numel());
-    if (residual_dy) add_into(residual_dy->f32(), dx.f32(), dx.numel());
+    convert(dx16, dx.f32(), dx.numel(), residual_dy ? residual_dy->f32() : nullptr);  // + the residual's gradient
     add_into(dg, dgamma.f32(), cols);  // dgamma +=
     return true;
   };
