@@ -245,6 +245,14 @@ __global__ void gemm_epilogue_x8(const bf16* src, int parts, std::int64_t stride
 __global__ void flip_infinite(const float* src, float* dst, std::int64_t n) {
   FOR_EACH(i, n) dst[i] = isinf(src[i]) ? -src[i] : src[i];
 }
+// 10's group offsets, handed to the device as a kernel argument: no host buffer to keep alive and
+// no wait for the stream, as a copy from host memory would need.
+struct Offsets {
+  int v[k2c::moe::kMaxExperts + 1];
+};
+__global__ void store_offsets(Offsets o, int* dst, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = o.v[i];
+}
 // RoPE's table for the positions the model gives (not assumed to be 0, 1, 2, ...): row t holds
 // (cos, sin) of positions[t]·theta_k, so 08's table path at offset 0 rotates token t by its own
 // position. The angle in double, as 08's build_cache makes it.
@@ -644,8 +652,9 @@ model::CourseKernels course_kernels() {
     return gemm->shared_backward(x, ws, dys, dws, dx);
   };
 
-  // ---- 10: the experts' grouped GEMMs, one launch over every group, fp32 outputs (Part A's; its
-  // Hopper part writes bf16). The group offsets go to the device as 10's int32.
+  // ---- 10: the experts' grouped GEMMs, one launch over every group: the Hopper part where its
+  // shapes allow (bf16 products, converted to the model's fp32 after; fp32 weight gradients), else
+  // Part A (fp32 outputs). The group offsets reach the device as 10's int32 by a kernel argument.
   namespace moe = k2c::moe;
   auto grouped_args = [scratch](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
                                 const int*& device_offsets, const bf16*& a16, const bf16** w16) {
@@ -653,10 +662,11 @@ model::CourseKernels course_kernels() {
     if (groups < 1 || groups > moe::kMaxExperts || w.rank() != 3 || first < 0 || first + groups > w.dim(0) ||
         !fits_int(a.dim(0)) || !fits_int(w.dim(1)) || !fits_int(w.dim(2)))
       return false;
-    std::vector<int> host(offsets.begin(), offsets.end());
+    Offsets host;
+    for (int g = 0; g <= groups; ++g) host.v[g] = static_cast<int>(offsets[g]);
     int* d = scratch->get<int>("moe offsets", groups + 1);
-    K2C_CUDA_CHECK(cudaMemcpyAsync(d, host.data(), host.size() * sizeof(int), cudaMemcpyHostToDevice, stream()));
-    K2C_CUDA_CHECK(cudaStreamSynchronize(stream()));  // `host` goes out of scope
+    store_offsets<<<1, kThreads, 0, stream()>>>(host, d, groups + 1);
+    K2C_CUDA_CHECK_LAUNCH();
     device_offsets = d;
     a16 = to_bf16(*scratch, "moe a", a);
     if (w16) {  // the groups' weights (a weight gradient's call has none to read)
@@ -667,27 +677,62 @@ model::CourseKernels course_kernels() {
     }
     return true;
   };
-  k.names["grouped matmul"] = "10 moe::grouped_gemm";
-  k.grouped_matmul = [grouped_args](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
-                                    bool transpose_w, Tensor& c) {
+  auto probe_grouped = [&](const char* part, auto call) {
+    return probe_part(moe::hopper_supported(), part, [&] {
+      Offsets one;
+      one.v[0] = 0, one.v[1] = 64;
+      int* off = scratch->get<int>("probe offsets", 2);
+      store_offsets<<<1, kThreads, 0, stream()>>>(one, off, 2);
+      K2C_CUDA_CHECK_LAUNCH();
+      bf16* p = scratch->get<bf16>("probe", 3 * 64 * 64);
+      K2C_CUDA_CHECK(cudaMemsetAsync(p, 0, 3 * 64 * 64 * sizeof(bf16), stream()));
+      call(off, p, scratch->get<float>("probe dw", 64 * 64));
+    });
+  };
+  const auto grouped_hopper = std::make_shared<Parts>(), grad_hopper = std::make_shared<Parts>();
+  grouped_hopper->hopper = probe_grouped("10 moe::grouped_gemm_hopper", [](const int* off, bf16* p, float*) {
+    moe::grouped_gemm_hopper(1, off, 64, 64, 64, p, p + 64 * 64, p + 2 * 64 * 64, true, stream());
+  });
+  grad_hopper->hopper = probe_grouped("10 moe::grouped_weight_grad_hopper", [](const int* off, bf16* p, float* dw) {
+    moe::grouped_weight_grad_hopper(1, off, 64, 64, 64, p, p + 64 * 64, dw, stream());
+  });
+  k.names["grouped matmul"] = grouped_hopper->hopper ? "10 moe::grouped_gemm_hopper" : "10 moe::grouped_gemm";
+  k.second_choice["grouped matmul"] = part_a_after(grouped_hopper, "10 moe::grouped_gemm");
+  k.grouped_matmul = [scratch, grouped_args, grouped_hopper](const Tensor& a, std::span<const std::int64_t> offsets,
+                                                             int first, const Tensor& w, bool transpose_w, Tensor& c) {
     const int* off;
     const bf16 *a16, *w16;
     if (!grouped_args(a, offsets, first, w, off, a16, &w16)) return false;
     // Forward: w_g is 10's B_g [n][k]. Input gradient: w_g [rows of w][cols of w] is 10's [k][n].
+    // The Hopper part describes its operands for TMA: rows of 16 bytes, at least one of them.
+    const int groups = int(offsets.size()) - 1, rows = int(a.dim(0));
     const int n = int(transpose_w ? w.dim(1) : w.dim(2)), kk = int(transpose_w ? w.dim(2) : w.dim(1));
-    moe::grouped_gemm(int(offsets.size()) - 1, off, n, kk, a16, w16, c.f32(), transpose_w, false, stream());
+    grouped_hopper->ran_hopper = grouped_hopper->hopper && rows > 0 && kk % 8 == 0 && (transpose_w || (n % 8 == 0 && kk % 64 == 0)) &&
+                                 std::int64_t{groups} * (transpose_w ? n : kk) <= INT_MAX;
+    if (grouped_hopper->ran_hopper) {
+      bf16* c16 = scratch->get<bf16>("moe c", c.numel());
+      moe::grouped_gemm_hopper(groups, off, rows, n, kk, a16, w16, c16, transpose_w, stream());
+      convert(c16, c.f32(), c.numel());
+    } else {
+      moe::grouped_gemm(groups, off, n, kk, a16, w16, c.f32(), transpose_w, false, stream());
+    }
     return true;
   };
-  k.names["grouped weight grad"] = "10 moe::grouped_weight_grad";
-  k.grouped_weight_grad = [scratch, grouped_args](const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets,
-                                                  int first, Tensor& dw) {
+  k.names["grouped weight grad"] = grad_hopper->hopper ? "10 moe::grouped_weight_grad_hopper" : "10 moe::grouped_weight_grad";
+  k.second_choice["grouped weight grad"] = part_a_after(grad_hopper, "10 moe::grouped_weight_grad");
+  k.grouped_weight_grad = [scratch, grouped_args, grad_hopper](const Tensor& dy, const Tensor& x,
+                                                               std::span<const std::int64_t> offsets, int first,
+                                                               Tensor& dw) {
     const int* off;
     const bf16* dy16;
     if (!grouped_args(dy, offsets, first, dw, off, dy16, nullptr)) return false;
     const int groups = int(offsets.size()) - 1, n = int(dw.dim(1)), kk = int(dw.dim(2));
     const std::int64_t count = std::int64_t{groups} * n * kk;
     float* part = scratch->get<float>("moe dw", count);
-    moe::grouped_weight_grad(groups, off, n, kk, dy16, to_bf16(*scratch, "moe x", x), part, stream());
+    const bf16* x16 = to_bf16(*scratch, "moe x", x);
+    grad_hopper->ran_hopper = grad_hopper->hopper && dy.dim(0) > 0 && n % 8 == 0 && kk % 8 == 0;
+    if (grad_hopper->ran_hopper) moe::grouped_weight_grad_hopper(groups, off, int(dy.dim(0)), n, kk, dy16, x16, part, stream());
+    else moe::grouped_weight_grad(groups, off, n, kk, dy16, x16, part, stream());
     add_into(part, dw.f32() + first * std::int64_t{n} * kk, count);  // dw +=
     return true;
   };

@@ -9,12 +9,12 @@
 // price of course mode on a model that stores fp32; the table of the run shows what each kernel
 // bought. Their buffers are the adapters' own, outside the model's memory ledger.
 //
-// Where a module's Hopper part (05's matmul_hopper, 09's forward_hopper and backward_hopper) runs
-// here and is implemented, it is the one used; otherwise its Part A. A Hopper part that throws or
+// Where a module's Hopper part (05's matmul_hopper, 09's forward_hopper and backward_hopper, 10's
+// grouped_gemm_hopper and grouped_weight_grad_hopper) runs here and is implemented, it is the one
+// used, at the shapes its contract takes; otherwise its Part A. A Hopper part that throws or
 // disagrees with the trusted backend gives way to its Part A, which is then checked in turn; one
-// that faults on the GPU in its probe ends the run, naming it (a fault is sticky).
-// 10's grouped GEMMs are its Part A (fp32 outputs, as the model keeps them). Built only where CUDA
-// and modules 05–10 are (K2C_COURSE_KERNELS).
+// that faults on the GPU in its probe ends the run, naming it (a fault is sticky). Built only
+// where CUDA and modules 05–10 are (K2C_COURSE_KERNELS).
 #pragma once
 
 #include <functional>

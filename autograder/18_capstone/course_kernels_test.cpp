@@ -125,17 +125,25 @@ TEST_F(CourseKernels, LinearsThatShareAnInput) {
   expect_row("matmul", shapes);
 }
 
+// 10's Hopper part takes k % 8 == 0, and for the input gradient n % 8 == 0 and k % 64 == 0 (10's
+// n and k: the model's k and n there); Part A takes the rest, and no rows at all.
+//   n 24, k 40   forward and weight gradient on the Hopper part, input gradient on Part A
+//   n 64, k 40   all three on the Hopper part
+//   n 24, k 13   all three on Part A
 TEST_F(CourseKernels, GroupedGemmsWithEmptyGroupsAndAnOffsetFirstGroup) {
-  // 5 groups of a stacked weight of 8, from group 2: sizes 3, 0, 17, 1 and 0 rows.
-  const std::vector<std::int64_t> offsets{0, 3, 3, 20, 21, 21};
-  const int rows = 21, n = 24, k = 40, first = 2;
-  Tensor x = random({rows, k}), w = random({8, n, k}), dy = random({rows, n}), dw = random({8, n, k});
-  Tensor y = side_->poisoned({rows, n}), dx = side_->poisoned({rows, k});
-  course_->grouped_matmul(x, offsets, first, w, true, y);    // y_g = x_g · w_gᵀ
-  course_->grouped_matmul(dy, offsets, first, w, false, dx);  // dx_g = dy_g · w_g
-  course_->grouped_weight_grad(dy, x, offsets, first, dw);    // dw_g += dy_gᵀ · x_g
-  expect_row("grouped matmul", 2);
-  expect_row("grouped weight grad", 1);
+  // 5 groups of a stacked weight of 8, from group 2: sizes 3, 0, 17, 1 and 0 rows; then no rows.
+  const int first = 2;
+  for (const auto& [n, k] : {std::pair{24, 40}, std::pair{64, 40}, std::pair{24, 13}})
+    for (const std::vector<std::int64_t>& offsets : {std::vector<std::int64_t>{0, 3, 3, 20, 21, 21}, std::vector<std::int64_t>{0, 0, 0}}) {
+      const int rows = static_cast<int>(offsets.back());
+      Tensor x = random({rows, k}), w = random({8, n, k}), dy = random({rows, n}), dw = random({8, n, k});
+      Tensor y = side_->poisoned({rows, n}), dx = side_->poisoned({rows, k});
+      course_->grouped_matmul(x, offsets, first, w, true, y);    // y_g = x_g · w_gᵀ
+      course_->grouped_matmul(dy, offsets, first, w, false, dx);  // dx_g = dy_g · w_g
+      course_->grouped_weight_grad(dy, x, offsets, first, dw);    // dw_g += dy_gᵀ · x_g
+    }
+  expect_row("grouped matmul", 12);
+  expect_row("grouped weight grad", 6);
 }
 
 TEST_F(CourseKernels, RmsNormForwardAndBackward) {
