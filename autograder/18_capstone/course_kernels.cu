@@ -20,6 +20,7 @@
 #include "flash_attention.h"
 #include "k2c/core/check.h"
 #include "k2c/core/todo.h"
+#include "k2c/device/rows.cuh"
 #include "k2c/model/cuda_ops.h"
 #include "moe.h"
 #include "rmsnorm.h"
@@ -52,7 +53,7 @@ unsigned blocks_for(std::int64_t n) {
 #define FOR_EACH(i, n) \
   for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < (n); i += std::int64_t{gridDim.x} * blockDim.x)
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+using k2c::rows::aligned16;  // a null pointer counts as aligned: it is never read
 // The x8 layout kernels count vectors in int, with room for a grid's stride past the end.
 constexpr std::int64_t kMaxVectors = INT_MAX / 2;
 
