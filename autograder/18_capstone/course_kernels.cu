@@ -704,11 +704,12 @@ model::CourseKernels course_kernels() {
     const int* off;
     const bf16 *a16, *w16;
     if (!grouped_args(a, offsets, first, w, off, a16, &w16)) return false;
+    if (a.dim(0) == 0) return true;  // no rows: nothing to write (10 takes no null output)
     // Forward: w_g is 10's B_g [n][k]. Input gradient: w_g [rows of w][cols of w] is 10's [k][n].
-    // The Hopper part describes its operands for TMA: rows of 16 bytes, at least one of them.
+    // The Hopper part describes its operands for TMA: rows of 16 bytes.
     const int groups = int(offsets.size()) - 1, rows = int(a.dim(0));
     const int n = int(transpose_w ? w.dim(1) : w.dim(2)), kk = int(transpose_w ? w.dim(2) : w.dim(1));
-    grouped_hopper->ran_hopper = grouped_hopper->hopper && rows > 0 && kk % 8 == 0 && (transpose_w || (n % 8 == 0 && kk % 64 == 0)) &&
+    grouped_hopper->ran_hopper = grouped_hopper->hopper && kk % 8 == 0 && (transpose_w || (n % 8 == 0 && kk % 64 == 0)) &&
                                  std::int64_t{groups} * (transpose_w ? n : kk) <= INT_MAX;
     if (grouped_hopper->ran_hopper) {
       bf16* c16 = scratch->get<bf16>("moe c", c.numel());
@@ -727,11 +728,12 @@ model::CourseKernels course_kernels() {
     const int* off;
     const bf16* dy16;
     if (!grouped_args(dy, offsets, first, dw, off, dy16, nullptr)) return false;
+    if (dy.dim(0) == 0) return true;  // no rows: dw += 0
     const int groups = int(offsets.size()) - 1, n = int(dw.dim(1)), kk = int(dw.dim(2));
     const std::int64_t count = std::int64_t{groups} * n * kk;
     float* part = scratch->get<float>("moe dw", count);
     const bf16* x16 = to_bf16(*scratch, "moe x", x);
-    grad_hopper->ran_hopper = grad_hopper->hopper && dy.dim(0) > 0 && n % 8 == 0 && kk % 8 == 0;
+    grad_hopper->ran_hopper = grad_hopper->hopper && n % 8 == 0 && kk % 8 == 0;
     if (grad_hopper->ran_hopper) moe::grouped_weight_grad_hopper(groups, off, int(dy.dim(0)), n, kk, dy16, x16, part, stream());
     else moe::grouped_weight_grad(groups, off, n, kk, dy16, x16, part, stream());
     add_into(part, dw.f32() + first * std::int64_t{n} * kk, count);  // dw +=
