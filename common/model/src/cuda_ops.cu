@@ -563,8 +563,10 @@ class CudaOps final : public Ops {
     return {s.batch, s.q_len, s.kv_len, s.q_heads, s.kv_heads, s.head_dim, s.causal, s.q_offset, s.kv_offset,
             1.0f / std::sqrt(static_cast<float>(s.head_dim))};
   }
+  // The scores of one query row, rounded up to whole 16-byte vectors: the compiler may read the
+  // row's tail a vector at a time (compute-sanitizer saw a 12-byte read cross the end of 70 keys).
   static std::size_t score_bytes(const AttentionShape& s) {
-    const std::size_t bytes = static_cast<std::size_t>(s.kv_len) * sizeof(float);
+    const std::size_t bytes = (static_cast<std::size_t>(s.kv_len) + 3) / 4 * 4 * sizeof(float);
     if (bytes > 48 * 1024)
       throw std::invalid_argument("attention (first GPU version): at most 12288 keys a call, got " + std::to_string(s.kv_len));
     return bytes;
