@@ -251,6 +251,7 @@ __global__ void flip_infinite(const float* src, float* dst, std::int64_t n) {
 struct Offsets {
   int v[k2c::moe::kMaxExperts + 1];
 };
+static_assert(CUDART_VERSION >= 12010, "10's offsets pass as a kernel argument of 4 KiB: CUDA 12.1 or later");
 __global__ void store_offsets(Offsets o, int* dst, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = o.v[i];
 }
@@ -369,8 +370,10 @@ void add_into(const float* src, float* dst, std::int64_t n) {  // dst += src
 }
 // c = alpha·Σ parts + beta·c over bf16 products `stride` apart.
 void gemm_epilogue(const bf16* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha, float beta) {
-  if (aligned16(src) && (parts == 1 || stride % 8 == 0) && aligned16(c)) launch(gemm_epilogue_x8, (n + 7) / 8, src, parts, stride, c, n, alpha, beta);
-  else launch(gemm_epilogue_plain<bf16>, n, src, parts, stride, c, n, alpha, beta);
+  if (aligned16(src) && (parts == 1 || stride % 8 == 0) && aligned16(c))
+    launch(gemm_epilogue_x8, (n + 7) / 8, src, parts, stride, c, n, alpha, beta);
+  else
+    launch(gemm_epilogue_plain<bf16>, n, src, parts, stride, c, n, alpha, beta);
 }
 bool heads_x8(const void* a, const void* b, std::int64_t n, int d) {
   return d % 8 == 0 && aligned16(a) && aligned16(b) && n / 8 <= kMaxVectors;
@@ -657,12 +660,18 @@ model::CourseKernels course_kernels() {
   // shapes allow (bf16 products, converted to the model's fp32 after; fp32 weight gradients), else
   // Part A (fp32 outputs). The group offsets reach the device as 10's int32 by a kernel argument.
   namespace moe = k2c::moe;
-  auto grouped_args = [scratch](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
-                                const int*& device_offsets, const bf16*& a16, const bf16** w16) {
+  // Whether 10 takes the call (else the trusted backend names what is wrong).
+  auto grouped_fits = [](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w) {
+    const std::int64_t groups = static_cast<std::int64_t>(offsets.size()) - 1;
+    return groups >= 1 && groups <= moe::kMaxExperts && w.rank() == 3 && first >= 0 && first + groups <= w.dim(0) &&
+           fits_int(a.dim(0)) && fits_int(w.dim(1)) && fits_int(w.dim(2)) && offsets.front() == 0 &&
+           offsets.back() == a.dim(0);
+  };
+  auto grouped_args = [scratch, grouped_fits](const Tensor& a, std::span<const std::int64_t> offsets, int first,
+                                              const Tensor& w, const int*& device_offsets, const bf16*& a16,
+                                              const bf16** w16) {
+    if (!grouped_fits(a, offsets, first, w)) return false;
     const int groups = static_cast<int>(offsets.size()) - 1;
-    if (groups < 1 || groups > moe::kMaxExperts || w.rank() != 3 || first < 0 || first + groups > w.dim(0) ||
-        !fits_int(a.dim(0)) || !fits_int(w.dim(1)) || !fits_int(w.dim(2)))
-      return false;
     Offsets host;
     for (int g = 0; g <= groups; ++g) host.v[g] = static_cast<int>(offsets[g]);
     int* d = scratch->get<int>("moe offsets", groups + 1);
@@ -699,12 +708,14 @@ model::CourseKernels course_kernels() {
   });
   k.names["grouped matmul"] = grouped_hopper->hopper ? "10 moe::grouped_gemm_hopper" : "10 moe::grouped_gemm";
   k.second_choice["grouped matmul"] = part_a_after(grouped_hopper, "10 moe::grouped_gemm");
-  k.grouped_matmul = [scratch, grouped_args, grouped_hopper](const Tensor& a, std::span<const std::int64_t> offsets,
-                                                             int first, const Tensor& w, bool transpose_w, Tensor& c) {
+  k.grouped_matmul = [scratch, grouped_fits, grouped_args, grouped_hopper](
+                         const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
+                         bool transpose_w, Tensor& c) {
     const int* off;
     const bf16 *a16, *w16;
-    if (!grouped_args(a, offsets, first, w, off, a16, &w16)) return false;
+    if (!grouped_fits(a, offsets, first, w)) return false;
     if (a.dim(0) == 0) return true;  // no rows: nothing to write (10 takes no null output)
+    if (!grouped_args(a, offsets, first, w, off, a16, &w16)) return false;
     // Forward: w_g is 10's B_g [n][k]. Input gradient: w_g [rows of w][cols of w] is 10's [k][n].
     // The Hopper part describes its operands for TMA: rows of 16 bytes.
     const int groups = int(offsets.size()) - 1, rows = int(a.dim(0));
@@ -722,13 +733,14 @@ model::CourseKernels course_kernels() {
   };
   k.names["grouped weight grad"] = grad_hopper->hopper ? "10 moe::grouped_weight_grad_hopper" : "10 moe::grouped_weight_grad";
   k.second_choice["grouped weight grad"] = part_a_after(grad_hopper, "10 moe::grouped_weight_grad");
-  k.grouped_weight_grad = [scratch, grouped_args, grad_hopper](const Tensor& dy, const Tensor& x,
-                                                               std::span<const std::int64_t> offsets, int first,
-                                                               Tensor& dw) {
+  k.grouped_weight_grad = [scratch, grouped_fits, grouped_args, grad_hopper](
+                              const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets, int first,
+                              Tensor& dw) {
     const int* off;
     const bf16* dy16;
-    if (!grouped_args(dy, offsets, first, dw, off, dy16, nullptr)) return false;
+    if (!grouped_fits(dy, offsets, first, dw)) return false;
     if (dy.dim(0) == 0) return true;  // no rows: dw += 0
+    if (!grouped_args(dy, offsets, first, dw, off, dy16, nullptr)) return false;
     const int groups = int(offsets.size()) - 1, n = int(dw.dim(1)), kk = int(dw.dim(2));
     const std::int64_t count = std::int64_t{groups} * n * kk;
     float* part = scratch->get<float>("moe dw", count);

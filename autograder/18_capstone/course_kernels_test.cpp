@@ -21,6 +21,7 @@
 #include "course_kernels.h"
 #include "k2c/model/cuda_ops.h"
 #include "k2c/model/testing.h"
+#include "moe.h"
 #include "tensor_core_matmul.h"
 
 namespace k2c::capstone {
@@ -48,11 +49,12 @@ class CourseKernels : public ::testing::Test {
     return side_->upload(v, shape);
   }
   // The operation's row of the table: the course kernel ran `checked` shapes, declined `declined`,
-  // and never fell back.
+  // never fell back, and no Hopper part gave way to its Part A.
   void expect_row(const std::string& op, int checked, int declined = 0) {
     for (const auto& r : course_->table()) {
       if (r.op != op) continue;
       EXPECT_TRUE(r.fallback.empty()) << op << " fell back: " << r.fallback;
+      EXPECT_TRUE(r.replaced.empty()) << op << " replaced " << r.replaced;
       EXPECT_EQ(r.shapes_checked, checked) << op << "\n" << course_->report();
       EXPECT_EQ(r.shapes_declined, declined) << op << "\n" << course_->report();
       return;
@@ -144,6 +146,10 @@ TEST_F(CourseKernels, GroupedGemmsWithEmptyGroupsAndAnOffsetFirstGroup) {
     }
   expect_row("grouped matmul", 12);
   expect_row("grouped weight grad", 6);
+  if (k2c::moe::hopper_supported())  // the Hopper part ran (the shapes above take both parts)
+    for (const auto& r : course_->table())
+      if (r.op == "grouped matmul" || r.op == "grouped weight grad")
+        EXPECT_NE(r.kernel.find("_hopper"), std::string::npos) << r.op << ": " << r.kernel;
 }
 
 TEST_F(CourseKernels, RmsNormForwardAndBackward) {
