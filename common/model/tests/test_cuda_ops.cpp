@@ -332,21 +332,28 @@ TEST(CudaOpsBf16, GemmLayouts) {
 
 // The experts' grouped GEMMs (5 groups of a stack of 8 from group 2, two of them empty): the fast
 // path's bf16 operands rounded once for all groups, against the CPU's one matmul per group.
+// Groups of 21 rows in all, then groups past the GPU path's buckets of 128 rows (a group's product
+// covers the next groups' first rows, which their own products write again; a weight gradient is
+// summed as whole buckets and a remainder), with empty groups between and at the end.
 TEST(CudaOpsBf16, GroupedGemms) {
   REQUIRE_DEVICE();
-  Both t;
-  const std::vector<std::int64_t> offsets{0, 3, 3, 20, 21, 21};
-  Pair x = t.random({21, 40}), w = t.random({8, 24, 40}), dy = t.random({21, 24}), dw = t.random({8, 24, 40});
-  Pair y = t.make({21, 24}, std::vector<float>(21 * 24, NAN)), dx = t.make({21, 40}, std::vector<float>(21 * 40, NAN));
-  for (Ops* ops : {&cpu_ops(), &fast()}) {
-    const bool g = ops == &fast();
-    ops->grouped_matmul(g ? x.gpu : x.cpu, offsets, 2, g ? w.gpu : w.cpu, true, g ? y.gpu : y.cpu);
-    ops->grouped_matmul(g ? dy.gpu : dy.cpu, offsets, 2, g ? w.gpu : w.cpu, false, g ? dx.gpu : dx.cpu);
-    ops->grouped_weight_grad(g ? dy.gpu : dy.cpu, g ? x.gpu : x.cpu, offsets, 2, g ? dw.gpu : dw.cpu);
+  for (const std::vector<std::int64_t>& offsets : {std::vector<std::int64_t>{0, 3, 3, 20, 21, 21},
+                                                  std::vector<std::int64_t>{0, 130, 130, 300, 301, 560, 560}}) {
+    const std::int64_t rows = offsets.back();
+    SCOPED_TRACE(std::to_string(rows) + " rows");
+    Both t;
+    Pair x = t.random({rows, 40}), w = t.random({8, 24, 40}), dy = t.random({rows, 24}), dw = t.random({8, 24, 40});
+    Pair y = t.make({rows, 24}, std::vector<float>(rows * 24, NAN)), dx = t.make({rows, 40}, std::vector<float>(rows * 40, NAN));
+    for (Ops* ops : {&cpu_ops(), &fast()}) {
+      const bool g = ops == &fast();
+      ops->grouped_matmul(g ? x.gpu : x.cpu, offsets, 2, g ? w.gpu : w.cpu, true, g ? y.gpu : y.cpu);
+      ops->grouped_matmul(g ? dy.gpu : dy.cpu, offsets, 2, g ? w.gpu : w.cpu, false, g ? dx.gpu : dx.cpu);
+      ops->grouped_weight_grad(g ? dy.gpu : dy.cpu, g ? x.gpu : x.cpu, offsets, 2, g ? dw.gpu : dw.cpu);
+    }
+    expect_close_bf16(y, "y_g = x_g W_gt", 1e-2, 2e-2);
+    expect_close_bf16(dx, "dx_g = dy_g W_g", 1e-2, 2e-2);
+    expect_close_bf16(dw, "dW_g += dy_gT x_g", 1e-2, 2e-2);
   }
-  expect_close_bf16(y, "y_g = x_g W_gt", 1e-2, 2e-2);
-  expect_close_bf16(dx, "dx_g = dy_g W_g", 1e-2, 2e-2);
-  expect_close_bf16(dw, "dW_g += dy_gT x_g", 1e-2, 2e-2);
 }
 
 // Three projections of one input (q, k, v of a GQA layer: two widths), one of them frozen: the
