@@ -8,7 +8,7 @@
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/09_flash_attention \
 //     lab/flash_attention.cu common/src/device.cu -lcuda -o /tmp/fa && /tmp/fa [mode]
 // No mode: the tile sweep. "unroll": unrolling, dQ and launch-order variants. "hopper_bwd": Part
-// B's wgmma backward beside the shipped mma.sync one, and its dQ by atomics against bulk reductions. "rounds": close variants in alternating
+// B's wgmma backward beside the shipped mma.sync one. "rounds": close variants in alternating
 // rounds. "hopper_fwd": Part B's forward against the warp-specialised one (TMA, a producer
 // warpgroup, 128 x 128 tiles, with and without the consumers' turns), d = 128. "once": one shipped
 // forward, backward and Part B backward for a profiler.
@@ -186,17 +186,6 @@ void sweep(bool causal, Mode mode) {
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
-    // Part B's dQ: vector atomics from the accumulators against bulk reductions of staged rows
-    // (the shipped kBulkDq); outputs compared with the mma.sync backward's first.
-    using Atomics = fa::HopperBackwardTile<D, false>;
-    using Bulk = fa::HopperBackwardTile<D, true>;
-    backward_variant<Atomics, true>("wgmma, dQ by vector atomics", s, b, flops);
-    fa::Params p = fa::make_params(s);
-    p.q = b.q, p.k = b.k, p.v = b.v, p.o = b.o_ref, p.dout = b.dout, p.lse_in = b.lse;
-    p.dq = b.dq, p.dk = b.dk, p.dv = b.dv, p.dot = b.work, p.dq_accum = b.work + fa::dot_floats(s);
-    rounds("backward wgmma: dQ atomics / bulk reductions, TFLOP/s", 2.5 * flops,
-           [&] { fa::launch_backward<Atomics, fa::hopper_backward_kernel<Atomics>>(p, s, nullptr); },
-           [&] { fa::launch_backward<Bulk, fa::hopper_backward_kernel<Bulk>>(p, s, nullptr); });
   } else if (mode == Mode::unroll) {
     forward_variant("forward", "128 rows x 64 keys, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 2>>);
     // Q·Kᵀ's head_dim loop unrolled fully (shipped: the ldmatrix of the next k step is issued

@@ -316,29 +316,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // MN-major A operand. There is no ldmatrix at all: waiting for ldmatrix results is where the
 // mma.sync backward's warps stall most (lecture sections 10.6 and 11). Tiles are laid out as the
 // Hopper forward lays them out (load_tile_sw128). Shared memory: K, V 2·128·D, Q and dO
-// double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D, and with kBulkDq each warpgroup's staged dQ
-// (64 rows of 64 fp32, padded): 181 KiB at D = 128 with the 1 KiB of alignment slack (145 KiB
-// without staging), one block per SM and 255 registers per thread at D = 128 (241 at D = 64).
-//
-// kBulkDq: a step's dQ goes from the accumulators to shared memory, and one bulk reduction per
-// row (cp.reduce.async.bulk, 256 bytes) adds it into dq_accum, as FlashAttention-3 does, instead
-// of 16 vector atomics per thread: the copy engine does the adding, and the warps' load/store
-// queue, which the atomics filled (lecture section 10.6), is left to the next step's copies.
-template <int D_, bool BULK_DQ = true>
+// double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
+// of alignment slack, one block per SM and 255 registers per thread at D = 128 (241 at D = 64),
+// no spill.
+template <int D_>
 struct HopperBackwardTile {
   static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256;
-  static constexpr bool kBulkDq = BULK_DQ;
-  // A staged dQ row: 64 fp32 and 32 bytes of padding. With rows 288 bytes apart, the 8-byte
-  // stores of a half-warp (4 rows × 4 column pairs of the accumulator layout) hit 16 distinct
-  // bank pairs; at 256 bytes apart all 4 rows would share their banks.
-  static constexpr int kDqStride = 64 * 4 + 32, kDqStageBytes = kBulkDq ? 2 * kRows * kDqStride : 0;
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
   // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
   // and both add into dq_accum (an m64n32 half-block would save those extra adds, but would
   // start half-way into a swizzled 128-byte row).
   static constexpr int kDqKeys = D == 128 ? kKeys : kKeys / 2;
-  static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + kDqStageBytes + 1024;
+  static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + 1024;
 };
 
 template <class T>
@@ -354,14 +344,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   const std::uint32_t sdS = base + 2 * T::kKvBytes + 4 * T::kRowBytes;  // dSᵀ: BN rows of BM, one block
   float* s_lse = reinterpret_cast<float*>(smem_raw + (sdS + T::kDsBytes - smem_addr(smem_raw)));  // [2][BM]
   float* s_dot = s_lse + 2 * BM;                                                                  // [2][BM]
-  const std::uint32_t sDq = sdS + T::kDsBytes + 4 * BM * 4;  // staged dQ: [2 warpgroups][BM rows]
 
   int rank, g, b;
   launch_place(p.wave_heads, rank, g, b);
   const int n0 = rank * BN;
   const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, warp = (tid / 32) % 4;
-  // With kBulkDq, threads 0..BM-1 of each warpgroup issue the bulk reduction of one staged row.
-  auto dq_issuer = [&] { return T::kBulkDq && tid % 128 < BM; };
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
   const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
   const QueryWalk<BM> walk(p, n0);
@@ -475,9 +462,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     hp::wgmma_commit();
 
     hp::fence_proxy_async();  // the dSᵀ stores above, before wgmma reads them
-    // The previous step's bulk reductions must have read their staged rows before the stores
-    // below replace them: each issuer waits for its own, and the barrier covers the others.
-    if (dq_issuer()) hp::bulk_wait_read<0>();
     __syncthreads();
 
     // dQ (BM × 64 columns, block dq_block) += dS K over kDqKeys keys from dq_key0: dS is dSᵀ read
@@ -495,39 +479,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     }
     hp::wgmma_commit();
     hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (whose A fragments are ap and ads)
-    if constexpr (T::kBulkDq) {
-      // Stage the warpgroup's 64 × 64 block, then one bulk reduction per row that exists.
-      // (Through opaque, like the descriptors: hoisted out of the loop, the staging addresses
-      // took registers the kernel does not have, and spilled.)
-      const std::uint32_t stage = static_cast<std::uint32_t>(opaque(sDq)) + wg * BM * T::kDqStride;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const std::uint32_t at = stage + (16 * warp + acc_row(lane, half)) * T::kDqStride + acc_col(lane) * 4;
+    for (int half = 0; half < 2; ++half) {
+      const int row = m0 + 16 * warp + acc_row(lane, half);
+      if (row >= p.q_len) continue;
+      float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + 32 * j), "f"(dq[4 * j + 2 * half]),
-                       "f"(dq[4 * j + 2 * half + 1]));
-      }
-      hp::fence_proxy_async();  // ordinary stores, read next by the copy engine
-      hp::named_sync(1 + wg, 128);
-      const int row = tid % 128;
-      if (dq_issuer() && m0 + row < p.q_len) {
-        hp::bulk_reduce_add(p.dq_accum + (q_row0 + m0 + row) * D + 64 * dq_block, stage + row * T::kDqStride, 64 * 4);
-        hp::bulk_commit();
-      }
-    } else {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + 16 * warp + acc_row(lane, half);
-        if (row >= p.q_len) continue;
-        float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
-      }
+      for (int j = 0; j < 8; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
     }
   }
   tc::cp_async_wait<0>();
-  if (dq_issuer()) hp::bulk_wait_all();  // the block's shared memory must outlive its reductions
 
   store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
 #else

@@ -126,15 +126,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, std::uint32
                "r"(src), "r"(x), "r"(y)
                : "memory");
 }
-// The bulk form of a reduction: `bytes` contiguous fp32 values in shared memory at `src` added
-// into global memory at `dst`, each element atomically (other blocks may add into the same
-// place), in the same bulk groups as the stores. Both addresses 16-byte aligned, `bytes` a
-// multiple of 16; the shared source needs fence_proxy_async() after ordinary stores, as above.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, std::uint32_t src, std::uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-               "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
