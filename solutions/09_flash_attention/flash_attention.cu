@@ -183,7 +183,24 @@ void launch_hopper_ws(const Params& params, const Shape& s, cudaStream_t stream)
   set_smem(kernel, T::kSmemBytes);
   const dim3 grid(ceil_div(s.q_len, T::kRows), s.heads, s.batch);
   if (p.wave_heads <= 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), T::kMinBlocks);
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p);
+  const long long tiles = static_cast<long long>(grid.x) * grid.y * grid.z;
+  if constexpr (T::kSchedule == kOneTile) {
+    kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p, tiles, nullptr);
+  } else {
+    // One block per SM; kClaim's counter is this call's own (stream-ordered: calls on other
+    // streams have theirs), zeroed before and freed after the kernel on the same stream.
+    int device = 0, sms = 0;
+    K2C_CUDA_CHECK(cudaGetDevice(&device));
+    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const unsigned persistent = static_cast<unsigned>(std::min<long long>(tiles, sms));
+    unsigned long long* claimed = nullptr;
+    if constexpr (T::kSchedule == kClaim) {
+      K2C_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&claimed), sizeof(unsigned long long), stream));
+      K2C_CUDA_CHECK(cudaMemsetAsync(claimed, 0, sizeof(unsigned long long), stream));
+    }
+    kernel<<<persistent, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p, tiles, claimed);
+    if (claimed) K2C_CUDA_CHECK(cudaFreeAsync(claimed, stream));
+  }
   K2C_CUDA_CHECK_LAUNCH();
 }
 

@@ -360,26 +360,44 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //   overlap   (kOverlap) FA3's second schedule: S(j) = Q K(j)ᵀ is issued together with the
 //             previous tile's O += P(j−1) V(j−1), and the softmax of S(j) runs while that product
 //             is still on the tensor cores; O's rescaling waits for it.
+//   schedule  which tiles a block takes (kSchedule). kOneTile: a grid of tiles, one each, started
+//             by the hardware in launch_place's order. Persistent (one block per SM, each walking
+//             several tiles): the producer copies the next tile's Q as soon as both consumers have
+//             finished the current tile's last S = Q Kᵀ (q_empty), and its K and V into the ring
+//             as slots free, while the consumers still multiply P V and store O; with one tile a
+//             block, each block waits for its Q and first K before any product and leaves the SM
+//             idle while it stores O, a fixed cost that weighs twice as much under the causal mask
+//             (half as many key blocks per tile on average). kStride walks tiles t, t + blocks in
+//             the grid, ...; kClaim takes the next tile in launch order from a counter in global
+//             memory when it starts one, so blocks that drew light tiles take more of them, as
+//             the hardware's own scheduling does. The producer passes each tile's index to the
+//             consumers in shared memory, published by q_full; an index past the end stops them.
 //   edges     TMA sees each head as a matrix of its own (3-D tensor maps: column, row, head), so
 //             a 128-row box that hangs past a head's last row reads zeros there, never the next
 //             head's rows: whatever those hold (a NaN in V would survive P = 0), one head's output
 //             depends on its own inputs only. Q rows past q_len are computed and never stored; K
 //             rows past kv_len are masked.
 // Shared memory: Q 128·D + STAGES·2·128·D bf16 = 160 KiB at D = 128 and two stages.
-template <int D_, bool PINGPONG = true, int STAGES = 2, bool OVERLAP = false>
+enum WsSchedule { kOneTile, kStride, kClaim };
+template <int D_, bool PINGPONG = true, int STAGES = 2, bool OVERLAP = false, int SCHEDULE = kClaim>
 struct HopperWsTile {
   static constexpr int D = D_, kRows = 128, kKeys = 128, kStages = STAGES, kThreads = 384;
   static constexpr bool kPingpong = PINGPONG, kOverlap = OVERLAP;
+  static constexpr int kSchedule = SCHEDULE;
   static constexpr int kQBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;  // Q; one K or V tile
-  static constexpr int kBarrierBytes = 8 * (1 + 3 * kStages);
+  static constexpr int kBarrierBytes = 8 * (3 + 3 * kStages);                 // and the tile index
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + kBarrierBytes + 1024;  // + alignment
   static constexpr int kMinBlocks = 1;
 };
 
+// `tiles`: query blocks × heads × batch. kOneTile's grid is (query blocks, heads, batch), the
+// persistent ones' one-dimensional; `claimed` (kClaim only) counts the tiles taken past the
+// grid's first, zero at launch.
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     hopper_ws_forward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                             const __grid_constant__ CUtensorMap map_v, Params p) {
+                             const __grid_constant__ CUtensorMap map_v, Params p, long long tiles,
+                             unsigned long long* claimed) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace hp = k2c::hopper;
   constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8, S = T::kStages;
@@ -387,22 +405,34 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const std::uint32_t sQ = (smem_addr(smem_raw) + 1023) & ~1023u;
   auto sK = [&](int s) { return sQ + T::kQBytes + 2 * s * T::kTileBytes; };
   auto sV = [&](int s) { return sQ + T::kQBytes + (2 * s + 1) * T::kTileBytes; };
-  const std::uint32_t q_full = sQ + T::kQBytes + 2 * S * T::kTileBytes;
-  auto k_full = [&](int s) { return q_full + 8 + 8 * s; };
-  auto v_full = [&](int s) { return q_full + 8 + 8 * (S + s); };
-  auto empty = [&](int s) { return q_full + 8 + 8 * (2 * S + s); };
+  const std::uint32_t q_full = sQ + T::kQBytes + 2 * S * T::kTileBytes, q_empty = q_full + 8;
+  auto k_full = [&](int s) { return q_empty + 8 + 8 * s; };
+  auto v_full = [&](int s) { return q_empty + 8 + 8 * (S + s); };
+  auto empty = [&](int s) { return q_empty + 8 + 8 * (2 * S + s); };
+  volatile long long* tile_index =
+      reinterpret_cast<long long*>(smem_raw + (q_empty + 8 + 8 * 3 * S - smem_addr(smem_raw)));
 
-  int rank, h, b;
-  launch_place(p.wave_heads, rank, h, b);
-  const int m0 = (gridDim.x - 1 - rank) * BM, g = h / p.group;  // heaviest first, as above
-  const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
+  // Tile `at` placed as launch_place places a block (heaviest first within each set of heads).
+  const long long blocks = ceil_div(p.q_len, BM), pairs = tiles / blocks;
+  struct Tile {
+    int m0, h, b, n_blocks;
+  };
+  auto tile_at = [&](long long at) {
+    Tile t;
+    int rank;
+    tile_place(at, blocks, p.heads, pairs, p.wave_heads, rank, t.h, t.b);
+    t.m0 = static_cast<int>(blocks - 1 - rank) * BM;
+    t.n_blocks = ceil_div(keys_needed(p, t.m0, BM), BN);
+    return t;
+  };
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     hp::mbarrier_init(q_full, 1);
+    hp::mbarrier_init(q_empty, 2);  // one arrival per consumer warpgroup
     for (int s = 0; s < S; ++s) {
       hp::mbarrier_init(k_full(s), 1);
       hp::mbarrier_init(v_full(s), 1);
-      hp::mbarrier_init(empty(s), 2);  // one arrival per consumer warpgroup
+      hp::mbarrier_init(empty(s), 2);
     }
     hp::fence_barrier_init();
   }
@@ -411,18 +441,34 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (warpgroup == 0) {
     hp::setmaxnreg_dec<24>();
     if (threadIdx.x == 0) {
-      const int q_head = b * p.heads + h, kv_head = b * p.kv_heads + g;  // the maps' matrix index
-      hp::mbarrier_arrive_expect_tx(q_full, T::kQBytes);
-      for (int c = 0; c < D / 64; ++c) hp::tma_load_3d(sQ + c * BM * 128, &map_q, q_full, 64 * c, m0, q_head);
-      for (int j = 0; j < n_blocks; ++j) {
-        const int s = j % S, row = j * BN;
-        hp::mbarrier_wait(empty(s), ((j / S) & 1) ^ 1);  // the consumers are done with its last lap
-        hp::mbarrier_arrive_expect_tx(k_full(s), T::kTileBytes);
-        for (int c = 0; c < D / 64; ++c)
-          hp::tma_load_3d(sK(s) + c * BN * 128, &map_k, k_full(s), 64 * c, row, kv_head);
-        hp::mbarrier_arrive_expect_tx(v_full(s), T::kTileBytes);
-        for (int c = 0; c < D / 64; ++c)
-          hp::tma_load_3d(sV(s) + c * BN * 128, &map_v, v_full(s), 64 * c, row, kv_head);
+      long long at = T::kSchedule == kOneTile
+                         ? blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z)
+                         : blockIdx.x;
+      int it = 0;  // K/V blocks copied so far, over all of this block's tiles: the ring's position
+      for (int i = 0;; ++i) {
+        hp::mbarrier_wait(q_empty, (i & 1) ^ 1);  // both consumers are done with the last tile's Q
+        *tile_index = at;  // published to the consumers by q_full's completion
+        if (at >= tiles) {
+          hp::mbarrier_arrive(q_full);  // no copy: the consumers read the index and stop
+          break;
+        }
+        const Tile t = tile_at(at);
+        const int q_head = t.b * p.heads + t.h, kv_head = t.b * p.kv_heads + t.h / p.group;  // the maps' matrix index
+        hp::mbarrier_arrive_expect_tx(q_full, T::kQBytes);
+        for (int c = 0; c < D / 64; ++c) hp::tma_load_3d(sQ + c * BM * 128, &map_q, q_full, 64 * c, t.m0, q_head);
+        for (int j = 0; j < t.n_blocks; ++j, ++it) {
+          const int s = it % S, row = j * BN;
+          hp::mbarrier_wait(empty(s), ((it / S) & 1) ^ 1);  // the consumers are done with its last lap
+          hp::mbarrier_arrive_expect_tx(k_full(s), T::kTileBytes);
+          for (int c = 0; c < D / 64; ++c)
+            hp::tma_load_3d(sK(s) + c * BN * 128, &map_k, k_full(s), 64 * c, row, kv_head);
+          hp::mbarrier_arrive_expect_tx(v_full(s), T::kTileBytes);
+          for (int c = 0; c < D / 64; ++c)
+            hp::tma_load_3d(sV(s) + c * BN * 128, &map_v, v_full(s), 64 * c, row, kv_head);
+        }
+        if constexpr (T::kSchedule == kOneTile) at = tiles;
+        else if constexpr (T::kSchedule == kStride) at += gridDim.x;
+        else at = gridDim.x + static_cast<long long>(atomicAdd(claimed, 1ull));
       }
     }
   } else {
@@ -430,91 +476,109 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
     const std::uint32_t q_rows = sQ + consumer * 64 * 128;  // this warpgroup's 64 rows in each column block
-    const int rows0 = m0 + consumer * 64, row0 = rows0 + warp * 16;
-    // Turns: consumer c waits on barrier 2 + c before its S = Q Kᵀ and, once it is issued, lets
-    // the other go. Consumer 0 goes first (consumer 1's arrival before the loop); consumer 1 skips
-    // its last hand-over, which no one would wait for.
+    // Turns: consumer c waits on barrier 2 + c before each S = Q Kᵀ and, once it is issued, lets
+    // the other go. Consumer 1 arrives once before the first, so consumer 0 goes first, and
+    // consumer 0 takes that extra turn after the last tile, so both barriers end complete.
     constexpr int kTurn = 2;
-    if (T::kPingpong && consumer == 1 && n_blocks > 0) hp::named_arrive(kTurn, 256);
-    float o[DT][4] = {};
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {};
-    hp::mbarrier_wait(q_full, 0);
+    if (T::kPingpong && consumer == 1) hp::named_arrive(kTurn, 256);
     float sc[NT][4];
     std::uint32_t a[BN / 16][4];
-    // S = Q K(j)ᵀ issued (in this consumer's turn) and committed; not waited for.
-    auto issue_scores = [&](int j) {
-      const int s = j % S;
-      hp::mbarrier_wait(k_full(s), (j / S) & 1);
-      if constexpr (T::kPingpong) hp::named_sync(kTurn + consumer, 256);
-      hp::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const std::uint32_t along = (kk % 4) * 32;
-        hp::wgmma_m64n128k16_ss(reinterpret_cast<float(&)[NT * 4]>(sc),
-                                hp::smem_desc_128b(q_rows + (kk / 4) * BM * 128 + along),
-                                hp::smem_desc_128b(sK(s) + (kk / 4) * BN * 128 + along), kk > 0);
+    int it = 0;  // the ring's position, as the producer counts it
+    for (int i = 0;; ++i) {
+      hp::mbarrier_wait(q_full, i & 1);
+      const long long at = *tile_index;
+      if (at >= tiles) break;
+      const Tile t = tile_at(at);
+      const int n_blocks = t.n_blocks, rows0 = t.m0 + consumer * 64, row0 = rows0 + warp * 16;
+      float o[DT][4] = {};
+      float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {};
+      // Q has been read for the last time once S of the tile's last block is complete.
+      auto q_done = [&] {
+        if (threadIdx.x % 128 == 0) hp::mbarrier_arrive(q_empty);
+      };
+      if (n_blocks == 0) {
+        hp::named_sync(4 + consumer, 128);  // every thread has read the index before it is replaced
+        q_done();
       }
-      hp::wgmma_commit();
-      if constexpr (T::kPingpong)
-        if (consumer == 0 || j + 1 < n_blocks) hp::named_arrive(kTurn + 1 - consumer, 256);
-    };
-    // O += P V(j), P in `a`; issued and committed, not waited for.
-    auto issue_pv = [&](int j) {
-      const int s = j % S;
-      hp::mbarrier_wait(v_full(s), (j / S) & 1);
-      hp::wgmma_fence();
+      // S = Q K(j)ᵀ issued (in this consumer's turn) and committed; not waited for.
+      auto issue_scores = [&](int j) {
+        const int s = (it + j) % S;
+        hp::mbarrier_wait(k_full(s), ((it + j) / S) & 1);
+        if constexpr (T::kPingpong) hp::named_sync(kTurn + consumer, 256);
+        hp::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_rs_tb<D>(o, a[kk], hp::smem_desc_128b_mn(sV(s) + kk * 16 * 128, BN * 128));
-      hp::wgmma_commit();
-    };
-    auto release = [&](int j) {
-      if (threadIdx.x % 128 == 0) hp::mbarrier_arrive(empty(j % S));  // the slot's K and V are read
-    };
-    // The mask and the softmax of S(j), into P; the output's factors left in `rescale`.
-    auto softmax = [&](int j, float (&rescale)[2]) {
-      if (tile_needs_mask(p, rows0, j * BN, BN)) mask_strip(sc, mask, row0, j * BN, lane);
-      softmax_scores(sc, row_max, row_sum, p.scale_log2, rescale);
-    };
-    auto to_a = [&] {
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const std::uint32_t along = (kk % 4) * 32;
+          hp::wgmma_m64n128k16_ss(reinterpret_cast<float(&)[NT * 4]>(sc),
+                                  hp::smem_desc_128b(q_rows + (kk / 4) * BM * 128 + along),
+                                  hp::smem_desc_128b(sK(s) + (kk / 4) * BN * 128 + along), kk > 0);
+        }
+        hp::wgmma_commit();
+        if constexpr (T::kPingpong) hp::named_arrive(kTurn + 1 - consumer, 256);
+      };
+      // O += P V(j), P in `a`; issued and committed, not waited for.
+      auto issue_pv = [&](int j) {
+        const int s = (it + j) % S;
+        hp::mbarrier_wait(v_full(s), ((it + j) / S) & 1);
+        hp::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a(a[kk], sc[2 * kk], sc[2 * kk + 1]);
-    };
-    if constexpr (T::kOverlap) {
-      if (n_blocks > 0) {
-        float rescale[2];
-        issue_scores(0);
-        hp::wgmma_wait<0>();
-        softmax(0, rescale);
-        to_a();
-        for (int j = 1; j < n_blocks; ++j) {
-          issue_scores(j);
-          issue_pv(j - 1);
-          hp::wgmma_wait<1>();  // S(j) is done; P(j−1) V(j−1) may still run
-          softmax(j, rescale);
+        for (int kk = 0; kk < BN / 16; ++kk)
+          wgmma_rs_tb<D>(o, a[kk], hp::smem_desc_128b_mn(sV(s) + kk * 16 * 128, BN * 128));
+        hp::wgmma_commit();
+      };
+      auto release = [&](int j) {
+        if (threadIdx.x % 128 == 0) hp::mbarrier_arrive(empty((it + j) % S));  // the slot's K and V are read
+      };
+      // The mask and the softmax of S(j), into P; the output's factors left in `rescale`.
+      auto softmax = [&](int j, float (&rescale)[2]) {
+        if (tile_needs_mask(p, rows0, j * BN, BN)) mask_strip(sc, mask, row0, j * BN, lane);
+        softmax_scores(sc, row_max, row_sum, p.scale_log2, rescale);
+      };
+      auto to_a = [&] {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a(a[kk], sc[2 * kk], sc[2 * kk + 1]);
+      };
+      if constexpr (T::kOverlap) {
+        if (n_blocks > 0) {
+          float rescale[2];
+          issue_scores(0);
           hp::wgmma_wait<0>();
-          release(j - 1);
+          if (n_blocks == 1) q_done();
+          softmax(0, rescale);
+          to_a();
+          for (int j = 1; j < n_blocks; ++j) {
+            issue_scores(j);
+            issue_pv(j - 1);
+            hp::wgmma_wait<1>();  // S(j) is done; P(j−1) V(j−1) may still run
+            if (j + 1 == n_blocks) q_done();
+            softmax(j, rescale);
+            hp::wgmma_wait<0>();
+            release(j - 1);
+            rescale_rows(o, rescale);
+            to_a();
+          }
+          issue_pv(n_blocks - 1);
+          hp::wgmma_wait<0>();
+          release(n_blocks - 1);
+        }
+      } else {
+        for (int j = 0; j < n_blocks; ++j) {
+          float rescale[2];
+          issue_scores(j);
+          hp::wgmma_wait<0>();
+          if (j + 1 == n_blocks) q_done();
+          softmax(j, rescale);
           rescale_rows(o, rescale);
           to_a();
+          issue_pv(j);
+          hp::wgmma_wait<0>();
+          release(j);
         }
-        issue_pv(n_blocks - 1);
-        hp::wgmma_wait<0>();
-        release(n_blocks - 1);
       }
-    } else {
-      for (int j = 0; j < n_blocks; ++j) {
-        float rescale[2];
-        issue_scores(j);
-        hp::wgmma_wait<0>();
-        softmax(j, rescale);
-        rescale_rows(o, rescale);
-        to_a();
-        issue_pv(j);
-        hp::wgmma_wait<0>();
-        release(j);
-      }
+      it += n_blocks;
+      store_strip(o, row_max, row_sum, p, p.q_rows(t.b, t.h), row0, lane);
     }
-    store_strip(o, row_max, row_sum, p, p.q_rows(b, h), row0, lane);
+    if (T::kPingpong && consumer == 0) hp::named_sync(kTurn, 256);  // consumer 1's arrival after its last S
   }
 #else
   (void)map_q, (void)map_k, (void)map_v, (void)p;  // compiled without sm_90a: see forward_hopper()

@@ -128,13 +128,19 @@ struct Params {
 // K and V of the heads in flight still fit in L2. `rank` 0 is the heaviest block of its head;
 // with heads as the outer loop only the last head's heavy blocks would start late and run on
 // alone (lecture section 6.3).
-__device__ __forceinline__ void launch_place(int wave_heads, int& rank, int& h, int& b) {
-  const long long blocks = gridDim.x, pairs = static_cast<long long>(gridDim.y) * gridDim.z;
-  const long long at = blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
+// tile_place is the same order for tile `at` of `blocks` blocks per head and `pairs` (head,
+// batch) pairs, for a persistent kernel that walks the tiles in launch order itself.
+__device__ __forceinline__ void tile_place(long long at, long long blocks, int heads, long long pairs, int wave_heads,
+                                           int& rank, int& h, int& b) {
   const long long set = at / (wave_heads * blocks), in_set = at % (wave_heads * blocks);
   const long long size = min(static_cast<long long>(wave_heads), pairs - set * wave_heads);
   const long long pair = set * wave_heads + in_set % size;
   rank = static_cast<int>(in_set / size);
-  h = static_cast<int>(pair % gridDim.y);
-  b = static_cast<int>(pair / gridDim.y);
+  h = static_cast<int>(pair % heads);
+  b = static_cast<int>(pair / heads);
+}
+__device__ __forceinline__ void launch_place(int wave_heads, int& rank, int& h, int& b) {
+  const long long blocks = gridDim.x, pairs = static_cast<long long>(gridDim.y) * gridDim.z;
+  const long long at = blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
+  tile_place(at, blocks, static_cast<int>(gridDim.y), pairs, wave_heads, rank, h, b);
 }
