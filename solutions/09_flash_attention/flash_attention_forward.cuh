@@ -360,25 +360,25 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //   overlap   (kOverlap) FA3's second schedule: S(j) = Q K(j)ᵀ is issued together with the
 //             previous tile's O += P(j−1) V(j−1), and the softmax of S(j) runs while that product
 //             is still on the tensor cores; O's rescaling waits for it.
-//   schedule  which tiles a block takes (kSchedule). kOneTile: a grid of tiles, one each, started
-//             by the hardware in launch_place's order. Persistent (one block per SM, each walking
-//             several tiles): the producer copies the next tile's Q as soon as both consumers have
+//   schedule  which tiles a block takes (kSchedule). kClaim, the default, is persistent: one
+//             block per SM, each taking the next tile in launch_place's order from a counter in
+//             global memory when it starts one (so blocks that drew light tiles take more of
+//             them, as the hardware's own block scheduling would). The producer passes each
+//             tile's index to the consumers in shared memory, published by q_full; an index past
+//             the end stops them. It copies the next tile's Q as soon as both consumers have
 //             finished the current tile's last S = Q Kᵀ (q_empty), and its K and V into the ring
-//             as slots free, while the consumers still multiply P V and store O; with one tile a
-//             block, each block waits for its Q and first K before any product and leaves the SM
-//             idle while it stores O, a fixed cost that weighs twice as much under the causal mask
-//             (half as many key blocks per tile on average). kStride walks tiles t, t + blocks in
-//             the grid, ...; kClaim takes the next tile in launch order from a counter in global
-//             memory when it starts one, so blocks that drew light tiles take more of them, as
-//             the hardware's own scheduling does. The producer passes each tile's index to the
-//             consumers in shared memory, published by q_full; an index past the end stops them.
+//             as slots free, while the consumers still multiply P V and store O. With kOneTile
+//             (a grid of tiles, one each) a block waits for its Q and first K before any product
+//             and leaves the SM idle while it stores O, a fixed cost that weighs twice as much
+//             under the causal mask, where a tile has half as many key blocks on average
+//             (measured: lecture 09's appendix, section 5.6).
 //   edges     TMA sees each head as a matrix of its own (3-D tensor maps: column, row, head), so
 //             a 128-row box that hangs past a head's last row reads zeros there, never the next
 //             head's rows: whatever those hold (a NaN in V would survive P = 0), one head's output
 //             depends on its own inputs only. Q rows past q_len are computed and never stored; K
 //             rows past kv_len are masked.
 // Shared memory: Q 128·D + STAGES·2·128·D bf16 = 160 KiB at D = 128 and two stages.
-enum WsSchedule { kOneTile, kStride, kClaim };
+enum WsSchedule { kOneTile, kClaim };
 template <int D_, bool PINGPONG = true, int STAGES = 2, bool OVERLAP = false, int SCHEDULE = kClaim>
 struct HopperWsTile {
   static constexpr int D = D_, kRows = 128, kKeys = 128, kStages = STAGES, kThreads = 384;
@@ -467,7 +467,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             hp::tma_load_3d(sV(s) + c * BN * 128, &map_v, v_full(s), 64 * c, row, kv_head);
         }
         if constexpr (T::kSchedule == kOneTile) at = tiles;
-        else if constexpr (T::kSchedule == kStride) at += gridDim.x;
         else at = gridDim.x + static_cast<long long>(atomicAdd(claimed, 1ull));
       }
     }
@@ -492,14 +491,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       const int n_blocks = t.n_blocks, rows0 = t.m0 + consumer * 64, row0 = rows0 + warp * 16;
       float o[DT][4] = {};
       float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {};
-      // Q has been read for the last time once S of the tile's last block is complete.
+      // Q has been read for the last time once S of the tile's last block is complete. The
+      // warpgroup's barrier first: every thread has read the tile's index before the producer,
+      // released by q_empty, writes the next one.
       auto q_done = [&] {
+        hp::named_sync(4 + consumer, 128);
         if (threadIdx.x % 128 == 0) hp::mbarrier_arrive(q_empty);
       };
-      if (n_blocks == 0) {
-        hp::named_sync(4 + consumer, 128);  // every thread has read the index before it is replaced
-        q_done();
-      }
+      if (n_blocks == 0) q_done();
       // S = Q K(j)ᵀ issued (in this consumer's turn) and committed; not waited for.
       auto issue_scores = [&](int j) {
         const int s = (it + j) % S;
