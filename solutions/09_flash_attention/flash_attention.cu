@@ -186,22 +186,22 @@ void launch_hopper_ws(const Params& params, const Shape& s, cudaStream_t stream)
   const long long tiles = static_cast<long long>(grid.x) * grid.y * grid.z;
   if constexpr (T::kSchedule == kOneTile) {
     kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p, tiles, nullptr);
+    K2C_CUDA_CHECK_LAUNCH();
   } else {
-    // One block per SM; kClaim's counter is this call's own (stream-ordered: calls on other
-    // streams have theirs), zeroed before and freed after the kernel on the same stream.
+    // One block per SM. The counter and the blocks' slots are this call's own (stream-ordered:
+    // a call on another stream has its own), the counter zeroed before and all freed after the
+    // kernel on the same stream.
     int device = 0, sms = 0;
     K2C_CUDA_CHECK(cudaGetDevice(&device));
     K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     const unsigned persistent = static_cast<unsigned>(std::min<long long>(tiles, sms));
-    unsigned long long* claimed = nullptr;
-    if constexpr (T::kSchedule == kClaim) {
-      K2C_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&claimed), sizeof(unsigned long long), stream));
-      K2C_CUDA_CHECK(cudaMemsetAsync(claimed, 0, sizeof(unsigned long long), stream));
-    }
-    kernel<<<persistent, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p, tiles, claimed);
-    if (claimed) K2C_CUDA_CHECK(cudaFreeAsync(claimed, stream));
+    unsigned long long* schedule = nullptr;
+    K2C_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&schedule), (1 + persistent) * sizeof(unsigned long long), stream));
+    K2C_CUDA_CHECK(cudaMemsetAsync(schedule, 0, sizeof(unsigned long long), stream));
+    kernel<<<persistent, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p, tiles, schedule);
+    K2C_CUDA_CHECK_LAUNCH();
+    K2C_CUDA_CHECK(cudaFreeAsync(schedule, stream));
   }
-  K2C_CUDA_CHECK_LAUNCH();
 }
 
 // The backward pass: D, the kernel over (key blocks, kv heads, batch), then dq from its fp32 sum.

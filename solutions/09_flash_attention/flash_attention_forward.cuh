@@ -364,8 +364,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //             block per SM, each taking the next tile in launch_place's order from a counter in
 //             global memory when it starts one (so blocks that drew light tiles take more of
 //             them, as the hardware's own block scheduling would). The producer passes each
-//             tile's index to the consumers in shared memory, published by q_full; an index past
-//             the end stops them. It copies the next tile's Q as soon as both consumers have
+//             tile's index to the consumers through a slot of the block's own in global memory,
+//             written before q_full's arrival and read after its completion (q_empty orders the
+//             next write after the reads); an index past the end stops them. (In shared memory
+//             the same handoff is as correct, but compute-sanitizer's racecheck, which does not
+//             follow ordering through mbarriers, reports it as a race.) It copies the next tile's Q as soon as both consumers have
 //             finished the current tile's last S = Q Kᵀ (q_empty), and its K and V into the ring
 //             as slots free, while the consumers still multiply P V and store O. With kOneTile
 //             (a grid of tiles, one each) a block waits for its Q and first K before any product
@@ -385,19 +388,19 @@ struct HopperWsTile {
   static constexpr bool kPingpong = PINGPONG, kOverlap = OVERLAP;
   static constexpr int kSchedule = SCHEDULE;
   static constexpr int kQBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;  // Q; one K or V tile
-  static constexpr int kBarrierBytes = 8 * (3 + 3 * kStages);                 // and the tile index
+  static constexpr int kBarrierBytes = 8 * (2 + 3 * kStages);
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + kBarrierBytes + 1024;  // + alignment
   static constexpr int kMinBlocks = 1;
 };
 
-// `tiles`: query blocks × heads × batch. kOneTile's grid is (query blocks, heads, batch), the
-// persistent ones' one-dimensional; `claimed` (kClaim only) counts the tiles taken past the
-// grid's first, zero at launch.
+// `tiles`: query blocks × heads × batch. kOneTile's grid is (query blocks, heads, batch),
+// kClaim's one-dimensional; for kClaim, schedule[0] counts the tiles taken past the grid's first
+// (zero at launch) and schedule[1 + block] is the block's tile-index slot.
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     hopper_ws_forward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, Params p, long long tiles,
-                             unsigned long long* claimed) {
+                             unsigned long long* schedule) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace hp = k2c::hopper;
   constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8, S = T::kStages;
@@ -409,11 +412,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto k_full = [&](int s) { return q_empty + 8 + 8 * s; };
   auto v_full = [&](int s) { return q_empty + 8 + 8 * (S + s); };
   auto empty = [&](int s) { return q_empty + 8 + 8 * (2 * S + s); };
-  volatile long long* tile_index =
-      reinterpret_cast<long long*>(smem_raw + (q_empty + 8 + 8 * 3 * S - smem_addr(smem_raw)));
+  volatile unsigned long long* tile_slot = T::kSchedule == kClaim ? schedule + 1 + blockIdx.x : nullptr;
 
-  // Tile `at` placed as launch_place places a block (heaviest first within each set of heads).
+  // Tile `at` placed as launch_place places a block (heaviest first within each set of heads);
+  // kOneTile's block takes the tile of its own index.
   const long long blocks = ceil_div(p.q_len, BM), pairs = tiles / blocks;
+  const long long one_tile = blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
   struct Tile {
     int m0, h, b, n_blocks;
   };
@@ -441,13 +445,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (warpgroup == 0) {
     hp::setmaxnreg_dec<24>();
     if (threadIdx.x == 0) {
-      long long at = T::kSchedule == kOneTile
-                         ? blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z)
-                         : blockIdx.x;
+      long long at = T::kSchedule == kOneTile ? one_tile : blockIdx.x;
       int it = 0;  // K/V blocks copied so far, over all of this block's tiles: the ring's position
       for (int i = 0;; ++i) {
         hp::mbarrier_wait(q_empty, (i & 1) ^ 1);  // both consumers are done with the last tile's Q
-        *tile_index = at;  // published to the consumers by q_full's completion
+        if constexpr (T::kSchedule == kClaim) *tile_slot = at;  // published to the consumers by q_full
         if (at >= tiles) {
           hp::mbarrier_arrive(q_full);  // no copy: the consumers read the index and stop
           break;
@@ -467,7 +469,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             hp::tma_load_3d(sV(s) + c * BN * 128, &map_v, v_full(s), 64 * c, row, kv_head);
         }
         if constexpr (T::kSchedule == kOneTile) at = tiles;
-        else at = gridDim.x + static_cast<long long>(atomicAdd(claimed, 1ull));
+        else at = gridDim.x + static_cast<long long>(atomicAdd(schedule, 1ull));
       }
     }
   } else {
@@ -485,7 +487,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     int it = 0;  // the ring's position, as the producer counts it
     for (int i = 0;; ++i) {
       hp::mbarrier_wait(q_full, i & 1);
-      const long long at = *tile_index;
+      const long long at = T::kSchedule == kClaim ? static_cast<long long>(*tile_slot) : i == 0 ? one_tile : tiles;
       if (at >= tiles) break;
       const Tile t = tile_at(at);
       const int n_blocks = t.n_blocks, rows0 = t.m0 + consumer * 64, row0 = rows0 + warp * 16;
