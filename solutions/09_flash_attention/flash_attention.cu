@@ -197,9 +197,14 @@ void launch_hopper_ws(const Params& params, const Shape& s, cudaStream_t stream)
     const unsigned persistent = static_cast<unsigned>(std::min<long long>(tiles, sms));
     unsigned long long* schedule = nullptr;
     K2C_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&schedule), (1 + persistent) * sizeof(unsigned long long), stream));
-    K2C_CUDA_CHECK(cudaMemsetAsync(schedule, 0, sizeof(unsigned long long), stream));
-    kernel<<<persistent, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p, tiles, schedule);
-    K2C_CUDA_CHECK_LAUNCH();
+    try {
+      K2C_CUDA_CHECK(cudaMemsetAsync(schedule, 0, sizeof(unsigned long long), stream));
+      kernel<<<persistent, T::kThreads, T::kSmemBytes, stream>>>(map_q, map_k, map_v, p, tiles, schedule);
+      K2C_CUDA_CHECK_LAUNCH();
+    } catch (...) {
+      cudaFreeAsync(schedule, stream);  // not left behind by a call that failed
+      throw;
+    }
     K2C_CUDA_CHECK(cudaFreeAsync(schedule, stream));
   }
 }
