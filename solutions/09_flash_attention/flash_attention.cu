@@ -137,12 +137,17 @@ void set_smem(Kernel kernel, int bytes) {
   K2C_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-// How many heads' blocks the GPU holds at once (at least one): see launch_place.
-int wave_heads(int blocks_per_head, int blocks_per_sm) {
+// The current device's SM count.
+int sm_count() {
   int device = 0, sms = 0;
   K2C_CUDA_CHECK(cudaGetDevice(&device));
   K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return std::max(1, sms * blocks_per_sm / std::max(1, blocks_per_head));
+  return sms;
+}
+
+// How many heads' blocks the GPU holds at once (at least one): see launch_place.
+int wave_heads(int blocks_per_head, int blocks_per_sm) {
+  return std::max(1, sm_count() * blocks_per_sm / std::max(1, blocks_per_head));
 }
 
 // Launches a forward kernel over (query blocks, heads, batch).
@@ -191,10 +196,7 @@ void launch_hopper_ws(const Params& params, const Shape& s, cudaStream_t stream)
     // One block per SM. The counter and the blocks' slots are this call's own (stream-ordered:
     // a call on another stream has its own), the counter zeroed before and all freed after the
     // kernel on the same stream.
-    int device = 0, sms = 0;
-    K2C_CUDA_CHECK(cudaGetDevice(&device));
-    K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    const unsigned persistent = static_cast<unsigned>(std::min<long long>(tiles, sms));
+    const unsigned persistent = static_cast<unsigned>(std::min<long long>(tiles, sm_count()));
     unsigned long long* schedule = nullptr;
     K2C_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&schedule), (1 + persistent) * sizeof(unsigned long long), stream));
     try {

@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // Tile `at` placed as launch_place places a block (heaviest first within each set of heads);
   // kOneTile's block takes the tile of its own index.
   const long long blocks = ceil_div(p.q_len, BM), pairs = tiles / blocks;
-  const long long one_tile = blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
+  const long long one_tile = launch_index();
   struct Tile {
     int m0, h, b, n_blocks;
   };

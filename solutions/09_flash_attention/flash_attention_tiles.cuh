@@ -139,8 +139,11 @@ __device__ __forceinline__ void tile_place(long long at, long long blocks, int h
   h = static_cast<int>(pair % heads);
   b = static_cast<int>(pair / heads);
 }
+// The block's linear index in launch order (x fastest, then y, then z).
+__device__ __forceinline__ long long launch_index() {
+  return blockIdx.x + static_cast<long long>(gridDim.x) * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
+}
 __device__ __forceinline__ void launch_place(int wave_heads, int& rank, int& h, int& b) {
-  const long long blocks = gridDim.x, pairs = static_cast<long long>(gridDim.y) * gridDim.z;
-  const long long at = blockIdx.x + blocks * (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
-  tile_place(at, blocks, static_cast<int>(gridDim.y), pairs, wave_heads, rank, h, b);
+  const long long pairs = static_cast<long long>(gridDim.y) * gridDim.z;
+  tile_place(launch_index(), gridDim.x, static_cast<int>(gridDim.y), pairs, wave_heads, rank, h, b);
 }
