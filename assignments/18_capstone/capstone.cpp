@@ -12,6 +12,8 @@
 //     nothing; forward and backward are virtual) so that module 15's train_step can run it. It
 //     registers the layers of its span under model::Transformer's names: the library's where an
 //     axis is 1, module 14's or 17's where it is not. Call count_forward / count_backward.
+//   - config.train.activations goes into the Context (capstone.h, Activations); with bf16, make
+//     the tensors of the stage that model::Transformer makes with ctx.activation() the same way.
 //   - Which group reduces which gradient is the heart of the module: write it down for dp, tp,
 //     pp and ep before you code it (lecture, section 4).
 //   - Checkpoints: one file per rank, with a header that refuses another grid or model.

@@ -49,6 +49,11 @@
 // With clipping, Zero's norm adds the shards' sums of squares in another order, so the curves
 // agree within the tests' tolerance.
 //
+// Activations. config.train.activations (f32 or bf16; anything else refused) becomes the
+// Context's `activations`: the library's layers then store theirs in that dtype, and where tp = 1
+// the stage's final norm output, the logits and their gradients are in it too, as in
+// model::Transformer, so that grid 1 stays bit for bit. Module 14's layers keep fp32.
+//
 // ZeRO. zero_stage 1, 2 or 3 hands each step to module 13's zero::Zero (k2c::zero, zero.h: the
 // AdamW state sharded over the dp group, then the gradients too, then the parameters too), run on
 // a model::Transformer of the rank's own over the dp group. Zero owns the whole step of one
@@ -124,7 +129,7 @@ inline std::string grid_name(const dist::GridShape& g) {
 // ---- the run
 
 struct CapstoneConfig {
-  model::TrainConfig train;      // model, steps, global batch, learning rate, clip, AdamW, seed
+  model::TrainConfig train;      // model, steps, global batch, learning rate, clip, AdamW, seed, activations
   dist::GridShape grid;          // cp must stay 1
   int micro_batches = 1;         // per step and data rank, for the pipeline
   bool one_f_one_b = true;       // the pipeline schedule; false: GPipe

@@ -5,7 +5,7 @@
 //           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
 //           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
 //           [--samples N] [--peak-tflops P] [--kernels course|trusted]
-//           [--time-ops]
+//           [--activations f32|bf16] [--time-ops]
 //
 // --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
 // dp-only grid (capstone.h says what it refuses), clipping inside ZeRO's step; --checkpoint is
@@ -35,6 +35,11 @@
 // missing or disagrees; the run ends with the table of which kernel ran (k2c/model/course_ops.h).
 // --kernels trusted runs the model library's own. The CPU backend (the MPI runs) always runs its
 // own: the course's kernels are GPU kernels.
+//
+// --activations bf16 stores the activations between a layer's operations in bf16 (half the
+// bytes; k2c/model/ops.h says where each operation rounds); the residual stream, weights,
+// gradients and AdamW stay fp32. On the GPU it runs with --kernels trusted: the course kernels'
+// adapters take fp32 activations.
 //
 // Exit status: 0 after training, 2 for bad arguments, 1 otherwise.
 #include <algorithm>
@@ -101,7 +106,7 @@ km::ModelConfig preset(const std::string& name) {
 }
 
 struct Options {
-  std::string grid = "1", data, config = "tiny", log, json, checkpoint, kernels = "course";
+  std::string grid = "1", data, config = "tiny", log, json, checkpoint, kernels = "course", activations = "f32";
   int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0;
   std::uint64_t seed = 1;
@@ -133,6 +138,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--json") o.json = value();
     else if (a == "--checkpoint") o.checkpoint = value();
     else if (a == "--kernels") o.kernels = value();
+    else if (a == "--activations") o.activations = value();
     else if (a == "--steps") o.steps = static_cast<int>(number());
     else if (a == "--batch") o.batch = static_cast<int>(number());
     else if (a == "--micro-batches") o.micro_batches = static_cast<int>(number());
@@ -150,6 +156,8 @@ Options parse(int argc, char** argv) {
   }
   if (o.kernels != "course" && o.kernels != "trusted")
     throw UsageError("--kernels " + o.kernels + ": course or trusted");
+  if (o.activations != "f32" && o.activations != "bf16")
+    throw UsageError("--activations " + o.activations + ": f32 or bf16");
   if (o.resume && o.checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero " + std::to_string(o.zero) + ": 1, 2 or 3 (0: off)");
   if (o.zero > 0 && !o.checkpoint.empty())
@@ -165,6 +173,7 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   c.model = preset(o.config);
   c.steps = o.steps, c.batch = o.batch, c.lr = static_cast<float>(o.lr), c.min_lr = c.lr / 10;
   c.clip = static_cast<float>(o.clip), c.seed = o.seed;
+  c.activations = o.activations == "bf16" ? km::DType::bf16 : km::DType::f32;
   config.grid = kc::parse_grid(o.grid);
   config.micro_batches = o.micro_batches;
   config.one_f_one_b = !o.gpipe;
@@ -211,6 +220,9 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     km::cuda_ops_use_stream(world.compute_stream());
     ops = &km::cuda_ops();
     kernels = "trusted (the model library's)";
+    if (o.kernels == "course" && c.activations != km::DType::f32)
+      throw UsageError("--activations " + o.activations + " with --kernels course: the course kernels' adapters "
+                       "take fp32 activations; add --kernels trusted");
     if (o.kernels == "course") {
 #if K2C_COURSE_KERNELS
       course = std::make_unique<km::CourseOps>(*ops, kc::course_kernels());
@@ -251,6 +263,8 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     if (o.clip > 0) std::printf("optimizer: %s, clipping at gradient norm %g\n", optimizer.c_str(), o.clip);
     else std::printf("optimizer: %s, no clipping\n", optimizer.c_str());
     std::printf("kernels: %s\n", kernels.c_str());
+    if (c.activations == km::DType::bf16)
+      std::printf("activations: bf16 between operations (residual stream, weights, gradients and AdamW in fp32)\n");
     if (o.resume) std::printf("resumed from %s at step %d\n", o.checkpoint.c_str(), trainer.steps_done());
   }
   std::ofstream log;
@@ -321,7 +335,8 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     std::ofstream j(o.json);
     j << "{\n  \"grid\": \"" << kc::grid_name(config.grid) << "\", \"ranks\": " << world.size()
       << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches
-      << ", \"zero_stage\": " << o.zero << ",\n  \"kernels\": {";  // course mode's table, by operation
+      << ", \"zero_stage\": " << o.zero << ", \"activations\": \"" << o.activations
+      << "\",\n  \"kernels\": {";  // course mode's table, by operation
     if (course) {
       const auto rows = course->table();
       for (std::size_t i = 0; i < rows.size(); ++i) {

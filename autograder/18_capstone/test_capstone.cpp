@@ -155,6 +155,9 @@ TEST_F(Capstone, ParsesGrids) {
 
 TEST_F(Capstone, OneRankMatchesLibraryTrainer) { expect_grid_matches("1", Model::dense, 1, Match::bits); }
 TEST_F(Capstone, OneRankMoeMatchesLibraryTrainer) { expect_grid_matches("1", Model::moe, 1, Match::bits); }
+// Activations stored in bf16 (config.train.activations): the stage rounds where model::Transformer
+// does, the final norm's output and the logits included.
+TEST_F(Capstone, OneRankBf16MatchesLibraryTrainer) { expect_grid_matches("1", Model::dense_bf16, 1, Match::bits); }
 TEST_F(Capstone, GridDp2MatchesOneRank) { expect_grid_matches("dp2", Model::dense, 1, Match::tolerance); }
 TEST_F(Capstone, GridTp2MatchesOneRank) { expect_grid_matches("tp2", Model::dense, 1, Match::tolerance); }
 TEST_F(Capstone, GridPp2MatchesOneRank) { expect_grid_matches("pp2", Model::dense, 1, Match::loss_bits); }

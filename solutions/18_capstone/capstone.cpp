@@ -301,13 +301,14 @@ class GridStage final : public ps::Stage {
     const Tensor& top = block_input(s, static_cast<int>(blocks_.size()));
     double loss = 0;
     if (is_last()) {
-      s.xf = ctx.tensor(shape);
+      // Under tp the head's logits go to 14's cross-entropy, which takes fp32.
+      s.xf = tensor_ ? ctx.tensor(shape) : ctx.activation(shape);
       final_norm_.forward(ctx, top, s.xf, s.final_norm);
       const std::int64_t cols = tensor_ ? head_tp_.local_out() : config().vocab;
-      Tensor logits = ctx.tensor({shape[0], cols});
+      Tensor logits = tensor_ ? ctx.tensor({shape[0], cols}) : ctx.activation({shape[0], cols});
       if (tensor_) head_tp_.forward(ctx, s.xf, logits);
       else head_.forward(ctx, s.xf, logits);
-      s.dlogits = ctx.tensor(logits.shape());
+      s.dlogits = ctx.tensor(logits.shape(), km::Category::activations, logits.dtype());
       loss = tensor_ ? tp::vocab_parallel_cross_entropy(grid_.group(Axis::tp), ctx, logits, mb.targets, s.grad_scale,
                                                         s.dlogits)
                      : ctx.ops.cross_entropy(logits, mb.targets, s.grad_scale, s.dlogits);
@@ -336,7 +337,7 @@ class GridStage final : public ps::Stage {
     Tensor a, b;
     const Tensor* grad = &dout;
     if (is_last()) {
-      Tensor dxf = ctx.tensor(shape);
+      Tensor dxf = ctx.tensor(shape, km::Category::activations, s.xf.dtype());
       if (tensor_) head_tp_.backward(ctx, s.xf, s.dlogits, &dxf);
       else head_.backward(ctx, s.xf, s.dlogits, &dxf);
       s.dlogits = Tensor();
@@ -633,6 +634,9 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
   s.data_rank = s.coord(Axis::dp) * g.ep + s.coord(Axis::ep);
   s.ctx.dropout = config.train.dropout;
   s.ctx.seed = config.train.seed;
+  if (config.train.activations != km::DType::f32 && config.train.activations != km::DType::bf16)
+    throw std::invalid_argument("capstone: activations are f32 or bf16, not " + km::to_string(config.train.activations));
+  s.ctx.activations = config.train.activations;  // the library's layers (tp = 1); 14's keep their own
 
   if (zs > 0) {
     // Zero materializes the parameters itself, with the flat buffers its stage keeps.

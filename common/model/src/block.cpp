@@ -28,9 +28,11 @@ DropoutKey residual_key(const DropoutKey& base, int block, int site) {
 void Block::run_forward(Context& ctx, const Tensor& x, const Tensor& positions, int batch,
                         const DropoutKey& base, Internals& in, Tensor& out) const {
   const Shape shape = x.shape();
-  in.n1 = ctx.tensor(shape);
+  // The norms' outputs feed GEMMs only: in the run's activation dtype (the MoE layer's input stays
+  // fp32). The residual stream (x, h, out) and the branches' outputs added into it stay fp32.
+  in.n1 = ctx.activation(shape);
   in.h = ctx.tensor(shape);
-  in.n2 = ctx.tensor(shape);
+  in.n2 = is_moe_ ? ctx.tensor(shape) : ctx.activation(shape);
   in.attn_out = ctx.tensor(shape);
   in.mlp_out = ctx.tensor(shape);
   norm1_.forward(ctx, x, in.n1, in.norm1);
@@ -68,7 +70,8 @@ void Block::backward(Context& ctx, const Tensor& x, const Tensor& positions, int
   const Shape shape = x.shape();
   // out = h + drop(mlp(norm2(h)))
   // Without dropout a branch's output gradient is the residual's own: used as it is, not copied.
-  Tensor dropped = ctx.dropout > 0 ? ctx.tensor(shape) : Tensor(), dn = ctx.tensor(shape), dh = ctx.tensor(shape);
+  Tensor dropped = ctx.dropout > 0 ? ctx.tensor(shape) : Tensor(), dh = ctx.tensor(shape);
+  Tensor dn = ctx.tensor(shape, Category::activations, in.n2.dtype());  // the norms' output gradients
   if (ctx.dropout > 0) ctx.ops.dropout(dout, ctx.dropout, residual_key(saved.dropout, index_, 1), dropped);
   const Tensor& g_mlp = ctx.dropout > 0 ? dropped : dout;
   if (is_moe_)

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "k2c/core/bf16.h"
 #include "k2c/model/mask.h"
 #include "k2c/model/ops.h"
 #include "op_checks.h"
@@ -124,6 +126,42 @@ using checks::as_matrix;
 using checks::Matrix;
 using checks::same_shape;
 
+// bf16 activations on the CPU: an operation runs on fp32 stand-ins of its tensors and rounds what
+// it wrote back into each bf16 output once, at the end (to nearest, ties to even, as the GPU's
+// kernels round where they store). A stand-in is the tensor itself where it is fp32, else a
+// widened copy (widening is exact), so an fp32 call runs exactly as before.
+class Wide {
+ public:
+  explicit Wide(const Tensor& t, bool written = false) : t_(t), written_(written) {
+    if (t.dtype() != DType::bf16) return;
+    const std::int64_t n = t.numel();
+    copy_.resize(static_cast<std::size_t>(std::max<std::int64_t>(n, 1)));  // a view needs an address
+    const auto* h = static_cast<const std::uint16_t*>(t.raw());
+    for (std::int64_t i = 0; i < n; ++i) copy_[i] = bf16_to_float(h[i]);
+    view_ = Tensor::view(copy_.data(), t.shape());
+  }
+  ~Wide() {
+    if (!written_ || view_.empty()) return;
+    auto* h = static_cast<std::uint16_t*>(t_.raw());
+    for (std::int64_t i = 0; i < t_.numel(); ++i) h[i] = float_to_bf16(copy_[i]);
+  }
+  Wide(const Wide&) = delete;
+  Wide& operator=(const Wide&) = delete;
+  operator Tensor&() { return view_.empty() ? const_cast<Tensor&>(t_) : view_; }
+
+ private:
+  const Tensor& t_;
+  bool written_;
+  std::vector<float> copy_;
+  Tensor view_;
+};
+
+bool any_bf16(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t && t->dtype() == DType::bf16) return true;
+  return false;
+}
+
 class CpuOps final : public Ops {
  public:
   std::string name() const override { return "cpu"; }
@@ -135,6 +173,10 @@ class CpuOps final : public Ops {
   // ---- element-wise
 
   void fill(Tensor& t, float value) override {
+    if (any_bf16({&t})) {
+      Wide w(t, true);
+      return fill(w, value);
+    }
     float* p = t.f32();
     for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = value;
   }
@@ -176,6 +218,10 @@ class CpuOps final : public Ops {
 
   void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha,
               float beta) override {
+    if (any_bf16({&a, &b, &c})) {
+      Wide wa(a), wb(b), wc(c, true);
+      return matmul(wa, ta, wb, tb, wc, alpha, beta);
+    }
     const auto [M, N, K] = checks::gemm_dims(a, ta, b, tb, c);
     const float *A = a.f32(), *B = b.f32();
     float* C = c.f32();
@@ -233,6 +279,10 @@ class CpuOps final : public Ops {
 
   void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y,
                        Tensor& rstd) override {
+    if (any_bf16({&x, &y})) {
+      Wide wx(x), wy(y, true);
+      return rmsnorm_forward(wx, gamma, eps, wy, rstd);
+    }
     const Matrix m = checks::rmsnorm_args(x, gamma, y, rstd);
     for (std::int64_t r = 0; r < m.rows; ++r) {
       const float* xr = x.f32() + r * m.cols;
@@ -247,6 +297,10 @@ class CpuOps final : public Ops {
 
   void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
                         Tensor& dx, Tensor& dgamma) override {
+    if (any_bf16({&x, &dy, &dx})) {
+      Wide wx(x), wdy(dy), wdx(dx, true);
+      return rmsnorm_backward(wx, gamma, rstd, wdy, wdx, dgamma);
+    }
     const Matrix m = checks::rmsnorm_backward_args(x, gamma, rstd, dy, dx, dgamma);
     const float* g = gamma.f32();
     for (std::int64_t r = 0; r < m.rows; ++r) {
@@ -265,10 +319,23 @@ class CpuOps final : public Ops {
     }
   }
 
+  void rmsnorm_backward_add(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                            const Tensor& residual_dy, Tensor& dx, Tensor& dgamma) override {
+    if (any_bf16({&x, &dy, &residual_dy, &dx})) {  // the sum rounded once, as the GPU's one pass does
+      Wide wx(x), wdy(dy), wr(residual_dy), wdx(dx, true);
+      return Ops::rmsnorm_backward_add(wx, gamma, rstd, wdy, wr, wdx, dgamma);
+    }
+    Ops::rmsnorm_backward_add(x, gamma, rstd, dy, residual_dy, dx, dgamma);
+  }
+
   // ---- RoPE
 
   void rope(Tensor& x, const Tensor& positions, int heads, int head_dim, float theta,
             bool inverse) override {
+    if (any_bf16({&x})) {
+      Wide wx(x, true);
+      return rope(wx, positions, heads, head_dim, theta, inverse);
+    }
     const Matrix m = as_matrix(x);
     const std::int64_t T = positions.numel();
     if (head_dim % 2 || m.cols != static_cast<std::int64_t>(heads) * head_dim || T == 0 || m.rows % T)
@@ -298,6 +365,10 @@ class CpuOps final : public Ops {
 
   void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
                          Tensor& o, Tensor& lse) override {
+    if (any_bf16({&q, &k, &v, &o})) {
+      Wide wq(q), wk(k), wv(v), wo(o, true);
+      return attention_forward(s, wq, wk, wv, wo, lse);
+    }
     checks::attention_args(s, q, k, v);
     o.expect(q.shape(), "attention output");
     lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
@@ -337,6 +408,10 @@ class CpuOps final : public Ops {
   void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k,
                           const Tensor& v, const Tensor& o, const Tensor& lse, const Tensor& dout,
                           Tensor& dq, Tensor& dk, Tensor& dv) override {
+    if (any_bf16({&q, &k, &v, &o, &dout, &dq, &dk, &dv})) {
+      Wide wq(q), wk(k), wv(v), wo(o), wdo(dout), wdq(dq, true), wdk(dk, true), wdv(dv, true);
+      return attention_backward(s, wq, wk, wv, wo, lse, wdo, wdq, wdk, wdv);
+    }
     checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
     for (int b = 0; b < s.batch; ++b)
@@ -371,6 +446,10 @@ class CpuOps final : public Ops {
   // ---- SwiGLU
 
   void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& h) override {
+    if (any_bf16({&gate, &up, &h})) {
+      Wide wg(gate), wu(up), wh(h, true);
+      return swiglu_forward(wg, wu, wh);
+    }
     same_shape(gate, up, "swiglu");
     same_shape(gate, h, "swiglu");
     const float *g = gate.f32(), *u = up.f32();
@@ -379,6 +458,10 @@ class CpuOps final : public Ops {
 
   void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dh, Tensor& dgate,
                        Tensor& dup) override {
+    if (any_bf16({&gate, &up, &dh, &dgate, &dup})) {
+      Wide wg(gate), wu(up), wdh(dh), wdg(dgate, true), wdu(dup, true);
+      return swiglu_backward(wg, wu, wdh, wdg, wdu);
+    }
     same_shape(gate, up, "swiglu backward");
     same_shape(gate, dh, "swiglu backward");
     same_shape(gate, dgate, "swiglu backward");
@@ -395,6 +478,10 @@ class CpuOps final : public Ops {
 
   double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
                        Tensor& dlogits) override {
+    if (any_bf16({&logits, &dlogits})) {
+      Wide wz(logits), wdz(dlogits, true);
+      return cross_entropy(wz, targets, grad_scale, wdz);
+    }
     const Matrix m = as_matrix(logits);
     targets.expect({m.rows}, "cross-entropy targets", DType::i32);
     same_shape(logits, dlogits, "cross-entropy gradient");

@@ -109,7 +109,9 @@ __global__ void to_bf16_x4_kernel(const float4* x, __nv_bfloat162* y, std::int64
     y[2 * i + 1] = __floats2bfloat162_rn(v.z, v.w);
   }
 }
+// A bf16 tensor is used as it is (activations stored in bf16), with no copy.
 const __nv_bfloat16* to_bf16(const Tensor& t, Workspace& ws, int slot) {
+  if (t.dtype() == DType::bf16) return ptr<__nv_bfloat16>(t);
   const std::int64_t n = t.numel();
   auto* out = static_cast<__nv_bfloat16*>(ws.get(slot, static_cast<std::size_t>(n) * sizeof(__nv_bfloat16)));
   if (n == 0) return out;
@@ -235,14 +237,15 @@ __global__ void block_softmax_backward_kernel(BlockAttn a, int hd, const float* 
 }
 
 // dkv[b, t, kh, :] += Σ over the group's query heads h of per_head[b, t, h, :].
-__global__ void sum_groups_kernel(const float* per_head, float* dkv, std::int64_t tokens, int kv_heads, int group, int hd) {
+template <class G>
+__global__ void sum_groups_kernel(const float* per_head, G* dkv, std::int64_t tokens, int kv_heads, int group, int hd) {
   K2C_FOR_EACH(e, tokens * kv_heads * hd) {
     const std::int64_t tok = e / (static_cast<std::int64_t>(kv_heads) * hd);
     const int kh = static_cast<int>(e / hd % kv_heads), k = static_cast<int>(e % hd);
     const float* src = per_head + (tok * kv_heads * group + static_cast<std::int64_t>(kh) * group) * hd + k;
     float acc = 0;
     for (int g = 0; g < group; ++g) acc += src[static_cast<std::int64_t>(g) * hd];
-    dkv[e] += acc;
+    store1(dkv + e, load1(dkv + e) + acc);
   }
 }
 

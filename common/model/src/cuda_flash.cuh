@@ -127,9 +127,10 @@ __device__ __forceinline__ void acc_to_a(unsigned (&f)[4], const float (*acc)[4]
   f[3] = pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
 }
 
-template <int D>
+// O is written as O_ (fp32 or bf16, rounded from the fp32 accumulator).
+template <int D, class O_>
 __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                                         const __nv_bfloat16* v, float* o, float* lse) {
+                                                         const __nv_bfloat16* v, O_* o, float* lse) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   auto* Qs = reinterpret_cast<__nv_bfloat16*>(shared_raw);
@@ -224,9 +225,8 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
   for (int r = 0; r < 2; ++r) {
     if (qrow[r] >= a.T) continue;
     const float inv = sum[r] > 0 ? 1.0f / sum[r] : 0.0f;
-    float* orow = o + ((seq + qrow[r]) * a.heads + h) * static_cast<std::int64_t>(D);
-    for (int dn = 0; dn < D / 8; ++dn)
-      *reinterpret_cast<float2*>(orow + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * inv, acc[dn][2 * r + 1] * inv);
+    O_* orow = o + ((seq + qrow[r]) * a.heads + h) * static_cast<std::int64_t>(D);
+    for (int dn = 0; dn < D / 8; ++dn) store2(orow + dn * 8 + 2 * t, acc[dn][2 * r] * inv, acc[dn][2 * r + 1] * inv);
     if (t == 0)
       lse[(static_cast<std::int64_t>(b) * a.heads + h) * a.T + qrow[r]] =
           sum[r] > 0 ? mx[r] * a.scale + logf(sum[r]) : -INFINITY;
@@ -234,23 +234,25 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(Args a, const __nv_bflo
 }
 
 // D_i = Σ_d dO·O of each query row, [sequences, heads, T]: one warp a row.
-__global__ void delta_kernel(const float* o, const float* dout, float* delta, std::int64_t rows, int T, int heads, int hd) {
+template <class E>
+__global__ void delta_kernel(const E* o, const E* dout, float* delta, std::int64_t rows, int T, int heads, int hd) {
   const int lane = threadIdx.x % 32;
   K2C_FOR_EACH_WARP_ROW(r, rows) {  // r = (b·T + t)·heads + h
     float d = 0;
-    for (int c = lane; c < hd; c += 32) d += o[r * hd + c] * dout[r * hd + c];
+    for (int c = lane; c < hd; c += 32) d += load1(o + r * hd + c) * load1(dout + r * hd + c);
     for (int off = 16; off; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
     const std::int64_t h = r % heads, bt = r / heads, b = bt / T, t = bt % T;
     if (lane == 0) delta[(b * heads + h) * T + t] = d;
   }
 }
 
-// dk_out / dv_out: [sequences·T, out_heads·D] fp32, head `out_head`; `add` adds into them (the
-// layer's tensors) instead of writing (a per-query-head scratch that sum_groups_kernel folds).
-template <int D>
+// dk_out / dv_out: [sequences·T, out_heads·D] of G (fp32 or bf16), head `out_head`; `add` adds
+// into them (the layer's tensors) instead of writing (a per-query-head scratch that
+// sum_groups_kernel folds).
+template <int D, class G>
 __global__ void __launch_bounds__(kBlock) dkdv_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                                       const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse,
-                                                      const float* delta, float* dk_out, float* dv_out, int out_heads,
+                                                      const float* delta, G* dk_out, G* dv_out, int out_heads,
                                                       bool add) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -351,8 +353,8 @@ __global__ void __launch_bounds__(kBlock) dkdv_kernel(Args a, const __nv_bfloat1
       for (int c = 0; c < 2; ++c) {
         const std::int64_t at = row + dn * 8 + 2 * t + c;
         const float dkv = dka[dn][2 * r + c] * a.scale, dvv = dva[dn][2 * r + c];
-        dk_out[at] = add ? dk_out[at] + dkv : dkv;
-        dv_out[at] = add ? dv_out[at] + dvv : dvv;
+        store1(dk_out + at, add ? load1(dk_out + at) + dkv : dkv);
+        store1(dv_out + at, add ? load1(dv_out + at) + dvv : dvv);
       }
   }
 }
@@ -361,10 +363,10 @@ __global__ void __launch_bounds__(kBlock) dkdv_kernel(Args a, const __nv_bfloat1
 // S and dP recomputed (two more products than a kernel that also adds dQ from the key side
 // through atomics, and cheaper than the atomics), dS = P(dP − D) in registers, dQ accumulated in
 // registers and written once.
-template <int D>
+template <int D, class G>
 __global__ void __launch_bounds__(kBlock) dq_kernel(Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                                     const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse,
-                                                    const float* delta, float* dq) {
+                                                    const float* delta, G* dq) {
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   auto* Qs = reinterpret_cast<__nv_bfloat16*>(shared_raw);
@@ -440,9 +442,8 @@ __global__ void __launch_bounds__(kBlock) dq_kernel(Args a, const __nv_bfloat16*
   }
   for (int r = 0; r < 2; ++r) {
     if (qrow[r] >= a.T) continue;
-    float* row = dq + ((seq + qrow[r]) * a.heads + h) * static_cast<std::int64_t>(D);
-    for (int dn = 0; dn < D / 8; ++dn)
-      *reinterpret_cast<float2*>(row + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * a.scale, acc[dn][2 * r + 1] * a.scale);
+    G* row = dq + ((seq + qrow[r]) * a.heads + h) * static_cast<std::int64_t>(D);
+    for (int dn = 0; dn < D / 8; ++dn) store2(row + dn * 8 + 2 * t, acc[dn][2 * r] * a.scale, acc[dn][2 * r + 1] * a.scale);
   }
 }
 
@@ -462,74 +463,98 @@ class FlashAttention {
 
   void forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) {
     const __nv_bfloat16 *q16 = to_bf16(q, ws_, kAttnQ), *k16 = to_bf16(k, ws_, kAttnK), *v16 = to_bf16(v, ws_, kAttnV);
-    const dim3 grid((s.q_len + flash::kTile - 1) / flash::kTile, s.q_heads, s.batch);
-    if (s.head_dim == 64) launch_forward<64>(grid, args(s), q16, k16, v16, o.f32(), lse.f32());
-    else launch_forward<128>(grid, args(s), q16, k16, v16, o.f32(), lse.f32());
+    if (o.dtype() == DType::bf16) return forward_as(s, q16, k16, v16, ptr<__nv_bfloat16>(o), lse);
+    forward_as(s, q16, k16, v16, o.f32(), lse);
   }
 
+  // dq, dk and dv of one dtype, o and dout of one dtype (the caller widens a mixed set).
   void backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                 const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
     const __nv_bfloat16 *q16 = to_bf16(q, ws_, kAttnQ), *k16 = to_bf16(k, ws_, kAttnK), *v16 = to_bf16(v, ws_, kAttnV),
                         *do16 = to_bf16(dout, ws_, kAttnDo);
     const std::int64_t rows = static_cast<std::int64_t>(s.batch) * s.q_len * s.q_heads;
     auto* delta = static_cast<float*>(ws_.get(kDelta, static_cast<std::size_t>(rows) * sizeof(float)));
-    flash::delta_kernel<<<blocks_for(rows * 32), kThreads, 0, g_stream>>>(o.f32(), dout.f32(), delta, rows, s.q_len,
-                                                                         s.q_heads, s.head_dim);
-    K2C_CUDA_CHECK_LAUNCH();
-    // One query head per key-value head: dK and dV add straight into the layer's tensors.
-    // Otherwise each query head writes its own slice and sum_groups_kernel folds the groups.
-    const int group = s.q_heads / s.kv_heads;
-    float *dk_dst = dk.f32(), *dv_dst = dv.f32();
-    if (group > 1) {
-      const std::size_t bytes = static_cast<std::size_t>(q.numel()) * sizeof(float);
-      dk_dst = static_cast<float*>(ws_.get(kGroupDk, bytes));
-      dv_dst = static_cast<float*>(ws_.get(kGroupDv, bytes));
-    }
-    const int out_heads = group > 1 ? s.q_heads : s.kv_heads;
-    const dim3 grid((s.q_len + flash::kTile - 1) / flash::kTile, s.q_heads, s.batch);
-    if (s.head_dim == 64)
-      launch_backward<64>(grid, args(s), q16, k16, v16, do16, lse.f32(), delta, dq.f32(), dk_dst, dv_dst, out_heads, group == 1);
+    if (o.dtype() == DType::bf16)  // O and dO of one type (the caller widens a mixed pair)
+      flash::delta_kernel<<<blocks_for(rows * 32), kThreads, 0, g_stream>>>(
+          ptr<__nv_bfloat16>(o), ptr<__nv_bfloat16>(dout), delta, rows, s.q_len, s.q_heads, s.head_dim);
     else
-      launch_backward<128>(grid, args(s), q16, k16, v16, do16, lse.f32(), delta, dq.f32(), dk_dst, dv_dst, out_heads, group == 1);
-    if (group > 1) {
-      const std::int64_t tokens = static_cast<std::int64_t>(s.batch) * s.q_len;
-      for (auto [src, dst] : {std::pair{dk_dst, dk.f32()}, std::pair{dv_dst, dv.f32()}}) {
-        sum_groups_kernel<<<blocks_for(tokens * s.kv_heads * s.head_dim), kThreads, 0, g_stream>>>(
-            src, dst, tokens, s.kv_heads, group, s.head_dim);
-        K2C_CUDA_CHECK_LAUNCH();
-      }
-    }
+      flash::delta_kernel<<<blocks_for(rows * 32), kThreads, 0, g_stream>>>(o.f32(), dout.f32(), delta, rows, s.q_len,
+                                                                           s.q_heads, s.head_dim);
+    K2C_CUDA_CHECK_LAUNCH();
+    const Inputs in{q16, k16, v16, do16, lse.f32(), delta};
+    if (dq.dtype() == DType::bf16) return backward_as<__nv_bfloat16>(s, q, in, dq, dk, dv);
+    backward_as<float>(s, q, in, dq, dk, dv);
   }
 
  private:
+  struct Inputs {
+    const __nv_bfloat16 *q, *k, *v, *dout;
+    const float *lse, *delta;
+  };
+  template <class O_>
+  void forward_as(const AttentionShape& s, const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, O_* o,
+                  Tensor& lse) {
+    const dim3 grid((s.q_len + flash::kTile - 1) / flash::kTile, s.q_heads, s.batch);
+    if (s.head_dim == 64) launch_forward<64>(grid, args(s), q, k, v, o, lse.f32());
+    else launch_forward<128>(grid, args(s), q, k, v, o, lse.f32());
+  }
+  // The gradients are G. One query head per key-value head: dK and dV add straight into the
+  // layer's tensors. Otherwise each query head writes its own fp32 slice and sum_groups_kernel
+  // folds the groups into them.
+  template <class G>
+  void backward_as(const AttentionShape& s, const Tensor& q, const Inputs& in, Tensor& dq, Tensor& dk, Tensor& dv) {
+    const int group = s.q_heads / s.kv_heads;
+    const dim3 grid((s.q_len + flash::kTile - 1) / flash::kTile, s.q_heads, s.batch);
+    if (group == 1) return run_backward(s, grid, in, ptr<G>(dq), ptr<G>(dk), ptr<G>(dv), s.kv_heads, true);
+    const std::size_t bytes = static_cast<std::size_t>(q.numel()) * sizeof(float);
+    auto* dk_heads = static_cast<float*>(ws_.get(kGroupDk, bytes));
+    auto* dv_heads = static_cast<float*>(ws_.get(kGroupDv, bytes));
+    run_backward(s, grid, in, ptr<G>(dq), dk_heads, dv_heads, s.q_heads, false);
+    const std::int64_t tokens = static_cast<std::int64_t>(s.batch) * s.q_len;
+    for (auto [src, dst] : {std::pair{dk_heads, ptr<G>(dk)}, std::pair{dv_heads, ptr<G>(dv)}}) {
+      sum_groups_kernel<<<blocks_for(tokens * s.kv_heads * s.head_dim), kThreads, 0, g_stream>>>(
+          src, dst, tokens, s.kv_heads, group, s.head_dim);
+      K2C_CUDA_CHECK_LAUNCH();
+    }
+  }
+  template <class Q, class KV>
+  void run_backward(const AttentionShape& s, dim3 grid, const Inputs& in, Q* dq, KV* dk, KV* dv, int out_heads,
+                       bool add) {
+    if (s.head_dim == 64)
+      launch_backward<64>(grid, args(s), in.q, in.k, in.v, in.dout, in.lse, in.delta, dq, dk, dv, out_heads, add);
+    else
+      launch_backward<128>(grid, args(s), in.q, in.k, in.v, in.dout, in.lse, in.delta, dq, dk, dv, out_heads, add);
+  }
   static flash::Args args(const AttentionShape& s) {
     return {s.q_len, s.q_heads, s.kv_heads, s.causal, 1.0f / std::sqrt(static_cast<float>(s.head_dim))};
   }
-  template <int D>
+  template <int D, class O_>
   static void launch_forward(dim3 grid, flash::Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                             const __nv_bfloat16* v, float* o, float* lse) {
+                             const __nv_bfloat16* v, O_* o, float* lse) {
     constexpr int bytes = 5 * flash::kTile * (D + 8) * 2;  // Q and two (K, V) buffers
     static const bool ready = [] {
-      return cudaFuncSetAttribute(flash::forward_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
+      return cudaFuncSetAttribute(flash::forward_kernel<D, O_>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+             cudaSuccess;
     }();
     if (!ready) throw std::runtime_error("flash attention: cannot reserve " + std::to_string(bytes) + " bytes of shared memory");
-    flash::forward_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, o, lse);
+    flash::forward_kernel<D, O_><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, o, lse);
     K2C_CUDA_CHECK_LAUNCH();
   }
-  template <int D>
+  template <int D, class Q, class KV>
   static void launch_backward(dim3 grid, flash::Args a, const __nv_bfloat16* q, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const __nv_bfloat16* dout, const float* lse, const float* delta,
-                              float* dq, float* dk, float* dv, int out_heads, bool add) {
+                              Q* dq, KV* dk, KV* dv, int out_heads, bool add) {
     // dK/dV: K, V and two (Q, dO) buffers with their row statistics; dQ: Q, dO and two (K, V).
     constexpr int bytes = 6 * flash::kTile * (D + 8) * 2 + 4 * flash::kTile * 4;
     static const bool ready = [] {
-      return cudaFuncSetAttribute(flash::dkdv_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess &&
-             cudaFuncSetAttribute(flash::dq_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
+      return cudaFuncSetAttribute(flash::dkdv_kernel<D, KV>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+                 cudaSuccess &&
+             cudaFuncSetAttribute(flash::dq_kernel<D, Q>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
     }();
     if (!ready) throw std::runtime_error("flash attention: cannot reserve " + std::to_string(bytes) + " bytes of shared memory");
-    flash::dkdv_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dk, dv, out_heads, add);
+    flash::dkdv_kernel<D, KV><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dk, dv, out_heads, add);
     K2C_CUDA_CHECK_LAUNCH();
-    flash::dq_kernel<D><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dq);
+    flash::dq_kernel<D, Q><<<grid, flash::kBlock, bytes, g_stream>>>(a, q, k, v, dout, lse, delta, dq);
     K2C_CUDA_CHECK_LAUNCH();
   }
 

@@ -3,12 +3,58 @@
 // k2c/model/ops.h that is not a GEMM or the fast path's attention. The fp32 mode runs every
 // operation on them; the bf16 fast path shares all but GEMMs and attention. Included by
 // cuda_ops.cu only, inside its unnamed namespace (it uses that file's kThreads and blocks_for).
+//
+// The kernels of ops.h's [bf16] operations are templates over the element type of their
+// activations, T = float or __nv_bfloat16: they load through load1/load4, which widen exactly,
+// compute in fp32 and store through store1/store4, which round to nearest even.
 #pragma once
 
 #define K2C_FOR_EACH(i, n) \
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
 
-__global__ void fill_kernel(float* p, std::int64_t n, float v) { K2C_FOR_EACH(i, n) p[i] = v; }
+// A tensor's elements as T (the dtype checked).
+template <class T>
+T* ptr(const Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.f32();
+  } else {
+    if (t.dtype() != DType::bf16) throw std::logic_error("tensor is " + to_string(t.dtype()) + ", not bf16");
+    return static_cast<T*>(t.raw());
+  }
+}
+
+__device__ __forceinline__ float load1(const float* p) { return *p; }
+__device__ __forceinline__ float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void store1(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store1(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+// Four neighbours in one access: 16 bytes of fp32 or 8 of bf16 (p aligned to that).
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ void store2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  uint2 raw;
+  raw.x = *reinterpret_cast<const unsigned*>(&a);
+  raw.y = *reinterpret_cast<const unsigned*>(&b);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+// bf16 <-> fp32 copies: the GPU backend's fallback for a bf16 tensor where a kernel takes fp32
+// only (CudaOps::Wide).
+__global__ void widen_kernel(const __nv_bfloat16* x, float* y, std::int64_t n) { K2C_FOR_EACH(i, n) y[i] = load1(x + i); }
+__global__ void narrow_kernel(const float* x, __nv_bfloat16* y, std::int64_t n) { K2C_FOR_EACH(i, n) store1(y + i, x[i]); }
+
+template <class T>
+__global__ void fill_kernel(T* p, std::int64_t n, float v) { K2C_FOR_EACH(i, n) store1(p + i, v); }
 __global__ void add_kernel(const float* a, const float* b, float* o, std::int64_t n) { K2C_FOR_EACH(i, n) o[i] = a[i] + b[i]; }
 __global__ void axpy_kernel(float* acc, const float* x, float s, std::int64_t n) { K2C_FOR_EACH(i, n) acc[i] += s * x[i]; }
 __global__ void scale_kernel(float* p, float s, std::int64_t n) { K2C_FOR_EACH(i, n) p[i] *= s; }
@@ -23,7 +69,8 @@ bool vectorizable(std::int64_t n, std::initializer_list<const void*> pointers) {
     if (reinterpret_cast<std::uintptr_t>(p) % 16) return false;
   return true;
 }
-__global__ void fill4_kernel(float4* p, std::int64_t n4, float v) { K2C_FOR_EACH(i, n4) p[i] = make_float4(v, v, v, v); }
+template <class T>
+__global__ void fill4_kernel(T* p, std::int64_t n4, float v) { K2C_FOR_EACH(i, n4) store4(p + 4 * i, make_float4(v, v, v, v)); }
 __global__ void add4_kernel(const float4* a, const float4* b, float4* o, std::int64_t n4) {
   K2C_FOR_EACH(i, n4) {
     const float4 x = a[i], y = b[i];
@@ -99,45 +146,87 @@ __global__ void embedding_backward_kernel(const int* ids, const float* dout, flo
   K2C_FOR_EACH(i, n * d) atomicAdd(&dtable[ids[i / d] * d + i % d], dout[i]);
 }
 
-__global__ void rmsnorm_forward_kernel(const float* x, const float* g, float eps, float* y, float* rstd, std::int64_t cols) {
+// One block a row. y (fp32 or bf16) from fp32 x: the residual stream in, a GEMM's operand out.
+// With kVec4 (rows of a multiple of 4 from aligned starts, which the caller checks) a thread
+// moves four neighbours per access: the row kernels are limited by how many bytes are in flight.
+template <bool kVec4, class Y>
+__global__ void rmsnorm_forward_kernel(const float* x, const float* g, float eps, Y* y, float* rstd, std::int64_t cols) {
   __shared__ float scratch[kThreads];
-  const float* xr = x + blockIdx.x * cols;
+  const std::int64_t o = blockIdx.x * cols;
   float ss = 0;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
+  if constexpr (kVec4) {
+    for (std::int64_t j = 4 * threadIdx.x; j < cols; j += 4 * blockDim.x) {
+      const float4 v = load4(x + o + j);
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) ss += x[o + j] * x[o + j];
+  }
   const float rs = rsqrtf(block_sum(ss, scratch) / cols + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) y[blockIdx.x * cols + j] = xr[j] * rs * g[j];
+  if constexpr (kVec4) {
+    for (std::int64_t j = 4 * threadIdx.x; j < cols; j += 4 * blockDim.x) {
+      const float4 v = load4(x + o + j), w = load4(g + j);
+      store4(y + o + j, make_float4(v.x * rs * w.x, v.y * rs * w.y, v.z * rs * w.z, v.w * rs * w.w));
+    }
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) store1(y + o + j, x[o + j] * rs * g[j]);
+  }
 }
-// residual (may be null) is added to dx in the same pass.
-__global__ void rmsnorm_backward_kernel(const float* x, const float* g, const float* rstd, const float* dy,
+// residual (may be null) is added to dx in the same pass. dy fp32 or bf16 (a GEMM's output).
+template <bool kVec4, class DY>
+__global__ void rmsnorm_backward_kernel(const float* x, const float* g, const float* rstd, const DY* dy,
                                         const float* residual, float* dx, std::int64_t cols) {
   __shared__ float scratch[kThreads];
   const std::int64_t o = blockIdx.x * cols;
   const float rs = rstd[blockIdx.x];
   float c = 0;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) c += g[j] * dy[o + j] * x[o + j];
+  if constexpr (kVec4) {
+    for (std::int64_t j = 4 * threadIdx.x; j < cols; j += 4 * blockDim.x) {
+      const float4 w = load4(g + j), d = load4(dy + o + j), v = load4(x + o + j);
+      c += w.x * d.x * v.x + w.y * d.y * v.y + w.z * d.z * v.z + w.w * d.w * v.w;
+    }
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) c += g[j] * load1(dy + o + j) * x[o + j];
+  }
   c = block_sum(c, scratch) / cols;
-  for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-    const float d = rs * (g[j] * dy[o + j] - x[o + j] * rs * rs * c);
-    dx[o + j] = residual ? d + residual[o + j] : d;
+  const float k = rs * rs * c;
+  if constexpr (kVec4) {
+    for (std::int64_t j = 4 * threadIdx.x; j < cols; j += 4 * blockDim.x) {
+      const float4 w = load4(g + j), d = load4(dy + o + j), v = load4(x + o + j);
+      float4 r = make_float4(rs * (w.x * d.x - v.x * k), rs * (w.y * d.y - v.y * k), rs * (w.z * d.z - v.z * k),
+                             rs * (w.w * d.w - v.w * k));
+      if (residual) {
+        const float4 e = load4(residual + o + j);
+        r = make_float4(r.x + e.x, r.y + e.y, r.z + e.z, r.w + e.w);
+      }
+      store4(dx + o + j, r);
+    }
+  } else {
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      const float d = rs * (g[j] * load1(dy + o + j) - x[o + j] * k);
+      dx[o + j] = residual ? d + residual[o + j] : d;
+    }
   }
 }
 // dgamma += Σ_rows dy·x·rstd: a thread a column over a run of kRowRun rows (neighbouring threads
 // read neighbouring columns), one atomic per thread and run rather than one per element.
 constexpr int kRowRun = 256;
-__global__ void rmsnorm_dgamma_kernel(const float* x, const float* rstd, const float* dy, float* dg, std::int64_t rows,
+template <class DY>
+__global__ void rmsnorm_dgamma_kernel(const float* x, const float* rstd, const DY* dy, float* dg, std::int64_t rows,
                                       std::int64_t cols) {
   const std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   if (j >= cols) return;
   const std::int64_t r0 = blockIdx.y * static_cast<std::int64_t>(kRowRun), r1 = min(rows, r0 + kRowRun);
   float acc = 0;
-  for (std::int64_t r = r0; r < r1; ++r) acc += dy[r * cols + j] * x[r * cols + j] * rstd[r];
+  for (std::int64_t r = r0; r < r1; ++r) acc += load1(dy + r * cols + j) * x[r * cols + j] * rstd[r];
   atomicAdd(&dg[j], acc);
 }
 
 // One thread a (row, pair) for every head of the row: the angle (computed in double, as the CPU
 // backend does) depends on the position and the pair only, so it is computed once, not per head.
-__global__ void rope_kernel(float* x, const int* pos, std::int64_t rows, int T, int heads, int hd, float theta, bool inverse) {
+template <class T_>
+__global__ void rope_kernel(T_* x, const int* pos, std::int64_t rows, int T, int heads, int hd, float theta, bool inverse) {
   const int half = hd / 2;
   K2C_FOR_EACH(e, rows * half) {
     const std::int64_t r = e / half;
@@ -145,17 +234,17 @@ __global__ void rope_kernel(float* x, const int* pos, std::int64_t rows, int T, 
     const double angle = pos[r % T] * pow(static_cast<double>(theta), -2.0 * i / hd);
     const float c = static_cast<float>(cos(angle)), s = static_cast<float>(inverse ? -sin(angle) : sin(angle));
     for (int h = 0; h < heads; ++h) {
-      float* p = x + r * heads * hd + static_cast<std::int64_t>(h) * hd;
-      const float x0 = p[i], x1 = p[i + half];
-      p[i] = x0 * c - x1 * s;
-      p[i + half] = x0 * s + x1 * c;
+      T_* p = x + r * heads * hd + static_cast<std::int64_t>(h) * hd;
+      const float x0 = load1(p + i), x1 = load1(p + i + half);
+      store1(p + i, x0 * c - x1 * s);
+      store1(p + i + half, x0 * s + x1 * c);
     }
   }
 }
 
 // The fast form, where head_dim is a multiple of 8 and x 16-byte aligned: the angles' cosines and
 // sines are computed once per call into a table of [T][head_dim/2] (in double, as above), and a
-// thread rotates four pairs of one head with two float4 loads. The loop above has a thread walk
+// thread rotates four pairs of one head with two loads of four. The loop above has a thread walk
 // the heads one after another with 4-byte accesses, which keeps too few bytes in flight to reach
 // the memory's rate; same arithmetic, same results.
 __global__ void rope_table_kernel(float2* cs, const int* pos, int T, int hd, float theta, bool inverse) {
@@ -166,19 +255,21 @@ __global__ void rope_table_kernel(float2* cs, const int* pos, int T, int hd, flo
     cs[e] = make_float2(static_cast<float>(cos(angle)), static_cast<float>(inverse ? -sin(angle) : sin(angle)));
   }
 }
-__global__ void rope4_kernel(float* x, const float2* cs, std::int64_t rows, int T, int heads, int hd) {
+template <class T_>
+__global__ void rope4_kernel(T_* x, const float2* cs, std::int64_t rows, int T, int heads, int hd) {
   const int half = hd / 2, quads = half / 4;
   K2C_FOR_EACH(e, rows * heads * quads) {
     const std::int64_t r = e / (static_cast<std::int64_t>(heads) * quads);
     const int h = static_cast<int>(e / quads % heads), i = static_cast<int>(e % quads) * 4;
-    float* p = x + (r * heads + h) * hd + i;
+    T_* p = x + (r * heads + h) * hd + i;
     const float2* c = cs + (r % T) * half + i;
-    float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + half);
+    const float4 a = load4(p);
+    float4 b = load4(p + half);
     const float2 c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
     const float4 a2 = make_float4(a.x * c0.x - b.x * c0.y, a.y * c1.x - b.y * c1.y, a.z * c2.x - b.z * c2.y, a.w * c3.x - b.w * c3.y);
     b = make_float4(a.x * c0.y + b.x * c0.x, a.y * c1.y + b.y * c1.x, a.z * c2.y + b.z * c2.x, a.w * c3.y + b.w * c3.x);
-    *reinterpret_cast<float4*>(p) = a2;
-    *reinterpret_cast<float4*>(p + half) = b;
+    store4(p, a2);
+    store4(p + half, b);
   }
 }
 
@@ -285,29 +376,37 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float dh, float& d
   dg = dh * u * s * (1.0f + g * (1.0f - s));
   du = dh * g * s;
 }
-__global__ void swiglu_forward_kernel(const float* g, const float* u, float* h, std::int64_t n) {
-  K2C_FOR_EACH(i, n) h[i] = swiglu(g[i], u[i]);
+template <class T>
+__global__ void swiglu_forward_kernel(const T* g, const T* u, T* h, std::int64_t n) {
+  K2C_FOR_EACH(i, n) store1(h + i, swiglu(load1(g + i), load1(u + i)));
 }
-__global__ void swiglu_backward_kernel(const float* g, const float* u, const float* dh, float* dg, float* du, std::int64_t n) {
-  K2C_FOR_EACH(i, n) swiglu_grad(g[i], u[i], dh[i], dg[i], du[i]);
-}
-__global__ void swiglu_forward4_kernel(const float4* g, const float4* u, float4* h, std::int64_t n4) {
-  K2C_FOR_EACH(i, n4) {
-    const float4 a = g[i], b = u[i];
-    h[i] = make_float4(swiglu(a.x, b.x), swiglu(a.y, b.y), swiglu(a.z, b.z), swiglu(a.w, b.w));
+template <class T>
+__global__ void swiglu_backward_kernel(const T* g, const T* u, const T* dh, T* dg, T* du, std::int64_t n) {
+  K2C_FOR_EACH(i, n) {
+    float x, y;
+    swiglu_grad(load1(g + i), load1(u + i), load1(dh + i), x, y);
+    store1(dg + i, x);
+    store1(du + i, y);
   }
 }
-__global__ void swiglu_backward4_kernel(const float4* g, const float4* u, const float4* dh, float4* dg, float4* du,
-                                        std::int64_t n4) {
+template <class T>
+__global__ void swiglu_forward4_kernel(const T* g, const T* u, T* h, std::int64_t n4) {
   K2C_FOR_EACH(i, n4) {
-    const float4 a = g[i], b = u[i], d = dh[i];
+    const float4 a = load4(g + 4 * i), b = load4(u + 4 * i);
+    store4(h + 4 * i, make_float4(swiglu(a.x, b.x), swiglu(a.y, b.y), swiglu(a.z, b.z), swiglu(a.w, b.w)));
+  }
+}
+template <class T>
+__global__ void swiglu_backward4_kernel(const T* g, const T* u, const T* dh, T* dg, T* du, std::int64_t n4) {
+  K2C_FOR_EACH(i, n4) {
+    const float4 a = load4(g + 4 * i), b = load4(u + 4 * i), d = load4(dh + 4 * i);
     float4 x, y;
     swiglu_grad(a.x, b.x, d.x, x.x, y.x);
     swiglu_grad(a.y, b.y, d.y, x.y, y.y);
     swiglu_grad(a.z, b.z, d.z, x.z, y.z);
     swiglu_grad(a.w, b.w, d.w, x.w, y.w);
-    dg[i] = x;
-    du[i] = y;
+    store4(dg + 4 * i, x);
+    store4(du + 4 * i, y);
   }
 }
 
@@ -340,14 +439,15 @@ __device__ void block_lse(float& m, float& s) {
 
 // One block a row, two passes over the logits instead of three: the log-sum-exp in one online
 // pass, then the gradient (the row is 128 KiB at a 32k vocabulary, so the second read mostly hits
-// L2). Rows of a multiple of 4 go a float4 at a time (the caller checks the alignment).
-template <bool kVec4>
-__global__ void cross_entropy_kernel(const float* z, const int* t, float scale, float* dz, double* loss, std::int64_t cols,
+// L2). Rows of a multiple of 4 go four at a time (the caller checks the alignment). The logits
+// and their gradient are T, fp32 or bf16; the sums are fp32.
+template <bool kVec4, class T>
+__global__ void cross_entropy_kernel(const T* z, const int* t, float scale, T* dz, double* loss, std::int64_t cols,
                                      int* bad) {
   const std::int64_t o = blockIdx.x * cols;
   const int target = t[blockIdx.x];
   if (target < 0 || target >= cols) {
-    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) dz[o + j] = 0;
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) store1(dz + o + j, 0.0f);
     if (threadIdx.x == 0) {
       loss[blockIdx.x] = 0;
       if (target >= cols) *bad = 1;
@@ -356,31 +456,29 @@ __global__ void cross_entropy_kernel(const float* z, const int* t, float scale, 
   }
   float m = -INFINITY, s = 0;
   if constexpr (kVec4) {
-    const float4* z4 = reinterpret_cast<const float4*>(z + o);
     for (std::int64_t j = threadIdx.x; j < cols / 4; j += blockDim.x) {
-      const float4 v = z4[j];
+      const float4 v = load4(z + o + 4 * j);
       lse_add(m, s, v.x), lse_add(m, s, v.y), lse_add(m, s, v.z), lse_add(m, s, v.w);
     }
   } else {
-    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) lse_add(m, s, z[o + j]);
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) lse_add(m, s, load1(z + o + j));
   }
   block_lse(m, s);
   const float lse = m + logf(s);
+  const float zt = load1(z + o + target);
   if constexpr (kVec4) {
-    const float4* z4 = reinterpret_cast<const float4*>(z + o);
-    float4* d4 = reinterpret_cast<float4*>(dz + o);
     for (std::int64_t j = threadIdx.x; j < cols / 4; j += blockDim.x) {
-      const float4 v = z4[j];
-      float4 g = make_float4(scale * expf(v.x - lse), scale * expf(v.y - lse), scale * expf(v.z - lse), scale * expf(v.w - lse));
-      d4[j] = g;
+      const float4 v = load4(z + o + 4 * j);
+      store4(dz + o + 4 * j,
+             make_float4(scale * expf(v.x - lse), scale * expf(v.y - lse), scale * expf(v.z - lse), scale * expf(v.w - lse)));
     }
     __syncthreads();  // the target's element is corrected after every thread has written its own
-    if (threadIdx.x == 0) dz[o + target] = scale * (expf(z[o + target] - lse) - 1.0f);
+    if (threadIdx.x == 0) store1(dz + o + target, scale * (expf(zt - lse) - 1.0f));
   } else {
     for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x)
-      dz[o + j] = scale * (expf(z[o + j] - lse) - (j == target ? 1.0f : 0.0f));
+      store1(dz + o + j, scale * (expf(load1(z + o + j) - lse) - (j == target ? 1.0f : 0.0f)));
   }
-  if (threadIdx.x == 0) loss[blockIdx.x] = static_cast<double>(lse) - z[o + target];
+  if (threadIdx.x == 0) loss[blockIdx.x] = static_cast<double>(lse) - zt;
 }
 
 __global__ void dropout_kernel(const float* x, float* y, std::int64_t rows, std::int64_t cols, float p,

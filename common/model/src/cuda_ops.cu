@@ -15,8 +15,11 @@
 //                  reach memory (src/cuda_flash.cuh).
 //
 // Element-wise and row-wise operations (norms, RoPE, SwiGLU, cross-entropy, dropout, AdamW) are
-// the same plain kernels in both modes (src/cuda_kernels.cuh): they are memory-bound and fp32
-// costs them a factor of two in bytes at most. Reductions that the CPU backend does in a fixed order are done here with
+// the same plain kernels in both modes (src/cuda_kernels.cuh): they are memory-bound, so what
+// they cost is bytes. Activations stored in bf16 (ops.h's [bf16] operations) halve those bytes:
+// the kernels of those operations read and write either type, GEMMs take bf16 operands as they
+// are and write a bf16 output directly, and a call that no kernel takes in bf16 (fp32 mode, the
+// unfused attention) runs on fp32 copies that are rounded back once (Wide). Reductions that the CPU backend does in a fixed order are done here with
 // atomics where that is simplest (embedding gradients, scatters): the GPU backend promises
 // agreement within rounding, not bits. Every launch and every cuBLAS call goes to one stream
 // (cuda_ops_use_stream), so a communicator that orders its work against that stream sees the
@@ -34,7 +37,9 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <optional>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -149,8 +154,13 @@ class CudaOps final : public Ops {
   }
 
   void fill(Tensor& t, float v) override {
-    if (vectorizable(t.numel(), {t.raw()})) launch(fill4_kernel, t.numel() / 4, f4(t), t.numel() / 4, v);
-    else launch(fill_kernel, t.numel(), t.f32(), t.numel(), v);
+    if (t.dtype() == DType::bf16) return fill_as<__nv_bfloat16>(t, v);
+    fill_as<float>(t, v);
+  }
+  template <class T>
+  void fill_as(Tensor& t, float v) {
+    if (vectorizable(t.numel(), {t.raw()})) launch(fill4_kernel<T>, t.numel() / 4, ptr<T>(t), t.numel() / 4, v);
+    else launch(fill_kernel<T>, t.numel(), ptr<T>(t), t.numel(), v);
   }
   void copy(Tensor& dst, const Tensor& src) override {
     if (dst.numel() != src.numel() || dst.dtype() != src.dtype())
@@ -187,6 +197,11 @@ class CudaOps final : public Ops {
     const auto [M, N, K] = checks::gemm_dims(a, ta, b, tb, c);
     const Matrix ma = as_matrix(a), mb = as_matrix(b);
     if (M == 0 || N == 0) return;
+    if ((math_ == GpuMath::fp32 || K == 0) && any_bf16({&a, &b, &c})) {  // SGEMM and scale take fp32
+      Wide wa(*this, a), wb(*this, b), wc(*this, c, beta == 0.0f ? Use::out : Use::in_out);
+      matmul(wa, ta, wb, tb, wc, alpha, beta);
+      return wc.store();
+    }
     if (K == 0) {  // cuBLAS leaves C alone when K is 0; the contract is c = beta·c
       if (beta == 0.0f) fill(c, 0.0f);
       else scale(c, beta);
@@ -329,7 +344,22 @@ class CudaOps final : public Ops {
 
   void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) override {
     const Matrix m = checks::rmsnorm_args(x, gamma, y, rstd);
-    if (m.rows) rmsnorm_forward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), eps, y.f32(), rstd.f32(), m.cols);
+    if (x.dtype() == DType::bf16) {  // the kernel reads the residual stream, which is fp32
+      Wide wx(*this, x);
+      return rmsnorm_forward(wx, gamma, eps, y, rstd);
+    }
+    if (m.rows == 0) return;
+    if (y.dtype() == DType::bf16) return rmsnorm_forward_as<__nv_bfloat16>(m, x, gamma, eps, y, rstd);
+    rmsnorm_forward_as<float>(m, x, gamma, eps, y, rstd);
+  }
+  template <class Y>
+  void rmsnorm_forward_as(Matrix m, const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) {
+    if (vectorizable(m.cols, {x.raw(), gamma.raw(), y.raw()}))
+      rmsnorm_forward_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), eps, ptr<Y>(y),
+                                                                                rstd.f32(), m.cols);
+    else
+      rmsnorm_forward_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), eps, ptr<Y>(y),
+                                                                                 rstd.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
   void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy, Tensor& dx,
@@ -345,12 +375,30 @@ class CudaOps final : public Ops {
                              const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
     const Matrix m = checks::rmsnorm_backward_args(x, gamma, rstd, dy, dx, dgamma);
     if (m.rows == 0) return;
-    rmsnorm_backward_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(
-        x.f32(), gamma.f32(), rstd.f32(), dy.f32(), residual_dy ? residual_dy->f32() : nullptr, dx.f32(), m.cols);
+    if (any_bf16({&x, &dx, residual_dy})) {  // the kernels take bf16 for dy only (a GEMM's output)
+      Wide wx(*this, x), wdx(*this, dx, Use::out);
+      std::optional<Wide> wr;
+      if (residual_dy) wr.emplace(*this, *residual_dy);
+      rmsnorm_backward_into(wx, gamma, rstd, dy, residual_dy ? &static_cast<Tensor&>(*wr) : nullptr, wdx, dgamma);
+      return wdx.store();
+    }
+    if (dy.dtype() == DType::bf16) rmsnorm_backward_as<__nv_bfloat16>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
+    else rmsnorm_backward_as<float>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
+  }
+  template <class DY>
+  void rmsnorm_backward_as(Matrix m, const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                           const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
+    const float* residual = residual_dy ? residual_dy->f32() : nullptr;
+    if (vectorizable(m.cols, {x.raw(), gamma.raw(), dy.raw(), dx.raw(), residual}))
+      rmsnorm_backward_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), rstd.f32(),
+                                                                                 ptr<DY>(dy), residual, dx.f32(), m.cols);
+    else
+      rmsnorm_backward_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), rstd.f32(),
+                                                                                  ptr<DY>(dy), residual, dx.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
     const dim3 grid(static_cast<unsigned>((m.cols + kThreads - 1) / kThreads),
                     static_cast<unsigned>((m.rows + kRowRun - 1) / kRowRun));
-    rmsnorm_dgamma_kernel<<<grid, kThreads, 0, g_stream>>>(x.f32(), rstd.f32(), dy.f32(), dgamma.f32(), m.rows, m.cols);
+    rmsnorm_dgamma_kernel<<<grid, kThreads, 0, g_stream>>>(x.f32(), rstd.f32(), ptr<DY>(dy), dgamma.f32(), m.rows, m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
 
@@ -360,24 +408,37 @@ class CudaOps final : public Ops {
     if (head_dim % 2 || m.cols != static_cast<std::int64_t>(heads) * head_dim || T == 0 || m.rows % T)
       throw std::invalid_argument("rope: x " + x.shape().str() + " is not [batch*" + std::to_string(T) + ", " +
                                   std::to_string(heads) + "*" + std::to_string(head_dim) + "] with an even head_dim");
+    if (x.dtype() == DType::bf16) return rope_as<__nv_bfloat16>(x, m, positions, heads, head_dim, theta, inverse);
+    rope_as<float>(x, m, positions, heads, head_dim, theta, inverse);
+  }
+  template <class T>
+  void rope_as(Tensor& x, Matrix m, const Tensor& positions, int heads, int head_dim, float theta, bool inverse) {
+    const std::int64_t T_ = positions.numel();
     if (head_dim % 8 == 0 && vectorizable(m.rows * m.cols, {x.raw()})) {
-      auto* cs = static_cast<float2*>(ws_.get(kRope, static_cast<std::size_t>(T) * (head_dim / 2) * sizeof(float2)));
-      launch(rope_table_kernel, T * (head_dim / 2), cs, positions.i32(), static_cast<int>(T), head_dim, theta, inverse);
-      launch(rope4_kernel, m.rows * heads * (head_dim / 8), x.f32(), static_cast<const float2*>(cs), m.rows,
-             static_cast<int>(T), heads, head_dim);
+      auto* cs = static_cast<float2*>(ws_.get(kRope, static_cast<std::size_t>(T_) * (head_dim / 2) * sizeof(float2)));
+      launch(rope_table_kernel, T_ * (head_dim / 2), cs, positions.i32(), static_cast<int>(T_), head_dim, theta, inverse);
+      launch(rope4_kernel<T>, m.rows * heads * (head_dim / 8), ptr<T>(x), static_cast<const float2*>(cs), m.rows,
+             static_cast<int>(T_), heads, head_dim);
       return;
     }
-    launch(rope_kernel, m.rows * (head_dim / 2), x.f32(), positions.i32(), m.rows, static_cast<int>(T), heads,
+    launch(rope_kernel<T>, m.rows * (head_dim / 2), ptr<T>(x), positions.i32(), m.rows, static_cast<int>(T_), heads,
            head_dim, theta, inverse);
   }
 
   void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o,
                          Tensor& lse) override {
     checks::attention_args(s, q, k, v);
-    o.expect(q.shape(), "attention output");
+    checks::activation(o, q.shape(), "attention output");
     lse.expect({s.batch, s.q_heads, s.q_len}, "attention lse");
     if (s.q_len == 0) return;
-    if (math_ == GpuMath::bf16 && flash_fits(s, o)) {
+    // The fused kernels read and write bf16 as they are; the other kernels take fp32 only.
+    const bool flash = math_ == GpuMath::bf16 && flash_fits(s, o);
+    if (!flash && any_bf16({&q, &k, &v, &o})) {
+      Wide wq(*this, q), wk(*this, k), wv(*this, v), wo(*this, o, Use::out);
+      attention_forward(s, wq, wk, wv, wo, lse);
+      return wo.store();
+    }
+    if (flash) {
       flash_.forward(s, q, k, v, o, lse);
       return;
     }
@@ -394,7 +455,18 @@ class CudaOps final : public Ops {
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
     checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     if (s.q_len == 0) return;
-    if (math_ == GpuMath::bf16 && flash_fits(s, dq)) {
+    // The fused kernels read bf16 as they are and write the gradients in their tensors' dtype (one
+    // for the three; O and dO of one too); the other kernels take fp32 only.
+    const bool flash = math_ == GpuMath::bf16 && flash_fits(s, dq) && same_dtype({&dq, &dk, &dv}) && same_dtype({&o, &dout});
+    if (!flash && any_bf16({&q, &k, &v, &o, &dout, &dq, &dk, &dv})) {
+      Wide wq(*this, q), wk(*this, k), wv(*this, v), wo(*this, o), wdo(*this, dout);
+      Wide wdq(*this, dq, Use::out), wdk(*this, dk, Use::in_out), wdv(*this, dv, Use::in_out);
+      attention_backward(s, wq, wk, wv, wo, lse, wdo, wdq, wdk, wdv);
+      wdq.store();
+      wdk.store();
+      return wdv.store();
+    }
+    if (flash) {
       flash_.backward(s, q, k, v, o, lse, dout, dq, dk, dv);
       return;
     }
@@ -412,20 +484,42 @@ class CudaOps final : public Ops {
   void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& h) override {
     same_shape(g, u, "swiglu");
     same_shape(g, h, "swiglu");
+    if (!same_dtype({&g, &u, &h})) {
+      Wide wg(*this, g), wu(*this, u), wh(*this, h, Use::out);
+      swiglu_forward(wg, wu, wh);
+      return wh.store();
+    }
+    if (g.dtype() == DType::bf16) return swiglu_forward_as<__nv_bfloat16>(g, u, h);
+    swiglu_forward_as<float>(g, u, h);
+  }
+  template <class T>
+  void swiglu_forward_as(const Tensor& g, const Tensor& u, Tensor& h) {
     if (vectorizable(g.numel(), {g.raw(), u.raw(), h.raw()}))
-      launch(swiglu_forward4_kernel, g.numel() / 4, f4(g), f4(u), f4(h), g.numel() / 4);
+      launch(swiglu_forward4_kernel<T>, g.numel() / 4, ptr<T>(g), ptr<T>(u), ptr<T>(h), g.numel() / 4);
     else
-      launch(swiglu_forward_kernel, g.numel(), g.f32(), u.f32(), h.f32(), g.numel());
+      launch(swiglu_forward_kernel<T>, g.numel(), ptr<T>(g), ptr<T>(u), ptr<T>(h), g.numel());
   }
   void swiglu_backward(const Tensor& g, const Tensor& u, const Tensor& dh, Tensor& dg, Tensor& du) override {
     same_shape(g, u, "swiglu backward");
     same_shape(g, dh, "swiglu backward");
     same_shape(g, dg, "swiglu backward");
     same_shape(g, du, "swiglu backward");
+    if (!same_dtype({&g, &u, &dh, &dg, &du})) {
+      Wide wg(*this, g), wu(*this, u), wdh(*this, dh), wdg(*this, dg, Use::out), wdu(*this, du, Use::out);
+      swiglu_backward(wg, wu, wdh, wdg, wdu);
+      wdg.store();
+      return wdu.store();
+    }
+    if (g.dtype() == DType::bf16) return swiglu_backward_as<__nv_bfloat16>(g, u, dh, dg, du);
+    swiglu_backward_as<float>(g, u, dh, dg, du);
+  }
+  template <class T>
+  void swiglu_backward_as(const Tensor& g, const Tensor& u, const Tensor& dh, Tensor& dg, Tensor& du) {
     if (vectorizable(g.numel(), {g.raw(), u.raw(), dh.raw(), dg.raw(), du.raw()}))
-      launch(swiglu_backward4_kernel, g.numel() / 4, f4(g), f4(u), f4(dh), f4(dg), f4(du), g.numel() / 4);
+      launch(swiglu_backward4_kernel<T>, g.numel() / 4, ptr<T>(g), ptr<T>(u), ptr<T>(dh), ptr<T>(dg), ptr<T>(du),
+             g.numel() / 4);
     else
-      launch(swiglu_backward_kernel, g.numel(), g.f32(), u.f32(), dh.f32(), dg.f32(), du.f32(), g.numel());
+      launch(swiglu_backward_kernel<T>, g.numel(), ptr<T>(g), ptr<T>(u), ptr<T>(dh), ptr<T>(dg), ptr<T>(du), g.numel());
   }
 
   double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale, Tensor& dlogits) override {
@@ -433,15 +527,16 @@ class CudaOps final : public Ops {
     targets.expect({m.rows}, "cross-entropy targets", DType::i32);
     same_shape(logits, dlogits, "cross-entropy gradient");
     if (m.rows == 0) return 0;
+    if (!same_dtype({&logits, &dlogits})) {
+      Wide wz(*this, logits), wdz(*this, dlogits, Use::out);
+      const double loss = cross_entropy(wz, targets, grad_scale, wdz);
+      wdz.store();
+      return loss;
+    }
     auto* losses = static_cast<double*>(ws_.get(kLosses, m.rows * sizeof(double)));
     clear_flag();
-    if (vectorizable(m.cols, {logits.raw(), dlogits.raw()}))
-      cross_entropy_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(logits.f32(), targets.i32(), grad_scale,
-                                                                              dlogits.f32(), losses, m.cols, flag_);
-    else
-      cross_entropy_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(logits.f32(), targets.i32(), grad_scale,
-                                                                               dlogits.f32(), losses, m.cols, flag_);
-    K2C_CUDA_CHECK_LAUNCH();
+    if (logits.dtype() == DType::bf16) cross_entropy_as<__nv_bfloat16>(m, logits, targets, grad_scale, dlogits, losses);
+    else cross_entropy_as<float>(m, logits, targets, grad_scale, dlogits, losses);
     std::vector<double> host(static_cast<std::size_t>(m.rows));
     K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));
     K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
@@ -450,6 +545,19 @@ class CudaOps final : public Ops {
     double total = 0;  // summed on the host in row order, like the CPU backend
     for (double l : host) total += l;
     return total;
+  }
+
+  template <class T>
+  void cross_entropy_as(Matrix m, const Tensor& logits, const Tensor& targets, float grad_scale, Tensor& dlogits,
+                        double* losses) {
+    // Four at a time where a row is whole 16-byte (fp32) or 8-byte (bf16) steps from aligned starts.
+    if (vectorizable(m.cols, {logits.raw(), dlogits.raw()}))
+      cross_entropy_kernel<true, T><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale,
+                                                                                 ptr<T>(dlogits), losses, m.cols, flag_);
+    else
+      cross_entropy_kernel<false, T><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale,
+                                                                                  ptr<T>(dlogits), losses, m.cols, flag_);
+    K2C_CUDA_CHECK_LAUNCH();
   }
 
   void dropout(const Tensor& x, float p, const DropoutKey& key, Tensor& out) override {
@@ -551,16 +659,54 @@ class CudaOps final : public Ops {
   }
 
  private:
-  // c (M×N fp32) = alpha·op(a)·op(b) + beta·c on bf16 operands (row-major, rows lda and ldb long),
-  // fp32 accumulation. Row-major C is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: the operands swap places.
+  // c (M×N, fp32 or bf16) = alpha·op(a)·op(b) + beta·c on bf16 operands (row-major, rows lda and
+  // ldb long), fp32 accumulation; a bf16 c is rounded once, from the fp32 sums (and read in bf16
+  // where beta is not 0). Row-major C is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: the operands swap places.
   void gemm16(const __nv_bfloat16* a, bool ta, std::int64_t lda, const __nv_bfloat16* b, bool tb, std::int64_t ldb,
               Tensor& c, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, float beta) {
     K2C_CUBLAS_CHECK(cublasGemmEx(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                                   static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, b, CUDA_R_16BF,
-                                  static_cast<int>(ldb), a, CUDA_R_16BF, static_cast<int>(lda), &beta, c.f32(), CUDA_R_32F,
+                                  static_cast<int>(ldb), a, CUDA_R_16BF, static_cast<int>(lda), &beta, c.raw(),
+                                  c.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F,
                                   static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   static float4* f4(const Tensor& t) { return reinterpret_cast<float4*>(const_cast<float*>(t.f32())); }
+  static bool any_bf16(std::initializer_list<const Tensor*> ts) {
+    for (const Tensor* t : ts)
+      if (t && t->dtype() == DType::bf16) return true;
+    return false;
+  }
+  static bool same_dtype(std::initializer_list<const Tensor*> ts) {
+    for (const Tensor* t : ts)
+      if (t->dtype() != (*ts.begin())->dtype()) return false;
+    return true;
+  }
+  // A bf16 tensor where a kernel takes fp32 only: the call runs on an fp32 copy (widening is
+  // exact), and store() rounds the copy of a tensor it wrote back, once, when the call is done.
+  // An fp32 tensor is used as it is. The copies come from the device's cache, in stream order.
+  enum class Use { in, out, in_out };  // read, written whole, read and written
+  class Wide {
+   public:
+    Wide(CudaOps& ops, const Tensor& t, Use use = Use::in) : ops_(ops), t_(t), written_(use != Use::in) {
+      if (t.dtype() != DType::bf16) return;
+      copy_ = t.numel() ? Tensor(ops.device_, ops.copies_, Category::activations, t.shape())
+                        : Tensor::view(&ops.empty_, t.shape());  // a view needs an address
+      if (use != Use::out) ops.launch(widen_kernel, t.numel(), ptr<__nv_bfloat16>(t), copy_.f32(), t.numel());
+    }
+    Wide(const Wide&) = delete;
+    Wide& operator=(const Wide&) = delete;
+    operator Tensor&() { return copy_.empty() ? const_cast<Tensor&>(t_) : copy_; }
+    void store() {
+      if (written_ && !copy_.empty())
+        ops_.launch(narrow_kernel, t_.numel(), copy_.f32(), ptr<__nv_bfloat16>(t_), t_.numel());
+    }
+
+   private:
+    CudaOps& ops_;
+    const Tensor& t_;
+    bool written_;
+    Tensor copy_;
+  };
   template <class Kernel, class... Args>
   void launch(Kernel kernel, std::int64_t n, Args... args) {
     if (n <= 0) return;
@@ -597,6 +743,8 @@ class CudaOps final : public Ops {
   Workspace ws_;  // bf16 operands, score blocks, pointer arrays, per-row losses
   BlockedAttention attention_{blas_, ws_};  // head_dim a multiple of 8
   FlashAttention flash_{ws_};                // head_dim 64 or 128
+  MemoryLedger copies_;    // Wide's fp32 copies (scratch, outside the model's ledger)
+  float empty_ = 0;       // the address of an empty copy
   int* flag_ = nullptr;   // set by kernels that find an index out of range
   double* sum_ = nullptr;
 };

@@ -116,10 +116,10 @@ AttentionShape shape_of(const AttentionConfig& c, int batch, std::int64_t T) {
 void Attention::forward(Context& ctx, const Tensor& x, const Tensor& positions, int batch, Tensor& y,
                         Saved& s) const {
   const std::int64_t N = x.dim(0), kv = static_cast<std::int64_t>(config_.kv_heads) * config_.head_dim();
-  s.q = ctx.tensor({N, config_.d_model});
-  s.k = ctx.tensor({N, kv});
-  s.v = ctx.tensor({N, kv});
-  s.o = ctx.tensor({N, config_.d_model});
+  s.q = ctx.activation({N, config_.d_model});
+  s.k = ctx.activation({N, kv});
+  s.v = ctx.activation({N, kv});
+  s.o = ctx.activation({N, config_.d_model});
   s.lse = ctx.tensor({batch, config_.q_heads, positions.numel()});
   Linear::forward_shared(ctx, x, {&wq_, &wk_, &wv_}, {&s.q, &s.k, &s.v});
   ctx.ops.rope(s.q, positions, config_.q_heads, config_.head_dim(), config_.rope_theta, false);
@@ -130,8 +130,8 @@ void Attention::forward(Context& ctx, const Tensor& x, const Tensor& positions, 
 
 void Attention::backward(Context& ctx, const Tensor& x, const Tensor& positions, int batch, const Saved& s,
                          const Tensor& dy, Tensor& dx) const {
-  Tensor dout = ctx.tensor(s.o.shape()), dq = ctx.tensor(s.q.shape()), dk = ctx.tensor(s.k.shape()),
-         dv = ctx.tensor(s.v.shape());
+  Tensor dout = ctx.activation(s.o.shape()), dq = ctx.activation(s.q.shape()), dk = ctx.activation(s.k.shape()),
+         dv = ctx.activation(s.v.shape());
   wo_.backward(ctx, s.o, dy, &dout);
   ctx.ops.fill(dk, 0.0f);  // attention_backward adds into dk and dv
   ctx.ops.fill(dv, 0.0f);
@@ -153,16 +153,16 @@ Mlp::Mlp(ParamList& params, const std::string& name, std::int64_t d_model, std::
 
 void Mlp::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
   const std::int64_t N = x.dim(0);
-  s.gate = ctx.tensor({N, gate_.out()});
-  s.up = ctx.tensor({N, up_.out()});
-  s.h = ctx.tensor({N, up_.out()});
+  s.gate = ctx.activation({N, gate_.out()});
+  s.up = ctx.activation({N, up_.out()});
+  s.h = ctx.activation({N, up_.out()});
   Linear::forward_shared(ctx, x, {&gate_, &up_}, {&s.gate, &s.up});
   ctx.ops.swiglu_forward(s.gate, s.up, s.h);
   down_.forward(ctx, s.h, y);
 }
 
 void Mlp::backward(Context& ctx, const Tensor& x, const Saved& s, const Tensor& dy, Tensor& dx) const {
-  Tensor dh = ctx.tensor(s.h.shape()), dgate = ctx.tensor(s.gate.shape()), dup = ctx.tensor(s.up.shape());
+  Tensor dh = ctx.activation(s.h.shape()), dgate = ctx.activation(s.gate.shape()), dup = ctx.activation(s.up.shape());
   down_.backward(ctx, s.h, dy, &dh);
   ctx.ops.swiglu_backward(s.gate, s.up, dh, dgate, dup);
   Linear::backward_shared(ctx, x, {&up_, &gate_}, {&dup, &dgate}, &dx);

@@ -84,11 +84,16 @@ inline Matrix routing_grad_args(const Tensor& indices, const Tensor& values, std
   return m;
 }
 
+// An activation of ops.h's [bf16] operations: the shape, in fp32 or bf16.
+inline void activation(const Tensor& t, const Shape& shape, const char* what) {
+  t.expect(shape, what, t.dtype() == DType::bf16 ? DType::bf16 : DType::f32);
+}
+
 inline void attention_args(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v) {
   s.check();
-  q.expect({static_cast<std::int64_t>(s.batch) * s.q_len, static_cast<std::int64_t>(s.q_heads) * s.head_dim}, "attention q");
-  k.expect({static_cast<std::int64_t>(s.batch) * s.kv_len, static_cast<std::int64_t>(s.kv_heads) * s.head_dim}, "attention k");
-  v.expect(k.shape(), "attention v");
+  activation(q, {static_cast<std::int64_t>(s.batch) * s.q_len, static_cast<std::int64_t>(s.q_heads) * s.head_dim}, "attention q");
+  activation(k, {static_cast<std::int64_t>(s.batch) * s.kv_len, static_cast<std::int64_t>(s.kv_heads) * s.head_dim}, "attention k");
+  activation(v, k.shape(), "attention v");
 }
 
 inline void attention_backward_args(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,

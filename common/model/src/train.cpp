@@ -17,6 +17,9 @@ Context make_context(Ops& ops, MemoryLedger& ledger, ParamList& params, const Tr
   Context ctx{ops, ledger, params};
   ctx.dropout = c.dropout;
   ctx.seed = c.seed;
+  if (c.activations != DType::f32 && c.activations != DType::bf16)
+    throw std::invalid_argument("train: activations are f32 or bf16, not " + to_string(c.activations));
+  ctx.activations = c.activations;
   return ctx;
 }
 

@@ -117,11 +117,11 @@ void Transformer::forward(Context& ctx, const Tensor& ids, int batch, bool check
     event(ctx, i + 1, LayerEvent::after_forward);
     x = &s.blocks[i].out;
   }
-  s.xf = ctx.tensor({N, config_.d_model});
+  s.xf = ctx.activation({N, config_.d_model});
   event(ctx, L + 1, LayerEvent::before_forward);
   final_norm_.forward(ctx, *x, s.xf, s.final_norm);
   event(ctx, L + 1, LayerEvent::after_forward);
-  s.logits = ctx.tensor({N, config_.vocab});
+  s.logits = ctx.activation({N, config_.vocab});
   event(ctx, L + 2, LayerEvent::before_forward);
   head_.forward(ctx, s.xf, s.logits);
   event(ctx, L + 2, LayerEvent::after_forward);
@@ -134,14 +134,14 @@ double Transformer::train_step(Context& ctx, const Tensor& ids, const Tensor& ta
   ctx.aux_loss = 0;
   forward(ctx, ids, batch, checkpoint, s);
   const std::int64_t N = s.logits.dim(0), d = config_.d_model;
-  Tensor dlogits = ctx.tensor(s.logits.shape());
+  Tensor dlogits = ctx.activation(s.logits.shape());
   const double loss = ctx.ops.cross_entropy(s.logits, targets, grad_scale, dlogits);  // may refuse a target
   s.logits = Tensor();  // the logits are the largest activation: gone as soon as possible
   BackwardPass pass(ctx.params);
   const int L = static_cast<int>(blocks_.size());
   Tensor dx = ctx.tensor({N, d}), dprev = ctx.tensor({N, d});
   {
-    Tensor dxf = ctx.tensor({N, d});
+    Tensor dxf = ctx.activation({N, d});
     event(ctx, L + 2, LayerEvent::before_backward);
     head_.backward(ctx, s.xf, dlogits, &dxf);
     event(ctx, L + 2, LayerEvent::after_backward);
@@ -173,7 +173,7 @@ double Transformer::evaluate(Context& ctx, const Tensor& ids, const Tensor& targ
   forward(ctx, ids, batch, true, s);
   ctx.dropout = dropout;
   ctx.aux_loss = aux;
-  Tensor scratch = ctx.tensor(s.logits.shape());
+  Tensor scratch = ctx.activation(s.logits.shape());
   return ctx.ops.cross_entropy(s.logits, targets, 0.0f, scratch);
 }
 

@@ -29,7 +29,13 @@
 #include <string>
 #include <vector>
 
+#include "k2c/core/bf16.h"  // bf16_to_float, float_to_bf16: bf16 collectives on MPI
+
 namespace k2c::dist {
+
+// The host bf16 conversions of k2c/core/bf16.h, also under this namespace's name.
+using k2c::bf16_to_float;
+using k2c::float_to_bf16;
 
 enum class Backend { mpi, nccl };
 // bf16 is bfloat16 (fp32's sign and 8-bit exponent, 7 mantissa bits), held as 2 bytes; on the
@@ -54,26 +60,6 @@ inline std::size_t dtype_size(DType t) {
 std::string to_string(Backend b);
 std::string to_string(DType t);
 std::string to_string(ReduceOp op);
-
-// bf16 <-> fp32 on the host, written out (the CUDA header that has them is not available to a
-// CPU build). Widening is exact: the 16 bits are the top half of the fp32. Narrowing rounds to
-// nearest, ties to even, as the GPU's __float2bfloat16 does; values past the largest bf16 become
-// infinity, and a NaN stays a (quiet) NaN instead of being rounded into infinity.
-inline float bf16_to_float(std::uint16_t h) {
-  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline std::uint16_t float_to_bf16(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
-  // Adding 0x7fff rounds up exactly when the low half is over one half; the low bit of the kept
-  // half adds the last 1 on a tie when that bit is odd, so ties go to the even neighbour.
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
 
 // Block b of n when `count` elements are split as evenly as possible: the first count % n blocks
 // hold one element more. Used wherever a buffer is cut into one piece per rank.

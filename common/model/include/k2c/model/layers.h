@@ -42,10 +42,16 @@ struct Context {
   // (numbered as Transformer::layer_count() says): where ZeRO-3 gathers a layer's parameters
   // just before the layer runs and frees them after it.
   std::function<void(int layer, LayerEvent event)> on_layer;
+  // The dtype of the activations that pass between a layer's operations (ops.h's [bf16]): fp32,
+  // or bf16 for half the bytes. The residual stream, the MoE layer's tensors, parameters and
+  // their gradients stay fp32 either way.
+  DType activations = DType::f32;
 
   Tensor tensor(Shape shape, Category c = Category::activations, DType t = DType::f32) {
     return Tensor(ops.memory(), ledger, c, shape, t);
   }
+  // An activation between operations, in the run's activation dtype.
+  Tensor activation(Shape shape) { return tensor(shape, Category::activations, activations); }
   // Adds into a parameter's gradient unless it is frozen, then reports the use done.
   bool trains(ParamId id) const { return !params.info(id).frozen; }
 };

@@ -11,6 +11,12 @@
 // that is what lets the distributed modules' tests demand bit-exact agreement where the order of
 // operations allows it. Operations named "accumulate" or documented with "+=" add into their
 // output, so gradients from several uses (tied weights, micro-batches) sum without a copy.
+//
+// Activations may be stored in bf16 (DType::bf16), half the bytes of fp32, as mixed-precision
+// training stores them; parameters, their gradients, optimizer state and the residual stream
+// stay fp32. The operations marked [bf16] take fp32 or bf16 for each of their activation
+// arguments (the weights, rstd, lse, ids and targets stay as documented): they compute in fp32
+// and round to nearest even once, where they store a bf16 value. The others take fp32 only.
 #pragma once
 
 #include <cstdint>
@@ -65,8 +71,8 @@ class Ops {
   virtual void download(void* host, const Tensor& src) = 0;
 
   // ---- element-wise
-  virtual void fill(Tensor& t, float value) = 0;
-  virtual void copy(Tensor& dst, const Tensor& src) = 0;
+  virtual void fill(Tensor& t, float value) = 0;                                // [bf16]
+  virtual void copy(Tensor& dst, const Tensor& src) = 0;                        // same dtypes
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;         // out = a + b
   virtual void accumulate(Tensor& acc, const Tensor& x, float scale) = 0;       // acc += scale·x
   virtual void scale(Tensor& t, float s) = 0;                                   // t *= s
@@ -74,7 +80,7 @@ class Ops {
 
   // ---- GEMM: c = alpha·op(a)·op(b) + beta·c, op(a) M×K, op(b) K×N, c M×N. A Linear layer uses
   // three layouts: y = x·Wᵀ (forward), dx = dy·W, dW += dyᵀ·x (backward). beta = 0 ignores c's
-  // old contents (NaN included).
+  // old contents (NaN included). [bf16], and so are the Linear operations after it.
   virtual void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                       float alpha, float beta) = 0;
   // The backward of a Linear layer y = x·Wᵀ: dW += dyᵀ·x where dw is given, then dx = dy·W where
@@ -114,7 +120,8 @@ class Ops {
   // dtable[ids[i], :] += dout[i, :], in order of i.
   virtual void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
 
-  // y = x · rstd · gamma per row, rstd = 1/sqrt(mean(x²) + eps); x, y [N, D]; rstd [N].
+  // y = x · rstd · gamma per row, rstd = 1/sqrt(mean(x²) + eps); x, y [N, D]; rstd [N]. [bf16],
+  // and so are the two backward operations.
   virtual void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y,
                                Tensor& rstd) = 0;
   // dx = (the input gradient), dgamma += Σ_rows dy · x · rstd.
@@ -127,12 +134,12 @@ class Ops {
 
   // Rotary embedding in place on x [batch·T, heads·head_dim], pairs (i, i + head_dim/2) of each
   // head rotated by positions[t]·theta^(−2i/head_dim); positions i32 [T], shared by the batch.
-  // inverse rotates back, which is also the backward (a rotation's transpose is its inverse).
+  // inverse rotates back, which is also the backward (a rotation's transpose is its inverse). [bf16]
   virtual void rope(Tensor& x, const Tensor& positions, int heads, int head_dim, float theta,
                     bool inverse) = 0;
 
   // o = softmax(q·kᵀ/sqrt(d) masked)·v, and lse [batch, q_heads, q_len] the log-sum-exp of each
-  // query's scaled scores (−inf and o = 0 for a query that sees no key).
+  // query's scaled scores (−inf and o = 0 for a query that sees no key). [bf16], backward too.
   virtual void attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k,
                                  const Tensor& v, Tensor& o, Tensor& lse) = 0;
   // dq = (overwritten), dk, dv += (added: a ring adds the gradients of several query chunks).
@@ -140,7 +147,7 @@ class Ops {
                                   const Tensor& v, const Tensor& o, const Tensor& lse,
                                   const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) = 0;
 
-  // h = silu(gate) · up, all [N, F]; backward writes dgate and dup.
+  // h = silu(gate) · up, all [N, F]; backward writes dgate and dup. [bf16]
   virtual void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& h) = 0;
   virtual void swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dh,
                                Tensor& dgate, Tensor& dup) = 0;
@@ -148,7 +155,7 @@ class Ops {
   // Softmax cross-entropy over logits [N, V] with targets i32 [N] (−1: ignored). Returns the sum
   // of the losses of the counted rows, and writes dlogits = grad_scale·(softmax − onehot) (zero
   // rows for ignored targets). The caller picks grad_scale, usually 1 / (tokens in the global
-  // batch), so the gradient is that of the mean over every rank's tokens.
+  // batch), so the gradient is that of the mean over every rank's tokens. [bf16]
   virtual double cross_entropy(const Tensor& logits, const Tensor& targets, float grad_scale,
                                Tensor& dlogits) = 0;
 
