@@ -1,5 +1,7 @@
-// course_kernels.cu — the adapters of course_kernels.h: the model's fp32 tensors into a module's
-// bf16 contract and back, on the GPU backend's stream.
+// course_kernels.cu — the adapters of course_kernels.h: the model's tensors into a module's bf16
+// contract and back, on the GPU backend's stream. The model's activations are fp32 or bf16
+// (k2c/model/ops.h); a bf16 activation already in the contract's layout reaches the module with no
+// pass at all, and a module's bf16 output is written straight into a bf16 activation.
 #include "course_kernels.h"
 
 #include <cuda_bf16.h>
@@ -15,6 +17,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "flash_attention.h"
@@ -65,6 +68,12 @@ __device__ __forceinline__ Bf16x8 bf16x8_of(const float* p) {
   return {{__floats2bfloat162_rn(a.x, a.y), __floats2bfloat162_rn(a.z, a.w), __floats2bfloat162_rn(b.x, b.y),
            __floats2bfloat162_rn(b.z, b.w)}};
 }
+__device__ __forceinline__ Bf16x8 bf16x8_of(const bf16* p) { return *reinterpret_cast<const Bf16x8*>(p); }
+// One element of the model's side (fp32 or bf16) to fp32 and back (rounded to nearest even).
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(bf16* p, float v) { *p = __float2bfloat16(v); }
 // p[0..8) = v, plus plus[0..8) where plus is given (p itself to add into it).
 __device__ __forceinline__ void store_f32x8(float* p, Bf16x8 v, const float* plus) {
   float4* q = reinterpret_cast<float4*>(p);
@@ -105,14 +114,16 @@ __global__ void add_into_x4(const float* src, float* dst, std::int64_t n) {
 }
 // dst[b][h][t][:] = bf16(src[b][t][h][:]): the model's [batch·tokens, heads·d] to 09's heads-first
 // layout.
-__global__ void to_heads_first_plain(const float* src, bf16* dst, std::int64_t n, int T, int H, int d) {
+template <class M>
+__global__ void to_heads_first_plain(const M* src, bf16* dst, std::int64_t n, int T, int H, int d) {
   FOR_EACH(i, n) {
     const std::int64_t j = i % d, h = (i / d) % H, t = (i / (std::int64_t{d} * H)) % T, b = i / (std::int64_t{d} * H * T);
-    dst[((b * H + h) * T + t) * d + j] = __float2bfloat16(src[i]);
+    dst[((b * H + h) * T + t) * d + j] = __float2bfloat16(to_f(src[i]));
   }
 }
 // The same, vector v being elements [8v, 8v + 8) of src (d a multiple of 8).
-__global__ void to_heads_first_x8(const float* src, bf16* dst, int vectors, int T, int H, int d) {
+template <class M>
+__global__ void to_heads_first_x8(const M* src, bf16* dst, int vectors, int T, int H, int d) {
   const int per_head = d / 8, per_row = H * per_head;
   for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < vectors; v += gridDim.x * blockDim.x) {
     const int row = v / per_row, c = v - row * per_row, h = c / per_head, b = row / T, t = row - b * T;
@@ -121,20 +132,33 @@ __global__ void to_heads_first_x8(const float* src, bf16* dst, int vectors, int 
   }
 }
 // The way back: dst[b][t][h][:] (=, or += when add) src[b][h][t][:].
-__global__ void from_heads_first_plain(const bf16* src, float* dst, std::int64_t n, int T, int H, int d, bool add) {
+template <class M>
+__global__ void from_heads_first_plain(const bf16* src, M* dst, std::int64_t n, int T, int H, int d, bool add) {
   FOR_EACH(i, n) {
     const std::int64_t j = i % d, h = (i / d) % H, t = (i / (std::int64_t{d} * H)) % T, b = i / (std::int64_t{d} * H * T);
     const float v = __bfloat162float(src[((b * H + h) * T + t) * d + j]);
-    dst[i] = add ? dst[i] + v : v;
+    put(dst + i, add ? to_f(dst[i]) + v : v);
   }
 }
-__global__ void from_heads_first_x8(const bf16* src, float* dst, int vectors, int T, int H, int d, bool add) {
+// p[0..8) = v (+= v when add), the sum rounded once where p is bf16.
+__device__ __forceinline__ void store8(float* p, Bf16x8 v, bool add) { store_f32x8(p, v, add ? p : nullptr); }
+__device__ __forceinline__ void store8(bf16* p, Bf16x8 v, bool add) {
+  if (add) {
+    const Bf16x8 old = *reinterpret_cast<const Bf16x8*>(p);
+    for (int q = 0; q < 4; ++q) {
+      const float2 a = __bfloat1622float2(old.h[q]), b = __bfloat1622float2(v.h[q]);
+      v.h[q] = __floats2bfloat162_rn(a.x + b.x, a.y + b.y);
+    }
+  }
+  *reinterpret_cast<Bf16x8*>(p) = v;
+}
+template <class M>
+__global__ void from_heads_first_x8(const bf16* src, M* dst, int vectors, int T, int H, int d, bool add) {
   const int per_head = d / 8, per_row = H * per_head;
   for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < vectors; v += gridDim.x * blockDim.x) {
     const int row = v / per_row, c = v - row * per_row, h = c / per_head, b = row / T, t = row - b * T;
-    float* to = dst + 8 * std::int64_t{v};
-    store_f32x8(to, reinterpret_cast<const Bf16x8*>(src)[((std::int64_t{b} * H + h) * T + t) * per_head + (c - h * per_head)],
-                add ? to : nullptr);
+    store8(dst + 8 * std::int64_t{v},
+           reinterpret_cast<const Bf16x8*>(src)[((std::int64_t{b} * H + h) * T + t) * per_head + (c - h * per_head)], add);
   }
 }
 // 05's operands with K cut into slices of `ks` (a multiple of 64; the last slice shorter, and
@@ -143,12 +167,13 @@ __global__ void from_heads_first_x8(const bf16* src, float* dst, int vectors, in
 //
 // dst = bf16(src) for an operand given K-major (src rows × K). A block per row at a time, its
 // threads along K, so a slice's index is one 32-bit division per element.
-__global__ void to_bf16_sliced(const float* src, bf16* dst, int rows, int K, int ks) {
+template <class M>
+__global__ void to_bf16_sliced(const M* src, bf16* dst, int rows, int K, int ks) {
   for (int r = blockIdx.x; r < rows; r += gridDim.x)
     for (int k = threadIdx.x; k < K; k += blockDim.x) {
       const int s = k / ks, length = min(ks, K - s * ks);
       dst[std::int64_t{s} * rows * ks + std::int64_t{r} * length + (k - s * ks)] =
-          __float2bfloat16(src[std::int64_t{r} * K + k]);
+          __float2bfloat16(to_f(src[std::int64_t{r} * K + k]));
     }
 }
 // dst = bf16(srcᵀ) in slices, src rows × cols: 05's K-major operand (cols rows, K = rows) from a
@@ -157,10 +182,19 @@ __global__ void to_bf16_sliced(const float* src, bf16* dst, int rows, int K, int
 // A 64 × 64 tile through shared memory keeps both the reads and the writes coalesced; a tile never
 // straddles two slices (ks is a multiple of 64, or all of K), so its slice is found once. Where
 // `vec` (cols % 4 == 0, src on 16 bytes) a whole tile whose slice length is a multiple of 8 moves
-// 4 floats a load and 8 bf16 a store; other tiles go one element at a time.
+// 4 elements a load and 8 bf16 a store; other tiles go one element at a time. A bf16 src is its
+// own untransposed copy: `plain` is for fp32 src only.
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const bf16* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
 constexpr int kTransposeTile = 64, kTransposeThreads = 256;
+template <class M>
 __global__ void __launch_bounds__(kTransposeThreads)
-    to_bf16_transposed(const float* src, bf16* dst, bf16* plain, int rows, int cols, int ks, bool vec) {
+    to_bf16_transposed(const M* src, bf16* dst, bf16* plain, int rows, int cols, int ks, bool vec) {
   constexpr int kT = kTransposeTile;
   __shared__ float tile[kT][kT + 1];
   const int c0 = blockIdx.x * kT, r0 = blockIdx.y * kT;
@@ -170,7 +204,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
     for (int i = threadIdx.x; i < kT * kT / 4; i += kTransposeThreads) {
       const int r = i / (kT / 4), c = i % (kT / 4) * 4;
       const std::int64_t at = std::int64_t{r0 + r} * cols + c0 + c;
-      const float4 v = *reinterpret_cast<const float4*>(src + at);
+      const float4 v = load4(src + at);
       tile[r][c] = v.x, tile[r][c + 1] = v.y, tile[r][c + 2] = v.z, tile[r][c + 3] = v.w;
       if (plain) {
         const __nv_bfloat162 pair[2] = {__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
@@ -190,8 +224,8 @@ __global__ void __launch_bounds__(kTransposeThreads)
     const int r = r0 + i / kT, c = c0 + i % kT;
     if (r < rows && c < cols) {
       const std::int64_t at = std::int64_t{r} * cols + c;
-      tile[i / kT][i % kT] = src[at];
-      if (plain) plain[at] = __float2bfloat16(src[at]);
+      tile[i / kT][i % kT] = to_f(src[at]);
+      if (plain) plain[at] = __float2bfloat16(to_f(src[at]));
     }
   }
   __syncthreads();
@@ -206,17 +240,39 @@ __device__ __forceinline__ float epilogue_of(float sum, float alpha, float beta,
   const float v = alpha * sum;
   return beta == 0.0f ? v : v + beta * old;
 }
-template <class T>
-__global__ void gemm_epilogue_plain(const T* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha,
+// c is the model's output, fp32 or bf16 (rounded once, from the fp32 sum).
+template <class T, class M>
+__global__ void gemm_epilogue_plain(const T* src, int parts, std::int64_t stride, M* c, std::int64_t n, float alpha,
                                     float beta) {
   FOR_EACH(i, n) {
     float sum = 0.0f;
     for (int p = 0; p < parts; ++p) sum += static_cast<float>(src[p * stride + i]);
-    c[i] = epilogue_of(sum, alpha, beta, c[i]);
+    put(c + i, epilogue_of(sum, alpha, beta, beta == 0.0f ? 0.0f : to_f(c[i])));
   }
 }
 // The same on bf16 products 8 elements at a time (stride a multiple of 8).
-__global__ void gemm_epilogue_x8(const bf16* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha,
+__device__ __forceinline__ void load8(const float* p, float* v) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const bf16* p, float* v) {
+  const Bf16x8 x = *reinterpret_cast<const Bf16x8*>(p);
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(x.h[q]);
+    v[2 * q] = f.x, v[2 * q + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void store8(float* p, const float* v) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8(bf16* p, const float* v) {
+  Bf16x8 x;
+  for (int q = 0; q < 4; ++q) x.h[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
+  *reinterpret_cast<Bf16x8*>(p) = x;
+}
+template <class M>
+__global__ void gemm_epilogue_x8(const bf16* src, int parts, std::int64_t stride, M* c, std::int64_t n, float alpha,
                                  float beta) {
   FOR_EACH(v, n / 8) {
     float sum[8] = {};
@@ -227,19 +283,16 @@ __global__ void gemm_epilogue_x8(const bf16* src, int parts, std::int64_t stride
         sum[2 * q] += f.x, sum[2 * q + 1] += f.y;
       }
     }
-    float4* out = reinterpret_cast<float4*>(c + 8 * v);
-    for (int half = 0; half < 2; ++half) {
-      const float4 o = beta == 0.0f ? float4{} : out[half];
-      const float* s = sum + 4 * half;
-      out[half] = make_float4(epilogue_of(s[0], alpha, beta, o.x), epilogue_of(s[1], alpha, beta, o.y),
-                              epilogue_of(s[2], alpha, beta, o.z), epilogue_of(s[3], alpha, beta, o.w));
-    }
+    float old[8] = {};
+    if (beta != 0.0f) load8(c + 8 * v, old);
+    for (int q = 0; q < 8; ++q) sum[q] = epilogue_of(sum[q], alpha, beta, old[q]);
+    store8(c + 8 * v, sum);
   }
   FOR_EACH(i, n % 8) {
     const std::int64_t e = n / 8 * 8 + i;
     float sum = 0.0f;
     for (int p = 0; p < parts; ++p) sum += __bfloat162float(src[p * stride + e]);
-    c[e] = epilogue_of(sum, alpha, beta, c[e]);
+    put(c + e, epilogue_of(sum, alpha, beta, beta == 0.0f ? 0.0f : to_f(c[e])));
   }
 }
 // 09 marks a query that sees no key with lse = +inf, the model with −inf: the sign flips both ways.
@@ -368,35 +421,74 @@ void add_into(const float* src, float* dst, std::int64_t n) {  // dst += src
   if (aligned16(src) && aligned16(dst)) launch(add_into_x4, (n + 3) / 4, src, dst, n);
   else launch(add_into_plain, n, src, dst, n);
 }
-// c = alpha·Σ parts + beta·c over bf16 products `stride` apart.
-void gemm_epilogue(const bf16* src, int parts, std::int64_t stride, float* c, std::int64_t n, float alpha, float beta) {
-  if (aligned16(src) && (parts == 1 || stride % 8 == 0) && aligned16(c))
-    launch(gemm_epilogue_x8, (n + 7) / 8, src, parts, stride, c, n, alpha, beta);
-  else
-    launch(gemm_epilogue_plain<bf16>, n, src, parts, stride, c, n, alpha, beta);
+// The model's tensors as the element type they hold.
+bool is_bf16(const Tensor& t) { return t.dtype() == model::DType::bf16; }
+bf16* bf16_data(const Tensor& t) { return static_cast<bf16*>(t.raw()); }
+// Runs f with t's elements as float* or bf16*, whichever t holds.
+template <class F>
+void with_data(const Tensor& t, F&& f) {
+  if (is_bf16(t)) f(bf16_data(t));
+  else f(t.f32());
+}
+// c (the model's tensor, fp32 or bf16) = alpha·Σ parts + beta·c over bf16 products `stride` apart.
+void gemm_epilogue(const bf16* src, int parts, std::int64_t stride, const Tensor& c, std::int64_t n, float alpha,
+                   float beta) {
+  with_data(c, [&](auto* out) {
+    using M = std::remove_pointer_t<decltype(out)>;
+    if (aligned16(src) && (parts == 1 || stride % 8 == 0) && aligned16(out))
+      launch(gemm_epilogue_x8<M>, (n + 7) / 8, src, parts, stride, out, n, alpha, beta);
+    else
+      launch(gemm_epilogue_plain<bf16, M>, n, src, parts, stride, out, n, alpha, beta);
+  });
 }
 bool heads_x8(const void* a, const void* b, std::int64_t n, int d) {
   return d % 8 == 0 && aligned16(a) && aligned16(b) && n / 8 <= kMaxVectors;
 }
-// bf16(t) in the scratch buffer `name`.
-bf16* to_bf16(Scratch& s, const std::string& name, const Tensor& t) {
+// t in bf16: t's own elements where it holds bf16, else bf16(t) in the scratch buffer `name`.
+const bf16* to_bf16(Scratch& s, const std::string& name, const Tensor& t) {
+  if (is_bf16(t)) return bf16_data(t);
   bf16* p = s.get<bf16>(name, t.numel());
   convert(t.f32(), p, t.numel());
   return p;
+}
+// Where a module writes a bf16 result for t: t itself where it holds bf16 on 16 bytes (the
+// contracts' fast paths want that), else the scratch buffer `name`; land() then moves a scratch
+// result into t.
+bf16* out_bf16(Scratch& s, const std::string& name, const Tensor& t) {
+  return is_bf16(t) && aligned16(t.raw()) ? bf16_data(t) : s.get<bf16>(name, t.numel());
+}
+// The same for a tensor the module reads and writes in place (RoPE): t's values already there.
+bf16* in_place_bf16(Scratch& s, const std::string& name, const Tensor& t) {
+  bf16* p = out_bf16(s, name, t);
+  if (p == t.raw()) return p;
+  if (is_bf16(t)) K2C_CUDA_CHECK(cudaMemcpyAsync(p, t.raw(), t.bytes(), cudaMemcpyDeviceToDevice, stream()));
+  else convert(t.f32(), p, t.numel());
+  return p;
+}
+void land(const bf16* result, Tensor& t) {
+  if (result == t.raw()) return;
+  if (is_bf16(t)) K2C_CUDA_CHECK(cudaMemcpyAsync(t.raw(), result, t.bytes(), cudaMemcpyDeviceToDevice, stream()));
+  else convert(result, t.f32(), t.numel());
 }
 // The model's [batch·T, H·d] tensor in 09's heads-first layout, in bf16.
 const bf16* heads_first(Scratch& s, const std::string& name, const Tensor& t, int T, int H, int d) {
   bf16* p = s.get<bf16>(name, t.numel());
   const std::int64_t n = t.numel();
-  if (heads_x8(t.f32(), p, n, d)) launch(to_heads_first_x8, n / 8, t.f32(), p, int(n / 8), T, H, d);
-  else launch(to_heads_first_plain, n, t.f32(), p, n, T, H, d);
+  with_data(t, [&](auto* src) {
+    using M = std::remove_pointer_t<decltype(src)>;
+    if (heads_x8(src, p, n, d)) launch(to_heads_first_x8<M>, n / 8, src, p, int(n / 8), T, H, d);
+    else launch(to_heads_first_plain<M>, n, src, p, n, T, H, d);
+  });
   return p;
 }
 // The way back into the model's tensor: t (=, or += when add) src in the model's layout.
 void from_heads_first(const bf16* src, Tensor& t, int T, int H, int d, bool add) {
   const std::int64_t n = t.numel();
-  if (heads_x8(src, t.f32(), n, d)) launch(from_heads_first_x8, n / 8, src, t.f32(), int(n / 8), T, H, d, add);
-  else launch(from_heads_first_plain, n, src, t.f32(), n, T, H, d, add);
+  with_data(t, [&](auto* dst) {
+    using M = std::remove_pointer_t<decltype(dst)>;
+    if (heads_x8(src, dst, n, d)) launch(from_heads_first_x8<M>, n / 8, src, dst, int(n / 8), T, H, d, add);
+    else launch(from_heads_first_plain<M>, n, src, dst, n, T, H, d, add);
+  });
 }
 // A 2-D tensor's rows and columns (a vector is one row).
 std::pair<std::int64_t, std::int64_t> matrix(const Tensor& t) {
@@ -439,19 +531,22 @@ class CourseGemm {
     if (!fits(M, N, K, ta || !tb)) return false;
     parts_->ran_hopper = parts_->hopper && K % 8 == 0;
     const int ks = parts_->ran_hopper ? slice_length(M, N, K, sms_) : static_cast<int>(K);
-    bf16* A = operand("gemm a", a, ar, ac, ta, ks);
-    bf16* B = operand("gemm b", b, br, bc, !tb, ks);
+    const bf16* A = operand("gemm a", a, ar, ac, ta, ks);
+    const bf16* B = operand("gemm b", b, br, bc, !tb, ks);
     if (parts_->ran_hopper) {
       const std::int64_t stride = padded(M * N);
-      bf16* C = scratch_->get<bf16>("gemm c16", (K + ks - 1) / ks * stride);
+      const bool direct = ks >= K && alpha == 1.0f && beta == 0.0f;  // one slice: a bf16 c takes the product itself
+      bf16* C = direct ? out_bf16(*scratch_, "gemm c16", c) : scratch_->get<bf16>("gemm c16", (K + ks - 1) / ks * stride);
       const int slices = products(A, B, M, N, K, ks, C, stride);
-      gemm_epilogue(C, slices, stride, c.f32(), M * N, alpha, beta);
-    } else if (alpha == 1.0f && beta == 0.0f) {
+      if (C != c.raw()) gemm_epilogue(C, slices, stride, c, M * N, alpha, beta);
+    } else if (alpha == 1.0f && beta == 0.0f && !is_bf16(c)) {
       tcm::matmul(int(M), int(N), int(K), A, B, c.f32(), stream());
     } else {
       float* C = scratch_->get<float>("gemm c32", M * N);
       tcm::matmul(int(M), int(N), int(K), A, B, C, stream());
-      launch(gemm_epilogue_plain<float>, M * N, C, 1, M * N, c.f32(), M * N, alpha, beta);
+      with_data(c, [&](auto* out) {
+        launch(gemm_epilogue_plain<float, std::remove_pointer_t<decltype(out)>>, M * N, C, 1, M * N, out, M * N, alpha, beta);
+      });
     }
     return true;
   }
@@ -476,13 +571,13 @@ class CourseGemm {
       return true;
     }
     parts_->ran_hopper = true;
-    bf16* A = operand("shared x", x, M, K, false, int(K));
+    const bf16* A = operand("shared x", x, M, K, false, int(K));
     for (std::size_t i = 0; i < ws.size(); ++i) {
       const std::int64_t N = matrix(*ws[i]).first;
-      bf16* B = operand("gemm b", *ws[i], N, K, false, int(K));
-      bf16* C = scratch_->get<bf16>("gemm c16", M * N);
+      const bf16* B = operand("gemm b", *ws[i], N, K, false, int(K));
+      bf16* C = out_bf16(*scratch_, "gemm c16", *ys[i]);  // a bf16 output takes the product itself
       products(A, B, M, N, K, int(K), C, 0);
-      gemm_epilogue(C, 1, M * N, ys[i]->f32(), M * N, 1.0f, 0.0f);
+      if (C != ys[i]->raw()) gemm_epilogue(C, 1, M * N, *ys[i], M * N, 1.0f, 0.0f);
     }
     return true;
   }
@@ -520,25 +615,25 @@ class CourseGemm {
     const std::int64_t dx_stride = padded(T * K_in);
     bf16* partial = dx ? scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * dx_stride) : nullptr;
     int x_slices = -1;  // the slice length x was last transposed with
-    bf16* X = nullptr;
+    const bf16* X = nullptr;
     for (std::size_t i = 0; i < ws.size(); ++i) {
       const std::int64_t N_out = matrix(*ws[i]).first;
-      bf16* dy = nullptr;  // dy_i in bf16 as it stands: A of dx's product
+      const bf16* dy = nullptr;  // dy_i in bf16 as it stands: A of dx's product
       if (dws[i]) {
         const std::int64_t stride = padded(N_out * K_in);
         const int ks = slice_length(N_out, K_in, T, sms_);
         if (ks != x_slices) X = operand("shared x", x, T, K_in, true, ks), x_slices = ks;
-        bf16* A = operand("gemm a", *dys[i], T, N_out, true, ks, "dy", dx ? &dy : nullptr);
+        const bf16* A = operand("gemm a", *dys[i], T, N_out, true, ks, "dy", dx ? &dy : nullptr);
         bf16* C = scratch_->get<bf16>("gemm c16", (T + ks - 1) / ks * stride);
         const int slices = products(A, X, N_out, K_in, T, ks, C, stride);
-        gemm_epilogue(C, slices, stride, dws[i]->f32(), N_out * K_in, 1.0f, 1.0f);
+        gemm_epilogue(C, slices, stride, *dws[i], N_out * K_in, 1.0f, 1.0f);
       }
       if (!dx) continue;
       if (!dy) dy = operand("dy", *dys[i], T, N_out, false, int(N_out));
-      bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
+      const bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
       products(dy, B, T, K_in, N_out, int(N_out), partial + i * dx_stride, 0);
     }
-    if (dx) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, dx->f32(), T * K_in, 1.0f, 0.0f);
+    if (dx) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, *dx, T * K_in, 1.0f, 0.0f);
     return true;
   }
 
@@ -552,26 +647,36 @@ class CourseGemm {
   }
   // A slice's partial product starts on 16 bytes, as the Hopper part's fast stores want.
   static std::int64_t padded(std::int64_t elements) { return (elements + 7) / 8 * 8; }
-  // t (rows × cols, fp32) as a K-major bf16 operand in slices of ks, in the scratch buffer `name`:
-  // transposed (K = rows) or not (K = cols). A transposed one can also leave bf16(t) untransposed
-  // in the scratch buffer `plain_name` (*plain), from the same pass over t.
-  bf16* operand(const std::string& name, const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed,
-                int ks, const std::string& plain_name = {}, bf16** plain = nullptr) {
-    bf16* dst = scratch_->get<bf16>(name, rows * cols);
+  // t (rows × cols, fp32 or bf16) as a K-major bf16 operand in slices of ks, in the scratch buffer
+  // `name`: transposed (K = rows) or not (K = cols); a bf16 t that is already that operand (not
+  // transposed, one slice) is used as it stands. A transposed one can also give bf16(t)
+  // untransposed (*plain): t itself where it holds bf16, else the scratch buffer `plain_name`,
+  // from the same pass over t.
+  const bf16* operand(const std::string& name, const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed,
+                      int ks, const std::string& plain_name = {}, const bf16** plain = nullptr) {
     const std::int64_t K = transposed ? rows : cols;
-    if (transposed) {
-      bf16* both = plain ? *plain = scratch_->get<bf16>(plain_name, rows * cols) : nullptr;
-      const bool vec = cols % 4 == 0 && aligned16(t.f32());
-      to_bf16_transposed<<<dim3((cols + kTransposeTile - 1) / kTransposeTile, (rows + kTransposeTile - 1) / kTransposeTile),
-                           kTransposeThreads, 0, stream()>>>(t.f32(), dst, both, int(rows), int(cols), ks, vec);
-      K2C_CUDA_CHECK_LAUNCH();
-    } else if (ks >= K) {
-      convert(t.f32(), dst, t.numel());
-    } else {
-      to_bf16_sliced<<<static_cast<unsigned>(std::min<std::int64_t>(rows, 8192)), kThreads, 0, stream()>>>(
-          t.f32(), dst, int(rows), int(cols), ks);
-      K2C_CUDA_CHECK_LAUNCH();
-    }
+    if (!transposed && ks >= K && is_bf16(t)) return bf16_data(t);
+    bf16* dst = scratch_->get<bf16>(name, rows * cols);
+    with_data(t, [&](auto* src) {
+      using M = std::remove_pointer_t<decltype(src)>;
+      if (transposed) {
+        bf16* both = nullptr;
+        if (plain) {
+          if constexpr (std::is_same_v<M, bf16>) *plain = src;
+          else *plain = both = scratch_->get<bf16>(plain_name, rows * cols);
+        }
+        const bool vec = cols % 4 == 0 && aligned16(src);
+        to_bf16_transposed<M><<<dim3((cols + kTransposeTile - 1) / kTransposeTile, (rows + kTransposeTile - 1) / kTransposeTile),
+                                kTransposeThreads, 0, stream()>>>(src, dst, both, int(rows), int(cols), ks, vec);
+        K2C_CUDA_CHECK_LAUNCH();
+      } else if (ks >= K) {
+        if constexpr (std::is_same_v<M, float>) convert(src, dst, t.numel());
+      } else {
+        to_bf16_sliced<M><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 8192)), kThreads, 0, stream()>>>(
+            src, dst, int(rows), int(cols), ks);
+        K2C_CUDA_CHECK_LAUNCH();
+      }
+    });
     return dst;
   }
   // The Hopper part's products of A (M × K) and B (N × K) in slices of ks, slice i's bf16 product
@@ -713,7 +818,7 @@ model::CourseKernels course_kernels() {
                          bool transpose_w, Tensor& c) {
     const int* off;
     const bf16 *a16, *w16;
-    if (!grouped_fits(a, offsets, first, w)) return false;
+    if (!grouped_fits(a, offsets, first, w) || is_bf16(c)) return false;  // the MoE layer's tensors are fp32
     if (a.dim(0) == 0) return true;  // no rows: nothing to write (10 takes no null output)
     if (!grouped_args(a, offsets, first, w, off, a16, &w16)) return false;
     // Forward: w_g is 10's B_g [n][k]. Input gradient: w_g [rows of w][cols of w] is 10's [k][n].
@@ -757,10 +862,10 @@ model::CourseKernels course_kernels() {
   k.rmsnorm_forward = [scratch](const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) {
     const auto [rows, cols] = matrix(x);
     if (!fits_int(rows) || !fits_int(cols) || rows > rmsnorm::kMaxExtent || cols > rmsnorm::kMaxExtent) return false;
-    bf16* y16 = scratch->get<bf16>("norm y", x.numel());
+    bf16* y16 = out_bf16(*scratch, "norm y", y);
     rmsnorm::forward(to_bf16(*scratch, "norm x", x), nullptr, to_bf16(*scratch, "norm gamma", gamma), y16, nullptr,
                      rstd.f32(), int(rows), int(cols), eps, stream());
-    convert(y16, y.f32(), y.numel());
+    land(y16, y);
     return true;
   };
   k.names["rmsnorm backward"] = "07 rmsnorm::backward";
@@ -768,6 +873,7 @@ model::CourseKernels course_kernels() {
                                  const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
     const auto [rows, cols] = matrix(x);
     if (!fits_int(rows) || !fits_int(cols) || rows > rmsnorm::kMaxExtent || cols > rmsnorm::kMaxExtent) return false;
+    if (is_bf16(dx) || (residual_dy && is_bf16(*residual_dy))) return false;  // the residual stream is fp32
     bf16* dx16 = scratch->get<bf16>("norm dx", x.numel());
     float* dg = scratch->get<float>("norm dgamma", cols);
     void* ws = scratch->get<unsigned char>("norm workspace",
@@ -788,14 +894,14 @@ model::CourseKernels course_kernels() {
     const int half = head_dim / 2;
     auto* table = scratch->get<float2>("rope table", T * half);
     launch(rope_rows, T * half, table, positions.i32(), int(T), half, double(theta));
-    bf16* x16 = to_bf16(*scratch, "rope x", x);
+    bf16* x16 = in_place_bf16(*scratch, "rope x", x);
     // 08 rotates q and k in one call; the model rotates one tensor at a time, so the k side is one
     // head of scratch (kv_heads 1 divides any head count).
     bf16* k16 = scratch->get<bf16>("rope k", rows * head_dim);
     const rope::Shape s{int(rows / T), int(T), heads, 1, head_dim};
     rope::apply(x16, k16, x16, k16, s, 0, rope::Layout::half_split,
                 inverse ? rope::Direction::backward : rope::Direction::forward, theta, table, int(T), stream());
-    convert(x16, x.f32(), x.numel());
+    land(x16, x);
     return true;
   };
 

@@ -2,7 +2,8 @@
 // (course_kernels.cu) with the reference solutions' kernels, on shapes a training step never
 // makes: tails and sizes of one, K not a multiple of 8 (05's Part A instead of its Hopper part),
 // empty groups and a first group past 0 (10), GQA, attention that is not causal or whose keys
-// outnumber its queries, positions that do not count from zero, outputs that add. Every call goes
+// outnumber its queries, positions that do not count from zero, outputs that add, activations
+// stored in bf16. Every call goes
 // through CourseOps, which compares the course kernel with the trusted GPU backend at each new
 // shape; a test passes when no operation fell back and the shapes that 09 cannot take were
 // declined, not miscomputed. A build from assignments/ runs the student's kernels, which this
@@ -14,11 +15,13 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "course_kernels.h"
+#include "k2c/core/bf16.h"
 #include "k2c/model/cuda_ops.h"
 #include "k2c/model/testing.h"
 #include "moe.h"
@@ -47,6 +50,20 @@ class CourseKernels : public ::testing::Test {
     std::vector<float> v(static_cast<std::size_t>(shape.numel()));
     for (float& x : v) x = d(rng_);
     return side_->upload(v, shape);
+  }
+  // The same in bf16 (rounded to nearest even), and a bf16 tensor of NaN.
+  Tensor random16(model::Shape shape, float scale = 1.0f) {
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<std::uint16_t> v(static_cast<std::size_t>(shape.numel()));
+    for (std::uint16_t& x : v) x = float_to_bf16(d(rng_));
+    Tensor t = side_->tensor(shape, model::DType::bf16);
+    if (!v.empty()) course_->upload(t, v.data());
+    return t;
+  }
+  Tensor poisoned16(model::Shape shape) {
+    Tensor t = side_->tensor(shape, model::DType::bf16);
+    course_->fill(t, std::nanf(""));
+    return t;
   }
   // The operation's row of the table: the course kernel ran `checked` shapes, declined `declined`,
   // never fell back, and no Hopper part gave way to its Part A.
@@ -241,6 +258,66 @@ TEST_F(CourseKernels, TensorsThatDoNotStartOn16Bytes) {
   expect_row("rmsnorm backward", 1);
   expect_row("attention", 1);
   expect_row("attention backward", 1);
+}
+
+// Activations stored in bf16 (k2c/model/ops.h), with fp32 weights and residual stream as in the
+// model: a bf16 operand already in a contract's layout reaches the module as it is, a bf16 result
+// goes straight into the model's tensor, and transposes, slices and 09's layout read bf16. GEMMs:
+// {2048, 768, 768} (one slice forward, the weight gradient in slices, both operands transposed
+// from bf16), {33, 17, 40}, and K 13 (Part A, its fp32 product rounded into the bf16 output); then
+// Linear layers that share a bf16 input, RMSNorm (fp32 in, bf16 out; a bf16 dy), RoPE in place and
+// attention on bf16 (GQA; not causal with more keys than queries).
+TEST_F(CourseKernels, Bf16Activations) {
+  int gemms = 0;
+  for (const auto& [M, N, K] : {std::tuple{2048, 768, 768}, std::tuple{33, 17, 40}, std::tuple{33, 17, 13}}) {
+    Tensor x = random16({M, K}), w = random({N, K}), dy = random16({M, N});
+    Tensor y = poisoned16({M, N}), dx = poisoned16({M, K}), dw = random({N, K});
+    course_->matmul(x, false, w, true, y, 1.0f, 0.0f);
+    course_->matmul(dy, false, w, false, dx, 1.0f, 0.0f);
+    course_->matmul(dy, true, x, false, dw, 1.0f, 1.0f);
+    course_->matmul(x, false, w, true, y, 0.5f, 0.25f);
+    gemms += 4;
+  }
+  {
+    const std::int64_t T = 2048, K = 96;
+    Tensor x = random16({T, K}), w0 = random({128, K}), w1 = random({40, K});
+    Tensor y0 = poisoned16({T, 128}), y1 = poisoned16({T, 40}), dy0 = random16({T, 128}), dy1 = random16({T, 40});
+    Tensor dw0 = random({128, K}), dw1 = random({40, K}), dx = poisoned16({T, K});
+    const Tensor* ws[] = {&w0, &w1};
+    Tensor* ys[] = {&y0, &y1};
+    const Tensor* dys[] = {&dy0, &dy1};
+    Tensor* dws[] = {&dw0, &dw1};
+    course_->shared_linear_forward(x, ws, ys);
+    course_->shared_linear_backward(x, ws, dys, dws, &dx);
+  }
+  expect_row("matmul", gemms + 2);
+  for (const auto& [rows, cols] : {std::pair{37, 100}, std::pair{1000, 768}}) {
+    Tensor x = random({rows, cols}), g = random({cols}), dy = random16({rows, cols}), res = random({rows, cols});
+    Tensor y = poisoned16({rows, cols}), rstd = side_->poisoned({rows}), dx = side_->poisoned({rows, cols});
+    Tensor dg = random({cols});
+    course_->rmsnorm_forward(x, g, 1e-5f, y, rstd);
+    course_->rmsnorm_backward_add(x, g, rstd, dy, res, dx, dg);
+  }
+  expect_row("rmsnorm", 2);
+  expect_row("rmsnorm backward", 2);
+  Tensor pos = side_->upload_ids({0, 1, 2, 3, 4, 5, 6});
+  Tensor r = random16({3 * 7, 2 * 64});
+  course_->rope(r, pos, 2, 64, 10000.0f, false);
+  course_->rope(r, pos, 2, 64, 10000.0f, true);
+  expect_row("rope", 2);
+  for (const AttentionShape& s : {AttentionShape::causal_self(2, 100, 4, 2, 64), AttentionShape{2, 40, 70, 4, 1, 64, false, 0, 0}}) {
+    const std::int64_t qr = std::int64_t{s.batch} * s.q_len, kr = std::int64_t{s.batch} * s.kv_len;
+    Tensor q = random16({qr, s.q_heads * s.head_dim}), k = random16({kr, s.kv_heads * s.head_dim}),
+           v = random16({kr, s.kv_heads * s.head_dim}), dout = random16({qr, s.q_heads * s.head_dim});
+    Tensor o = poisoned16({qr, s.q_heads * s.head_dim}), lse = side_->poisoned({s.batch, s.q_heads, s.q_len});
+    // dK and dV add into what is there: small, so that bf16's rounding of the sum stays below the gradient's.
+    Tensor dq = poisoned16({qr, s.q_heads * s.head_dim}), dk = random16({kr, s.kv_heads * s.head_dim}, 0.05f),
+           dv = random16({kr, s.kv_heads * s.head_dim}, 0.05f);
+    course_->attention_forward(s, q, k, v, o, lse);
+    course_->attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+  }
+  expect_row("attention", 2);
+  expect_row("attention backward", 2);
 }
 
 // A part that faults in its probe (here 05's Part A reading and writing unmapped addresses) ends

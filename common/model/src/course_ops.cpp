@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <limits>
 #include <sstream>
 #include <utility>
 
+#include "k2c/core/bf16.h"
 #include "k2c/core/todo.h"
 
 namespace k2c::model {
@@ -21,9 +23,17 @@ const char* const kOps[] = {"matmul",    "grouped matmul", "grouped weight grad"
                             "rope",      "attention",      "attention backward"};
 constexpr int kOpCount = sizeof kOps / sizeof kOps[0];
 
+// t's values as fp32 on the host (a bf16 tensor widened, exactly).
 std::vector<float> host_copy(Ops& ops, const Tensor& t) {
   std::vector<float> v(static_cast<std::size_t>(t.numel()));
-  if (!v.empty()) ops.download(v.data(), t);
+  if (v.empty()) return v;
+  if (t.dtype() != DType::bf16) {
+    ops.download(v.data(), t);
+    return v;
+  }
+  std::vector<std::uint16_t> half(v.size());
+  ops.download(half.data(), t);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_float(half[i]);
   return v;
 }
 
@@ -74,6 +84,18 @@ std::string disagreement(const std::vector<float>& got, const std::vector<float>
 }
 
 std::string shape_of(const Tensor& t) { return t.shape().str(); }
+// The dtypes of a call's activations, where any is not fp32: a kernel checked on fp32 tensors has
+// not been checked on bf16 ones, so they are part of the shape a check covers.
+std::string dtypes(std::initializer_list<const Tensor*> ts) {
+  std::string list;
+  bool other = false;
+  for (const Tensor* t : ts) {
+    if (!t) continue;
+    list += (list.empty() ? "" : " ") + to_string(t->dtype());
+    other = other || t->dtype() != DType::f32;
+  }
+  return other ? " (" + list + ")" : "";
+}
 
 }  // namespace
 
@@ -254,7 +276,8 @@ bool CourseOps::attempt(Entry& e, const std::string& shape, const std::string& f
 bool CourseOps::matmul_on() const { return kernels_.matmul && entries_.at("matmul").row.fallback.empty(); }
 
 void CourseOps::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
-  const std::string flags = std::string(beta != 0.0f ? " +=" : "") + (alpha != 1.0f ? " scaled" : "");
+  const std::string flags =
+      std::string(beta != 0.0f ? " +=" : "") + (alpha != 1.0f ? " scaled" : "") + dtypes({&a, &b, &c});
   const std::string shape = shape_of(a) + (ta ? "T" : "") + " x " + shape_of(b) + (tb ? "T" : "") + flags;
   // The family: the shape without the rows of a and b, which a MoE's expert GEMMs vary.
   const std::string family = "[-, " + std::to_string(a.dim(a.rank() - 1)) + "]" + (ta ? "T" : "") + " x [-, " +
@@ -280,10 +303,10 @@ void CourseOps::linear_backward(const Tensor& x, const Tensor& w, const Tensor& 
 void CourseOps::shared_linear_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
   if (!matmul_on()) return inner_.shared_linear_forward(x, ws, ys);
   if (!kernels_.shared_linear_forward) return Ops::shared_linear_forward(x, ws, ys);
-  std::string shape = shape_of(x) + " x shared";
+  std::string shape = shape_of(x) + dtypes({&x}) + " x shared";
   std::vector<Out> outs;
   for (std::size_t i = 0; i < ws.size(); ++i) {
-    shape += " " + shape_of(*ws[i]) + "T";
+    shape += " " + shape_of(*ws[i]) + "T" + dtypes({ws[i], ys[i]});
     outs.push_back({ys[i], false});
   }
   run("matmul", true, shape, shape, outs, [&] { return kernels_.shared_linear_forward(x, ws, ys); },
@@ -293,13 +316,13 @@ void CourseOps::shared_linear_backward(const Tensor& x, std::span<const Tensor* 
                                        std::span<const Tensor* const> dys, std::span<Tensor* const> dws, Tensor* dx) {
   if (!matmul_on()) return inner_.shared_linear_backward(x, ws, dys, dws, dx);
   if (!kernels_.shared_linear_backward) return Ops::shared_linear_backward(x, ws, dys, dws, dx);
-  std::string shape = "backward of " + shape_of(x) + " x shared";
+  std::string shape = "backward of " + shape_of(x) + dtypes({&x}) + " x shared";
   std::vector<Out> outs;
   for (std::size_t i = 0; i < ws.size(); ++i) {
-    shape += " " + shape_of(*ws[i]) + "T" + (dws[i] ? " dW" : "");
+    shape += " " + shape_of(*ws[i]) + "T" + dtypes({ws[i], dys[i], dws[i]}) + (dws[i] ? " dW" : "");
     if (dws[i]) outs.push_back({dws[i], true});
   }
-  if (dx) outs.push_back({dx, false}), shape += " dx";
+  if (dx) outs.push_back({dx, false}), shape += " dx" + dtypes({dx});
   run("matmul", true, shape, shape, outs, [&] { return kernels_.shared_linear_backward(x, ws, dys, dws, dx); },
       [&] { inner_.shared_linear_backward(x, ws, dys, dws, dx); });
 }
@@ -326,7 +349,7 @@ std::string grouped_key(const Tensor& a, std::span<const std::int64_t> offsets, 
 void CourseOps::grouped_matmul(const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w,
                                bool transpose_w, Tensor& c) {
   if (!kernels_.grouped_matmul && matmul_on()) return Ops::grouped_matmul(a, offsets, first, w, transpose_w, c);
-  const std::string t = transpose_w ? " T" : "";
+  const std::string t = (transpose_w ? " T" : "") + dtypes({&a, &w, &c});
   run("grouped matmul", bool(kernels_.grouped_matmul), grouped_key(a, offsets, first, w) + t,
       grouped_family(offsets, first, w) + t, {{&c, false}},
       [&] { return kernels_.grouped_matmul(a, offsets, first, w, transpose_w, c); },
@@ -335,32 +358,35 @@ void CourseOps::grouped_matmul(const Tensor& a, std::span<const std::int64_t> of
 void CourseOps::grouped_weight_grad(const Tensor& dy, const Tensor& x, std::span<const std::int64_t> offsets,
                                     int first, Tensor& dw) {
   if (!kernels_.grouped_weight_grad && matmul_on()) return Ops::grouped_weight_grad(dy, x, offsets, first, dw);
-  run("grouped weight grad", bool(kernels_.grouped_weight_grad), grouped_key(dy, offsets, first, dw),
-      grouped_family(offsets, first, dw), {{&dw, true}},
+  const std::string t = dtypes({&dy, &x, &dw});
+  run("grouped weight grad", bool(kernels_.grouped_weight_grad), grouped_key(dy, offsets, first, dw) + t,
+      grouped_family(offsets, first, dw) + t, {{&dw, true}},
       [&] { return kernels_.grouped_weight_grad(dy, x, offsets, first, dw); },
       [&] { inner_.grouped_weight_grad(dy, x, offsets, first, dw); });
 }
 
 void CourseOps::rmsnorm_forward(const Tensor& x, const Tensor& g, float eps, Tensor& y, Tensor& rstd) {
-  run("rmsnorm", bool(kernels_.rmsnorm_forward), shape_of(x), shape_of(x), {{&y, false}, {&rstd, false}},
+  const std::string shape = shape_of(x) + dtypes({&x, &y});
+  run("rmsnorm", bool(kernels_.rmsnorm_forward), shape, shape, {{&y, false}, {&rstd, false}},
       [&] { return kernels_.rmsnorm_forward(x, g, eps, y, rstd); }, [&] { inner_.rmsnorm_forward(x, g, eps, y, rstd); });
 }
 void CourseOps::rmsnorm_backward(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy, Tensor& dx,
                                  Tensor& dg) {
-  run("rmsnorm backward", bool(kernels_.rmsnorm_backward), shape_of(x), shape_of(x), {{&dx, false}, {&dg, true}},
+  const std::string shape = shape_of(x) + dtypes({&x, &dy, &dx});
+  run("rmsnorm backward", bool(kernels_.rmsnorm_backward), shape, shape, {{&dx, false}, {&dg, true}},
       [&] { return kernels_.rmsnorm_backward(x, g, rstd, dy, nullptr, dx, dg); },
       [&] { inner_.rmsnorm_backward(x, g, rstd, dy, dx, dg); });
 }
 void CourseOps::rmsnorm_backward_add(const Tensor& x, const Tensor& g, const Tensor& rstd, const Tensor& dy,
                                      const Tensor& r, Tensor& dx, Tensor& dg) {
-  const std::string shape = shape_of(x) + " + residual";
+  const std::string shape = shape_of(x) + " + residual" + dtypes({&x, &dy, &r, &dx});
   run("rmsnorm backward", bool(kernels_.rmsnorm_backward), shape, shape, {{&dx, false}, {&dg, true}},
       [&] { return kernels_.rmsnorm_backward(x, g, rstd, dy, &r, dx, dg); },
       [&] { inner_.rmsnorm_backward_add(x, g, rstd, dy, r, dx, dg); });
 }
 
 void CourseOps::rope(Tensor& x, const Tensor& positions, int heads, int hd, float theta, bool inverse) {
-  const std::string shape = shape_of(x) + " heads " + std::to_string(heads) + (inverse ? " inverse" : "");
+  const std::string shape = shape_of(x) + dtypes({&x}) + " heads " + std::to_string(heads) + (inverse ? " inverse" : "");
   run("rope", bool(kernels_.rope), shape, shape, {{&x, false, false, true}},
       [&] { return kernels_.rope(x, positions, heads, hd, theta, inverse); },
       [&] { inner_.rope(x, positions, heads, hd, theta, inverse); });
@@ -377,15 +403,16 @@ std::string attention_key(const AttentionShape& s) {
 
 void CourseOps::attention_forward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o,
                                   Tensor& lse) {
-  run("attention", bool(kernels_.attention_forward), attention_key(s), attention_key(s), {{&o, false}, {&lse, false, true}},
+  const std::string key = attention_key(s) + dtypes({&q, &k, &v, &o});
+  run("attention", bool(kernels_.attention_forward), key, key, {{&o, false}, {&lse, false, true}},
       [&] { return kernels_.attention_forward(s, q, k, v, o, lse); },
       [&] { inner_.attention_forward(s, q, k, v, o, lse); });
 }
 void CourseOps::attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const Tensor& o, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
                                    Tensor& dv) {
-  run("attention backward", bool(kernels_.attention_backward), attention_key(s), attention_key(s),
-      {{&dq, false}, {&dk, true}, {&dv, true}},
+  const std::string key = attention_key(s) + dtypes({&q, &k, &v, &o, &dout, &dq, &dk, &dv});
+  run("attention backward", bool(kernels_.attention_backward), key, key, {{&dq, false}, {&dk, true}, {&dv, true}},
       [&] { return kernels_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv); },
       [&] { inner_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv); });
 }
