@@ -210,8 +210,10 @@ __global__ void rmsnorm_backward_kernel(const float* x, const float* g, const fl
   }
 }
 // dgamma += Σ_rows dy·x·rstd: a thread a column over a run of kRowRun rows (neighbouring threads
-// read neighbouring columns), one atomic per thread and run rather than one per element.
-constexpr int kRowRun = 256;
+// read neighbouring columns), one atomic per thread and run rather than one per element. Runs of
+// 64 rows make 768 blocks at 16,384 × 768, enough loads in flight; runs of 256 made 192 and left
+// this pass waiting on memory (lab/results/h200.json, capstone_rmsnorm_dgamma).
+constexpr int kRowRun = 64;
 template <class DY>
 __global__ void rmsnorm_dgamma_kernel(const float* x, const float* rstd, const DY* dy, float* dg, std::int64_t rows,
                                       std::int64_t cols) {
