@@ -444,11 +444,13 @@ void gemm_epilogue(const bf16* src, int parts, std::int64_t stride, const Tensor
 bool heads_x8(const void* a, const void* b, std::int64_t n, int d) {
   return d % 8 == 0 && aligned16(a) && aligned16(b) && n / 8 <= kMaxVectors;
 }
-// t in bf16: t's own elements where it holds bf16, else bf16(t) in the scratch buffer `name`.
+// t in bf16: t's own elements where it holds bf16 from a 16-byte start (the contracts' fast
+// paths want one), else bf16(t), or a copy, in the scratch buffer `name`.
 const bf16* to_bf16(Scratch& s, const std::string& name, const Tensor& t) {
-  if (is_bf16(t)) return bf16_data(t);
+  if (is_bf16(t) && aligned16(t.raw())) return bf16_data(t);
   bf16* p = s.get<bf16>(name, t.numel());
-  convert(t.f32(), p, t.numel());
+  if (is_bf16(t)) K2C_CUDA_CHECK(cudaMemcpyAsync(p, t.raw(), t.bytes(), cudaMemcpyDeviceToDevice, stream()));
+  else convert(t.f32(), p, t.numel());
   return p;
 }
 // Where a module writes a bf16 result for t: t itself where it holds bf16 on 16 bytes (the
@@ -514,7 +516,8 @@ std::function<std::string()> part_a_after(std::shared_ptr<Parts> parts, std::str
 
 namespace tcm = k2c::tensor_core_matmul;
 
-// 05's GEMM behind the model's products, c = alpha·op(a)·op(b) + beta·c on fp32 tensors, as 05's
+// 05's GEMM behind the model's products, c = alpha·op(a)·op(b) + beta·c on the model's tensors
+// (fp32 weights, fp32 or bf16 activations), as 05's
 // C = A·Bᵀ with A (M×K) and B (N×K) K-major, in bf16 (Hopper part) or fp32 (Part A) out. The
 // Linear layers that share an input (attention's q, k and v; the MLP's gate and up) convert it
 // once for all their products, and sum their input gradients in one epilogue. A call returns
@@ -655,7 +658,7 @@ class CourseGemm {
   const bf16* operand(const std::string& name, const Tensor& t, std::int64_t rows, std::int64_t cols, bool transposed,
                       int ks, const std::string& plain_name = {}, const bf16** plain = nullptr) {
     const std::int64_t K = transposed ? rows : cols;
-    if (!transposed && ks >= K && is_bf16(t)) return bf16_data(t);
+    if (!transposed && ks >= K && is_bf16(t) && aligned16(t.raw())) return bf16_data(t);
     bf16* dst = scratch_->get<bf16>(name, rows * cols);
     with_data(t, [&](auto* src) {
       using M = std::remove_pointer_t<decltype(src)>;
@@ -671,6 +674,7 @@ class CourseGemm {
         K2C_CUDA_CHECK_LAUNCH();
       } else if (ks >= K) {
         if constexpr (std::is_same_v<M, float>) convert(src, dst, t.numel());
+        else K2C_CUDA_CHECK(cudaMemcpyAsync(dst, src, t.bytes(), cudaMemcpyDeviceToDevice, stream()));  // off 16 bytes
       } else {
         to_bf16_sliced<M><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 8192)), kThreads, 0, stream()>>>(
             src, dst, int(rows), int(cols), ks);

@@ -185,7 +185,8 @@ class GridBlock {
         return;
       case BlockKind::expert: {
         auto& e = s.expert;
-        for (Tensor* t : {&e.n1, &e.h, &e.n2, &e.attn_out, &e.mlp_out, &s.out}) *t = ctx.tensor(x.shape());
+        for (Tensor* t : {&e.h, &e.n2, &e.attn_out, &e.mlp_out, &s.out}) *t = ctx.tensor(x.shape());
+        e.n1 = ctx.activation(x.shape());  // as model::Block makes it (the MoE's input n2 stays fp32)
         norm1_.forward(ctx, x, e.n1, e.norm1);
         if (tensor_attn_) tp_attn_.forward(ctx, e.n1, positions, rows, e.attn_out, e.attn);
         else attn_.forward(ctx, e.n1, positions, rows, e.attn_out, e.attn);

@@ -1,11 +1,13 @@
 // cuda_ops.cu — the GPU backend of k2c/model/ops.h: every operation on the device, tensors in
-// fp32 (activations, master weights, gradients, optimizer state), in one of two kinds of math:
+// fp32 (master weights, gradients, optimizer state, the residual stream; activations too unless
+// stored in bf16, below), in one of two kinds of math:
 //
 //   GpuMath::fp32  GEMMs in plain fp32 (cuBLAS SGEMM) and a straightforward kernel for every
 //                  other operation, attention included: the reference the tests hold tightly
 //                  against the CPU backend.
 //   GpuMath::bf16  the fast path: the operands of every GEMM are rounded to bf16 on their way in
-//                  and multiplied on the tensor cores with fp32 accumulation and fp32 results
+//                  and multiplied on the tensor cores with fp32 accumulation, results in the
+//                  output's dtype
 //                  (mixed precision as training frameworks do it), and attention is computed by
 //                  batched tensor-core GEMMs over blocks of the score matrix: the causal mask's
 //                  empty blocks are never computed, the softmax runs in fp32 between the GEMMs,

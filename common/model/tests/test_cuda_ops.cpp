@@ -494,19 +494,20 @@ TEST(CudaOpsBf16, TrainingStepCloseToTheCpu) {
 
 // ---- activations stored in bf16
 
-// Every [bf16] operation with bf16 activations on the fast path against the CPU backend, both
-// rounding where they store; outputs poisoned with NaN first. GEMMs write bf16 outputs directly
-// (and add into one with beta 1); the norm reads the fp32 residual and writes bf16, its backward
-// reads a bf16 dy; RoPE, SwiGLU and the loss read and write bf16 on their vector paths and on
-// their element paths (shapes that are not whole vectors).
-TEST(CudaOpsBf16, Bf16ActivationsMatchTheCpu) {
-  REQUIRE_DEVICE();
+// Every [bf16] operation with bf16 activations on a GPU backend against the CPU backend, both
+// rounding where they store; outputs poisoned with NaN first. On the fast path GEMMs write bf16
+// outputs directly (and add into one with beta 1); the norm reads the fp32 residual and writes
+// bf16, its backward reads a bf16 dy; RoPE, SwiGLU and the loss read and write bf16 on their
+// vector paths and on their element paths (shapes that are not whole vectors). In fp32 mode the
+// GEMMs run on widened copies (beta 1 included); calls that mix dtypes, or that no kernel takes
+// in bf16 (a norm of a bf16 input into a bf16 gradient), too.
+void check_bf16_ops(Ops& gpu_ops) {
   const DType b = DType::bf16;
   Both t;
   auto pick = [](Pair& p, bool g) -> Tensor& { return g ? p.gpu : p.cpu; };
   auto both = [&](auto&& f) {
     f(cpu_ops(), false);
-    f(fast(), true);
+    f(gpu_ops, true);
   };
   Pair x = t.random({67, 130}, 1.0f, b), w = t.random({45, 130}), y = t.nans({67, 45}, b);
   Pair dy = t.random({67, 45}, 1.0f, b), dx = t.nans({67, 130}, b), dw = t.random({45, 130}), acc = t.random({67, 45}, 1.0f, b);
@@ -579,15 +580,42 @@ TEST(CudaOpsBf16, Bf16ActivationsMatchTheCpu) {
     Pair z = t.random({6, cols}, 3.0f, b), dz = t.nans({6, cols}, b);
     Pair tg = t.ints({6}, {3, -1, static_cast<std::int32_t>(cols - 1), 0, 17, 17});
     const double lc = cpu_ops().cross_entropy(z.cpu, tg.cpu, 0.25f, dz.cpu);
-    const double lg = fast().cross_entropy(z.gpu, tg.gpu, 0.25f, dz.gpu);
+    const double lg = gpu_ops.cross_entropy(z.gpu, tg.gpu, 0.25f, dz.gpu);
     EXPECT_NEAR(lc, lg, 1e-5 * std::abs(lc)) << cols << " columns";
     expect_close_bf16(dz, cols == 40 ? "cross-entropy gradient (bf16, vectors)" : "cross-entropy gradient (bf16, elements)",
                       1e-2, 1e-2);
   }
+  // Mixed dtypes and the widened paths: SwiGLU with an fp32 gate, the loss into an fp32 gradient,
+  // RMSNorm of a bf16 input into a bf16 gradient.
+  Pair mg = t.random({5, 7}), mu = t.random({5, 7}, 1.0f, b), mh = t.nans({5, 7}, b);
+  Pair mz = t.random({4, 40}, 3.0f, b), mdz = t.nans({4, 40}, DType::f32), mt = t.ints({4}, {1, 0, 39, 7});
+  Pair nx = t.random({6, 40}, 1.0f, b), ng = t.random({40}), ny = t.nans({6, 40}, b), nr = t.zeros({6});
+  Pair ndy = t.random({6, 40}, 1.0f, b), ndx = t.nans({6, 40}, b), ndg = t.zeros({40});
+  both([&](Ops& o, bool g) {
+    o.swiglu_forward(pick(mg, g), pick(mu, g), pick(mh, g));
+    o.cross_entropy(pick(mz, g), pick(mt, g), 0.5f, pick(mdz, g));
+    o.rmsnorm_forward(pick(nx, g), pick(ng, g), 1e-5f, pick(ny, g), pick(nr, g));
+    o.rmsnorm_backward(pick(nx, g), pick(ng, g), pick(nr, g), pick(ndy, g), pick(ndx, g), pick(ndg, g));
+  });
+  expect_close_bf16(mh, "swiglu (fp32 gate, bf16 up and h)", 1e-2, 1e-2);
+  expect_close_bf16(mdz, "cross-entropy (bf16 logits, fp32 gradient)", 1e-2, 1e-2);
+  expect_close_bf16(ny, "rmsnorm (bf16 in and out)", 1e-2, 1e-2);
+  expect_close_bf16(ndx, "rmsnorm backward (bf16 x, dy and dx)", 1e-2, 1e-2);
   // fill writes bf16.
   Pair f = t.nans({3, 5}, b);
   both([&](Ops& o, bool g) { o.fill(pick(f, g), 0.75f); });
+  EXPECT_EQ(host(f.cpu, cpu_ops()), std::vector<float>(15, 0.75f));
   EXPECT_EQ(host(f.gpu, gpu()), std::vector<float>(15, 0.75f));
+}
+
+TEST(CudaOpsBf16, Bf16ActivationsMatchTheCpu) {
+  REQUIRE_DEVICE();
+  {
+    SCOPED_TRACE("fast path");
+    check_bf16_ops(fast());
+  }
+  SCOPED_TRACE("fp32 mode");
+  check_bf16_ops(gpu());
 }
 
 // Attention with bf16 activations: the fused kernels, which read and write bf16 (GQA, whose

@@ -1,8 +1,10 @@
 // k2c/model/cuda_ops.h — the GPU backend of the model library (library k2c_model_cuda, built
-// where the CUDA toolkit is): every operation of ops.h on the current device, tensors in fp32.
-// Two kinds of math (src/cuda_ops.cu says more):
+// where the CUDA toolkit is): every operation of ops.h on the current device, tensors in fp32
+// (and activations in bf16 where a layer stores them so). Two kinds of math (src/cuda_ops.cu
+// says more):
 //   GpuMath::bf16  the fast path: GEMM operands rounded to bf16 for the tensor cores (fp32
-//                  accumulation and results), attention as blocked tensor-core GEMMs;
+//                  accumulation; results in the output's dtype), attention as blocked
+//                  tensor-core GEMMs;
 //   GpuMath::fp32  every product in fp32 and plain kernels: the tight reference for tests.
 // Agreement with the CPU backend is within rounding (bf16's for the fast path), not in bits.
 #pragma once

@@ -43,8 +43,8 @@ struct Context {
   // just before the layer runs and frees them after it.
   std::function<void(int layer, LayerEvent event)> on_layer;
   // The dtype of the activations that pass between a layer's operations (ops.h's [bf16]): fp32,
-  // or bf16 for half the bytes. The residual stream, the MoE layer's tensors, parameters and
-  // their gradients stay fp32 either way.
+  // or bf16 for half the bytes. The residual stream, the MoE layer's routing and routed experts
+  // (its shared expert is an Mlp, which follows this), parameters and their gradients stay fp32.
   DType activations = DType::f32;
 
   Tensor tensor(Shape shape, Category c = Category::activations, DType t = DType::f32) {

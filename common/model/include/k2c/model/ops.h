@@ -16,7 +16,8 @@
 // training stores them; parameters, their gradients, optimizer state and the residual stream
 // stay fp32. The operations marked [bf16] take fp32 or bf16 for each of their activation
 // arguments (the weights, rstd, lse, ids and targets stay as documented): they compute in fp32
-// and round to nearest even once, where they store a bf16 value. The others take fp32 only.
+// and round to nearest even where they store a bf16 value, once per value (shared_linear_backward
+// sums one product at a time into a bf16 dx: once per product there). The others take fp32 only.
 #pragma once
 
 #include <cstdint>
