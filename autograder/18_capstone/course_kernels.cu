@@ -492,6 +492,12 @@ void from_heads_first(const bf16* src, Tensor& t, int T, int H, int d, bool add)
     else launch(from_heads_first_plain<M>, n, src, dst, n, T, H, d, add);
   });
 }
+// Whether two tensors share any byte (a module's output written over its own input).
+bool overlaps(const Tensor& a, const Tensor& b) {
+  const auto* pa = static_cast<const char*>(a.raw());
+  const auto* pb = static_cast<const char*>(b.raw());
+  return pa < pb + b.bytes() && pb < pa + a.bytes();
+}
 // A 2-D tensor's rows and columns (a vector is one row).
 std::pair<std::int64_t, std::int64_t> matrix(const Tensor& t) {
   const std::int64_t cols = t.dim(t.rank() - 1);
@@ -524,10 +530,13 @@ namespace tcm = k2c::tensor_core_matmul;
 // false (declines) only before it has written anything.
 class CourseGemm {
  public:
-  CourseGemm(std::shared_ptr<Scratch> scratch, std::shared_ptr<Parts> parts, int sms)
-      : scratch_(std::move(scratch)), parts_(std::move(parts)), sms_(sms) {}
+  // `grouped`: module 10's Hopper GEMMs for the Linear layers' backward (see shared_backward), on
+  // while its `hopper` is; its `ran_hopper` says whether the last call here took them.
+  CourseGemm(std::shared_ptr<Scratch> scratch, std::shared_ptr<Parts> parts, std::shared_ptr<Parts> grouped, int sms)
+      : scratch_(std::move(scratch)), parts_(std::move(parts)), grouped_(std::move(grouped)), sms_(sms) {}
 
   bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+    grouped_->ran_hopper = false;
     const auto [ar, ac] = matrix(a);
     const auto [br, bc] = matrix(b);
     const std::int64_t M = ta ? ac : ar, K = ta ? ar : ac, N = tb ? br : bc;
@@ -556,6 +565,7 @@ class CourseGemm {
 
   // ys[i] = x·W_iᵀ (Ops::shared_linear_forward), x converted once.
   bool shared_forward(const Tensor& x, std::span<const Tensor* const> ws, std::span<Tensor* const> ys) {
+    grouped_->ran_hopper = false;
     const auto [M, K] = matrix(x);
     if (ys.size() != ws.size()) return false;  // the trusted backend names the error
     bool one_slice = parts_->hopper && K % 8 == 0;
@@ -596,14 +606,19 @@ class CourseGemm {
     if (dys.size() != ws.size() || dws.size() != ws.size() || (dx && matrix(*dx) != std::pair{T, K_in}) ||
         (dx && ws.empty()))
       return false;  // the trusted backend names the error (or writes dx's empty sum)
+    grouped_->ran_hopper = false;
     bool hopper = parts_->hopper && K_in % 8 == 0 && T % 8 == 0;
+    bool grouped = hopper && grouped_->hopper;
     for (std::size_t i = 0; i < ws.size(); ++i) {
       const auto [N_out, w_cols] = matrix(*ws[i]);
       if (w_cols != K_in || matrix(*dys[i]) != std::pair{T, N_out} || (dws[i] && matrix(*dws[i]) != matrix(*ws[i])) ||
           !fits(N_out, K_in, T, true) || !fits(T, K_in, N_out, true))
         return false;  // before anything is written
+      grouped = grouped && N_out % 64 == 0 && kMaxSplit * N_out * K_in <= k2c::moe::kMaxElements &&
+                T * std::max(N_out, K_in) <= k2c::moe::kMaxElements;
       hopper = hopper && N_out % 8 == 0 && slice_length(T, K_in, N_out, sms_) == N_out;
     }
+    if (grouped) return grouped_backward(x, ws, dys, dws, dx);
     if (!hopper) {  // Part A, or a K the Hopper part does not take: one matmul each, in Ops's order
       bool ran = false;
       for (std::size_t i = 0; i < ws.size(); ++i)
@@ -615,8 +630,14 @@ class CourseGemm {
     }
     parts_->ran_hopper = true;
     // Weight by weight: dy_i read once, transposed for dW_i's product and kept as it is for dx's.
+    // One weight: its input gradient is the product itself, written straight into a bf16 dx (no
+    // sum to make, and no pass over a partial product). Several: a partial product each, summed by
+    // the epilogue.
     const std::int64_t dx_stride = padded(T * K_in);
-    bf16* partial = dx ? scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * dx_stride) : nullptr;
+    const bool dx_direct = dx && ws.size() == 1 && !overlaps(*dx, *dys[0]);
+    bf16* partial = !dx          ? nullptr
+                    : dx_direct ? out_bf16(*scratch_, "shared dx", *dx)
+                                : scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * dx_stride);
     int x_slices = -1;  // the slice length x was last transposed with
     const bf16* X = nullptr;
     for (std::size_t i = 0; i < ws.size(); ++i) {
@@ -636,11 +657,66 @@ class CourseGemm {
       const bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
       products(dy, B, T, K_in, N_out, int(N_out), partial + i * dx_stride, 0);
     }
-    if (dx) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, *dx, T * K_in, 1.0f, 0.0f);
+    if (dx && partial != dx->raw()) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, *dx, T * K_in, 1.0f, 0.0f);
     return true;
   }
 
  private:
+  // The weight gradient's row split: at most this many groups.
+  static constexpr std::int64_t kMaxSplit = 64;
+
+  // shared_backward on module 10's Hopper GEMMs, which read operands MN-major where 05 reads them
+  // K-major only: a Linear layer is a grouped GEMM with one group. dW_i = dy_iᵀ·x is 10's weight
+  // gradient, dy_i and x read as they stand (05 needs both transposed); dx = dy_i·W_i is 10's
+  // input-gradient form, W_i read untransposed. So no transpose pass at all, and the weight
+  // gradient arrives in fp32, not rounded to bf16 before it is added. A weight gradient with too
+  // few output tiles to fill the GPU (768 × 768 is 18 of 10's 128 × 256 tiles) splits the tokens
+  // into groups, each group's product a partial sum that the epilogue adds up: split-K as groups.
+  // Needs every N_out % 64 == 0 (10's dX form steps 64 rows of W at a time) and K_in % 8 == 0.
+  bool grouped_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
+                        std::span<Tensor* const> dws, Tensor* dx) {
+    namespace moe = k2c::moe;
+    parts_->ran_hopper = grouped_->ran_hopper = true;
+    const auto [T, K_in] = matrix(x);
+    const bool any_dw = std::any_of(dws.begin(), dws.end(), [](const Tensor* t) { return t != nullptr; });
+    const bf16* X = any_dw ? to_bf16(*scratch_, "shared x", x) : nullptr;
+    const std::int64_t dx_stride = padded(T * K_in);
+    const bool dx_direct = dx && ws.size() == 1 && !overlaps(*dx, *dys[0]);
+    bf16* partial = !dx          ? nullptr
+                    : dx_direct ? out_bf16(*scratch_, "shared dx", *dx)
+                                : scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * dx_stride);
+    for (std::size_t i = 0; i < ws.size(); ++i) {
+      const std::int64_t N_out = matrix(*ws[i]).first;
+      const bf16* dy = to_bf16(*scratch_, "dy", *dys[i]);
+      if (dws[i]) {
+        const int tiles = static_cast<int>(((N_out + 127) / 128) * ((K_in + 255) / 256));
+        const int groups = static_cast<int>(std::clamp<std::int64_t>(std::min<std::int64_t>(sms_ / tiles, T / 512), 1, kMaxSplit));
+        const std::int64_t count = N_out * K_in;
+        float* parts = scratch_->get<float>("grouped dw", groups * count);
+        moe::grouped_weight_grad_hopper(groups, offsets("grouped split", T, groups), int(T), int(N_out), int(K_in), dy,
+                                        X, parts, stream());
+        launch(gemm_epilogue_plain<float, float>, count, static_cast<const float*>(parts), groups, count,
+               dws[i]->f32(), count, 1.0f, 1.0f);  // dW += the groups' sum
+      }
+      if (!dx) continue;
+      const bf16* W = operand("gemm b", *ws[i], N_out, K_in, false, int(K_in));  // [N_out][K_in], as it stands
+      moe::grouped_gemm_hopper(1, offsets("grouped one", T, 1), int(T), int(K_in), int(N_out), dy, W,
+                               partial + i * dx_stride, /*b_transposed=*/false, stream());
+    }
+    if (dx && partial != dx->raw()) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, *dx, T * K_in, 1.0f, 0.0f);
+    return true;
+  }
+  // 10's group offsets for `rows` rows cut into `groups` near-equal groups, on the device (in the
+  // scratch buffer `name`, written by a kernel: no host buffer to keep alive).
+  int* offsets(const std::string& name, std::int64_t rows, int groups) {
+    Offsets host;
+    for (int g = 0; g <= groups; ++g) host.v[g] = static_cast<int>(rows * g / groups);
+    int* d = scratch_->get<int>(name, groups + 1);
+    store_offsets<<<1, kThreads, 0, stream()>>>(host, d, groups + 1);
+    K2C_CUDA_CHECK_LAUNCH();
+    return d;
+  }
+
   // Sizes 05 takes: each within int (with room for a thread's stride past the end), none zero;
   // a transposed operand's K rows are the transpose's grid rows (gridDim.y at most 65535 tiles of
   // 64), and every operand transposed here has K rows.
@@ -704,7 +780,7 @@ class CourseGemm {
   }
 
   std::shared_ptr<Scratch> scratch_;
-  std::shared_ptr<Parts> parts_;
+  std::shared_ptr<Parts> parts_, grouped_;
   int sms_;
   Fork fork_;
 };
@@ -745,15 +821,23 @@ model::CourseKernels course_kernels() {
     K2C_CUDA_CHECK(cudaMemsetAsync(a, 0, 2 * 64 * 64 * sizeof(bf16), stream()));
     tcm::matmul_hopper(64, 64, 64, a, a + 64 * 64, a + 2 * 64 * 64, stream());
   });
+  // The Linear layers' backward on 10's Hopper GEMMs (CourseGemm::grouped_backward), while 05's
+  // Hopper part runs; switched on below, once 10's probes have answered.
+  const auto linear_grouped = std::make_shared<Parts>();
   k.names["matmul"] = gemm_hopper->hopper ? "05 tensor_core_matmul::matmul_hopper" : "05 tensor_core_matmul::matmul";
-  k.second_choice["matmul"] = part_a_after(gemm_hopper, "05 tensor_core_matmul::matmul");
+  // A failing call that took 10's GEMMs gives them up first: the products go back to 05 alone.
+  k.second_choice["matmul"] = [linear_grouped, part_a = part_a_after(gemm_hopper, "05 tensor_core_matmul::matmul")] {
+    if (!linear_grouped->hopper || !linear_grouped->ran_hopper) return part_a();
+    linear_grouped->hopper = false;
+    return std::string("05 tensor_core_matmul::matmul_hopper");
+  };
   int sms = 0;
   {
     int device = 0;
     K2C_CUDA_CHECK(cudaGetDevice(&device));
     K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   }
-  const auto gemm = std::make_shared<CourseGemm>(scratch, gemm_hopper, sms);
+  const auto gemm = std::make_shared<CourseGemm>(scratch, gemm_hopper, linear_grouped, sms);
   k.matmul = [gemm](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
     return gemm->matmul(a, ta, b, tb, c, alpha, beta);
   };
@@ -815,6 +899,9 @@ model::CourseKernels course_kernels() {
   grad_hopper->hopper = probe_grouped("10 moe::grouped_weight_grad_hopper", [](const int* off, bf16* p, float* dw) {
     moe::grouped_weight_grad_hopper(1, off, 64, 64, 64, p, p + 64 * 64, dw, stream());
   });
+  linear_grouped->hopper = gemm_hopper->hopper && grouped_hopper->hopper && grad_hopper->hopper;
+  if (linear_grouped->hopper)
+    k.names["matmul"] += " (Linear backward: 10 moe::grouped_weight_grad_hopper, grouped_gemm_hopper)";
   k.names["grouped matmul"] = grouped_hopper->hopper ? "10 moe::grouped_gemm_hopper" : "10 moe::grouped_gemm";
   k.second_choice["grouped matmul"] = part_a_after(grouped_hopper, "10 moe::grouped_gemm");
   k.grouped_matmul = [scratch, grouped_fits, grouped_args, grouped_hopper](

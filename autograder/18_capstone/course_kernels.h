@@ -9,6 +9,9 @@
 // price of course mode on a model that stores fp32; the table of the run shows what each kernel
 // bought. Their buffers are the adapters' own, outside the model's memory ledger.
 //
+// The Linear layers' backward runs on 10's Hopper GEMMs with one group where they run (they read
+// MN-major operands, so no transposes); the rest of the model's products on 05's GEMM.
+//
 // Where a module's Hopper part (05's matmul_hopper, 09's forward_hopper and backward_hopper, 10's
 // grouped_gemm_hopper and grouped_weight_grad_hopper) runs here and is implemented, it is the one
 // used, at the shapes its contract takes; otherwise its Part A. A Hopper part that throws or

@@ -118,13 +118,19 @@ TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
 //   K 100                   one product at a time (Part A throughout)
 //   T 64, K 2048            the forward products would be split: one at a time
 //   T 64, rows 2048         the input gradient's products would be split: one at a time
+// Every weight's rows a multiple of 64: the backward on 10's Hopper GEMMs, no transposes.
+//   T 520                   the weight gradients in one group each (too few tokens to split)
+//   T 2048                  weight gradients split into 4 groups of 512 tokens
+//   T 4104, K 768           768 × 768 in 7 groups of 586 or 587 tokens (tails inside the groups),
+//                           256 × 768 in 8
 TEST_F(CourseKernels, LinearsThatShareAnInput) {
   struct Case {
     std::int64_t T, K, rows[3];
   };
-  const Case cases[] = {{64, 96, {128, 32, 40}},   {520, 96, {128, 32, 40}}, {2048, 96, {128, 32, 40}},
-                        {4096, 768, {1536, 8, 40}}, {37, 96, {128, 32, 40}},  {64, 100, {128, 32, 40}},
-                        {64, 2048, {128, 32, 40}},  {64, 96, {2048, 32, 40}}};
+  const Case cases[] = {{64, 96, {128, 32, 40}},     {520, 96, {128, 32, 40}}, {2048, 96, {128, 32, 40}},
+                        {4096, 768, {1536, 8, 40}},   {37, 96, {128, 32, 40}},  {64, 100, {128, 32, 40}},
+                        {64, 2048, {128, 32, 40}},    {64, 96, {2048, 32, 40}}, {520, 96, {64, 64, 192}},
+                        {2048, 96, {128, 64, 192}},   {4104, 768, {768, 64, 256}}};
   int shapes = 0;
   for (const Case& c : cases) {
     const std::int64_t T = c.T, K = c.K;
@@ -142,6 +148,27 @@ TEST_F(CourseKernels, LinearsThatShareAnInput) {
     shapes += 2;
   }
   expect_row("matmul", shapes);
+}
+
+// One Linear layer's backward (a list of one): its input gradient goes straight into a bf16 dx
+// (through a scratch product for an fp32 one), on 10's GEMMs (rows 128) and on 05's (rows 40);
+// and without dx.
+TEST_F(CourseKernels, OneLinearLayersBackward) {
+  int shapes = 0;
+  for (const std::int64_t rows : {128, 40})
+    for (const bool bf16_dx : {false, true}) {
+      const std::int64_t T = 1040, K = 96;
+      Tensor x = bf16_dx ? random16({T, K}) : random({T, K}), w = random({rows, K});
+      Tensor dy = bf16_dx ? random16({T, rows}) : random({T, rows}), dw = random({rows, K});
+      Tensor dx = bf16_dx ? poisoned16({T, K}) : side_->poisoned({T, K});
+      course_->linear_backward(x, w, dy, &dw, &dx);
+      course_->linear_backward(x, w, dy, &dw, nullptr);
+      shapes += 2;
+    }
+  expect_row("matmul", shapes);
+  if (k2c::moe::hopper_supported() && k2c::tensor_core_matmul::hopper_supported())
+    for (const auto& r : course_->table())
+      if (r.op == "matmul") EXPECT_NE(r.kernel.find("grouped_weight_grad_hopper"), std::string::npos) << r.kernel;
 }
 
 // 10's Hopper part takes k % 8 == 0, and for the input gradient n % 8 == 0 and k % 64 == 0 (10's
