@@ -530,8 +530,9 @@ namespace tcm = k2c::tensor_core_matmul;
 // false (declines) only before it has written anything.
 class CourseGemm {
  public:
-  // `grouped`: module 10's Hopper GEMMs for the Linear layers' backward (see shared_backward), on
-  // while its `hopper` is; its `ran_hopper` says whether the last call here took them.
+  // `grouped`: module 10's Hopper weight-gradient GEMM for the Linear layers' backward (see
+  // grouped_backward), on while its `hopper` is; its `ran_hopper` says whether the last call here
+  // took it.
   CourseGemm(std::shared_ptr<Scratch> scratch, std::shared_ptr<Parts> parts, std::shared_ptr<Parts> grouped, int sms)
       : scratch_(std::move(scratch)), parts_(std::move(parts)), grouped_(std::move(grouped)), sms_(sms) {}
 
@@ -614,11 +615,11 @@ class CourseGemm {
       if (w_cols != K_in || matrix(*dys[i]) != std::pair{T, N_out} || (dws[i] && matrix(*dws[i]) != matrix(*ws[i])) ||
           !fits(N_out, K_in, T, true) || !fits(T, K_in, N_out, true))
         return false;  // before anything is written
-      grouped = grouped && N_out % 64 == 0 && kMaxSplit * N_out * K_in <= k2c::moe::kMaxElements &&
+      grouped = grouped && kMaxSplit * N_out * K_in <= k2c::moe::kMaxElements &&
                 T * std::max(N_out, K_in) <= k2c::moe::kMaxElements;
       hopper = hopper && N_out % 8 == 0 && slice_length(T, K_in, N_out, sms_) == N_out;
     }
-    if (grouped) return grouped_backward(x, ws, dys, dws, dx);
+    if (grouped && hopper) return grouped_backward(x, ws, dys, dws, dx);
     if (!hopper) {  // Part A, or a K the Hopper part does not take: one matmul each, in Ops's order
       bool ran = false;
       for (std::size_t i = 0; i < ws.size(); ++i)
@@ -665,14 +666,15 @@ class CourseGemm {
   // The weight gradient's row split: at most this many groups.
   static constexpr std::int64_t kMaxSplit = 64;
 
-  // shared_backward on module 10's Hopper GEMMs, which read operands MN-major where 05 reads them
-  // K-major only: a Linear layer is a grouped GEMM with one group. dW_i = dy_iᵀ·x is 10's weight
-  // gradient, dy_i and x read as they stand (05 needs both transposed); dx = dy_i·W_i is 10's
-  // input-gradient form, W_i read untransposed. So no transpose pass at all, and the weight
-  // gradient arrives in fp32, not rounded to bf16 before it is added. A weight gradient with too
-  // few output tiles to fill the GPU (768 × 768 is 18 of 10's 128 × 256 tiles) splits the tokens
-  // into groups, each group's product a partial sum that the epilogue adds up: split-K as groups.
-  // Needs every N_out % 64 == 0 (10's dX form steps 64 rows of W at a time) and K_in % 8 == 0.
+  // shared_backward with the weight gradients on module 10's Hopper weight-gradient GEMM, which
+  // reads both operands MN-major where 05 reads them K-major only: a Linear layer is a grouped GEMM
+  // with one group, and dW_i = dy_iᵀ·x reads dy_i and x as they stand (05 needs both transposed by
+  // a pass) and arrives in fp32 (05's is rounded to bf16 before it is added). A weight gradient
+  // with too few output tiles to fill the GPU (768 × 768 is 18 of 10's 128 × 256 tiles) splits the
+  // tokens into groups, each group's product a partial sum that the epilogue adds up: split-K
+  // written as groups. The input gradient stays on 05 (dx_i = dy_i·W_i with W_iᵀ converted from
+  // the fp32 weight in one pass, as W_i itself would be): at the model's shapes 05 ran it 4-13 %
+  // faster than 10's input-gradient form (lab/capstone_gemms.cu).
   bool grouped_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
                         std::span<Tensor* const> dws, Tensor* dx) {
     namespace moe = k2c::moe;
@@ -699,9 +701,8 @@ class CourseGemm {
                dws[i]->f32(), count, 1.0f, 1.0f);  // dW += the groups' sum
       }
       if (!dx) continue;
-      const bf16* W = operand("gemm b", *ws[i], N_out, K_in, false, int(K_in));  // [N_out][K_in], as it stands
-      moe::grouped_gemm_hopper(1, offsets("grouped one", T, 1), int(T), int(K_in), int(N_out), dy, W,
-                               partial + i * dx_stride, /*b_transposed=*/false, stream());
+      const bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
+      products(dy, B, T, K_in, N_out, int(N_out), partial + i * dx_stride, 0);
     }
     if (dx && partial != dx->raw()) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, *dx, T * K_in, 1.0f, 0.0f);
     return true;
@@ -808,7 +809,7 @@ bool probe_part(bool supported, const char* part, const std::function<void()>& c
   }
 }
 
-model::CourseKernels course_kernels() {
+model::CourseKernels course_kernels(const CourseOptions& options) {
   namespace tcm = k2c::tensor_core_matmul;
   namespace fa = k2c::flash_attention;
   auto scratch = std::make_shared<Scratch>();
@@ -821,11 +822,12 @@ model::CourseKernels course_kernels() {
     K2C_CUDA_CHECK(cudaMemsetAsync(a, 0, 2 * 64 * 64 * sizeof(bf16), stream()));
     tcm::matmul_hopper(64, 64, 64, a, a + 64 * 64, a + 2 * 64 * 64, stream());
   });
-  // The Linear layers' backward on 10's Hopper GEMMs (CourseGemm::grouped_backward), while 05's
-  // Hopper part runs; switched on below, once 10's probes have answered.
+  // The Linear layers' weight gradients on 10's Hopper weight-gradient GEMM
+  // (CourseGemm::grouped_backward), while 05's Hopper part runs; switched on below, once 10's probe
+  // has answered.
   const auto linear_grouped = std::make_shared<Parts>();
   k.names["matmul"] = gemm_hopper->hopper ? "05 tensor_core_matmul::matmul_hopper" : "05 tensor_core_matmul::matmul";
-  // A failing call that took 10's GEMMs gives them up first: the products go back to 05 alone.
+  // A failing call that took 10's GEMM gives it up first: the products go back to 05 alone.
   k.second_choice["matmul"] = [linear_grouped, part_a = part_a_after(gemm_hopper, "05 tensor_core_matmul::matmul")] {
     if (!linear_grouped->hopper || !linear_grouped->ran_hopper) return part_a();
     linear_grouped->hopper = false;
@@ -899,9 +901,8 @@ model::CourseKernels course_kernels() {
   grad_hopper->hopper = probe_grouped("10 moe::grouped_weight_grad_hopper", [](const int* off, bf16* p, float* dw) {
     moe::grouped_weight_grad_hopper(1, off, 64, 64, 64, p, p + 64 * 64, dw, stream());
   });
-  linear_grouped->hopper = gemm_hopper->hopper && grouped_hopper->hopper && grad_hopper->hopper;
-  if (linear_grouped->hopper)
-    k.names["matmul"] += " (Linear backward: 10 moe::grouped_weight_grad_hopper, grouped_gemm_hopper)";
+  linear_grouped->hopper = options.weight_grads_on_10 && gemm_hopper->hopper && grad_hopper->hopper;
+  if (linear_grouped->hopper) k.names["matmul"] += " (weight gradients: 10 moe::grouped_weight_grad_hopper)";
   k.names["grouped matmul"] = grouped_hopper->hopper ? "10 moe::grouped_gemm_hopper" : "10 moe::grouped_gemm";
   k.second_choice["grouped matmul"] = part_a_after(grouped_hopper, "10 moe::grouped_gemm");
   k.grouped_matmul = [scratch, grouped_fits, grouped_args, grouped_hopper](

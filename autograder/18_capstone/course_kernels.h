@@ -9,8 +9,8 @@
 // price of course mode on a model that stores fp32; the table of the run shows what each kernel
 // bought. Their buffers are the adapters' own, outside the model's memory ledger.
 //
-// The Linear layers' backward runs on 10's Hopper GEMMs with one group where they run (they read
-// MN-major operands, so no transposes); the rest of the model's products on 05's GEMM.
+// The Linear layers' weight gradients run on 10's Hopper weight-gradient GEMM with one group where
+// it runs (it reads MN-major operands, so no transposes); the rest of the products on 05's GEMM.
 //
 // Where a module's Hopper part (05's matmul_hopper, 09's forward_hopper and backward_hopper, 10's
 // grouped_gemm_hopper and grouped_weight_grad_hopper) runs here and is implemented, it is the one
@@ -26,7 +26,14 @@
 
 namespace k2c::capstone {
 
-model::CourseKernels course_kernels();
+struct CourseOptions {
+  // The Linear layers' weight gradients on 10's Hopper weight-gradient GEMM where it runs (it reads
+  // dY and X as they stand), else on 05's with both operands transposed by a pass. Off: 05 alone
+  // (the tests run both paths).
+  bool weight_grads_on_10 = true;
+};
+
+model::CourseKernels course_kernels(const CourseOptions& options = {});
 
 // Whether a module's Hopper part runs here and is implemented (`supported`, then `call`, one tiny
 // call of it on the GPU backend's stream, does not throw), so that a student who has not done the

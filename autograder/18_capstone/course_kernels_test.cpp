@@ -79,6 +79,20 @@ class CourseKernels : public ::testing::Test {
     ADD_FAILURE() << "no row " << op;
   }
 
+  // A fresh CourseOps over course_kernels(options) (its checks start over).
+  void use(const CourseOptions& options) {
+    side_.reset();
+    course_ = std::make_unique<CourseOps>(model::cuda_ops(), course_kernels(options), CourseOps::Rules{3e-2, 1e-2, 1000});
+    side_ = std::make_unique<Side>(*course_);
+  }
+  // Whether the matmul row names 10's weight-gradient GEMM: `on` where both modules' Hopper parts run.
+  void expect_weight_grads_on_10(bool on) {
+    const bool runs = on && k2c::moe::hopper_supported() && k2c::tensor_core_matmul::hopper_supported();
+    for (const auto& r : course_->table())
+      if (r.op == "matmul")
+        EXPECT_EQ(r.kernel.find("grouped_weight_grad_hopper") != std::string::npos, runs) << r.kernel;
+  }
+
   std::mt19937_64 rng_{2026};
   std::unique_ptr<CourseOps> course_;
   std::unique_ptr<Side> side_;
@@ -108,51 +122,55 @@ TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
 }
 
 // Linear layers that share an input: one compound call each way, checked as a shape of the matmul
-// row, through every path of the adapter (132 SMs). The second weight is frozen (no gradient);
-// dx is written whole.
+// row, through every path of the adapter (132 SMs), with the weight gradients on 10 (the default)
+// and on 05 alone. The second weight is frozen (no gradient); dx is written whole. On 05 alone:
 //   T 64, 520, 2048 (K 96)  the shared path; at 520 a tile's tail, at 2048 every weight gradient
 //                           in 4 slices of 512 with x transposed once for all of them
 //   T 4096, K 768           weight gradients in slices of 1408 (1536 rows) and 512 (40 rows): x
 //                           transposed anew for the second
+// On 10, where 05's Hopper part takes the input gradient's products whole: the same shapes with
+// no transposes, the weight gradients in one group (T 64, 520) or split into groups of tokens (4
+// of 512 at T 2048; at T 4104, 7 groups of 586 or 587 tokens for 768 × 768, tails inside them).
+// On both:
 //   T 37                    one product at a time (K % 8 ≠ 0 for the weight gradients: Part A)
 //   K 100                   one product at a time (Part A throughout)
 //   T 64, K 2048            the forward products would be split: one at a time
 //   T 64, rows 2048         the input gradient's products would be split: one at a time
-// Every weight's rows a multiple of 64: the backward on 10's Hopper GEMMs, no transposes.
-//   T 520                   the weight gradients in one group each (too few tokens to split)
-//   T 2048                  weight gradients split into 4 groups of 512 tokens
-//   T 4104, K 768           768 × 768 in 7 groups of 586 or 587 tokens (tails inside the groups),
-//                           256 × 768 in 8
 TEST_F(CourseKernels, LinearsThatShareAnInput) {
   struct Case {
     std::int64_t T, K, rows[3];
   };
   const Case cases[] = {{64, 96, {128, 32, 40}},     {520, 96, {128, 32, 40}}, {2048, 96, {128, 32, 40}},
                         {4096, 768, {1536, 8, 40}},   {37, 96, {128, 32, 40}},  {64, 100, {128, 32, 40}},
-                        {64, 2048, {128, 32, 40}},    {64, 96, {2048, 32, 40}}, {520, 96, {64, 64, 192}},
-                        {2048, 96, {128, 64, 192}},   {4104, 768, {768, 64, 256}}};
-  int shapes = 0;
-  for (const Case& c : cases) {
-    const std::int64_t T = c.T, K = c.K;
-    Tensor x = random({T, K}), w0 = random({c.rows[0], K}), w1 = random({c.rows[1], K}), w2 = random({c.rows[2], K});
-    Tensor y0 = side_->poisoned({T, c.rows[0]}), y1 = side_->poisoned({T, c.rows[1]}),
-           y2 = side_->poisoned({T, c.rows[2]});
-    const Tensor* ws[] = {&w0, &w1, &w2};
-    Tensor* ys[] = {&y0, &y1, &y2};
-    course_->shared_linear_forward(x, ws, ys);
-    Tensor dy0 = random({T, c.rows[0]}), dy1 = random({T, c.rows[1]}), dy2 = random({T, c.rows[2]});
-    Tensor dw0 = random({c.rows[0], K}), dw2 = random({c.rows[2], K}), dx = side_->poisoned({T, K});
-    const Tensor* dys[] = {&dy0, &dy1, &dy2};
-    Tensor* dws[] = {&dw0, nullptr, &dw2};
-    course_->shared_linear_backward(x, ws, dys, dws, &dx);
-    shapes += 2;
+                        {64, 2048, {128, 32, 40}},    {64, 96, {2048, 32, 40}}, {2048, 96, {128, 64, 192}},
+                        {4104, 768, {768, 64, 256}}};
+  for (const bool on_10 : {true, false}) {
+    SCOPED_TRACE(on_10 ? "weight gradients on 10" : "05 alone");
+    use(CourseOptions{on_10});
+    int shapes = 0;
+    for (const Case& c : cases) {
+      const std::int64_t T = c.T, K = c.K;
+      Tensor x = random({T, K}), w0 = random({c.rows[0], K}), w1 = random({c.rows[1], K}), w2 = random({c.rows[2], K});
+      Tensor y0 = side_->poisoned({T, c.rows[0]}), y1 = side_->poisoned({T, c.rows[1]}),
+             y2 = side_->poisoned({T, c.rows[2]});
+      const Tensor* ws[] = {&w0, &w1, &w2};
+      Tensor* ys[] = {&y0, &y1, &y2};
+      course_->shared_linear_forward(x, ws, ys);
+      Tensor dy0 = random({T, c.rows[0]}), dy1 = random({T, c.rows[1]}), dy2 = random({T, c.rows[2]});
+      Tensor dw0 = random({c.rows[0], K}), dw2 = random({c.rows[2], K}), dx = side_->poisoned({T, K});
+      const Tensor* dys[] = {&dy0, &dy1, &dy2};
+      Tensor* dws[] = {&dw0, nullptr, &dw2};
+      course_->shared_linear_backward(x, ws, dys, dws, &dx);
+      shapes += 2;
+    }
+    expect_row("matmul", shapes);
+    expect_weight_grads_on_10(on_10);
   }
-  expect_row("matmul", shapes);
 }
 
 // One Linear layer's backward (a list of one): its input gradient goes straight into a bf16 dx
-// (through a scratch product for an fp32 one), on 10's GEMMs (rows 128) and on 05's (rows 40);
-// and without dx.
+// (through a scratch product for an fp32 one), the weight gradient in two groups of tokens; and
+// without dx.
 TEST_F(CourseKernels, OneLinearLayersBackward) {
   int shapes = 0;
   for (const std::int64_t rows : {128, 40})
@@ -166,9 +184,7 @@ TEST_F(CourseKernels, OneLinearLayersBackward) {
       shapes += 2;
     }
   expect_row("matmul", shapes);
-  if (k2c::moe::hopper_supported() && k2c::tensor_core_matmul::hopper_supported())
-    for (const auto& r : course_->table())
-      if (r.op == "matmul") EXPECT_NE(r.kernel.find("grouped_weight_grad_hopper"), std::string::npos) << r.kernel;
+  expect_weight_grads_on_10(true);
 }
 
 // 10's Hopper part takes k % 8 == 0, and for the input gradient n % 8 == 0 and k % 64 == 0 (10's
