@@ -526,15 +526,19 @@ namespace tcm = k2c::tensor_core_matmul;
 // (fp32 weights, fp32 or bf16 activations), as 05's
 // C = A·Bᵀ with A (M×K) and B (N×K) K-major, in bf16 (Hopper part) or fp32 (Part A) out. The
 // Linear layers that share an input (attention's q, k and v; the MLP's gate and up) convert it
-// once for all their products, and sum their input gradients in one epilogue. A call returns
-// false (declines) only before it has written anything.
+// once for all their products, and sum their input gradients in one epilogue. The Linear layers'
+// weight gradients go to 10's weight-gradient GEMM where it runs (grouped_backward). A call
+// returns false (declines) only before it has written anything.
 class CourseGemm {
  public:
   // `grouped`: module 10's Hopper weight-gradient GEMM for the Linear layers' backward (see
-  // grouped_backward), on while its `hopper` is; its `ran_hopper` says whether the last call here
-  // took it.
-  CourseGemm(std::shared_ptr<Scratch> scratch, std::shared_ptr<Parts> parts, std::shared_ptr<Parts> grouped, int sms)
-      : scratch_(std::move(scratch)), parts_(std::move(parts)), grouped_(std::move(grouped)), sms_(sms) {}
+  // grouped_backward), on while its `hopper` and 05's are, at the shapes shared_backward lets
+  // through; its `ran_hopper` says whether the last call here took it. `on_groups`: told each
+  // weight gradient's number of groups there (CourseOptions).
+  CourseGemm(std::shared_ptr<Scratch> scratch, std::shared_ptr<Parts> parts, std::shared_ptr<Parts> grouped, int sms,
+             std::function<void(int)> on_groups)
+      : scratch_(std::move(scratch)), parts_(std::move(parts)), grouped_(std::move(grouped)), sms_(sms),
+        on_groups_(std::move(on_groups)) {}
 
   bool matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
     grouped_->ran_hopper = false;
@@ -596,11 +600,12 @@ class CourseGemm {
     return true;
   }
 
-  // dW_i += dy_iᵀ·x for each dws[i] given, then dx = Σ_i dy_i·W_i (Ops::shared_linear_backward):
-  // x transposed once for every weight gradient cut into the same slices, each dy_i converted for
-  // both of its products in one pass, and the input gradient's products summed by one epilogue
-  // instead of one accumulation pass each. (A single Linear layer's backward comes here too, as a
-  // list of one.)
+  // dW_i += dy_iᵀ·x for each dws[i] given, then dx = Σ_i dy_i·W_i (Ops::shared_linear_backward). A
+  // single Linear layer's backward comes here too, as a list of one. Where 10's weight-gradient GEMM
+  // is on and 05's Hopper part takes every input gradient's product whole (K_in, T and every N_out
+  // multiples of 8), grouped_backward. Otherwise on 05 alone: x transposed once for every weight
+  // gradient cut into the same slices, each dy_i converted for both of its products in one pass,
+  // and the input gradient's products summed by one epilogue instead of one accumulation pass each.
   bool shared_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
                        std::span<Tensor* const> dws, Tensor* dx) {
     const auto [T, K_in] = matrix(x);
@@ -667,12 +672,13 @@ class CourseGemm {
   static constexpr std::int64_t kMaxSplit = 64;
 
   // shared_backward with the weight gradients on module 10's Hopper weight-gradient GEMM, which
-  // reads both operands MN-major where 05 reads them K-major only: a Linear layer is a grouped GEMM
-  // with one group, and dW_i = dy_iᵀ·x reads dy_i and x as they stand (05 needs both transposed by
-  // a pass) and arrives in fp32 (05's is rounded to bf16 before it is added). A weight gradient
-  // with too few output tiles to fill the GPU (768 × 768 is 18 of 10's 128 × 256 tiles) splits the
-  // tokens into groups, each group's product a partial sum that the epilogue adds up: split-K
-  // written as groups. The input gradient stays on 05 (dx_i = dy_i·W_i with W_iᵀ converted from
+  // reads both operands MN-major where 05 reads them K-major only: a Linear layer's tokens are one
+  // group of a grouped GEMM, and dW_i = dy_iᵀ·x reads dy_i and x as they stand (05 needs both
+  // transposed by a pass) and arrives in fp32 (05's is rounded to bf16 before it is added). A weight
+  // gradient with too few output tiles to fill the GPU (768 × 768 is 18 of 10's 128 × 256 tiles)
+  // splits the tokens into groups, as many as fill one wave, each at least 512 tokens and at most
+  // kMaxSplit of them; each group's product is a partial sum that the epilogue adds up: split-K
+  // written as groups. Needs N_out and K_in multiples of 8 (TMA rows) and dW in fp32 (ops.h). The input gradient stays on 05 (dx_i = dy_i·W_i with W_iᵀ converted from
   // the fp32 weight in one pass, as W_i itself would be): at the model's shapes 05 ran it 4-13 %
   // faster than 10's input-gradient form (lab/capstone_gemms.cu).
   bool grouped_backward(const Tensor& x, std::span<const Tensor* const> ws, std::span<const Tensor* const> dys,
@@ -697,6 +703,7 @@ class CourseGemm {
         float* parts = scratch_->get<float>("grouped dw", groups * count);
         moe::grouped_weight_grad_hopper(groups, offsets("grouped split", T, groups), int(T), int(N_out), int(K_in), dy,
                                         X, parts, stream());
+        if (on_groups_) on_groups_(groups);
         launch(gemm_epilogue_plain<float, float>, count, static_cast<const float*>(parts), groups, count,
                dws[i]->f32(), count, 1.0f, 1.0f);  // dW += the groups' sum
       }
@@ -783,6 +790,7 @@ class CourseGemm {
   std::shared_ptr<Scratch> scratch_;
   std::shared_ptr<Parts> parts_, grouped_;
   int sms_;
+  std::function<void(int)> on_groups_;
   Fork fork_;
 };
 
@@ -823,8 +831,8 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     tcm::matmul_hopper(64, 64, 64, a, a + 64 * 64, a + 2 * 64 * 64, stream());
   });
   // The Linear layers' weight gradients on 10's Hopper weight-gradient GEMM
-  // (CourseGemm::grouped_backward), while 05's Hopper part runs; switched on below, once 10's probe
-  // has answered.
+  // (CourseGemm::grouped_backward), while 05's Hopper part runs and options.weight_grads_on_10 asks
+  // for it; switched on below, once 10's probe has answered.
   const auto linear_grouped = std::make_shared<Parts>();
   k.names["matmul"] = gemm_hopper->hopper ? "05 tensor_core_matmul::matmul_hopper" : "05 tensor_core_matmul::matmul";
   // A failing call that took 10's GEMM gives it up first: the products go back to 05 alone.
@@ -839,7 +847,7 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     K2C_CUDA_CHECK(cudaGetDevice(&device));
     K2C_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   }
-  const auto gemm = std::make_shared<CourseGemm>(scratch, gemm_hopper, linear_grouped, sms);
+  const auto gemm = std::make_shared<CourseGemm>(scratch, gemm_hopper, linear_grouped, sms, options.on_weight_grad_groups);
   k.matmul = [gemm](const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
     return gemm->matmul(a, ta, b, tb, c, alpha, beta);
   };

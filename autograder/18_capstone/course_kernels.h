@@ -9,13 +9,16 @@
 // price of course mode on a model that stores fp32; the table of the run shows what each kernel
 // bought. Their buffers are the adapters' own, outside the model's memory ledger.
 //
-// The Linear layers' weight gradients run on 10's Hopper weight-gradient GEMM with one group where
-// it runs (it reads MN-major operands, so no transposes); the rest of the products on 05's GEMM.
+// The Linear layers' weight gradients run on 10's Hopper weight-gradient GEMM (the layer's tokens
+// as one group, or split into several for a thin weight) where both 10's and 05's Hopper parts run
+// and CourseOptions::weight_grads_on_10 is on: it reads dY and X as they stand, where 05 needs both
+// transposed. Every other product runs on 05's GEMM.
 //
 // Where a module's Hopper part (05's matmul_hopper, 09's forward_hopper and backward_hopper, 10's
 // grouped_gemm_hopper and grouped_weight_grad_hopper) runs here and is implemented, it is the one
 // used, at the shapes its contract takes; otherwise its Part A. A Hopper part that throws or
-// disagrees with the trusted backend gives way to its Part A, which is then checked in turn; one
+// disagrees with the trusted backend gives way to its Part A, which is then checked in turn (the
+// GEMM row first gives up 10's weight gradients, then 05's Hopper part); one
 // that faults on the GPU in its probe ends the run, naming it (a fault is sticky). Built only
 // where CUDA and modules 05–10 are (K2C_COURSE_KERNELS).
 #pragma once
@@ -27,10 +30,13 @@
 namespace k2c::capstone {
 
 struct CourseOptions {
-  // The Linear layers' weight gradients on 10's Hopper weight-gradient GEMM where it runs (it reads
-  // dY and X as they stand), else on 05's with both operands transposed by a pass. Off: 05 alone
-  // (the tests run both paths).
+  // The Linear layers' weight gradients on 10's Hopper weight-gradient GEMM where it and 05's Hopper
+  // part run (it reads dY and X as they stand), else on 05's with both operands transposed by a
+  // pass. Off: 05 alone (the tests run both paths).
   bool weight_grads_on_10 = true;
+  // Called with the number of groups each time a weight gradient runs on 10 (tests: which path
+  // ran, and how it split the tokens).
+  std::function<void(int groups)> on_weight_grad_groups;
 };
 
 model::CourseKernels course_kernels(const CourseOptions& options = {});

@@ -8,6 +8,7 @@
 // shape; a test passes when no operation fell back and the shapes that 09 cannot take were
 // declined, not miscomputed. A build from assignments/ runs the student's kernels, which this
 // program is not here to grade: it skips there.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -79,19 +80,44 @@ class CourseKernels : public ::testing::Test {
     ADD_FAILURE() << "no row " << op;
   }
 
-  // A fresh CourseOps over course_kernels(options) (its checks start over).
-  void use(const CourseOptions& options) {
+  // A fresh CourseOps over course_kernels with the weight gradients on 10 or not (its checks start
+  // over), recording the groups of each weight gradient that runs on 10. No tensor of the previous
+  // Side may outlive this call.
+  void use(bool weight_grads_on_10) {
     side_.reset();
+    groups_.clear();
+    CourseOptions options{weight_grads_on_10, [this](int groups) { groups_.push_back(groups); }};
     course_ = std::make_unique<CourseOps>(model::cuda_ops(), course_kernels(options), CourseOps::Rules{3e-2, 1e-2, 1000});
     side_ = std::make_unique<Side>(*course_);
   }
-  // Whether the matmul row names 10's weight-gradient GEMM: `on` where both modules' Hopper parts run.
-  void expect_weight_grads_on_10(bool on) {
+  // Whether the weight gradients ran on 10, where asked and both modules' Hopper parts run: the
+  // matmul row names it, and its calls were seen, split into `fewest` to `most` groups.
+  void expect_weight_grads_on_10(bool on, int fewest, int most) {
     const bool runs = on && k2c::moe::hopper_supported() && k2c::tensor_core_matmul::hopper_supported();
     for (const auto& r : course_->table())
       if (r.op == "matmul")
         EXPECT_EQ(r.kernel.find("grouped_weight_grad_hopper") != std::string::npos, runs) << r.kernel;
+    EXPECT_EQ(!groups_.empty(), runs);
+    if (!runs) return;
+    EXPECT_EQ(*std::min_element(groups_.begin(), groups_.end()), fewest);
+    EXPECT_EQ(*std::max_element(groups_.begin(), groups_.end()), most);
   }
+
+  // Two Linear layers that share a bf16 input, forward and backward (two shapes of the matmul row).
+  void bf16_shared_linears() {
+    const std::int64_t T = 2048, K = 96;
+    Tensor x = random16({T, K}), w0 = random({128, K}), w1 = random({40, K});
+    Tensor y0 = poisoned16({T, 128}), y1 = poisoned16({T, 40}), dy0 = random16({T, 128}), dy1 = random16({T, 40});
+    Tensor dw0 = random({128, K}), dw1 = random({40, K}), dx = poisoned16({T, K});
+    const Tensor* ws[] = {&w0, &w1};
+    Tensor* ys[] = {&y0, &y1};
+    const Tensor* dys[] = {&dy0, &dy1};
+    Tensor* dws[] = {&dw0, &dw1};
+    course_->shared_linear_forward(x, ws, ys);
+    course_->shared_linear_backward(x, ws, dys, dws, &dx);
+  }
+
+  std::vector<int> groups_;  // of each weight gradient on 10, since use()
 
   std::mt19937_64 rng_{2026};
   std::unique_ptr<CourseOps> course_;
@@ -129,8 +155,9 @@ TEST_F(CourseKernels, GemmInEveryLayoutAndSize) {
 //   T 4096, K 768           weight gradients in slices of 1408 (1536 rows) and 512 (40 rows): x
 //                           transposed anew for the second
 // On 10, where 05's Hopper part takes the input gradient's products whole: the same shapes with
-// no transposes, the weight gradients in one group (T 64, 520) or split into groups of tokens (4
-// of 512 at T 2048; at T 4104, 7 groups of 586 or 587 tokens for 768 × 768, tails inside them).
+// x and dy not transposed, the weight gradients in one group (T 64, 520) or split into groups of
+// tokens (at T 2048 into 4 of 512; at T 4096 into 3 for 1536 rows and 8 for 8 and 40; at T 4104
+// into 7 groups of 586 or 587 tokens for 768 × 768, tails inside them) (132 SMs).
 // On both:
 //   T 37                    one product at a time (K % 8 ≠ 0 for the weight gradients: Part A)
 //   K 100                   one product at a time (Part A throughout)
@@ -146,7 +173,7 @@ TEST_F(CourseKernels, LinearsThatShareAnInput) {
                         {4104, 768, {768, 64, 256}}};
   for (const bool on_10 : {true, false}) {
     SCOPED_TRACE(on_10 ? "weight gradients on 10" : "05 alone");
-    use(CourseOptions{on_10});
+    use(on_10);
     int shapes = 0;
     for (const Case& c : cases) {
       const std::int64_t T = c.T, K = c.K;
@@ -164,27 +191,31 @@ TEST_F(CourseKernels, LinearsThatShareAnInput) {
       shapes += 2;
     }
     expect_row("matmul", shapes);
-    expect_weight_grads_on_10(on_10);
+    expect_weight_grads_on_10(on_10, 1, 8);  // 8: the thin weights at T 4096 and 4104 (24 SMs or more)
   }
 }
 
-// One Linear layer's backward (a list of one): its input gradient goes straight into a bf16 dx
-// (through a scratch product for an fp32 one), the weight gradient in two groups of tokens; and
-// without dx.
+// One Linear layer's backward (a list of one), with the weight gradient on 10 (in two groups of
+// tokens) and on 05 alone: its input gradient goes straight into a bf16 dx (through a scratch
+// product for an fp32 one), for a weight of 128 rows and of 40; and without dx.
 TEST_F(CourseKernels, OneLinearLayersBackward) {
-  int shapes = 0;
-  for (const std::int64_t rows : {128, 40})
-    for (const bool bf16_dx : {false, true}) {
-      const std::int64_t T = 1040, K = 96;
-      Tensor x = bf16_dx ? random16({T, K}) : random({T, K}), w = random({rows, K});
-      Tensor dy = bf16_dx ? random16({T, rows}) : random({T, rows}), dw = random({rows, K});
-      Tensor dx = bf16_dx ? poisoned16({T, K}) : side_->poisoned({T, K});
-      course_->linear_backward(x, w, dy, &dw, &dx);
-      course_->linear_backward(x, w, dy, &dw, nullptr);
-      shapes += 2;
-    }
-  expect_row("matmul", shapes);
-  expect_weight_grads_on_10(true);
+  for (const bool on_10 : {true, false}) {
+    SCOPED_TRACE(on_10 ? "weight gradients on 10" : "05 alone");
+    use(on_10);
+    int shapes = 0;
+    for (const std::int64_t rows : {128, 40})
+      for (const bool bf16_dx : {false, true}) {
+        const std::int64_t T = 1040, K = 96;
+        Tensor x = bf16_dx ? random16({T, K}) : random({T, K}), w = random({rows, K});
+        Tensor dy = bf16_dx ? random16({T, rows}) : random({T, rows}), dw = random({rows, K});
+        Tensor dx = bf16_dx ? poisoned16({T, K}) : side_->poisoned({T, K});
+        course_->linear_backward(x, w, dy, &dw, &dx);
+        course_->linear_backward(x, w, dy, &dw, nullptr);
+        shapes += 2;
+      }
+    expect_row("matmul", shapes);
+    expect_weight_grads_on_10(on_10, 2, 2);
+  }
 }
 
 // 10's Hopper part takes k % 8 == 0, and for the input gradient n % 8 == 0 and k % 64 == 0 (10's
@@ -308,8 +339,9 @@ TEST_F(CourseKernels, TensorsThatDoNotStartOn16Bytes) {
 // goes straight into the model's tensor, and transposes, slices and 09's layout read bf16. GEMMs:
 // {2048, 768, 768} (one slice forward, the weight gradient in slices, both operands transposed
 // from bf16), {33, 17, 40}, and K 13 (Part A, its fp32 product rounded into the bf16 output); then
-// Linear layers that share a bf16 input, RMSNorm (fp32 in, bf16 out; a bf16 dy), RoPE in place and
-// attention on bf16 (GQA; not causal with more keys than queries).
+// Linear layers that share a bf16 input (their weight gradients on 10; Bf16LinearsOn05Alone runs
+// them on 05), RMSNorm (fp32 in, bf16 out; a bf16 dy), RoPE in place and attention on bf16 (GQA; not causal
+// with more keys than queries).
 TEST_F(CourseKernels, Bf16Activations) {
   int gemms = 0;
   for (const auto& [M, N, K] : {std::tuple{2048, 768, 768}, std::tuple{33, 17, 40}, std::tuple{33, 17, 13}}) {
@@ -321,18 +353,7 @@ TEST_F(CourseKernels, Bf16Activations) {
     course_->matmul(x, false, w, true, y, 0.5f, 0.25f);
     gemms += 4;
   }
-  {
-    const std::int64_t T = 2048, K = 96;
-    Tensor x = random16({T, K}), w0 = random({128, K}), w1 = random({40, K});
-    Tensor y0 = poisoned16({T, 128}), y1 = poisoned16({T, 40}), dy0 = random16({T, 128}), dy1 = random16({T, 40});
-    Tensor dw0 = random({128, K}), dw1 = random({40, K}), dx = poisoned16({T, K});
-    const Tensor* ws[] = {&w0, &w1};
-    Tensor* ys[] = {&y0, &y1};
-    const Tensor* dys[] = {&dy0, &dy1};
-    Tensor* dws[] = {&dw0, &dw1};
-    course_->shared_linear_forward(x, ws, ys);
-    course_->shared_linear_backward(x, ws, dys, dws, &dx);
-  }
+  bf16_shared_linears();
   expect_row("matmul", gemms + 2);
   for (const auto& [rows, cols] : {std::pair{37, 100}, std::pair{1000, 768}}) {
     Tensor x = random({rows, cols}), g = random({cols}), dy = random16({rows, cols}), res = random({rows, cols});
@@ -361,6 +382,14 @@ TEST_F(CourseKernels, Bf16Activations) {
   }
   expect_row("attention", 2);
   expect_row("attention backward", 2);
+}
+
+// The Linear layers of Bf16Activations with their weight gradients on 05 alone: its transposes
+// read bf16.
+TEST_F(CourseKernels, Bf16LinearsOn05Alone) {
+  use(false);
+  bf16_shared_linears();
+  expect_row("matmul", 2);
 }
 
 // A part that faults in its probe (here 05's Part A reading and writing unmapped addresses) ends
