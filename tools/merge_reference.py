@@ -10,8 +10,16 @@ figures always come from one run), with the run's date and seed beside it (`modu
 `module_seeds`), and the ceilings it measured replace those of the same name. Modules it did not
 measure, and the benchmark sections of the file, stay as they were. Both files must name the same
 GPU; afterwards `make figures` rewrites the docs from the merged file.
+
+    python3 tools/merge_reference.py --capstone "dense-135m course bf16=run.json" [NAME=FILE ...]
+
+puts `k2c_capstone --json FILE` summaries (a run with --time-ops; tools/capstone-runs.sh makes the
+standard set) into the file's `capstone` section under those names, each replacing the entry of
+its name whole, with the day of the merge as its `date`. The section's `$comment` says which
+session each entry comes from: edit it to match.
 """
 import argparse
+import datetime
 import json
 import pathlib
 import sys
@@ -19,11 +27,53 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+# What a capstone entry keeps of a run's summary: the run itself, its rate, and where its time went
+# (`kernels` and `activations` where the run has them).
+CAPSTONE_KEYS = ("grid", "ranks", "model", "median_tokens_per_s", "model_tflops_per_rank", "cublas_bf16_tflops",
+                 "ratio", "peak_memory_bytes_rank0", "kernels", "ops_ms", "activations")
+CAPSTONE_REQUIRED = ("grid", "model", "median_tokens_per_s", "ratio", "ops_ms")
+
+
+def merge_capstone(pairs, into):
+    try:
+        ref = json.loads(pathlib.Path(into).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"merge_reference: {e}")
+    entries = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path or name.startswith("$"):
+            sys.exit(f"merge_reference: --capstone takes NAME=FILE, got {pair!r}")
+        try:
+            run = json.loads(pathlib.Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            sys.exit(f"merge_reference: {path}: {e}")
+        missing = [k for k in CAPSTONE_REQUIRED if k not in run]
+        if missing:
+            sys.exit(f"merge_reference: {path} has no {', '.join(missing)}: not a `k2c_capstone --json --time-ops` summary "
+                     "of a GPU run")
+        entries[name] = {k: run[k] for k in CAPSTONE_KEYS if k in run}
+        entries[name]["date"] = datetime.date.today().isoformat()
+    section = ref.setdefault("capstone", {})
+    section.update(entries)
+    pathlib.Path(into).write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+    for name, e in entries.items():
+        print(f"merge_reference: capstone '{name}': {e['median_tokens_per_s']:,} tokens/s, {e['ratio']:.3f} of cuBLAS")
+    print("merge_reference: check the capstone section's $comment names these runs' session")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", help="the file `k2c grade --write-reference` wrote")
+    ap.add_argument("run", nargs="?", help="the file `k2c grade --write-reference` wrote")
     ap.add_argument("--into", default=str(ROOT / "autograder/reference/h200.json"))
+    ap.add_argument("--capstone", nargs="+", metavar="NAME=FILE", help="k2c_capstone summaries into the capstone section")
     a = ap.parse_args()
+    if a.capstone:
+        if a.run:
+            sys.exit("merge_reference: give a graded run or --capstone, not both")
+        return merge_capstone(a.capstone, a.into)
+    if not a.run:
+        ap.error("give the file `k2c grade --write-reference` wrote, or --capstone NAME=FILE")
     try:
         run = json.loads(pathlib.Path(a.run).read_text())
         ref = json.loads(pathlib.Path(a.into).read_text())

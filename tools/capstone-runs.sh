@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# tools/capstone-runs.sh — the capstone's reference runs on one GPU, each a k2c_capstone summary
+# named after the entry of autograder/reference/<gpu>.json it is for:
+#
+#   OUT=/tmp/capstone tools/capstone-runs.sh BUILD [ENTRY ...]
+#
+# BUILD is a build of the reference solutions (cmake -DK2C_IMPL=solutions) with k2c and
+# k2c_capstone built. ENTRY names runs from the list below (all of them by default). Each run
+# trains one grid-1 process under `k2c run -np 1 --backend nccl` on the Markov data (batch 16 ×
+# 1024; dense 10 steps, MoE 30) with --time-ops, and writes $OUT/<entry>.json (spaces as _) and
+# its log beside it; the line to merge them all is printed last:
+#
+#   python3 tools/merge_reference.py --capstone "dense-135m course bf16=$OUT/dense-135m_course_bf16.json" ...
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: OUT=DIR tools/capstone-runs.sh BUILD [ENTRY ...]" >&2; exit 2; }
+BUILD=$1
+shift
+OUT=${OUT:-/tmp/k2c-capstone}
+export NCCL_NVLS_ENABLE=0
+for bin in k2c k2c_capstone; do
+  [ -x "$BUILD/bin/$bin" ] || { echo "capstone-runs: no $BUILD/bin/$bin (build the reference solutions first)" >&2; exit 2; }
+done
+mkdir -p "$OUT"
+
+# entry name → the run's flags.
+declare -A FLAGS=(
+  ["dense-135m f32 same day"]="--config dense-135m --steps 10 --kernels trusted --activations f32"
+  ["dense-135m bf16"]="--config dense-135m --steps 10 --kernels trusted --activations bf16"
+  ["dense-135m course f32 same day"]="--config dense-135m --steps 10 --kernels course --activations f32"
+  ["dense-135m course bf16"]="--config dense-135m --steps 10 --kernels course --activations bf16"
+  ["moe-135m bf16"]="--config moe-135m --steps 30 --kernels trusted --activations bf16"
+  ["moe-135m course bf16"]="--config moe-135m --steps 30 --kernels course --activations bf16"
+)
+ORDER=("dense-135m f32 same day" "dense-135m bf16" "dense-135m course f32 same day" "dense-135m course bf16"
+       "moe-135m bf16" "moe-135m course bf16")
+[ $# -gt 0 ] && ORDER=("$@")
+
+merge=()
+status=0
+for entry in "${ORDER[@]}"; do
+  flags=${FLAGS[$entry]:-}
+  [ -n "$flags" ] || { echo "capstone-runs: no run named '$entry' (known: ${!FLAGS[*]})" >&2; exit 2; }
+  file="$OUT/${entry// /_}"
+  echo "=== $entry ($(date -u +%H:%M:%S))"
+  # shellcheck disable=SC2086  # the flags are words
+  if "$BUILD/bin/k2c" run -np 1 --backend nccl "$BUILD/bin/k2c_capstone" $flags --batch 16 --samples 0 --time-ops \
+       --json "$file.json" > "$file.log" 2>&1; then
+    grep -E "^median" "$file.log"
+    merge+=("\"$entry=$file.json\"")
+  else
+    echo "capstone-runs: '$entry' failed; the end of its log ($file.log):" >&2
+    tail -15 "$file.log" >&2
+    status=1
+  fi
+done
+[ ${#merge[@]} -gt 0 ] && echo "to merge: python3 tools/merge_reference.py --capstone ${merge[*]}"
+exit $status
