@@ -347,6 +347,15 @@ class Scratch {
   std::map<std::string, Buffer> buffers_;
 };
 
+// host.v[0..n) on the device, in the scratch buffer `name`: 10's group offsets, written by a kernel
+// that takes them as its argument.
+int* device_offsets(Scratch& s, const std::string& name, const Offsets& host, int n) {
+  int* d = s.get<int>(name, n);
+  store_offsets<<<1, kThreads, 0, stream()>>>(host, d, n);
+  K2C_CUDA_CHECK_LAUNCH();
+  return d;
+}
+
 // Side streams for the slices of a split product, and the events that fork them from the
 // backend's stream and join them back into it (so everything after the product, the Scratch's
 // reuse of its buffers included, waits for every slice).
@@ -636,14 +645,8 @@ class CourseGemm {
     }
     parts_->ran_hopper = true;
     // Weight by weight: dy_i read once, transposed for dW_i's product and kept as it is for dx's.
-    // One weight: its input gradient is the product itself, written straight into a bf16 dx (no
-    // sum to make, and no pass over a partial product). Several: a partial product each, summed by
-    // the epilogue.
     const std::int64_t dx_stride = padded(T * K_in);
-    const bool dx_direct = dx && ws.size() == 1 && !overlaps(*dx, *dys[0]);
-    bf16* partial = !dx          ? nullptr
-                    : dx_direct ? out_bf16(*scratch_, "shared dx", *dx)
-                                : scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * dx_stride);
+    bf16* partial = dx_products(dx, dys, dx_stride);
     int x_slices = -1;  // the slice length x was last transposed with
     const bf16* X = nullptr;
     for (std::size_t i = 0; i < ws.size(); ++i) {
@@ -660,14 +663,32 @@ class CourseGemm {
       }
       if (!dx) continue;
       if (!dy) dy = operand("dy", *dys[i], T, N_out, false, int(N_out));
-      const bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
-      products(dy, B, T, K_in, N_out, int(N_out), partial + i * dx_stride, 0);
+      dx_product(dy, *ws[i], T, partial + i * dx_stride);
     }
-    if (dx && partial != dx->raw()) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, *dx, T * K_in, 1.0f, 0.0f);
+    if (dx) sum_dx(partial, ws.size(), dx_stride, *dx);
     return true;
   }
 
  private:
+  // Where the input gradient's products go: straight into a bf16 dx for one weight (no sum to make,
+  // no pass over a partial product), else a partial product per weight, `stride` apart.
+  bf16* dx_products(Tensor* dx, std::span<const Tensor* const> dys, std::int64_t stride) {
+    if (!dx) return nullptr;
+    if (dys.size() == 1 && !overlaps(*dx, *dys[0])) return out_bf16(*scratch_, "shared dx", *dx);
+    return scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(dys.size()) * stride);
+  }
+  // One of them, dy·W (dy T × N_out in bf16) on 05's Hopper part, with Wᵀ (K_in × N_out) from the
+  // pass that converts the fp32 weight.
+  void dx_product(const bf16* dy, const Tensor& w, std::int64_t T, bf16* out) {
+    const auto [N_out, K_in] = matrix(w);
+    const bf16* B = operand("gemm b", w, N_out, K_in, true, int(N_out));
+    products(dy, B, T, K_in, N_out, int(N_out), out, 0);
+  }
+  // dx = the sum of the products (nothing to do where the one product went into dx itself).
+  void sum_dx(const bf16* partial, std::size_t weights, std::int64_t stride, Tensor& dx) {
+    if (partial != dx.raw()) gemm_epilogue(partial, static_cast<int>(weights), stride, dx, dx.numel(), 1.0f, 0.0f);
+  }
+
   // The weight gradient's row split: at most this many groups.
   static constexpr std::int64_t kMaxSplit = 64;
 
@@ -689,10 +710,7 @@ class CourseGemm {
     const bool any_dw = std::any_of(dws.begin(), dws.end(), [](const Tensor* t) { return t != nullptr; });
     const bf16* X = any_dw ? to_bf16(*scratch_, "shared x", x) : nullptr;
     const std::int64_t dx_stride = padded(T * K_in);
-    const bool dx_direct = dx && ws.size() == 1 && !overlaps(*dx, *dys[0]);
-    bf16* partial = !dx          ? nullptr
-                    : dx_direct ? out_bf16(*scratch_, "shared dx", *dx)
-                                : scratch_->get<bf16>("shared dx", static_cast<std::int64_t>(ws.size()) * dx_stride);
+    bf16* partial = dx_products(dx, dys, dx_stride);
     for (std::size_t i = 0; i < ws.size(); ++i) {
       const std::int64_t N_out = matrix(*ws[i]).first;
       const bf16* dy = to_bf16(*scratch_, "dy", *dys[i]);
@@ -708,21 +726,16 @@ class CourseGemm {
                dws[i]->f32(), count, 1.0f, 1.0f);  // dW += the groups' sum
       }
       if (!dx) continue;
-      const bf16* B = operand("gemm b", *ws[i], N_out, K_in, true, int(N_out));  // W_iᵀ: K_in × N_out
-      products(dy, B, T, K_in, N_out, int(N_out), partial + i * dx_stride, 0);
+      dx_product(dy, *ws[i], T, partial + i * dx_stride);
     }
-    if (dx && partial != dx->raw()) gemm_epilogue(partial, static_cast<int>(ws.size()), dx_stride, *dx, T * K_in, 1.0f, 0.0f);
+    if (dx) sum_dx(partial, ws.size(), dx_stride, *dx);
     return true;
   }
-  // 10's group offsets for `rows` rows cut into `groups` near-equal groups, on the device (in the
-  // scratch buffer `name`, written by a kernel: no host buffer to keep alive).
+  // 10's group offsets for `rows` rows cut into `groups` near-equal groups, on the device.
   int* offsets(const std::string& name, std::int64_t rows, int groups) {
     Offsets host;
     for (int g = 0; g <= groups; ++g) host.v[g] = static_cast<int>(rows * g / groups);
-    int* d = scratch_->get<int>(name, groups + 1);
-    store_offsets<<<1, kThreads, 0, stream()>>>(host, d, groups + 1);
-    K2C_CUDA_CHECK_LAUNCH();
-    return d;
+    return device_offsets(*scratch_, name, host, groups + 1);
   }
 
   // Sizes 05 takes: each within int (with room for a thread's stride past the end), none zero;
@@ -877,10 +890,7 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     const int groups = static_cast<int>(offsets.size()) - 1;
     Offsets host;
     for (int g = 0; g <= groups; ++g) host.v[g] = static_cast<int>(offsets[g]);
-    int* d = scratch->get<int>("moe offsets", groups + 1);
-    store_offsets<<<1, kThreads, 0, stream()>>>(host, d, groups + 1);
-    K2C_CUDA_CHECK_LAUNCH();
-    device_offsets = d;
+    device_offsets = k2c::capstone::device_offsets(*scratch, "moe offsets", host, groups + 1);
     a16 = to_bf16(*scratch, "moe a", a);
     if (w16) {  // the groups' weights (a weight gradient's call has none to read)
       const std::int64_t per_group = w.dim(1) * w.dim(2), count = groups * per_group;
@@ -894,9 +904,7 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     return probe_part(moe::hopper_supported(), part, [&] {
       Offsets one;
       one.v[0] = 0, one.v[1] = 64;
-      int* off = scratch->get<int>("probe offsets", 2);
-      store_offsets<<<1, kThreads, 0, stream()>>>(one, off, 2);
-      K2C_CUDA_CHECK_LAUNCH();
+      int* off = device_offsets(*scratch, "probe offsets", one, 2);
       bf16* p = scratch->get<bf16>("probe", 3 * 64 * 64);
       K2C_CUDA_CHECK(cudaMemsetAsync(p, 0, 3 * 64 * 64 * sizeof(bf16), stream()));
       call(off, p, scratch->get<float>("probe dw", 64 * 64));
