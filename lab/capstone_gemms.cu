@@ -16,6 +16,7 @@
 
 #include "../solutions/05_tensor_core_matmul/hopper_matmul.cu"
 #include "../solutions/10_moe/moe.cu"
+#include "k2c/core/random.h"
 #include "median_time.cuh"
 
 using bf16 = __nv_bfloat16;
@@ -33,17 +34,11 @@ struct Linear {
 };
 const Linear kLinears[] = {{"q, k, v, o", D, D, 48}, {"gate, up", FF, D, 24}, {"down", D, FF, 12}, {"head", V, D, 1}};
 
-// Random bf16 in [-1, 1), on the device.
+// Uniform bf16 in [-1, 1), on the device.
 bf16* random_bf16(std::size_t n, unsigned seed) {
-  std::vector<bf16> h(n);
-  unsigned s = seed;
-  for (auto& x : h) {
-    s = s * 1664525u + 1013904223u;
-    x = __float2bfloat16(static_cast<float>(s >> 8) / 8388608.0f - 1.0f);
-  }
   bf16* d = nullptr;
   cudaMalloc(&d, n * sizeof(bf16));
-  cudaMemcpy(d, h.data(), n * sizeof(bf16), cudaMemcpyHostToDevice);
+  k2c::fill_uniform_device(d, n, seed);
   return d;
 }
 
