@@ -1,12 +1,14 @@
 // lab/moe_grouped.cu — tile shapes of module 10's grouped GEMM at the module's
 // shape (16384 tokens × top-6 over 64 experts, uniform loads), against cuBLAS once per expert.
 // It compiles the reference solution into itself to reach the kernel's tile parameter:
-//   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/10_moe \
+//   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/05_tensor_core_matmul -Iassignments/10_moe \
 //        lab/moe_grouped.cu common/src/device.cu -lcublas -lcuda -o /tmp/moe_grouped && /tmp/moe_grouped [mode]
 // Modes, each a function below: `loop` the per-expert loop's timing (loop_timing), `boxes` the
 // staged epilogue of Part B, `tails` the split tail tiles, `same` whether splitting them changes
 // any output bit, `pairs` clusters of two blocks sharing B tiles, `pingpong` a consumer per tile
-// (lecture 10, exercise 9), `profile` three runs of the up projection for a profiler.
+// (lecture 10, exercise 9), `decompose` where the up projection's time goes against one dense
+// GEMM, `tiles` the tile counts behind it (host only), `profile` three runs of the up projection
+// for a profiler.
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "../solutions/05_tensor_core_matmul/hopper_matmul.cu"  // module 05 Part B, for `decompose`
 #include "../solutions/10_moe/moe.cu"
 #include "k2c/core/random.h"
 #include "median_time.cuh"
@@ -28,6 +31,19 @@ namespace k2c::moe {
 
 constexpr int kExperts = 64;
 
+// Every one of 16384 tokens picking 6 distinct experts uniformly (from `seed`).
+std::vector<int> uniform_loads(unsigned seed) {
+  std::vector<int> counts(kExperts, 0);
+  std::mt19937_64 rng(seed);
+  for (int t = 0; t < 16384; ++t) {
+    std::vector<int> all(kExperts);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int j = 0; j < 6; ++j) ++counts[all[j]];
+  }
+  return counts;
+}
+
 // One grouped GEMM of the module's shape on the device: loads drawn by every one of 16384 tokens
 // picking 6 distinct experts uniformly (from `seed`), A [rows][k], B [experts][n][k], C [rows][n].
 struct Problem {
@@ -35,14 +51,9 @@ struct Problem {
   int rows, n, k;
   bf16 *a, *b, *c;
   int* d_off;
-  Problem(int n_, int k_, unsigned seed) : counts(kExperts, 0), off(kExperts + 1, 0), n(n_), k(k_) {
-    std::mt19937_64 rng(seed);
-    for (int t = 0; t < 16384; ++t) {
-      std::vector<int> all(kExperts);
-      std::iota(all.begin(), all.end(), 0);
-      std::shuffle(all.begin(), all.end(), rng);
-      for (int j = 0; j < 6; ++j) ++counts[all[j]];
-    }
+  Problem(int n_, int k_, unsigned seed) : Problem(n_, k_, uniform_loads(seed)) {}
+  // Given loads (one count per expert).
+  Problem(int n_, int k_, std::vector<int> counts_) : counts(std::move(counts_)), off(kExperts + 1, 0), n(n_), k(k_) {
     std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
     rows = off.back();
     cudaMalloc(&a, sizeof(bf16) * rows * k);
@@ -169,9 +180,10 @@ void boxes() {
 
 // Times the variants as the graded test times (L2 flushed, medians of 10) in 4 rotating rounds
 // (rotating_rounds); prints each variant's TFLOP/s per round and the mean time of its middle two
-// rounds, and with the loop as variant 0 the ratio of the loop's mean time to each variant's.
+// rounds, and with a baseline as variant 0 (the loop, or the dense GEMM) the ratio of its mean
+// time to each variant's.
 using Variants = std::vector<std::pair<const char*, std::function<void()>>>;
-void alternate(const Variants& variants, double flops, bool loop_first) {
+void alternate(const Variants& variants, double flops, bool baseline_first) {
   std::vector<std::function<void()>> runs;
   for (const auto& v : variants) runs.push_back(v.second);
   const auto ms = rotating_rounds(runs, 4, [](const std::function<void()>& f) { return median_ms(f, 10, 2, true); });
@@ -181,7 +193,7 @@ void alternate(const Variants& variants, double flops, bool loop_first) {
     std::printf("  %-36s", variants[v].first);
     for (double t : ms[v]) std::printf(" %7.1f", flops / (t * 1e-3) / 1e12);
     std::printf("   middle mean %.3f ms", mean[v]);
-    if (loop_first) std::printf(", ratio to loop %.3f", mean[0] / mean[v]);
+    if (baseline_first) std::printf(", ratio to the first %.3f", mean[0] / mean[v]);
     std::printf("\n");
   }
 }
@@ -538,6 +550,91 @@ void pingpong() {
                                         launch_pingpong<5, true>);
 }
 
+// Where the up projection's time goes, against the graded ceiling (one dense cuBLAS GEMM of the
+// same total size, every row against expert 0's weight): Part B as shipped on uniform loads; on
+// loads of exactly 1536 rows each (16384 · 6 / 64: no ragged tail tiles); on one group of all
+// the rows (the kernel's design on the dense problem: one weight, no groups); module 05's Part B
+// on that dense problem; and the grouped kernel with module 05's choices (two boxes staged, one
+// batch deferred, four ring slots; clusters of two) on both loads. Timed by alternate() with the
+// dense GEMM first, two draws of loads.
+void decompose() {
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  for (unsigned draw = 1; draw <= 2; ++draw) {
+    const Problem p(2816, 2048, draw), even(2816, 2048, std::vector<int>(kExperts, 16384 * 6 / kExperts));
+    const auto [args, map_a, map_b, map_c] = p.forward();
+    const auto [even_args, even_a, even_b, even_c] = even.forward();
+    int* one_off;
+    cudaMalloc(&one_off, 2 * sizeof(int));
+    const int one[2] = {0, p.rows};
+    cudaMemcpy(one_off, one, sizeof one, cudaMemcpyHostToDevice);
+    HopperArgs one_args = args;
+    one_args.groups = 1;
+    one_args.offsets = one_off;
+    const float alpha = 1, zero = 0;
+    const Variants variants = {
+        {"dense cuBLAS (the graded ceiling)", [&] {
+           cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.rows, p.k, &alpha, p.b, CUDA_R_16BF, p.k, p.a, CUDA_R_16BF,
+                        p.k, &zero, p.c, CUDA_R_16BF, p.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+         }},
+        {"wgmma grouped, uniform loads (shipped)",
+         [&] { launch_hopper<HopperForm::forward, bf16, kStagedBoxes>(map_a, map_b, map_c, args, nullptr); }},
+        {"wgmma grouped, 64 x 1536 rows", [&] {
+           launch_hopper<HopperForm::forward, bf16, kStagedBoxes>(even_a, even_b, even_c, even_args, nullptr);
+         }},
+        {"wgmma grouped, 1 group of all rows",
+         [&] { launch_hopper<HopperForm::forward, bf16, kStagedBoxes>(map_a, map_b, map_c, one_args, nullptr); }},
+        {"module 05 Part B, dense", [&] {
+           k2c::tensor_core_matmul::matmul_hopper(p.rows, p.n, p.k, p.a, p.b, p.c);
+         }},
+        // Module 05's epilogue and clusters on the grouped kernel, on both loads.
+        {"grouped, 2 boxes, 1 deferred, 4 slots", [&] {
+           launch_hopper<HopperForm::forward, bf16, 2, 1>(map_a, map_b, map_c, args, nullptr);
+         }},
+        {"64 x 1536, 2 boxes, 1 deferred, 4 slots", [&] {
+           launch_hopper<HopperForm::forward, bf16, 2, 1>(even_a, even_b, even_c, even_args, nullptr);
+         }},
+        {"grouped, pairs", [&] {
+           launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 2>(map_a, map_b, map_c, args, nullptr);
+         }},
+        {"64 x 1536, pairs", [&] {
+           launch_hopper<HopperForm::forward, bf16, kStagedBoxes, 0, true, 2>(even_a, even_b, even_c, even_args, nullptr);
+         }}};
+    std::printf("loads %u, up projection (rows %d, n %d, k %d), TFLOP/s per round; ratio = dense time / variant's:\n",
+                draw, p.rows, p.n, p.k);
+    alternate(variants, p.flops(), true);
+    cudaFree(one_off);
+  }
+  std::printf("status: %s\n", cudaGetErrorString(cudaDeviceSynchronize()));
+}
+
+// The tile arithmetic behind decompose's tails, on the host only (no GPU needed): for the two
+// draws of uniform loads and for even loads, the up projection's 128 × 256 tiles in the kernel's
+// order, a split tail tile (at most 64 real rows) counted as half a tile; the mean per SM, the
+// most that one SM takes when block b takes tiles b, b + 132, … (the shipped order), and the most
+// if each block instead claimed the next tile when it finished one (list scheduling).
+void tile_counts() {
+  constexpr int kSms = 132, kTilesN = 2816 / kHopperBN;
+  auto report = [&](const char* what, const std::vector<int>& counts) {
+    std::vector<double> cost;  // the tiles in the kernel's order: group by group, down each column
+    for (int rows : counts)
+      for (int n = 0; n < kTilesN; ++n)
+        for (int m0 = 0; m0 < rows; m0 += kHopperBM) cost.push_back(rows - m0 <= 64 ? 0.5 : 1.0);
+    std::vector<double> stride(kSms, 0.0), claimed(kSms, 0.0);
+    for (std::size_t t = 0; t < cost.size(); ++t) {
+      stride[t % kSms] += cost[t];
+      *std::min_element(claimed.begin(), claimed.end()) += cost[t];
+    }
+    const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
+    std::printf("%-14s tiles %zu, tile-equivalents %.1f, per SM: mean %.2f, most (stride) %.1f, most (claimed) %.1f\n",
+                what, cost.size(), total, total / kSms, *std::max_element(stride.begin(), stride.end()),
+                *std::max_element(claimed.begin(), claimed.end()));
+  };
+  report("loads 1", uniform_loads(1));
+  report("loads 2", uniform_loads(2));
+  report("even loads", std::vector<int>(kExperts, 16384 * 6 / kExperts));
+}
+
 // The up projection's Part B kernel, run three times for a profiler (ncu -k regex:hopper_grouped).
 void profile() {
   const Problem p(2816, 2048, 1);
@@ -551,14 +648,15 @@ int main(int argc, char** argv) {
   const std::map<std::string, void (*)()> modes = {{"loop", k2c::moe::loop_timing}, {"same", k2c::moe::same},
                                                    {"profile", k2c::moe::profile},   {"tails", k2c::moe::tails},
                                                    {"boxes", k2c::moe::boxes},  {"pairs", k2c::moe::pairs},
-                                                   {"pingpong", k2c::moe::pingpong}};
+                                                   {"pingpong", k2c::moe::pingpong}, {"decompose", k2c::moe::decompose},
+                                                   {"tiles", k2c::moe::tile_counts}};
   if (argc < 2) {
     k2c::moe::experiment();
     return 0;
   }
   const auto mode = modes.find(argv[1]);
   if (mode == modes.end()) {
-    std::fprintf(stderr, "unknown mode '%s': loop, same, profile, tails, boxes, pairs or pingpong (none: the tile experiment)\n", argv[1]);
+    std::fprintf(stderr, "unknown mode '%s': loop, same, profile, tails, boxes, pairs, pingpong, decompose or tiles (none: the tile experiment)\n", argv[1]);
     return 2;
   }
   mode->second();

@@ -656,8 +656,12 @@ class CudaOps final : public Ops {
     same_shape(param, v, "adamw");
     if (t < 1) throw std::invalid_argument("adamw: step numbers start at 1");
     const float c1 = 1.0f - static_cast<float>(std::pow(b1, t)), c2 = 1.0f - static_cast<float>(std::pow(b2, t));
-    launch(adamw_kernel, param.numel(), param.f32(), grad.f32(), m.f32(), v.f32(), lr, b1, b2, eps, wd, c1, c2,
-           param.numel());
+    const AdamWUpdate step{lr, b1, b2, eps, wd, c1, c2};
+    const std::int64_t n = param.numel();
+    if (vectorizable(n, {param.raw(), grad.raw(), m.raw(), v.raw()}))
+      launch(adamw4_kernel, n / 4, f4(param), f4(grad), f4(m), f4(v), step, n / 4);
+    else
+      launch(adamw_kernel, n, param.f32(), grad.f32(), m.f32(), v.f32(), step, n);
   }
 
  private:

@@ -7,6 +7,8 @@
 // rounding measured against the size of the values; then the same with the activations stored in
 // bf16 (ops.h's [bf16] operations, on both backends, each rounding where it stores), in both GPU
 // modes. Skipped (reported as skipped) without a GPU.
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -113,6 +115,48 @@ TEST(CudaOps, ElementwiseMatmulAndReductions) {
   expect_close(y, "y = x Wt");
   expect_close(dx, "dx = dy W");
   expect_close(dw, "dW += dyT x");
+}
+
+// AdamW on the GPU's two paths: 16-byte vectors where the length and every pointer allow, single
+// elements otherwise (here forced by views that start one float in). Both must give the CPU's
+// update, and the same bits as each other, at lengths with and without a tail of four.
+TEST(CudaOps, AdamWVectorAndScalarPathsAgree) {
+  REQUIRE_DEVICE();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (std::int64_t n : {1, 3, 8, 4099, 40000}) {
+    auto draw = [&](float scale, bool positive) {
+      std::vector<float> h(static_cast<std::size_t>(n));
+      for (float& e : h) e = positive ? std::abs(normal(rng)) * scale : normal(rng) * scale;
+      return h;
+    };
+    const std::vector<float> p0 = draw(1.0f, false), g0 = draw(0.1f, false), m0 = draw(0.01f, false),
+                             v0 = draw(0.01f, true);  // a second moment is never negative
+    // Three steps on the values placed at element `at` of buffers one longer than n: at 0 the
+    // GPU takes its vector path, at 1 (4 bytes past a 16-byte boundary) the scalar one.
+    auto run = [&](Ops& ops, bool on_gpu, std::int64_t at) {
+      Both t;
+      auto place = [&](const std::vector<float>& h) {
+        std::vector<float> buf(static_cast<std::size_t>(n + 1), NAN);
+        std::copy(h.begin(), h.end(), buf.begin() + at);
+        return t.make({n + 1}, buf);
+      };
+      Pair p = place(p0), g = place(g0), m = place(m0), v = place(v0);
+      auto view = [&](Pair& x) { return Tensor::view((on_gpu ? x.gpu : x.cpu).f32() + at, {n}); };
+      Tensor pv = view(p), gv = view(g), mv = view(m), vv = view(v);
+      for (int step = 1; step <= 3; ++step) ops.adamw_step(pv, gv, mv, vv, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step);
+      return host(pv, ops);
+    };
+    const std::vector<float> want = run(cpu_ops(), false, 0), vec = run(gpu(), true, 0), one = run(gpu(), true, 1);
+    int bad = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (!(std::abs(want[i] - vec[i]) <= 1e-6f * (1.0f + std::abs(want[i]))) && ++bad <= 5)
+        ADD_FAILURE() << "n " << n << " [" << i << "]: cpu " << want[i] << ", gpu " << vec[i];
+      if (std::bit_cast<std::uint32_t>(vec[i]) != std::bit_cast<std::uint32_t>(one[i]) && ++bad <= 5)
+        ADD_FAILURE() << "n " << n << " [" << i << "]: vector path " << vec[i] << ", scalar path " << one[i];
+    }
+    EXPECT_EQ(bad, 0) << "n " << n;
+  }
 }
 
 TEST(CudaOps, LayerKernelsMatchTheCpu) {
