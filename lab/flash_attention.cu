@@ -8,7 +8,8 @@
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/09_flash_attention \
 //     lab/flash_attention.cu common/src/device.cu -lcuda -o /tmp/fa && /tmp/fa [mode]
 // No mode: the tile sweep. "unroll": unrolling, dQ and launch-order variants. "hopper_bwd": Part
-// B's wgmma backward beside the shipped mma.sync one. "rounds": close variants in alternating
+// B's wgmma backward beside the shipped mma.sync one, and its probes (what leaving out dQ's adds,
+// dQ, and its barrier gains; wrong dQ by design). "rounds": close variants in alternating
 // rounds. "hopper_fwd": Part B's forward against the warp-specialised one (TMA, a producer
 // warpgroup, 128 x 128 tiles), a tile per block against persistent blocks, with and without the
 // consumers' turns, d = 128. "once": one shipped
@@ -190,6 +191,12 @@ void sweep(bool causal, Mode mode) {
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
+    // Probes (wrong results): what dQ's adds, dQ, and the barrier before it cost a step.
+    using Probe = fa::BackwardProbe;
+    backward_variant<fa::HopperBackwardTile<D, Probe::no_dq_adds>, true>("probe: no dQ adds", s, b, flops);
+    backward_variant<fa::HopperBackwardTile<D, Probe::no_dq>, true>("probe: no dQ", s, b, flops);
+    backward_variant<fa::HopperBackwardTile<D, Probe::no_dq_no_barrier>, true>("probe: no dQ, no barrier", s, b, flops);
+    backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B) again", s, b, flops);
   } else if (mode == Mode::unroll) {
     forward_variant("forward", "128 rows x 64 keys, 4 warps x 32", s, b, flops, fa::launch_forward<ForwardTile<D, 64, 4, 2>>);
     // Q·Kᵀ's head_dim loop unrolled fully (shipped: the ldmatrix of the next k step is issued

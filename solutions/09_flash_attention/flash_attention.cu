@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

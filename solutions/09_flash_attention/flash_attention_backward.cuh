@@ -319,16 +319,24 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
 // of alignment slack, one block per SM and 255 registers per thread at D = 128 (241 at D = 64),
 // no spill.
-template <int D_>
+// kProbe: what a step leaves out, for lab/flash_attention.cu's timing probes only (their results
+// are wrong; the library never launches them): dQ's atomic adds, or dQ altogether, with or
+// without the barrier that publishes dSᵀ to it.
+enum class BackwardProbe { none, no_dq_adds, no_dq, no_dq_no_barrier };
+template <int D_, BackwardProbe kProbe_ = BackwardProbe::none>
 struct HopperBackwardTile {
   static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256;
+  static constexpr BackwardProbe kProbe = kProbe_;
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
   // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
   // and both add into dq_accum (an m64n32 half-block would save those extra adds, but would
   // start half-way into a swizzled 128-byte row).
   static constexpr int kDqKeys = D == 128 ? kKeys : kKeys / 2;
-  static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + 1024;
+  // At D = 64 the warpgroups swap the halves of their dQ blocks that the other one adds: 16 floats
+  // a thread each way (see the kernel).
+  static constexpr int kSwapBytes = D == 64 ? 2 * 128 * 16 * 4 : 0;
+  static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + kSwapBytes + 1024;
 };
 
 template <class T>
@@ -344,6 +352,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   const std::uint32_t sdS = base + 2 * T::kKvBytes + 4 * T::kRowBytes;  // dSᵀ: BN rows of BM, one block
   float* s_lse = reinterpret_cast<float*>(smem_raw + (sdS + T::kDsBytes - smem_addr(smem_raw)));  // [2][BM]
   float* s_dot = s_lse + 2 * BM;                                                                  // [2][BM]
+  const std::uint32_t sSwap = sdS + T::kDsBytes + 4 * BM * 4;  // D = 64: [warpgroup][4][128] float4
 
   int rank, g, b;
   launch_place(p.wave_heads, rank, g, b);
@@ -461,31 +470,80 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     }
     hp::wgmma_commit();
 
-    hp::fence_proxy_async();  // the dSᵀ stores above, before wgmma reads them
-    __syncthreads();
+    if constexpr (T::kProbe == BackwardProbe::no_dq || T::kProbe == BackwardProbe::no_dq_no_barrier) {
+      if constexpr (T::kProbe == BackwardProbe::no_dq) {
+        hp::fence_proxy_async();
+        __syncthreads();
+      }
+      hp::wgmma_wait<0>();
+    } else {
+      hp::fence_proxy_async();  // the dSᵀ stores above, before wgmma reads them
+      __syncthreads();
 
-    // dQ (BM × 64 columns, block dq_block) += dS K over kDqKeys keys from dq_key0: dS is dSᵀ read
-    // MN-major, K read MN-major (keys are k, head_dim is n).
-    const int dq_block = D == 128 ? wg : 0, dq_key0 = D == 128 ? 0 : 64 * wg;
-    float dq[32];
-    hp::wgmma_fence();
-    {
-      const std::uint64_t ds_mn = opaque(hp::smem_desc_128b_mn(sdS + dq_key0 * 128, BN * 128)),
-                          k_mn = opaque(hp::smem_desc_128b_mn(sK + dq_block * BN * 128 + dq_key0 * 128, BN * 128));
+      // dQ (BM × 64 columns, block dq_block) += dS K over kDqKeys keys from dq_key0: dS is dSᵀ read
+      // MN-major, K read MN-major (keys are k, head_dim is n).
+      const int dq_block = D == 128 ? wg : 0, dq_key0 = D == 128 ? 0 : 64 * wg;
+      float dq[32];
+      hp::wgmma_fence();
+      {
+        const std::uint64_t ds_mn = opaque(hp::smem_desc_128b_mn(sdS + dq_key0 * 128, BN * 128)),
+                            k_mn = opaque(hp::smem_desc_128b_mn(sK + dq_block * BN * 128 + dq_key0 * 128, BN * 128));
 #pragma unroll
-      for (int kk = 0; kk < T::kDqKeys / 16; ++kk)
-        hp::wgmma_m64n64k16_ss<1, 1>(dq, hp::smem_desc_plus(ds_mn, kk * 16 * 128), hp::smem_desc_plus(k_mn, kk * 16 * 128),
-                                     kk > 0);
-    }
-    hp::wgmma_commit();
-    hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (whose A fragments are ap and ads)
+        for (int kk = 0; kk < T::kDqKeys / 16; ++kk)
+          hp::wgmma_m64n64k16_ss<1, 1>(dq, hp::smem_desc_plus(ds_mn, kk * 16 * 128), hp::smem_desc_plus(k_mn, kk * 16 * 128),
+                                       kk > 0);
+      }
+      hp::wgmma_commit();
+      hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (whose A fragments are ap and ads)
+      // dq's n8 tiles j0 .. j0 + tiles - 1 of both rows into dq_accum, an atomic add per float
+      // pair. These adds cost the kernel a fifth of its time at D = 128 and two fifths at D = 64,
+      // and bulk or TMA reductions of the same sums were no faster (lecture 09's appendix, 5.4).
+      auto add_tiles = [&](int j0, int tiles) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = m0 + 16 * warp + acc_row(lane, half);
-      if (row >= p.q_len) continue;
-      float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + 16 * warp + acc_row(lane, half);
+          if (row >= p.q_len) continue;
+          float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+          for (int j = j0; j < j0 + tiles; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+        }
+      };
+      if constexpr (T::kProbe == BackwardProbe::no_dq_adds) {
+        (void)add_tiles;  // the probe leaves them out
+      } else if constexpr (D == 128) {
+        add_tiles(0, 8);
+      } else {
+        // D = 64: both warpgroups hold the same block, each summed over its own 64 keys, in the
+        // same layout (thread t of one holds what thread t of the other holds). Each hands the
+        // other the half it will not add, columns 32-63 from warpgroup 0 and 0-31 from 1, and adds
+        // the other's half into its own: one atomic add per element instead of two.
+        const int t = tid % 128;
+        auto swap_out = [&](auto give) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float* v = dq + 4 * (decltype(give)::value + i);
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sSwap + ((wg * 4 + i) * 128 + t) * 16),
+                         "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]));
+          }
+        };
+        auto swap_in = [&](auto keep) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            float* v = dq + 4 * (decltype(keep)::value + i);
+            float x, y, z, w;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
+                         : "r"(sSwap + (((1 - wg) * 4 + i) * 128 + t) * 16));
+            v[0] += x, v[1] += y, v[2] += z, v[3] += w;
+          }
+          add_tiles(decltype(keep)::value, 4);
+        };
+        if (wg == 0) swap_out(std::integral_constant<int, 4>{});
+        else swap_out(std::integral_constant<int, 0>{});
+        __syncthreads();  // both halves written (the next step's first barrier guards their reuse)
+        if (wg == 0) swap_in(std::integral_constant<int, 0>{});
+        else swap_in(std::integral_constant<int, 4>{});
+      }
     }
   }
   tc::cp_async_wait<0>();
