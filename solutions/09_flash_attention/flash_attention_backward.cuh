@@ -317,8 +317,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // mma.sync backward's warps stall most (lecture sections 10.6 and 11). Tiles are laid out as the
 // Hopper forward lays them out (load_tile_sw128). Shared memory: K, V 2·128·D, Q and dO
 // double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
-// of alignment slack, one block per SM and 255 registers per thread at D = 128 (241 at D = 64),
-// no spill.
+// of alignment slack (at D = 64, 81 KiB and the 16 KiB the warpgroups swap dQ halves through),
+// one block per SM and 255 registers per thread at D = 128 (243 at D = 64), no spill.
 // kProbe: what a step leaves out, for lab/flash_attention.cu's timing probes only (their results
 // are wrong; the library never launches them): dQ's atomic adds, or dQ altogether, with or
 // without the barrier that publishes dSᵀ to it.
@@ -330,8 +330,8 @@ struct HopperBackwardTile {
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
   // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
-  // and both add into dq_accum (an m64n32 half-block would save those extra adds, but would
-  // start half-way into a swizzled 128-byte row).
+  // and they swap halves so that each adds 32 columns of the sum into dq_accum (an m64n32
+  // half-block each would start half-way into a swizzled 128-byte row).
   static constexpr int kDqKeys = D == 128 ? kKeys : kKeys / 2;
   // At D = 64 the warpgroups swap the halves of their dQ blocks that the other one adds: 16 floats
   // a thread each way (see the kernel).
@@ -517,12 +517,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
         // same layout (thread t of one holds what thread t of the other holds). Each hands the
         // other the half it will not add, columns 32-63 from warpgroup 0 and 0-31 from 1, and adds
         // the other's half into its own: one atomic add per element instead of two.
-        const int t = tid % 128;
+        const int wt = tid % 128;
         auto swap_out = [&](auto give) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const float* v = dq + 4 * (decltype(give)::value + i);
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sSwap + ((wg * 4 + i) * 128 + t) * 16),
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sSwap + ((wg * 4 + i) * 128 + wt) * 16),
                          "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]));
           }
         };
@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
             float x, y, z, w;
             asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                          : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
-                         : "r"(sSwap + (((1 - wg) * 4 + i) * 128 + t) * 16));
+                         : "r"(sSwap + (((1 - wg) * 4 + i) * 128 + wt) * 16));
             v[0] += x, v[1] += y, v[2] += z, v[3] += w;
           }
           add_tiles(decltype(keep)::value, 4);

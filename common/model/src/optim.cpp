@@ -50,7 +50,7 @@ std::vector<Piece> pieces(ParamList& params, std::int64_t begin, std::int64_t en
   std::vector<Piece> out;
   if (begin == end) return out;
   float* values = own_values ? nullptr : params.flat_values().f32();
-  float* grads = own_grads ? own_grads - begin : params.flat_grads().f32();
+  float* grads = own_grads ? nullptr : params.flat_grads().f32();
   for (ParamId id : params.trainable()) {
     const ParamInfo& p = params.info(id);
     const std::int64_t lo = std::max(begin, p.grad_offset);
@@ -58,7 +58,8 @@ std::vector<Piece> pieces(ParamList& params, std::int64_t begin, std::int64_t en
     if (lo >= hi) continue;
     const std::int64_t count = hi - lo;
     float* value = own_values ? own_values + (lo - begin) : values + p.offset + (lo - p.grad_offset);
-    out.push_back({&p, Tensor::view(value, {count}), Tensor::view(grads + lo, {count}), lo - begin, count});
+    float* grad = own_grads ? own_grads + (lo - begin) : grads + lo;  // (own_grads - begin would point before it)
+    out.push_back({&p, Tensor::view(value, {count}), Tensor::view(grad, {count}), lo - begin, count});
   }
   return out;
 }

@@ -117,14 +117,15 @@ TEST(CudaOps, ElementwiseMatmulAndReductions) {
   expect_close(dw, "dW += dyT x");
 }
 
-// AdamW on the GPU's two paths: 16-byte vectors where the length and every pointer allow, single
-// elements otherwise (here forced by views that start one float in). Both must give the CPU's
-// update, and the same bits as each other, at lengths with and without a tail of four.
+// AdamW on the GPU's two paths: 16-byte vectors where the length is a multiple of 4 and every
+// pointer allows, single elements otherwise (here forced by views that start one float in). Both
+// must give the CPU's update, and the same bits as each other: lengths 8, 4100 and 40000 compare
+// the two paths, 1, 3 and 4099 (which the vector path refuses) the scalar one with itself.
 TEST(CudaOps, AdamWVectorAndScalarPathsAgree) {
   REQUIRE_DEVICE();
   std::mt19937 rng(11);
   std::normal_distribution<float> normal;
-  for (std::int64_t n : {1, 3, 8, 4099, 40000}) {
+  for (std::int64_t n : {1, 3, 8, 4099, 4100, 40000}) {
     auto draw = [&](float scale, bool positive) {
       std::vector<float> h(static_cast<std::size_t>(n));
       for (float& e : h) e = positive ? std::abs(normal(rng)) * scale : normal(rng) * scale;
@@ -133,7 +134,8 @@ TEST(CudaOps, AdamWVectorAndScalarPathsAgree) {
     const std::vector<float> p0 = draw(1.0f, false), g0 = draw(0.1f, false), m0 = draw(0.01f, false),
                              v0 = draw(0.01f, true);  // a second moment is never negative
     // Three steps on the values placed at element `at` of buffers one longer than n: at 0 the
-    // GPU takes its vector path, at 1 (4 bytes past a 16-byte boundary) the scalar one.
+    // GPU takes its vector path (where n allows), at 1 (4 bytes past a 16-byte boundary) the
+    // scalar one.
     auto run = [&](Ops& ops, bool on_gpu, std::int64_t at) {
       Both t;
       auto place = [&](const std::vector<float>& h) {

@@ -221,6 +221,69 @@ TEST(ShardOptim, AdamWRangesMatchOneFullOptimizerBitForBit) {
   }
 }
 
+// Parameters that AdamW steps as runs (neighbours in values, gradients and state with one weight
+// decay: a and a2, b2 and b3) on both sides of a frozen one that no run may cross (a2 and b both
+// decay, but b's values lie past the frozen parameter's). Gradient layout:
+//   a [3, 4] at [0, 12)   a2 [2, 2] at [12, 16)   (frozen [4, 2])   b [2, 3] at [16, 22)
+//   b2 [3] at [22, 25)   b3 [5] at [25, 30)   c [2, 2] at [30, 34)
+// One adamw_step per parameter, the update before runs existed, gives the same bits as the full
+// optimizer and as ranges that start and end inside runs, and the frozen values stay as they were.
+TEST(ShardOptim, RunsOfParametersStepAsTheirParametersWould) {
+  struct Runs {
+    MemoryLedger ledger;
+    ParamList params;
+    ParamId frozen;
+    Runs() {
+      params.add("a", {3, 4}, {Init::normal, 0.5f});
+      params.add("a2", {2, 2}, {Init::normal, 0.5f});
+      frozen = params.add("frozen", {4, 2}, {Init::normal, 0.5f}, /*frozen=*/true);
+      params.add("b", {2, 3}, {Init::normal, 0.5f});
+      params.add("b2", {3}, {Init::normal, 0.5f});
+      params.add("b3", {5}, {Init::normal, 0.5f});
+      params.add("c", {2, 2}, {Init::normal, 0.5f});
+      params.materialize(cpu_ops(), ledger, 5);
+    }
+    std::vector<float> values() {
+      const Tensor& v = params.flat_values();
+      return {v.f32(), v.f32() + v.numel()};
+    }
+  } ref, full, sharded;
+  const AdamWConfig cfg{0.9f, 0.95f, 1e-8f, 0.1f};
+  const std::int64_t n = ref.params.trainable_numel();
+  ASSERT_EQ(n, 34);
+  const std::vector<float> frozen_before = {sharded.params.value(sharded.frozen).f32(),
+                                            sharded.params.value(sharded.frozen).f32() + 8};
+  MemoryLedger state_ledger;
+  HostMemory host;
+  Tensor m(host, state_ledger, Category::optimizer, {n}), v(host, state_ledger, Category::optimizer, {n});
+  cpu_ops().fill(m, 0.0f);
+  cpu_ops().fill(v, 0.0f);
+  AdamW whole(full.params, cpu_ops(), full.ledger, cfg);
+  const Ranges ranges = {{0, 14}, {14, 23}, {23, 34}};  // cuts inside a2 and b2
+  std::vector<MemoryLedger> ledgers(ranges.size());
+  std::vector<AdamW> shards;
+  for (std::size_t r = 0; r < ranges.size(); ++r)
+    shards.emplace_back(sharded.params, cpu_ops(), ledgers[r], cfg, ranges[r].first, ranges[r].second);
+  for (int s = 0; s < 5; ++s) {
+    const std::vector<float> g = random_grads(n, s);
+    for (Runs* list : {&ref, &full, &sharded}) cpu_ops().upload(list->params.flat_grads(), g.data());
+    for (ParamId id : ref.params.trainable()) {
+      const ParamInfo& p = ref.params.info(id);
+      Tensor pm = Tensor::view(m.f32() + p.grad_offset, p.shape), pv = Tensor::view(v.f32() + p.grad_offset, p.shape);
+      cpu_ops().adamw_step(ref.params.value(id), ref.params.grad(id), pm, pv, lr_at(s), cfg.beta1, cfg.beta2,
+                           cfg.eps, p.shape.rank >= 2 ? cfg.weight_decay : 0.0f, s + 1);
+    }
+    whole.step(lr_at(s));
+    for (AdamW& opt : shards) opt.step(lr_at(s));
+  }
+  expect_bitwise(full.values(), ref.values(), "values, the whole range");
+  expect_bitwise(sharded.values(), ref.values(), "values, three ranges");
+  expect_bitwise({whole.second_moment().f32(), whole.second_moment().f32() + n}, {v.f32(), v.f32() + n},
+                 "second moment");
+  expect_bitwise({sharded.params.value(sharded.frozen).f32(), sharded.params.value(sharded.frozen).f32() + 8},
+                 frozen_before, "frozen parameter");
+}
+
 TEST(ShardOptim, ARangeStepsOnlyItsOwnElements) {
   // Range [10, 20) of the gradients: a[10..11], all of g, b[0..2]. In the value buffer b starts
   // after the frozen parameter, so b's pieces sit 8 elements later than their gradients.
