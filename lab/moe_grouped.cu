@@ -6,7 +6,7 @@
 // Modes, each a function below: `loop` the per-expert loop's timing (loop_timing), `boxes` the
 // staged epilogue of Part B, `tails` the split tail tiles, `same` whether splitting them changes
 // any output bit, `pairs` clusters of two blocks sharing B tiles, `pingpong` a consumer per tile
-// (lecture 10, exercise 9), `decompose` where the up projection's time goes against one dense
+// (lecture 10's appendix, §9), `decompose` where the up projection's time goes against one dense
 // GEMM, `tiles` the tile counts behind it (host only), `profile` three runs of the up projection
 // for a profiler.
 #include <cublas_v2.h>
@@ -319,7 +319,7 @@ void pairs() {
                                    launch_hopper<HopperForm::dx, bf16, kStagedBoxes, 0, true, 2>);
 }
 
-// ---- pingpong: each consumer its own 128 × 128 tile (lecture 10, exercise 9) -------------------
+// ---- pingpong: each consumer its own 128 × 128 tile (lecture 10's appendix, §9) ----------------
 //
 // Part B's producer and ring, but the two consumers no longer split one 128 × 256 tile: consumer c
 // takes every other tile of its block's list (tiles of 128 × 128, c = 0 the even ones), with two
