@@ -91,19 +91,19 @@ void adamw_pieces(Ops& ops, const AdamWConfig& c, Tensor& m_state, Tensor& v_sta
                   std::vector<Piece> parts) {
   for (std::size_t i = 0; i < parts.size();) {
     // Weight decay is a property of the whole parameter (its rank), not of the piece's 1-D view.
-    const float decay = decay_for(*parts[i].info, c.weight_decay);
+    const Piece& first = parts[i];
+    const float decay = decay_for(*first.info, c.weight_decay);
     std::size_t j = i + 1;
-    std::int64_t count = parts[i].count;
+    std::int64_t count = first.count;
     for (; j < parts.size(); ++j) {
-      const Piece& first = parts[i];
       const Piece& next = parts[j];
       const bool follows = next.value.f32() == first.value.f32() + count &&
                            next.grad.f32() == first.grad.f32() + count && next.state_at == first.state_at + count;
       if (!follows || decay_for(*next.info, c.weight_decay) != decay) break;
       count += next.count;
     }
-    Tensor value = Tensor::view(parts[i].value.f32(), {count}), grad = Tensor::view(parts[i].grad.f32(), {count});
-    Tensor m = state_view(m_state, parts[i].state_at, count), v = state_view(v_state, parts[i].state_at, count);
+    Tensor value = Tensor::view(first.value.f32(), {count}), grad = Tensor::view(first.grad.f32(), {count});
+    Tensor m = state_view(m_state, first.state_at, count), v = state_view(v_state, first.state_at, count);
     ops.adamw_step(value, grad, m, v, lr, c.beta1, c.beta2, c.eps, decay, t);
     i = j;
   }

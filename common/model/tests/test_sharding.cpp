@@ -146,6 +146,17 @@ const std::vector<Ranges> kPartitions = {
     {{0, 13}, {13, 16}, {16, 16}, {16, 36}},
 };
 
+// Step s of AdamW as it was before ranges and runs existed: one adamw_step per trainable
+// parameter over its whole shaped views, its moments at its gradient offset in m and v.
+void step_each_parameter(ParamList& params, Tensor& m, Tensor& v, const AdamWConfig& cfg, int s) {
+  for (ParamId id : params.trainable()) {
+    const ParamInfo& p = params.info(id);
+    Tensor pm = Tensor::view(m.f32() + p.grad_offset, p.shape), pv = Tensor::view(v.f32() + p.grad_offset, p.shape);
+    cpu_ops().adamw_step(params.value(id), params.grad(id), pm, pv, lr_at(s), cfg.beta1, cfg.beta2, cfg.eps,
+                         p.shape.rank >= 2 ? cfg.weight_decay : 0.0f, s + 1);
+  }
+}
+
 void expect_bitwise(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << what;
@@ -167,12 +178,7 @@ TEST(ShardOptim, FullAdamWIsTheSameUpdateAsBefore) {
     const std::vector<float> g = random_grads(n, s);
     cpu_ops().upload(ref.params.flat_grads(), g.data());
     cpu_ops().upload(full.params.flat_grads(), g.data());
-    for (ParamId id : ref.params.trainable()) {
-      const ParamInfo& p = ref.params.info(id);
-      Tensor pm = Tensor::view(m.f32() + p.grad_offset, p.shape), pv = Tensor::view(v.f32() + p.grad_offset, p.shape);
-      cpu_ops().adamw_step(ref.params.value(id), ref.params.grad(id), pm, pv, lr_at(s), cfg.beta1, cfg.beta2,
-                           cfg.eps, p.shape.rank >= 2 ? cfg.weight_decay : 0.0f, s + 1);
-    }
+    step_each_parameter(ref.params, m, v, cfg, s);
     opt.step(lr_at(s));
   }
   expect_bitwise(full.values(), ref.values(), "values");
@@ -267,12 +273,7 @@ TEST(ShardOptim, RunsOfParametersStepAsTheirParametersWould) {
   for (int s = 0; s < 5; ++s) {
     const std::vector<float> g = random_grads(n, s);
     for (Runs* list : {&ref, &full, &sharded}) cpu_ops().upload(list->params.flat_grads(), g.data());
-    for (ParamId id : ref.params.trainable()) {
-      const ParamInfo& p = ref.params.info(id);
-      Tensor pm = Tensor::view(m.f32() + p.grad_offset, p.shape), pv = Tensor::view(v.f32() + p.grad_offset, p.shape);
-      cpu_ops().adamw_step(ref.params.value(id), ref.params.grad(id), pm, pv, lr_at(s), cfg.beta1, cfg.beta2,
-                           cfg.eps, p.shape.rank >= 2 ? cfg.weight_decay : 0.0f, s + 1);
-    }
+    step_each_parameter(ref.params, m, v, cfg, s);
     whole.step(lr_at(s));
     for (AdamW& opt : shards) opt.step(lr_at(s));
   }
