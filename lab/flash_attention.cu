@@ -12,7 +12,8 @@
 // dQ, and its barrier gains; wrong dQ by design). "rounds": close variants in alternating
 // rounds. "hopper_fwd": Part B's forward against the warp-specialised one (TMA, a producer
 // warpgroup, 128 x 128 tiles), a tile per block against persistent blocks, with and without the
-// consumers' turns, d = 128. "once": one shipped
+// consumers' turns, d = 128. "hopper_fwd64": the same kernels at d = 64, at the graded shape and
+// at the capstone's (B 16, H 12, N 1024), with 2 and 4 ring slots. "once": one shipped
 // forward, backward and Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
@@ -103,7 +104,7 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
 // backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
 // of close variants in alternating rounds.
-enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward };
+enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64 };
 
 // Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
 // back to back); prints the rate per round and the ratio of the middle two rounds' mean times
@@ -115,15 +116,16 @@ void rounds(const char* what, double flops, const std::function<void()>& first, 
   std::printf("   second/first rate %.3f\n", middle_mean(ms[0]) / middle_mean(ms[1]));
 }
 
+// B, H, N: the graded shape unless given (hopper_fwd64 also runs the capstone's, B 16 H 12 N 1024).
 template <int D>
-void sweep(bool causal, Mode mode) {
-  const fa::Shape s{4, 32, 32, 4096, 4096, D, causal, 1.0f / std::sqrt(static_cast<float>(D))};
-  const double flops = 4.0 * 4 * 32 * 4096.0 * 4096 * D * (causal ? 0.5 : 1.0);
+void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
+  const fa::Shape s{B, H, H, N, N, D, causal, 1.0f / std::sqrt(static_cast<float>(D))};
+  const double flops = 4.0 * B * H * double(N) * N * D * (causal ? 0.5 : 1.0);
   Bufs b{};
-  b.n = size_t{4} * 32 * 4096 * D;
+  b.n = size_t(B) * H * N * D;
   for (bf16** x : {&b.q, &b.k, &b.v, &b.o, &b.o_ref, &b.dout, &b.dq, &b.dk, &b.dv, &b.dq_ref, &b.dk_ref, &b.dv_ref})
     cudaMalloc(x, b.n * sizeof(bf16));
-  cudaMalloc(&b.lse, size_t{4} * 32 * 4096 * sizeof(float));
+  cudaMalloc(&b.lse, size_t(B) * H * N * sizeof(float));
   cudaMalloc(&b.work, fa::backward_workspace_bytes(s));
   cudaMalloc(&b.diff, sizeof(float));
   k2c::fill_uniform_device(b.q, b.n, 1, -2, 2);
@@ -134,7 +136,7 @@ void sweep(bool causal, Mode mode) {
   fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
   fa::backward(s, b.q, b.k, b.v, b.o_ref, b.dout, b.lse, b.dq_ref, b.dk_ref, b.dv_ref, b.work);
   cudaDeviceSynchronize();
-  std::printf("d = %d, %s\n", D, causal ? "causal" : "not causal");
+  std::printf("d = %d, %s, B %d H %d N %d\n", D, causal ? "causal" : "not causal", B, H, N);
   using fa::BackwardTile;
   using fa::ForwardTile;
   if (mode == Mode::rounds) {
@@ -187,6 +189,27 @@ void sweep(bool causal, Mode mode) {
         std::printf("   mean of the middle rounds %.1f TFLOP/s\n", flops / middle_mean(ms[v]) * 1e-9);
       }
       fa::forward(s, b.q, b.k, b.v, b.o_ref, b.lse);
+    }
+  } else if (mode == Mode::hopper_forward64) {
+    // The warp-specialised forward at d = 64 (shipped there: the first Part B kernel), with 2 and
+    // 4 ring slots (a 64-column tile is half of d = 128's), then the first kernel and the
+    // 4-slot one in rotating rounds.
+    if constexpr (D == 64) {
+      using First = fa::HopperTile<D>;
+      using Ws2 = fa::HopperWsTile<D, true, 2, false, fa::kClaim>;
+      using Ws4 = fa::HopperWsTile<D, true, 4, false, fa::kClaim>;
+      forward_variant("wgmma", "first Part B (shipped at d = 64)", s, b, flops, fa::launch_hopper<First>);
+      forward_variant("wgmma", "warp-specialised, turns, 2 slots", s, b, flops, fa::launch_hopper_ws<Ws2>);
+      forward_variant("wgmma", "warp-specialised, turns, 4 slots", s, b, flops, fa::launch_hopper_ws<Ws4>);
+      forward_variant("wgmma", "warp-specialised, no turns, 4 slots", s, b, flops,
+                      fa::launch_hopper_ws<fa::HopperWsTile<D, false, 4, false, fa::kClaim>>);
+      fa::Params p = fa::make_params(s);
+      p.wave_heads = g_wave_heads;
+      p.q = b.q, p.k = b.k, p.v = b.v, p.out = b.o, p.lse_out = b.lse;
+      rounds("forward: first Part B / warp-specialised, 4 slots, TFLOP/s", flops,
+             [&] { fa::launch_hopper<First>(p, s, nullptr); }, [&] { fa::launch_hopper_ws<Ws4>(p, s, nullptr); });
+      rounds("forward: warp-specialised, 2 slots / 4 slots, TFLOP/s", flops,
+             [&] { fa::launch_hopper_ws<Ws2>(p, s, nullptr); }, [&] { fa::launch_hopper_ws<Ws4>(p, s, nullptr); });
     }
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
@@ -274,10 +297,17 @@ int main(int argc, char** argv) {
                       : arg == "hopper_bwd" ? Mode::hopper_backward
                       : arg == "rounds"     ? Mode::rounds
                       : arg == "hopper_fwd" ? Mode::hopper_forward
+                      : arg == "hopper_fwd64" ? Mode::hopper_forward64
                                             : Mode::tiles;
-    sweep<128>(true, mode);
-    sweep<128>(false, mode);
-    sweep<64>(true, mode);
+    if (mode == Mode::hopper_forward64) {
+      sweep<64>(true, mode);
+      sweep<64>(false, mode);
+      sweep<64>(true, mode, 16, 12, 1024);  // the capstone's attention (dense-135M, batch 16)
+    } else {
+      sweep<128>(true, mode);
+      sweep<128>(false, mode);
+      sweep<64>(true, mode);
+    }
   }
   const cudaError_t e = cudaDeviceSynchronize();
   std::printf("%s\n", e == cudaSuccess ? "ok" : cudaGetErrorString(e));

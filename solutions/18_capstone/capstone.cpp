@@ -185,8 +185,11 @@ class GridBlock {
         return;
       case BlockKind::expert: {
         auto& e = s.expert;
-        for (Tensor* t : {&e.h, &e.n2, &e.attn_out, &e.mlp_out, &s.out}) *t = ctx.tensor(x.shape());
-        e.n1 = ctx.activation(x.shape());  // as model::Block makes it (the MoE's input n2 stays fp32)
+        for (Tensor* t : {&e.h, &e.n2, &e.mlp_out, &s.out}) *t = ctx.tensor(x.shape());
+        // As model::Block makes them (the MoE's input n2 and output stay fp32); 14's attention
+        // sums its partial outputs over tp in fp32, so under tp its output is fp32 too.
+        e.n1 = ctx.activation(x.shape());
+        e.attn_out = tensor_attn_ ? ctx.tensor(x.shape()) : ctx.activation(x.shape());
         norm1_.forward(ctx, x, e.n1, e.norm1);
         if (tensor_attn_) tp_attn_.forward(ctx, e.n1, positions, rows, e.attn_out, e.attn);
         else attn_.forward(ctx, e.n1, positions, rows, e.attn_out, e.attn);

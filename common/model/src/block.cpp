@@ -29,12 +29,16 @@ void Block::run_forward(Context& ctx, const Tensor& x, const Tensor& positions, 
                         const DropoutKey& base, Internals& in, Tensor& out) const {
   const Shape shape = x.shape();
   // The norms' outputs feed GEMMs only: in the run's activation dtype (the MoE layer's input stays
-  // fp32). The residual stream (x, h, out) and the branches' outputs added into it stay fp32.
+  // fp32). So do the branches' outputs, which feed only the add into the residual stream: a bf16
+  // GEMM's result lands in them with no conversion pass, and the add reads half the bytes. They
+  // stay fp32 where dropout (fp32 only) runs on them, and for the MoE layer, which sums its
+  // experts' rows into its output. The residual stream itself (x, h, out) stays fp32.
+  const bool narrow_branches = ctx.dropout == 0;
   in.n1 = ctx.activation(shape);
   in.h = ctx.tensor(shape);
   in.n2 = is_moe_ ? ctx.tensor(shape) : ctx.activation(shape);
-  in.attn_out = ctx.tensor(shape);
-  in.mlp_out = ctx.tensor(shape);
+  in.attn_out = narrow_branches ? ctx.activation(shape) : ctx.tensor(shape);
+  in.mlp_out = narrow_branches && !is_moe_ ? ctx.activation(shape) : ctx.tensor(shape);
   norm1_.forward(ctx, x, in.n1, in.norm1);
   attn_.forward(ctx, in.n1, positions, batch, in.attn_out, in.attn);
   if (ctx.dropout > 0) ctx.ops.dropout(in.attn_out, ctx.dropout, residual_key(base, index_, 0), in.attn_out);

@@ -190,6 +190,10 @@ class CpuOps final : public Ops {
   void add(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "add");
     same_shape(a, out, "add");
+    if (any_bf16({&a, &b, &out})) {
+      Wide wa(a), wb(b), wo(out, true);
+      return add(wa, wb, wo);
+    }
     const float *x = a.f32(), *y = b.f32();
     float* o = out.f32();
     for (std::int64_t i = 0; i < a.numel(); ++i) o[i] = x[i] + y[i];

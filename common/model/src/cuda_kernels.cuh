@@ -55,7 +55,8 @@ __global__ void narrow_kernel(const float* x, __nv_bfloat16* y, std::int64_t n) 
 
 template <class T>
 __global__ void fill_kernel(T* p, std::int64_t n, float v) { K2C_FOR_EACH(i, n) store1(p + i, v); }
-__global__ void add_kernel(const float* a, const float* b, float* o, std::int64_t n) { K2C_FOR_EACH(i, n) o[i] = a[i] + b[i]; }
+template <class B>  // b fp32 or bf16
+__global__ void add_kernel(const float* a, const B* b, float* o, std::int64_t n) { K2C_FOR_EACH(i, n) o[i] = a[i] + load1(b + i); }
 __global__ void axpy_kernel(float* acc, const float* x, float s, std::int64_t n) { K2C_FOR_EACH(i, n) acc[i] += s * x[i]; }
 __global__ void scale_kernel(float* p, float s, std::int64_t n) { K2C_FOR_EACH(i, n) p[i] *= s; }
 
@@ -71,9 +72,10 @@ bool vectorizable(std::int64_t n, std::initializer_list<const void*> pointers) {
 }
 template <class T>
 __global__ void fill4_kernel(T* p, std::int64_t n4, float v) { K2C_FOR_EACH(i, n4) store4(p + 4 * i, make_float4(v, v, v, v)); }
-__global__ void add4_kernel(const float4* a, const float4* b, float4* o, std::int64_t n4) {
+template <class B>
+__global__ void add4_kernel(const float4* a, const B* b, float4* o, std::int64_t n4) {
   K2C_FOR_EACH(i, n4) {
-    const float4 x = a[i], y = b[i];
+    const float4 x = a[i], y = load4(b + 4 * i);
     o[i] = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
   }
 }
@@ -481,6 +483,80 @@ __global__ void cross_entropy_kernel(const T* z, const int* t, float scale, T* d
       store1(dz + o + j, scale * (expf(load1(z + o + j) - lse) - (j == target ? 1.0f : 0.0f)));
   }
   if (threadIdx.x == 0) loss[blockIdx.x] = static_cast<double>(lse) - zt;
+}
+
+// The same for bf16 rows that fit in registers (a multiple of 8 long, from 16-byte starts): the
+// row is read once and kept as bits, so the gradient pass reads no memory at all. At a 32k
+// vocabulary a row is 64 KiB, and the L2 holds too few rows in flight for the first kernel's
+// second read to hit it every time. The max and the sum of exponentials are two reductions over
+// the registers (one exponential per element, where the running pair costs two). 512 threads,
+// VECS 16-byte vectors each: rows of up to 4096·VECS.
+constexpr int kRowThreads = 512;
+template <int VECS>
+__global__ void __launch_bounds__(kRowThreads) cross_entropy_rows_kernel(const __nv_bfloat16* z, const int* t, float scale,
+                                                                         __nv_bfloat16* dz, double* loss, int cols, int* bad) {
+  __shared__ float partial[kRowThreads / 32];
+  const std::int64_t o = static_cast<std::int64_t>(blockIdx.x) * cols;
+  const int target = t[blockIdx.x];
+  auto at = [&](int i) { return (i * kRowThreads + static_cast<int>(threadIdx.x)) * 8; };
+  auto reduce = [&](float v, auto op) {  // the block's op over one value a thread, to every thread
+    for (int d = 16; d > 0; d /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, d));
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = partial[0];
+    for (int w = 1; w < kRowThreads / 32; ++w) v = op(v, partial[w]);
+    __syncthreads();  // partial is reused by the next reduction
+    return v;
+  };
+  if (target < 0 || target >= cols) {
+    for (int i = 0; i < VECS; ++i)
+      if (at(i) < cols) *reinterpret_cast<uint4*>(dz + o + at(i)) = uint4{0, 0, 0, 0};
+    if (threadIdx.x == 0) {
+      loss[blockIdx.x] = 0;
+      if (target >= cols) *bad = 1;
+    }
+    return;
+  }
+  uint4 bits[VECS];
+#pragma unroll
+  for (int i = 0; i < VECS; ++i)
+    if (at(i) < cols) bits[i] = *reinterpret_cast<const uint4*>(z + o + at(i));
+  auto element = [&](int i, int j) {  // element j of vector i, as a float
+    const std::uint32_t word = (&bits[i].x)[j / 2];
+    return __uint_as_float(j % 2 ? word & 0xffff0000u : word << 16);
+  };
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < VECS; ++i)
+    if (at(i) < cols)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, element(i, j));
+  m = reduce(m, [](float a, float b) { return fmaxf(a, b); });
+  float sum = 0;
+#pragma unroll
+  for (int i = 0; i < VECS; ++i)
+    if (at(i) < cols)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum += expf(element(i, j) - m);
+  sum = reduce(sum, [](float a, float b) { return a + b; });
+  const float lse = m + logf(sum);
+#pragma unroll
+  for (int i = 0; i < VECS; ++i) {
+    if (at(i) >= cols) continue;
+    uint4 g;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(scale * expf(element(i, j) - lse), scale * expf(element(i, j + 1) - lse));
+      (&g.x)[j / 2] = *reinterpret_cast<const std::uint32_t*>(&pair);
+    }
+    *reinterpret_cast<uint4*>(dz + o + at(i)) = g;
+  }
+  __syncthreads();  // the target's element is corrected after every thread has written its own
+  if (threadIdx.x == 0) {
+    const float zt = __bfloat162float(z[o + target]);
+    dz[o + target] = __float2bfloat16(scale * (expf(zt - lse) - 1.0f));
+    loss[blockIdx.x] = static_cast<double>(lse) - zt;
+  }
 }
 
 __global__ void dropout_kernel(const float* x, float* y, std::int64_t rows, std::int64_t cols, float p,

@@ -172,10 +172,24 @@ class CudaOps final : public Ops {
   void add(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "add");
     same_shape(a, out, "add");
+    // A bf16 branch output added into the fp32 residual stream (model::Block) reads its two bytes
+    // an element as they are; other mixes go through fp32 copies.
+    if (a.dtype() == DType::f32 && b.dtype() == DType::bf16 && out.dtype() == DType::f32) {
+      if (vectorizable(a.numel(), {a.raw(), b.raw(), out.raw()}))
+        launch(add4_kernel<__nv_bfloat16>, a.numel() / 4, f4(a), ptr<__nv_bfloat16>(b), f4(out), a.numel() / 4);
+      else
+        launch(add_kernel<__nv_bfloat16>, a.numel(), a.f32(), ptr<__nv_bfloat16>(b), out.f32(), a.numel());
+      return;
+    }
+    if (any_bf16({&a, &b, &out})) {
+      Wide wa(*this, a), wb(*this, b), wo(*this, out, Use::out);
+      add(wa, wb, wo);
+      return wo.store();
+    }
     if (vectorizable(a.numel(), {a.raw(), b.raw(), out.raw()}))
-      launch(add4_kernel, a.numel() / 4, f4(a), f4(b), f4(out), a.numel() / 4);
+      launch(add4_kernel<float>, a.numel() / 4, f4(a), b.f32(), f4(out), a.numel() / 4);
     else
-      launch(add_kernel, a.numel(), a.f32(), b.f32(), out.f32(), a.numel());
+      launch(add_kernel<float>, a.numel(), a.f32(), b.f32(), out.f32(), a.numel());
   }
   void accumulate(Tensor& acc, const Tensor& x, float s) override {
     same_shape(acc, x, "accumulate");
@@ -552,6 +566,22 @@ class CudaOps final : public Ops {
   template <class T>
   void cross_entropy_as(Matrix m, const Tensor& logits, const Tensor& targets, float grad_scale, Tensor& dlogits,
                         double* losses) {
+    // bf16 rows that fit in registers: one read of the logits (cross_entropy_rows_kernel).
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const std::int64_t vecs = (m.cols + 8 * kRowThreads - 1) / (8 * kRowThreads);
+      if (m.cols % 8 == 0 && vecs <= 8 && vectorizable(m.cols, {logits.raw(), dlogits.raw()})) {
+        auto rows = [&](auto kernel) {
+          kernel<<<rows_grid(m.rows), kRowThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale, ptr<T>(dlogits),
+                                                                  losses, static_cast<int>(m.cols), flag_);
+          K2C_CUDA_CHECK_LAUNCH();
+        };
+        if (vecs <= 1) rows(cross_entropy_rows_kernel<1>);
+        else if (vecs <= 2) rows(cross_entropy_rows_kernel<2>);
+        else if (vecs <= 4) rows(cross_entropy_rows_kernel<4>);
+        else rows(cross_entropy_rows_kernel<8>);
+        return;
+      }
+    }
     // Four at a time where a row is whole 16-byte (fp32) or 8-byte (bf16) steps from aligned starts.
     if (vectorizable(m.cols, {logits.raw(), dlogits.raw()}))
       cross_entropy_kernel<true, T><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale,

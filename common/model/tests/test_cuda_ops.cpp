@@ -11,6 +11,7 @@
 #include <bit>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -621,15 +622,17 @@ void check_bf16_ops(Ops& gpu_ops) {
     expect_close_bf16(dg, "swiglu dgate (bf16)", 1e-2, 1e-2);
     expect_close_bf16(du, "swiglu dup (bf16)", 1e-2, 1e-2);
   }
-  // Cross-entropy over bf16 logits into a bf16 gradient: 40 columns (vectors) and 37 (elements).
-  for (const std::int64_t cols : {40, 37}) {
+  // Cross-entropy over bf16 logits into a bf16 gradient: rows held in registers (40 columns: one
+  // vector a thread; 4104 and 32760: two and eight, the last ones partly past the row) and the
+  // element kernel (37).
+  for (const std::int64_t cols : {40, 37, 4104, 32760}) {
     Pair z = t.random({6, cols}, 3.0f, b), dz = t.nans({6, cols}, b);
     Pair tg = t.ints({6}, {3, -1, static_cast<std::int32_t>(cols - 1), 0, 17, 17});
     const double lc = cpu_ops().cross_entropy(z.cpu, tg.cpu, 0.25f, dz.cpu);
     const double lg = gpu_ops.cross_entropy(z.gpu, tg.gpu, 0.25f, dz.gpu);
     EXPECT_NEAR(lc, lg, 1e-5 * std::abs(lc)) << cols << " columns";
-    expect_close_bf16(dz, cols == 40 ? "cross-entropy gradient (bf16, vectors)" : "cross-entropy gradient (bf16, elements)",
-                      1e-2, 1e-2);
+    const std::string what = "cross-entropy gradient (bf16, " + std::to_string(cols) + " columns)";
+    expect_close_bf16(dz, what.c_str(), 1e-2, 1e-2);
   }
   // Mixed dtypes and the widened paths: SwiGLU with an fp32 gate, the loss into an fp32 gradient,
   // RMSNorm of a bf16 input into a bf16 gradient.
@@ -647,6 +650,18 @@ void check_bf16_ops(Ops& gpu_ops) {
   expect_close_bf16(mdz, "cross-entropy (bf16 logits, fp32 gradient)", 1e-2, 1e-2);
   expect_close_bf16(ny, "rmsnorm (bf16 in and out)", 1e-2, 1e-2);
   expect_close_bf16(ndx, "rmsnorm backward (bf16 x, dy and dx)", 1e-2, 1e-2);
+  // A bf16 branch output added into the fp32 residual stream: whole vectors (9 x 40) and not
+  // (5 x 7); the sum of an fp32 and a widened bf16 value is the same bits on both backends. Then
+  // a bf16 sum, which the GPU forms on fp32 copies.
+  for (const Shape s : {Shape{9, 40}, Shape{5, 7}}) {
+    Pair ra = t.random(s), rb = t.random(s, 1.0f, b), rsum = t.nans(s, DType::f32), rsum16 = t.nans(s, b);
+    both([&](Ops& o, bool g) {
+      o.add(pick(ra, g), pick(rb, g), pick(rsum, g));
+      o.add(pick(ra, g), pick(rb, g), pick(rsum16, g));
+    });
+    EXPECT_EQ(host(rsum.cpu, cpu_ops()), host(rsum.gpu, gpu())) << "add (fp32 + bf16), " << s.str();
+    EXPECT_EQ(host(rsum16.cpu, cpu_ops()), host(rsum16.gpu, gpu())) << "add (bf16 sum), " << s.str();
+  }
   // fill writes bf16.
   Pair f = t.nans({3, 5}, b);
   both([&](Ops& o, bool g) { o.fill(pick(f, g), 0.75f); });

@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "k2c/core/bf16.h"
 #include "k2c/model/layers.h"
 #include "k2c/model/transformer.h"
 
@@ -290,20 +291,35 @@ TEST(Layers, SwigluMlp) {
   expect_gradients(loss, vars);
 }
 
+// A small dense block (d 8, two query heads over one kv head, d_ff 6) with random parameters,
+// over 2 sequences of 3 tokens at positions 0, 1, 2.
+struct SmallBlock {
+  static constexpr int batch = 2, T = 3;
+  static BlockConfig config() {
+    BlockConfig bc;
+    bc.attention = {8, 2, 1, 10000.0f};
+    bc.d_ff = 6;
+    return bc;
+  }
+  explicit SmallBlock(Rig& s) : block(s.params, "block", config(), 0) {
+    s.params.materialize(s.ctx.ops, s.ledger, 6);
+    s.randomize_params(0.4f);
+    positions = s.ctx.tensor({T}, Category::activations, DType::i32);
+    const std::int32_t pos[] = {0, 1, 2};
+    s.ctx.ops.upload(positions, pos);
+  }
+  Block block;
+  Tensor positions;
+};
+
 TEST(Layers, BlockWithDropout) {
   Rig s;
   s.ctx.dropout = 0.2f;  // the mask is a fixed function of the key, so the loss stays smooth
   s.ctx.seed = 9;
-  const int batch = 2, T = 3;
-  BlockConfig bc;
-  bc.attention = {8, 2, 1, 10000.0f};
-  bc.d_ff = 6;
-  Block block(s.params, "block", bc, 0);
-  s.params.materialize(s.ctx.ops, s.ledger, 6);
-  s.randomize_params(0.4f);
-  Tensor positions = s.ctx.tensor({T}, Category::activations, DType::i32);
-  const std::int32_t pos[] = {0, 1, 2};
-  s.ctx.ops.upload(positions, pos);
+  SmallBlock b(s);
+  const int batch = SmallBlock::batch, T = SmallBlock::T;
+  const Block& block = b.block;
+  const Tensor& positions = b.positions;
   Tensor x = s.make({batch * T, 8}), r = s.make({batch * T, 8}), dx = s.ctx.tensor({batch * T, 8});
   Block::Saved saved;
   auto loss = [&] {
@@ -317,6 +333,32 @@ TEST(Layers, BlockWithDropout) {
   auto vars = s.param_vars();
   vars.push_back({"x", x.f32(), dx.f32(), x.numel()});
   expect_gradients(loss, vars, 3e-3);
+}
+
+// With bf16 activations the branches' outputs are bf16 (they only feed the residual add), and
+// h = x + attn_out holds exactly the fp32 sum of x and the widened bf16 output; with dropout,
+// which takes fp32, they stay fp32. The residual stream is fp32 either way.
+TEST(Layers, BlockBranchOutputsInTheActivationDtype) {
+  for (const float dropout : {0.0f, 0.2f}) {
+    SCOPED_TRACE("dropout " + std::to_string(dropout));
+    Rig s;
+    s.ctx.activations = DType::bf16;
+    s.ctx.dropout = dropout;
+    SmallBlock b(s);
+    Tensor x = s.make({SmallBlock::batch * SmallBlock::T, 8});
+    Block::Saved saved;
+    b.block.forward(s.ctx, x, b.positions, SmallBlock::batch, false, saved);
+    const Block::Internals& in = *saved.internals;
+    const DType branch = dropout > 0 ? DType::f32 : DType::bf16;
+    EXPECT_EQ(in.attn_out.dtype(), branch);
+    EXPECT_EQ(in.mlp_out.dtype(), branch);
+    EXPECT_EQ(in.h.dtype(), DType::f32);
+    EXPECT_EQ(saved.out.dtype(), DType::f32);
+    if (dropout > 0) continue;
+    const auto* a16 = static_cast<const std::uint16_t*>(in.attn_out.raw());
+    for (std::int64_t i = 0; i < x.numel(); ++i)
+      ASSERT_EQ(in.h.f32()[i], x.f32()[i] + bf16_to_float(a16[i])) << "element " << i;
+  }
 }
 
 TEST(Layers, CrossEntropyWithIgnoredTargets) {

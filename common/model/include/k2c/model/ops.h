@@ -74,7 +74,7 @@ class Ops {
   // ---- element-wise
   virtual void fill(Tensor& t, float value) = 0;                                // [bf16]
   virtual void copy(Tensor& dst, const Tensor& src) = 0;                        // same dtypes
-  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;         // out = a + b
+  virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;         // out = a + b [bf16]
   virtual void accumulate(Tensor& acc, const Tensor& x, float scale) = 0;       // acc += scale·x
   virtual void scale(Tensor& t, float s) = 0;                                   // t *= s
   virtual double sum_squares(const Tensor& t) = 0;                              // Σ t², in double
