@@ -13,7 +13,9 @@
 // rounds. "hopper_fwd": Part B's forward against the warp-specialised one (TMA, a producer
 // warpgroup, 128 x 128 tiles), a tile per block against persistent blocks, with and without the
 // consumers' turns, d = 128. "hopper_fwd64": the same kernels at d = 64, at the graded shape and
-// at the capstone's (B 16, H 12, N 1024), with 2 and 4 ring slots. "once": one shipped
+// at the capstone's (B 16, H 12, N 1024), with 2 and 4 ring slots. "capstone": the capstone's
+// attention (d = 64, B 16, H 12, N 1024, causal) as course mode calls it, and the backward's passes
+// around its kernel. "once": one shipped
 // forward, backward and Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
@@ -104,7 +106,7 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
 // backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
 // of close variants in alternating rounds.
-enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64 };
+enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone };
 
 // Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
 // back to back); prints the rate per round and the ratio of the middle two rounds' mean times
@@ -211,6 +213,29 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
       rounds("forward: warp-specialised, 2 slots / 4 slots, TFLOP/s", flops,
              [&] { fa::launch_hopper_ws<Ws2>(p, s, nullptr); }, [&] { fa::launch_hopper_ws<Ws4>(p, s, nullptr); });
     }
+  } else if (mode == Mode::capstone) {
+    // The capstone's attention as its course mode runs it (d = 64: Part B's first forward and
+    // Part B's backward), each call whole, then the backward's passes around its kernel alone:
+    // D = rowsum(dO * O), dQ's fp32 sums zeroed, and dQ converted to bf16.
+    if constexpr (D == 64) {
+      forward_variant("wgmma", "Part B forward (shipped at d = 64)", s, b, flops, fa::launch_hopper<fa::HopperTile<D>>);
+      forward_variant("forward", "mma.sync forward (Part A)", s, b, flops, fa::launch_forward<ForwardTile<D>>);
+      backward_variant<fa::HopperBackwardTile<D>, true>("Part B (shipped)", s, b, flops);
+      backward_variant<BackwardTile<D>>("mma.sync (Part A)", s, b, flops);
+      backward_variant<fa::HopperBackwardTile<D, fa::BackwardProbe::no_dq_adds>, true>("probe: no dQ adds", s, b, flops);
+      fa::Params p = fa::make_params(s);
+      p.o = b.o_ref, p.dout = b.dout, p.dq = b.dq, p.dot = b.work, p.dq_accum = b.work + fa::dot_floats(s);
+      const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len, quads = rows * D / 4;
+      const double ms = median_ms(
+          [&] {
+            fa::dot_kernel<D><<<static_cast<unsigned>((rows + 7) / 8), 256>>>(p.dout, p.o, p.dot, rows);
+            cudaMemsetAsync(p.dq_accum, 0, rows * D * sizeof(float));
+            fa::dq_convert_kernel<<<static_cast<unsigned>((quads + 255) / 256), 256>>>(
+                reinterpret_cast<const float4*>(p.dq_accum), reinterpret_cast<uint2*>(p.dq), p.scale, quads);
+          },
+          20);
+      std::printf("  backward's passes around its kernel (D, zeroing, dQ conversion)  (%.3f ms)\n", ms);
+    }
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
@@ -298,8 +323,11 @@ int main(int argc, char** argv) {
                       : arg == "rounds"     ? Mode::rounds
                       : arg == "hopper_fwd" ? Mode::hopper_forward
                       : arg == "hopper_fwd64" ? Mode::hopper_forward64
+                      : arg == "capstone"     ? Mode::capstone
                                             : Mode::tiles;
-    if (mode == Mode::hopper_forward64) {
+    if (mode == Mode::capstone) {
+      sweep<64>(true, mode, 16, 12, 1024);
+    } else if (mode == Mode::hopper_forward64) {
       sweep<64>(true, mode);
       sweep<64>(false, mode);
       sweep<64>(true, mode, 16, 12, 1024);  // the capstone's attention (dense-135M, batch 16)
