@@ -5,8 +5,10 @@ its GEMMs, its attention calls and AdamW cost anything, each at the time it was 
     python3 tools/capstone_budget.py [--write]
 
 Reads the measurements it adds up, all from one GPU's files:
-  lab/results/h200.json        capstone_gemms/step (the step's products on module 05 forward and
-                               module 10 backward, weighted by their calls), and
+  lab/results/h200.json        capstone_gemms (each product of the step timed alone; weighted
+                               here by its calls, on the kernels course mode runs it on: module 05
+                               for the forward and input-gradient products, module 10's weight
+                               gradient split into groups of tokens), and
                                attention/experiment/capstone_shape (module 09's Part B forward and
                                backward calls at the capstone's shape, two processes: the mean)
   autograder/reference/h200.json
@@ -19,14 +21,30 @@ the docs read it from (tools/figures.py).
 import argparse
 import json
 import pathlib
+import re
 import statistics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAB = ROOT / "lab/results/h200.json"
 REFERENCE = ROOT / "autograder/reference/h200.json"
 RUN = "dense-135m course bf16"
-TOKENS = 16 * 1024  # a step of tools/capstone-runs.sh: batch 16 x 1024 tokens
-LAYERS = 12         # dense-135M: one attention forward and backward call per layer
+# Each product of capstone_gemms: its calls per layer (per step for the head) and, for each of its
+# three forms, the rate course mode gets (autograder/18_capstone/course_kernels.cu).
+PRODUCTS = {"q, k, v, o": 4, "gate, up": 2, "down": 1}
+FORMS = {"forward": "05_tflops", "dW": "10_split_tflops", "dx": "05_tflops"}
+GOAL = 0.62  # the module's goal: model FLOP rate over cuBLAS bf16 (README's course map, lecture 18 section 3)
+
+
+def gemm_step(gemms, layers):
+    """The step's products on course mode's kernels, each at its rate alone: (ms, TFLOP)."""
+    ms = tflop = 0.0
+    for name, calls in list(PRODUCTS.items()) + [("head", None)]:
+        for form, rate in FORMS.items():
+            p = gemms[f"{name} {form}"]
+            flop = (calls * layers if calls else 1) * 2.0 * p["M"] * p["N"] * p["K"]
+            ms += flop / (p[rate] * 1e12) * 1e3
+            tflop += flop * 1e-12
+    return ms, tflop
 
 
 def main():
@@ -35,22 +53,29 @@ def main():
     args = ap.parse_args()
     lab = json.loads(LAB.read_text())
     run = json.loads(REFERENCE.read_text())["capstone"][RUN]
+    # The step's shape: layers and sequence length from the run's model, tokens from the products.
+    layers = int(re.search(r"(\d+) layers", run["model"]).group(1))
+    seq = int(re.search(r"T (\d+)", run["model"]).group(1))
+    tokens = lab["capstone_gemms"]["q, k, v, o forward"]["M"]
+    if tokens % seq:
+        raise SystemExit(f"capstone_budget: {tokens} tokens are not whole sequences of {seq}")
 
-    gemm_ms = lab["capstone_gemms"]["step"]["05_forward_10_backward_ms"]
+    products_ms, products_tflop = gemm_step(lab["capstone_gemms"], layers)
     shape = lab["attention"]["experiment"]["capstone_shape"]
     runs = [shape[k] for k in sorted(shape) if k.startswith("run")]
     forward = statistics.mean(r["forward: Part B forward (shipped at d = 64)"]["ms"] for r in runs)
     backward = statistics.mean(r["backward: Part B (shipped)"]["ms"] for r in runs)
-    attention_ms = LAYERS * (forward + backward)
+    attention_ms = layers * (forward + backward)
     adamw_ms = run["ops_ms"]["adamw"]
-    kernels_ms = gemm_ms + attention_ms + adamw_ms
+    kernels_ms = products_ms + attention_ms + adamw_ms
 
     flops_per_token = run["model_tflops_per_rank"] * 1e12 / run["median_tokens_per_s"]
-    step_ms = TOKENS / run["median_tokens_per_s"] * 1e3
-    tokens_per_s = TOKENS / (kernels_ms * 1e-3)
+    step_ms = tokens / run["median_tokens_per_s"] * 1e3
+    tokens_per_s = tokens / (kernels_ms * 1e-3)
     budget = {
-        "$comment": "tools/capstone_budget.py: one dense-135M step (16,384 tokens) with only its GEMMs (capstone_gemms/step, 05 forward and 10 backward), its 12 attention forward and backward calls (attention/experiment/capstone_shape, the mean of its runs) and AdamW (capstone.dense-135m course bf16 in the reference) costing anything, each at its time alone; the tokens/s and ratio to cuBLAS bf16 that would give, with the model FLOPs a token and the cuBLAS rate of that reference run; and the measured step's time beside it.",
-        "gemms_ms": round(gemm_ms, 3),
+        "$comment": "tools/capstone_budget.py: one dense-135M step (16,384 tokens) with only its GEMMs (capstone_gemms, each product at its rate alone on the kernels course mode runs it on: 05 forward and input gradients, 10's weight gradient in groups of tokens), its attention forward and backward calls, one each a layer (attention/experiment/capstone_shape, the mean of its runs) and AdamW (capstone.dense-135m course bf16 in the reference) costing anything; the tokens/s and ratio to cuBLAS bf16 that would give, with the model FLOPs a token and the cuBLAS rate of that reference run; the measured step's time beside it; and goal_rest_ms, what the rest of the step could take at the goal's ratio (0.62).",
+        "gemms_ms": round(products_ms, 3),
+        "gemms_tflops": round(products_tflop / (products_ms * 1e-3), 1),
         "attention_ms": round(attention_ms, 3),
         "adamw_ms": round(adamw_ms, 3),
         "kernels_ms": round(kernels_ms, 3),
@@ -60,6 +85,8 @@ def main():
         "measured_ratio": round(run["ratio"], 4),
         "rest_ms": round(step_ms - kernels_ms, 3),
     }
+    ratio = budget["kernels_ratio"]
+    budget["goal_rest_ms"] = round(kernels_ms * (ratio / GOAL - 1.0), 3)
     for key, value in budget.items():
         if not key.startswith("$"):
             print(f"{key:22s} {value}")

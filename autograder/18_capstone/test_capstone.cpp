@@ -22,6 +22,12 @@
 //   - every other grid: sums over ranks in another order, so each step's loss within
 //     kLossTol·max(1, loss) of the reference and the norm within kNormTol relative, and the
 //     parameters after 20 steps within atol kParamAtol + rtol kParamRtol;
+//   - ep 2 with activations in bf16: the first step's loss and norm within the same tolerances.
+//     A bf16 activation rounds an fp32 sum, and sums in another order round the other way now
+//     and then; after a few steps of AdamW the curves part by 1e-4 relative, too much to tell a
+//     wrong rounding point from. The first step still agrees to 1e-8 where both grids round in
+//     the same places, and parts by 1e-6 in the loss and 1e-4 in the norm where one grid keeps a
+//     tensor in fp32 that the other rounds (measured on attention's output);
 //   - on every grid, every rank reports the same bits for the loss and the norm.
 // The tolerances are 20 to 40 times the largest differences the reference showed over these
 // grids (loss 1.3e-8 relative, norm 1.5e-7, parameters 2.4e-6 absolute and 2.2e-7 in relative
@@ -80,9 +86,10 @@ const Reference& reference(Model model) {
   return cache.emplace(model, std::move(r)).first->second;
 }
 
-enum class Match { bits, loss_bits, tolerance };
+enum class Match { bits, loss_bits, tolerance, first_step };
 
-// Trains `grid` for kSteps and holds it against the single-process reference.
+// Trains `grid` for kSteps (first_step: one step) and holds it against the single-process
+// reference.
 void expect_grid_matches(const std::string& grid, Model model, int micro_batches, Match match) {
   const kd::GridShape shape = kc::parse_grid(grid);
   if (world().size() != shape.total())
@@ -94,12 +101,13 @@ void expect_grid_matches(const std::string& grid, Model model, int micro_batches
   config.grid = shape;
   config.micro_batches = micro_batches;
   kc::GridTrainer trainer(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
-  for (int s = 0; s < kSteps; ++s) {
+  const int steps = match == Match::first_step ? 1 : kSteps;
+  for (int s = 0; s < steps; ++s) {
     const km::StepRecord r = trainer.step();
     const km::StepRecord& w = ref.steps[static_cast<std::size_t>(s)];
     ASSERT_TRUE(same_on_every_rank(r.loss) && same_on_every_rank(r.grad_norm)) << "step " << s;
     EXPECT_EQ(r.lr, w.lr) << "step " << s;
-    if (match == Match::tolerance) {
+    if (match == Match::tolerance || match == Match::first_step) {
       ASSERT_NEAR(r.loss, w.loss, kLossTol * std::max(1.0, w.loss)) << "step " << s;
     } else {
       ASSERT_EQ(r.loss, w.loss) << "step " << s << " (bit for bit)";
@@ -110,6 +118,7 @@ void expect_grid_matches(const std::string& grid, Model model, int micro_batches
       ASSERT_NEAR(r.grad_norm, w.grad_norm, kNormTol * w.grad_norm) << "step " << s;
     }
   }
+  if (match == Match::first_step) return;
   const std::vector<float> got = trainer.gather_values();
   ASSERT_EQ(got.size(), ref.values.size());
   if (match == Match::bits) {
@@ -158,6 +167,7 @@ TEST_F(Capstone, OneRankMoeMatchesLibraryTrainer) { expect_grid_matches("1", Mod
 // Activations stored in bf16 (config.train.activations): the stage rounds where model::Transformer
 // does, the final norm's output and the logits included.
 TEST_F(Capstone, OneRankBf16MatchesLibraryTrainer) { expect_grid_matches("1", Model::dense_bf16, 1, Match::bits); }
+TEST_F(Capstone, OneRankMoeBf16MatchesLibraryTrainer) { expect_grid_matches("1", Model::moe_bf16, 1, Match::bits); }
 TEST_F(Capstone, GridDp2MatchesOneRank) { expect_grid_matches("dp2", Model::dense, 1, Match::tolerance); }
 TEST_F(Capstone, GridTp2MatchesOneRank) { expect_grid_matches("tp2", Model::dense, 1, Match::tolerance); }
 TEST_F(Capstone, GridPp2MatchesOneRank) { expect_grid_matches("pp2", Model::dense, 1, Match::loss_bits); }
@@ -166,6 +176,9 @@ TEST_F(Capstone, GridPp2MicroBatchesMatchOneRank) {
 }
 // With ep alone the ep group is every data rank: the balance term is one process's.
 TEST_F(Capstone, GridEp2MatchesOneRank) { expect_grid_matches("ep2", Model::moe, 1, Match::tolerance); }
+// The same in bf16, its first step: ep's block rounds where model::Block does (attention's
+// output included).
+TEST_F(Capstone, GridEp2Bf16MatchesOneRank) { expect_grid_matches("ep2", Model::moe_bf16, 1, Match::first_step); }
 TEST_F(Capstone, GridDp2Tp2MatchesOneRank) { expect_grid_matches("dp2,tp2", Model::dense, 1, Match::tolerance); }
 TEST_F(Capstone, GridDp2Pp2MatchesOneRank) { expect_grid_matches("dp2,pp2", Model::dense, 2, Match::tolerance); }
 TEST_F(Capstone, GridTp2Pp2MatchesOneRank) { expect_grid_matches("tp2,pp2", Model::dense, 2, Match::tolerance); }

@@ -489,8 +489,8 @@ __global__ void cross_entropy_kernel(const T* z, const int* t, float scale, T* d
 // row is read once and kept as bits, so the gradient pass reads no memory at all. At a 32k
 // vocabulary a row is 64 KiB, and the L2 holds too few rows in flight for the first kernel's
 // second read to hit it every time. The max and the sum of exponentials are two reductions over
-// the registers (one exponential per element, where the running pair costs two). 512 threads,
-// VECS 16-byte vectors each: rows of up to 4096·VECS.
+// the registers, with no branch per element. 512 threads, VECS 16-byte vectors each: rows of up
+// to 4096·VECS.
 constexpr int kRowThreads = 512;
 template <int VECS>
 __global__ void __launch_bounds__(kRowThreads) cross_entropy_rows_kernel(const __nv_bfloat16* z, const int* t, float scale,

@@ -623,9 +623,10 @@ void check_bf16_ops(Ops& gpu_ops) {
     expect_close_bf16(du, "swiglu dup (bf16)", 1e-2, 1e-2);
   }
   // Cross-entropy over bf16 logits into a bf16 gradient: rows held in registers (40 columns: one
-  // vector a thread; 4104 and 32760: two and eight, the last ones partly past the row) and the
-  // element kernel (37).
-  for (const std::int64_t cols : {40, 37, 4104, 32760}) {
+  // vector a thread; 4104, 12296 and 32760: two, four and eight, the last ones partly past the
+  // row), the 4-element vectors of the first kernel (44: not a multiple of 8) and its element
+  // path (37).
+  for (const std::int64_t cols : {40, 37, 44, 4104, 12296, 32760}) {
     Pair z = t.random({6, cols}, 3.0f, b), dz = t.nans({6, cols}, b);
     Pair tg = t.ints({6}, {3, -1, static_cast<std::int32_t>(cols - 1), 0, 17, 17});
     const double lc = cpu_ops().cross_entropy(z.cpu, tg.cpu, 0.25f, dz.cpu);
