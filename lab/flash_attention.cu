@@ -216,7 +216,7 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
   } else if (mode == Mode::capstone) {
     // The capstone's attention as its course mode runs it (d = 64: Part B's first forward and
     // Part B's backward), each call whole, then the backward's passes around its kernel alone:
-    // D = rowsum(dO * O), dQ's fp32 sums zeroed, and dQ converted to bf16.
+    // D = rowsum(dO * O) with dQ's fp32 sums zeroed, and dQ converted to bf16.
     if constexpr (D == 64) {
       forward_variant("wgmma", "Part B forward (shipped at d = 64)", s, b, flops, fa::launch_hopper<fa::HopperTile<D>>);
       forward_variant("forward", "mma.sync forward (Part A)", s, b, flops, fa::launch_forward<ForwardTile<D>>);
@@ -228,8 +228,8 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
       const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len, quads = rows * D / 4;
       const double ms = median_ms(
           [&] {
-            fa::dot_kernel<D><<<static_cast<unsigned>((rows + 7) / 8), 256>>>(p.dout, p.o, p.dot, rows);
-            cudaMemsetAsync(p.dq_accum, 0, rows * D * sizeof(float));
+            fa::dot_kernel<D><<<static_cast<unsigned>((rows * (D / 8) + 255) / 256), 256>>>(p.dout, p.o, p.dot,
+                                                                                         p.dq_accum, rows);
             fa::dq_convert_kernel<<<static_cast<unsigned>((quads + 255) / 256), 256>>>(
                 reinterpret_cast<const float4*>(p.dq_accum), reinterpret_cast<uint2*>(p.dq), p.scale, quads);
           },

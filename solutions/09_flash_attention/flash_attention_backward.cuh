@@ -1,6 +1,6 @@
 // solutions/09_flash_attention/flash_attention_backward.cuh — module 09's reference, part 3 of 4:
-// the backward pass by recomputation. dot_kernel (D = rowsum(dO·O)) and dq_convert_kernel, which
-// run before and after it, then backward_kernel on mma.sync (BackwardTile) and Part B's
+// the backward pass by recomputation. dot_kernel (D = rowsum(dO·O), and dQ's sums zeroed) and
+// dq_convert_kernel, which run before and after it, then backward_kernel on mma.sync (BackwardTile) and Part B's
 // hopper_backward_kernel on wgmma (HopperBackwardTile). Included by flash_attention.cu only,
 // inside its unnamed namespace, after the forward pass (flash_attention_forward.cuh); the naive
 // kernels (flash_attention_naive.cuh) follow.
@@ -8,16 +8,21 @@
 
 // ---- backward -----------------------------------------------------------------------------------
 
-// D_i = Σ_d dO_id · O_id, one warp per row (the softmax gradient's row term, lecture section 7).
+// D_i = Σ_d dO_id · O_id (the softmax gradient's row term, lecture section 7), and row i of dQ's
+// fp32 sums zeroed for the backward kernel to add into: one pass over the rows instead of this
+// and a memset. A row is D/8 lanes' 16-byte loads of dO and O, so a warp takes 32/(D/8) rows (4
+// at D = 64) with every lane loading: one row a warp left three quarters of the lanes idle at
+// D = 64, and too few bytes in flight for the memory.
 template <int D>
-__global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, std::size_t rows) {
-  const std::size_t row = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
+__global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, float* dq_accum, std::size_t rows) {
+  constexpr int kLanes = D / 8, kRowsPerWarp = 32 / kLanes;
+  const int lane = threadIdx.x % 32, part = lane % kLanes;
+  const std::size_t warp = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const std::size_t row = warp * kRowsPerWarp + lane / kLanes;
   float acc = 0;
-  if (lane < D / 8) {
-    const uint4 a = reinterpret_cast<const uint4*>(dout + row * D)[lane];
-    const uint4 c = reinterpret_cast<const uint4*>(o + row * D)[lane];
+  if (row < rows) {  // no return: every lane takes part in the shuffles below
+    const uint4 a = reinterpret_cast<const uint4*>(dout + row * D)[part];
+    const uint4 c = reinterpret_cast<const uint4*>(o + row * D)[part];
     const auto* x = reinterpret_cast<const __nv_bfloat162*>(&a);
     const auto* y = reinterpret_cast<const __nv_bfloat162*>(&c);
 #pragma unroll
@@ -25,10 +30,12 @@ __global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, std::siz
       const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
       acc += fx.x * fy.x + fx.y * fy.y;
     }
+    auto* zero = reinterpret_cast<float4*>(dq_accum + row * D);  // D/4 float4: two a lane
+    zero[part] = zero[part + kLanes] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
-  for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (lane == 0) dot[row] = acc;
+  for (int m = kLanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (row < rows && part == 0) dot[row] = acc;
 }
 
 // dq = bf16(scale · dq_accum), four elements per thread.
