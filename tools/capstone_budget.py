@@ -2,7 +2,7 @@
 """The ceiling of the capstone's course mode on one GPU: what a dense-135M step would take if only
 its GEMMs, its attention calls and AdamW cost anything, each at the time it was measured alone.
 
-    python3 tools/capstone_budget.py [--write]
+    python3 tools/capstone_budget.py [--write] [--lab FILE] [--reference FILE]
 
 Reads the measurements it adds up, all from one GPU's files:
   lab/results/h200.json        capstone_gemms (each product of the step timed alone; weighted
@@ -16,8 +16,9 @@ Reads the measurements it adds up, all from one GPU's files:
                                capstone/dense-135m course bf16 (AdamW's time, the model FLOPs a
                                token, the run's tokens/s and its cuBLAS bf16 rate)
 and prints the budget: the sum, the tokens/s and ratio to cuBLAS it would give, and what the rest
-of the measured step costs. --write records it as capstone_budget in lab/results/h200.json, where
-the docs read it from (tools/figures.py).
+of the measured step costs. --write records it as capstone_budget in the lab file, where the docs
+read it from (tools/figures.py). --lab and --reference point at another GPU's files (default: the
+H200's).
 """
 import argparse
 import json
@@ -48,12 +49,8 @@ def gemm_step(gemms, layers):
     return ms, tflop
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help="record the budget in lab/results/h200.json")
-    args = ap.parse_args()
-    lab = json.loads(LAB.read_text())
-    run = json.loads(REFERENCE.read_text())["capstone"][RUN]
+def budget_of(lab, run):
+    """The budget (a dict for lab results) from the measurements; KeyError where one is missing."""
     # The step's shape: layers and sequence length from the run's model, tokens from the products.
     layers = int(re.search(r"(\d+) layers", run["model"]).group(1))
     seq = int(re.search(r"T (\d+)", run["model"]).group(1))
@@ -87,13 +84,32 @@ def main():
     }
     ratio = budget["kernels_ratio"]
     budget["goal_rest_ms"] = round(kernels_ms * (ratio / GOAL - 1.0), 3)
+    return budget
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="record the budget in the lab file")
+    ap.add_argument("--lab", type=pathlib.Path, default=LAB, help=f"lab results (default {LAB.relative_to(ROOT)})")
+    ap.add_argument("--reference", type=pathlib.Path, default=REFERENCE,
+                    help=f"reference timings (default {REFERENCE.relative_to(ROOT)})")
+    args = ap.parse_args()
+    try:
+        lab = json.loads(args.lab.read_text())
+        run = json.loads(args.reference.read_text())["capstone"][RUN]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise SystemExit(f"capstone_budget: cannot read the measurements: {e!r}")
+    try:
+        budget = budget_of(lab, run)
+    except KeyError as e:
+        raise SystemExit(f"capstone_budget: a measurement is missing: {e} (see this tool's docstring for what it reads)")
     for key, value in budget.items():
         if not key.startswith("$"):
             print(f"{key:22s} {value}")
     if args.write:
         lab["capstone_budget"] = budget
-        LAB.write_text(json.dumps(lab, indent=1, ensure_ascii=False) + "\n")
-        print(f"capstone_budget written to {LAB.relative_to(ROOT)}")
+        args.lab.write_text(json.dumps(lab, indent=1, ensure_ascii=False) + "\n")
+        print(f"capstone_budget written to {args.lab}")
 
 
 if __name__ == "__main__":
