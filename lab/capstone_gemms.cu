@@ -2,8 +2,9 @@
 // d 768, ff 2048, vocabulary 32768) timed one by one: cuBLAS in the layout the trusted backend
 // calls it with, module 05's Hopper GEMM (C = A·Bᵀ, both operands K-major: for the backward the
 // operands as the adapter's transposes leave them, the transposes not timed), and module 10's
-// Hopper grouped GEMMs with one group (the backward's MN-major forms, as course mode runs them; its
-// forward form too). TFLOP/s per product and over the step, each product weighted by its calls.
+// Hopper grouped GEMMs with one group (the backward's MN-major forms; its forward form too; course
+// mode runs the weight gradient on this form, in groups of tokens, and the input gradient on 05).
+// TFLOP/s per product and over the step, each product weighted by its calls.
 // The reference solutions are compiled in:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -Icommon/include -Iassignments/05_tensor_core_matmul \
 //        -Iassignments/10_moe lab/capstone_gemms.cu common/src/device.cu -lcublas -lcuda \
@@ -75,7 +76,7 @@ int main() {
   int* one_group = device_offsets(T, 1);
 
   auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
-  double step_flops = 0, cublas_ms = 0, course_ms = 0, tc05_ms = 0;
+  double step_flops = 0, cublas_ms = 0, both_10_ms = 0, course_ms = 0, tc05_ms = 0;
   std::printf("%-11s %-8s %6s %6s %6s  %9s %9s %9s %9s\n", "linear", "product", "M", "N", "K", "cuBLAS", "05",
               "10", "10 split");
   for (const Linear& l : kLinears) {
@@ -119,12 +120,14 @@ int main() {
     step_flops += 3 * flops * l.calls;
     cublas_ms += (f_cublas + w_cublas + x_cublas) * l.calls;
     tc05_ms += (f_05 + w_05 + x_05) * l.calls;
-    course_ms += (f_05 + w_10s + x_10) * l.calls;
+    both_10_ms += (f_05 + w_10s + x_10) * l.calls;
+    course_ms += (f_05 + w_10s + x_05) * l.calls;
   }
   std::printf("\nstep's products, %.2f TFLOP: cuBLAS %.2f ms (%.1f TFLOP/s), 05 alone %.2f ms (%.1f), "
-              "course mode's choice (05 forward, 10 backward) %.2f ms (%.1f)\n",
+              "05 forward and 10 backward %.2f ms (%.1f), course mode's choice (10's weight gradients, 05 "
+              "otherwise) %.2f ms (%.1f)\n",
               step_flops / 1e12, cublas_ms, tflops(step_flops, cublas_ms), tc05_ms, tflops(step_flops, tc05_ms),
-              course_ms, tflops(step_flops, course_ms));
+              both_10_ms, tflops(step_flops, both_10_ms), course_ms, tflops(step_flops, course_ms));
   const cudaError_t err = cudaDeviceSynchronize();
   std::printf("%s\n", err == cudaSuccess ? "ok" : cudaGetErrorString(err));
   return err == cudaSuccess ? 0 : 1;

@@ -228,8 +228,7 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
       const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len, quads = rows * D / 4;
       const double ms = median_ms(
           [&] {
-            fa::dot_kernel<D><<<static_cast<unsigned>((rows * (D / 8) + 255) / 256), 256>>>(p.dout, p.o, p.dot,
-                                                                                         p.dq_accum, rows);
+            fa::launch_dot<D>(p, rows, nullptr);
             fa::dq_convert_kernel<<<static_cast<unsigned>((quads + 255) / 256), 256>>>(
                 reinterpret_cast<const float4*>(p.dq_accum), reinterpret_cast<uint2*>(p.dq), p.scale, quads);
           },

@@ -13,12 +13,13 @@ Reads the measurements it adds up, all from one GPU's files:
                                backward calls at the capstone's shape; SHIPPED names the run of
                                the shipped build)
   autograder/reference/h200.json
-                               capstone/dense-135m course bf16 (AdamW's time, the model FLOPs a
-                               token, the run's tokens/s and its cuBLAS bf16 rate)
+                               capstone/dense-135m course bf16 (its model: layers and sequence
+                               length; AdamW's time, the model FLOPs a token, the run's tokens/s,
+                               ratio and cuBLAS bf16 rate)
 and prints the budget: the sum, the tokens/s and ratio to cuBLAS it would give, and what the rest
 of the measured step costs. --write records it as capstone_budget in the lab file, where the docs
 read it from (tools/figures.py). --lab and --reference point at another GPU's files (default: the
-H200's).
+H200's), --attention-run at the run of capstone_shape to take (default: the shipped build's).
 """
 import argparse
 import json
@@ -33,7 +34,7 @@ RUN = "dense-135m course bf16"
 # three forms, the rate course mode gets (autograder/18_capstone/course_kernels.cu).
 PRODUCTS = {"q, k, v, o": 4, "gate, up": 2, "down": 1}
 FORMS = {"forward": "05_tflops", "dW": "10_split_tflops", "dx": "05_tflops"}
-SHIPPED = "run3"  # capstone_shape's run of the shipped build of module 09
+SHIPPED = "run3"  # capstone_shape's run of the shipped build of module 09 on the H200
 GOAL = 0.62  # the module's goal: model FLOP rate over cuBLAS bf16 (README's course map, lecture 18 section 3)
 
 
@@ -49,17 +50,19 @@ def gemm_step(gemms, layers):
     return ms, tflop
 
 
-def budget_of(lab, run):
+def budget_of(lab, run, attention_run):
     """The budget (a dict for lab results) from the measurements; KeyError where one is missing."""
     # The step's shape: layers and sequence length from the run's model, tokens from the products.
-    layers = int(re.search(r"(\d+) layers", run["model"]).group(1))
-    seq = int(re.search(r"T (\d+)", run["model"]).group(1))
+    shape = re.search(r"(\d+) layers.*\bT (\d+)", run["model"])
+    if not shape:
+        raise SystemExit(f"capstone_budget: the run's model ({run['model']!r}) names no layers and T")
+    layers, seq = int(shape.group(1)), int(shape.group(2))
     tokens = lab["capstone_gemms"]["q, k, v, o forward"]["M"]
     if tokens % seq:
         raise SystemExit(f"capstone_budget: {tokens} tokens are not whole sequences of {seq}")
 
     products_ms, products_tflop = gemm_step(lab["capstone_gemms"], layers)
-    shipped = lab["attention"]["experiment"]["capstone_shape"][SHIPPED]
+    shipped = lab["attention"]["experiment"]["capstone_shape"][attention_run]
     forward = shipped["forward: Part B forward (shipped at d = 64)"]["ms"]
     backward = shipped["backward: Part B (shipped)"]["ms"]
     attention_ms = layers * (forward + backward)
@@ -70,7 +73,7 @@ def budget_of(lab, run):
     step_ms = tokens / run["median_tokens_per_s"] * 1e3
     tokens_per_s = tokens / (kernels_ms * 1e-3)
     budget = {
-        "$comment": "tools/capstone_budget.py: one dense-135M step (16,384 tokens) with only its GEMMs (capstone_gemms, each product at its rate alone on the kernels course mode runs it on: 05 forward and input gradients, 10's weight gradient in groups of tokens), its attention forward and backward calls, one each a layer (attention/experiment/capstone_shape, its run of the shipped build) and AdamW (capstone.dense-135m course bf16 in the reference) costing anything; the tokens/s and ratio to cuBLAS bf16 that would give, with the model FLOPs a token and the cuBLAS rate of that reference run; the measured step's time beside it; and goal_rest_ms, what the rest of the step could take at the goal's ratio (0.62).",
+        "$comment": f"tools/capstone_budget.py: one dense-135M step ({tokens:,} tokens) with only its GEMMs (capstone_gemms, each product at its rate alone on the kernels course mode runs it on: 05 forward and input gradients, 10's weight gradient in groups of tokens), its attention forward and backward calls, one each a layer (attention/experiment/capstone_shape/{attention_run}) and AdamW (capstone/dense-135m course bf16 in the reference) costing anything; the tokens/s and ratio to cuBLAS bf16 that would give, with the model FLOPs a token and the cuBLAS rate of that reference run; that run's measured step beside it (its build may predate the attention run's: the rest then carries their difference); and goal_rest_ms, what the rest of the step could take at the goal's ratio ({GOAL}).",
         "gemms_ms": round(products_ms, 3),
         "gemms_tflops": round(products_tflop / (products_ms * 1e-3), 1),
         "attention_ms": round(attention_ms, 3),
@@ -82,9 +85,16 @@ def budget_of(lab, run):
         "measured_ratio": round(run["ratio"], 4),
         "rest_ms": round(step_ms - kernels_ms, 3),
     }
-    ratio = budget["kernels_ratio"]
+    ratio = tokens_per_s * flops_per_token / (run["cublas_bf16_tflops"] * 1e12)
     budget["goal_rest_ms"] = round(kernels_ms * (ratio / GOAL - 1.0), 3)
     return budget
+
+
+def read(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"capstone_budget: cannot read {path}: {e}")
 
 
 def main():
@@ -93,16 +103,18 @@ def main():
     ap.add_argument("--lab", type=pathlib.Path, default=LAB, help=f"lab results (default {LAB.relative_to(ROOT)})")
     ap.add_argument("--reference", type=pathlib.Path, default=REFERENCE,
                     help=f"reference timings (default {REFERENCE.relative_to(ROOT)})")
+    ap.add_argument("--attention-run", default=SHIPPED, help=f"the run of capstone_shape to take (default {SHIPPED})")
     args = ap.parse_args()
+    lab, reference = (read(path) for path in (args.lab, args.reference))
     try:
-        lab = json.loads(args.lab.read_text())
-        run = json.loads(args.reference.read_text())["capstone"][RUN]
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise SystemExit(f"capstone_budget: cannot read the measurements: {e!r}")
+        run = reference["capstone"][RUN]
+    except (KeyError, TypeError):
+        raise SystemExit(f"capstone_budget: {args.reference} has no capstone/{RUN} entry")
     try:
-        budget = budget_of(lab, run)
-    except KeyError as e:
-        raise SystemExit(f"capstone_budget: a measurement is missing: {e} (see this tool's docstring for what it reads)")
+        budget = budget_of(lab, run, args.attention_run)
+    except (KeyError, TypeError) as e:
+        raise SystemExit(f"capstone_budget: a measurement is missing ({e}) in {args.lab} or {args.reference}; "
+                         "see this tool's docstring for what it reads")
     for key, value in budget.items():
         if not key.startswith("$"):
             print(f"{key:22s} {value}")

@@ -218,8 +218,7 @@ void launch_backward(Params p, const Shape& s, cudaStream_t stream) {
   constexpr int D = T::D;
   set_smem(Kernel, T::kSmemBytes);
   const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len;
-  const std::size_t dot_threads = rows * (D / 8);  // D/8 lanes a row (dot_kernel)
-  dot_kernel<D><<<static_cast<unsigned>((dot_threads + 255) / 256), 256, 0, stream>>>(p.dout, p.o, p.dot, p.dq_accum, rows);
+  launch_dot<D>(p, rows, stream);
   K2C_CUDA_CHECK_LAUNCH();
   const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
   if (p.wave_heads <= 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), 1);

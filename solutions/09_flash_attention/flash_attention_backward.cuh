@@ -1,18 +1,17 @@
 // solutions/09_flash_attention/flash_attention_backward.cuh — module 09's reference, part 3 of 4:
 // the backward pass by recomputation. dot_kernel (D = rowsum(dO·O), and dQ's sums zeroed) and
-// dq_convert_kernel, which run before and after it, then backward_kernel on mma.sync (BackwardTile) and Part B's
-// hopper_backward_kernel on wgmma (HopperBackwardTile). Included by flash_attention.cu only,
-// inside its unnamed namespace, after the forward pass (flash_attention_forward.cuh); the naive
-// kernels (flash_attention_naive.cuh) follow.
+// dq_convert_kernel, which run before and after it, then backward_kernel on mma.sync
+// (BackwardTile) and Part B's hopper_backward_kernel on wgmma (HopperBackwardTile). Included by
+// flash_attention.cu only, inside its unnamed namespace, after the forward pass
+// (flash_attention_forward.cuh); the naive kernels (flash_attention_naive.cuh) follow.
 #pragma once
 
 // ---- backward -----------------------------------------------------------------------------------
 
 // D_i = Σ_d dO_id · O_id (the softmax gradient's row term, lecture section 7), and row i of dQ's
-// fp32 sums zeroed for the backward kernel to add into: one pass over the rows instead of this
-// and a memset. A row is D/8 lanes' 16-byte loads of dO and O, so a warp takes 32/(D/8) rows (4
-// at D = 64) with every lane loading: one row a warp left three quarters of the lanes idle at
-// D = 64, and too few bytes in flight for the memory.
+// fp32 sums zeroed for the backward kernel to add into, in the same pass over the rows. A row is
+// D/8 lanes' 16-byte loads of dO and O, so a warp takes 32/(D/8) rows (4 at D = 64) and every lane
+// loads: a memory-bound pass needs every lane's bytes in flight (appendix section 5.8).
 template <int D>
 __global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, float* dq_accum, std::size_t rows) {
   constexpr int kLanes = D / 8, kRowsPerWarp = 32 / kLanes;
@@ -36,6 +35,13 @@ __global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, float* d
 #pragma unroll
   for (int m = kLanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   if (row < rows && part == 0) dot[row] = acc;
+}
+
+// dot_kernel over `rows` rows: D/8 lanes a row.
+template <int D>
+void launch_dot(const Params& p, std::size_t rows, cudaStream_t stream) {
+  const std::size_t threads = rows * (D / 8);
+  dot_kernel<D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(p.dout, p.o, p.dot, p.dq_accum, rows);
 }
 
 // dq = bf16(scale · dq_accum), four elements per thread.
