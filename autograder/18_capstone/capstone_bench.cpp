@@ -26,7 +26,8 @@
 //
 // --time-ops runs one more step at the end with every operation timed alone (a GPU sync around
 // each: the step runs slower than the others and is left out of their figures) and prints where
-// its time went, course kernels with their conversions; the JSON has it as "ops_ms".
+// its time went, course kernels with their conversions; the JSON has it as "ops_ms", and the host's
+// share of each (the CPU's time to issue the operation's work) as "ops_host_ms".
 //
 // --kernels course (the default) runs the model's GEMMs, RMSNorm, RoPE, attention and the experts'
 // grouped GEMMs on the GPU with the course's own kernels, modules 05, 07, 08, 09 and 10 of the tree
@@ -303,13 +304,16 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   const std::vector<float> values = trainer.gather_values();
   // --time-ops: one step past the run (after the checkpoint and the gathered weights, so neither
   // sees it), each operation alone.
-  std::vector<std::pair<std::string, double>> ops_ms;
+  std::vector<std::pair<std::string, double>> ops_ms, ops_host_ms;
   if (timed) {
     timed->reset();
     timing = true;
     trainer.step();
     timing = false;
-    for (const auto& [name, e] : timed->entries()) ops_ms.emplace_back(name, e.seconds * 1e3);
+    for (const auto& [name, e] : timed->entries()) {
+      ops_ms.emplace_back(name, e.seconds * 1e3);
+      ops_host_ms.emplace_back(name, e.host_seconds * 1e3);
+    }
     if (root) std::cout << "where one more step's time went (rank 0, each operation timed alone):\n" << timed->report();
   }
   if (!root) return 0;
@@ -345,9 +349,11 @@ int run(k2c::dist::Communicator& world, const Options& o) {
           << ", \"fallback\": " << quoted(r.fallback) << ", \"replaced\": " << quoted(r.replaced) << "}";
       }
     }
-    j << "},\n  \"ops_ms\": {";
-    for (std::size_t i = 0; i < ops_ms.size(); ++i)
-      j << (i ? ", " : "") << quoted(ops_ms[i].first) << ": " << ops_ms[i].second;
+    for (const auto& [key, table] : {std::pair{"ops_ms", &ops_ms}, std::pair{"ops_host_ms", &ops_host_ms}}) {
+      j << "},\n  " << quoted(key) << ": {";
+      for (std::size_t i = 0; i < table->size(); ++i)
+        j << (i ? ", " : "") << quoted((*table)[i].first) << ": " << (*table)[i].second;
+    }
     j << "},\n  \"steps\": [";
     for (std::size_t i = 0; i < records.size(); ++i)
       j << (i ? ",\n    " : "\n    ") << "{\"step\": " << records[i].step << ", \"loss\": " << records[i].loss

@@ -152,6 +152,12 @@ int main(int argc, char** argv) {
         f << (first ? "" : ", ") << "\"" << name << "\": " << e.seconds * 1e3;
         first = false;
       }
+      f << "},\n  \"ops_host_ms\": {";  // the CPU's time to issue each (TimedOps)
+      first = true;
+      for (const auto& [name, e] : timed.entries()) {
+        f << (first ? "" : ", ") << "\"" << name << "\": " << e.host_seconds * 1e3;
+        first = false;
+      }
       f << "}\n}\n";
     }
     return 0;

@@ -174,22 +174,14 @@ class CudaOps final : public Ops {
     same_shape(a, out, "add");
     // A bf16 branch output added into the fp32 residual stream (model::Block) reads its two bytes
     // an element as they are; other mixes go through fp32 copies.
-    if (a.dtype() == DType::f32 && b.dtype() == DType::bf16 && out.dtype() == DType::f32) {
-      if (vectorizable(a.numel(), {a.raw(), b.raw(), out.raw()}))
-        launch(add4_kernel<__nv_bfloat16>, a.numel() / 4, f4(a), ptr<__nv_bfloat16>(b), f4(out), a.numel() / 4);
-      else
-        launch(add_kernel<__nv_bfloat16>, a.numel(), a.f32(), ptr<__nv_bfloat16>(b), out.f32(), a.numel());
-      return;
-    }
+    if (a.dtype() == DType::f32 && b.dtype() == DType::bf16 && out.dtype() == DType::f32)
+      return add_into_f32<__nv_bfloat16>(a, b, out);
     if (any_bf16({&a, &b, &out})) {
       Wide wa(*this, a), wb(*this, b), wo(*this, out, Use::out);
       add(wa, wb, wo);
       return wo.store();
     }
-    if (vectorizable(a.numel(), {a.raw(), b.raw(), out.raw()}))
-      launch(add4_kernel<float>, a.numel() / 4, f4(a), b.f32(), f4(out), a.numel() / 4);
-    else
-      launch(add_kernel<float>, a.numel(), a.f32(), b.f32(), out.f32(), a.numel());
+    add_into_f32<float>(a, b, out);
   }
   void accumulate(Tensor& acc, const Tensor& x, float s) override {
     same_shape(acc, x, "accumulate");
@@ -705,6 +697,14 @@ class CudaOps final : public Ops {
                                   static_cast<int>(ldb), a, CUDA_R_16BF, static_cast<int>(lda), &beta, c.raw(),
                                   c.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F,
                                   static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  // out = a + b with a and out fp32 and b of type B: four elements a thread where the pointers allow.
+  template <class B>
+  void add_into_f32(const Tensor& a, const Tensor& b, Tensor& out) {
+    if (vectorizable(a.numel(), {a.raw(), b.raw(), out.raw()}))
+      launch(add4_kernel<B>, a.numel() / 4, f4(a), ptr<B>(b), f4(out), a.numel() / 4);
+    else
+      launch(add_kernel<B>, a.numel(), a.f32(), ptr<B>(b), out.f32(), a.numel());
   }
   static float4* f4(const Tensor& t) { return reinterpret_cast<float4*>(const_cast<float*>(t.f32())); }
   static bool any_bf16(std::initializer_list<const Tensor*> ts) {

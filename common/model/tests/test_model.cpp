@@ -215,9 +215,15 @@ TEST(Model, TimedStepIsTheSameStep) {
                          "linear backward (dW, dX)", "attention backward", "rmsnorm backward", "embedding backward"})
     EXPECT_GT(clock.entries().count(op) ? clock.entries().at(op).calls : 0, 0) << op;
   long calls = 0;
-  for (const auto& [name, e] : clock.entries()) calls += e.calls;
+  for (const auto& [name, e] : clock.entries()) {
+    calls += e.calls;
+    // The host's part is the wall time up to the return, before the closing sync: within the whole.
+    EXPECT_GE(e.host_seconds, 0.0) << name;
+    EXPECT_LE(e.host_seconds, e.seconds) << name;
+  }
   EXPECT_EQ(syncs, 2 * calls) << "one sync before and one after each operation";
   EXPECT_NE(clock.report().find("attention backward"), std::string::npos);
+  EXPECT_NE(clock.report().find("host ms"), std::string::npos);
 }
 
 TEST(Model, GradientsAccumulateOverMicroBatches) {

@@ -5,6 +5,10 @@
 // backend, a device synchronise): the figures are the time each operation takes on its own,
 // without the overlap a normal step gets, and the step runs slower while it is being timed.
 // Use it for one profiled step next to the timed ones, never for the timed ones themselves. Each
+// operation's host time is also kept: the part of its wall time spent before it returned, with the
+// GPU idle at its start, so the CPU's cost of issuing its work (its kernels, their arguments, the
+// conversions' bookkeeping). Where a step's host times add up to near its untimed length, the CPU,
+// not the GPU, sets the pace. Each
 // operation is also an NVTX range of the same name where the NVTX headers are found, so
 // `nsys profile k2c_model_bench` shows the profiled step with the table's names.
 #pragma once
@@ -22,14 +26,15 @@ namespace k2c::model {
 class TimedOps final : public ForwardingOps {
  public:
   struct Entry {
-    double seconds = 0;
+    double seconds = 0;       // from a synchronised start to a synchronised end
+    double host_seconds = 0;  // from the same start until the call returned to the host
     long calls = 0;
   };
   TimedOps(Ops& inner, std::function<void()> sync) : ForwardingOps(inner), sync_(std::move(sync)) {}
 
   const std::map<std::string, Entry>& entries() const { return entries_; }
   void reset() { entries_.clear(); }
-  // A table, the most expensive operation first: seconds, share of the total, calls.
+  // A table, the most expensive operation first: seconds, share of the total, host seconds, calls.
   std::string report() const;
 
   std::string name() const override { return inner_.name() + " (timed)"; }
@@ -42,9 +47,11 @@ class TimedOps final : public ForwardingOps {
       K2C_NVTX_RANGE(what);  // the same names on an nsys timeline as in the table
       run();
     }
+    const auto t1 = std::chrono::steady_clock::now();
     sync_();
     Entry& e = entries_[what];
     e.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    e.host_seconds += std::chrono::duration<double>(t1 - t0).count();
     ++e.calls;
   }
 
