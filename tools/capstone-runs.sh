@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# tools/capstone-runs.sh — the capstone's reference runs on one GPU, each a k2c_capstone summary
+# tools/capstone-runs.sh — the capstone's reference runs on one GPU (two for the dp2 runs), each a k2c_capstone summary
 # named after the entry of autograder/reference/<gpu>.json it is for:
 #
 #   OUT=/tmp/capstone tools/capstone-runs.sh BUILD [ENTRY ...]
 #
 # BUILD is a build of the reference solutions (cmake -DK2C_IMPL=solutions) with k2c and
-# k2c_capstone built. ENTRY names runs from the list below (all of them by default). Each run
-# trains one grid-1 process under `k2c run -np 1 --backend nccl` on the Markov data (batch 16 ×
-# 1024; dense 10 steps, MoE 30) with --time-ops, and writes $OUT/<entry>.json (spaces as _) and
-# its log beside it; the line to merge them all is printed last:
+# k2c_capstone built. ENTRY names runs from the list below (by default all of them that this
+# machine's GPUs can hold: the dp2 runs need two). Each run trains under `k2c run -np RANKS
+# --backend nccl` on the Markov data (16 sequences of 1024 tokens a rank; dense 10 steps, MoE 30) with
+# --time-ops, and writes $OUT/<entry>.json (spaces as _) and its log beside it; the line to merge
+# them all is printed last:
 #
 #   python3 tools/merge_reference.py --capstone "dense-135m course bf16=$OUT/dense-135m_course_bf16.json" ...
 set -uo pipefail
@@ -30,9 +31,20 @@ declare -A FLAGS=(
   ["dense-135m course bf16"]="--config dense-135m --steps 10 --kernels course --activations bf16"
   ["moe-135m bf16"]="--config moe-135m --steps 30 --kernels trusted --activations bf16"
   ["moe-135m course bf16"]="--config moe-135m --steps 30 --kernels course --activations bf16"
+  # Data parallel over two GPUs, each rank the one-GPU run's 16 sequences (--batch is the global
+  # batch): tokens/s over the grid-1 entry of the same mode is the scaling the module's goal asks
+  # for (1.8 at least).
+  ["dense-135m course bf16 dp2"]="--grid dp2 --batch 32 --config dense-135m --steps 10 --kernels course --activations bf16"
+  ["moe-135m course bf16 dp2"]="--grid dp2 --batch 32 --config moe-135m --steps 30 --kernels course --activations bf16"
 )
 ORDER=("dense-135m f32 same day" "dense-135m bf16" "dense-135m course f32 same day" "dense-135m course bf16"
        "moe-135m bf16" "moe-135m course bf16")
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$gpus" -ge 2 ]; then
+  ORDER+=("dense-135m course bf16 dp2" "moe-135m course bf16 dp2")
+else
+  echo "capstone-runs: $gpus GPU(s) here: the dp2 runs (two GPUs) are left out"
+fi
 [ $# -gt 0 ] && ORDER=("$@")
 
 merge=()
@@ -40,10 +52,18 @@ status=0
 for entry in "${ORDER[@]}"; do
   flags=${FLAGS[$entry]:-}
   [ -n "$flags" ] || { echo "capstone-runs: no run named '$entry' (known: ${!FLAGS[*]})" >&2; exit 2; }
+  ranks=1
+  [[ $flags == *"--grid dp2"* ]] && ranks=2
+  [[ $flags == *"--batch "* ]] || flags+=" --batch 16"
+  if [ "$ranks" -gt 1 ] && [ "$ranks" -gt "$gpus" ]; then
+    echo "capstone-runs: '$entry' needs $ranks GPUs, this machine has $gpus" >&2
+    status=1
+    continue
+  fi
   file="$OUT/${entry// /_}"
   echo "=== $entry ($(date -u +%H:%M:%S))"
   # shellcheck disable=SC2086  # the flags are words
-  if "$BUILD/bin/k2c" run -np 1 --backend nccl "$BUILD/bin/k2c_capstone" $flags --batch 16 --samples 0 --time-ops \
+  if "$BUILD/bin/k2c" run -np "$ranks" --backend nccl "$BUILD/bin/k2c_capstone" $flags --samples 0 --time-ops \
        --json "$file.json" > "$file.log" 2>&1; then
     grep -E "^median" "$file.log"
     merge+=("\"$entry=$file.json\"")

@@ -10,7 +10,8 @@ Each run is a JSON summary written by `k2c_capstone --json FILE --time-ops` (its
 step with every operation timed alone), or with --reference, an entry of a reference file named
 by its path of keys. Horizontal bars, the most expensive operation on top, one bar per run for each
 operation; the legend gives each run's total. Operations below 1 % of every run's total are summed
-into "the rest".
+into "the rest". Where a run has "ops_host_ms" (the host's part of each operation: the CPU's time
+to issue its work, the GPU idle at its start), a dark inner bar shows it.
 """
 import argparse
 import json
@@ -18,7 +19,7 @@ import sys
 
 
 def load(args):
-    """[(label, {operation: ms})] from the files or the reference entries."""
+    """[(label, {operation: ms}, {operation: host ms} or None)] from the files or the reference entries."""
     runs = []
     if args.reference:
         with open(args.reference) as f:
@@ -27,12 +28,12 @@ def load(args):
             node = ref
             for key in path.split("/"):
                 node = node[key]
-            runs.append((path.split("/")[-1], node["ops_ms"]))
+            runs.append((path.split("/")[-1], node["ops_ms"], node.get("ops_host_ms")))
     else:
         for path in args.entries:
             with open(path) as f:
                 run = json.load(f)
-            runs.append((f"{path} ({run.get('grid', '?')})", run["ops_ms"]))
+            runs.append((f"{path} ({run.get('grid', '?')})", run["ops_ms"], run.get("ops_host_ms")))
     return runs
 
 
@@ -51,7 +52,7 @@ def main() -> int:
         print(f"plot_ops.py: no per-operation times there (run k2c_capstone with --time-ops): {e}", file=sys.stderr)
         return 1
     if args.labels:
-        runs = [(label, ops) for label, (_, ops) in zip(args.labels, runs)]
+        runs = [(label, ops, host) for label, (_, ops, host) in zip(args.labels, runs)]
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -60,19 +61,28 @@ def main() -> int:
         print("plot_ops.py: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return 1
 
-    totals = [sum(ops.values()) for _, ops in runs]
-    names = {op for _, ops in runs for op in ops}
-    shown = sorted((op for op in names if any(ops.get(op, 0) >= 0.01 * t for (_, ops), t in zip(runs, totals))),
-                   key=lambda op: max(ops.get(op, 0) for _, ops in runs))
-    rest = [t - sum(ops.get(op, 0) for op in shown) for (_, ops), t in zip(runs, totals)]
-    rows = (["the rest"] if any(r > 0 for r in rest) else []) + shown
+    totals = [sum(ops.values()) for _, ops, _ in runs]
+    names = {op for _, ops, _ in runs for op in ops}
+    shown = sorted((op for op in names if any(ops.get(op, 0) >= 0.01 * t for (_, ops, _), t in zip(runs, totals))),
+                   key=lambda op: max(ops.get(op, 0) for _, ops, _ in runs))
+    rows = ["the rest"] + shown
+
+    def values(ops):  # per row, "the rest" first: what the shown operations leave of the total
+        return [sum(v for op, v in ops.items() if op not in shown) if row == "the rest" else ops.get(row, 0)
+                for row in rows]
+    if all(values(ops)[0] <= 0 for _, ops, _ in runs):
+        rows = shown
 
     height = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) * max(1, len(runs) / 1.5) + 1.2))
-    for i, ((label, ops), total) in enumerate(zip(runs, totals)):
-        values = [rest[i] if op == "the rest" else ops.get(op, 0) for op in rows]
-        ax.barh([y + (i - (len(runs) - 1) / 2) * height for y in range(len(rows))], values, height,
-                label=f"{label}: {total:.1f} ms")
+    host_labelled = False
+    for i, ((label, ops, host), total) in enumerate(zip(runs, totals)):
+        ys = [y + (i - (len(runs) - 1) / 2) * height for y in range(len(rows))]
+        ax.barh(ys, values(ops), height, label=f"{label}: {total:.1f} ms")
+        if host:
+            ax.barh(ys, values(host), height * 0.4, color="black", alpha=0.55,
+                    label=None if host_labelled else "the host's part (issuing the work)")
+            host_labelled = True
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(rows)
     ax.set_xlabel("ms in one step, each operation timed alone")

@@ -38,6 +38,9 @@ assert r["grid"] == "dp2" and r["ranks"] == 2, (r["grid"], r["ranks"])
 assert len(r["steps"]) == 4 and [s["step"] for s in r["steps"]] == [0, 1, 2, 3], r["steps"]
 assert r["kernels"] == {}, r["kernels"]  # no course kernels on the CPU backend
 assert r["ops_ms"].get("matmul fwd (a bT)", 0) > 0 and r["ops_ms"].get("attention backward", 0) > 0, r["ops_ms"]
+# The host's part of each operation: the same operations, each within its whole.
+assert r["ops_host_ms"].keys() == r["ops_ms"].keys(), (r["ops_host_ms"], r["ops_ms"])
+assert all(0 <= r["ops_host_ms"][k] <= r["ops_ms"][k] for k in r["ops_ms"]), (r["ops_host_ms"], r["ops_ms"])
 assert r["median_tokens_per_s"] > 0
 print("ok: the JSON summary:", len(r["steps"]), "steps,", len(r["ops_ms"]), "operations timed")
 PY
