@@ -32,20 +32,25 @@ declare -A FLAGS=(
   ["moe-135m bf16"]="--config moe-135m --steps 30 --kernels trusted --activations bf16"
   ["moe-135m course bf16"]="--config moe-135m --steps 30 --kernels course --activations bf16"
   # Data parallel over two GPUs, each rank the one-GPU run's 16 sequences (--batch is the global
-  # batch): tokens/s over the grid-1 entry of the same mode is the scaling the module's goal asks
-  # for (1.8 at least).
+  # batch): tokens/s over the grid-1 entry of the same mode is data parallelism's scaling.
   ["dense-135m course bf16 dp2"]="--grid dp2 --batch 32 --config dense-135m --steps 10 --kernels course --activations bf16"
   ["moe-135m course bf16 dp2"]="--grid dp2 --batch 32 --config moe-135m --steps 30 --kernels course --activations bf16"
 )
 ORDER=("dense-135m f32 same day" "dense-135m bf16" "dense-135m course f32 same day" "dense-135m course bf16"
        "moe-135m bf16" "moe-135m course bf16")
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-if [ "$gpus" -ge 2 ]; then
+# The GPUs this process can use: CUDA_VISIBLE_DEVICES's list where it is set, else nvidia-smi's.
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+  gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+else
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+fi
+if [ $# -gt 0 ]; then
+  ORDER=("$@")
+elif [ "$gpus" -ge 2 ]; then
   ORDER+=("dense-135m course bf16 dp2" "moe-135m course bf16 dp2")
 else
   echo "capstone-runs: $gpus GPU(s) here: the dp2 runs (two GPUs) are left out"
 fi
-[ $# -gt 0 ] && ORDER=("$@")
 
 merge=()
 status=0

@@ -10,8 +10,9 @@ Each run is a JSON summary written by `k2c_capstone --json FILE --time-ops` (its
 step with every operation timed alone), or with --reference, an entry of a reference file named
 by its path of keys. Horizontal bars, the most expensive operation on top, one bar per run for each
 operation; the legend gives each run's total. Operations below 1 % of every run's total are summed
-into "the rest". Where a run has "ops_host_ms" (the host's part of each operation: the CPU's time
-to issue its work, the GPU idle at its start), a dark inner bar shows it.
+into "the rest". Where a run has "ops_host_ms" (the host's part of each operation, the GPU idle at
+its start: for most, the CPU's time to issue its work; all of it for those that hand a result back
+to the host), a dark inner bar shows it.
 """
 import argparse
 import json

@@ -4,12 +4,16 @@
 // On a GPU the operations are asynchronous, so each one is bracketed by `sync` (for the CUDA
 // backend, a device synchronise): the figures are the time each operation takes on its own,
 // without the overlap a normal step gets, and the step runs slower while it is being timed.
-// Use it for one profiled step next to the timed ones, never for the timed ones themselves. Each
-// operation's host time is also kept: the part of its wall time spent before it returned, with the
-// GPU idle at its start, so the CPU's cost of issuing its work (its kernels, their arguments, the
-// conversions' bookkeeping). Where a step's host times add up to near its untimed length, the CPU,
-// not the GPU, sets the pace. Each
-// operation is also an NVTX range of the same name where the NVTX headers are found, so
+// Use it for one profiled step next to the timed ones, never for the timed ones themselves.
+//
+// Each operation's host time is also kept: the part of its wall time spent before it returned,
+// with the GPU idle at its start. For most operations that is the CPU's cost of issuing the work
+// (its kernels, their arguments, the course adapters' bookkeeping); where a step's host times add
+// up to near its untimed length, the CPU, not the GPU, sets the pace. An operation that hands a
+// result back to the host (the loss, a sum of squares, MoE routing's counts, upload and
+// download) waits for the GPU inside the call, so its host time is its whole time.
+//
+// Each operation is also an NVTX range of the same name where the NVTX headers are found, so
 // `nsys profile k2c_model_bench` shows the profiled step with the table's names.
 #pragma once
 
