@@ -42,7 +42,8 @@
 // gradients and AdamW stay fp32. In course mode the modules then take those activations with no
 // conversion pass where their contracts' layout is the model's.
 //
-// Exit status: 0 after training, 2 for bad arguments, 1 otherwise.
+// Exit status: 0 after training, 2 for bad arguments (a grid that does not fit the ranks or the
+// model included), 1 otherwise.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -164,6 +165,17 @@ Options parse(int argc, char** argv) {
   if (o.zero > 0 && !o.checkpoint.empty())
     throw UsageError("--checkpoint with --zero " + std::to_string(o.zero) +
                      ": module 13's Zero does not expose its optimizer shards; drop one of the two");
+  if (o.steps < 1 || o.batch < 1 || o.micro_batches < 1)
+    throw UsageError("--steps, --batch and --micro-batches must be at least 1");
+  // What can be checked before the ranks start is checked here, so that a typo ends the run once,
+  // with status 2, instead of on every rank.
+  preset(o.config);
+  try {
+    kc::parse_grid(o.grid);
+    if (!o.data.empty()) km::shard_in(o.data, "train"), km::shard_in(o.data, "val");
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
   return o;
 }
 
@@ -250,7 +262,16 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     });
     ops = timed.get();
   }
-  kc::GridTrainer trainer(world, *ops, config, loader);
+  // A grid that does not fit the ranks or the model: every rank finds the same reason (the checks
+  // read only the configuration and the world's size), so each returns 2 and rank 0 says why.
+  std::optional<kc::GridTrainer> built;
+  try {
+    built.emplace(world, *ops, config, loader);
+  } catch (const std::invalid_argument& e) {
+    if (root) std::cerr << "k2c_capstone: " << e.what() << "\n";
+    return 2;
+  }
+  kc::GridTrainer& trainer = *built;
   if (o.resume) trainer.load(o.checkpoint);
   if (root) {
     std::printf("model: %s\ngrid: %s on %d ranks, %d micro-batches (%s), batch %d x %d tokens\n",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # capstone_cli_test.sh PROGRAM MPIRUN WORKDIR IMPL — k2c_capstone's command line on two CPU ranks:
-# bad flags refused with exit 2 and the reason; a dp2 run that writes its progress lines, CSV log,
+# bad flags, configs, grids and data folders refused with exit 2 and the reason; a dp2 run that writes its progress lines, CSV log,
 # JSON summary (kernels table, one step timed operation by operation) and checkpoint; a resumed run
 # that continues the same log from the checkpoint's step. Skipped (77) in a build from assignments/,
 # whose capstone is the student's to finish.
@@ -25,6 +25,15 @@ refused() {  # expected message, flags...
 refused "--kernels fast: course or trusted" --kernels fast
 refused "--resume needs --checkpoint FILE" --resume
 refused "--steps: 'many' is not a number" --steps many
+refused "--config huge: one of tiny, tiny-moe, dense-135m, moe-135m" --config huge
+refused "unknown axis 'xy'" --grid xy2
+refused "--data $work/none: not a folder" --data "$work/none"
+refused "--steps, --batch and --micro-batches must be at least 1" --steps 0
+# A grid that the ranks cannot hold is found on every rank: status 2, the reason said once.
+out=$(timeout 120 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp3 --samples 0 2>&1); rc=$?
+[ $rc = 2 ] || fail "'--grid dp3' on 2 ranks exited $rc, not 2: $out"
+[ "$(grep -c "grid dp3 has 3 ranks, the world 2" <<<"$out")" = 1 ] || fail "'--grid dp3' on 2 ranks did not say why once: $out"
+echo "ok: '--grid dp3' on 2 ranks refused once, status 2"
 
 run() { timeout 240 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp2 --batch 4 --samples 0 "$@" > "$work/out.txt" 2>&1; }
 run --steps 4 --time-ops --json "$work/run.json" --log "$work/run.csv" --checkpoint "$work/ckpt" || fail "the dp2 run exited $?"
