@@ -190,6 +190,18 @@ TEST_F(Capstone, GridDp2Ep2MatchesOneRank) {
 // tp × ep: attention cut over tp, experts over ep, the MoE replicated over tp. Each tp rank's ep
 // group is every data rank, so the balance term is one process's, as at ep 2.
 TEST_F(Capstone, GridTp2Ep2MatchesOneRank) { expect_grid_matches("tp2,ep2", Model::moe, 1, Match::tolerance); }
+// A mixture of experts on the axes that do not cut it. Under dp alone each data rank routes and
+// balances its own tokens, as under dp × ep, so the grid is compared without the balance term.
+// A pipeline's stages hold whole MoE layers; with micro-batches each balances its own micro-batch's
+// tokens (a term not linear in the counts), so again without it. pp × ep in one micro-batch keeps
+// the term: its ep group is every data rank, as at ep 2.
+TEST_F(Capstone, GridDp2MoeMatchesOneRank) {
+  expect_grid_matches("dp2", Model::moe_unbalanced, 1, Match::tolerance);
+}
+TEST_F(Capstone, GridPp2MoeMatchesOneRank) {
+  expect_grid_matches("pp2", Model::moe_unbalanced, 2, Match::tolerance);
+}
+TEST_F(Capstone, GridPp2Ep2MatchesOneRank) { expect_grid_matches("pp2,ep2", Model::moe, 1, Match::tolerance); }
 
 // The grader's own check of a grid (k2c/dist/rank_witness.h; the cases and the layout in
 // autograder/witness/rank_cases_training.cpp): the checker's grid, model, schedule and tokens.
