@@ -280,6 +280,32 @@ TEST_F(Capstone, RefusesGridsThatDoNotFit) {
   c.train = tiny_config(Model::moe);
   c.grid = {.tp = n};
   if (n > 1) refuses(c, "tensor parallelism of a mixture of experts without expert parallelism");
+  c.train = tiny_config(Model::dense);
+  c.grid = {.cp = n};
+  if (n > 1) refuses(c, "context parallelism, which the capstone's grid does not have");
+  c.train.activations = km::DType::i32;
+  c.grid = {.dp = n};
+  refuses(c, "activations stored as integers");
+  if (n == 1) return;
+  // The sizes that must divide (capstone.h), each broken alone on a grid that takes the rest.
+  auto refuses_on = [&](kd::GridShape grid, const char* why, auto&& change) {
+    c.train = tiny_config(Model::dense);
+    c.grid = grid;
+    change(c.train);
+    refuses(c, why);
+  };
+  refuses_on({.pp = n}, "more stages than layers", [&](km::TrainConfig& t) { t.model.n_layers = n - 1; });
+  refuses_on({.tp = n}, "kv heads that tp does not divide", [&](km::TrainConfig& t) { t.model.kv_heads = 1; });
+  refuses_on({.tp = n}, "a width of the MLP that tp does not divide", [&](km::TrainConfig& t) { t.model.d_ff = 4 * n + 1; });
+  refuses_on({.tp = n}, "a vocabulary that tp does not divide", [&](km::TrainConfig& t) { t.model.vocab = 256 * n + 1; });
+  refuses_on({.tp = n}, "dropout under tensor parallelism", [&](km::TrainConfig& t) { t.dropout = 0.1f; });
+  c.train = tiny_config(Model::moe);
+  c.train.model.experts = 2 * n + 1;
+  c.grid = {.ep = n};
+  refuses(c, "experts that ep does not divide");
+  c.train = tiny_config(Model::moe);
+  c.train.dropout = 0.1f;
+  refuses(c, "dropout under expert parallelism");
 }
 
 // The tiny model on a chain of 32 tokens with 4 successors each reaches the chain's own loss.
