@@ -6,7 +6,7 @@
 #
 #   OUT=/tmp/k2c-gpu tools/gpu-check.sh [ARCH]      ARCH defaults to 90 (H100 / H200)
 #
-# K2C_TUNE=0, K2C_CTEST=0, K2C_SANITIZE_RUN=0, K2C_TORCH=0, K2C_TORCH_MOE=0 leave out those steps (for short follow-up runs);
+# K2C_TUNE=0, K2C_CTEST=0, K2C_SANITIZE_RUN=0, K2C_TORCH=0, K2C_TORCH_MOE=0, K2C_PART2=0 leave out those steps (for short follow-up runs);
 # K2C_MODULES=06,07 grades those modules only (K2C_SANITIZE_MODULES likewise for the
 # compute-sanitizer run, default: the same); K2C_BENCH_FILTER=RE runs only the
 # matching benchmarks; K2C_TARGETS="a b" builds only those targets (and the grader);
@@ -15,10 +15,11 @@
 # figures worth keeping go into lab/results/h200.json.
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
 # tuned_config.h, sgemm_ladder.png, bandwidth.png, attention.png (with torch_attention.json where
-# PyTorch is installed), bench.tar.gz (Google Benchmark JSON per module), and on
-# machines with 2+ GPUs collectives.json (module 11's sweep on NCCL; collectives4.json and
-# collectives8.json with 4 and 8 GPUs); decode_sweep.json and decode.png (module 19's decode step
-# time against batch size). The script prints a short summary last.
+# PyTorch is installed), bench.tar.gz (Google Benchmark JSON per module), decode_sweep.json and
+# decode.png (module 19's decode step time against batch size), and on machines with 2+ GPUs
+# collectives.json (module 11's sweep on NCCL; collectives4.json and collectives8.json with 4 and
+# 8 GPUs) and part2.tar.gz (modules 12-17's benchmarks on 2 GPUs). The script prints a short
+# summary last.
 set -uo pipefail
 ARCH=${1:-90}
 OUT=${OUT:-/tmp/k2c-gpu}
@@ -124,6 +125,25 @@ if [ "$gpus" -ge 2 ]; then
   step "collectives sweep on 2 GPUs (NCCL)"
   K2C_BACKEND=nccl "$BUILD/bin/k2c" collectives -np 2 --build-dir "$BUILD" -b 1M -e 4G -f 2 -n 20 -w 5 -c 1 \
     -o "$OUT/collectives.json" 2>&1 | tee -a "$LOG" | grep -E "all_reduce" | tail -6
+  # Modules 12-17's benchmarks on 2 GPUs, each a JSON in part2.tar.gz (K2C_PART2=0: not); one that
+  # fails or runs past 5 minutes is logged and the rest still run.
+  if [ "${K2C_PART2:-1}" = 1 ]; then
+    mkdir -p "$OUT/part2"
+    part2() {  # name, then the program and its flags
+      local name=$1
+      shift
+      step "module $name benchmark on 2 GPUs (NCCL)"
+      timeout 300 "$BUILD/bin/k2c" run -np 2 --backend nccl "$@" >> "$LOG" 2>&1 ||
+        echo "gpu-check: the $name benchmark failed or timed out (see log.txt)" | tee -a "$LOG"
+    }
+    part2 12 "$BUILD/bin/k2c_data_parallel" --model perf -o "$OUT/part2/data_parallel.json"
+    part2 13 "$BUILD/bin/k2c_zero" --model gpu -o "$OUT/part2/zero.json"
+    part2 14 "$BUILD/bin/k2c_tensor_parallel" -o "$OUT/part2/tensor_parallel.json"
+    part2 15 "$BUILD/bin/k2c_pipeline_parallel" --model gpu -o "$OUT/part2/pipeline" --no-plot
+    part2 16 "$BUILD/bin/k2c_sequence_parallel" -o "$OUT/part2/sequence_parallel.json"
+    part2 17 "$BUILD/bin/k2c_expert_parallel" -o "$OUT/part2/expert_parallel.json"
+    tar -czf "$OUT/part2.tar.gz" -C "$OUT" part2 && rm -rf "$OUT/part2"  # one file to fetch
+  fi
 fi
 for n in 4 8; do
   [ "$gpus" -ge "$n" ] || continue
