@@ -17,7 +17,8 @@ Reads the measurements it adds up, all from one GPU's files:
                                length; AdamW's time, the model FLOPs a token, the run's tokens/s,
                                ratio and cuBLAS bf16 rate)
 and prints the budget: the sum, the tokens/s and ratio to cuBLAS it would give, and what the rest
-of the measured step costs. --write records it as capstone_budget in the lab file, where the docs
+of the measured step costs; where the run has ops_host_ms, also the CPU's time to issue the step's
+work and its share of the measured step. --write records it as capstone_budget in the lab file, where the docs
 read it from (tools/figures.py). --lab and --reference point at another GPU's files (default: the
 H200's), --attention-run at the run of capstone_shape to take (default: the shipped build's).
 """
@@ -35,6 +36,9 @@ RUN = "dense-135m course bf16"
 PRODUCTS = {"q, k, v, o": 4, "gate, up": 2, "down": 1}
 FORMS = {"forward": "05_tflops", "dW": "10_split_tflops", "dx": "05_tflops"}
 SHIPPED = "run3"  # capstone_shape's run of the shipped build of module 09 on the H200
+# Operations that hand a result back to the host, so wait for the GPU inside the call: their host
+# time is their whole time, not the cost of issuing them (k2c/model/timed_ops.h).
+READ_BACK = {"cross-entropy", "sum_squares", "upload", "download", "column_sums"}
 GOAL = 0.62  # the module's goal: model FLOP rate over cuBLAS bf16 (README's course map, lecture 18 section 3)
 
 
@@ -87,6 +91,15 @@ def budget_of(lab, run, attention_run):
     }
     ratio = tokens_per_s * flops_per_token / (run["cublas_bf16_tflops"] * 1e12)
     budget["goal_rest_ms"] = round(kernels_ms * (ratio / GOAL - 1.0), 3)
+    # Where the run has the host's part of each operation: what the CPU spends issuing one step's
+    # work (the operations that read a result back left out), against the measured step.
+    host = run.get("ops_host_ms")
+    if host:
+        issue_ms = sum(ms for op, ms in host.items() if op not in READ_BACK)
+        budget["$comment"] += (" host_issue_ms: the host's part of the timed step's operations, those that hand a result "
+                               "back to the host left out; host_issue_share: that over measured_step_ms.")
+        budget["host_issue_ms"] = round(issue_ms, 3)
+        budget["host_issue_share"] = round(issue_ms / step_ms, 4)
     return budget
 
 
@@ -118,6 +131,9 @@ def main():
     for key, value in budget.items():
         if not key.startswith("$"):
             print(f"{key:22s} {value}")
+    if "host_issue_ms" not in budget:
+        print(f"(the reference's {RUN} run has no ops_host_ms: a k2c_capstone --time-ops run of this build adds "
+              "the host's part)")
     if args.write:
         lab["capstone_budget"] = budget
         args.lab.write_text(json.dumps(lab, indent=1, ensure_ascii=False) + "\n")
