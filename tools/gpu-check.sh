@@ -18,7 +18,7 @@
 # PyTorch is installed), bench.tar.gz (Google Benchmark JSON per module), decode_sweep.json and
 # decode.png (module 19's decode step time against batch size), and on machines with 2+ GPUs
 # collectives.json (module 11's sweep on NCCL; collectives4.json and collectives8.json with 4 and
-# 8 GPUs) and part2.tar.gz (modules 12-17's benchmarks on 2 GPUs). The script prints a short
+# 8 GPUs) and part2.tar.gz (modules 12-17's benchmarks on 2 GPUs, plotted). The script prints a short
 # summary last.
 set -uo pipefail
 ARCH=${1:-90}
@@ -142,6 +142,9 @@ if [ "$gpus" -ge 2 ]; then
     part2 15 "$BUILD/bin/k2c_pipeline_parallel" --model gpu -o "$OUT/part2/pipeline" --no-plot
     part2 16 "$BUILD/bin/k2c_sequence_parallel" -o "$OUT/part2/sequence_parallel.json"
     part2 17 "$BUILD/bin/k2c_expert_parallel" -o "$OUT/part2/expert_parallel.json"
+    for f in "$OUT"/part2/{zero,tensor_parallel,sequence_parallel,expert_parallel}.json; do
+      [ -f "$f" ] && python3 tools/plot_part2.py "$f" >> "$LOG" 2>&1
+    done
     tar -czf "$OUT/part2.tar.gz" -C "$OUT" part2 && rm -rf "$OUT/part2"  # one file to fetch
   fi
 fi
