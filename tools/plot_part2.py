@@ -59,36 +59,34 @@ def zero(ax, run):
     ax.legend(fontsize=8, ncol=5, loc="upper center")
 
 
-def tensor_parallel(ax, run):
+def against(ax, run, x, series, xlabel, ylabel, what, ideal=None):
+    """Each (label, style, field) of series against the rows' field x on a log2 axis, and a dashed
+    line at ideal = (value, label) where given."""
     rows = run["rows"]
-    d = [r["d"] for r in rows]
-    ax.plot(d, [r["scaling"] for r in rows], "o-", label="measured speed-up")
-    ax.axhline(run.get("ranks", 1), color="gray", ls="--", label="ideal (the ranks)")
+    for label, style, field in series:
+        ax.plot([r[x] for r in rows], [r[field] for r in rows], style, label=label)
+    if ideal:
+        ax.axhline(ideal[0], color="gray", ls="--", label=ideal[1])
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("model width d")
-    ax.set_ylabel("speed-up over one GPU")
-    ax.set_title(title(run, "Tensor-parallel MLP"))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title(run, what))
+
+
+def tensor_parallel(ax, run):
+    against(ax, run, "d", [("measured speed-up", "o-", "scaling")], "model width d", "speed-up over one GPU",
+            "Tensor-parallel MLP", (run.get("ranks", 1), "ideal (the ranks)"))
 
 
 def sequence_parallel(ax, run):
-    rows = run["rows"]
-    ax.plot([r["seq_len"] for r in rows], [r["ratio"] for r in rows], "o-", label="ring attention")
-    ax.axhline(1.0, color="gray", ls="--", label="the one-GPU rate")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length")
-    ax.set_ylabel("rate per GPU over one GPU's")
-    ax.set_title(title(run, "Ring attention"))
+    against(ax, run, "seq_len", [("ring attention", "o-", "ratio")], "sequence length", "rate per GPU over one GPU's",
+            "Ring attention", (1.0, "the one-GPU rate"))
 
 
 def expert_parallel(ax, run):
-    rows = run["rows"]
-    tokens = [r["tokens"] for r in rows]
-    ax.plot(tokens, [r["ep_gbs"] for r in rows], "o-", label="dispatch + combine")
-    ax.plot(tokens, [r["lib_gbs"] for r in rows], "s--", label="the library's all-to-all, same rows")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("bus bandwidth, GB/s")
-    ax.set_title(title(run, "Expert-parallel exchange"))
+    against(ax, run, "tokens", [("dispatch + combine", "o-", "ep_gbs"),
+                                ("the library's all-to-all, same rows", "s--", "lib_gbs")],
+            "tokens per rank", "bus bandwidth, GB/s", "Expert-parallel exchange")
 
 
 DRAW = {"zero": zero, "tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel,
