@@ -80,6 +80,10 @@ if ! (cd / && PATH="$work/bin:$PATH" AUTOGRADER_ROOT="$ag" K2C_CMAKE_ARGS="-DK2C
 fi
 grep '^deps:' "$work/setup.log" || true
 lap "setup.sh built the grader in the extracted bundle"
+# setup.sh built what grading builds: a submission recompiles its own files, not the course.
+core=$(find "$ag/grading/build/common" -name 'libk2c_core.a' | head -n 1)
+[ -n "$core" ] || { tail -n 40 "$work/setup.log"; echo "FAIL: setup.sh built nothing in $ag/grading/build"; exit 1; }
+core_built=$(stat -c %y "$core")
 
 # ---- run_autograder, as per submission: Gradescope copies it to the root and runs it from there
 cp -p "$ag/source/run_autograder" "$ag/run_autograder"
@@ -93,24 +97,27 @@ lap "run_autograder graded the sample submission"
 # build tree's cache only while it points at the staged folder setup.sh prepared.
 grep -q '^K2C_CUDA:BOOL=OFF' "$ag/grading/build/CMakeCache.txt" ||
   { echo "FAIL: the grader's build tree lost setup.sh's K2C_CMAKE_ARGS"; exit 1; }
+[ "$(stat -c %y "$core")" = "$core_built" ] ||
+  { echo "FAIL: run_autograder built the course's own libraries again ($core)"; exit 1; }
 
 # ---- the same files graded directly by the k2c under test, from a copy of this checkout (the
-# grader stops when its course tree changes under it, and others may be editing this one), in a
-# build folder beside the copy configured CPU-only the way setup.sh configures the bundle's
+# grader stops when its course tree changes under it, and others may be editing this one), in
+# the build folder run_autograder used: the grader stages the copy's files over the bundle's, and
+# rebuilds whatever differs between them
 direct=$(mktemp -d)
 trap 'rm -rf "$direct"' EXIT
+# Open to others, as the bundle's tree is: code under test then runs as nobody here too, and the
+# grader keeps run_autograder's objects (it builds everything again where it must run as root).
+chmod 755 "$direct"
 "$k2c" --root "$repo" handout "$direct/course" > /dev/null
 trim_rubric "$direct/course/autograder/rubric.json"
-"$k2c" --root "$repo" handout "$direct/grading/staged" > /dev/null
-cmake -S "$direct/grading/staged" -B "$direct/grading/build" "${gen[@]}" -DK2C_IMPL=assignments \
-  -DK2C_CUDA=OFF > "$work/direct.configure.log"
 if ! OMPI_MCA_btl_vader_single_copy_mechanism=none "$k2c" --root "$direct/course" grade \
-       --impl assignments --build-dir "$direct/grading" --submission "$ag/submission" \
+       --impl assignments --build-dir "$ag/grading" --submission "$ag/submission" \
        --json "$work/direct.json" > "$work/direct.log" 2>&1; then
   tail -n 40 "$work/direct.log"; echo "FAIL: k2c grade --submission"; exit 1
 fi
-grep -q '^K2C_CUDA:BOOL=OFF' "$direct/grading/build/CMakeCache.txt" ||
-  { echo "FAIL: k2c grade did not keep the CPU-only cache of $direct/grading/build"; exit 1; }
+grep -q '^K2C_CUDA:BOOL=OFF' "$ag/grading/build/CMakeCache.txt" ||
+  { echo "FAIL: k2c grade did not keep the CPU-only cache of $ag/grading/build"; exit 1; }
 lap "k2c grade graded the same files"
 
 # ---- results.json: Gradescope's format, the direct grade's scores, GPU modules skipped

@@ -30,4 +30,12 @@ rm -rf "$root/grading"
 build/assignments/bin/k2c --root . handout "$root/grading/staged" > /dev/null
 cmake -S "$root/grading/staged" -B "$root/grading/build" "${gen[@]}" -DK2C_IMPL=assignments \
   "${cmake_args[@]}"
-echo "setup.sh: grader built in build/assignments; submissions build in $root/grading/build"
+# Then build there, once, all that a grading builds (the grader's checkers, each module's test
+# program on the stubs), by grading an empty submission with --build-only: the grader rewrites
+# only the staged files whose bytes differ, so a submission recompiles its own files, not the
+# course.
+empty=$(mktemp -d)
+build/assignments/bin/k2c --root . grade --impl assignments --build-dir "$root/grading" --submission "$empty" \
+  --build-only
+rmdir "$empty"
+echo "setup.sh: grader built in build/assignments; submissions build in $root/grading/build (prebuilt)"

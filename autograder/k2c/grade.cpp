@@ -878,6 +878,11 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   std::optional<Intake> intake;
   if (!o.submission_dir.empty()) {
     const std::string stage = staging_dir(o.root, o.build_dir);
+    // The stage is brought up to date file by file, and the build tree on it keeps what is still
+    // current: the next submission recompiles only its own files. That is sound only where code
+    // under test could not write the build tree (it ran as another user); where it runs as the
+    // grader, a fresh stage makes every object be built again.
+    if (runner.uid < 0) fs::remove_all(stage);
     intake = take_submission(rubric, selected, o.submission_dir, o.root, stage);
     source_root = intake->staged_root;
     progress << "submission: staged in " << stage << "\n";
@@ -998,6 +1003,12 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       m.status = "build failed";
       m.detail = build_failure_detail(b.output);
       m.log = b.output;
+      finish(m);
+      continue;
+    }
+    if (o.build_only) {
+      m.status = "skipped";
+      m.detail = "built, not run (--build-only)";
       finish(m);
       continue;
     }

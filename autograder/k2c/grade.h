@@ -38,6 +38,7 @@ struct GradeOptions {
   std::uint64_t seed = 0;
   double timeout_s = 0;       // > 0 overrides the rubric's per-module limit
   bool sanitize = false;
+  bool build_only = false;    // build what grading runs (checkers, test programs), run nothing
   std::string submission_dir;
   std::string generator;      // CMake generator for a first configure ("" = CMake's default)
   // The user that test programs (code under test) run as when the grader runs as root: "" for

@@ -134,20 +134,67 @@ std::string Intake::problem_for(const ModuleSpec& m) const {
   return "";
 }
 
-void copy_course(const std::string& root, const std::string& dest) {
-  // lab/ holds the research programs that compile the reference solutions into themselves
-  // (tools/leakcheck.py fails a handout that carries them); nothing in the build needs it.
+namespace {
+
+// What copy_course copies: the top-level entries of `root` but .git, build/, solutions/, out/
+// and lab/ (lab/ holds the research programs that compile the reference solutions into
+// themselves, which tools/leakcheck.py fails a handout for; nothing in the build needs it),
+// and never a folder that holds `dest`, which would be copied into itself.
+std::vector<fs::path> course_entries(const std::string& root, const fs::path& dest) {
   static const std::set<std::string> kSkip = {".git", "build", "solutions", "out", "lab"};
+  std::vector<fs::path> out;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    if (kSkip.count(entry.path().filename().string())) continue;
+    const auto rel = dest.lexically_relative(fs::weakly_canonical(entry.path()));
+    if (!rel.empty() && *rel.begin() != "..") continue;
+    out.push_back(entry.path());
+  }
+  return out;
+}
+
+bool same_bytes(const fs::path& a, const fs::path& b) {
+  std::error_code ec;
+  return fs::file_size(a, ec) == fs::file_size(b, ec) && !ec && read_bytes(a) == read_bytes(b);
+}
+
+}  // namespace
+
+void copy_course(const std::string& root, const std::string& dest) {
   const fs::path to = fs::weakly_canonical(fs::absolute(dest));
   fs::create_directories(to);
-  for (const auto& entry : fs::directory_iterator(root)) {
-    const std::string name = entry.path().filename().string();
-    if (kSkip.count(name)) continue;
-    // Never copy a folder that holds the destination: it would copy into itself.
-    const fs::path from = fs::weakly_canonical(entry.path());
-    const auto rel = to.lexically_relative(from);
-    if (!rel.empty() && *rel.begin() != "..") continue;
-    fs::copy(entry.path(), to / name, fs::copy_options::recursive | fs::copy_options::copy_symlinks);
+  for (const fs::path& from : course_entries(root, to))
+    fs::copy(from, to / from.filename(), fs::copy_options::recursive | fs::copy_options::copy_symlinks);
+}
+
+void sync_tree(const std::string& dest, const std::map<std::string, std::string>& files) {
+  const fs::path to = fs::absolute(dest);
+  std::set<std::string> dirs;
+  for (const auto& [rel, from] : files)
+    for (fs::path d = fs::path(rel).parent_path(); !d.empty(); d = d.parent_path()) dirs.insert(d.string());
+  // The stage itself a link (or a file) would have everything below written where it leads.
+  if (const fs::file_status st = fs::symlink_status(to); fs::exists(st) && !fs::is_directory(st)) fs::remove(to);
+  fs::create_directories(to);
+  // First whatever is there and not wanted as it is: a stray file, a folder where a file is
+  // wanted, and every symbolic link (a link left in the stage would be written through below).
+  std::vector<fs::path> unwanted;
+  for (auto it = fs::recursive_directory_iterator(to); it != fs::recursive_directory_iterator(); ++it) {
+    const std::string rel = it->path().lexically_relative(to).string();
+    const fs::file_status st = it->symlink_status();
+    const bool keep = fs::is_directory(st) ? dirs.count(rel) > 0 : fs::is_regular_file(st) && files.count(rel) > 0;
+    if (keep) continue;
+    unwanted.push_back(it->path());
+    if (fs::is_directory(st)) it.disable_recursion_pending();
+  }
+  for (const fs::path& p : unwanted) fs::remove_all(p);
+  // Then each file whose bytes differ, written anew; an unchanged one keeps its time stamp, so
+  // that the build tree configured on the stage rebuilds only what changed.
+  for (const auto& [rel, from] : files) {
+    const fs::path at = to / rel;
+    fs::create_directories(at.parent_path());
+    if (!fs::exists(fs::symlink_status(at)) || !same_bytes(from, at))
+      fs::copy_file(from, at, fs::copy_options::overwrite_existing);
+    const fs::perms mode = fs::status(from).permissions() & fs::perms::mask;
+    if ((fs::symlink_status(at).permissions() & fs::perms::mask) != mode) fs::permissions(at, mode);
   }
 }
 
@@ -191,9 +238,18 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
 
   Intake in;
   const fs::path stage = fs::absolute(stage_dir);
-  fs::remove_all(stage);
-  copy_course(course_root, stage.string());
   in.staged_root = stage.string();
+  // What the stage must hold: every file of the course, then the accepted student files in
+  // place of theirs. The stage holds no links: a linked file is staged as its bytes, and a
+  // linked folder (which could lead anywhere) not at all.
+  std::map<std::string, std::string> staged;
+  for (const fs::path& top : course_entries(course_root, fs::weakly_canonical(stage))) {
+    if (fs::is_regular_file(top)) staged[top.filename().string()] = top.string();
+    if (!fs::is_directory(top)) continue;
+    for (auto it = fs::recursive_directory_iterator(top); it != fs::recursive_directory_iterator(); ++it)
+      if (it->is_regular_file())
+        staged[(top.filename() / it->path().lexically_relative(top)).string()] = it->path().string();
+  }
 
   std::set<std::string> wanted_rel, wanted_base;
   for (const ModuleSpec* m : modules)
@@ -232,10 +288,11 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
         item.problem = "refused: " + std::to_string(fs::file_size(found)) + " bytes, more than " +
                        std::to_string(rubric.max_file_bytes);
       else
-        fs::copy_file(found, stage / f, fs::copy_options::overwrite_existing);
+        staged[fs::path(f).lexically_normal().string()] = found.string();
       in.files.push_back(item);
     }
   }
+  sync_tree(stage.string(), staged);
 
   // Everything else in the submission is reported, never copied.
   for (auto it = fs::recursive_directory_iterator(sub); it != fs::recursive_directory_iterator();

@@ -4,9 +4,11 @@
 // rubric's max_file_bytes, reached from the submission's root without passing through a
 // symbolic link: a link (of the file or of any folder on its way), a device file or an
 // oversized file is refused, and anything else in the submission (a replacement test, a
-// CMakeLists.txt, a rubric) is listed as ignored and never copied. The staging tree is a fresh
-// copy of the course's own sources (tests, harness, CMake, rubric) with the accepted student
-// files laid over it, kept outside the course tree so that no relative path leads back into it.
+// CMakeLists.txt, a rubric) is listed as ignored and never copied. The staging tree holds the
+// course's own sources (tests, harness, CMake, rubric) with the accepted student files laid over
+// them, and nothing else, kept outside the course tree so that no relative path leads back into
+// it. Grading the next submission into the same build folder rewrites only the files that
+// differ, so that its build recompiles the student's files, not the course.
 //
 // After a module is built, its student code is checked for what it could have brought in:
 // headers from outside the submission (read from the build's own dependency records), and
@@ -45,8 +47,15 @@ struct Intake {
 // handout.
 void copy_course(const std::string& root, const std::string& dest);
 
+// Makes the folder `dest` hold exactly `files` (path relative to `dest` -> the file to copy
+// there): anything else in it is removed, links included, and only a file whose bytes differ
+// from its source's is written. A build tree configured on `dest` then rebuilds only what changed
+// since the last time it was filled: the next submission's own files, not the whole course.
+void sync_tree(const std::string& dest, const std::map<std::string, std::string>& files);
+
 // Looks for each file at DIR/<rubric path>, then at DIR/<basename> (Gradescope uploads are
-// flat). Copies `course_root` (minus .git, build/, solutions/) to `stage_dir` first.
+// flat). `stage_dir` is made to hold the course at `course_root` as copy_course copies it, with
+// the accepted files in place of the stubs (sync_tree).
 Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*>& modules,
                        const std::string& submission_dir, const std::string& course_root,
                        const std::string& stage_dir);

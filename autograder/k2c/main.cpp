@@ -172,6 +172,9 @@ int main(int argc, char** argv) {
   auto* seed_opt = grade_cmd->add_option("--seed", seed, "seed for random shapes and inputs (default: random)");
   grade_cmd->add_option("--timeout", g.timeout_s, "per-module time limit in seconds (default: rubric)");
   grade_cmd->add_flag("--sanitize", g.sanitize, "run GPU tests under compute-sanitizer memcheck (no timing)");
+  grade_cmd->add_flag("--build-only", g.build_only,
+                      "build the checkers and each module's test program, run nothing (a later grade into "
+                      "the same --build-dir recompiles only what changed)");
   grade_cmd->add_option("--json", json_out, "write the full report as JSON");
   grade_cmd->add_option("--gradescope", gradescope_out, "write Gradescope's results.json");
   grade_cmd->add_option("--write-reference", reference_out, "write this run's figures as reference timings");

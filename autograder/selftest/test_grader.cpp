@@ -18,6 +18,7 @@
 #include <pwd.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -735,6 +736,61 @@ TEST(Intake, RefusesAnyPathThroughASymbolicLink) {
                                     (kTmp / "link_stage").string());
   EXPECT_EQ(in.problem_for(*mods[0]), "");
   EXPECT_EQ(slurp(fs::path(in.staged_root) / "assignments/80_ok/ok.cpp"), "student work");
+}
+
+// The next submission graded in the same build folder is staged over the last one: only the
+// files whose bytes differ are written (an unchanged one keeps its time stamp, so the build
+// recompiles only the student's files), and anything else found there, a link above all, goes.
+TEST(Intake, RestagingRewritesOnlyWhatDiffers) {
+  const fs::path root = kTmp / "restage_course", sub = kTmp / "restage_submission", stage = kTmp / "restage_stage";
+  const fs::path outside = kTmp / "restage_outside.txt";
+  for (const fs::path& p : {root, sub, stage}) fs::remove_all(p);
+  write(root / "assignments/80_ok/ok.cpp", "stub");
+  write(root / "autograder/test.cpp", "the real test");
+  write(root / "CMakeLists.txt", "project()");
+  write(outside, "not the grader's to write");
+  write(sub / "ok.cpp", "work 1");
+  k2c::Rubric rubric = k2c::load_rubric((kFake / "rubric.json").string());
+  const std::vector<const k2c::ModuleSpec*> mods = {rubric.find("80")};
+  auto in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), stage.string());
+  EXPECT_EQ(slurp(stage / "assignments/80_ok/ok.cpp"), "work 1");
+
+  // Every staged file dated an hour back, so that a rewrite shows; then what a previous grading
+  // could have left: a stray file, a link beside the tests, and the test itself made a link.
+  const auto old_time = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  for (const char* f : {"assignments/80_ok/ok.cpp", "autograder/test.cpp", "CMakeLists.txt"})
+    fs::last_write_time(stage / f, old_time);
+  write(stage / "stray.txt", "left over");
+  fs::create_symlink(root / "autograder/test.cpp", stage / "autograder/evil.cpp");
+  fs::remove(stage / "CMakeLists.txt");
+  fs::create_symlink(outside, stage / "CMakeLists.txt");
+
+  write(sub / "ok.cpp", "work 2");
+  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), stage.string());
+  EXPECT_EQ(slurp(stage / "assignments/80_ok/ok.cpp"), "work 2");
+  EXPECT_GT(fs::last_write_time(stage / "assignments/80_ok/ok.cpp"), old_time);
+  EXPECT_EQ(fs::last_write_time(stage / "autograder/test.cpp"), old_time);  // unchanged: not rewritten
+  EXPECT_FALSE(fs::exists(fs::symlink_status(stage / "stray.txt")));
+  EXPECT_FALSE(fs::exists(fs::symlink_status(stage / "autograder/evil.cpp")));
+  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(stage / "CMakeLists.txt")));
+  EXPECT_EQ(slurp(stage / "CMakeLists.txt"), "project()");
+  EXPECT_EQ(slurp(outside), "not the grader's to write");
+
+  // The next submission without the file: the stub is back.
+  fs::remove(sub / "ok.cpp");
+  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), stage.string());
+  EXPECT_EQ(slurp(stage / "assignments/80_ok/ok.cpp"), "stub");
+  EXPECT_EQ(fs::last_write_time(stage / "autograder/test.cpp"), old_time);
+
+  // A stage folder that is itself a link is replaced by a folder, not written through.
+  const fs::path elsewhere = kTmp / "restage_elsewhere";
+  fs::remove_all(elsewhere);
+  fs::create_directories(elsewhere);
+  fs::remove_all(stage);
+  fs::create_directory_symlink(elsewhere, stage);
+  in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), stage.string());
+  EXPECT_TRUE(fs::is_directory(fs::symlink_status(stage)));
+  EXPECT_TRUE(fs::is_empty(elsewhere));
 }
 
 // Staged inside the course, `#include "../../solutions/..."` would reach the reference: the
