@@ -28,14 +28,15 @@
 // dp_size D), and cuts them into `micro_batches` micro-batches for the pipeline.
 //
 // Which sizes must divide: B by D·micro_batches; n_layers by nothing, but pp <= n_layers; q_heads,
-// kv_heads, d_ff and vocab by tp; experts by ep. ep > 1 needs a mixture of experts, tp > 1
-// with a mixture of experts needs ep > 1 (module 14's block has no experts), and tp or ep > 1 no
-// dropout. The constructor refuses anything else with std::invalid_argument naming the values.
+// kv_heads, d_ff and vocab by tp; experts by ep. ep > 1 needs a mixture of experts, and tp or
+// ep > 1 no dropout. The constructor refuses anything else with std::invalid_argument naming the
+// values.
 //
 // tp × ep. A block of a mixture of experts under tp > 1 is module 14's ParallelAttention over the
-// tp group (its norms whole) around module 17's ExpertParallelMoe over the ep group: the ep group
-// is formed across the tp groups, the ep ranks of one (dp, pp, tp) place, so tp rank t trades
-// tokens with tp rank t of the other ep coordinates only. The tp ranks of one ep group hold the
+// tp group (its norms whole) around module 17's ExpertParallelMoe over the ep group (module 14's
+// block has no experts): the ep group is formed across the tp groups, the ep ranks of one
+// (dp, pp, tp) place, so tp rank t trades tokens with tp rank t of the other ep coordinates only;
+// at ep = 1 it is the rank alone, which holds every expert. The tp ranks of one ep group hold the
 // same tokens, the same expert shard and the same router: the MoE is replicated over tp and
 // computes the same bits there, so its gradients are reduced as under ep alone and not over tp.
 //

@@ -202,6 +202,13 @@ TEST_F(Capstone, GridPp2MoeMatchesOneRank) {
   expect_grid_matches("pp2", Model::moe_unbalanced, 2, Match::tolerance);
 }
 TEST_F(Capstone, GridPp2Ep2MatchesOneRank) { expect_grid_matches("pp2,ep2", Model::moe, 1, Match::tolerance); }
+// tp alone on a mixture of experts: attention cut over tp, every expert on every tp rank (an ep
+// group of one), which all see every token, so the balance term is one process's. Under dp × tp
+// each data rank balances its own tokens again.
+TEST_F(Capstone, GridTp2MoeMatchesOneRank) { expect_grid_matches("tp2", Model::moe, 1, Match::tolerance); }
+TEST_F(Capstone, GridDp2Tp2MoeMatchesOneRank) {
+  expect_grid_matches("dp2,tp2", Model::moe_unbalanced, 1, Match::tolerance);
+}
 
 // The grader's own check of a grid (k2c/dist/rank_witness.h; the cases and the layout in
 // autograder/witness/rank_cases_training.cpp): the checker's grid, model, schedule and tokens.
@@ -277,9 +284,6 @@ TEST_F(Capstone, RefusesGridsThatDoNotFit) {
   c.micro_batches = 1;
   c.grid = {.ep = n};
   if (n > 1) refuses(c, "expert parallelism without experts");
-  c.train = tiny_config(Model::moe);
-  c.grid = {.tp = n};
-  if (n > 1) refuses(c, "tensor parallelism of a mixture of experts without expert parallelism");
   c.train = tiny_config(Model::dense);
   c.grid = {.cp = n};
   if (n > 1) refuses(c, "context parallelism, which the capstone's grid does not have");

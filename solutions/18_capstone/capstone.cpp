@@ -10,9 +10,10 @@
 //              VocabParallelEmbedding, the head a ColumnParallelLinear whose logits stay cut by
 //              vocabulary into 14's vocab_parallel_cross_entropy; with tp = 1 the model
 //              library's own layers, so that grid 1 is model::Trainer operation for operation
-//   experts    with ep > 1 every block's feed-forward is 17's ExpertParallelMoe (the rest of the
-//              block as model::Block builds it; under tp > 1 too its attention is 14's
-//              ParallelAttention over the tp group). The ep group is the ranks of one (dp, pp, tp)
+//   experts    with ep > 1, or a mixture of experts under tp > 1, every block's feed-forward is
+//              17's ExpertParallelMoe (the rest of the block as model::Block builds it; under
+//              tp > 1 its attention is 14's ParallelAttention over the tp group; at ep = 1 its ep
+//              group is the rank alone, the MoE whole). The ep group is the ranks of one (dp, pp, tp)
 //              place, so under tp × ep each tp rank runs its own ep group's MoE: tp rank t
 //              exchanges tokens with the tp rank t of the other ep coordinates only. The tp ranks
 //              of one ep group hold the same tokens (the activations are whole), the same expert
@@ -609,10 +610,6 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
     throw std::invalid_argument("capstone: batch " + std::to_string(config.train.batch) + " must split into " +
                                 std::to_string(D) + " data ranks x " + std::to_string(config.micro_batches) +
                                 " micro-batches");
-  if (g.tp > 1 && m.experts > 0 && g.ep == 1)
-    throw std::invalid_argument("capstone: tp " + std::to_string(g.tp) + " with " + std::to_string(m.experts) +
-                                " experts needs ep > 1 (module 14's block has no experts; module 17's layer "
-                                "runs them)");
   if (g.ep > 1 && m.experts == 0)
     throw std::invalid_argument("capstone: ep " + std::to_string(g.ep) + " needs a mixture of experts (experts > 0)");
   if ((g.tp > 1 || g.ep > 1) && config.train.dropout > 0)
@@ -653,7 +650,10 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
                                           config.train.seed, zc);
   } else {
     const ps::Span span = pp::stage_blocks(m.n_layers, g.pp, s.coord(Axis::pp));
-    const BlockKind kind = g.ep > 1 ? BlockKind::expert : g.tp > 1 ? BlockKind::tensor : BlockKind::plain;
+    // Module 14's block has no experts: a mixture of experts under tp is the expert kind, its ep
+    // group a single rank where ep = 1.
+    const bool experts_here = g.ep > 1 || (g.tp > 1 && m.experts > 0);
+    const BlockKind kind = experts_here ? BlockKind::expert : g.tp > 1 ? BlockKind::tensor : BlockKind::plain;
     s.stage = std::make_unique<GridStage>(s.grid, s.params, m, span, kind);
     s.params.materialize(ops, s.ledger, config.train.seed);
     // Which rank counts each weight (see the top): expert slices are cut over ep, every other
