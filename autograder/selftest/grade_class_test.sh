@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# grade_class_test.sh K2C_BIN WORKDIR — tools/grade_class.py on the fake course: three students
+# graded into one build folder (honest work, a module that does not link, nothing handed in),
+# what it passes over, scores.csv, and a second run that keeps the reports it already has.
+set -euo pipefail
+k2c=$(realpath "$1")
+work=$(realpath -m "$2")
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+command -v python3 >/dev/null || { echo "FAIL: python3 is needed (make deps)"; exit 1; }
+rm -rf "$work"
+mkdir -p "$work"
+cp -r "$here/fake_course" "$work/course"
+mkdir -p "$work/course/common/include/k2c/core"
+cp "$root/common/include/k2c/core/todo.h" "$work/course/common/include/k2c/core/"
+
+subs=$work/submissions
+honest='#include "fake_gemm.h"
+int k2c::gemm::answer() { return 42; }'
+mkdir -p "$subs/alice/assignments/90_honest" "$subs/alice/assignments/95_linkerr" "$subs/bob" "$subs/carol" "$subs/bad name"
+echo "$honest" > "$subs/alice/assignments/90_honest/honest.cpp"
+printf '#include "fake_gemm.h"\nextern "C" int cublasSgemm_v2(void*, int);\nint k2c::gemm::answer() { return cublasSgemm_v2(nullptr, 42); }\n' \
+  > "$subs/alice/assignments/95_linkerr/linkerr.cpp"
+echo "$honest" > "$subs/carol/honest.cpp"            # flat, as Gradescope uploads
+echo "$honest" > "$subs/bad name/honest.cpp"
+echo "not a student" > "$subs/notes.txt"
+
+run() {
+  python3 "$root/tools/grade_class.py" "$subs" "$work/out" --k2c "$k2c" --root "$work/course" "$@" \
+    -- --rubric "$work/course/submission_rubric.json" --modules 90,95 --seed 1
+}
+run > "$work/first.log" 2>&1 || { cat "$work/first.log"; echo "FAIL: grade_class.py"; exit 1; }
+cat "$work/first.log"
+grep -q "^passed over: bad name: a name with characters" "$work/first.log" &&
+  grep -q "^passed over: notes.txt: not a folder" "$work/first.log" ||
+  { echo "FAIL: what is not a student's folder was not passed over, or not said so"; exit 1; }
+
+python3 - "$work/out/scores.csv" <<'PY'
+import csv, sys
+rows = {r["student"]: r for r in csv.DictReader(open(sys.argv[1]))}
+want = {"alice": ("10", "10", "0"), "bob": ("0", "0", "0"), "carol": ("10", "10", "0")}
+fail = []
+if sorted(rows) != sorted(want):
+    fail.append(f"students {sorted(rows)}, want {sorted(want)}")
+for name, (total, m90, m95) in want.items():
+    r = rows.get(name, {})
+    got = (r.get("points"), r.get("90_honest"), r.get("95_linkerr"))
+    if got != (total, m90, m95) or r.get("max_points") != "20":
+        fail.append(f"{name}: points, 90, 95 = {got} of {r.get('max_points')}, want {(total, m90, m95)} of 20")
+if fail:
+    sys.exit("FAIL: scores.csv: " + "; ".join(fail))
+print("scores.csv:", ", ".join(f"{n} {rows[n]['points']}" for n in sorted(rows)))
+PY
+for s in alice bob carol; do
+  test -s "$work/out/reports/$s.json" && test -s "$work/out/logs/$s.log" || { echo "FAIL: no report or log for $s"; exit 1; }
+done
+
+# A second run keeps what the first graded.
+run > "$work/second.log" 2>&1 || { cat "$work/second.log"; echo "FAIL: grade_class.py, second run"; exit 1; }
+[ "$(grep -c 'kept from an earlier run' "$work/second.log")" = 3 ] ||
+  { cat "$work/second.log"; echo "FAIL: the second run graded again what it had"; exit 1; }
+echo "PASS: three students graded into one build folder, the others passed over, the reports kept"

@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Grades a whole class: every student's folder of SUBMISSIONS with `k2c grade --submission`, one
+after another into one build folder, and writes the scores as a table.
+
+    python3 tools/grade_class.py SUBMISSIONS OUT [--k2c PATH] [--root COURSE] [--regrade]
+                                 [-- more k2c grade options, e.g. --modules 11,12 --seed 7]
+
+SUBMISSIONS holds one folder per student, named after the student (letters, digits, '.', '_',
+'-'); each is graded as `k2c grade --submission` grades one student's files. OUT receives
+    reports/NAME.json   k2c's full report of each student
+    logs/NAME.log       what k2c printed while grading that student
+    scores.csv          one row per student: the total, then each module's points
+    build/              the build folder every grading shares
+Sharing the build folder is what makes a class quick: k2c stages each submission over the last one,
+rewriting only the files whose bytes differ, so each student's build recompiles their own files
+and not the course (where code under test runs as the grader's own user, k2c builds everything
+again, and this is only as quick as grading each alone).
+
+A student whose report is already in OUT is not graded again unless --regrade is given, so an
+interrupted class picks up where it stopped. A grading that k2c could not finish for one student
+(its status 2, or no report) is listed and the class goes on; a grading stopped because the
+course tree changed under it (status 1 with that message) stops the class, since nothing graded
+after it could be trusted.
+"""
+import argparse
+import csv
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 usage="%(prog)s SUBMISSIONS OUT [options] [-- k2c grade options]")
+    ap.add_argument("submissions", type=pathlib.Path, help="one folder per student")
+    ap.add_argument("out", type=pathlib.Path, help="reports, logs, scores.csv and the shared build folder")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    ap.add_argument("--root", type=pathlib.Path, default=root, help="the course tree (default: this one)")
+    ap.add_argument("--k2c", type=pathlib.Path, default=None,
+                    help="the grader (default: the course's build/*/bin/k2c, solutions' first)")
+    ap.add_argument("--regrade", action="store_true", help="grade again students who already have a report")
+    # What follows `--` is k2c grade's, taken aside before argparse sees it.
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.grade_args = extra
+    return args
+
+
+def find_k2c(args):
+    if args.k2c:
+        return args.k2c
+    for impl in ("solutions", "assignments"):
+        k2c = args.root / "build" / impl / "bin" / "k2c"
+        if k2c.is_file():
+            return k2c
+    sys.exit("grade_class: no k2c in build/solutions or build/assignments: run `make build` or pass --k2c")
+
+
+def students(folder):
+    """The students' folders, by name, and the entries passed over with the reason."""
+    if not folder.is_dir():
+        sys.exit(f"grade_class: {folder} is not a folder")
+    found, passed_over = [], []
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink() or not entry.is_dir():
+            passed_over.append((entry.name, "not a folder"))
+        elif not NAME.match(entry.name):
+            passed_over.append((entry.name, "a name with characters other than letters, digits, '.', '_', '-'"))
+        else:
+            found.append(entry)
+    return found, passed_over
+
+
+def grade(k2c, args, student, out):
+    """Runs k2c for one student; returns (report or None, why there is none, stop the class)."""
+    report_path, log_path = out / "reports" / f"{student.name}.json", out / "logs" / f"{student.name}.log"
+    report_path.unlink(missing_ok=True)
+    cmd = [str(k2c), "--root", str(args.root), "grade", "--submission", str(student),
+           "--build-dir", str(out / "build"), "--json", str(report_path), *args.grade_args]
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        status = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    text = log_path.read_text(errors="replace")
+    if status == 1 and "changed while grading" in text:
+        return None, "the course tree changed while grading: " + text.strip().splitlines()[-1], True
+    try:
+        return json.loads(report_path.read_text()), "", False
+    except (OSError, json.JSONDecodeError):
+        last = text.strip().splitlines()[-1] if text.strip() else "no output"
+        return None, f"k2c exited with status {status} and wrote no report ({last})", False
+
+
+def main():
+    args = parse_args()
+    k2c = find_k2c(args)
+    found, passed_over = students(args.submissions)
+    for name, why in passed_over:
+        print(f"passed over: {name}: {why}")
+    if not found:
+        sys.exit(f"grade_class: no student folders in {args.submissions}")
+    out = args.out
+    for sub in ("reports", "logs", "build"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+
+    reports, problems = {}, {}
+    for i, student in enumerate(found, 1):
+        tag = f"[{i}/{len(found)}] {student.name}"
+        kept = out / "reports" / f"{student.name}.json"
+        if kept.is_file() and not args.regrade:
+            try:
+                reports[student.name] = json.loads(kept.read_text())
+                print(f"{tag}: kept from an earlier run ({reports[student.name]['points']:g} points)", flush=True)
+                continue
+            except (json.JSONDecodeError, KeyError):
+                pass  # unreadable: graded again
+        start = time.monotonic()
+        report, why, stop = grade(k2c, args, student, out)
+        seconds = time.monotonic() - start
+        if stop:
+            sys.exit(f"{tag}: {why}\ngrade_class: stopped; restore the course tree and run again "
+                     f"(students already graded keep their reports)")
+        if report is None:
+            problems[student.name] = why
+            print(f"{tag}: not graded: {why} (logs/{student.name}.log)", flush=True)
+            continue
+        reports[student.name] = report
+        print(f"{tag}: {report['points']:g}/{report['max_points']:g} points ({seconds:.0f} s)", flush=True)
+
+    # scores.csv: the modules in the order the reports list them, each student's points.
+    modules = []
+    for r in reports.values():
+        for m in r["modules"]:
+            if m["id"] not in modules:
+                modules.append(m["id"])
+    with open(out / "scores.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "points", "max_points", *modules, "problem"])
+        for student in found:
+            r = reports.get(student.name)
+            if r is None:
+                w.writerow([student.name, "", "", *[""] * len(modules), problems.get(student.name, "")])
+                continue
+            by_id = {m["id"]: m["points"] for m in r["modules"]}
+            w.writerow([student.name, f"{r['points']:g}", f"{r['max_points']:g}",
+                        *[f"{by_id[m]:g}" if m in by_id else "" for m in modules], ""])
+    print(f"wrote {out / 'scores.csv'}: {len(reports)} graded, {len(problems)} not graded, "
+          f"{len(passed_over)} passed over")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
