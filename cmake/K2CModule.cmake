@@ -92,22 +92,30 @@ function(k2c_add_module id)
   endforeach()
   # Export the contract's namespace and nothing else: a student library that defines, say,
   # cublasSgemm_v2 or cudaEventElapsedTime cannot interpose them on the harness that measures it.
+  # Written only when its text changes (file(CONFIGURE)), so a new configure relinks nothing.
   set(exports ${CMAKE_BINARY_DIR}/exports/${id}.map)
-  file(WRITE ${exports} "{ global: extern \"C++\" { k2c::${name}::*; }; local: *; };\n")
+  file(CONFIGURE OUTPUT ${exports} CONTENT "{ global: extern \"C++\" { k2c::${name}::*; }; local: *; };\n" @ONLY)
   target_link_options(k2c_impl_${id} PRIVATE "LINKER:--no-undefined" "LINKER:--version-script=${exports}")
   set_property(TARGET k2c_impl_${id} APPEND PROPERTY LINK_DEPENDS ${exports})
 
-  if(arg_KIND STREQUAL "mpi")
-    set(test_main ${root}/common/src/dist/test_main.cpp ${root}/common/src/dist/rank_witness.cpp)
-  else()
-    set(test_main ${root}/common/src/test_main.cpp)
-  endif()
-  add_executable(k2c_test_${id} ${test_src} ${test_main})
+  # Which module the program tests (k2c::testing::kProgram), in a source of its own: main() is
+  # the shared k2c_test_main (or k2c_dist_test_main), compiled once. Written only when it changes.
+  set(identity ${CMAKE_BINARY_DIR}/test_programs/${id}.cpp)
+  file(CONFIGURE OUTPUT ${identity} @ONLY CONTENT
+"// Written by k2c_add_module (cmake/K2CModule.cmake): which module this test program tests.
+#include \"k2c/testing/testing.h\"
+extern const k2c::testing::ProgramIdentity k2c::testing::kProgram = {
+    \"${id}\", \"${K2C_IMPL}\", \"${root}/autograder/rubric.json\"};
+")
+  add_executable(k2c_test_${id} ${test_src} ${identity})
   # K2C_CUDA_PARTS: whether a cpu or mpi module's .cu parts (and their tests) are in the build, so a
   # test program built without them can still list their tests, skipped with the reason.
-  target_compile_definitions(k2c_test_${id} PRIVATE
-    K2C_MODULE_ID="${id}" K2C_IMPL_NAME="${K2C_IMPL}"
-    K2C_RUBRIC_DEFAULT="${root}/autograder/rubric.json" K2C_CUDA_PARTS=$<BOOL:${cuda_parts}>)
+  target_compile_definitions(k2c_test_${id} PRIVATE K2C_CUDA_PARTS=$<BOOL:${cuda_parts}>)
+  if(arg_KIND STREQUAL "mpi")
+    target_link_libraries(k2c_test_${id} PRIVATE k2c_dist_test_main)
+  else()
+    target_link_libraries(k2c_test_${id} PRIVATE k2c_test_main)
+  endif()
   target_link_libraries(k2c_test_${id} PRIVATE k2c_impl_${id} k2c_testing)
   if(arg_MODEL AND TARGET k2c_model_cuda)
     target_link_libraries(k2c_test_${id} PRIVATE k2c_model_cuda)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gradescope_test.sh K2C_BIN WORKDIR — the Gradescope bundle, run the way Gradescope runs it.
+# gradescope_test.sh K2C_BIN WORKDIR [bundle|grade] — the Gradescope bundle, run the way Gradescope runs it.
 # make_zip.sh builds the zip with K2C_BIN; it is extracted into WORKDIR/autograder/source beside
 # submission/ and results/ (Gradescope's layout, under a root other than /autograder); setup.sh
 # runs there, then run_autograder grades a sample submission: module 11 implemented (the
@@ -10,18 +10,34 @@
 # of this checkout.
 # CPU only, to stay quick: both trees are configured with -DK2C_CUDA=OFF, so the GPU modules are
 # reported as skipped, as they are on a grading machine without a GPU.
+# `bundle` makes the zip and runs setup.sh (which builds; no rank runs), `grade` the rest: CTest
+# runs the first beside other tests and holds the MPI lock for the second alone. With neither,
+# both.
 set -euo pipefail
 k2c=$(realpath "$1")
 work=$(realpath -m "$2")
+step=${3:-all}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 command -v python3 >/dev/null || { echo "FAIL: python3 is needed to read the zip and the JSON (make deps)"; exit 1; }
-rm -rf "$work"
-mkdir -p "$work/bin"
 ag=$work/autograder
-gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 t0=$SECONDS
 lap() { echo "-- $1 ($((SECONDS - t0)) s)"; }
+# The course's rubric, cut to three modules that stand for the kinds (00 and 01 GPU, 11 MPI):
+# every module graded means every module built, twice, and the flow is the same for all.
+trim_rubric() {
+  python3 - "$1" <<'PY'
+import json, sys
+keep = {"00_roofline", "01_naive_matmul", "11_collectives"}
+rubric = json.load(open(sys.argv[1]))
+rubric["modules"] = [m for m in rubric["modules"] if m["id"] in keep]
+json.dump(rubric, open(sys.argv[1], "w"), indent=2)
+PY
+}
+
+if [ "$step" != grade ]; then
+rm -rf "$work"
+mkdir -p "$work/bin"
 
 # ---- the bundle: the two scripts and the course at the root of the zip, no solutions
 "$here/make_zip.sh" "$work/autograder.zip" "$k2c"
@@ -53,17 +69,6 @@ with zipfile.ZipFile(sys.argv[1]) as z:
         if mode:
             os.chmod(path, mode)
 PY
-# The course's rubric, cut to three modules that stand for the kinds (00 and 01 GPU, 11 MPI):
-# every module graded means every module built, twice, and the flow is the same for all.
-trim_rubric() {
-  python3 - "$1" <<'PY'
-import json, sys
-keep = {"00_roofline", "01_naive_matmul", "11_collectives"}
-rubric = json.load(open(sys.argv[1]))
-rubric["modules"] = [m for m in rubric["modules"] if m["id"] in keep]
-json.dump(rubric, open(sys.argv[1], "w"), indent=2)
-PY
-}
 trim_rubric "$ag/source/autograder/rubric.json"
 cp "$repo/solutions/11_collectives/collectives.cpp" "$ag/submission/"
 mkdir -p "$ag/submission/assignments/01_naive_matmul"
@@ -83,7 +88,13 @@ lap "setup.sh built the grader in the extracted bundle"
 # setup.sh built what grading builds: a submission recompiles its own files, not the course.
 core=$(find "$ag/grading/build/common" -name 'libk2c_core.a' | head -n 1)
 [ -n "$core" ] || { tail -n 40 "$work/setup.log"; echo "FAIL: setup.sh built nothing in $ag/grading/build"; exit 1; }
-core_built=$(stat -c %y "$core")
+echo "$core" > "$work/core"
+stat -c %y "$core" > "$work/core_built"
+fi
+[ "$step" != bundle ] || exit 0
+[ -s "$work/core" ] || { echo "FAIL: no bundle set up in $work (run the bundle step first)"; exit 1; }
+core=$(cat "$work/core")
+core_built=$(cat "$work/core_built")
 
 # ---- run_autograder, as per submission: Gradescope copies it to the root and runs it from there
 cp -p "$ag/source/run_autograder" "$ag/run_autograder"

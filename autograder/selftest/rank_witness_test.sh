@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# rank_witness_test.sh K2C_BIN WORKDIR — the grader's own check of a distributed module's
+# rank_witness_test.sh K2C_BIN WORKDIR [build|grade] — the grader's own check of a distributed module's
 # correctness tests (k2c_rank_witness), on the CPU: module 11 graded twice, as two submissions
 # into one build folder.
 #   - the reference solution: full marks for its correctness tests, each checked again on three
@@ -9,16 +9,30 @@
 # The second grading recompiles the submission's file alone: the course's libraries and the
 # grader's checker are kept from the first (the stage is rewritten only where bytes differ).
 # Skipped (77) without mpirun or without the reference solutions (a handout).
+# `build` only builds the first grading's tree (k2c grade --build-only: no rank runs), `grade`
+# grades both in it: CTest runs the build beside other tests and holds the MPI lock for the
+# gradings alone. With neither, both steps.
 set -euo pipefail
 k2c=$1
 work=$2
+step=${3:-all}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 command -v mpirun >/dev/null 2>&1 || { echo "no mpirun: the distributed modules cannot run here"; exit 77; }
 [ -f "$root/solutions/11_collectives/collectives.cpp" ] || { echo "no reference solutions here (a handout)"; exit 77; }
-rm -rf "$work"
-mkdir -p "$work/reference/assignments/11_collectives" "$work/forged/assignments/11_collectives"
 tests="AllReduceSum AllReduceMax ReduceScatter AllGather AllReduceInPlace"
+
+if [ "$step" != grade ]; then
+  rm -rf "$work"
+  mkdir -p "$work/reference/assignments/11_collectives" "$work/forged/assignments/11_collectives"
+  cp "$root/solutions/11_collectives/collectives.cpp" "$work/reference/assignments/11_collectives/"
+  cp "$here/witness/wrong_collectives.cpp" "$work/forged/assignments/11_collectives/collectives.cpp"
+  "$k2c" --root "$root" grade --submission "$work/reference" --modules 11 --build-dir "$work/grading" \
+    --build-only > "$work/build.log" 2>&1 || { tail -n 30 "$work/build.log"; echo "FAIL: k2c grade --build-only"; exit 1; }
+  echo "built the grading tree in $work/grading"
+fi
+[ "$step" != build ] || exit 0
+[ -d "$work/grading" ] || { echo "FAIL: no grading tree in $work (run the build step first)"; exit 1; }
 
 # test_field REPORT TEST KEY: the value of KEY in TEST's entry of a grader report.
 test_field() {
@@ -28,7 +42,6 @@ t = [t for m in r["modules"] for t in m["tests"] if t["name"] == "Collectives." 
 print(t[0].get(sys.argv[3], "") if t else "(no such test)")' "$@"
 }
 
-cp "$root/solutions/11_collectives/collectives.cpp" "$work/reference/assignments/11_collectives/"
 "$k2c" --root "$root" grade --submission "$work/reference" --modules 11 --build-dir "$work/grading" \
   --json "$work/reference.json" > "$work/reference.log" 2>&1 || true
 for t in $tests; do
@@ -42,7 +55,6 @@ done
 # What the first grading built, to compare after the second.
 stamp() { stat -c %y "$(find "$work/grading/build" -name "$1" -type f | head -n 1)"; }
 core=$(stamp libk2c_core.a); checker=$(stamp k2c_rank_witness); impl=$(stamp 'libk2c_impl_11_collectives.so')
-cp "$here/witness/wrong_collectives.cpp" "$work/forged/assignments/11_collectives/collectives.cpp"
 "$k2c" --root "$root" grade --submission "$work/forged" --modules 11 --build-dir "$work/grading" \
   --json "$work/forged.json" > "$work/forged.log" 2>&1 || true
 for t in $tests; do

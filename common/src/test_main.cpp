@@ -1,5 +1,5 @@
-// test_main.cpp — the main() of every module's test program (compiled into each one, with
-// K2C_MODULE_ID, K2C_IMPL_NAME and K2C_RUBRIC_DEFAULT defined by k2c_add_module).
+// test_main.cpp — the main() of every module's test program (compiled once, as the object
+// library k2c_test_main; each program's k2c::testing::kProgram says which module it tests).
 //
 // Besides running GoogleTest it
 //   - fixes the context the tests read (module, tree, rubric, seed from K2C_SEED),
@@ -73,7 +73,8 @@ int main(int argc, char** argv) {
   if (const int status = k2c::testing::serve_witness_if_asked(argc, argv); status >= 0) return status;
   ::testing::InitGoogleTest(&argc, argv);
   const k2c::testing::Context c =
-      k2c::testing::context_from_env(K2C_MODULE_ID, K2C_IMPL_NAME, K2C_RUBRIC_DEFAULT);
+      k2c::testing::context_from_env(k2c::testing::kProgram.module_id, k2c::testing::kProgram.impl,
+                                      k2c::testing::kProgram.default_rubric);
   k2c::testing::set_context(c);
 
   ::testing::AddGlobalTestEnvironment(new DeviceEnvironment);

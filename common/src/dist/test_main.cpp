@@ -1,6 +1,6 @@
 // test_main.cpp (dist) — the main() of every distributed module's test program, run as
-// `mpirun -np N program`. Compiled into each test program with K2C_MODULE_ID, K2C_IMPL_NAME and
-// K2C_RUBRIC_DEFAULT, like common/src/test_main.cpp.
+// `mpirun -np N program`. Compiled once (the object library k2c_dist_test_main), like
+// common/src/test_main.cpp: k2c::testing::kProgram says which module a program tests.
 #include <mpi.h>
 
 #include <cstdint>
@@ -89,7 +89,8 @@ int main(int argc, char** argv) {
     }
 
     const k2c::testing::Context c =
-        k2c::testing::context_from_env(K2C_MODULE_ID, K2C_IMPL_NAME, K2C_RUBRIC_DEFAULT);
+        k2c::testing::context_from_env(k2c::testing::kProgram.module_id, k2c::testing::kProgram.impl,
+                                      k2c::testing::kProgram.default_rubric);
     k2c::testing::set_context(c);
 
     if (w.rank() != 0) {

@@ -35,6 +35,16 @@ void set_context(Context c);
 // default) and the seed (K2C_SEED, else a fixed one so plain ctest runs are reproducible).
 Context context_from_env(const char* module_id, const char* impl, const char* default_rubric);
 
+// Which module a test program tests, from which tree, and the rubric it reads unless K2C_RUBRIC
+// names another. Each program gets its own small source defining it (k2c_add_module writes it),
+// so that the main() they share is compiled once.
+struct ProgramIdentity {
+  const char* module_id;
+  const char* impl;
+  const char* default_rubric;
+};
+extern const ProgramIdentity kProgram;
+
 inline std::uint64_t seed() { return context().seed; }
 // A seed for one purpose inside one test, so tests and purposes draw independent data.
 std::uint64_t seed_for(const std::string& purpose);
