@@ -10,6 +10,7 @@ SUBMISSIONS holds one folder per student, named after the student (letters, digi
     reports/NAME.json   k2c's full report of each student
     logs/NAME.log       what k2c printed while grading that student
     scores.csv          one row per student: the total, then each module's points
+    scores.png          each module's scores across the class, a dot per student (with matplotlib)
     build/              the build folder every grading shares
 Sharing the build folder is what makes a class quick: k2c stages each submission over the last one,
 rewriting only the files whose bytes differ, so each student's build recompiles their own files
@@ -152,7 +153,44 @@ def main():
                         *[f"{by_id[m]:g}" if m in by_id else "" for m in modules], ""])
     print(f"wrote {out / 'scores.csv'}: {len(reports)} graded, {len(problems)} not graded, "
           f"{len(passed_over)} passed over")
+    plot(reports, modules, out / "scores.png")
     return 1 if problems else 0
+
+
+def plot(reports, modules, png):
+    """Each module's share of its points across the class: a dot per student (spread sideways so
+    equal scores stay visible) and a bar at the class mean."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no matplotlib here (Debian: python3-matplotlib): {png.name} not drawn")
+        return
+    if not reports or not modules:
+        return
+    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(modules) + 2), 4))
+    for x, module in enumerate(modules):
+        shares = []
+        for r in reports.values():
+            m = next((m for m in r["modules"] if m["id"] == module), None)
+            if m and m["max_points"] > 0:
+                shares.append(100 * m["points"] / m["max_points"])
+        if not shares:
+            continue
+        spread = [x + 0.3 * ((i * 0.618) % 1 - 0.5) for i in range(len(shares))]
+        ax.scatter(spread, shares, s=14, alpha=0.7, color="tab:blue", zorder=3)
+        mean = sum(shares) / len(shares)
+        ax.hlines(mean, x - 0.35, x + 0.35, color="tab:orange", lw=2, zorder=4)
+    ax.set_xticks(range(len(modules)))
+    ax.set_xticklabels(modules, rotation=45, ha="right", fontsize=8)
+    ax.set_ylim(-5, 105)
+    ax.set_ylabel("points earned (% of the module's)")
+    ax.set_title(f"{len(reports)} students: a dot each, the class mean in orange", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ if fail:
     sys.exit("FAIL: scores.csv: " + "; ".join(fail))
 print("scores.csv:", ", ".join(f"{n} {rows[n]['points']}" for n in sorted(rows)))
 PY
+# The plot where matplotlib is, else a line saying why there is none.
+if python3 -c "import matplotlib" 2>/dev/null; then
+  test -s "$work/out/scores.png" || { echo "FAIL: matplotlib is here, yet no scores.png"; exit 1; }
+else
+  grep -q "no matplotlib here" "$work/first.log" || { echo "FAIL: no scores.png and no word why"; exit 1; }
+fi
 for s in alice bob carol; do
   test -s "$work/out/reports/$s.json" && test -s "$work/out/logs/$s.log" || { echo "FAIL: no report or log for $s"; exit 1; }
 done
