@@ -7,7 +7,10 @@
 # is then graded), and a stray file. The rubric is cut to modules 00, 01 and 11 to keep the test
 # quick (a Part II module would build the model library twice more). results.json must follow Gradescope's format and
 # give, test by test, the scores that `k2c grade --submission` gives the same files from a copy
-# of this checkout.
+# of this checkout, graded in the same build folder without building the course again. Then the
+# grader's own check of module 11's correctness tests (k2c_rank_witness): the reference's were
+# each checked again on three ranks, and a forged submission whose collectives never communicate
+# fails every one of them and earns 0.
 # CPU only, to stay quick: both trees are configured with -DK2C_CUDA=OFF, so the GPU modules are
 # reported as skipped, as they are on a grading machine without a GPU.
 # `bundle` makes the zip and runs setup.sh (which builds; no rank runs), `grade` the rest: CTest
@@ -108,8 +111,16 @@ lap "run_autograder graded the sample submission"
 # build tree's cache only while it points at the staged folder setup.sh prepared.
 grep -q '^K2C_CUDA:BOOL=OFF' "$ag/grading/build/CMakeCache.txt" ||
   { echo "FAIL: the grader's build tree lost setup.sh's K2C_CMAKE_ARGS"; exit 1; }
-[ "$(stat -c %y "$core")" = "$core_built" ] ||
-  { echo "FAIL: run_autograder built the course's own libraries again ($core)"; exit 1; }
+# Objects are kept only where code under test ran as another user (as root: nobody); where it
+# ran as the grader's own user, everything is built again (docs/SECURITY.md, row 23).
+ran_as() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["runner"])' "$1"; }
+runner=$(ran_as "$ag/results/k2c_report.json")
+if [ "$runner" = nobody ]; then
+  [ "$(stat -c %y "$core")" = "$core_built" ] ||
+    { echo "FAIL: run_autograder built the course's own libraries again ($core)"; exit 1; }
+else
+  echo "code under test ran as $runner: the submission was built from scratch"
+fi
 
 # ---- the same files graded directly by the k2c under test, from a copy of this checkout (the
 # grader stops when its course tree changes under it, and others may be editing this one), in
@@ -200,4 +211,47 @@ print(f'results.json agrees with k2c grade: {len(got)} entries, score {gs["score
       f'{sum(t["max_score"] for t in tests)}')
 PY
 grep -q "notes.txt: ignored" "$ag/results/stdout" || { echo "FAIL: the stray file was not reported"; exit 1; }
-lap "gradescope OK"
+lap "results.json agrees"
+
+# ---- the grader's own check of module 11's correctness tests (k2c_rank_witness), in the same
+# tree. The reference's tests passed above; each must also have been checked again on three ranks
+# at cases the grader drew. Then collectives that never communicate (witness/wrong_collectives.cpp),
+# whose forged report says every correctness test passed, graded as the next submission: each of
+# those tests fails on the grader's own check, 0 points, and only the submission's library is
+# built again (kept objects: code under test ran as nobody; where it ran as root, all rebuilt).
+tests="AllReduceSum AllReduceMax ReduceScatter AllGather AllReduceInPlace"
+test_field() {  # REPORT TEST KEY: KEY of Collectives.TEST in a grader report
+  python3 -c 'import json, sys
+r = json.load(open(sys.argv[1]))
+t = [t for m in r["modules"] for t in m["tests"] if t["name"] == "Collectives." + sys.argv[2]]
+print(t[0].get(sys.argv[3], "") if t else "(no such test)")' "$@"
+}
+for t in $tests; do
+  rechecked=$(test_field "$work/direct.json" "$t" rechecked)
+  [ "$rechecked" = "checked again at 3 shapes the grader drew" ] ||
+    { echo "FAIL: the reference's $t was not checked again by the grader ($rechecked)"; exit 1; }
+done
+stamp() { stat -c %y "$(find "$ag/grading/build" -name "$1" -type f | head -n 1)"; }
+checker=$(stamp k2c_rank_witness); impl=$(stamp 'libk2c_impl_11_collectives.so')
+mkdir -p "$work/forged/assignments/11_collectives"
+cp "$repo/autograder/selftest/witness/wrong_collectives.cpp" "$work/forged/assignments/11_collectives/collectives.cpp"
+OMPI_MCA_btl_vader_single_copy_mechanism=none "$k2c" --root "$direct/course" grade --impl assignments \
+  --build-dir "$ag/grading" --submission "$work/forged" --modules 11 --json "$work/forged.json" \
+  > "$work/forged.log" 2>&1 || true
+for t in $tests; do
+  status=$(test_field "$work/forged.json" "$t" status)
+  message=$(test_field "$work/forged.json" "$t" message)
+  echo "forged $t: $status: $message"
+  [ "$status" = failed ] && [[ "$message" == "the grader's own run at shapes it drew: case "* ]] ||
+    { tail -n 30 "$work/forged.log"; echo "FAIL: the forged $t was not failed by the grader's own check"; exit 1; }
+done
+points=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["points"])' "$work/forged.json")
+[ "$points" = 0 ] || [ "$points" = 0.0 ] || { echo "FAIL: the forgery earned $points points"; exit 1; }
+[ "$(stamp 'libk2c_impl_11_collectives.so')" != "$impl" ] ||
+  { echo "FAIL: the forged submission's library was not built"; exit 1; }
+runner=$(ran_as "$work/forged.json")
+if [ "$runner" = nobody ]; then
+  [ "$(stat -c %y "$core")" = "$core_built" ] && [ "$(stamp k2c_rank_witness)" = "$checker" ] ||
+    { echo "FAIL: grading the forgery built the course's libraries or the checker again"; exit 1; }
+fi
+lap "the grader's own check failed the forged collectives (code under test ran as $runner)"
