@@ -251,6 +251,15 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
         staged[(top.filename() / it->path().lexically_relative(top)).string()] = it->path().string();
   }
 
+  // An accepted file's bytes are taken at once, right after its checks, into a folder of the
+  // grader's beside the stage: what is staged is what was checked, whatever happens to the
+  // submission folder while the rest of the intake runs.
+  const fs::path taken = stage.string() + ".taken";
+  fs::remove_all(taken);
+  fs::create_directories(taken);
+  fs::permissions(taken, fs::perms::owner_all);
+  int taken_count = 0;
+
   std::set<std::string> wanted_rel, wanted_base;
   for (const ModuleSpec* m : modules)
     for (const std::string& f : m->files) {
@@ -287,12 +296,16 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
       else if (fs::file_size(found) > rubric.max_file_bytes)
         item.problem = "refused: " + std::to_string(fs::file_size(found)) + " bytes, more than " +
                        std::to_string(rubric.max_file_bytes);
-      else
-        staged[fs::path(f).lexically_normal().string()] = found.string();
+      else {
+        const fs::path copy = taken / std::to_string(taken_count++);
+        fs::copy_file(found, copy);
+        staged[fs::path(f).lexically_normal().string()] = copy.string();
+      }
       in.files.push_back(item);
     }
   }
   sync_tree(stage.string(), staged);
+  fs::remove_all(taken);
 
   // Everything else in the submission is reported, never copied.
   for (auto it = fs::recursive_directory_iterator(sub); it != fs::recursive_directory_iterator();

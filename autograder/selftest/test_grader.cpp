@@ -775,6 +775,7 @@ TEST(Intake, RestagingRewritesOnlyWhatDiffers) {
   EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(stage / "CMakeLists.txt")));
   EXPECT_EQ(slurp(stage / "CMakeLists.txt"), "project()");
   EXPECT_EQ(slurp(outside), "not the grader's to write");
+  EXPECT_FALSE(fs::exists(fs::symlink_status(stage.string() + ".taken")));  // the taken bytes' folder, gone
 
   // The next submission without the file: the stub is back.
   fs::remove(sub / "ok.cpp");
