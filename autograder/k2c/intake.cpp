@@ -136,20 +136,27 @@ std::string Intake::problem_for(const ModuleSpec& m) const {
 
 namespace {
 
-// What copy_course copies: the top-level entries of `root` but .git, build/, solutions/, out/
-// and lab/ (lab/ holds the research programs that compile the reference solutions into
-// themselves, which tools/leakcheck.py fails a handout for; nothing in the build needs it),
-// and never a folder that holds `dest`, which would be copied into itself.
-std::vector<fs::path> course_entries(const std::string& root, const fs::path& dest) {
+// The course's files as a handout or a stage holds them (relative path -> the file): every
+// regular file below `root` but in .git, build/, solutions/, out/ and lab/ (lab/ holds the research
+// programs that compile the reference solutions into themselves, which tools/leakcheck.py fails a
+// handout for; nothing in the build needs it), and none in a folder that holds `dest`, which would
+// be copied into itself. No links: a linked file counts as its bytes, a linked folder (which could
+// lead anywhere) not at all.
+std::map<std::string, std::string> course_files(const std::string& root, const std::string& dest) {
   static const std::set<std::string> kSkip = {".git", "build", "solutions", "out", "lab"};
-  std::vector<fs::path> out;
+  const fs::path to = fs::weakly_canonical(fs::absolute(dest));
+  std::map<std::string, std::string> files;
   for (const auto& entry : fs::directory_iterator(root)) {
-    if (kSkip.count(entry.path().filename().string())) continue;
-    const auto rel = dest.lexically_relative(fs::weakly_canonical(entry.path()));
+    const fs::path top = entry.path();
+    if (kSkip.count(top.filename().string())) continue;
+    const auto rel = to.lexically_relative(fs::weakly_canonical(top));
     if (!rel.empty() && *rel.begin() != "..") continue;
-    out.push_back(entry.path());
+    if (fs::is_regular_file(top)) files[top.filename().string()] = top.string();
+    if (!fs::is_directory(entry.symlink_status())) continue;
+    for (auto it = fs::recursive_directory_iterator(top); it != fs::recursive_directory_iterator(); ++it)
+      if (it->is_regular_file()) files[(top.filename() / it->path().lexically_relative(top)).string()] = it->path().string();
   }
-  return out;
+  return files;
 }
 
 bool same_bytes(const fs::path& a, const fs::path& b) {
@@ -159,12 +166,6 @@ bool same_bytes(const fs::path& a, const fs::path& b) {
 
 }  // namespace
 
-void copy_course(const std::string& root, const std::string& dest) {
-  const fs::path to = fs::weakly_canonical(fs::absolute(dest));
-  fs::create_directories(to);
-  for (const fs::path& from : course_entries(root, to))
-    fs::copy(from, to / from.filename(), fs::copy_options::recursive | fs::copy_options::copy_symlinks);
-}
 
 void sync_tree(const std::string& dest, const std::map<std::string, std::string>& files) {
   const fs::path to = fs::absolute(dest);
@@ -197,6 +198,8 @@ void sync_tree(const std::string& dest, const std::map<std::string, std::string>
     if ((fs::symlink_status(at).permissions() & fs::perms::mask) != mode) fs::permissions(at, mode);
   }
 }
+
+void copy_course(const std::string& root, const std::string& dest) { sync_tree(dest, course_files(root, dest)); }
 
 bool is_within(const std::string& path, const std::string& dir) { return within(resolved(path), resolved(dir)); }
 
@@ -240,16 +243,8 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
   const fs::path stage = fs::absolute(stage_dir);
   in.staged_root = stage.string();
   // What the stage must hold: every file of the course, then the accepted student files in
-  // place of theirs. The stage holds no links: a linked file is staged as its bytes, and a
-  // linked folder (which could lead anywhere) not at all.
-  std::map<std::string, std::string> staged;
-  for (const fs::path& top : course_entries(course_root, fs::weakly_canonical(stage))) {
-    if (fs::is_regular_file(top)) staged[top.filename().string()] = top.string();
-    if (!fs::is_directory(top)) continue;
-    for (auto it = fs::recursive_directory_iterator(top); it != fs::recursive_directory_iterator(); ++it)
-      if (it->is_regular_file())
-        staged[(top.filename() / it->path().lexically_relative(top)).string()] = it->path().string();
-  }
+  // place of theirs.
+  std::map<std::string, std::string> staged = course_files(course_root, stage.string());
 
   // An accepted file's bytes are taken at once, right after its checks, into a folder of the
   // grader's beside the stage: what is staged is what was checked, whatever happens to the

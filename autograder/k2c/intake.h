@@ -43,8 +43,8 @@ struct Intake {
 };
 
 // Copies the course at `root` to `dest` without .git, build/, solutions/, out/ and lab/ (and
-// without any folder that contains `dest`): the staging tree of a submission, and a student
-// handout.
+// without any folder that contains `dest`): a student handout, and the files a submission's stage
+// holds. No links are copied: a linked file is copied as its bytes, a linked folder left out.
 void copy_course(const std::string& root, const std::string& dest);
 
 // Makes the folder `dest` hold exactly `files` (path relative to `dest` -> the file to copy
