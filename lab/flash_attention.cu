@@ -217,8 +217,7 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
       const double ms = median_ms(
           [&] {
             fa::launch_dot<D>(p, rows, nullptr);
-            fa::dq_convert_kernel<<<static_cast<unsigned>((quads + 255) / 256), 256>>>(
-                reinterpret_cast<const float4*>(p.dq_accum), reinterpret_cast<uint2*>(p.dq), p.scale, quads);
+            fa::dq_convert_kernel<D><<<static_cast<unsigned>((quads + 255) / 256), 256>>>(p, quads);
           },
           20);
       std::printf("  backward's passes around its kernel (D, zeroing, dQ conversion)  (%.3f ms)\n", ms);

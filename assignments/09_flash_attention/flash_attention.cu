@@ -21,6 +21,7 @@ namespace k2c::flash_attention {
 void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
                    void* workspace, cudaStream_t stream) {
   check_shape(s, "flash_attention naive_forward");
+  K2C_CHECK(s.layout == Layout::heads_first, "flash_attention naive_forward: takes the heads_first layout only");
   if (s.batch == 0 || s.heads == 0 || s.q_len == 0) return;
   check_pointers("flash_attention naive_forward", {q, o, lse});
   if (s.kv_len > 0) check_pointers("flash_attention naive_forward", {k, v, workspace});

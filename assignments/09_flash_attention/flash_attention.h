@@ -6,10 +6,16 @@
 //   S = scale · Q Kᵀ        P = softmax(S, masked, row by row)        O = P V
 //   lse_i = log Σ_j exp(S_ij)  (natural log, over the keys query i may see)
 //
-// Layouts, all row-major and contiguous:
-//   q, o, dq        [batch][heads][q_len][head_dim]          bf16
-//   k, v, dk, dv    [batch][kv_heads][kv_len][head_dim]      bf16
-//   lse             [batch][heads][q_len]                    fp32
+// Layouts, all row-major and contiguous. Shape::layout picks one for q, k, v, o, dout, dq, dk and
+// dv alike (lse is the same in both):
+//   heads_first (the default)
+//     q, o, dq        [batch][heads][q_len][head_dim]          bf16
+//     k, v, dk, dv    [batch][kv_heads][kv_len][head_dim]      bf16
+//   tokens_first: what a model's projections write, token by token with the heads side by side,
+//   so that consecutive rows of one head lie heads · head_dim (kv_heads · head_dim) elements apart
+//     q, o, dq        [batch][q_len][heads][head_dim]          bf16
+//     k, v, dk, dv    [batch][kv_len][kv_heads][head_dim]      bf16
+//   lse               [batch][heads][q_len]                    fp32
 // kv_heads divides heads: grouped-query attention (kv_heads == 1 is multi-query). The grouped
 // query heads read the same K and V; in the backward pass their dK and dV are summed.
 //
@@ -36,6 +42,8 @@ namespace k2c::flash_attention {
 
 using bf16 = __nv_bfloat16;
 
+enum class Layout { heads_first, tokens_first };
+
 struct Shape {
   int batch = 1;
   int heads = 1;     // query heads
@@ -45,13 +53,14 @@ struct Shape {
   int head_dim = 64;  // 64 or 128
   bool causal = false;
   float scale = 0.125f;  // usually 1 / sqrt(head_dim); finite and > 0
+  Layout layout = Layout::heads_first;  // naive_forward takes heads_first only
 };
 
 // The argument checks every entry point makes (given, not part of the exercise). Throws
 // std::invalid_argument with the reason for: a negative size, heads not a positive multiple of
 // kv_heads, head_dim other than 64 or 128, heads or batch over 65535 (each may be a grid
-// dimension), a scale that is not finite and > 0, or a tensor of more than kMaxElements elements
-// (offsets are 64-bit, but rows and grid sizes are int).
+// dimension), a scale that is not finite and > 0, a layout that is neither of the two, or a
+// tensor of more than kMaxElements elements (offsets are 64-bit, but rows and grid sizes are int).
 inline constexpr long long kMaxElements = 1LL << 36;
 inline void check_shape(const Shape& s, const char* who) {
   K2C_CHECK(s.batch >= 0 && s.heads >= 0 && s.kv_heads >= 0 && s.q_len >= 0 && s.kv_len >= 0,
@@ -62,6 +71,8 @@ inline void check_shape(const Shape& s, const char* who) {
   K2C_CHECK(s.head_dim == 64 || s.head_dim == 128, who << ": head_dim must be 64 or 128, got " << s.head_dim);
   K2C_CHECK(s.heads <= 65535 && s.batch <= 65535, who << ": heads and batch must be at most 65535 (a grid dimension)");
   K2C_CHECK(std::isfinite(s.scale) && s.scale > 0, who << ": scale must be finite and > 0, got " << s.scale);
+  K2C_CHECK(s.layout == Layout::heads_first || s.layout == Layout::tokens_first,
+            who << ": layout must be heads_first or tokens_first");
   const long long rows = static_cast<long long>(s.batch) * s.heads * (s.q_len > s.kv_len ? s.q_len : s.kv_len);
   K2C_CHECK(rows * s.head_dim <= kMaxElements, who << ": more than " << kMaxElements << " elements per tensor");
 }
@@ -105,8 +116,8 @@ void backward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v
 
 // Standard attention for contrast: S and P are materialised in global memory, fp32, in
 // `workspace` (at least naive_workspace_bytes(s): batch · heads · q_len · kv_len floats), then
-// O = P V. Same outputs and rules as forward(), and one more limit: batch · heads and q_len / 32
-// at most 65535 (its grid; std::invalid_argument otherwise). It moves O(N²) bytes where
+// O = P V. Same outputs and rules as forward(), and two more limits: the heads_first layout, and
+// batch · heads and q_len / 32 at most 65535 (its grid; std::invalid_argument otherwise). It moves O(N²) bytes where
 // forward() moves O(N·d): the lecture measures the difference. naive_workspace_bytes is given
 // (defined here, not part of the exercise).
 inline std::size_t naive_workspace_bytes(const Shape& s) {

@@ -54,7 +54,8 @@ namespace {
 std::string describe(const Shape& s) {
   std::ostringstream os;
   os << "B" << s.batch << " H" << s.heads << "/" << s.kv_heads << " q" << s.q_len << " kv" << s.kv_len << " d"
-     << s.head_dim << (s.causal ? " causal" : "") << " scale " << s.scale;
+     << s.head_dim << (s.causal ? " causal" : "") << " scale " << s.scale
+     << (s.layout == fa::Layout::tokens_first ? " tokens first" : "");
   return os.str();
 }
 
@@ -69,6 +70,32 @@ k2c::ref::AttentionShape ref_shape(const Shape& s) {
 std::size_t q_elems(const Shape& s) { return static_cast<std::size_t>(s.batch) * s.heads * s.q_len * s.head_dim; }
 std::size_t kv_elems(const Shape& s) { return static_cast<std::size_t>(s.batch) * s.kv_heads * s.kv_len * s.head_dim; }
 std::size_t rows(const Shape& s) { return static_cast<std::size_t>(s.batch) * s.heads * s.q_len; }
+
+// The reference works heads first. A [batch][heads][len][d] tensor in the shape's layout
+// (tokens_first: [batch][len][heads][d]), and from it back; `heads` and `len` are q's or k's.
+std::vector<float> permuted(const std::vector<float>& x, const Shape& s, int heads, int len, bool to_layout) {
+  if (s.layout == fa::Layout::heads_first) return x;
+  std::vector<float> out(x.size());
+  const std::size_t d = s.head_dim;
+  for (std::size_t b = 0; b < std::size_t(s.batch); ++b)
+    for (std::size_t h = 0; h < std::size_t(heads); ++h)
+      for (std::size_t i = 0; i < std::size_t(len); ++i) {
+        const std::size_t heads_first = ((b * heads + h) * len + i) * d, tokens_first = ((b * len + i) * heads + h) * d;
+        const std::size_t from = to_layout ? heads_first : tokens_first, to = to_layout ? tokens_first : heads_first;
+        std::copy_n(x.begin() + from, d, out.begin() + to);
+      }
+  return out;
+}
+std::vector<float> q_in_layout(const std::vector<float>& x, const Shape& s) { return permuted(x, s, s.heads, s.q_len, true); }
+std::vector<float> kv_in_layout(const std::vector<float>& x, const Shape& s) {
+  return permuted(x, s, s.kv_heads, s.kv_len, true);
+}
+std::vector<float> q_from_layout(const std::vector<float>& x, const Shape& s) {
+  return permuted(x, s, s.heads, s.q_len, false);
+}
+std::vector<float> kv_from_layout(const std::vector<float>& x, const Shape& s) {
+  return permuted(x, s, s.kv_heads, s.kv_len, false);
+}
 
 // Q and K in [-2, 2] make the softmax fairly peaked (scores of standard deviation about 1.3 at
 // any head_dim), so masks and tiles change the answer visibly; V and dO in [-1, 1].
@@ -138,7 +165,8 @@ const char* path_name(Path path) { return path == Path::naive ? " (naive)" : pat
 void check_forward(const Shape& s, Path path = Path::flash) {
   SCOPED_TRACE(describe(s) + path_name(path));
   const Inputs in = make_inputs(s, describe(s));
-  auto dq = k2c::to_device<bf16>(in.q), dk = k2c::to_device<bf16>(in.k), dv = k2c::to_device<bf16>(in.v);
+  auto dq = k2c::to_device<bf16>(q_in_layout(in.q, s)), dk = k2c::to_device<bf16>(kv_in_layout(in.k, s)),
+       dv = k2c::to_device<bf16>(kv_in_layout(in.v, s));
   k2c::DeviceBuffer<bf16> o(q_elems(s));
   k2c::DeviceBuffer<float> lse(rows(s));
   o.poison();
@@ -147,7 +175,7 @@ void check_forward(const Shape& s, Path path = Path::flash) {
   const cudaError_t err = cudaDeviceSynchronize();
   ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err);
   const auto ref = k2c::ref::attention_forward(in.q, in.k, in.v, ref_shape(s));
-  EXPECT_TRUE(check_values("o", k2c::to_host(o), ref.o, ref.o_magnitude, s.head_dim));
+  EXPECT_TRUE(check_values("o", q_from_layout(k2c::to_host(o), s), ref.o, ref.o_magnitude, s.head_dim));
   EXPECT_TRUE(check_lse(k2c::to_host(lse), ref.lse, s.kv_len));
 }
 
@@ -155,18 +183,20 @@ void check_forward(const Shape& s, Path path = Path::flash) {
 // hangs past a head's last row (100 rows here, a tail for every tile size) must not bring in what
 // lies there: batch 1 is all NaN, which P = 0 would not cancel, and batch 0 must still match the
 // reference computed without it.
-void check_heads_apart(Path path) {
+void check_heads_apart(Path path, fa::Layout layout = fa::Layout::heads_first) {
   for (int d : {64, 128})
     for (bool causal : {false, true}) {
-      const Shape one = make_shape(1, 2, 1, 100, 100, d, causal), two = make_shape(2, 2, 1, 100, 100, d, causal);
+      Shape one = make_shape(1, 2, 1, 100, 100, d, causal), two = make_shape(2, 2, 1, 100, 100, d, causal);
+      one.layout = two.layout = layout;
       SCOPED_TRACE(describe(two) + path_name(path) + ", batch 1 all NaN");
       const Inputs in = make_inputs(one, describe(one));
       auto then_nan = [](std::vector<float> x) {
         x.resize(2 * x.size(), std::numeric_limits<float>::quiet_NaN());
         return x;
       };
-      auto dq = k2c::to_device<bf16>(then_nan(in.q)), dk = k2c::to_device<bf16>(then_nan(in.k)),
-           dv = k2c::to_device<bf16>(then_nan(in.v));
+      auto dq = k2c::to_device<bf16>(then_nan(q_in_layout(in.q, one))),
+           dk = k2c::to_device<bf16>(then_nan(kv_in_layout(in.k, one))),
+           dv = k2c::to_device<bf16>(then_nan(kv_in_layout(in.v, one)));
       k2c::DeviceBuffer<bf16> o(q_elems(two));
       k2c::DeviceBuffer<float> lse(rows(two));
       o.poison();
@@ -178,7 +208,7 @@ void check_heads_apart(Path path) {
       got_o.resize(q_elems(one));
       got_lse.resize(rows(one));
       const auto ref = k2c::ref::attention_forward(in.q, in.k, in.v, ref_shape(one));
-      EXPECT_TRUE(check_values("o of batch 0", got_o, ref.o, ref.o_magnitude, d));
+      EXPECT_TRUE(check_values("o of batch 0", q_from_layout(got_o, one), ref.o, ref.o_magnitude, d));
       EXPECT_TRUE(check_lse(got_lse, ref.lse, one.kv_len));
     }
 }
@@ -190,8 +220,9 @@ void check_backward(const Shape& s, Path path = Path::flash) {
   const Inputs in = make_inputs(s, describe(s));
   const auto fwd = k2c::ref::attention_forward(in.q, in.k, in.v, ref_shape(s));
   const std::vector<float> o(fwd.o.begin(), fwd.o.end()), lse(fwd.lse.begin(), fwd.lse.end());
-  auto dq_in = k2c::to_device<bf16>(in.q), dk_in = k2c::to_device<bf16>(in.k), dv_in = k2c::to_device<bf16>(in.v);
-  auto d_o = k2c::to_device<bf16>(o), d_dout = k2c::to_device<bf16>(in.dout);
+  auto dq_in = k2c::to_device<bf16>(q_in_layout(in.q, s)), dk_in = k2c::to_device<bf16>(kv_in_layout(in.k, s)),
+       dv_in = k2c::to_device<bf16>(kv_in_layout(in.v, s));
+  auto d_o = k2c::to_device<bf16>(q_in_layout(o, s)), d_dout = k2c::to_device<bf16>(q_in_layout(in.dout, s));
   k2c::DeviceBuffer<float> d_lse{std::span<const float>(lse)};
   k2c::DeviceBuffer<bf16> dq(q_elems(s)), dk(kv_elems(s)), dv(kv_elems(s));
   k2c::DeviceBuffer<float> work((fa::backward_workspace_bytes(s) + 3) / 4);
@@ -207,9 +238,9 @@ void check_backward(const Shape& s, Path path = Path::flash) {
   // The reference recomputes O in double; the kernel's D uses the bf16 O it is given, which the
   // dq and dk magnitudes account for.
   const auto ref = k2c::ref::attention_backward(in.q, in.k, in.v, in.dout, ref_shape(s));
-  EXPECT_TRUE(check_values("dq", k2c::to_host(dq), ref.dq, ref.dq_magnitude, s.head_dim));
-  EXPECT_TRUE(check_values("dk", k2c::to_host(dk), ref.dk, ref.dk_magnitude, s.head_dim));
-  EXPECT_TRUE(check_values("dv", k2c::to_host(dv), ref.dv, ref.dv_magnitude, s.head_dim));
+  EXPECT_TRUE(check_values("dq", q_from_layout(k2c::to_host(dq), s), ref.dq, ref.dq_magnitude, s.head_dim));
+  EXPECT_TRUE(check_values("dk", kv_from_layout(k2c::to_host(dk), s), ref.dk, ref.dk_magnitude, s.head_dim));
+  EXPECT_TRUE(check_values("dv", kv_from_layout(k2c::to_host(dv), s), ref.dv, ref.dv_magnitude, s.head_dim));
 }
 
 // Every (head_dim, causal) pair on the module's sequence lengths, q_len == kv_len: one key, tiles' edges, a long row.
@@ -240,6 +271,23 @@ std::vector<Shape> grouped_shapes() {
   for (int kv_heads : {8, 2, 1})
     for (bool causal : {false, true}) out.push_back(make_shape(2, 8, kv_heads, 150, 150, kv_heads == 2 ? 64 : 128, causal));
   out.push_back(make_shape(1, 8, 1, 70, 200, 128, true));
+  return out;
+}
+
+// The tokens_first layout, where the rows of a head lie among those of the other heads: one row,
+// tails of every tile size, grouped heads (q and kv rows then lie different distances apart),
+// queries that see no key, no keys at all, and more than one batch.
+std::vector<Shape> tokens_first_shapes() {
+  std::vector<Shape> out;
+  for (int d : {64, 128}) {
+    out.push_back(make_shape(1, 3, 3, 1, 1, d, false));
+    out.push_back(make_shape(2, 4, 2, 129, 129, d, true));
+    out.push_back(make_shape(2, 6, 1, 65, 200, d, false));
+    out.push_back(make_shape(1, 4, 4, 150, 70, d, true));
+    out.push_back(make_shape(3, 2, 2, 300, 300, d, true));
+  }
+  out.push_back(make_shape(1, 2, 2, 40, 0, 64, false));
+  for (Shape& s : out) s.layout = fa::Layout::tokens_first;
   return out;
 }
 
@@ -415,7 +463,8 @@ std::vector<Shape> invalid_shapes() {
   return {with([](Shape& s) { s.head_dim = 96; }), with([](Shape& s) { s.kv_heads = 3; }),
           with([](Shape& s) { s.kv_heads = 0; }),   with([](Shape& s) { s.q_len = -1; }),
           with([](Shape& s) { s.scale = 0; }),      with([](Shape& s) { s.scale = NAN; }),
-          with([](Shape& s) { s.batch = -2; }),     with([](Shape& s) { s.heads = s.kv_heads = 70000; })};
+          with([](Shape& s) { s.batch = -2; }),     with([](Shape& s) { s.heads = s.kv_heads = 70000; }),
+          with([](Shape& s) { s.layout = static_cast<fa::Layout>(7); })};
 }
 
 // Small device buffers for the argument checks: every tensor argument points into `buf`.
@@ -468,6 +517,9 @@ TEST(FlashAttentionArguments, Rejected) {
   EXPECT_THROW(fa::forward(ok, x + 1, x, x, x, lse.data()), std::invalid_argument);  // 2 bytes off
   EXPECT_THROW(fa::backward(ok, x, x, x, x, x, lse.data(), x, x, x, nullptr), std::invalid_argument);
   EXPECT_THROW(fa::naive_forward(ok, x, x, x, x, lse.data(), nullptr), std::invalid_argument);
+  Shape tokens_first = ok;
+  tokens_first.layout = fa::Layout::tokens_first;
+  EXPECT_THROW(fa::naive_forward(tokens_first, x, x, x, x, lse.data(), x), std::invalid_argument);
 }
 
 TEST(FlashAttentionNaive, Forward) {
@@ -511,6 +563,18 @@ TEST(FlashAttentionBackward, CausalUnequalAndGrouped) {
   for (const Shape& s : random_shapes(seed_for("backward shapes"), 4)) check_backward(s);
   // No queries: dk and dv are still written, as zeros.
   check_backward(make_shape(1, 2, 1, 0, 70, 64, false));
+}
+
+// The layout of a model's projections (flash_attention.h): forward and backward on shapes whose
+// heads interleave row by row, and heads that stay apart (batch 1 all NaN) in that layout too.
+TEST(FlashAttentionLayout, TokensFirst) {
+  K2C_REQUIRE_GPU();
+  for (const Shape& s : tokens_first_shapes()) check_forward(s);
+  for (const Shape& s : tokens_first_shapes()) check_backward(s);
+  Shape no_queries = make_shape(1, 2, 1, 0, 70, 64, false);
+  no_queries.layout = fa::Layout::tokens_first;
+  check_backward(no_queries);
+  check_heads_apart(Path::flash, fa::Layout::tokens_first);
 }
 
 TEST(FlashAttentionForwardPerf, Causal128) {
@@ -590,6 +654,14 @@ TEST(FlashAttentionHopper, Backward) {
   for (const Shape& s : grouped_shapes()) check_backward(s, Path::hopper);
   for (const Shape& s : random_shapes(seed_for("hopper backward shapes"), 4)) check_backward(s, Path::hopper);
   check_backward(make_shape(1, 2, 1, 0, 70, 64, false), Path::hopper);
+}
+
+// Part B in the tokens_first layout, forward and backward, as FlashAttentionLayout.TokensFirst.
+TEST(FlashAttentionHopper, TokensFirst) {
+  REQUIRE_HOPPER();
+  for (const Shape& s : tokens_first_shapes()) check_forward(s, Path::hopper);
+  for (const Shape& s : tokens_first_shapes()) check_backward(s, Path::hopper);
+  check_heads_apart(Path::hopper, fa::Layout::tokens_first);
 }
 
 TEST(FlashAttentionHopperPerf, Causal128) {

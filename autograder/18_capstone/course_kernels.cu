@@ -529,6 +529,30 @@ std::function<std::string()> part_a_after(std::shared_ptr<Parts> parts, std::str
   };
 }
 
+// 09's entry point an attention pass calls, as the course table names it: the part, and the
+// layout it is given the model's tensors in.
+std::string attention_name(const char* pass, bool hopper, bool tokens_first) {
+  return std::string("09 flash_attention::") + pass + (hopper ? "_hopper" : "") +
+         (tokens_first ? " (tokens_first)" : " (heads_first copies)");
+}
+// CourseKernels::second_choice for an attention pass: from the tokens_first layout to heads-first
+// copies of the tensors (a part that has not taken on tokens_first yet), then from the Hopper part
+// to Part A, in tokens_first again and then in heads-first copies.
+std::function<std::string()> attention_after(std::shared_ptr<Parts> parts, std::shared_ptr<bool> tokens_first,
+                                             const char* pass) {
+  return [parts, tokens_first, pass] {
+    if (*tokens_first) {
+      *tokens_first = false;
+    } else if (parts->hopper) {
+      parts->hopper = false;
+      *tokens_first = true;
+    } else {
+      return std::string();
+    }
+    return attention_name(pass, parts->hopper, *tokens_first);
+  };
+}
+
 namespace tcm = k2c::tensor_core_matmul;
 
 // 05's GEMM behind the model's products, c = alpha·op(a)·op(b) + beta·c on the model's tensors
@@ -1013,14 +1037,17 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     return true;
   };
 
-  // ---- 09: attention, heads first, causal aligned to the bottom right.
-  auto fa_shape = [](const AttentionShape& s, fa::Shape& out) {
+  // ---- 09: attention, causal aligned to the bottom right. The model's q, k, v and o are laid out
+  // token by token, 09's tokens_first layout: given as they stand where a part takes that layout
+  // (checked like any kernel), else through copies in 09's heads_first layout.
+  auto fa_shape = [](const AttentionShape& s, bool tokens_first, fa::Shape& out) {
     // 09's mask: key j visible to query i when j <= i + kv_len − q_len; the model's when
     // q_offset + i >= kv_offset + j. The same mask only when the offsets say so.
     if (s.causal && s.q_offset - s.kv_offset != std::int64_t{s.kv_len} - s.q_len) return false;
     if (s.head_dim != 64 && s.head_dim != 128) return false;
     out = {s.batch, s.q_heads, s.kv_heads, s.q_len, s.kv_len, s.head_dim, s.causal,
-           static_cast<float>(1.0 / std::sqrt(double(s.head_dim)))};
+           static_cast<float>(1.0 / std::sqrt(double(s.head_dim))),
+           tokens_first ? fa::Layout::tokens_first : fa::Layout::heads_first};
     return true;
   };
   auto probe = [&](const char* part, auto call) {
@@ -1044,51 +1071,67 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
         fa::backward_hopper(s, p, p + 1024, p + 2048, p + 3072, p + 4096, lse, p + 5120, p + 6144, p + 7168, ws,
                             stream());
       });
-  k.names["attention"] = fwd_hopper->hopper ? "09 flash_attention::forward_hopper" : "09 flash_attention::forward";
-  k.second_choice["attention"] = part_a_after(fwd_hopper, "09 flash_attention::forward");
-  k.attention_forward = [scratch, fa_shape, fwd_hopper](const AttentionShape& s, const Tensor& q, const Tensor& kk,
-                                                        const Tensor& v, Tensor& o, Tensor& lse) {
+  // Each pass's layout: tokens_first until a call in it fails the check (attention_after).
+  const auto fwd_tokens = std::make_shared<bool>(options.attention_tokens_first),
+             bwd_tokens = std::make_shared<bool>(options.attention_tokens_first);
+  k.names["attention"] = attention_name("forward", fwd_hopper->hopper, *fwd_tokens);
+  k.second_choice["attention"] = attention_after(fwd_hopper, fwd_tokens, "forward");
+  k.attention_forward = [scratch, fa_shape, fwd_hopper, fwd_tokens](const AttentionShape& s, const Tensor& q,
+                                                                    const Tensor& kk, const Tensor& v, Tensor& o,
+                                                                    Tensor& lse) {
     fa::Shape f;
-    if (!fa_shape(s, f)) return false;
+    const bool tokens = *fwd_tokens;
+    if (!fa_shape(s, tokens, f)) return false;
     const int d = s.head_dim;
     Scratch& sc = *scratch;
-    const bf16 *q16 = heads_first(sc, "attn q", q, s.q_len, s.q_heads, d),
-               *k16 = heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d),
-               *v16 = heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d);
-    bf16* o16 = scratch->get<bf16>("attn o", o.numel());
+    const bf16* q16 = tokens ? to_bf16(sc, "attn q", q) : heads_first(sc, "attn q", q, s.q_len, s.q_heads, d);
+    const bf16* k16 = tokens ? to_bf16(sc, "attn k", kk) : heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d);
+    const bf16* v16 = tokens ? to_bf16(sc, "attn v", v) : heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d);
+    bf16* o16 = tokens ? out_bf16(sc, "attn o", o) : scratch->get<bf16>("attn o", o.numel());
     // 09 takes pointers on 16 bytes: lse goes through scratch where the model's does not start there.
     float* lse09 = aligned16(lse.f32()) ? lse.f32() : scratch->get<float>("attn lse", lse.numel());
     if (fwd_hopper->hopper) fa::forward_hopper(f, q16, k16, v16, o16, lse09, stream());
     else fa::forward(f, q16, k16, v16, o16, lse09, stream());
-    from_heads_first(o16, o, s.q_len, s.q_heads, d, false);
+    if (tokens) land(o16, o);
+    else from_heads_first(o16, o, s.q_len, s.q_heads, d, false);
     launch(flip_infinite, lse.numel(), static_cast<const float*>(lse09), lse.f32(), lse.numel());
     return true;
   };
-  k.names["attention backward"] = bwd_hopper->hopper ? "09 flash_attention::backward_hopper" : "09 flash_attention::backward";
-  k.second_choice["attention backward"] = part_a_after(bwd_hopper, "09 flash_attention::backward");
-  k.attention_backward = [scratch, fa_shape, bwd_hopper](const AttentionShape& s, const Tensor& q, const Tensor& kk,
-                                                         const Tensor& v, const Tensor& o, const Tensor& lse,
-                                                         const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  k.names["attention backward"] = attention_name("backward", bwd_hopper->hopper, *bwd_tokens);
+  k.second_choice["attention backward"] = attention_after(bwd_hopper, bwd_tokens, "backward");
+  k.attention_backward = [scratch, fa_shape, bwd_hopper, bwd_tokens](
+                             const AttentionShape& s, const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& o,
+                             const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
     fa::Shape f;
-    if (!fa_shape(s, f)) return false;
+    const bool tokens = *bwd_tokens;
+    if (!fa_shape(s, tokens, f)) return false;
     const int d = s.head_dim;
     Scratch& sc = *scratch;
-    const bf16 *q16 = heads_first(sc, "attn q", q, s.q_len, s.q_heads, d),
-               *k16 = heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d),
-               *v16 = heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d),
-               *o16 = heads_first(sc, "attn o", o, s.q_len, s.q_heads, d),
-               *do16 = heads_first(sc, "attn do", dout, s.q_len, s.q_heads, d);
+    auto in_09 = [&](const char* name, const Tensor& t, int T, int H) {
+      return tokens ? to_bf16(sc, name, t) : heads_first(sc, name, t, T, H, d);
+    };
+    const bf16 *q16 = in_09("attn q", q, s.q_len, s.q_heads), *k16 = in_09("attn k", kk, s.kv_len, s.kv_heads),
+               *v16 = in_09("attn v", v, s.kv_len, s.kv_heads), *o16 = in_09("attn o", o, s.q_len, s.q_heads),
+               *do16 = in_09("attn do", dout, s.q_len, s.q_heads);
     float* lse09 = scratch->get<float>("attn lse", lse.numel());
     launch(flip_infinite, lse.numel(), lse.f32(), lse09, lse.numel());
-    bf16* dq16 = scratch->get<bf16>("attn dq", dq.numel());
+    // dq is written (straight into the model's tensor where 09 can); dk and dv are added into.
+    bf16* dq16 = tokens && !overlaps(dq, q) && !overlaps(dq, dout) ? out_bf16(sc, "attn dq", dq)
+                                                                    : scratch->get<bf16>("attn dq", dq.numel());
     bf16* dk16 = scratch->get<bf16>("attn dk", dk.numel());
     bf16* dv16 = scratch->get<bf16>("attn dv", dv.numel());
     void* ws = scratch->get<unsigned char>("attn workspace", static_cast<std::int64_t>(fa::backward_workspace_bytes(f)));
     if (bwd_hopper->hopper) fa::backward_hopper(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
     else fa::backward(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
-    from_heads_first(dq16, dq, s.q_len, s.q_heads, d, false);
-    from_heads_first(dk16, dk, s.kv_len, s.kv_heads, d, true);
-    from_heads_first(dv16, dv, s.kv_len, s.kv_heads, d, true);
+    if (tokens) {
+      land(dq16, dq);
+      gemm_epilogue(dk16, 1, dk.numel(), dk, dk.numel(), 1.0f, 1.0f);  // dk += dk16
+      gemm_epilogue(dv16, 1, dv.numel(), dv, dv.numel(), 1.0f, 1.0f);
+    } else {
+      from_heads_first(dq16, dq, s.q_len, s.q_heads, d, false);
+      from_heads_first(dk16, dk, s.kv_len, s.kv_heads, d, true);
+      from_heads_first(dv16, dv, s.kv_len, s.kv_heads, d, true);
+    }
     return true;
   };
   return k;

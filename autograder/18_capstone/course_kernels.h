@@ -37,6 +37,10 @@ struct CourseOptions {
   // Called with the number of groups each time a weight gradient runs on 10 (tests: which path
   // ran, and how it split the tokens).
   std::function<void(int groups)> on_weight_grad_groups;
+  // 09's attention given the model's q, k, v and o as they stand (09's tokens_first layout), where
+  // the part in use takes that layout, else through copies in its heads_first layout. Off: the
+  // copies from the start (the tests run both paths).
+  bool attention_tokens_first = true;
 };
 
 model::CourseKernels course_kernels(const CourseOptions& options = {});

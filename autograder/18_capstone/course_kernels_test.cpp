@@ -84,12 +84,27 @@ class CourseKernels : public ::testing::Test {
   // over), recording the groups of each weight gradient that runs on 10. No tensor of the previous
   // Side may outlive this call.
   void use(bool weight_grads_on_10) {
+    CourseOptions options;
+    options.weight_grads_on_10 = weight_grads_on_10;
+    options.on_weight_grad_groups = [this](int groups) { groups_.push_back(groups); };
+    use(options);
+  }
+  void use(const CourseOptions& options) {
     side_.reset();
     groups_.clear();
-    CourseOptions options{weight_grads_on_10, [this](int groups) { groups_.push_back(groups); }};
     course_ = std::make_unique<CourseOps>(model::cuda_ops(), course_kernels(options), CourseOps::Rules{3e-2, 1e-2, 1000});
     side_ = std::make_unique<Side>(*course_);
   }
+  // The operation's row names a kernel that contains `what`.
+  void expect_kernel(const std::string& op, const std::string& what) {
+    for (const auto& r : course_->table())
+      if (r.op == op) {
+        EXPECT_NE(r.kernel.find(what), std::string::npos) << op << " ran " << r.kernel;
+        return;
+      }
+    ADD_FAILURE() << "no row " << op;
+  }
+  void attention_cases();
   // Whether the weight gradients ran on 10, where asked and both modules' Hopper parts run: the
   // matmul row names it, and its calls were seen, split into `fewest` to `most` groups.
   void expect_weight_grads_on_10(bool on, int fewest, int most) {
@@ -275,7 +290,9 @@ TEST_F(CourseKernels, RopeAtAnyPositions) {
   expect_row("rope", 12);
 }
 
-TEST_F(CourseKernels, AttentionShapesAndDeclines) {
+// The attention cases: GQA and MQA, head dims 64 and 128, tails, keys longer than queries, the
+// bottom-right causal mask; and two that 09 declines (a top-left causal mask, head_dim 32).
+void CourseKernels::attention_cases() {
   struct Case {
     AttentionShape s;
     bool taken;
@@ -302,6 +319,23 @@ TEST_F(CourseKernels, AttentionShapesAndDeclines) {
   }
   expect_row("attention", taken, declined);
   expect_row("attention backward", taken, declined);
+}
+
+// With the reference, both passes take the model's tensors as they stand (09's tokens_first).
+TEST_F(CourseKernels, AttentionShapesAndDeclines) {
+  attention_cases();
+  expect_kernel("attention", "(tokens_first)");
+  expect_kernel("attention backward", "(tokens_first)");
+}
+
+// The way a part that has not taken on tokens_first runs: through heads-first copies.
+TEST_F(CourseKernels, AttentionThroughHeadsFirstCopies) {
+  CourseOptions options;
+  options.attention_tokens_first = false;
+  use(options);
+  attention_cases();
+  expect_kernel("attention", "(heads_first copies)");
+  expect_kernel("attention backward", "(heads_first copies)");
 }
 
 // The adapters' conversions move 8 elements a thread where a tensor starts on 16 bytes and one at

@@ -72,6 +72,7 @@ Params make_params(const Shape& s) {
   p.group = s.heads / s.kv_heads;
   p.q_len = s.q_len;
   p.kv_len = s.kv_len;
+  p.tokens_first = s.layout == Layout::tokens_first;
   p.scale = s.scale;
   p.scale_log2 = s.scale * kLog2e;
   p.causal = s.causal;
@@ -160,21 +161,25 @@ void launch_query_blocks(Params p, const Shape& s, cudaStream_t stream) {
   Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
   K2C_CUDA_CHECK_LAUNCH();
 }
+// Each kernel is built once per layout (Params::q_at); these pick the one for the call.
 template <class T>
 void launch_forward(const Params& p, const Shape& s, cudaStream_t stream) {
-  launch_query_blocks<T, forward_kernel<T>>(p, s, stream);
+  if (p.tokens_first) launch_query_blocks<T, forward_kernel<T, true>>(p, s, stream);
+  else launch_query_blocks<T, forward_kernel<T, false>>(p, s, stream);
 }
 template <class T>
 void launch_hopper(const Params& p, const Shape& s, cudaStream_t stream) {
-  launch_query_blocks<T, hopper_forward_kernel<T>>(p, s, stream);
+  if (p.tokens_first) launch_query_blocks<T, hopper_forward_kernel<T, true>>(p, s, stream);
+  else launch_query_blocks<T, hopper_forward_kernel<T, false>>(p, s, stream);
 }
-// Whether the warp-specialised kernel can describe these tensors for TMA: rows that start on 16
-// bytes (its pointers aligned), at least one row of each (no keys at all: the first kernel writes
-// the empty rows), and head counts that fit TMA's int coordinates.
+// Whether the warp-specialised kernel can describe these tensors for TMA: heads first (its maps
+// hold each head as a matrix of its own), rows that start on 16 bytes (its pointers aligned), at
+// least one row of each (no keys at all: the first kernel writes the empty rows), and head counts
+// that fit TMA's int coordinates.
 bool hopper_ws_fits(const Params& p, const Shape& s) {
   auto aligned = [](const void* x) { return reinterpret_cast<std::uintptr_t>(x) % 16 == 0; };
   const long long q_heads = 1LL * s.batch * s.heads, kv_heads = 1LL * s.batch * s.kv_heads;
-  return aligned(p.q) && aligned(p.k) && aligned(p.v) && s.q_len > 0 && s.kv_len > 0 && q_heads > 0 &&
+  return !p.tokens_first && aligned(p.q) && aligned(p.k) && aligned(p.v) && s.q_len > 0 && s.kv_len > 0 && q_heads > 0 &&
          kv_heads > 0 && q_heads <= INT_MAX && kv_heads <= INT_MAX;
 }
 template <class T>
@@ -227,9 +232,21 @@ void launch_backward(Params p, const Shape& s, cudaStream_t stream) {
     K2C_CUDA_CHECK_LAUNCH();
   }
   const std::size_t quads = rows * D / 4;
-  dq_convert_kernel<<<static_cast<unsigned>((quads + 255) / 256), 256, 0, stream>>>(
-      reinterpret_cast<const float4*>(p.dq_accum), reinterpret_cast<uint2*>(p.dq), p.scale, quads);
+  auto* convert = p.tokens_first ? dq_convert_kernel<D, true> : dq_convert_kernel<D, false>;
+  convert<<<static_cast<unsigned>((quads + 255) / 256), 256, 0, stream>>>(p, quads);
   K2C_CUDA_CHECK_LAUNCH();
+}
+
+// launch_backward with the main kernel of the call's layout: Part A's or (kHopper) Part B's.
+template <class T, bool kHopper>
+void launch_backward_in_layout(const Params& p, const Shape& s, cudaStream_t stream) {
+  if constexpr (kHopper) {
+    if (p.tokens_first) launch_backward<T, hopper_backward_kernel<T, true>>(p, s, stream);
+    else launch_backward<T, hopper_backward_kernel<T, false>>(p, s, stream);
+  } else {
+    if (p.tokens_first) launch_backward<T, backward_kernel<T, true>>(p, s, stream);
+    else launch_backward<T, backward_kernel<T, false>>(p, s, stream);
+  }
 }
 
 template <int D>
@@ -291,8 +308,8 @@ void backward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const
   // run-to-run spread at both head dims (lab/flash_attention.cu, lecture section
   // 11), although at D = 128 it spills: ptxas's register allocation moves with small changes of
   // the code around it, so measure rather than read the spill count.
-  if (s.head_dim == 64) launch_backward<BackwardTile<64>, backward_kernel<BackwardTile<64>>>(p, s, stream);
-  else launch_backward<BackwardTile<128>, backward_kernel<BackwardTile<128>>>(p, s, stream);
+  if (s.head_dim == 64) launch_backward_in_layout<BackwardTile<64>, false>(p, s, stream);
+  else launch_backward_in_layout<BackwardTile<128>, false>(p, s, stream);
 }
 
 void backward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v, const bf16* o,
@@ -302,13 +319,14 @@ void backward_hopper(const Shape& s, const bf16* q, const bf16* k, const bf16* v
   const char* who = "flash_attention backward_hopper";
   if (!backward_params(who, s, q, k, v, o, dout, lse, dq, dk, dv, workspace, stream, p)) return;
   k2c::hopper::require_sm90a(who);
-  if (s.head_dim == 64) launch_backward<HopperBackwardTile<64>, hopper_backward_kernel<HopperBackwardTile<64>>>(p, s, stream);
-  else launch_backward<HopperBackwardTile<128>, hopper_backward_kernel<HopperBackwardTile<128>>>(p, s, stream);
+  if (s.head_dim == 64) launch_backward_in_layout<HopperBackwardTile<64>, true>(p, s, stream);
+  else launch_backward_in_layout<HopperBackwardTile<128>, true>(p, s, stream);
 }
 
 void naive_forward(const Shape& s, const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
                    void* workspace, cudaStream_t stream) {
   check_shape(s, "flash_attention naive_forward");
+  K2C_CHECK(s.layout == Layout::heads_first, "flash_attention naive_forward: takes the heads_first layout only");
   if (!has_work(s)) return;
   const Params p = forward_params("flash_attention naive_forward", s, q, k, v, o, lse);
   if (s.kv_len > 0) check_pointers("flash_attention naive_forward", {workspace});

@@ -12,16 +12,17 @@
 // fp32 sums zeroed for the backward kernel to add into, in the same pass over the rows. A row is
 // D/8 lanes' 16-byte loads of dO and O, so a warp takes 32/(D/8) rows (4 at D = 64) and every lane
 // loads: a memory-bound pass needs every lane's bytes in flight (appendix section 5.8).
-template <int D>
-__global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, float* dq_accum, std::size_t rows) {
+template <int D, bool kTokens>
+__global__ void dot_kernel(Params p, std::size_t rows) {
   constexpr int kLanes = D / 8, kRowsPerWarp = 32 / kLanes;
   const int lane = threadIdx.x % 32, part = lane % kLanes;
   const std::size_t warp = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const std::size_t row = warp * kRowsPerWarp + lane / kLanes;
   float acc = 0;
   if (row < rows) {  // no return: every lane takes part in the shuffles below
-    const uint4 a = reinterpret_cast<const uint4*>(dout + row * D)[part];
-    const uint4 c = reinterpret_cast<const uint4*>(o + row * D)[part];
+    const std::size_t at = p.q_at<D, kTokens>(row);
+    const uint4 a = reinterpret_cast<const uint4*>(p.dout + at)[part];
+    const uint4 c = reinterpret_cast<const uint4*>(p.o + at)[part];
     const auto* x = reinterpret_cast<const __nv_bfloat162*>(&a);
     const auto* y = reinterpret_cast<const __nv_bfloat162*>(&c);
 #pragma unroll
@@ -29,27 +30,33 @@ __global__ void dot_kernel(const bf16* dout, const bf16* o, float* dot, float* d
       const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
       acc += fx.x * fy.x + fx.y * fy.y;
     }
-    auto* zero = reinterpret_cast<float4*>(dq_accum + row * D);  // D/4 float4: two a lane
+    auto* zero = reinterpret_cast<float4*>(p.dq_accum + row * D);  // D/4 float4: two a lane
     zero[part] = zero[part + kLanes] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 #pragma unroll
   for (int m = kLanes / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (row < rows && part == 0) dot[row] = acc;
+  if (row < rows && part == 0) p.dot[row] = acc;
 }
 
 // dot_kernel over `rows` rows: D/8 lanes a row.
 template <int D>
 void launch_dot(const Params& p, std::size_t rows, cudaStream_t stream) {
   const std::size_t threads = rows * (D / 8);
-  dot_kernel<D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(p.dout, p.o, p.dot, p.dq_accum, rows);
+  auto* kernel = p.tokens_first ? dot_kernel<D, true> : dot_kernel<D, false>;
+  kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(p, rows);
 }
 
-// dq = bf16(scale · dq_accum), four elements per thread.
-__global__ void dq_convert_kernel(const float4* accum, uint2* dq, float scale, std::size_t quads) {
+// dq = bf16(scale · dq_accum), four elements per thread: dq_accum's rows are heads first, dq's in
+// the call's layout.
+template <int D, bool kTokens = false>
+__global__ void dq_convert_kernel(Params p, std::size_t quads) {
+  const auto* accum = reinterpret_cast<const float4*>(p.dq_accum);
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
     const float4 a = accum[i];
-    dq[i] = make_uint2(pack_bf16x2(a.x * scale, a.y * scale), pack_bf16x2(a.z * scale, a.w * scale));
+    const std::size_t row = i / (D / 4), quad = i % (D / 4);
+    auto* dq = reinterpret_cast<uint2*>(p.dq + p.q_at<D, kTokens>(row)) + quad;
+    *dq = make_uint2(pack_bf16x2(a.x * p.scale, a.y * p.scale), pack_bf16x2(a.z * p.scale, a.w * p.scale));
   }
 }
 
@@ -85,16 +92,16 @@ __device__ __forceinline__ void add_pair(float* dst, float x, float y) {
 
 // dK = scale · Σ dSᵀ Q and dV = Σ Pᵀ dO of one warp's 16 key rows (the first is key0), as bf16:
 // the accumulator layout of mma.sync's n8 tiles, which wgmma's accumulators share per warp.
-template <int DT>
+template <bool kTokens, int DT>
 __device__ __forceinline__ void store_key_rows(const float (&dk)[DT][4], const float (&dv)[DT][4], const Params& p,
                                                int b, int g, int key0, int lane) {
-  constexpr int D = DT * 8;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = key0 + acc_row(lane, half);
     if (key >= p.kv_len) continue;
-    auto* k_out = reinterpret_cast<std::uint32_t*>(p.dk + (p.kv_rows(b, g) + key) * D + acc_col(lane));
-    auto* v_out = reinterpret_cast<std::uint32_t*>(p.dv + (p.kv_rows(b, g) + key) * D + acc_col(lane));
+    const std::size_t at = p.kv_at<DT * 8, kTokens>(p.kv_rows(b, g) + key) + acc_col(lane);
+    auto* k_out = reinterpret_cast<std::uint32_t*>(p.dk + at);
+    auto* v_out = reinterpret_cast<std::uint32_t*>(p.dv + at);
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       k_out[dt * 4] = pack_bf16x2(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
@@ -140,7 +147,7 @@ __device__ __forceinline__ void fetch_row_terms(const Params& p, std::size_t hea
   }
 }
 
-template <class T>
+template <class T, bool kTokens = false>
 __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   constexpr int D = T::D, BN = T::kKeys, BM = T::kRows, QT = BM / 8, DT = D / 8;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -164,15 +171,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   const int steps = walk.steps;
   auto step_rows = [&](int t, int& m0) { return walk.rows(p, b, g, t, m0); };
 
-  load_tile<BN, D, T::kThreads>(sK, p.k + kv_row0 * D, p.kv_len - n0, tid);
-  load_tile<BN, D, T::kThreads>(sV, p.v + kv_row0 * D, p.kv_len - n0, tid);
+  load_tile<BN, D, T::kThreads>(sK, p.k + p.kv_at<D, kTokens>(kv_row0), p.kv_ld<D, kTokens>(), p.kv_len - n0, tid);
+  load_tile<BN, D, T::kThreads>(sV, p.v + p.kv_at<D, kTokens>(kv_row0), p.kv_ld<D, kTokens>(), p.kv_len - n0, tid);
 
   // Issues the copies of step t's Q and dO tiles, and its rows' lse and D in the same group.
   auto fetch = [&](int t) {
     int m0;
     const std::size_t r = step_rows(t, m0);
-    load_tile<BM, D, T::kThreads>(sQ(t & 1), p.q + (r + m0) * D, p.q_len - m0, tid);
-    load_tile<BM, D, T::kThreads>(sdO(t & 1), p.dout + (r + m0) * D, p.q_len - m0, tid);
+    const std::size_t at = p.q_at<D, kTokens>(r + m0);
+    load_tile<BM, D, T::kThreads>(sQ(t & 1), p.q + at, p.q_ld<D, kTokens>(), p.q_len - m0, tid);
+    load_tile<BM, D, T::kThreads>(sdO(t & 1), p.dout + at, p.q_ld<D, kTokens>(), p.q_len - m0, tid);
     fetch_row_terms<BM>(p, r, m0, s_lse + (t & 1) * BM, s_dot + (t & 1) * BM, tid);
   };
 
@@ -316,7 +324,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
   }
   tc::cp_async_wait<0>();
 
-  store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
+  store_key_rows<kTokens>(dk, dv, p, b, g, n0 + key_row, lane);
 }
 
 // ---- Part B: the backward pass on Hopper's warpgroup MMA (sm_90a) --------------------------------
@@ -352,7 +360,7 @@ struct HopperBackwardTile {
   static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + kSwapBytes + 1024;
 };
 
-template <class T>
+template <class T, bool kTokens = false>
 __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace hp = k2c::hopper;
@@ -378,13 +386,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   auto fetch = [&](int t) {
     int m0;
     const std::size_t r = walk.rows(p, b, g, t, m0);
-    load_tile_sw128<BM, D, T::kThreads>(sQ(t), p.q + (r + m0) * D, p.q_len - m0, tid);
-    load_tile_sw128<BM, D, T::kThreads>(sdO(t), p.dout + (r + m0) * D, p.q_len - m0, tid);
+    const std::size_t at = p.q_at<D, kTokens>(r + m0);
+    load_tile_sw128<BM, D, T::kThreads>(sQ(t), p.q + at, p.q_ld<D, kTokens>(), p.q_len - m0, tid);
+    load_tile_sw128<BM, D, T::kThreads>(sdO(t), p.dout + at, p.q_ld<D, kTokens>(), p.q_len - m0, tid);
     fetch_row_terms<BM>(p, r, m0, s_lse + (t & 1) * BM, s_dot + (t & 1) * BM, tid);
   };
 
-  load_tile_sw128<BN, D, T::kThreads>(sK, p.k + kv_row0 * D, p.kv_len - n0, tid);
-  load_tile_sw128<BN, D, T::kThreads>(sV, p.v + kv_row0 * D, p.kv_len - n0, tid);
+  load_tile_sw128<BN, D, T::kThreads>(sK, p.k + p.kv_at<D, kTokens>(kv_row0), p.kv_ld<D, kTokens>(), p.kv_len - n0, tid);
+  load_tile_sw128<BN, D, T::kThreads>(sV, p.v + p.kv_at<D, kTokens>(kv_row0), p.kv_ld<D, kTokens>(), p.kv_len - n0, tid);
   if (walk.steps > 0) fetch(0);
   tc::cp_async_commit();
 
@@ -561,7 +570,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   }
   tc::cp_async_wait<0>();
 
-  store_key_rows(dk, dv, p, b, g, n0 + key_row, lane);
+  store_key_rows<kTokens>(dk, dv, p, b, g, n0 + key_row, lane);
 #else
   (void)p;  // compiled without sm_90a: backward_hopper() refuses to launch (hopper_supported)
 #endif

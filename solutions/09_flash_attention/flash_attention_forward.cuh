@@ -71,10 +71,9 @@ __device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float (&o)[DT][
 
 // Divides the strip's output by its row sums once, at the end, writes it as bf16 and saves
 // lse = scale·max + ln(sum) (+inf for a row that saw no key).
-template <int DT>
+template <bool kTokens, int DT>
 __device__ __forceinline__ void store_strip(const float (&o)[DT][4], const float (&row_max)[2], const float (&row_sum)[2],
                                             Params p, std::size_t head_row0, int row0, int lane) {
-  constexpr int D = DT * 8;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float sum = row_sum[half];
@@ -84,7 +83,7 @@ __device__ __forceinline__ void store_strip(const float (&o)[DT][4], const float
     if (row >= p.q_len) continue;
     const float inv = sum > 0 ? 1.0f / sum : 0.0f;
     const std::size_t r = head_row0 + row;
-    auto* out = reinterpret_cast<std::uint32_t*>(p.out + r * D + acc_col(lane));
+    auto* out = reinterpret_cast<std::uint32_t*>(p.out + p.q_at<DT * 8, kTokens>(r) + acc_col(lane));
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) out[dt * 4] = pack_bf16x2(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
     if ((lane & 3) == 0) p.lse_out[r] = sum > 0 ? row_max[half] * p.scale + logf(sum) : INFINITY;
@@ -125,7 +124,7 @@ struct ForwardTile {
   static constexpr int kMinBlocks = kThreads <= 128 ? 2 : 1;  // what the register file allows
 };
 
-template <class T>
+template <class T, bool kTokens = false>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Params p) {
   constexpr int D = T::D, BM = T::kRows, BN = T::kKeys, NT = BN / 8, DT = D / 8, WM = 16 * T::kStrips;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -139,18 +138,19 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Par
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
 
-  const bf16* q = p.q + (p.q_rows(b, h) + m0) * D;
-  const bf16* k = p.k + p.kv_rows(b, g) * D;
-  const bf16* v = p.v + p.kv_rows(b, g) * D;
+  const bf16* q = p.q + p.q_at<D, kTokens>(p.q_rows(b, h) + m0);
+  const bf16* k = p.k + p.kv_at<D, kTokens>(p.kv_rows(b, g));
+  const bf16* v = p.v + p.kv_at<D, kTokens>(p.kv_rows(b, g));
+  const std::size_t q_ld = p.q_ld<D, kTokens>(), kv_ld = p.kv_ld<D, kTokens>();
 
   const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
 
   auto load_kv = [&](int j) {
     const int n0 = j * BN;
-    load_tile<BN, D, T::kThreads>(sK(j & 1), k + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
-    load_tile<BN, D, T::kThreads>(sV(j & 1), v + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+    load_tile<BN, D, T::kThreads>(sK(j & 1), k + n0 * kv_ld, kv_ld, p.kv_len - n0, tid);
+    load_tile<BN, D, T::kThreads>(sV(j & 1), v + n0 * kv_ld, kv_ld, p.kv_len - n0, tid);
   };
-  load_tile<BM, D, T::kThreads>(sQ, q, p.q_len - m0, tid);
+  load_tile<BM, D, T::kThreads>(sQ, q, q_ld, p.q_len - m0, tid);
   if (n_blocks > 0) load_kv(0);
   tc::cp_async_commit();
 
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(Par
 
 #pragma unroll
   for (int st = 0; st < T::kStrips; ++st)
-    store_strip(o[st], row_max[st], row_sum[st], p, p.q_rows(b, h), m0 + warp * WM + st * 16, lane);
+    store_strip<kTokens>(o[st], row_max[st], row_sum[st], p, p.q_rows(b, h), m0 + warp * WM + st * 16, lane);
 }
 
 // ---- Part B: the forward pass on Hopper's warpgroup MMA (sm_90a) ---------------------------------
@@ -250,8 +250,9 @@ struct HopperTile {
 // Like load_tile, into the 128-byte-swizzled block layout: 64-element column blocks of ROWS
 // rows × 128 bytes each, chunk c of row r at chunk (c % 8) ^ (r % 8) of its block's row.
 template <int ROWS, int W, int THREADS>
-__device__ __forceinline__ void load_tile_sw128(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
-  copy_rows<ROWS, W, THREADS>(src, valid_rows, tid, [tile](int r, int c) {
+__device__ __forceinline__ void load_tile_sw128(std::uint32_t tile, const bf16* src, std::size_t ld, int valid_rows,
+                                                int tid) {
+  copy_rows<ROWS, W, THREADS>(src, ld, valid_rows, tid, [tile](int r, int c) {
     return tile + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4);
   });
 }
@@ -265,7 +266,7 @@ __device__ __forceinline__ void wgmma_rs_tb(float (&acc)[D / 8][4], const std::u
   else k2c::hopper::wgmma_m64n64k16_rs_tb(d, a, b);
 }
 
-template <class T>
+template <class T, bool kTokens = false>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   namespace hp = k2c::hopper;
@@ -280,18 +281,19 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
   const int m0 = (gridDim.x - 1 - rank) * BM, g = h / p.group;  // heaviest first, as above
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
-  const bf16* q = p.q + (p.q_rows(b, h) + m0) * D;
-  const bf16* k = p.k + p.kv_rows(b, g) * D;
-  const bf16* v = p.v + p.kv_rows(b, g) * D;
+  const bf16* q = p.q + p.q_at<D, kTokens>(p.q_rows(b, h) + m0);
+  const bf16* k = p.k + p.kv_at<D, kTokens>(p.kv_rows(b, g));
+  const bf16* v = p.v + p.kv_at<D, kTokens>(p.kv_rows(b, g));
+  const std::size_t q_ld = p.q_ld<D, kTokens>(), kv_ld = p.kv_ld<D, kTokens>();
   const int n_blocks = ceil_div(keys_needed(p, m0, BM), BN);
   const std::uint32_t q_rows = sQ + wg * 64 * 128;  // this warpgroup's 64 rows in each column block
 
   auto load_kv = [&](int j) {
     const int n0 = j * BN;
-    load_tile_sw128<BN, D, T::kThreads>(sK(j & 1), k + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
-    load_tile_sw128<BN, D, T::kThreads>(sV(j & 1), v + static_cast<std::size_t>(n0) * D, p.kv_len - n0, tid);
+    load_tile_sw128<BN, D, T::kThreads>(sK(j & 1), k + n0 * kv_ld, kv_ld, p.kv_len - n0, tid);
+    load_tile_sw128<BN, D, T::kThreads>(sV(j & 1), v + n0 * kv_ld, kv_ld, p.kv_len - n0, tid);
   };
-  load_tile_sw128<BM, D, T::kThreads>(sQ, q, p.q_len - m0, tid);
+  load_tile_sw128<BM, D, T::kThreads>(sQ, q, q_ld, p.q_len - m0, tid);
   if (n_blocks > 0) load_kv(0);
   tc::cp_async_commit();
 
@@ -336,7 +338,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
     hp::wgmma_wait<0>();  // before the next iteration's prefetch overwrites this V
   }
   tc::cp_async_wait<0>();
-  store_strip(o, row_max, row_sum, p, p.q_rows(b, h), m0 + warp * 16, lane);
+  store_strip<kTokens>(o, row_max, row_sum, p, p.q_rows(b, h), m0 + warp * 16, lane);
 #else
   (void)p;  // compiled without sm_90a: forward_hopper() refuses to launch (hopper_supported)
 #endif
@@ -577,7 +579,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         }
       }
       it += n_blocks;
-      store_strip(o, row_max, row_sum, p, p.q_rows(t.b, t.h), row0, lane);
+      store_strip<false>(o, row_max, row_sum, p, p.q_rows(t.b, t.h), row0, lane);  // heads first only (TMA)
     }
     if (T::kPingpong && consumer == 0) hp::named_sync(kTurn, 256);  // consumer 1's arrival after its last S
   }

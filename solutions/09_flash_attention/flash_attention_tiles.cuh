@@ -18,7 +18,8 @@ __device__ __forceinline__ std::uint32_t swizzled(std::uint32_t tile, int row, i
   return tile + row * (W * 2) + ((chunk ^ (row & 7)) << 4);
 }
 
-// Copies rows [0, ROWS) of a W-wide bf16 tile starting at `src` into shared memory, chunk c of
+// Copies rows [0, ROWS) of a W-wide bf16 tile starting at `src`, `ld` elements from one row to the
+// next (W, or more in the tokens_first layout), into shared memory, chunk c of
 // row r to the address at(r, c) (the layout: load_tile's below, or the Hopper kernels' 128-byte
 // blocks, load_tile_sw128); rows >= valid_rows are zero filled. All THREADS threads of the block
 // take part; src must point at a real row. Thread t copies chunk t % (W/8) of rows t / (W/8) +
@@ -28,7 +29,7 @@ __device__ __forceinline__ std::uint32_t swizzled(std::uint32_t tile, int row, i
 // on its way to the tensor cores), and with kRowStep a multiple of 8 the swizzle's XOR is the same
 // for each of a thread's rows.
 template <int ROWS, int W, int THREADS, class At>
-__device__ __forceinline__ void copy_rows(const bf16* src, int valid_rows, int tid, At&& at) {
+__device__ __forceinline__ void copy_rows(const bf16* src, std::size_t ld, int valid_rows, int tid, At&& at) {
   constexpr int kChunks = W / 8, kRowStep = THREADS / kChunks;
   static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "every thread copies the same chunks");
   const int r0 = tid / kChunks, c = tid % kChunks;
@@ -36,14 +37,14 @@ __device__ __forceinline__ void copy_rows(const bf16* src, int valid_rows, int t
   for (int i = 0; i < ROWS / kRowStep; ++i) {
     const int r = r0 + i * kRowStep;
     const bool ok = r < valid_rows;
-    cp_async_16(at(r, c), ok ? src + static_cast<std::size_t>(r) * W + c * 8 : src, ok);
+    cp_async_16(at(r, c), ok ? src + r * ld + c * 8 : src, ok);
   }
 }
 
 // copy_rows into the swizzled tile above.
 template <int ROWS, int W, int THREADS>
-__device__ __forceinline__ void load_tile(std::uint32_t tile, const bf16* src, int valid_rows, int tid) {
-  copy_rows<ROWS, W, THREADS>(src, valid_rows, tid, [tile](int r, int c) { return swizzled<W>(tile, r, c); });
+__device__ __forceinline__ void load_tile(std::uint32_t tile, const bf16* src, std::size_t ld, int valid_rows, int tid) {
+  copy_rows<ROWS, W, THREADS>(src, ld, valid_rows, tid, [tile](int r, int c) { return swizzled<W>(tile, r, c); });
 }
 
 // The A fragment (16 rows × 16 columns) at (row0, col0) of a row-major tile, by one ldmatrix.x4.
@@ -115,9 +116,33 @@ struct Params {
   int wave_heads;  // heads started together (launch_place); 0 or less: SMs × the tile's blocks per SM / blocks per head
   float scale, scale_log2;
   bool causal;
-  // Row offsets of head (b, h) in q-shaped and of kv head (b, g) in kv-shaped tensors.
+  bool tokens_first;  // the bf16 tensors' layout, for the host to pick the kernels' kTokens
+  // Rows are counted heads first, as lse is laid out: head (b, h) of q-shaped tensors owns rows
+  // q_rows(b, h) + [0, q_len), kv head (b, g) of kv-shaped ones kv_rows(b, g) + [0, kv_len).
   __device__ std::size_t q_rows(int b, int h) const { return (static_cast<std::size_t>(b) * heads + h) * q_len; }
   __device__ std::size_t kv_rows(int b, int g) const { return (static_cast<std::size_t>(b) * kv_heads + g) * kv_len; }
+  // Where such a row starts in the bf16 tensors (rows of D elements), and how far apart one head's
+  // consecutive rows lie, in elements. Heads first (kTokens false): row r at r · D, rows D apart.
+  // Tokens first: row i of head h of batch b at ((b · len + i) · heads + h) · D, rows heads · D
+  // apart. A tile of one head's rows is then a start and a stride. The layout is a template
+  // argument, not a run-time one: heads first, both are then constants, as in a kernel written for
+  // that layout alone (a run-time stride cost the D = 128 kernels registers and spills).
+  template <int D, bool kTokens>
+  __device__ std::size_t q_at(std::size_t row) const { return at<D, kTokens>(row, q_len, heads); }
+  template <int D, bool kTokens>
+  __device__ std::size_t kv_at(std::size_t row) const { return at<D, kTokens>(row, kv_len, kv_heads); }
+  template <int D, bool kTokens>
+  __device__ std::size_t q_ld() const { return kTokens ? std::size_t(heads) * D : D; }
+  template <int D, bool kTokens>
+  __device__ std::size_t kv_ld() const { return kTokens ? std::size_t(kv_heads) * D : D; }
+
+ private:
+  template <int D, bool kTokens>
+  __device__ std::size_t at(std::size_t row, int len, int n_heads) const {
+    if (!kTokens || len == 0) return row * D;  // (no rows: nothing is read there)
+    const std::size_t head = row / len, i = row % len;  // head = b · n_heads + h
+    return ((head / n_heads * len + i) * n_heads + head % n_heads) * D;
+  }
 };
 
 // Where a block sits, in launch order. The GPU starts blocks in order of their linear index and
