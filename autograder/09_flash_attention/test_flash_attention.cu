@@ -569,8 +569,9 @@ TEST(FlashAttentionBackward, CausalUnequalAndGrouped) {
 // heads interleave row by row, and heads that stay apart (batch 1 all NaN) in that layout too.
 TEST(FlashAttentionLayout, TokensFirst) {
   K2C_REQUIRE_GPU();
-  for (const Shape& s : tokens_first_shapes()) check_forward(s);
-  for (const Shape& s : tokens_first_shapes()) check_backward(s);
+  const std::vector<Shape> shapes = tokens_first_shapes();
+  for (const Shape& s : shapes) check_forward(s);
+  for (const Shape& s : shapes) check_backward(s);
   Shape no_queries = make_shape(1, 2, 1, 0, 70, 64, false);
   no_queries.layout = fa::Layout::tokens_first;
   check_backward(no_queries);
@@ -659,8 +660,9 @@ TEST(FlashAttentionHopper, Backward) {
 // Part B in the tokens_first layout, forward and backward, as FlashAttentionLayout.TokensFirst.
 TEST(FlashAttentionHopper, TokensFirst) {
   REQUIRE_HOPPER();
-  for (const Shape& s : tokens_first_shapes()) check_forward(s, Path::hopper);
-  for (const Shape& s : tokens_first_shapes()) check_backward(s, Path::hopper);
+  const std::vector<Shape> shapes = tokens_first_shapes();
+  for (const Shape& s : shapes) check_forward(s, Path::hopper);
+  for (const Shape& s : shapes) check_backward(s, Path::hopper);
   check_heads_apart(Path::hopper, fa::Layout::tokens_first);
 }
 

@@ -492,6 +492,11 @@ const bf16* heads_first(Scratch& s, const std::string& name, const Tensor& t, in
   });
   return p;
 }
+// An attention input for 09: the model's [batch·T, H·d] tensor as it stands (tokens_first, in bf16),
+// or its copy in 09's heads-first layout.
+const bf16* attention_input(Scratch& s, const std::string& name, const Tensor& t, int T, int H, int d, bool tokens_first) {
+  return tokens_first ? to_bf16(s, name, t) : heads_first(s, name, t, T, H, d);
+}
 // The way back into the model's tensor: t (=, or += when add) src in the model's layout.
 void from_heads_first(const bf16* src, Tensor& t, int T, int H, int d, bool add) {
   const std::int64_t n = t.numel();
@@ -537,15 +542,16 @@ std::string attention_name(const char* pass, bool hopper, bool tokens_first) {
 }
 // CourseKernels::second_choice for an attention pass: from the tokens_first layout to heads-first
 // copies of the tensors (a part that has not taken on tokens_first yet), then from the Hopper part
-// to Part A, in tokens_first again and then in heads-first copies.
+// to Part A, in tokens_first again where `tokens_allowed` (CourseOptions::attention_tokens_first)
+// and then in heads-first copies.
 std::function<std::string()> attention_after(std::shared_ptr<Parts> parts, std::shared_ptr<bool> tokens_first,
-                                             const char* pass) {
-  return [parts, tokens_first, pass] {
+                                             bool tokens_allowed, const char* pass) {
+  return [parts, tokens_first, tokens_allowed, pass] {
     if (*tokens_first) {
       *tokens_first = false;
     } else if (parts->hopper) {
       parts->hopper = false;
-      *tokens_first = true;
+      *tokens_first = tokens_allowed;
     } else {
       return std::string();
     }
@@ -1075,7 +1081,7 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
   const auto fwd_tokens = std::make_shared<bool>(options.attention_tokens_first),
              bwd_tokens = std::make_shared<bool>(options.attention_tokens_first);
   k.names["attention"] = attention_name("forward", fwd_hopper->hopper, *fwd_tokens);
-  k.second_choice["attention"] = attention_after(fwd_hopper, fwd_tokens, "forward");
+  k.second_choice["attention"] = attention_after(fwd_hopper, fwd_tokens, options.attention_tokens_first, "forward");
   k.attention_forward = [scratch, fa_shape, fwd_hopper, fwd_tokens](const AttentionShape& s, const Tensor& q,
                                                                     const Tensor& kk, const Tensor& v, Tensor& o,
                                                                     Tensor& lse) {
@@ -1084,9 +1090,9 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     if (!fa_shape(s, tokens, f)) return false;
     const int d = s.head_dim;
     Scratch& sc = *scratch;
-    const bf16* q16 = tokens ? to_bf16(sc, "attn q", q) : heads_first(sc, "attn q", q, s.q_len, s.q_heads, d);
-    const bf16* k16 = tokens ? to_bf16(sc, "attn k", kk) : heads_first(sc, "attn k", kk, s.kv_len, s.kv_heads, d);
-    const bf16* v16 = tokens ? to_bf16(sc, "attn v", v) : heads_first(sc, "attn v", v, s.kv_len, s.kv_heads, d);
+    const bf16 *q16 = attention_input(sc, "attn q", q, s.q_len, s.q_heads, d, tokens),
+               *k16 = attention_input(sc, "attn k", kk, s.kv_len, s.kv_heads, d, tokens),
+               *v16 = attention_input(sc, "attn v", v, s.kv_len, s.kv_heads, d, tokens);
     bf16* o16 = tokens ? out_bf16(sc, "attn o", o) : scratch->get<bf16>("attn o", o.numel());
     // 09 takes pointers on 16 bytes: lse goes through scratch where the model's does not start there.
     float* lse09 = aligned16(lse.f32()) ? lse.f32() : scratch->get<float>("attn lse", lse.numel());
@@ -1098,7 +1104,7 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     return true;
   };
   k.names["attention backward"] = attention_name("backward", bwd_hopper->hopper, *bwd_tokens);
-  k.second_choice["attention backward"] = attention_after(bwd_hopper, bwd_tokens, "backward");
+  k.second_choice["attention backward"] = attention_after(bwd_hopper, bwd_tokens, options.attention_tokens_first, "backward");
   k.attention_backward = [scratch, fa_shape, bwd_hopper, bwd_tokens](
                              const AttentionShape& s, const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& o,
                              const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
@@ -1107,12 +1113,11 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     if (!fa_shape(s, tokens, f)) return false;
     const int d = s.head_dim;
     Scratch& sc = *scratch;
-    auto in_09 = [&](const char* name, const Tensor& t, int T, int H) {
-      return tokens ? to_bf16(sc, name, t) : heads_first(sc, name, t, T, H, d);
-    };
-    const bf16 *q16 = in_09("attn q", q, s.q_len, s.q_heads), *k16 = in_09("attn k", kk, s.kv_len, s.kv_heads),
-               *v16 = in_09("attn v", v, s.kv_len, s.kv_heads), *o16 = in_09("attn o", o, s.q_len, s.q_heads),
-               *do16 = in_09("attn do", dout, s.q_len, s.q_heads);
+    const bf16 *q16 = attention_input(sc, "attn q", q, s.q_len, s.q_heads, d, tokens),
+               *k16 = attention_input(sc, "attn k", kk, s.kv_len, s.kv_heads, d, tokens),
+               *v16 = attention_input(sc, "attn v", v, s.kv_len, s.kv_heads, d, tokens),
+               *o16 = attention_input(sc, "attn o", o, s.q_len, s.q_heads, d, tokens),
+               *do16 = attention_input(sc, "attn do", dout, s.q_len, s.q_heads, d, tokens);
     float* lse09 = scratch->get<float>("attn lse", lse.numel());
     launch(flip_infinite, lse.numel(), lse.f32(), lse09, lse.numel());
     // dq is written (straight into the model's tensor where 09 can); dk and dv are added into.
