@@ -6,6 +6,7 @@
 //           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
 //           [--samples N] [--peak-tflops P] [--kernels course|trusted]
 //           [--activations f32|bf16] [--time-ops]
+//   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--batch B] [--micro-batches M] [--zero N]
 //
 // --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
 // dp-only grid (capstone.h says what it refuses), clipping inside ZeRO's step; --checkpoint is
@@ -42,6 +43,10 @@
 // gradients and AdamW stay fp32. In course mode the modules then take those activations with no
 // conversion pass where their contracts' layout is the model's.
 //
+// --plan prints, without training and on one process whatever the grid, what each pipeline stage's
+// rank would hold (parameters, gradients, AdamW state) and send in one step, group by group
+// (grid_plan.h), and refuses with status 2 what the trainer would refuse for its sizes.
+//
 // Exit status: 0 after training, 2 for bad arguments (a grid that does not fit the ranks or the
 // model included), 1 otherwise.
 #include <algorithm>
@@ -57,6 +62,7 @@
 #include <vector>
 
 #include "capstone.h"
+#include "grid_plan.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/model/course_ops.h"
 #include "k2c/model/data.h"
@@ -112,7 +118,7 @@ struct Options {
   int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0;
   std::uint64_t seed = 1;
-  bool resume = false, gpipe = false, time_ops = false;
+  bool resume = false, gpipe = false, time_ops = false, plan = false;
 };
 
 Options parse(int argc, char** argv) {
@@ -154,6 +160,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--resume") o.resume = true;
     else if (a == "--gpipe") o.gpipe = true;
     else if (a == "--time-ops") o.time_ops = true;
+    else if (a == "--plan") o.plan = true;
     else throw UsageError("unknown argument '" + a + "' (see the top of autograder/18_capstone/capstone_bench.cpp)");
   }
   if (o.kernels != "course" && o.kernels != "trusted")
@@ -179,8 +186,10 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-int run(k2c::dist::Communicator& world, const Options& o) {
-  const bool root = world.rank() == 0;
+// The run's configuration from the flags; the vocabulary grows to the data's (data_vocab 0: the
+// preset's) and rounds up to a multiple of tp, so that a vocabulary cut over tp divides (the
+// extra ids are never targets).
+kc::CapstoneConfig make_config(const Options& o, std::uint32_t data_vocab) {
   kc::CapstoneConfig config;
   km::TrainConfig& c = config.train;
   c.model = preset(o.config);
@@ -191,7 +200,28 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   config.micro_batches = o.micro_batches;
   config.one_f_one_b = !o.gpipe;
   config.zero_stage = o.zero;
+  if (data_vocab > static_cast<std::uint32_t>(c.model.vocab)) c.model.vocab = static_cast<int>(data_vocab);
+  const int tp = config.grid.tp;
+  c.model.vocab = (c.model.vocab + tp - 1) / tp * tp;
+  return config;
+}
 
+// The vocabulary of a k2c_datagen folder's training shard.
+std::uint32_t data_vocab_of(const std::string& folder) { return km::read_shard(km::shard_in(folder, "train")).vocab; }
+
+// --plan: the grid's training state and traffic a step, from the flags alone (no ranks needed).
+int plan(const Options& o) {
+  try {
+    std::cout << kc::describe(kc::plan_grid(make_config(o, o.data.empty() ? 0 : data_vocab_of(o.data))));
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "k2c_capstone: " << e.what() << "\n";
+    return 2;
+  }
+  return 0;
+}
+
+int run(k2c::dist::Communicator& world, const Options& o) {
+  const bool root = world.rank() == 0;
   // The data: a k2c_datagen folder, or a Markov chain made here (the same on every rank).
   std::vector<std::uint16_t> train_tokens, val_tokens;
   std::optional<fs::path> train_shard, val_shard;
@@ -202,19 +232,18 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     val_shard = km::shard_in(o.data, "val");
     for (const auto& e : fs::directory_iterator(o.data))
       if (e.path().filename().string().ends_with("_vocab.txt")) vocab = km::read_vocab(e.path());
-    data_vocab = km::read_shard(*train_shard).vocab;
+    data_vocab = data_vocab_of(o.data);
   } else {
-    km::MarkovSource source(o.seed, c.model.vocab, 4);
+    const int markov_vocab = preset(o.config).vocab;
+    km::MarkovSource source(o.seed, markov_vocab, 4);
     train_tokens = source.sample(400000);
     val_tokens = source.sample(50000);
-    data_vocab = static_cast<std::uint32_t>(c.model.vocab);
+    data_vocab = static_cast<std::uint32_t>(markov_vocab);
     if (root) std::printf("data: a Markov chain of %d tokens, entropy rate (the loss floor) %.4f nats\n",
-                          c.model.vocab, source.entropy_rate());
+                          markov_vocab, source.entropy_rate());
   }
-  if (data_vocab > static_cast<std::uint32_t>(c.model.vocab)) c.model.vocab = static_cast<int>(data_vocab);
-  // A vocabulary cut over tp must divide: round it up (the extra ids are never targets).
-  const int tp = config.grid.tp;
-  c.model.vocab = (c.model.vocab + tp - 1) / tp * tp;
+  kc::CapstoneConfig config = make_config(o, data_vocab);
+  km::TrainConfig& c = config.train;
   auto loader = [&](bool validation, int rank, int ranks) {
     const km::LoaderConfig lc{c.model.seq_len, c.batch, rank, ranks, c.seed + (validation ? 1 : 0)};
     if (train_shard) return km::TokenLoader({validation ? *val_shard : *train_shard}, lc);
@@ -410,6 +439,7 @@ int main(int argc, char** argv) {
     std::cerr << "k2c_capstone: " << e.what() << "\n";
     return 2;
   }
+  if (o.plan) return plan(o);
   int status = 0;
   const int rc = k2c::dist::run(argc, argv, [&](k2c::dist::Communicator& world) { status = run(world, o); });
   return rc ? rc : status;

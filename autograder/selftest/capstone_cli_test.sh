@@ -29,6 +29,16 @@ refused "--config huge: one of tiny, tiny-moe, dense-135m, moe-135m" --config hu
 refused "unknown axis 'xy'" --grid xy2
 refused "--data $work/none: not a folder" --data "$work/none"
 refused "--steps, --batch and --micro-batches must be at least 1" --steps 0
+refused "plan: tp 3 must divide the heads" --plan --grid tp3
+# --plan: one process, any grid, no training; the tables of grid_plan.h.
+out=$("$prog" --plan --grid dp2,tp2,pp2 --batch 8 --micro-batches 2 2>&1); rc=$?
+[ $rc = 0 ] || fail "'--plan' exited $rc: $out"
+for want in "grid dp2,tp2,pp2 on 8 ranks" "training state of one rank" "  1      1-1" "tp       2      all_reduce" \
+            "pp       2      send"; do
+  grep -qF -- "$want" <<<"$out" || fail "'--plan' did not print '$want': $out"
+done
+grep -q "^step" <<<"$out" && fail "'--plan' trained: $out"
+echo "ok: --plan prints the stages' state and traffic without training"
 # A grid that the ranks cannot hold is found on every rank: status 2, the reason said once.
 out=$(timeout 120 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp3 --samples 0 2>&1); rc=$?
 [ $rc = 2 ] || fail "'--grid dp3' on 2 ranks exited $rc, not 2: $out"

@@ -616,6 +616,28 @@ void counting(kd::Communicator& w) {
   require(c.counts().empty() && c.count("tp", "all_reduce").calls == 0, "reset() empties the shared ledger");
   tp.barrier();
   require(c.count("tp", "barrier").calls == 1, "a group counts into the ledger after a reset");
+
+  // Groups made with plain split() (a student's grid), named by their members' axes once
+  // name_groups is set; the gathering of the members is not counted.
+  c.name_groups([shape](const std::vector<int>& ranks) { return kd::group_label(shape, ranks); });
+  c.reset();
+  const kd::GridCoords at = kd::grid_coords(shape, r);
+  require(at == grid.coords(), "grid_coords is ProcessGrid's layout");
+  std::unique_ptr<kd::Communicator> pairs = c.split(r / 2, r);   // tp where tp = 2, else dp (one odd out)
+  std::unique_ptr<kd::Communicator> alone = c.split(r, 0);       // one rank each
+  std::unique_ptr<kd::Communicator> nested = pairs->split(0, 0);  // a split of a split
+  pairs->all_reduce(a.get(), a.get(), 2, DType::f32, ReduceOp::sum);
+  alone->all_reduce(a.get(), a.get(), 3, DType::f32, ReduceOp::sum);
+  nested->all_reduce(a.get(), a.get(), 4, DType::f32, ReduceOp::sum);
+  c.synchronize();
+  const std::string pair = pairs->size() == 1 ? "self" : shape.tp == 2 ? "tp" : "dp";
+  require(c.counts().size() == (pair == "self" ? 1u : 2u), "only the groups' own calls counted:\n" + c.report());
+  require(c.count(pair, "all_reduce").bytes == (pair == "self" ? 8 + 12 + 16 : 8 + 16) &&
+              c.count("self", "all_reduce").bytes == (pair == "self" ? 8 + 12 + 16 : 12),
+          "groups named by their axes:\n" + c.report());
+  require(kd::group_label({.dp = 2, .ep = 2, .tp = 2}, {0, 2, 4, 6}) == "dp+ep" &&
+              kd::group_label({.dp = 2, .ep = 2, .tp = 2}, {3}) == "self",
+          "group_label names the axes along which the members differ");
 }
 
 // ---------------------------------------------------------------------------- time_step -----

@@ -59,6 +59,27 @@ std::string to_string(Axis a) {
   return names[static_cast<int>(a)];
 }
 
+GridCoords grid_coords(const GridShape& shape, int world_rank) {
+  GridCoords at{};
+  for (int a = 4; a >= 0; --a) {  // mixed-radix digits, tp fastest
+    const int e = shape.extent(static_cast<Axis>(a));
+    at[a] = world_rank % e;
+    world_rank /= e;
+  }
+  return at;
+}
+
+std::string group_label(const GridShape& shape, const std::vector<int>& world_ranks) {
+  std::string label;
+  for (int a = 0; a < 5; ++a) {
+    bool varies = false;
+    for (int r : world_ranks)
+      varies = varies || grid_coords(shape, r)[a] != grid_coords(shape, world_ranks.front())[a];
+    if (varies) label += (label.empty() ? "" : "+") + to_string(static_cast<Axis>(a));
+  }
+  return label.empty() ? "self" : label;
+}
+
 ProcessGrid::ProcessGrid(Communicator& world, GridShape shape) : world_(world), shape_(shape) {
   K2C_CHECK(shape.dp >= 1 && shape.pp >= 1 && shape.ep >= 1 && shape.cp >= 1 && shape.tp >= 1,
             "process grid: every extent must be >= 1");
@@ -66,13 +87,7 @@ ProcessGrid::ProcessGrid(Communicator& world, GridShape shape) : world_(world), 
             "process grid dp" << shape.dp << " x pp" << shape.pp << " x ep" << shape.ep << " x cp"
                               << shape.cp << " x tp" << shape.tp << " = " << shape.total()
                               << " ranks, but the job has " << world.size());
-  // Mixed-radix digits of the world rank, tp fastest.
-  int r = world.rank();
-  for (int a = 4; a >= 0; --a) {
-    const int e = shape.extent(static_cast<Axis>(a));
-    coords_[a] = r % e;
-    r /= e;
-  }
+  coords_ = grid_coords(shape, world.rank());
   for (int a = 0; a < 5; ++a) groups_[a] = make_group(1u << a);
 }
 
@@ -143,24 +158,43 @@ std::string ProcessGrid::describe() const {
 // ------------------------------------------------------------------------------ counting -----
 
 CountingCommunicator::CountingCommunicator(Communicator& inner, std::string label)
-    : inner_(inner), label_(std::move(label)), ledger_(std::make_shared<TrafficTable>()) {}
+    : inner_(inner), label_(std::move(label)), ledger_(std::make_shared<TrafficTable>()),
+      namer_(std::make_shared<GroupNamer>()), world_rank_(inner.rank()) {}
 
 CountingCommunicator::CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label)
-    : CountingCommunicator(std::move(inner), std::move(label), std::make_shared<TrafficTable>()) {}
+    : owned_(std::move(inner)), inner_(*owned_), label_(std::move(label)), ledger_(std::make_shared<TrafficTable>()),
+      namer_(std::make_shared<GroupNamer>()), world_rank_(inner_.rank()) {}
 
 CountingCommunicator::CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label,
-                                           std::shared_ptr<TrafficTable> ledger)
-    : owned_(std::move(inner)), inner_(*owned_), label_(std::move(label)), ledger_(std::move(ledger)) {}
+                                           std::shared_ptr<TrafficTable> ledger, std::shared_ptr<GroupNamer> namer,
+                                           int world_rank)
+    : owned_(std::move(inner)), inner_(*owned_), label_(std::move(label)), ledger_(std::move(ledger)),
+      namer_(std::move(namer)), world_rank_(world_rank) {}
 
 std::unique_ptr<CountingCommunicator> CountingCommunicator::split(int color, int key, std::string label) {
   // The constructor that shares the ledger is private: make_unique cannot reach it.
   return std::unique_ptr<CountingCommunicator>(
-      new CountingCommunicator(inner_.split(color, key), std::move(label), ledger_));
+      new CountingCommunicator(inner_.split(color, key), std::move(label), ledger_, namer_, world_rank_));
 }
 
 std::unique_ptr<Communicator> CountingCommunicator::split(int color, int key) {
-  return split(color, key, label_ + "/split");
+  if (!*namer_) return split(color, key, label_ + "/split");
+  std::unique_ptr<Communicator> group = inner_.split(color, key);
+  // The members' world ranks, through the group's own memory (device memory on NCCL).
+  const int n = group->size();
+  std::vector<int> members(static_cast<std::size_t>(n));
+  {
+    Buffer mine(*group, sizeof(int)), all(*group, members.size() * sizeof(int));
+    group->to_backend(mine.get(), &world_rank_, sizeof(int));
+    group->all_gather(mine.get(), all.get(), 1, DType::i32);
+    group->to_host(members.data(), all.get(), members.size() * sizeof(int));
+  }
+  std::sort(members.begin(), members.end());
+  return std::unique_ptr<CountingCommunicator>(
+      new CountingCommunicator(std::move(group), (*namer_)(members), ledger_, namer_, world_rank_));
 }
+
+void CountingCommunicator::name_groups(GroupNamer namer) { *namer_ = std::move(namer); }
 
 void CountingCommunicator::record(const char* op, std::uint64_t bytes, bool started) {
   Traffic& t = (*ledger_)[label_][op];

@@ -13,6 +13,11 @@
 // grid ends up in one place. Each rank keeps its own ledger (what this rank did); nothing is
 // exchanged to keep it.
 //
+// Code that makes its groups with plain split() (a student's grid) gets labels "world/split",
+// "world/split/split", which do not say which group is which. name_groups(f) fixes that: from
+// then on a plain split() asks its new group's members for their world ranks (one all_gather of
+// an int over the new group, not counted) and labels the group f(those ranks, ascending).
+//
 // Bytes are the S of lecture 11's table (the size a collective is quoted at, which its bus-
 // bandwidth factor turns into per-rank traffic), on the calling rank; es = dtype_size(t) and
 // n = size() of the communicator called:
@@ -33,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -51,6 +57,8 @@ struct Traffic {
 };
 // label -> operation -> traffic.
 using TrafficTable = std::map<std::string, std::map<std::string, Traffic>>;
+// A group's label from its members' world ranks (ascending).
+using GroupNamer = std::function<std::string(const std::vector<int>& world_ranks)>;
 
 class CountingCommunicator final : public Communicator {
  public:
@@ -60,9 +68,12 @@ class CountingCommunicator final : public Communicator {
   CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label);
 
   // A split that counts into this communicator's ledger under `label` (a collective call, as
-  // split() is). split(color, key) labels it "<this label>/split".
+  // split() is). split(color, key) labels it "<this label>/split", or by name_groups' namer.
   std::unique_ptr<CountingCommunicator> split(int color, int key, std::string label);
   std::unique_ptr<Communicator> split(int color, int key) override;
+  // Call on the world (before any split) on every rank alike: plain splits of it and of its
+  // splits are then labelled namer(members), see the top. The world's own label stays.
+  void name_groups(GroupNamer namer);
 
   const std::string& label() const { return label_; }
   Communicator& inner() { return inner_; }
@@ -123,12 +134,14 @@ class CountingCommunicator final : public Communicator {
 
  private:
   CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label,
-                       std::shared_ptr<TrafficTable> ledger);
+                       std::shared_ptr<TrafficTable> ledger, std::shared_ptr<GroupNamer> namer, int world_rank);
   void record(const char* op, std::uint64_t bytes, bool started);
   std::unique_ptr<Communicator> owned_;  // set when this wraps a split (or was given ownership)
   Communicator& inner_;
   std::string label_;
   std::shared_ptr<TrafficTable> ledger_;
+  std::shared_ptr<GroupNamer> namer_;  // shared with every split; empty: "<label>/split"
+  int world_rank_;                     // this process's rank in the first counting communicator
 };
 
 }  // namespace k2c::dist

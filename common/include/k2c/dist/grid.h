@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "k2c/dist/communicator.h"
 
@@ -29,6 +30,13 @@ struct GridShape {
 
 // A rank's coordinates, indexed by Axis (dp first).
 using GridCoords = std::array<int, 5>;
+
+// World rank r's coordinates on a grid of this shape (the layout above).
+GridCoords grid_coords(const GridShape& shape, int world_rank);
+// The label ProcessGrid gives a group, from its members' world ranks: the axes along which their
+// coordinates differ, in Axis order ("dp+ep"), or "self" for a group of one rank. A namer for
+// CountingCommunicator::name_groups (k2c/dist/counting.h).
+std::string group_label(const GridShape& shape, const std::vector<int>& world_ranks);
 
 class ProcessGrid {
  public:

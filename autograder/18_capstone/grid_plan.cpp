@@ -1,0 +1,272 @@
+// grid_plan.cpp — see grid_plan.h.
+#include "grid_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+
+#include "k2c/dist/grid.h"
+#include "k2c/model/transformer.h"
+
+namespace k2c::capstone {
+
+namespace km = k2c::model;
+using dist::Axis;
+
+namespace {
+
+// The label k2c/dist/grid.h's group_label gives the group along `axes`: those with more than one
+// rank, joined in Axis order, or "self".
+std::string label_of(const dist::GridShape& g, std::initializer_list<Axis> axes) {
+  std::string label;
+  for (int a = 0; a < 5; ++a)
+    for (Axis x : axes)
+      if (static_cast<int>(x) == a && g.extent(x) > 1)
+        label += (label.empty() ? "" : "+") + dist::to_string(x);
+  return label.empty() ? "self" : label;
+}
+
+// Ranks in the group a label names.
+int ranks_of(const dist::GridShape& g, const std::string& label) {
+  if (label == "world") return g.total();
+  int n = 1;
+  for (int a = 0; a < 5; ++a)
+    if (label.find(dist::to_string(static_cast<Axis>(a))) != std::string::npos) n *= g.extent(static_cast<Axis>(a));
+  return n;
+}
+
+bool has(const std::string& name, const char* part) { return name.find(part) != std::string::npos; }
+
+// The block index of "blocks.<i>.…", or -1.
+int block_of_name(const std::string& name) {
+  if (name.rfind("blocks.", 0) != 0) return -1;
+  return std::stoi(name.substr(7));
+}
+
+// How many ranks one parameter is cut over, by the contracts of 14 (tp) and 17 (ep). Under tp a
+// dense block's projections, the embedding and the head are cut; a mixture of experts is whole on
+// every tp rank (only its attention is 14's); expert weights are cut over ep.
+std::int64_t cut_of(const std::string& name, const dist::GridShape& g, bool moe) {
+  if (has(name, ".moe.")) return has(name, ".moe.experts.") ? g.ep : 1;
+  if (g.tp == 1) return 1;
+  if (name == "embed.weight" || name == "head.weight") return g.tp;
+  if (has(name, ".attn.w")) return g.tp;
+  if (!moe && has(name, ".mlp.")) return g.tp;
+  return 1;
+}
+
+void refuse(bool bad, const std::string& why) {
+  if (bad) throw std::invalid_argument("plan: " + why);
+}
+
+void check(const CapstoneConfig& c) {
+  const dist::GridShape& g = c.grid;
+  const km::ModelConfig& m = c.train.model;
+  m.check();
+  const int D = g.dp * g.ep;
+  const std::string grid = grid_name(g);
+  refuse(g.cp != 1, "cp is not part of the capstone's grid");
+  refuse(c.micro_batches < 1 || c.train.batch % (D * c.micro_batches) != 0,
+         "batch " + std::to_string(c.train.batch) + " must split into " + std::to_string(D) + " data ranks x " +
+             std::to_string(c.micro_batches) + " micro-batches");
+  refuse(g.ep > 1 && m.experts == 0, "ep " + std::to_string(g.ep) + " needs a mixture of experts");
+  refuse(g.ep > 1 && m.experts % g.ep != 0,
+         std::to_string(m.experts) + " experts do not split over ep " + std::to_string(g.ep));
+  refuse(g.pp > m.n_layers, std::to_string(g.pp) + " stages for " + std::to_string(m.n_layers) + " blocks");
+  refuse(m.q_heads % g.tp || m.kv_heads % g.tp || m.d_ff % g.tp || m.vocab % g.tp,
+         "tp " + std::to_string(g.tp) + " must divide the heads (" + std::to_string(m.q_heads) + ", " +
+             std::to_string(m.kv_heads) + " kv), d_ff " + std::to_string(m.d_ff) + " and the vocabulary " +
+             std::to_string(m.vocab));
+  refuse(m.tied_head && (g.pp > 1 || g.tp > 1), "a tied head needs pp = tp = 1 (grid " + grid + ")");
+  refuse(c.zero_stage < 0 || c.zero_stage > 3, "zero_stage " + std::to_string(c.zero_stage) + " (0: off; 1, 2 or 3)");
+  refuse(c.zero_stage > 0 && (g.tp > 1 || g.pp > 1 || g.ep > 1 || c.micro_batches != 1),
+         "ZeRO runs on dp-only grids with one micro-batch (grid " + grid + ")");
+}
+
+// Module 13's step on a dp-only grid: the units are the Transformer's layers, each padded to a
+// multiple of the dp ranks; rank 0's shard is the first block of each. Stages 2 and 3 keep, beside
+// the shard, room for two units (the contract's bound: one filling while one is reduced, or one
+// running while the next is gathered), which the reference keeps allocated between steps at the
+// largest unit's size.
+void plan_zero(const CapstoneConfig& c, const km::ParamList& whole, const km::Transformer& model, StagePlan& s) {
+  const int n = c.grid.dp;
+  const std::string dp = label_of(c.grid, {Axis::dp});
+  std::uint64_t all = 0, padded = 0, shard = 0, real = 0, largest = 0, last_unit = 0;
+  for (int l = 0; l < model.layer_count(); ++l) {
+    const km::Transformer::LayerParams p = model.layer_params(l);
+    std::uint64_t S = 0;
+    for (km::ParamId id = p.first; id < p.last; ++id) S += static_cast<std::uint64_t>(whole.info(id).shape.numel());
+    if (S == 0) continue;
+    const std::uint64_t B = dist::block_of(S, n, 0).size;
+    all += S;
+    padded += n * B;
+    shard += B;
+    real += std::min(B, S);
+    largest = std::max(largest, n * B);
+    if (l == model.layer_count() - 1) last_unit = n * B;
+  }
+  const std::uint64_t working = shard + 2 * largest;  // a stage's own shard and its two units
+  const std::uint64_t values = c.zero_stage == 3 ? working : all;
+  s.values = static_cast<std::int64_t>(values);
+  s.trainable = static_cast<std::int64_t>(real);
+  s.param_bytes = 4 * values;
+  s.grad_bytes = 4 * (c.zero_stage == 1 ? all : working);
+  s.optimizer_bytes = 8 * real;
+  if (n > 1) {
+    s.traffic[dp]["reduce_scatter"] = 4 * padded;
+    s.traffic[dp]["all_gather"] = 4 * (c.zero_stage == 3 ? 2 * padded - last_unit : padded);
+    if (c.train.clip > 0) s.traffic[dp]["all_reduce"] = 8;
+  }
+}
+
+}  // namespace
+
+GridPlan plan_grid(const CapstoneConfig& c) {
+  check(c);
+  const dist::GridShape& g = c.grid;
+  const km::ModelConfig& m = c.train.model;
+  GridPlan plan;
+  plan.config = c;
+  const int D = g.dp * g.ep;
+  const std::int64_t N = static_cast<std::int64_t>(c.train.batch / D / c.micro_batches) * m.seq_len;
+  plan.tokens_per_micro_batch = N;
+  const std::uint64_t mb = static_cast<std::uint64_t>(c.micro_batches);
+  const std::uint64_t act = 4 * static_cast<std::uint64_t>(N) * static_cast<std::uint64_t>(m.d_model);  // N·d fp32
+  const bool moe = m.experts > 0;
+  // The expert kind of block (17's layer): under ep, or a mixture of experts under tp.
+  const bool expert_blocks = g.ep > 1 || (g.tp > 1 && moe);
+
+  km::ParamList whole;
+  const km::Transformer model(whole, m);
+  for (int stage = 0; stage < g.pp; ++stage) {
+    StagePlan& s = plan.stages.emplace_back();
+    const dist::Block span = dist::block_of(static_cast<std::size_t>(m.n_layers), g.pp, stage);
+    s.stage = stage;
+    s.first_block = static_cast<int>(span.offset);
+    s.last_block = static_cast<int>(span.offset + span.size);
+    if (g.total() > 1) s.traffic["world"]["all_reduce"] = c.zero_stage > 0 ? 8 : 16;  // the loss (and the norm)
+    if (c.zero_stage > 0) {
+      plan_zero(c, whole, model, s);
+      continue;
+    }
+    const bool first = stage == 0, last = stage == g.pp - 1;
+    std::int64_t dense = 0, experts = 0;  // trainable elements: reduced over the data ranks, over dp
+    for (km::ParamId id = 0; id < whole.size(); ++id) {
+      const km::ParamInfo& p = whole.info(id);
+      const int block = block_of_name(p.name);
+      const bool here = block >= 0 ? block >= s.first_block && block < s.last_block
+                                   : (p.name.rfind("embed.", 0) == 0 ? first : last);
+      if (!here) continue;
+      const std::int64_t n = p.shape.numel() / cut_of(p.name, g, moe);
+      s.values += n;
+      if (p.frozen) continue;
+      s.trainable += n;
+      (has(p.name, ".moe.experts.") ? experts : dense) += n;
+    }
+    s.param_bytes = 4 * static_cast<std::uint64_t>(s.values);
+    s.grad_bytes = 4 * static_cast<std::uint64_t>(s.trainable);
+    s.optimizer_bytes = 8 * static_cast<std::uint64_t>(s.trainable);
+
+    // Gradients (once a step, after the last micro-batch).
+    if (g.ep > 1) {
+      s.traffic[label_of(g, {Axis::dp, Axis::ep})]["all_reduce"] += 4 * static_cast<std::uint64_t>(dense);
+      if (g.dp > 1) s.traffic[label_of(g, {Axis::dp})]["all_reduce"] += 4 * static_cast<std::uint64_t>(experts);
+    } else if (g.dp > 1) {
+      s.traffic["dp"]["all_reduce"] += 4 * static_cast<std::uint64_t>(s.trainable);
+    }
+    const std::uint64_t blocks = static_cast<std::uint64_t>(s.last_block - s.first_block);
+    // Tensor parallelism, per micro-batch: the embedding's rows, each block's g and f, the head's
+    // input gradient, and the cross-entropy's three reductions of one float a token.
+    if (g.tp > 1) {
+      std::uint64_t& tp = s.traffic["tp"]["all_reduce"];
+      tp += mb * blocks * (moe ? 2 : 4) * act;
+      if (first) tp += mb * act;
+      if (last) tp += mb * (act + 3 * 4 * static_cast<std::uint64_t>(N));
+    }
+    // The pipeline: each micro-batch's activation forward, its gradient back.
+    if (g.pp > 1) s.traffic["pp"]["send"] = mb * ((last ? 0 : act) + (first ? 0 : act));
+    // Experts, per MoE layer and micro-batch (on a group of one rank under tp alone, where no row
+    // leaves).
+    if (expert_blocks) {
+      const std::string ep = label_of(g, {Axis::ep});
+      const std::uint64_t E = static_cast<std::uint64_t>(m.experts);
+      s.traffic[ep]["all_to_all"] += mb * blocks * 4 * E;
+      s.traffic[ep]["all_reduce"] += mb * blocks * 4 * (2 * E + 1);
+      const double away = static_cast<double>(N) * m.top_k * (g.ep - 1) / g.ep;
+      s.traffic[ep]["all_to_all_v"] += mb * blocks * 4 * static_cast<std::uint64_t>(4.0 * m.d_model * away + 0.5);
+      if (g.ep > 1) s.estimated.insert({ep, "all_to_all_v"});
+    }
+  }
+  return plan;
+}
+
+double wire_bytes(const std::string& op, std::uint64_t bytes, int n) {
+  const double b = static_cast<double>(bytes), f = n > 1 ? static_cast<double>(n - 1) / n : 0.0;
+  if (op == "all_reduce") return 2 * f * b;
+  if (op == "all_gather" || op == "reduce_scatter" || op == "all_to_all") return f * b;
+  return n > 1 ? b : 0.0;  // rows to other ranks, messages sent
+}
+
+// Bytes in the unit that reads best: "16 B", "1.5 KiB", "129.0 MiB", "3.1 GiB".
+std::string size_of(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
+  char text[32];
+  std::snprintf(text, sizeof text, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+  return text;
+}
+
+std::string describe(const GridPlan& plan) {
+  const CapstoneConfig& c = plan.config;
+  const km::ModelConfig& m = c.train.model;
+  std::ostringstream os;
+  char line[256];
+  os << "plan: " << m.describe() << "\n";
+  std::snprintf(line, sizeof line,
+                "grid %s on %d ranks, batch %d x %d tokens, %d micro-batch%s: %lld tokens a micro-batch on each "
+                "data rank%s\n",
+                grid_name(c.grid).c_str(), c.grid.total(), c.train.batch, m.seq_len, c.micro_batches,
+                c.micro_batches == 1 ? "" : "es", static_cast<long long>(plan.tokens_per_micro_batch),
+                c.zero_stage > 0 ? (", ZeRO stage " + std::to_string(c.zero_stage)).c_str() : "");
+  os << line;
+  os << "training state of one rank (4 bytes an element; under ZeRO, dp rank 0's shard):\n";
+  std::snprintf(line, sizeof line, "  %-6s %-8s %14s %12s %12s %12s %12s\n", "stage", "blocks", "elements", "values",
+                "gradients", "AdamW", "total");
+  os << line;
+  for (const StagePlan& s : plan.stages) {
+    const std::string blocks = std::to_string(s.first_block) + "-" + std::to_string(s.last_block - 1);
+    std::snprintf(line, sizeof line, "  %-6d %-8s %14lld %12s %12s %12s %12s\n", s.stage, blocks.c_str(),
+                  static_cast<long long>(s.values), size_of(s.param_bytes).c_str(), size_of(s.grad_bytes).c_str(),
+                  size_of(s.optimizer_bytes).c_str(), size_of(s.state_bytes()).c_str());
+    os << line;
+  }
+  os << "traffic of one rank in one step (quoted: as k2c/dist/counting.h counts; wire: what leaves the rank):\n";
+  std::snprintf(line, sizeof line, "  %-6s %-8s %-6s %-15s %13s %12s\n", "stage", "group", "ranks", "operation",
+                "quoted", "wire");
+  os << line;
+  bool estimates = false;
+  for (const StagePlan& s : plan.stages) {
+    double wire = 0;
+    for (const auto& [group, ops] : s.traffic)
+      for (const auto& [op, bytes] : ops) {
+        const int n = ranks_of(c.grid, group);
+        const bool guess = s.estimated.count({group, op}) > 0;
+        estimates = estimates || guess;
+        wire += wire_bytes(op, bytes, n);
+        std::snprintf(line, sizeof line, "  %-6d %-8s %-6d %-15s %12s%1s %12s\n", s.stage, group.c_str(), n,
+                      op.c_str(), size_of(static_cast<double>(bytes)).c_str(), guess ? "~" : "",
+                      size_of(wire_bytes(op, bytes, n)).c_str());
+        os << line;
+      }
+    std::snprintf(line, sizeof line, "  %-6d %-8s %-6s %-15s %13s %12s\n", s.stage, "all", "", "", "",
+                  size_of(wire).c_str());
+    os << line;
+  }
+  if (estimates) os << "  ~ rows to other ranks as if the router spread the tokens evenly\n";
+  os << "activations are not in the plan: a two-step run's ledger shows their peak\n";
+  return os.str();
+}
+
+}  // namespace k2c::capstone

@@ -1,0 +1,73 @@
+// autograder/18_capstone/grid_plan.h — a grid's cost before the run: what each pipeline stage's
+// rank holds and what it sends in one step, from the configuration alone (`k2c_capstone --plan`).
+//
+// Lecture 18 section 7 asks for one rank's memory and each group's bytes per step before a run.
+// This is that sum, written out once: the model library's parameter list cut the way the
+// contracts of modules 12 to 17 cut it, and the traffic those contracts fix exactly:
+//   dp    DataParallel: the rank's trainable gradients, all-reduced once a step
+//   dp+ep under ep > 1 the dense gradients summed over the data ranks; the experts' over dp
+//   tp    per dense block and micro-batch two all-reduces of N·d fp32 forward and two backward;
+//         under a mixture of experts, attention's one each way; the embedding's one forward; the
+//         head's input gradient; the cross-entropy's three of N floats
+//   pp    each micro-batch's activation to the next stage and its gradient to the one before
+//   ep    per MoE layer and micro-batch: the counts (4·E), the forward's statistics (4·(2E + 1)),
+//         and four exchanges of rows (dispatch, combine; the gradients out and back), each
+//         4·d·N·k·(ep − 1)/ep bytes when routing spreads the tokens evenly (an estimate: the real
+//         figure follows the router)
+//   world the loss and the gradient norm, one f64 each
+//   ZeRO  module 13's contract: a reduce-scatter and an all-gather of every padded unit (stage 3:
+//         all-gathers in forward and again in backward but for the last layer's)
+// N is one micro-batch's tokens on one data rank. Bytes are counted as k2c/dist/counting.h counts
+// them (a collective at the size it is quoted at; "send" is what this rank sends point to point),
+// so a CountingCommunicator under a real run holds the same numbers (grid_plan_test.cpp checks
+// that against the reference solution); wire_bytes() turns them into what crosses a rank's link.
+//
+// Memory is the training state: parameters, gradients and AdamW's two moments, each 4 bytes an
+// element, as the ledger counts them between steps. Activations are not planned: they depend on
+// the micro-batch, the schedule and every layer's choices; a two-step run's ledger measures them.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "capstone.h"
+
+namespace k2c::capstone {
+
+// group label (k2c/dist/grid.h's group_label: "dp", "tp", "dp+ep", "self", or "world") ->
+// operation -> bytes per step.
+using PlannedTraffic = std::map<std::string, std::map<std::string, std::uint64_t>>;
+
+// One rank of a pipeline stage (every rank of a stage holds and sends the same amounts).
+struct StagePlan {
+  int stage = 0, first_block = 0, last_block = 0;  // blocks [first, last)
+  std::int64_t values = 0, trainable = 0;           // parameter elements the rank holds, trains
+  std::uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  PlannedTraffic traffic;
+  // (group, operation) whose bytes are an estimate: ep's rows under even routing.
+  std::set<std::pair<std::string, std::string>> estimated;
+  std::uint64_t state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes; }
+};
+
+struct GridPlan {
+  CapstoneConfig config;
+  std::int64_t tokens_per_micro_batch = 0;  // N: rows · T on one data rank
+  std::vector<StagePlan> stages;            // one per pipeline stage
+};
+
+// Throws std::invalid_argument for a grid that GridTrainer would refuse for its sizes (the same
+// reasons, without ranks). The vocabulary must already divide by tp.
+GridPlan plan_grid(const CapstoneConfig& config);
+
+// What crosses one rank's link for `bytes` of `op` counted on a group of n ranks: an all-reduce
+// 2(n − 1)/n of its buffer (a ring), an all-gather or reduce-scatter (n − 1)/n, an all-to-all of
+// a whole buffer (n − 1)/n; rows and point-to-point messages as counted (only what leaves).
+double wire_bytes(const std::string& op, std::uint64_t bytes, int n);
+
+// The plan as the tables k2c_capstone --plan prints.
+std::string describe(const GridPlan& plan);
+
+}  // namespace k2c::capstone
