@@ -5,7 +5,7 @@
 //           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
 //           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
 //           [--samples N] [--peak-tflops P] [--kernels course|trusted]
-//           [--activations f32|bf16] [--time-ops]
+//           [--activations f32|bf16] [--time-ops] [--traffic]
 //   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--batch B] [--micro-batches M] [--zero N]
 //
 // --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
@@ -43,6 +43,10 @@
 // gradients and AdamW stay fp32. In course mode the modules then take those activations with no
 // conversion pass where their contracts' layout is the model's.
 //
+// --traffic counts every collective and message of each step, group by group, and prints rank 0's
+// last training step beside the plan's figures (the JSON has both as "traffic_sent" and
+// "traffic_planned"): where a capstone sends more than its modules' contracts say, it shows.
+//
 // --plan prints, without training and on one process whatever the grid, what each pipeline stage's
 // rank would hold (parameters, gradients, AdamW state) and send in one step, group by group
 // (grid_plan.h), and refuses with status 2 what the trainer would refuse for its sizes.
@@ -63,6 +67,8 @@
 
 #include "capstone.h"
 #include "grid_plan.h"
+#include "k2c/dist/counting.h"
+#include "k2c/dist/grid.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/model/course_ops.h"
 #include "k2c/model/data.h"
@@ -118,7 +124,7 @@ struct Options {
   int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0;
   std::uint64_t seed = 1;
-  bool resume = false, gpipe = false, time_ops = false, plan = false;
+  bool resume = false, gpipe = false, time_ops = false, plan = false, traffic = false;
 };
 
 Options parse(int argc, char** argv) {
@@ -161,6 +167,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--gpipe") o.gpipe = true;
     else if (a == "--time-ops") o.time_ops = true;
     else if (a == "--plan") o.plan = true;
+    else if (a == "--traffic") o.traffic = true;
     else throw UsageError("unknown argument '" + a + "' (see the top of autograder/18_capstone/capstone_bench.cpp)");
   }
   if (o.kernels != "course" && o.kernels != "trusted")
@@ -293,9 +300,18 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   }
   // A grid that does not fit the ranks or the model: every rank finds the same reason (the checks
   // read only the configuration and the world's size), so each returns 2 and rank 0 says why.
+  // --traffic: the trainer talks through a counter whose groups are named by their axes; the last
+  // training step's counts are set beside the plan's at the end.
+  std::optional<k2c::dist::CountingCommunicator> counting;
+  if (o.traffic) {
+    counting.emplace(world, "world");
+    counting->name_groups([g = config.grid](const std::vector<int>& r) { return k2c::dist::group_label(g, r); });
+  }
+  k2c::dist::TrafficTable last_traffic;
   std::optional<kc::GridTrainer> built;
   try {
-    built.emplace(world, *ops, config, loader);
+    if (counting) built.emplace(*counting, *ops, config, loader);
+    else built.emplace(world, *ops, config, loader);
   } catch (const std::invalid_argument& e) {
     if (root) std::cerr << "k2c_capstone: " << e.what() << "\n";
     return 2;
@@ -325,7 +341,9 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   std::vector<km::StepRecord> records;
   const double flops_per_token = c.model.train_flops_per_token();
   while (trainer.steps_done() < c.steps) {
+    if (counting) counting->reset();
     km::StepRecord r = trainer.step();
+    if (counting) last_traffic = counting->counts();
     const bool last = trainer.steps_done() == c.steps;
     if ((o.eval_every > 0 && trainer.steps_done() % o.eval_every == 0) || last) r.val_loss = trainer.evaluate(8);
     // MFU: model FLOPs of the step over the time, against the peak of every GPU of the grid.
@@ -380,6 +398,13 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     std::printf("\n");
   }
   std::cout << "memory of rank 0 (peak over the run):\n" << trainer.ledger().report();
+  const kc::PlannedTraffic sent = kc::sent_bytes(last_traffic);
+  std::optional<kc::GridPlan> planned;
+  if (counting) {
+    planned = kc::plan_grid(config);
+    std::cout << "traffic of rank 0 in the last step, beside the plan (~: an even spread of routed rows):\n"
+              << kc::compare_traffic(*planned, planned->stages.front(), sent);
+  }
   if (course) std::cout << "kernels of rank 0 (calls over the run):\n" << course->report();
   if (!o.log.empty()) std::printf("log: %s  (plot: python3 tools/plot_loss.py %s)\n", o.log.c_str(), o.log.c_str());
   if (!o.json.empty()) {
@@ -403,6 +428,18 @@ int run(k2c::dist::Communicator& world, const Options& o) {
       j << "},\n  " << quoted(key) << ": {";
       for (std::size_t i = 0; i < table->size(); ++i)
         j << (i ? ", " : "") << quoted((*table)[i].first) << ": " << (*table)[i].second;
+    }
+    // --traffic: rank 0's last step and its plan, "group operation": bytes.
+    for (const auto& [key, table] : {std::pair{"traffic_sent", sent},
+                                     std::pair{"traffic_planned", planned ? planned->stages.front().traffic
+                                                                          : kc::PlannedTraffic{}}}) {
+      j << "},\n  " << quoted(key) << ": {";
+      bool first = true;
+      for (const auto& [group, by_op] : table)
+        for (const auto& [op, bytes] : by_op) {
+          j << (first ? "" : ", ") << quoted(group + " " + op) << ": " << bytes;
+          first = false;
+        }
     }
     j << "},\n  \"steps\": [";
     for (std::size_t i = 0; i < records.size(); ++i)

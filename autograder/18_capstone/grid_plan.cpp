@@ -36,6 +36,16 @@ int ranks_of(const dist::GridShape& g, const std::string& label) {
   return n;
 }
 
+// Bytes in the unit that reads best: "16 B", "1.5 KiB", "129.0 MiB", "3.1 GiB".
+std::string size_of(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
+  char text[32];
+  std::snprintf(text, sizeof text, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+  return text;
+}
+
 bool has(const std::string& name, const char* part) { return name.find(part) != std::string::npos; }
 
 // The block index of "blocks.<i>.…", or -1.
@@ -208,16 +218,6 @@ double wire_bytes(const std::string& op, std::uint64_t bytes, int n) {
   return n > 1 ? b : 0.0;  // rows to other ranks, messages sent
 }
 
-// Bytes in the unit that reads best: "16 B", "1.5 KiB", "129.0 MiB", "3.1 GiB".
-std::string size_of(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
-  char text[32];
-  std::snprintf(text, sizeof text, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
-  return text;
-}
-
 std::string describe(const GridPlan& plan) {
   const CapstoneConfig& c = plan.config;
   const km::ModelConfig& m = c.train.model;
@@ -266,6 +266,38 @@ std::string describe(const GridPlan& plan) {
   }
   if (estimates) os << "  ~ rows to other ranks as if the router spread the tokens evenly\n";
   os << "activations are not in the plan: a two-step run's ledger shows their peak\n";
+  return os.str();
+}
+
+PlannedTraffic sent_bytes(const dist::TrafficTable& counts) {
+  PlannedTraffic sent;
+  for (const auto& [group, ops] : counts)
+    for (const auto& [op, t] : ops)
+      if (op != "recv" && op != "barrier" && t.bytes > 0) sent[group][op == "send_recv" ? "send" : op] += t.bytes;
+  return sent;
+}
+
+std::string compare_traffic(const GridPlan& plan, const StagePlan& s, const PlannedTraffic& sent) {
+  std::map<std::pair<std::string, std::string>, std::pair<std::uint64_t, std::uint64_t>> rows;  // sent, planned
+  for (const auto& [group, ops] : sent)
+    for (const auto& [op, bytes] : ops) rows[{group, op}].first = bytes;
+  for (const auto& [group, ops] : s.traffic)
+    for (const auto& [op, bytes] : ops)
+      if (bytes > 0) rows[{group, op}].second = bytes;
+  std::ostringstream os;
+  char line[256];
+  std::snprintf(line, sizeof line, "  %-8s %-6s %-15s %12s %13s %8s\n", "group", "ranks", "operation", "sent",
+                "planned", "ratio");
+  os << line;
+  for (const auto& [key, v] : rows) {
+    const bool guess = s.estimated.count(key) > 0;
+    char ratio[16] = "-";
+    if (v.second > 0) std::snprintf(ratio, sizeof ratio, "%.3f", static_cast<double>(v.first) / v.second);
+    std::snprintf(line, sizeof line, "  %-8s %-6d %-15s %12s %12s%1s %8s\n", key.first.c_str(),
+                  ranks_of(plan.config.grid, key.first), key.second.c_str(), size_of(static_cast<double>(v.first)).c_str(),
+                  size_of(static_cast<double>(v.second)).c_str(), guess ? "~" : "", ratio);
+    os << line;
+  }
   return os.str();
 }
 

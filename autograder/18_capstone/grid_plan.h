@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "capstone.h"
+#include "k2c/dist/counting.h"
 
 namespace k2c::capstone {
 
@@ -69,5 +70,14 @@ double wire_bytes(const std::string& op, std::uint64_t bytes, int n);
 
 // The plan as the tables k2c_capstone --plan prints.
 std::string describe(const GridPlan& plan);
+
+// A CountingCommunicator's counts as the plan states them: what the rank sent, by group and
+// operation ("send" for point-to-point sends, blocking or in an exchange; receives, barriers and
+// zero-byte entries left out).
+PlannedTraffic sent_bytes(const dist::TrafficTable& counts);
+
+// A step's counts beside stage `s`'s plan, one row per group and operation: what was sent, what
+// the plan says, their ratio (k2c_capstone --traffic).
+std::string compare_traffic(const GridPlan& plan, const StagePlan& s, const PlannedTraffic& sent);
 
 }  // namespace k2c::capstone

@@ -71,10 +71,7 @@ void expect_plan_holds(const std::string& grid, Model model, int micro_batches, 
     EXPECT_EQ(ledger.current(km::Category::optimizer), s.optimizer_bytes) << where << ": AdamW state";
   }
 
-  kc::PlannedTraffic sent;
-  for (const auto& [group, ops] : counting.counts())
-    for (const auto& [op, t] : ops)
-      if (op != "recv" && op != "barrier" && t.bytes > 0) sent[group][op == "send_recv" ? "send" : op] += t.bytes;
+  kc::PlannedTraffic sent = kc::sent_bytes(counting.counts());
   kc::PlannedTraffic exact, planned;
   for (const auto& [group, ops] : s.traffic)
     for (const auto& [op, bytes] : ops) {

@@ -46,8 +46,9 @@ out=$(timeout 120 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp3 --samples 0
 echo "ok: '--grid dp3' on 2 ranks refused once, status 2"
 
 run() { timeout 240 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp2 --batch 4 --samples 0 "$@" > "$work/out.txt" 2>&1; }
-run --steps 4 --time-ops --json "$work/run.json" --log "$work/run.csv" --checkpoint "$work/ckpt" || fail "the dp2 run exited $?"
-for line in "kernels: trusted (the CPU backend" "step     4/4" "where one more step's time went" "linear backward (dW, dX)"; do
+run --steps 4 --time-ops --traffic --json "$work/run.json" --log "$work/run.csv" --checkpoint "$work/ckpt" || fail "the dp2 run exited $?"
+for line in "kernels: trusted (the CPU backend" "step     4/4" "where one more step's time went" "linear backward (dW, dX)" \
+            "traffic of rank 0 in the last step, beside the plan"; do
   grep -qF "$line" "$work/out.txt" || fail "no '$line' in the output"
 done
 python3 - "$work/run.json" <<'PY' || fail "the JSON summary"
@@ -61,7 +62,10 @@ assert r["ops_ms"].get("matmul fwd (a bT)", 0) > 0 and r["ops_ms"].get("attentio
 assert r["ops_host_ms"].keys() == r["ops_ms"].keys(), (r["ops_host_ms"], r["ops_ms"])
 assert all(0 <= r["ops_host_ms"][k] <= r["ops_ms"][k] for k in r["ops_ms"]), (r["ops_host_ms"], r["ops_ms"])
 assert r["median_tokens_per_s"] > 0
-print("ok: the JSON summary:", len(r["steps"]), "steps,", len(r["ops_ms"]), "operations timed")
+# --traffic: the last step's gradients all-reduced over dp, as planned (the tiny model's 123,712
+# weights in fp32), and the loss and norm over the world.
+assert r["traffic_sent"] == r["traffic_planned"] == {"dp all_reduce": 4 * 123712, "world all_reduce": 16}, r
+print("ok: the JSON summary:", len(r["steps"]), "steps,", len(r["ops_ms"]), "operations timed, traffic as planned")
 PY
 [ "$(wc -l < "$work/run.csv")" = 5 ] || fail "the log has $(wc -l < "$work/run.csv") lines, not a header and 4 steps"
 
