@@ -162,8 +162,8 @@ GridPlan plan_grid(const CapstoneConfig& c) {
     }
     const bool first = stage == 0, last = stage == g.pp - 1;
     std::int64_t dense = 0, experts = 0;  // trainable elements: reduced over the data ranks, over dp
-    for (km::ParamId id = 0; id < whole.size(); ++id) {
-      const km::ParamInfo& p = whole.info(id);
+    for (km::ParamId param = 0, count = whole.size(); param < count; ++param) {
+      const km::ParamInfo& p = whole.info(param);
       const int block = block_of_name(p.name);
       const bool here = block >= 0 ? block >= s.first_block && block < s.last_block
                                    : (p.name.rfind("embed.", 0) == 0 ? first : last);
