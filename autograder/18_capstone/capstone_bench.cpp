@@ -103,20 +103,13 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The presets. moe-135m keeps dense-135m's trunk and replaces each MLP with 32 experts of width
-// 512, top 4, and one shared expert: about the same FLOPs per token as the dense model's d_ff.
+// The presets (grid_plan.h), an unknown name a usage error.
 km::ModelConfig preset(const std::string& name) {
-  km::ModelConfig m = name.starts_with("dense-135m") || name.starts_with("moe-135m") ? km::ModelConfig::dense_135m()
-                                                                                     : km::ModelConfig::tiny();
-  if (name == "tiny-moe" || name == "moe-135m") {
-    m.experts = name == "tiny-moe" ? 4 : 32;
-    m.top_k = name == "tiny-moe" ? 2 : 4;
-    m.shared_experts = 1;
-    m.d_expert = name == "tiny-moe" ? 32 : 512;
-  } else if (name != "tiny" && name != "dense-135m") {
-    throw UsageError("--config " + name + ": one of tiny, tiny-moe, dense-135m, moe-135m");
+  try {
+    return kc::capstone_preset(name);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
   }
-  return m;
 }
 
 struct Options {

@@ -130,7 +130,75 @@ void plan_zero(const CapstoneConfig& c, const km::ParamList& whole, const km::Tr
   }
 }
 
+// The activations' peak on one rank of a stage, in bytes: an estimate of what the ledger's
+// activations category reaches in a step (grid_plan_test.cpp holds it to 15 %). Each micro-batch
+// in flight keeps what its backward will read, as the reference's layers keep it (a = the bytes of
+// the run's activation dtype; module 14's layers and the residual stream are fp32; expert rows as
+// if the router spread the tokens evenly); on top of that comes the largest transient: the
+// logits at the end of the last stage's forward, or the gradients a block's backward makes.
+std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::int64_t tokens) {
+  const dist::GridShape& g = c.grid;
+  const km::ModelConfig& m = c.train.model;
+  const double N = static_cast<double>(tokens), d = m.d_model, t = g.tp, H = m.q_heads;
+  const double kv = static_cast<double>(m.kv_heads) * (m.d_model / m.q_heads), F = static_cast<double>(m.d_ff);
+  const double a = c.train.activations == km::DType::bf16 ? 2 : 4, V = m.vocab;
+  const double E = m.experts, k = m.top_k, de = static_cast<double>(m.d_expert), dsh = de * m.shared_experts;
+  const bool moe = m.experts > 0, tensor = g.tp > 1, expert_kind = g.ep > 1 || (tensor && moe);
+  const bool first = s.stage == 0, last = s.stage == g.pp - 1;
+  const int blocks = s.last_block - s.first_block;
+  const int stages = g.pp, m_b = c.micro_batches;
+  const int in_flight = c.zero_stage > 0 ? 1
+                        : c.one_f_one_b  ? std::min(stages - s.stage, m_b)
+                                         : m_b;
+  // Attention's saved tensors and its backward's gradients: the library's (a) or 14's (fp32, cut).
+  const bool tp_attention = tensor;
+  const double attn_b = tp_attention ? 4 : a, cut = tp_attention ? t : 1;
+  const double attn_saved = N * ((2 * d + 2 * kv) / cut * attn_b + 4 * H / cut);
+  const double attn_grads = N * (2 * d + 2 * kv) / cut * attn_b;
+  // A mixture of experts: the router's probabilities, the routing (5 numbers per assignment in the
+  // library's layer, 2 in 17's plan), the rows (in, gate, up, h, out; 17 also keeps them returned),
+  // the shared expert's activations and output.
+  const double R = N * k;
+  const double moe_saved = N * 4 * E + R * 4 * (expert_kind ? 2 : 5) + R * (4 * d * (expert_kind ? 3 : 2) + 3 * 4 * de) +
+                           N * (3 * dsh * a + 4 * d);
+  double block_saved = 0, block_grads = 0;
+  if (expert_kind) {  // the capstone's own block around 17's layer
+    block_saved = N * (d * a + 16 * d + (tensor ? 4 : a) * d + 8) + attn_saved + moe_saved;
+    block_grads = N * 8 * d + std::max(attn_grads, R * (3 * 4 * de + 3 * 4 * d));
+  } else if (tensor) {  // 14's block
+    block_saved = N * (24 * d + 8) + attn_saved + N * 3 * F / t * 4;
+    block_grads = N * 8 * d + std::max(attn_grads, N * 3 * F / t * 4);
+  } else {  // the library's block
+    const double branch = moe ? 4 : a;  // the MoE's input and output stay fp32
+    block_saved = N * (2 * a * d + 2 * branch * d + 8 * d + 8) + attn_saved + (moe ? moe_saved : N * 3 * F * a);
+    block_grads = N * (4 * d + branch * d) + std::max(attn_grads, moe ? R * (3 * 4 * de + 3 * 4 * d) : N * 3 * F * a);
+  }
+  const double head_b = tensor ? 4 : a, Vr = V / t;
+  double saved = blocks * block_saved + 4.0 * m.seq_len;  // and the positions (i32)
+  if (first) saved += N * 4 * d + (tensor ? N * 8 : 0);  // the embedding's output (and 14's ids and mask)
+  else saved += N * 4 * d;                               // the activation received
+  if (last) saved += N * (head_b * d + 4 + head_b * Vr);  // the final norm's output and rstd, dlogits
+  const double ids = static_cast<double>(m_b) * 2 * N * 4;  // every micro-batch's ids and targets
+  const double logits = last ? N * head_b * Vr : 0;
+  const double grads = N * 8 * d + block_grads;  // the block's input and output gradients, and its own
+  return static_cast<std::uint64_t>(ids + in_flight * saved + std::max(logits, grads));
+}
+
 }  // namespace
+
+km::ModelConfig capstone_preset(const std::string& name) {
+  const bool big = name == "dense-135m" || name == "moe-135m";
+  if (!big && name != "tiny" && name != "tiny-moe")
+    throw std::invalid_argument("--config " + name + ": one of tiny, tiny-moe, dense-135m, moe-135m");
+  km::ModelConfig m = big ? km::ModelConfig::dense_135m() : km::ModelConfig::tiny();
+  if (name == "tiny-moe" || name == "moe-135m") {
+    m.experts = big ? 32 : 4;
+    m.top_k = big ? 4 : 2;
+    m.shared_experts = 1;
+    m.d_expert = big ? 512 : 32;
+  }
+  return m;
+}
 
 GridPlan plan_grid(const CapstoneConfig& c) {
   check(c);
@@ -156,6 +224,7 @@ GridPlan plan_grid(const CapstoneConfig& c) {
     s.first_block = static_cast<int>(span.offset);
     s.last_block = static_cast<int>(span.offset + span.size);
     if (g.total() > 1) s.traffic["world"]["all_reduce"] = c.zero_stage > 0 ? 8 : 16;  // the loss (and the norm)
+    s.activation_bytes = activation_peak(c, s, N);
     if (c.zero_stage > 0) {
       plan_zero(c, whole, model, s);
       continue;
@@ -232,14 +301,15 @@ std::string describe(const GridPlan& plan) {
                 c.zero_stage > 0 ? (", ZeRO stage " + std::to_string(c.zero_stage)).c_str() : "");
   os << line;
   os << "training state of one rank (4 bytes an element; under ZeRO, dp rank 0's shard):\n";
-  std::snprintf(line, sizeof line, "  %-6s %-8s %14s %12s %12s %12s %12s\n", "stage", "blocks", "elements", "values",
-                "gradients", "AdamW", "total");
+  std::snprintf(line, sizeof line, "  %-6s %-8s %14s %12s %12s %12s %12s %14s\n", "stage", "blocks", "elements",
+                "values", "gradients", "AdamW", "state", "activations~");
   os << line;
   for (const StagePlan& s : plan.stages) {
     const std::string blocks = std::to_string(s.first_block) + "-" + std::to_string(s.last_block - 1);
-    std::snprintf(line, sizeof line, "  %-6d %-8s %14lld %12s %12s %12s %12s\n", s.stage, blocks.c_str(),
+    std::snprintf(line, sizeof line, "  %-6d %-8s %14lld %12s %12s %12s %12s %14s\n", s.stage, blocks.c_str(),
                   static_cast<long long>(s.values), size_of(s.param_bytes).c_str(), size_of(s.grad_bytes).c_str(),
-                  size_of(s.optimizer_bytes).c_str(), size_of(s.state_bytes()).c_str());
+                  size_of(s.optimizer_bytes).c_str(), size_of(s.state_bytes()).c_str(),
+                  size_of(s.activation_bytes).c_str());
     os << line;
   }
   os << "traffic of one rank in one step (quoted: as k2c/dist/counting.h counts; wire: what leaves the rank):\n";
@@ -265,7 +335,7 @@ std::string describe(const GridPlan& plan) {
     os << line;
   }
   if (estimates) os << "  ~ rows to other ranks as if the router spread the tokens evenly\n";
-  os << "activations are not in the plan: a two-step run's ledger shows their peak\n";
+  os << "  activations~: their peak in a step, estimated from what each layer keeps for backward\n";
   return os.str();
 }
 

@@ -23,8 +23,10 @@
 // that against the reference solution); wire_bytes() turns them into what crosses a rank's link.
 //
 // Memory is the training state: parameters, gradients and AdamW's two moments, each 4 bytes an
-// element, as the ledger counts them between steps. Activations are not planned: they depend on
-// the micro-batch, the schedule and every layer's choices; a two-step run's ledger measures them.
+// element, as the ledger counts them between steps; and an estimate of the activations' peak in a
+// step: what each micro-batch in flight keeps for its backward (the schedule: 1F1B keeps
+// min(p − s, m) on stage s, GPipe all m), as the reference's layers keep it, plus the largest
+// transient (the last stage's logits, or a block's gradients in backward).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +40,11 @@
 
 namespace k2c::capstone {
 
+// k2c_capstone's model presets: tiny, tiny-moe, dense-135m and moe-135m (dense-135m's trunk with
+// 32 experts of width 512, top 4, and one shared expert: about the dense model's FLOPs per token).
+// Throws std::invalid_argument for another name.
+model::ModelConfig capstone_preset(const std::string& name);
+
 // group label (k2c/dist/grid.h's group_label: "dp", "tp", "dp+ep", "self", or "world") ->
 // operation -> bytes per step.
 using PlannedTraffic = std::map<std::string, std::map<std::string, std::uint64_t>>;
@@ -47,6 +54,7 @@ struct StagePlan {
   int stage = 0, first_block = 0, last_block = 0;  // blocks [first, last)
   std::int64_t values = 0, trainable = 0;           // parameter elements the rank holds, trains
   std::uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  std::uint64_t activation_bytes = 0;               // the estimated peak (see above)
   PlannedTraffic traffic;
   // (group, operation) whose bytes are an estimate: ep's rows under even routing.
   std::set<std::pair<std::string, std::string>> estimated;
