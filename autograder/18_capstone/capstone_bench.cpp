@@ -7,6 +7,7 @@
 //           [--samples N] [--peak-tflops P] [--kernels course|trusted]
 //           [--activations f32|bf16] [--time-ops] [--traffic]
 //   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--batch B] [--micro-batches M] [--zero N]
+//   k2c_capstone --plan-ranks 8 [--config ...] [--batch B] [--micro-batches M] [--zero N]
 //
 // --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
 // dp-only grid (capstone.h says what it refuses), clipping inside ZeRO's step; --checkpoint is
@@ -50,6 +51,8 @@
 // --plan prints, without training and on one process whatever the grid, what each pipeline stage's
 // rank would hold (parameters, gradients, AdamW state) and send in one step, group by group
 // (grid_plan.h), and refuses with status 2 what the trainer would refuse for its sizes.
+// --plan-ranks N prints every grid of N ranks that fits, one line each (the busiest rank's memory
+// and wire bytes a step, by axis), the least traffic first.
 //
 // Exit status: 0 after training, 2 for bad arguments (a grid that does not fit the ranks or the
 // model included), 1 otherwise.
@@ -114,7 +117,7 @@ km::ModelConfig preset(const std::string& name) {
 
 struct Options {
   std::string grid = "1", data, config = "tiny", log, json, checkpoint, kernels = "course", activations = "f32";
-  int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0;
+  int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0, plan_ranks = 0;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0;
   std::uint64_t seed = 1;
   bool resume = false, gpipe = false, time_ops = false, plan = false, traffic = false;
@@ -160,6 +163,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--gpipe") o.gpipe = true;
     else if (a == "--time-ops") o.time_ops = true;
     else if (a == "--plan") o.plan = true;
+    else if (a == "--plan-ranks") {
+      const double n = number();
+      if (n < 1 || n > 65536 || n != static_cast<int>(n)) throw UsageError("--plan-ranks: a whole number from 1 to 65536");
+      o.plan_ranks = static_cast<int>(n), o.plan = true;
+    }
     else if (a == "--traffic") o.traffic = true;
     else throw UsageError("unknown argument '" + a + "' (see the top of autograder/18_capstone/capstone_bench.cpp)");
   }
@@ -209,10 +217,13 @@ kc::CapstoneConfig make_config(const Options& o, std::uint32_t data_vocab) {
 // The vocabulary of a k2c_datagen folder's training shard.
 std::uint32_t data_vocab_of(const std::string& folder) { return km::read_shard(km::shard_in(folder, "train")).vocab; }
 
-// --plan: the grid's training state and traffic a step, from the flags alone (no ranks needed).
+// --plan: the grid's training state and traffic a step, from the flags alone (no ranks needed);
+// with --plan-ranks N, every grid of N ranks, one line each.
 int plan(const Options& o) {
   try {
-    std::cout << kc::describe(kc::plan_grid(make_config(o, o.data.empty() ? 0 : data_vocab_of(o.data))));
+    const kc::CapstoneConfig config = make_config(o, o.data.empty() ? 0 : data_vocab_of(o.data));
+    if (o.plan_ranks > 0) std::cout << kc::describe_grids(kc::plan_grids(config, o.plan_ranks));
+    else std::cout << kc::describe(kc::plan_grid(config));
   } catch (const std::invalid_argument& e) {
     std::cerr << "k2c_capstone: " << e.what() << "\n";
     return 2;

@@ -339,6 +339,73 @@ std::string describe(const GridPlan& plan) {
   return os.str();
 }
 
+std::uint64_t peak_memory(const GridPlan& plan) {
+  std::uint64_t most = 0;
+  for (const StagePlan& s : plan.stages) most = std::max(most, s.state_bytes() + s.activation_bytes);
+  return most;
+}
+
+double wire_per_step(const GridPlan& plan, const std::string& axis) {
+  double most = 0;
+  for (const StagePlan& s : plan.stages) {
+    double sum = 0;
+    for (const auto& [group, ops] : s.traffic)
+      if (axis.empty() || group.find(axis) != std::string::npos)
+        for (const auto& [op, bytes] : ops) sum += wire_bytes(op, bytes, ranks_of(plan.config.grid, group));
+    most = std::max(most, sum);
+  }
+  return most;
+}
+
+std::vector<GridPlan> plan_grids(const CapstoneConfig& base, int ranks) {
+  std::vector<GridPlan> plans;
+  const bool moe = base.train.model.experts > 0;
+  for (int tp = 1; tp <= ranks; ++tp)
+    for (int pp = 1; tp * pp <= ranks; ++pp)
+      for (int ep = 1; tp * pp * ep <= ranks; ++ep) {
+        if (ranks % (tp * pp * ep) || (ep > 1 && !moe)) continue;
+        CapstoneConfig c = base;
+        c.grid = {.dp = ranks / (tp * pp * ep), .pp = pp, .ep = ep, .cp = 1, .tp = tp};
+        if (c.grid.dp != ranks) c.zero_stage = 0;  // ZeRO only where the grid is dp alone
+        try {
+          plans.push_back(plan_grid(c));
+        } catch (const std::invalid_argument&) {  // does not fit: left out
+        }
+      }
+  std::stable_sort(plans.begin(), plans.end(),
+                   [](const GridPlan& a, const GridPlan& b) { return wire_per_step(a) < wire_per_step(b); });
+  return plans;
+}
+
+std::string describe_grids(const std::vector<GridPlan>& plans) {
+  std::ostringstream os;
+  char line[256];
+  if (plans.empty()) return "no grid of these ranks fits this model and batch\n";
+  const CapstoneConfig& c = plans.front().config;
+  os << "grids of " << c.grid.total() << " ranks for " << c.train.model.describe() << ", batch " << c.train.batch
+     << " x " << c.train.model.seq_len << ", " << c.micro_batches << " micro-batch"
+     << (c.micro_batches == 1 ? "" : "es") << " where pp > 1\n";
+  os << "the busiest rank of each: memory (state + activations~) and wire bytes a step, by axis:\n";
+  std::snprintf(line, sizeof line, "  %-16s %12s %12s %12s %12s %12s %12s %8s\n", "grid", "memory", "dp", "tp", "pp",
+                "ep", "all", "bubble");
+  os << line;
+  for (const GridPlan& p : plans) {
+    std::string name = grid_name(p.config.grid);
+    if (p.config.zero_stage > 0) name += " zero" + std::to_string(p.config.zero_stage);
+    // The pipeline's idle share of an ideal step, (p − 1)/(m + p − 1) (lecture 15).
+    const int stages = p.config.grid.pp, m = p.config.micro_batches;
+    std::snprintf(line, sizeof line, "  %-16s %12s %12s %12s %12s %12s %12s %7.0f%%\n", name.c_str(),
+                  size_of(static_cast<double>(peak_memory(p))).c_str(), size_of(wire_per_step(p, "dp")).c_str(),
+                  size_of(wire_per_step(p, "tp")).c_str(), size_of(wire_per_step(p, "pp")).c_str(),
+                  size_of(wire_per_step(p, "ep")).c_str(), size_of(wire_per_step(p)).c_str(),
+                  100.0 * (stages - 1) / (m + stages - 1));
+    os << line;
+  }
+  os << "  (dp+ep groups count under both dp and ep; all: the busiest stage's sum, the world's included;\n"
+        "  dp's all-reduces hide under backward, tp's do not; bubble: the pipeline's idle share of a step)\n";
+  return os.str();
+}
+
 PlannedTraffic sent_bytes(const dist::TrafficTable& counts) {
   PlannedTraffic sent;
   for (const auto& [group, ops] : counts)

@@ -79,6 +79,19 @@ double wire_bytes(const std::string& op, std::uint64_t bytes, int n);
 // The plan as the tables k2c_capstone --plan prints.
 std::string describe(const GridPlan& plan);
 
+// Every grid of `ranks` ranks that fits base's model and batch (dp × tp × pp × ep, ep only for a
+// mixture of experts; base's micro-batches and ZeRO stage kept where they fit, ZeRO only on
+// dp-only grids), each planned; ordered by the wire bytes of its busiest rank's step.
+std::vector<GridPlan> plan_grids(const CapstoneConfig& base, int ranks);
+
+// One line a grid: its busiest rank's memory (state + activations) and wire bytes a step, by axis.
+std::string describe_grids(const std::vector<GridPlan>& plans);
+
+// The busiest stage's memory (state + activations), and its wire bytes a step over the groups
+// whose label contains `axis` ("dp", "tp", "pp", "ep"; "" for all, "world" included).
+std::uint64_t peak_memory(const GridPlan& plan);
+double wire_per_step(const GridPlan& plan, const std::string& axis = "");
+
 // A CountingCommunicator's counts as the plan states them: what the rank sent, by group and
 // operation ("send" for point-to-point sends, blocking or in an exchange; receives, barriers and
 // zero-byte entries left out).

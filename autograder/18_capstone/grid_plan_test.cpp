@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -149,6 +150,23 @@ TEST_F(GridPlanTest, MatchesTheH200Peaks) {
     ++checked;
   }
   EXPECT_GE(checked, 4) << "the reference file's one-GPU capstone runs";
+}
+
+// Every grid of 4 ranks that fits the tiny MoE, and no other, least traffic first.
+TEST_F(GridPlanTest, ListsTheGridsThatFit) {
+  kc::CapstoneConfig config;
+  config.train = tiny_config(Model::moe);
+  const std::vector<kc::GridPlan> plans = kc::plan_grids(config, 4);
+  std::set<std::string> grids;
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    grids.insert(kc::grid_name(plans[i].config.grid));
+    if (i > 0) EXPECT_LE(kc::wire_per_step(plans[i - 1]), kc::wire_per_step(plans[i]));
+  }
+  // 2 layers: pp <= 2; 2 kv heads: tp <= 2; 4 experts: ep <= 4.
+  EXPECT_EQ(grids, (std::set<std::string>{"dp4", "dp2,tp2", "dp2,pp2", "dp2,ep2", "tp2,pp2", "tp2,ep2", "pp2,ep2",
+                                          "ep4"}));
+  config.train = tiny_config(Model::dense);
+  for (const kc::GridPlan& p : kc::plan_grids(config, 4)) EXPECT_EQ(p.config.grid.ep, 1) << "ep without experts";
 }
 
 // The plan refuses what GridTrainer refuses for its sizes, without ranks.

@@ -39,6 +39,14 @@ for want in "grid dp2,tp2,pp2 on 8 ranks" "training state of one rank" "  1     
 done
 grep -q "^step" <<<"$out" && fail "'--plan' trained: $out"
 echo "ok: --plan prints the stages' state and traffic without training"
+out=$("$prog" --plan-ranks 4 --config tiny-moe 2>&1); rc=$?
+[ $rc = 0 ] || fail "'--plan-ranks 4' exited $rc: $out"
+for want in "grids of 4 ranks" "  dp4 " "  dp2,tp2 " "  ep4 " "  tp2,pp2 " "bubble"; do
+  grep -qF -- "$want" <<<"$out" || fail "'--plan-ranks 4' did not list '$want': $out"
+done
+grep -qF "  tp4 " <<<"$out" && fail "'--plan-ranks 4' listed tp4, which 2 kv heads cannot take: $out"
+refused "--plan-ranks: a whole number from 1 to 65536" --plan-ranks 0
+echo "ok: --plan-ranks lists the grids that fit"
 # A grid that the ranks cannot hold is found on every rank: status 2, the reason said once.
 out=$(timeout 120 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp3 --samples 0 2>&1); rc=$?
 [ $rc = 2 ] || fail "'--grid dp3' on 2 ranks exited $rc, not 2: $out"
