@@ -52,7 +52,8 @@
 // rank would hold (parameters, gradients, AdamW state) and send in one step, group by group
 // (grid_plan.h), and refuses with status 2 what the trainer would refuse for its sizes.
 // --plan-ranks N prints every grid of N ranks that fits, one line each (the busiest rank's memory
-// and wire bytes a step, by axis), the least traffic first.
+// and wire bytes a step, by axis), the least traffic first. With --json FILE either writes its
+// plans as JSON, which tools/plot_grids.py draws.
 //
 // Exit status: 0 after training, 2 for bad arguments (a grid that does not fit the ranks or the
 // model included), 1 otherwise.
@@ -222,11 +223,21 @@ std::uint32_t data_vocab_of(const std::string& folder) { return km::read_shard(k
 int plan(const Options& o) {
   try {
     const kc::CapstoneConfig config = make_config(o, o.data.empty() ? 0 : data_vocab_of(o.data));
-    if (o.plan_ranks > 0) std::cout << kc::describe_grids(kc::plan_grids(config, o.plan_ranks));
-    else std::cout << kc::describe(kc::plan_grid(config));
+    const std::vector<kc::GridPlan> plans =
+        o.plan_ranks > 0 ? kc::plan_grids(config, o.plan_ranks) : std::vector<kc::GridPlan>{kc::plan_grid(config)};
+    std::cout << (o.plan_ranks > 0 ? kc::describe_grids(plans) : kc::describe(plans.front()));
+    if (!o.json.empty()) {
+      std::ofstream j(o.json);
+      j << kc::plans_json(plans);
+      if (!j) throw std::runtime_error("cannot write " + o.json);
+      std::cout << "plan: " << o.json << "  (plot: python3 tools/plot_grids.py " << o.json << ")\n";
+    }
   } catch (const std::invalid_argument& e) {
     std::cerr << "k2c_capstone: " << e.what() << "\n";
     return 2;
+  } catch (const std::exception& e) {  // a data folder or an output file that cannot be read or written
+    std::cerr << "k2c_capstone: " << e.what() << "\n";
+    return 1;
   }
   return 0;
 }

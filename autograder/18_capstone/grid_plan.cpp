@@ -6,6 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <nlohmann/json.hpp>
+
 #include "k2c/dist/grid.h"
 #include "k2c/model/transformer.h"
 
@@ -357,6 +359,46 @@ double wire_per_step(const GridPlan& plan, const std::string& axis) {
   return most;
 }
 
+// The pipeline's idle share of an ideal step, (p − 1)/(m + p − 1) (lecture 15).
+double bubble(const GridPlan& plan) {
+  const int p = plan.config.grid.pp, m = plan.config.micro_batches;
+  return static_cast<double>(p - 1) / (m + p - 1);
+}
+
+std::string plans_json(const std::vector<GridPlan>& plans) {
+  nlohmann::json grids = nlohmann::json::array();
+  for (const GridPlan& p : plans) {
+    const CapstoneConfig& c = p.config;
+    nlohmann::json stages = nlohmann::json::array();
+    for (const StagePlan& s : p.stages) {
+      nlohmann::json traffic = nlohmann::json::object(), estimated = nlohmann::json::array();
+      for (const auto& [group, ops] : s.traffic)
+        for (const auto& [op, bytes] : ops) traffic[group + " " + op] = bytes;
+      for (const auto& [group, op] : s.estimated) estimated.push_back(group + " " + op);
+      stages.push_back({{"stage", s.stage}, {"blocks", {s.first_block, s.last_block}}, {"values", s.values},
+                        {"param_bytes", s.param_bytes}, {"grad_bytes", s.grad_bytes},
+                        {"optimizer_bytes", s.optimizer_bytes}, {"activation_bytes", s.activation_bytes},
+                        {"traffic", traffic}, {"estimated", estimated}});
+    }
+    nlohmann::json wire = nlohmann::json::object();
+    for (const char* axis : {"dp", "tp", "pp", "ep"}) wire[axis] = wire_per_step(p, axis);
+    wire["all"] = wire_per_step(p);
+    grids.push_back({{"grid", grid_name(c.grid)}, {"ranks", c.grid.total()}, {"zero_stage", c.zero_stage},
+                     {"micro_batches", c.micro_batches}, {"tokens_per_micro_batch", p.tokens_per_micro_batch},
+                     {"memory_bytes", peak_memory(p)}, {"wire_bytes", wire}, {"bubble", bubble(p)},
+                     {"stages", stages}});
+  }
+  nlohmann::json out = {{"grids", grids}};
+  if (!plans.empty()) {
+    const CapstoneConfig& c = plans.front().config;
+    out["model"] = c.train.model.describe();
+    out["batch"] = c.train.batch;
+    out["seq_len"] = c.train.model.seq_len;
+    out["activations"] = c.train.activations == km::DType::bf16 ? "bf16" : "f32";
+  }
+  return out.dump(2) + "\n";
+}
+
 std::vector<GridPlan> plan_grids(const CapstoneConfig& base, int ranks) {
   std::vector<GridPlan> plans;
   const bool moe = base.train.model.experts > 0;
@@ -367,6 +409,9 @@ std::vector<GridPlan> plan_grids(const CapstoneConfig& base, int ranks) {
         CapstoneConfig c = base;
         c.grid = {.dp = ranks / (tp * pp * ep), .pp = pp, .ep = ep, .cp = 1, .tp = tp};
         if (c.grid.dp != ranks) c.zero_stage = 0;  // ZeRO only where the grid is dp alone
+        // base's micro-batches, or as many as a data rank's rows split into (ZeRO takes one).
+        const int rows = c.train.batch % (c.grid.dp * ep) ? 0 : c.train.batch / (c.grid.dp * ep);
+        while (c.micro_batches > 1 && (rows % c.micro_batches || c.zero_stage > 0)) --c.micro_batches;
         try {
           plans.push_back(plan_grid(c));
         } catch (const std::invalid_argument&) {  // does not fit: left out
@@ -383,22 +428,20 @@ std::string describe_grids(const std::vector<GridPlan>& plans) {
   if (plans.empty()) return "no grid of these ranks fits this model and batch\n";
   const CapstoneConfig& c = plans.front().config;
   os << "grids of " << c.grid.total() << " ranks for " << c.train.model.describe() << ", batch " << c.train.batch
-     << " x " << c.train.model.seq_len << ", " << c.micro_batches << " micro-batch"
-     << (c.micro_batches == 1 ? "" : "es") << " where pp > 1\n";
+     << " x " << c.train.model.seq_len << "; m: micro-batches a step (" << c.micro_batches
+     << " asked, fewer where a data rank's rows do not split into them)\n";
   os << "the busiest rank of each: memory (state + activations~) and wire bytes a step, by axis:\n";
-  std::snprintf(line, sizeof line, "  %-16s %12s %12s %12s %12s %12s %12s %8s\n", "grid", "memory", "dp", "tp", "pp",
-                "ep", "all", "bubble");
+  std::snprintf(line, sizeof line, "  %-16s %3s %12s %12s %12s %12s %12s %12s %8s\n", "grid", "m", "memory", "dp", "tp",
+                "pp", "ep", "all", "bubble");
   os << line;
   for (const GridPlan& p : plans) {
     std::string name = grid_name(p.config.grid);
     if (p.config.zero_stage > 0) name += " zero" + std::to_string(p.config.zero_stage);
-    // The pipeline's idle share of an ideal step, (p − 1)/(m + p − 1) (lecture 15).
-    const int stages = p.config.grid.pp, m = p.config.micro_batches;
-    std::snprintf(line, sizeof line, "  %-16s %12s %12s %12s %12s %12s %12s %7.0f%%\n", name.c_str(),
+    std::snprintf(line, sizeof line, "  %-16s %3d %12s %12s %12s %12s %12s %12s %7.0f%%\n", name.c_str(),
+                  p.config.micro_batches,
                   size_of(static_cast<double>(peak_memory(p))).c_str(), size_of(wire_per_step(p, "dp")).c_str(),
                   size_of(wire_per_step(p, "tp")).c_str(), size_of(wire_per_step(p, "pp")).c_str(),
-                  size_of(wire_per_step(p, "ep")).c_str(), size_of(wire_per_step(p)).c_str(),
-                  100.0 * (stages - 1) / (m + stages - 1));
+                  size_of(wire_per_step(p, "ep")).c_str(), size_of(wire_per_step(p)).c_str(), 100.0 * bubble(p));
     os << line;
   }
   os << "  (dp+ep groups count under both dp and ep; all: the busiest stage's sum, the world's included;\n"

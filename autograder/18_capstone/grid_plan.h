@@ -87,6 +87,10 @@ std::vector<GridPlan> plan_grids(const CapstoneConfig& base, int ranks);
 // One line a grid: its busiest rank's memory (state + activations) and wire bytes a step, by axis.
 std::string describe_grids(const std::vector<GridPlan>& plans);
 
+// The plans as JSON (k2c_capstone --plan --json FILE; tools/plot_grids.py draws them): per grid its
+// memory, wire bytes by axis, bubble, and each stage's figures and traffic ("group operation").
+std::string plans_json(const std::vector<GridPlan>& plans);
+
 // The busiest stage's memory (state + activations), and its wire bytes a step over the groups
 // whose label contains `axis` ("dp", "tp", "pp", "ep"; "" for all, "world" included).
 std::uint64_t peak_memory(const GridPlan& plan);

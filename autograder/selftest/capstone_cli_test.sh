@@ -46,6 +46,21 @@ for want in "grids of 4 ranks" "  dp4 " "  dp2,tp2 " "  ep4 " "  tp2,pp2 " "bubb
 done
 grep -qF "  tp4 " <<<"$out" && fail "'--plan-ranks 4' listed tp4, which 2 kv heads cannot take: $out"
 refused "--plan-ranks: a whole number from 1 to 65536" --plan-ranks 0
+"$prog" --plan-ranks 4 --config tiny-moe --json "$work/grids.json" > /dev/null 2>&1 || fail "'--plan-ranks --json' exited $?"
+python3 - "$work/grids.json" <<'PY' || fail "the plan's JSON"
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert len(p["grids"]) == 8 and p["batch"] == 8, p
+for g in p["grids"]:
+    assert g["ranks"] == 4 and g["memory_bytes"] > 0 and g["wire_bytes"]["all"] > 0, g
+    assert len(g["stages"]) == int(g["grid"].split("pp")[1][0]) if "pp" in g["grid"] else len(g["stages"]) == 1, g
+PY
+# The figure, where a Python with matplotlib is at hand (the Makefile's bench target looks the same way).
+py=python3; $py -c "import matplotlib" 2>/dev/null || { [ -x /usr/bin/python3 ] && py=/usr/bin/python3; }
+if $py -c "import matplotlib" 2>/dev/null; then
+  $py "$(dirname "$0")/../../tools/plot_grids.py" "$work/grids.json" --memory-gib 1 --png "$work/grids.png" > /dev/null \
+    && [ -s "$work/grids.png" ] || fail "tools/plot_grids.py did not draw the plan"
+fi
 echo "ok: --plan-ranks lists the grids that fit"
 # A grid that the ranks cannot hold is found on every rank: status 2, the reason said once.
 out=$(timeout 120 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp3 --samples 0 2>&1); rc=$?
