@@ -32,9 +32,10 @@ declare -A FLAGS=(
   ["moe-135m bf16"]="--config moe-135m --steps 30 --kernels trusted --activations bf16"
   ["moe-135m course bf16"]="--config moe-135m --steps 30 --kernels course --activations bf16"
   # Data parallel over two GPUs, each rank the one-GPU run's 16 sequences (--batch is the global
-  # batch): tokens/s over the grid-1 entry of the same mode is data parallelism's scaling.
-  ["dense-135m course bf16 dp2"]="--grid dp2 --batch 32 --config dense-135m --steps 10 --kernels course --activations bf16"
-  ["moe-135m course bf16 dp2"]="--grid dp2 --batch 32 --config moe-135m --steps 30 --kernels course --activations bf16"
+  # batch): tokens/s over the grid-1 entry of the same mode is data parallelism's scaling. With
+  # --traffic, NCCL's last step is counted beside the plan (traffic_sent, traffic_planned).
+  ["dense-135m course bf16 dp2"]="--grid dp2 --batch 32 --config dense-135m --steps 10 --kernels course --activations bf16 --traffic"
+  ["moe-135m course bf16 dp2"]="--grid dp2 --batch 32 --config moe-135m --steps 30 --kernels course --activations bf16 --traffic"
 )
 ORDER=("dense-135m f32 same day" "dense-135m bf16" "dense-135m course f32 same day" "dense-135m course bf16"
        "moe-135m bf16" "moe-135m course bf16")
