@@ -7,9 +7,10 @@
 The JSON is k2c_capstone's plan (autograder/18_capstone/grid_plan.h). One row per grid, in the
 plan's order (the least traffic first). Left, the busiest rank's memory: training state, and on
 top the estimated peak of its activations; --memory-gib draws a GPU's memory as a line, and the
-grids past it do not fit. Right, the wire bytes that rank sends in one step, by axis: dp's
-gradient all-reduces hide under backward (hatched), tp's all-reduces, pp's messages and ep's
-exchanges sit on the path of every token. A pipeline's row gives its bubble.
+grids past it do not fit. Right, the wire bytes it sends in one step, by purpose: the gradients'
+reductions (hatched: data parallelism's can hide under backward), then tp's all-reduces, pp's
+messages and ep's exchanges, which sit on the path of every token. A pipeline's row gives its
+bubble. Each figure is its grid's busiest stage's.
 """
 import argparse
 import json
@@ -37,8 +38,8 @@ def main() -> int:
                 name += f", m {g['micro_batches']}"
             if g["bubble"] > 0:
                 name += f"  (bubble {100 * g['bubble']:.0f} %)"
-            rows.append((name, state, busiest["activation_bytes"] / gib, {a: g["wire_bytes"][a] / gib
-                                                                         for a in ("dp", "tp", "pp", "ep")}))
+            rows.append((name, state, busiest["activation_bytes"] / gib,
+                         {a: g["wire_bytes"][a] / gib for a in ("gradients", "tp", "pp", "ep")}))
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"plot_grids.py: not a plan written by k2c_capstone --plan --json: {e}", file=sys.stderr)
         return 1
@@ -73,8 +74,8 @@ def main() -> int:
         widths = [r[3][axis] for r in rows]
         net.barh(ys, widths, left=left, color=color, label=f"{what} (on every token's path)")
         left = [a + b for a, b in zip(left, widths)]
-    net.barh(ys, [r[3]["dp"] for r in rows], left=left, color="tab:gray", hatch="//", alpha=0.6,
-             label="dp (under backward)")
+    net.barh(ys, [r[3]["gradients"] for r in rows], left=left, color="tab:gray", hatch="//", alpha=0.6,
+             label="gradients (dp: under backward)")
     net.set_xlabel("GiB a step on the busiest rank's links")
     net.legend(fontsize=8, loc="upper right")
     for ax in (mem, net):

@@ -58,6 +58,7 @@
 // Exit status: 0 after training, 2 for bad arguments (a grid that does not fit the ranks or the
 // model included), 1 otherwise.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -137,7 +138,7 @@ Options parse(int argc, char** argv) {
       try {
         std::size_t used = 0;
         const double d = std::stod(v, &used);
-        if (used == v.size()) return d;
+        if (used == v.size() && std::isfinite(d)) return d;
       } catch (...) {
       }
       throw UsageError(a + ": '" + v + "' is not a number");
@@ -210,8 +211,7 @@ kc::CapstoneConfig make_config(const Options& o, std::uint32_t data_vocab) {
   config.one_f_one_b = !o.gpipe;
   config.zero_stage = o.zero;
   if (data_vocab > static_cast<std::uint32_t>(c.model.vocab)) c.model.vocab = static_cast<int>(data_vocab);
-  const int tp = config.grid.tp;
-  c.model.vocab = (c.model.vocab + tp - 1) / tp * tp;
+  kc::round_vocab_to_tp(config);
   return config;
 }
 

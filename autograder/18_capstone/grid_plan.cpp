@@ -18,15 +18,15 @@ using dist::Axis;
 
 namespace {
 
-// The label k2c/dist/grid.h's group_label gives the group along `axes`: those with more than one
-// rank, joined in Axis order, or "self".
+// What the wire bytes are for (StagePlan::wire), in the tables' order.
+constexpr const char* kPurposes[] = {"gradients", "tp", "pp", "ep", "loss"};
+
+// The label of the group along `axes` (k2c/dist/grid.h's axes_label: the axes with more than one
+// rank, or "self"), as a CountingCommunicator named by group_label records it.
 std::string label_of(const dist::GridShape& g, std::initializer_list<Axis> axes) {
-  std::string label;
-  for (int a = 0; a < 5; ++a)
-    for (Axis x : axes)
-      if (static_cast<int>(x) == a && g.extent(x) > 1)
-        label += (label.empty() ? "" : "+") + dist::to_string(x);
-  return label.empty() ? "self" : label;
+  unsigned mask = 0;
+  for (Axis a : axes) mask |= 1u << static_cast<int>(a);
+  return dist::axes_label(g, mask);
 }
 
 // Ranks in the group a label names.
@@ -46,6 +46,15 @@ std::string size_of(double bytes) {
   char text[32];
   std::snprintf(text, sizeof text, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
   return text;
+}
+
+// Adds `bytes` of `op` on the group `label` to a stage's traffic (nothing for 0 bytes), and what
+// they put on the rank's links to the wire bytes of `purpose`.
+void add_traffic(StagePlan& s, const dist::GridShape& g, const std::string& label, const std::string& op,
+                 std::uint64_t bytes, const std::string& purpose) {
+  if (bytes == 0) return;
+  s.traffic[label][op] += bytes;
+  s.wire[purpose] += wire_bytes(op, bytes, ranks_of(g, label));
 }
 
 bool has(const std::string& name, const char* part) { return name.find(part) != std::string::npos; }
@@ -76,15 +85,20 @@ void check(const CapstoneConfig& c) {
   const dist::GridShape& g = c.grid;
   const km::ModelConfig& m = c.train.model;
   m.check();
-  const int D = g.dp * g.ep;
   const std::string grid = grid_name(g);
-  refuse(g.cp != 1, "cp is not part of the capstone's grid");
-  refuse(c.micro_batches < 1 || c.train.batch % (D * c.micro_batches) != 0,
+  refuse(g.dp < 1 || g.tp < 1 || g.pp < 1 || g.ep < 1 || g.cp != 1, "grid " + grid + ": every axis >= 1, and no cp");
+  const std::int64_t ranks = std::int64_t{g.dp} * g.tp * g.pp * g.ep, D = std::int64_t{g.dp} * g.ep;
+  refuse(ranks > kMaxPlanRanks, "grid " + grid + " has " + std::to_string(ranks) + " ranks; the plan takes at most " +
+                                    std::to_string(kMaxPlanRanks));
+  refuse(c.train.batch < 1 || c.micro_batches < 1 || c.train.batch % (D * c.micro_batches) != 0,
          "batch " + std::to_string(c.train.batch) + " must split into " + std::to_string(D) + " data ranks x " +
              std::to_string(c.micro_batches) + " micro-batches");
+  refuse(c.train.activations != km::DType::f32 && c.train.activations != km::DType::bf16,
+         "activations are f32 or bf16, not " + km::to_string(c.train.activations));
   refuse(g.ep > 1 && m.experts == 0, "ep " + std::to_string(g.ep) + " needs a mixture of experts");
   refuse(g.ep > 1 && m.experts % g.ep != 0,
          std::to_string(m.experts) + " experts do not split over ep " + std::to_string(g.ep));
+  refuse((g.tp > 1 || g.ep > 1) && c.train.dropout > 0, "dropout needs tp = ep = 1 (grid " + grid + ")");
   refuse(g.pp > m.n_layers, std::to_string(g.pp) + " stages for " + std::to_string(m.n_layers) + " blocks");
   refuse(m.q_heads % g.tp || m.kv_heads % g.tp || m.d_ff % g.tp || m.vocab % g.tp,
          "tp " + std::to_string(g.tp) + " must divide the heads (" + std::to_string(m.q_heads) + ", " +
@@ -100,36 +114,44 @@ void check(const CapstoneConfig& c) {
 // multiple of the dp ranks; rank 0's shard is the first block of each. Stages 2 and 3 keep, beside
 // the shard, room for two units (the contract's bound: one filling while one is reduced, or one
 // running while the next is gathered), which the reference keeps allocated between steps at the
-// largest unit's size.
+// largest unit's size; with a tied head, a third gradient bucket (below).
 void plan_zero(const CapstoneConfig& c, const km::ParamList& whole, const km::Transformer& model, StagePlan& s) {
   const int n = c.grid.dp;
-  const std::string dp = label_of(c.grid, {Axis::dp});
-  std::uint64_t all = 0, padded = 0, shard = 0, real = 0, largest = 0, last_unit = 0;
-  for (int l = 0; l < model.layer_count(); ++l) {
+  const int layers = model.layer_count();
+  std::vector<std::uint64_t> padded_unit(static_cast<std::size_t>(layers), 0);  // n·B, 0 for a layer of none
+  std::uint64_t all = 0, padded = 0, shard = 0, real = 0, largest = 0;
+  for (int l = 0; l < layers; ++l) {
     const km::Transformer::LayerParams p = model.layer_params(l);
     std::uint64_t S = 0;
     for (km::ParamId id = p.first; id < p.last; ++id) S += static_cast<std::uint64_t>(whole.info(id).shape.numel());
     if (S == 0) continue;
     const std::uint64_t B = dist::block_of(S, n, 0).size;
+    padded_unit[static_cast<std::size_t>(l)] = n * B;
     all += S;
     padded += n * B;
     shard += B;
     real += std::min(B, S);
     largest = std::max(largest, n * B);
-    if (l == model.layer_count() - 1) last_unit = n * B;
   }
-  const std::uint64_t working = shard + 2 * largest;  // a stage's own shard and its two units
-  const std::uint64_t values = c.zero_stage == 3 ? working : all;
+  // Stage 3 gathers the units each layer uses (a tied head the embedding's) before its forward,
+  // and again before its backward, but for the last layer's, kept from one to the other.
+  std::uint64_t gathered = 0;
+  for (int l = 0; l < layers; ++l)
+    for (int u : model.layer_uses(l)) gathered += (l == layers - 1 ? 1 : 2) * padded_unit[static_cast<std::size_t>(u)];
+  // The rank's shard and its two units' room; a tied head's gradient bucket, filled first by the
+  // head and last by the embedding, stays for the whole backward: a third.
+  const std::uint64_t values = c.zero_stage == 3 ? shard + 2 * largest : all;
+  const std::uint64_t grads = c.zero_stage == 1 ? all : shard + (c.train.model.tied_head ? 3 : 2) * largest;
   s.values = static_cast<std::int64_t>(values);
   s.trainable = static_cast<std::int64_t>(real);
   s.param_bytes = 4 * values;
-  s.grad_bytes = 4 * (c.zero_stage == 1 ? all : working);
+  s.grad_bytes = 4 * grads;
   s.optimizer_bytes = 8 * real;
-  if (n > 1) {
-    s.traffic[dp]["reduce_scatter"] = 4 * padded;
-    s.traffic[dp]["all_gather"] = 4 * (c.zero_stage == 3 ? 2 * padded - last_unit : padded);
-    if (c.train.clip > 0) s.traffic[dp]["all_reduce"] = 8;
-  }
+  // On one rank too: Zero calls its collectives on a group of one (counted, moving nothing).
+  const std::string dp = label_of(c.grid, {Axis::dp});
+  add_traffic(s, c.grid, dp, "reduce_scatter", 4 * padded, "gradients");
+  add_traffic(s, c.grid, dp, "all_gather", 4 * (c.zero_stage == 3 ? gathered : padded), "gradients");
+  if (c.train.clip > 0) add_traffic(s, c.grid, dp, "all_reduce", 8, "loss");
 }
 
 // The activations' peak on one rank of a stage, in bytes: an estimate of what the ledger's
@@ -170,10 +192,14 @@ std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::
   } else if (tensor) {  // 14's block
     block_saved = N * (24 * d + 8) + attn_saved + N * 3 * F / t * 4;
     block_grads = N * 8 * d + std::max(attn_grads, N * 3 * F / t * 4);
-  } else {  // the library's block
-    const double branch = moe ? 4 : a;  // the MoE's input and output stay fp32
-    block_saved = N * (2 * a * d + 2 * branch * d + 8 * d + 8) + attn_saved + (moe ? moe_saved : N * 3 * F * a);
-    block_grads = N * (4 * d + branch * d) + std::max(attn_grads, moe ? R * (3 * 4 * de + 3 * 4 * d) : N * 3 * F * a);
+  } else {  // the library's block (k2c/model/block.h)
+    // The MoE's input and output stay fp32, and with dropout both branches' outputs do; dropout's
+    // backward adds a mask's worth of gradient.
+    const bool dropout = c.train.dropout > 0;
+    const double n2 = moe ? 4 : a, attn_out = dropout ? 4 : a, mlp_out = moe || dropout ? 4 : a;
+    block_saved = N * ((a + n2 + attn_out + mlp_out) * d + 8 * d + 8) + attn_saved + (moe ? moe_saved : N * 3 * F * a);
+    block_grads = N * (4 * d + n2 * d + (dropout ? 4 * d : 0)) +
+                  std::max(attn_grads, moe ? R * (3 * 4 * de + 3 * 4 * d) : N * 3 * F * a);
   }
   const double head_b = tensor ? 4 : a, Vr = V / t;
   double saved = blocks * block_saved + 4.0 * m.seq_len;  // and the positions (i32)
@@ -202,6 +228,11 @@ km::ModelConfig capstone_preset(const std::string& name) {
   return m;
 }
 
+void round_vocab_to_tp(CapstoneConfig& c) {
+  const int tp = std::max(1, c.grid.tp);
+  c.train.model.vocab = (c.train.model.vocab + tp - 1) / tp * tp;
+}
+
 GridPlan plan_grid(const CapstoneConfig& c) {
   check(c);
   const dist::GridShape& g = c.grid;
@@ -225,7 +256,8 @@ GridPlan plan_grid(const CapstoneConfig& c) {
     s.stage = stage;
     s.first_block = static_cast<int>(span.offset);
     s.last_block = static_cast<int>(span.offset + span.size);
-    if (g.total() > 1) s.traffic["world"]["all_reduce"] = c.zero_stage > 0 ? 8 : 16;  // the loss (and the norm)
+    // The loss over the world; without ZeRO the gradient norm too (ZeRO's is over dp, above).
+    if (g.total() > 1) add_traffic(s, g, "world", "all_reduce", c.zero_stage > 0 ? 8 : 16, "loss");
     s.activation_bytes = activation_peak(c, s, N);
     if (c.zero_stage > 0) {
       plan_zero(c, whole, model, s);
@@ -249,33 +281,37 @@ GridPlan plan_grid(const CapstoneConfig& c) {
     s.grad_bytes = 4 * static_cast<std::uint64_t>(s.trainable);
     s.optimizer_bytes = 8 * static_cast<std::uint64_t>(s.trainable);
 
-    // Gradients (once a step, after the last micro-batch).
+    // Gradients (once a step, after the last micro-batch): DataParallel's buckets over dp; under
+    // ep the dense ones over the data ranks (dp × ep) and the experts' over dp.
     if (g.ep > 1) {
-      s.traffic[label_of(g, {Axis::dp, Axis::ep})]["all_reduce"] += 4 * static_cast<std::uint64_t>(dense);
-      if (g.dp > 1) s.traffic[label_of(g, {Axis::dp})]["all_reduce"] += 4 * static_cast<std::uint64_t>(experts);
+      add_traffic(s, g, label_of(g, {Axis::dp, Axis::ep}), "all_reduce", 4 * static_cast<std::uint64_t>(dense),
+                  "gradients");
+      if (g.dp > 1) add_traffic(s, g, "dp", "all_reduce", 4 * static_cast<std::uint64_t>(experts), "gradients");
     } else if (g.dp > 1) {
-      s.traffic["dp"]["all_reduce"] += 4 * static_cast<std::uint64_t>(s.trainable);
+      add_traffic(s, g, "dp", "all_reduce", 4 * static_cast<std::uint64_t>(s.trainable), "gradients");
     }
     const std::uint64_t blocks = static_cast<std::uint64_t>(s.last_block - s.first_block);
-    // Tensor parallelism, per micro-batch: the embedding's rows, each block's g and f, the head's
-    // input gradient, and the cross-entropy's three reductions of one float a token.
+    // Tensor parallelism, per micro-batch: the embedding's rows, each block's g and f (one each
+    // way around a mixture of experts: only attention is 14's), the head's input gradient, and
+    // the cross-entropy's three reductions of one float a token.
     if (g.tp > 1) {
-      std::uint64_t& tp = s.traffic["tp"]["all_reduce"];
-      tp += mb * blocks * (moe ? 2 : 4) * act;
+      std::uint64_t tp = mb * blocks * (moe ? 2 : 4) * act;
       if (first) tp += mb * act;
       if (last) tp += mb * (act + 3 * 4 * static_cast<std::uint64_t>(N));
+      add_traffic(s, g, "tp", "all_reduce", tp, "tp");
     }
     // The pipeline: each micro-batch's activation forward, its gradient back.
-    if (g.pp > 1) s.traffic["pp"]["send"] = mb * ((last ? 0 : act) + (first ? 0 : act));
-    // Experts, per MoE layer and micro-batch (on a group of one rank under tp alone, where no row
-    // leaves).
+    if (g.pp > 1) add_traffic(s, g, "pp", "send", mb * ((last ? 0 : act) + (first ? 0 : act)), "pp");
+    // Experts, per MoE layer and micro-batch: the counts, the routing statistics, four exchanges
+    // of rows (on a group of one rank under tp alone, where no row leaves).
     if (expert_blocks) {
       const std::string ep = label_of(g, {Axis::ep});
       const std::uint64_t E = static_cast<std::uint64_t>(m.experts);
-      s.traffic[ep]["all_to_all"] += mb * blocks * 4 * E;
-      s.traffic[ep]["all_reduce"] += mb * blocks * 4 * (2 * E + 1);
+      add_traffic(s, g, ep, "all_to_all", mb * blocks * 4 * E, "ep");
+      add_traffic(s, g, ep, "all_reduce", mb * blocks * 4 * (2 * E + 1), "ep");
       const double away = static_cast<double>(N) * m.top_k * (g.ep - 1) / g.ep;
-      s.traffic[ep]["all_to_all_v"] += mb * blocks * 4 * static_cast<std::uint64_t>(4.0 * m.d_model * away + 0.5);
+      add_traffic(s, g, ep, "all_to_all_v", mb * blocks * 4 * static_cast<std::uint64_t>(4.0 * m.d_model * away + 0.5),
+                  "ep");
       if (g.ep > 1) s.estimated.insert({ep, "all_to_all_v"});
     }
   }
@@ -296,15 +332,17 @@ std::string describe(const GridPlan& plan) {
   char line[256];
   os << "plan: " << m.describe() << "\n";
   std::snprintf(line, sizeof line,
-                "grid %s on %d ranks, batch %d x %d tokens, %d micro-batch%s: %lld tokens a micro-batch on each "
-                "data rank%s\n",
+                "grid %s on %d ranks, batch %d x %d tokens, %d micro-batch%s (%s), %s activations: %lld tokens a "
+                "micro-batch on each data rank%s\n",
                 grid_name(c.grid).c_str(), c.grid.total(), c.train.batch, m.seq_len, c.micro_batches,
-                c.micro_batches == 1 ? "" : "es", static_cast<long long>(plan.tokens_per_micro_batch),
+                c.micro_batches == 1 ? "" : "es", c.one_f_one_b ? "1F1B" : "GPipe",
+                c.train.activations == km::DType::bf16 ? "bf16" : "f32",
+                static_cast<long long>(plan.tokens_per_micro_batch),
                 c.zero_stage > 0 ? (", ZeRO stage " + std::to_string(c.zero_stage)).c_str() : "");
   os << line;
-  os << "training state of one rank (4 bytes an element; under ZeRO, dp rank 0's shard):\n";
+  os << "memory of one rank (parameters and gradients 4 bytes an element, AdamW 8; under ZeRO, dp rank 0's):\n";
   std::snprintf(line, sizeof line, "  %-6s %-8s %14s %12s %12s %12s %12s %14s\n", "stage", "blocks", "elements",
-                "values", "gradients", "AdamW", "state", "activations~");
+                "params", "gradients", "AdamW", "state", "activations~");
   os << line;
   for (const StagePlan& s : plan.stages) {
     const std::string blocks = std::to_string(s.first_block) + "-" + std::to_string(s.last_block - 1);
@@ -314,6 +352,7 @@ std::string describe(const GridPlan& plan) {
                   size_of(s.activation_bytes).c_str());
     os << line;
   }
+  os << "  activations~: their peak in a step, estimated from what each layer keeps for backward\n";
   os << "traffic of one rank in one step (quoted: as k2c/dist/counting.h counts; wire: what leaves the rank):\n";
   std::snprintf(line, sizeof line, "  %-6s %-8s %-6s %-15s %13s %12s\n", "stage", "group", "ranks", "operation",
                 "quoted", "wire");
@@ -332,12 +371,11 @@ std::string describe(const GridPlan& plan) {
                       size_of(wire_bytes(op, bytes, n)).c_str());
         os << line;
       }
-    std::snprintf(line, sizeof line, "  %-6d %-8s %-6s %-15s %13s %12s\n", s.stage, "all", "", "", "",
+    std::snprintf(line, sizeof line, "  %-6d %-8s %-6s %-15s %13s %12s\n", s.stage, "(total)", "", "", "",
                   size_of(wire).c_str());
     os << line;
   }
   if (estimates) os << "  ~ rows to other ranks as if the router spread the tokens evenly\n";
-  os << "  activations~: their peak in a step, estimated from what each layer keeps for backward\n";
   return os.str();
 }
 
@@ -347,19 +385,17 @@ std::uint64_t peak_memory(const GridPlan& plan) {
   return most;
 }
 
-double wire_per_step(const GridPlan& plan, const std::string& axis) {
+double wire_per_step(const GridPlan& plan, const std::string& purpose) {
   double most = 0;
   for (const StagePlan& s : plan.stages) {
     double sum = 0;
-    for (const auto& [group, ops] : s.traffic)
-      if (axis.empty() || group.find(axis) != std::string::npos)
-        for (const auto& [op, bytes] : ops) sum += wire_bytes(op, bytes, ranks_of(plan.config.grid, group));
+    for (const auto& [what, bytes] : s.wire)
+      if (purpose.empty() || what == purpose) sum += bytes;
     most = std::max(most, sum);
   }
   return most;
 }
 
-// The pipeline's idle share of an ideal step, (p − 1)/(m + p − 1) (lecture 15).
 double bubble(const GridPlan& plan) {
   const int p = plan.config.grid.pp, m = plan.config.micro_batches;
   return static_cast<double>(p - 1) / (m + p - 1);
@@ -381,7 +417,7 @@ std::string plans_json(const std::vector<GridPlan>& plans) {
                         {"traffic", traffic}, {"estimated", estimated}});
     }
     nlohmann::json wire = nlohmann::json::object();
-    for (const char* axis : {"dp", "tp", "pp", "ep"}) wire[axis] = wire_per_step(p, axis);
+    for (const char* purpose : kPurposes) wire[purpose] = wire_per_step(p, purpose);
     wire["all"] = wire_per_step(p);
     grids.push_back({{"grid", grid_name(c.grid)}, {"ranks", c.grid.total()}, {"zero_stage", c.zero_stage},
                      {"micro_batches", c.micro_batches}, {"tokens_per_micro_batch", p.tokens_per_micro_batch},
@@ -409,6 +445,7 @@ std::vector<GridPlan> plan_grids(const CapstoneConfig& base, int ranks) {
         CapstoneConfig c = base;
         c.grid = {.dp = ranks / (tp * pp * ep), .pp = pp, .ep = ep, .cp = 1, .tp = tp};
         if (c.grid.dp != ranks) c.zero_stage = 0;  // ZeRO only where the grid is dp alone
+        round_vocab_to_tp(c);
         // base's micro-batches, or as many as a data rank's rows split into (ZeRO takes one).
         const int rows = c.train.batch % (c.grid.dp * ep) ? 0 : c.train.batch / (c.grid.dp * ep);
         while (c.micro_batches > 1 && (rows % c.micro_batches || c.zero_stage > 0)) --c.micro_batches;
@@ -428,24 +465,26 @@ std::string describe_grids(const std::vector<GridPlan>& plans) {
   if (plans.empty()) return "no grid of these ranks fits this model and batch\n";
   const CapstoneConfig& c = plans.front().config;
   os << "grids of " << c.grid.total() << " ranks for " << c.train.model.describe() << ", batch " << c.train.batch
-     << " x " << c.train.model.seq_len << "; m: micro-batches a step (" << c.micro_batches
-     << " asked, fewer where a data rank's rows do not split into them)\n";
-  os << "the busiest rank of each: memory (state + activations~) and wire bytes a step, by axis:\n";
-  std::snprintf(line, sizeof line, "  %-16s %3s %12s %12s %12s %12s %12s %12s %8s\n", "grid", "m", "memory", "dp", "tp",
-                "pp", "ep", "all", "bubble");
+     << " x " << c.train.model.seq_len << ", " << (c.train.activations == km::DType::bf16 ? "bf16" : "f32")
+     << " activations, " << (c.one_f_one_b ? "1F1B" : "GPipe") << "\n";
+  os << "m: micro-batches a step (as asked, fewer where a data rank's rows do not split into them); memory\n"
+        "(state + activations~) and wire bytes a step by purpose, each figure its busiest stage's:\n";
+  std::snprintf(line, sizeof line, "  %-16s %3s %11s %11s %11s %11s %11s %11s %7s\n", "grid", "m", "memory",
+                "gradients", "tp", "pp", "ep", "total", "bubble");
   os << line;
   for (const GridPlan& p : plans) {
     std::string name = grid_name(p.config.grid);
     if (p.config.zero_stage > 0) name += " zero" + std::to_string(p.config.zero_stage);
-    std::snprintf(line, sizeof line, "  %-16s %3d %12s %12s %12s %12s %12s %12s %7.0f%%\n", name.c_str(),
-                  p.config.micro_batches,
-                  size_of(static_cast<double>(peak_memory(p))).c_str(), size_of(wire_per_step(p, "dp")).c_str(),
-                  size_of(wire_per_step(p, "tp")).c_str(), size_of(wire_per_step(p, "pp")).c_str(),
-                  size_of(wire_per_step(p, "ep")).c_str(), size_of(wire_per_step(p)).c_str(), 100.0 * bubble(p));
+    std::snprintf(line, sizeof line, "  %-16s %3d %11s %11s %11s %11s %11s %11s %6.0f%%\n", name.c_str(),
+                  p.config.micro_batches, size_of(static_cast<double>(peak_memory(p))).c_str(),
+                  size_of(wire_per_step(p, "gradients")).c_str(), size_of(wire_per_step(p, "tp")).c_str(),
+                  size_of(wire_per_step(p, "pp")).c_str(), size_of(wire_per_step(p, "ep")).c_str(),
+                  size_of(wire_per_step(p)).c_str(), 100.0 * bubble(p));
     os << line;
   }
-  os << "  (dp+ep groups count under both dp and ep; all: the busiest stage's sum, the world's included;\n"
-        "  dp's all-reduces hide under backward, tp's do not; bubble: the pipeline's idle share of a step)\n";
+  os << "  gradients: DataParallel's all-reduces can hide under backward; under ep the gradients are\n"
+        "  reduced after it, and ZeRO gathers after its update. tp's, pp's and ep's bytes are on the path\n"
+        "  of every token; bubble: the pipeline's idle share of a step\n";
   return os.str();
 }
 

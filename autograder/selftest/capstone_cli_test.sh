@@ -33,7 +33,7 @@ refused "plan: tp 3 must divide the heads" --plan --grid tp3
 # --plan: one process, any grid, no training; the tables of grid_plan.h.
 out=$("$prog" --plan --grid dp2,tp2,pp2 --batch 8 --micro-batches 2 2>&1); rc=$?
 [ $rc = 0 ] || fail "'--plan' exited $rc: $out"
-for want in "grid dp2,tp2,pp2 on 8 ranks" "training state of one rank" "  1      1-1" "tp       2      all_reduce" \
+for want in "grid dp2,tp2,pp2 on 8 ranks" "memory of one rank" "  1      1-1" "tp       2      all_reduce" \
             "pp       2      send"; do
   grep -qF -- "$want" <<<"$out" || fail "'--plan' did not print '$want': $out"
 done

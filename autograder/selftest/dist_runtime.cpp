@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
@@ -623,18 +624,37 @@ void counting(kd::Communicator& w) {
   c.reset();
   const kd::GridCoords at = kd::grid_coords(shape, r);
   require(at == grid.coords(), "grid_coords is ProcessGrid's layout");
-  std::unique_ptr<kd::Communicator> pairs = c.split(r / 2, r);   // tp where tp = 2, else dp (one odd out)
-  std::unique_ptr<kd::Communicator> alone = c.split(r, 0);       // one rank each
-  std::unique_ptr<kd::Communicator> nested = pairs->split(0, 0);  // a split of a split
+  std::unique_ptr<kd::Communicator> pairs = c.split(r / 2, r);  // tp where tp = 2, else dp (one odd out)
+  std::unique_ptr<kd::Communicator> alone = c.split(r, 0);      // one rank each
+  // A split of a split, over the ranks of one parity: named by their world ranks, which differ
+  // along dp at 4 ranks ({1, 3}), where their ranks inside the parent ({0, 1}) would say tp.
+  std::unique_ptr<kd::Communicator> parity = c.split(r % 2, r);
+  std::unique_ptr<kd::Communicator> nested = parity->split(0, r);
   pairs->all_reduce(a.get(), a.get(), 2, DType::f32, ReduceOp::sum);
   alone->all_reduce(a.get(), a.get(), 3, DType::f32, ReduceOp::sum);
   nested->all_reduce(a.get(), a.get(), 4, DType::f32, ReduceOp::sum);
   c.synchronize();
-  const std::string pair = pairs->size() == 1 ? "self" : shape.tp == 2 ? "tp" : "dp";
-  require(c.counts().size() == (pair == "self" ? 1u : 2u), "only the groups' own calls counted:\n" + c.report());
-  require(c.count(pair, "all_reduce").bytes == (pair == "self" ? 8 + 12 + 16 : 8 + 16) &&
-              c.count("self", "all_reduce").bytes == (pair == "self" ? 8 + 12 + 16 : 12),
-          "groups named by their axes:\n" + c.report());
+  std::vector<int> pair_ranks, parity_ranks;
+  for (int q = 0; q < n; ++q) {
+    if (q / 2 == r / 2) pair_ranks.push_back(q);
+    if (q % 2 == r % 2) parity_ranks.push_back(q);
+  }
+  std::map<std::string, std::uint64_t> want;
+  want[kd::group_label(shape, pair_ranks)] += 8;
+  want["self"] += 12;
+  want[kd::group_label(shape, parity_ranks)] += 16;
+  std::map<std::string, std::uint64_t> got;
+  for (const auto& [label, ops] : c.counts())
+    for (const auto& [op, t] : ops) got[label] += op == "all_reduce" ? t.bytes : 1000000;  // nothing else counted
+  require(got == want, "groups named by their members' world ranks:\n" + c.report());
+  if (n == 4) require(kd::group_label(shape, parity_ranks) == "dp", "the nested group at 4 ranks is a dp group");
+  bool refused = false;
+  try {
+    dynamic_cast<kd::CountingCommunicator&>(*pairs).name_groups({});
+  } catch (const std::invalid_argument&) {
+    refused = true;
+  }
+  require(refused, "name_groups on a split is refused");
   require(kd::group_label({.dp = 2, .ep = 2, .tp = 2}, {0, 2, 4, 6}) == "dp+ep" &&
               kd::group_label({.dp = 2, .ep = 2, .tp = 2}, {3}) == "self",
           "group_label names the axes along which the members differ");

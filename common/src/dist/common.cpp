@@ -69,15 +69,22 @@ GridCoords grid_coords(const GridShape& shape, int world_rank) {
   return at;
 }
 
-std::string group_label(const GridShape& shape, const std::vector<int>& world_ranks) {
+std::string axes_label(const GridShape& shape, unsigned axes_mask) {
   std::string label;
-  for (int a = 0; a < 5; ++a) {
-    bool varies = false;
-    for (int r : world_ranks)
-      varies = varies || grid_coords(shape, r)[a] != grid_coords(shape, world_ranks.front())[a];
-    if (varies) label += (label.empty() ? "" : "+") + to_string(static_cast<Axis>(a));
-  }
+  for (int a = 0; a < 5; ++a)
+    if ((axes_mask & (1u << a)) && shape.extent(static_cast<Axis>(a)) > 1)
+      label += (label.empty() ? "" : "+") + to_string(static_cast<Axis>(a));
   return label.empty() ? "self" : label;
+}
+
+std::string group_label(const GridShape& shape, const std::vector<int>& world_ranks) {
+  unsigned varies = 0;
+  for (int r : world_ranks) {
+    const GridCoords at = grid_coords(shape, r), first = grid_coords(shape, world_ranks.front());
+    for (int a = 0; a < 5; ++a)
+      if (at[a] != first[a]) varies |= 1u << a;
+  }
+  return axes_label(shape, varies);
 }
 
 ProcessGrid::ProcessGrid(Communicator& world, GridShape shape) : world_(world), shape_(shape) {
@@ -169,7 +176,7 @@ CountingCommunicator::CountingCommunicator(std::unique_ptr<Communicator> inner, 
                                            std::shared_ptr<TrafficTable> ledger, std::shared_ptr<GroupNamer> namer,
                                            int world_rank)
     : owned_(std::move(inner)), inner_(*owned_), label_(std::move(label)), ledger_(std::move(ledger)),
-      namer_(std::move(namer)), world_rank_(world_rank) {}
+      namer_(std::move(namer)), world_rank_(world_rank), root_(false) {}
 
 std::unique_ptr<CountingCommunicator> CountingCommunicator::split(int color, int key, std::string label) {
   // The constructor that shares the ledger is private: make_unique cannot reach it.
@@ -194,7 +201,11 @@ std::unique_ptr<Communicator> CountingCommunicator::split(int color, int key) {
       new CountingCommunicator(std::move(group), (*namer_)(members), ledger_, namer_, world_rank_));
 }
 
-void CountingCommunicator::name_groups(GroupNamer namer) { *namer_ = std::move(namer); }
+void CountingCommunicator::name_groups(GroupNamer namer) {
+  // The namer is shared with every split: set on a split, it would rename its parent's groups too.
+  K2C_CHECK(root_, "CountingCommunicator::name_groups: call it on the world, not on a split ('" << label_ << "')");
+  *namer_ = std::move(namer);
+}
 
 void CountingCommunicator::record(const char* op, std::uint64_t bytes, bool started) {
   Traffic& t = (*ledger_)[label_][op];

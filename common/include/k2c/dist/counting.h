@@ -142,6 +142,7 @@ class CountingCommunicator final : public Communicator {
   std::shared_ptr<TrafficTable> ledger_;
   std::shared_ptr<GroupNamer> namer_;  // shared with every split; empty: "<label>/split"
   int world_rank_;                     // this process's rank in the first counting communicator
+  bool root_ = true;                   // made by a public constructor, not by split()
 };
 
 }  // namespace k2c::dist

@@ -33,9 +33,12 @@ using GridCoords = std::array<int, 5>;
 
 // World rank r's coordinates on a grid of this shape (the layout above).
 GridCoords grid_coords(const GridShape& shape, int world_rank);
-// The label ProcessGrid gives a group, from its members' world ranks: the axes along which their
-// coordinates differ, in Axis order ("dp+ep"), or "self" for a group of one rank. A namer for
-// CountingCommunicator::name_groups (k2c/dist/counting.h).
+// A group's label from the axes it spans (bit 1 << Axis): those with more than one rank, in Axis
+// order, joined by "+" ("dp+ep"), or "self" where none has. (ProcessGrid's own labels keep every
+// listed axis: its tp group is "tp" even where tp = 1.)
+std::string axes_label(const GridShape& shape, unsigned axes_mask);
+// The same label from a group's members' world ranks: the axes along which their coordinates
+// differ. A namer for CountingCommunicator::name_groups (k2c/dist/counting.h).
 std::string group_label(const GridShape& shape, const std::vector<int>& world_ranks);
 
 class ProcessGrid {
