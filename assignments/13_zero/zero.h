@@ -39,7 +39,9 @@
 // shard of the gradients by clip / norm before AdamW.
 // Memory (the ledger given to the constructor), beyond the shard:
 //   stage 2  gradients: at most two units' buckets at once (one being filled by backward while
-//            the one before it is reduced)
+//            the one before it is reduced); three with a tied head, whose unit (the embedding's)
+//            collects the head's gradient first and its own last, so its bucket lasts the whole
+//            backward
 //   stage 3  the same, and parameters: at most two units gathered at once (the running one and
 //            the one being prefetched; one without prefetch)
 // Optimizer state: exactly 8 bytes per element of the rank's real shard.
