@@ -5,9 +5,12 @@
 //           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
 //           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
 //           [--samples N] [--peak-tflops P] [--kernels course|trusted]
-//           [--activations f32|bf16] [--time-ops] [--traffic]
+//           [--activations f32|bf16] [--time-ops] [--traffic] [--bucket-mib X]
 //   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--batch B] [--micro-batches M] [--zero N]
 //   k2c_capstone --plan-ranks 8 [--config ...] [--batch B] [--micro-batches M] [--zero N]
+//
+// --bucket-mib X sizes DataParallel's buckets (module 12; 1 MiB by default): on a data-parallel
+// grid, how many all-reduces a step starts under backward.
 //
 // --zero N trains with module 13's ZeRO stage N instead of the capstone's own optimizer, on a
 // dp-only grid (capstone.h says what it refuses), clipping inside ZeRO's step; --checkpoint is
@@ -120,7 +123,7 @@ km::ModelConfig preset(const std::string& name) {
 struct Options {
   std::string grid = "1", data, config = "tiny", log, json, checkpoint, kernels = "course", activations = "f32";
   int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0, plan_ranks = 0;
-  double lr = 3e-3, clip = 1.0, peak_tflops = 0;
+  double lr = 3e-3, clip = 1.0, peak_tflops = 0, bucket_mib = 1;
   std::uint64_t seed = 1;
   bool resume = false, gpipe = false, time_ops = false, plan = false, traffic = false;
 };
@@ -160,6 +163,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--clip") o.clip = number();
     else if (a == "--zero") o.zero = static_cast<int>(number());
     else if (a == "--peak-tflops") o.peak_tflops = number();
+    else if (a == "--bucket-mib") o.bucket_mib = number();
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
     else if (a == "--resume") o.resume = true;
     else if (a == "--gpipe") o.gpipe = true;
@@ -184,6 +188,8 @@ Options parse(int argc, char** argv) {
                      ": module 13's Zero does not expose its optimizer shards; drop one of the two");
   if (o.steps < 1 || o.batch < 1 || o.micro_batches < 1)
     throw UsageError("--steps, --batch and --micro-batches must be at least 1");
+  if (o.bucket_mib < 1.0 / 1024 || o.bucket_mib > 4096)
+    throw UsageError("--bucket-mib: from 1/1024 (1 KiB) to 4096");
   // What can be checked before the ranks start is checked here, so that a typo ends the run once,
   // with status 2, instead of on every rank.
   preset(o.config);
@@ -210,6 +216,7 @@ kc::CapstoneConfig make_config(const Options& o, std::uint32_t data_vocab) {
   config.micro_batches = o.micro_batches;
   config.one_f_one_b = !o.gpipe;
   config.zero_stage = o.zero;
+  config.bucket_bytes = static_cast<std::size_t>(o.bucket_mib * 1048576.0);
   if (data_vocab > static_cast<std::uint32_t>(c.model.vocab)) c.model.vocab = static_cast<int>(data_vocab);
   kc::round_vocab_to_tp(config);
   return config;
@@ -426,7 +433,8 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     std::ofstream j(o.json);
     j << "{\n  \"grid\": \"" << kc::grid_name(config.grid) << "\", \"ranks\": " << world.size()
       << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches
-      << ", \"zero_stage\": " << o.zero << ", \"activations\": \"" << o.activations
+      << ", \"zero_stage\": " << o.zero << ", \"bucket_bytes\": " << config.bucket_bytes
+      << ", \"activations\": \"" << o.activations
       << "\",\n  \"kernels\": {";  // course mode's table, by operation
     if (course) {
       const auto rows = course->table();

@@ -29,6 +29,7 @@ refused "--config huge: one of tiny, tiny-moe, dense-135m, moe-135m" --config hu
 refused "unknown axis 'xy'" --grid xy2
 refused "--data $work/none: not a folder" --data "$work/none"
 refused "--steps, --batch and --micro-batches must be at least 1" --steps 0
+refused "--bucket-mib: from 1/1024 (1 KiB) to 4096" --bucket-mib 0
 refused "plan: tp 3 must divide the heads" --plan --grid tp3
 # --plan: one process, any grid, no training; the tables of grid_plan.h.
 out=$("$prog" --plan --grid dp2,tp2,pp2 --batch 8 --micro-batches 2 2>&1); rc=$?
@@ -69,7 +70,7 @@ out=$(timeout 120 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp3 --samples 0
 echo "ok: '--grid dp3' on 2 ranks refused once, status 2"
 
 run() { timeout 240 "$mpirun" -np 2 --oversubscribe "$prog" --grid dp2 --batch 4 --samples 0 "$@" > "$work/out.txt" 2>&1; }
-run --steps 4 --time-ops --traffic --json "$work/run.json" --log "$work/run.csv" --checkpoint "$work/ckpt" || fail "the dp2 run exited $?"
+run --steps 4 --time-ops --traffic --bucket-mib 0.125 --json "$work/run.json" --log "$work/run.csv" --checkpoint "$work/ckpt" || fail "the dp2 run exited $?"
 for line in "kernels: trusted (the CPU backend" "step     4/4" "where one more step's time went" "linear backward (dW, dX)" \
             "traffic of rank 0 in the last step, beside the plan"; do
   grep -qF "$line" "$work/out.txt" || fail "no '$line' in the output"
@@ -77,7 +78,7 @@ done
 python3 - "$work/run.json" <<'PY' || fail "the JSON summary"
 import json, sys
 r = json.load(open(sys.argv[1]))
-assert r["grid"] == "dp2" and r["ranks"] == 2, (r["grid"], r["ranks"])
+assert r["grid"] == "dp2" and r["ranks"] == 2 and r["bucket_bytes"] == 131072, (r["grid"], r["ranks"], r["bucket_bytes"])
 assert len(r["steps"]) == 4 and [s["step"] for s in r["steps"]] == [0, 1, 2, 3], r["steps"]
 assert r["kernels"] == {}, r["kernels"]  # no course kernels on the CPU backend
 assert r["ops_ms"].get("matmul fwd (a bT)", 0) > 0 and r["ops_ms"].get("attention backward", 0) > 0, r["ops_ms"]
