@@ -52,11 +52,11 @@
 // "traffic_planned"): where a capstone sends more than its modules' contracts say, it shows.
 //
 // --plan prints, without training and on one process whatever the grid, what each pipeline stage's
-// rank would hold (parameters, gradients, AdamW state) and send in one step, group by group
-// (grid_plan.h), and refuses with status 2 what the trainer would refuse for its sizes.
-// --plan-ranks N prints every grid of N ranks that fits, one line each (the busiest rank's memory
-// and wire bytes a step, by axis), the least traffic first. With --json FILE either writes its
-// plans as JSON, which tools/plot_grids.py draws.
+// rank would hold (parameters, gradients, AdamW state, the activations' estimated peak) and send in
+// one step, group by group (grid_plan.h), and refuses with status 2 what the trainer would refuse.
+// --plan-ranks N prints every grid of N ranks that fits, one line each (memory, wire bytes a step
+// by purpose, the bubble), the least traffic first. With --json FILE either writes its plans as
+// JSON, which tools/plot_grids.py draws.
 //
 // Exit status: 0 after training, 2 for bad arguments (a grid that does not fit the ranks or the
 // model included), 1 otherwise.
@@ -456,6 +456,7 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     for (const auto& [key, table] : {std::pair{"traffic_sent", sent},
                                      std::pair{"traffic_planned", planned ? planned->stages.front().traffic
                                                                           : kc::PlannedTraffic{}}}) {
+      if (!planned) break;
       j << "},\n  " << quoted(key) << ": {";
       bool first = true;
       for (const auto& [group, by_op] : table)
