@@ -9,7 +9,7 @@
 //   - every group's bytes of every operation exactly ("send" is what the rank sent point to point,
 //     blocking or in an exchange; what it received is left out), except the rows ep sends to
 //     other ranks, which follow the router: there the plan's even spread must be within a factor
-//     of two of what went (the tiny MoE's router at initialisation spreads within 25 %);
+//     of two of what went (in these cases it was within 12 %);
 //   - the estimate of the activations within 15 % of the ledger's peak over the two steps (it was
 //     within 14 % when this test was written, the MoE ranks furthest off: their rows follow the
 //     router).
