@@ -7,10 +7,11 @@
 The JSON is k2c_capstone's plan (autograder/18_capstone/grid_plan.h). One row per grid, in the
 plan's order (the least traffic first). Left, the busiest rank's memory: training state, and on
 top the estimated peak of its activations; --memory-gib draws a GPU's memory as a line, and the
-grids past it do not fit. Right, the wire bytes it sends in one step, by purpose: the gradients'
-reductions (hatched: data parallelism's can hide under backward), then tp's all-reduces, pp's
-messages and ep's exchanges, which sit on the path of every token. A pipeline's row gives its
-bubble. Each figure is its grid's busiest stage's.
+grids past it do not fit. Right, the wire bytes it sends in one step, by purpose: tp's
+all-reduces, pp's messages and ep's exchanges, which sit on the path of every token, then the
+gradients' reductions (hatched where DataParallel runs them under backward; solid under ep, which
+reduces them after backward, and under ZeRO). A pipeline's row gives its bubble. Each figure is
+its grid's busiest stage's.
 """
 import argparse
 import json
@@ -38,8 +39,11 @@ def main() -> int:
                 name += f", m {g['micro_batches']}"
             if g["bubble"] > 0:
                 name += f"  (bubble {100 * g['bubble']:.0f} %)"
+            # DataParallel's all-reduces run under backward; under ep the gradients are reduced after
+            # it, and ZeRO gathers after its update.
+            hidden = "ep" not in g["grid"] and not g["zero_stage"]
             rows.append((name, state, busiest["activation_bytes"] / gib,
-                         {a: g["wire_bytes"][a] / gib for a in ("gradients", "tp", "pp", "ep")}))
+                         {a: g["wire_bytes"][a] / gib for a in ("gradients", "tp", "pp", "ep")}, hidden))
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"plot_grids.py: not a plan written by k2c_capstone --plan --json: {e}", file=sys.stderr)
         return 1
@@ -67,17 +71,20 @@ def main() -> int:
     mem.set_yticks(list(ys))
     mem.set_yticklabels([r[0] for r in rows], fontsize=8)
     mem.set_xlabel("GiB on the busiest rank")
-    mem.legend(fontsize=8, loc="lower right")
+    mem.legend(fontsize=8, loc="best")
     left = [0.0] * len(rows)
     for axis, color, what in (("tp", "tab:orange", "tp"), ("pp", "tab:green", "pp"),
                               ("ep", "tab:purple", "ep, routing even")):
         widths = [r[3][axis] for r in rows]
         net.barh(ys, widths, left=left, color=color, label=f"{what} (on every token's path)")
         left = [a + b for a, b in zip(left, widths)]
-    net.barh(ys, [r[3]["gradients"] for r in rows], left=left, color="tab:gray", hatch="//", alpha=0.6,
-             label="gradients (dp: under backward)")
+    for hidden, style in ((True, dict(color="tab:gray", hatch="//", alpha=0.6, label="gradients, under backward")),
+                          (False, dict(color="dimgray", label="gradients, after backward (ep, ZeRO)"))):
+        widths = [r[3]["gradients"] if r[4] == hidden else 0 for r in rows]
+        if any(widths):
+            net.barh(ys, widths, left=left, **style)
     net.set_xlabel("GiB a step on the busiest rank's links")
-    net.legend(fontsize=8, loc="upper right")
+    net.legend(fontsize=8, loc="best")
     for ax in (mem, net):
         ax.grid(True, axis="x", alpha=0.3)
     fig.suptitle(f"Grids of {grids[0]['ranks']} ranks, {plan.get('model', '')}, batch {plan.get('batch', '?')} x "
