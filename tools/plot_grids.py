@@ -2,15 +2,15 @@
 """Every grid of N ranks on one figure: one rank's memory, and its traffic a step, side by side.
 
     build/solutions/bin/k2c_capstone --plan-ranks 8 --config dense-135m --batch 16 --json grids.json
-    python3 tools/plot_grids.py grids.json [--memory-gib 141] --png grids.png
+    python3 tools/plot_grids.py grids.json [--memory-gib 131] --png grids.png
 
 The JSON is k2c_capstone's plan (autograder/18_capstone/grid_plan.h). One row per grid, in the
 plan's order (the least traffic first). Left, the busiest rank's memory: training state, and on
 top the estimated peak of its activations; --memory-gib draws a GPU's memory as a line, and the
 grids past it do not fit. Right, the wire bytes it sends in one step, by purpose: tp's
 all-reduces, pp's messages and ep's exchanges, which sit on the path of every token, then the
-gradients' reductions (hatched where DataParallel runs them under backward; solid under ep, which
-reduces them after backward, and under ZeRO). A pipeline's row gives its bubble. Each figure is
+gradients' reductions (hatched where they can hide under compute: DataParallel's under backward,
+and most of ZeRO's; solid under ep, which reduces them after backward). A pipeline's row gives its bubble. Each figure is
 its grid's busiest stage's.
 """
 import argparse
@@ -39,9 +39,9 @@ def main() -> int:
                 name += f", m {g['micro_batches']}"
             if g["bubble"] > 0:
                 name += f"  (bubble {100 * g['bubble']:.0f} %)"
-            # DataParallel's all-reduces run under backward; under ep the gradients are reduced after
-            # it, and ZeRO gathers after its update.
-            hidden = "ep" not in g["grid"] and not g["zero_stage"]
+            # DataParallel's all-reduces run under backward, and most of ZeRO's traffic under its
+            # passes; under ep the gradients are reduced after backward.
+            hidden = "ep" not in g["grid"]
             rows.append((name, state, busiest["activation_bytes"] / gib,
                          {a: g["wire_bytes"][a] / gib for a in ("gradients", "tp", "pp", "ep")}, hidden))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -78,8 +78,8 @@ def main() -> int:
         widths = [r[3][axis] for r in rows]
         net.barh(ys, widths, left=left, color=color, label=f"{what} (on every token's path)")
         left = [a + b for a, b in zip(left, widths)]
-    for hidden, style in ((True, dict(color="tab:gray", hatch="//", alpha=0.6, label="gradients, under backward")),
-                          (False, dict(color="dimgray", label="gradients, after backward (ep, ZeRO)"))):
+    for hidden, style in ((True, dict(color="tab:gray", hatch="//", alpha=0.6, label="gradients, under compute")),
+                          (False, dict(color="dimgray", label="gradients, after backward (ep)"))):
         widths = [r[3]["gradients"] if r[4] == hidden else 0 for r in rows]
         if any(widths):
             net.barh(ys, widths, left=left, **style)

@@ -6,8 +6,9 @@
 //           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
 //           [--samples N] [--peak-tflops P] [--kernels course|trusted]
 //           [--activations f32|bf16] [--time-ops] [--traffic] [--bucket-mib X]
-//   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--batch B] [--micro-batches M] [--zero N]
-//   k2c_capstone --plan-ranks 8 [--config ...] [--batch B] [--micro-batches M] [--zero N]
+//   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--data DIR] [--batch B] [--micro-batches M]
+//                [--gpipe] [--activations f32|bf16] [--zero N] [--json plan.json]
+//   k2c_capstone --plan-ranks 8 [the same flags but --grid]
 //
 // --bucket-mib X sizes DataParallel's buckets (module 12; 1 MiB by default): on a data-parallel
 // grid, how many all-reduces a step starts under backward.
@@ -54,7 +55,7 @@
 // --plan prints, without training and on one process whatever the grid, what each pipeline stage's
 // rank would hold (parameters, gradients, AdamW state, the activations' estimated peak) and send in
 // one step, group by group (grid_plan.h), and refuses with status 2 what the trainer would refuse.
-// --plan-ranks N prints every grid of N ranks that fits, one line each (memory, wire bytes a step
+// --plan-ranks N prints every grid of N ranks that the model and batch allow, one line each (memory, wire bytes a step
 // by purpose, the bubble), the least traffic first. With --json FILE either writes its plans as
 // JSON, which tools/plot_grids.py draws.
 //

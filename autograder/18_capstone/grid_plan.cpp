@@ -482,9 +482,9 @@ std::string describe_grids(const std::vector<GridPlan>& plans) {
                   size_of(wire_per_step(p)).c_str(), 100.0 * bubble(p));
     os << line;
   }
-  os << "  gradients: DataParallel's all-reduces can hide under backward; under ep the gradients are\n"
-        "  reduced after it, and ZeRO gathers after its update. tp's, pp's and ep's bytes are on the path\n"
-        "  of every token; bubble: the pipeline's idle share of a step\n";
+  os << "  gradients: DataParallel's all-reduces can hide under backward, and most of ZeRO's traffic\n"
+        "  under its passes; under ep the gradients are reduced after backward. tp's, pp's and ep's bytes\n"
+        "  are on the path of every token; bubble: the pipeline's idle share of a step\n";
   return os.str();
 }
 

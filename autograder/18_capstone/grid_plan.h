@@ -5,7 +5,8 @@
 // This is that sum, written out once: the model library's parameter list cut the way the
 // contracts of modules 12 to 17 cut it, and the traffic those contracts fix exactly:
 //   dp    DataParallel: the rank's trainable gradients, all-reduced once a step
-//   dp+ep under ep > 1 the dense gradients summed over the data ranks; the experts' over dp
+//   dp+ep under ep > 1 the dense gradients summed over the data ranks ("ep" where dp = 1); the
+//         experts' over dp
 //   tp    per dense block and micro-batch two all-reduces of N·d fp32 forward and two backward;
 //         under a mixture of experts, attention's one each way; the embedding's one forward; the
 //         head's input gradient; the cross-entropy's three of N floats
@@ -54,7 +55,6 @@ inline constexpr std::int64_t kMaxPlanRanks = 1 << 20;
 // group label -> operation -> bytes per step. A group's label is k2c/dist/grid.h's axes_label of
 // the axes it spans: "dp", "tp", "pp", "ep", "dp+ep", or "self" for a group of one rank; and
 // "world" for the whole grid.
-using PlannedTraffic = std::map<std::string, std::map<std::string, std::uint64_t>>;
 using PlannedTraffic = std::map<std::string, std::map<std::string, std::uint64_t>>;
 
 // One rank of a pipeline stage (every rank of a stage holds and sends the same amounts).
