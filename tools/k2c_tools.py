@@ -4,6 +4,7 @@
 Not a program: the tools import it from their own folder (`import k2c_tools`), which Python puts
 first on the path when it runs `tools/plot_moe.py` and the like.
 
+    pyplot(tool)                           -> matplotlib.pyplot on the Agg backend, or None (said why)
     plot_args(png, torch=None)             -> the plot tools' command line, parsed
     benchmarks(bench_dir)                  -> (gpu, [benchmark entry, ...]) of every *.json there
     matches(entries, pattern, field)       -> (regex match, value) of the entries named by pattern
@@ -16,6 +17,20 @@ import pathlib
 import re
 import statistics
 import sys
+
+
+def pyplot(tool):
+    """matplotlib.pyplot drawing to files (the Agg backend), or None after telling stderr that
+    `tool` needs matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{tool}: matplotlib is not installed (pip install matplotlib; Debian: python3-matplotlib)",
+              file=sys.stderr)
+        return None
+    return plt
 
 
 def plot_args(png, torch=None):

@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+import k2c_tools
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -27,12 +29,8 @@ def main() -> int:
     args = ap.parse_args()
     if bool(args.files) == bool(args.roofline):
         ap.error("give sweep files or --roofline REFERENCE_JSON, one of the two")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_decode.py: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    plt = k2c_tools.pyplot("plot_decode.py")
+    if plt is None:
         return 1
     if args.roofline:
         return roofline(plt, args.roofline, args.png)

@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+import k2c_tools
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -50,12 +52,8 @@ def main() -> int:
     if not rows:
         print("plot_grids.py: the plan lists no grid", file=sys.stderr)
         return 1
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_grids.py: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    plt = k2c_tools.pyplot("plot_grids.py")
+    if plt is None:
         return 1
 
     rows.reverse()  # the first grid on top

@@ -39,12 +39,9 @@ print("layer, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(layer.items())
 if "ms" in torch.get("naive_layer", {}):
     print(f"  PyTorch naive layer forward_backward {torch['naive_layer']['ms']:.2f}")
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    raise SystemExit("matplotlib is not installed: table only")
+plt = k2c_tools.pyplot("plot_moe.py (the table above is all)")
+if plt is None:
+    raise SystemExit(1)
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [3, 2]})
 keys = [k for k in (("up", "uniform"), ("up", "skewed"), ("down", "uniform"), ("down", "skewed")) if k in gemm]

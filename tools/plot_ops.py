@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+import k2c_tools
+
 
 def load(args):
     """[(label, {operation: ms}, {operation: host ms} or None)] from the files or the reference entries."""
@@ -54,12 +56,8 @@ def main() -> int:
         return 1
     if args.labels:
         runs = [(label, ops, host) for label, (_, ops, host) in zip(args.labels, runs)]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_ops.py: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    plt = k2c_tools.pyplot("plot_ops.py")
+    if plt is None:
         return 1
 
     totals = [sum(ops.values()) for _, ops, _ in runs]

@@ -20,6 +20,8 @@ import json
 import pathlib
 import sys
 
+import k2c_tools
+
 
 def kind_of(run):
     """Which benchmark wrote the summary, from the fields of its rows."""
@@ -108,12 +110,8 @@ def main() -> int:
         print(f"plot_part2.py: {args.run} is not the summary of k2c_zero, k2c_tensor_parallel, "
               "k2c_sequence_parallel or k2c_expert_parallel (no rows with their fields)", file=sys.stderr)
         return 1
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_part2.py: matplotlib is not installed (Debian: python3-matplotlib)", file=sys.stderr)
+    plt = k2c_tools.pyplot("plot_part2.py")
+    if plt is None:
         return 1
     fig, ax = plt.subplots(figsize=(7, 4))
     try:
