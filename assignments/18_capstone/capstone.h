@@ -48,7 +48,9 @@
 // same bits as zero_stage 0 on the same grid: Zero sums gradients scaled to the global batch where
 // DataParallel averages the data ranks' means, and at 2 ranks both are (g0 + g1) / 2 exactly.
 // With clipping, Zero's norm adds the shards' sums of squares in another order, so the curves
-// agree within the tests' tolerance.
+// agree within the tests' tolerance. On the GPU backend (a NCCL world, one GPU a rank) the same
+// code trains: every collective then moves backend memory (dist::Buffer, device pointers), never
+// a host variable, which MPI takes and NCCL does not. The speed test runs grid 1 there.
 //
 // Activations. config.train.activations (f32 or bf16; anything else refused) becomes the
 // Context's `activations`: the library's layers then store theirs in that dtype, and where tp = 1
@@ -69,8 +71,8 @@
 // puts one layer at a time in the backend's memory); save() and load() throw std::runtime_error,
 // since Zero keeps its shards of the AdamW state to itself and a checkpoint could not hold them.
 //
-// Tests: autograder/18_capstone/test_capstone.cpp and test_capstone_zero.cpp. Lecture:
-// lectures/18_capstone.md.
+// Tests: autograder/18_capstone/test_capstone.cpp, test_capstone_zero.cpp and, on one GPU,
+// test_capstone_perf.cpp. Lecture: lectures/18_capstone.md.
 #pragma once
 
 #include <cstdint>

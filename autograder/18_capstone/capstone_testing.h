@@ -1,8 +1,8 @@
 // autograder/18_capstone/capstone_testing.h — what the tests of module 18 share: the tiny
 // configurations, the Markov tokens every run reads and the loaders over them, the tolerances of
 // the comparisons, and a check that every rank holds the same bits. Included by test_capstone.cpp
-// (the grids against model::Trainer, refusals, training, resume) and test_capstone_zero.cpp (the
-// ZeRO stages against the capstone's own optimizer).
+// (the grids against model::Trainer, refusals, training, resume), test_capstone_zero.cpp (the
+// ZeRO stages against the capstone's own optimizer) and test_capstone_perf.cpp (the speed test).
 #pragma once
 
 #include <mpi.h>

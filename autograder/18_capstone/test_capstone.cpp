@@ -2,7 +2,8 @@
 //
 // Run as `mpirun -np n` at the rank counts the rubric lists (1, 2 and 4); each grid test runs at
 // the rank count its grid needs and skips at the others. Every rank computes on the model
-// library's CPU backend.
+// library's CPU backend. In the rubric's NCCL run (one GPU) these tests skip and the speed test of
+// test_capstone_perf.cpp runs.
 //
 // The reference is the model library's single-process trainer (model::Trainer) over the same
 // tokens, computed on every rank: the same model (initialised from the same seed), the same
@@ -133,7 +134,7 @@ void expect_grid_matches(const std::string& grid, Model model, int micro_batches
 }  // namespace
 
 // Worth no points: it lets the grader say "not implemented yet".
-using CapstoneContract = kd::testing::DistTest;
+using CapstoneContract = kd::testing::CpuModelTest;
 TEST_F(CapstoneContract, Implemented) {
   kc::CapstoneConfig config;
   config.train = tiny_config(Model::dense);
@@ -146,7 +147,7 @@ TEST_F(CapstoneContract, Implemented) {
   }
 }
 
-using Capstone = kd::testing::DistTest;
+using Capstone = kd::testing::CpuModelTest;
 
 TEST_F(Capstone, ParsesGrids) {
   const kd::GridShape g = kc::parse_grid("dp2,tp2,pp3,ep4");

@@ -140,7 +140,7 @@ std::string refusal(const kc::CapstoneConfig& c) {
 
 }  // namespace
 
-using CapstoneZero = kd::testing::DistTest;
+using CapstoneZero = kd::testing::CpuModelTest;
 
 TEST_F(CapstoneZero, Stages1And2MatchTheOptimizerPath) {
   expect_stage_matches(1);
