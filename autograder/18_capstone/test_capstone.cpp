@@ -1,6 +1,6 @@
 // autograder/18_capstone/test_capstone.cpp — tests of module 18 (contract: capstone.h).
 //
-// Run as `mpirun -np n` at the rank counts the rubric lists (1, 2 and 4); each grid test runs at
+// Run as `mpirun -np n` at the rank counts the rubric lists (1, 2, 4 and 8); each grid test runs at
 // the rank count its grid needs and skips at the others. Every rank computes on the model
 // library's CPU backend. In the rubric's NCCL run (one GPU) these tests skip and the speed test of
 // test_capstone_perf.cpp runs.
@@ -210,6 +210,15 @@ TEST_F(Capstone, GridTp2MoeMatchesOneRank) { expect_grid_matches("tp2", Model::m
 TEST_F(Capstone, GridDp2Tp2MoeMatchesOneRank) {
   expect_grid_matches("dp2,tp2", Model::moe_unbalanced, 1, Match::tolerance);
 }
+// Three axes at once (8 ranks), where every group meets two others: a rank's tp group, its
+// stage's neighbours and its gradient group must all be formed from the same layout. tp × pp × ep
+// keeps the balance term (each tp rank's ep group is every data rank, one micro-batch); dp × pp ×
+// ep with micro-batches does not (each micro-batch of each ep group balances its own tokens).
+TEST_F(Capstone, GridDp2Tp2Pp2MatchesOneRank) { expect_grid_matches("dp2,tp2,pp2", Model::dense, 2, Match::tolerance); }
+TEST_F(Capstone, GridTp2Pp2Ep2MatchesOneRank) { expect_grid_matches("tp2,pp2,ep2", Model::moe, 1, Match::tolerance); }
+TEST_F(Capstone, GridDp2Pp2Ep2MatchesOneRank) {
+  expect_grid_matches("dp2,pp2,ep2", Model::moe_unbalanced, 2, Match::tolerance);
+}
 
 // The grader's own check of a grid (k2c/dist/rank_witness.h; the cases and the layout in
 // autograder/witness/rank_cases_training.cpp): the checker's grid, model, schedule and tokens.
@@ -267,6 +276,8 @@ K2C_RANK_WITNESS(capstone_dp2_pp2) { grid_case(c); }
 K2C_RANK_WITNESS(capstone_tp2_pp2) { grid_case(c); }
 K2C_RANK_WITNESS(capstone_dp2_ep2) { grid_case(c); }
 K2C_RANK_WITNESS(capstone_tp2_ep2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_dp2_tp2_pp2) { grid_case(c); }
+K2C_RANK_WITNESS(capstone_tp2_pp2_ep2) { grid_case(c); }
 
 // A configuration the grid cannot run is refused on every rank before anything is communicated.
 TEST_F(Capstone, RefusesGridsThatDoNotFit) {
@@ -349,7 +360,7 @@ TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
   kc::CapstoneConfig config;
   config.train = tiny_config(Model::dense);
   config.train.steps = 12;
-  config.grid = n == 4 ? kc::parse_grid("dp2,pp2") : kd::GridShape{.pp = n};
+  config.grid = n == 8 ? kc::parse_grid("dp2,tp2,pp2") : n == 4 ? kc::parse_grid("dp2,pp2") : kd::GridShape{.pp = n};
   config.micro_batches = 2;
   // A folder of this job's own (rank 0's process id), so that runs as other users or at the same
   // time never share one.
@@ -381,6 +392,7 @@ TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
   if (n > 1) {
     kc::CapstoneConfig other = config;
     other.grid = {.dp = n};
+    other.micro_batches = 1;  // 8 data ranks take 8 sequences in one micro-batch each
     kc::GridTrainer t(world(), km::cpu_ops(), other, tiny_data().factory(other.train));
     EXPECT_THROW(t.load(ckpt), std::runtime_error);
   }

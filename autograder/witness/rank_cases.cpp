@@ -34,7 +34,8 @@ Drawer find_drawer(const std::string& name) {
       {draw_serving, {"serve_batched", "serve_disaggregated"}},
       {draw_cache_pages, {"cache_pages"}},
       {draw_capstone, {"capstone_one_rank", "capstone_one_rank_moe", "capstone_dp2", "capstone_tp2", "capstone_pp2",
-                       "capstone_pp2_micro_batches", "capstone_ep2", "capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2"}},
+                       "capstone_pp2_micro_batches", "capstone_ep2", "capstone_dp2_tp2", "capstone_dp2_pp2", "capstone_tp2_pp2", "capstone_dp2_ep2", "capstone_tp2_ep2",
+                       "capstone_dp2_tp2_pp2", "capstone_tp2_pp2_ep2"}},
   };
   for (const Entry& e : table)
     for (const char* n : e.names)

@@ -345,7 +345,9 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
                                {"capstone_tp2_pp2", 1, 2, 2, 1, 2, false, false, Match::tolerance},
                                // Under dp × ep each ep group balances its own tokens: no balance term.
                                {"capstone_dp2_ep2", 2, 1, 1, 2, 1, true, false, Match::tolerance},
-                               {"capstone_tp2_ep2", 1, 2, 1, 2, 1, true, true, Match::tolerance}};
+                               {"capstone_tp2_ep2", 1, 2, 1, 2, 1, true, true, Match::tolerance},
+                               {"capstone_dp2_tp2_pp2", 2, 2, 2, 1, 2, false, false, Match::tolerance},
+                               {"capstone_tp2_pp2_ep2", 1, 2, 2, 2, 1, true, true, Match::tolerance}};
   const Grid* g = nullptr;
   for (const Grid& candidate : grids)
     if (kind == candidate.kind) g = &candidate;
