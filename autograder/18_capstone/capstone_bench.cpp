@@ -454,18 +454,17 @@ int run(k2c::dist::Communicator& world, const Options& o) {
         j << (i ? ", " : "") << quoted((*table)[i].first) << ": " << (*table)[i].second;
     }
     // --traffic: rank 0's last step and its plan, "group operation": bytes.
-    for (const auto& [key, table] : {std::pair{"traffic_sent", sent},
-                                     std::pair{"traffic_planned", planned ? planned->stages.front().traffic
-                                                                          : kc::PlannedTraffic{}}}) {
-      if (!planned) break;
-      j << "},\n  " << quoted(key) << ": {";
-      bool first = true;
-      for (const auto& [group, by_op] : table)
-        for (const auto& [op, bytes] : by_op) {
-          j << (first ? "" : ", ") << quoted(group + " " + op) << ": " << bytes;
-          first = false;
-        }
-    }
+    if (planned)
+      for (const auto& [key, table] :
+           {std::pair{"traffic_sent", sent}, std::pair{"traffic_planned", planned->stages.front().traffic}}) {
+        j << "},\n  " << quoted(key) << ": {";
+        bool first = true;
+        for (const auto& [group, by_op] : table)
+          for (const auto& [op, bytes] : by_op) {
+            j << (first ? "" : ", ") << quoted(group + " " + op) << ": " << bytes;
+            first = false;
+          }
+      }
     j << "},\n  \"steps\": [";
     for (std::size_t i = 0; i < records.size(); ++i)
       j << (i ? ",\n    " : "\n    ") << "{\"step\": " << records[i].step << ", \"loss\": " << records[i].loss
