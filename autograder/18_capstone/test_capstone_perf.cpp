@@ -38,12 +38,15 @@ namespace {
 
 constexpr int kWarmup = 3, kRepeats = 10;
 // The GPU's atomic sums (embedding and RMSNorm weight gradients, the norm's sum of squares) are
-// its only source of difference here, a few units in the last place of a gradient, which AdamW's
-// g / (|g| + eps) all but ignores: far inside both tolerances. Work left out is not: AdamW moves
-// nearly every weight by about the learning rate a step, so a block (7 M of the 135 M weights)
-// whose update is skipped alone leaves the weights about a quarter of their whole movement away,
-// and a step on another batch or a skipped step shows in the next step's loss.
-constexpr double kLossRtol = 1e-3, kUpdateRtol = 1e-2;
+// its only source of difference here, a few units in the last place of a gradient. On an H100
+// the two runs' losses lay 3e-5 apart (relative) and their weights 0.006 of their movement: a
+// weight whose gradient is near zero takes AdamW's g / (|g| + eps) step in whichever direction
+// the rounding tips it, and such differences grow from step to step. kUpdateRtol leaves that
+// drift room on other GPUs and runs. Work left out does not fit in it: AdamW moves nearly every
+// weight by about the learning rate a step, so a block (7 M of the 135 M weights) whose update
+// is skipped alone leaves the weights about a quarter of their whole movement away, and a step
+// on another batch or a skipped step shows in the next step's loss.
+constexpr double kLossRtol = 1e-3, kUpdateRtol = 5e-2;
 
 km::TrainConfig perf_config() {
   km::TrainConfig c;
@@ -116,10 +119,11 @@ TEST_F(CapstonePerf, OneGpuVsCublas) {
 
   const double tokens = static_cast<double>(c.batch) * c.model.seq_len;
   const double rate = tokens * c.model.train_flops_per_token() / (timing.median_ms * 1e-3);
-  K2C_EXPECT_PERF(rate / 1e12, cublas / 1e12,
-                  c.model.describe() + ", batch " + std::to_string(c.batch) + ", bf16 activations; median step " +
-                      std::to_string(timing.median_ms) + " ms (" + std::to_string(tokens / (timing.median_ms * 1e-3)) +
-                      " tokens/s); against model::Trainer: losses within " + std::to_string(worst_loss) +
-                      " relative, weights " + std::to_string(off / moved) + " of their update away");
+  const std::string detail = c.model.describe() + ", batch " + std::to_string(c.batch) +
+                             ", bf16 activations; median step " + std::to_string(timing.median_ms) + " ms (" +
+                             std::to_string(tokens / (timing.median_ms * 1e-3)) +
+                             " tokens/s); against model::Trainer: losses within " + std::to_string(worst_loss) +
+                             " relative, weights " + std::to_string(off / moved) + " of their update away";
+  K2C_EXPECT_PERF(rate / 1e12, cublas / 1e12, detail);
 #endif
 }

@@ -280,7 +280,7 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
       // A link anywhere on the way (a module folder linked to the course's solutions, say)
       // would be resolved on the grader's machine, where it can reach what the student cannot.
       if (!walk.link.empty()) {
-        item.problem = "refused: " + walk.link + " is a symbolic link (to " + walk.target +
+        item.problem = "refused: " + walk.link + " is a symbolic link (to " + valid_utf8(walk.target) +
                        "); nothing is taken through a link";
         in.files.push_back(item);
         continue;

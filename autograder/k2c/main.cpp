@@ -65,7 +65,9 @@ void write_json(const std::string& path, const json& j) {
   if (path.empty()) return;
   if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path());
   std::ofstream out(path);
-  out << j.dump(2) << "\n";
+  // Text from outside the grader reaches a report through valid_utf8 (process.h) or the JSON
+  // parser; the replacing handler is the backstop, so that a byte missed cannot cost the report.
+  out << j.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
   if (!out) throw std::runtime_error("cannot write " + path);
 }
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -48,6 +49,52 @@ class BoundedCapture {
 };
 
 }  // namespace
+
+std::string valid_utf8(std::string_view s) {
+  static constexpr std::uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};  // the shortest form's bound
+  std::string out;
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const std::size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = len > 0 && i + len <= s.size();
+    std::uint32_t code = c & (0x7F >> len);
+    for (std::size_t k = 1; ok && k < len; ++k) {
+      const auto next = static_cast<unsigned char>(s[i + k]);
+      ok = (next & 0xC0) == 0x80;
+      code = code << 6 | (next & 0x3F);
+    }
+    ok = ok && (len == 1 || (code >= kLeast[len] && code <= 0x10FFFF && (code < 0xD800 || code > 0xDFFF)));
+    if (ok) {
+      out.append(s.substr(i, len));
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";  // U+FFFD
+      ++i;
+    }
+  }
+  return out;
+}
+
+namespace {
+bool continues(const std::string& s, std::size_t i) {
+  return i < s.size() && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80;
+}
+}  // namespace
+
+std::string utf8_head(const std::string& text, std::size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  std::size_t cut = max_bytes;
+  while (cut > 0 && continues(text, cut)) --cut;
+  return text.substr(0, cut);
+}
+
+std::string utf8_tail(const std::string& text, std::size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  std::size_t cut = text.size() - max_bytes;
+  while (continues(text, cut)) ++cut;
+  return text.substr(cut);
+}
 
 ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& o) {
   ProcessResult r;
@@ -136,7 +183,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
   close(fds[0]);
 
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  r.output = capture.text();
+  r.output = valid_utf8(capture.text());
   r.output_bytes = capture.total();
   if (r.timed_out) return r;
   if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);

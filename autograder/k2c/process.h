@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -19,7 +20,7 @@ struct ProcessResult {
   bool timed_out = false;
   int exit_code = -1;       // valid when the child exited normally
   int signal = 0;           // > 0 when the child was killed by a signal
-  std::string output;       // head + "[... N bytes omitted ...]" + tail
+  std::string output;       // head + "[... N bytes omitted ...]" + tail, as UTF-8 text (valid_utf8)
   std::size_t output_bytes = 0;  // total printed
   double seconds = 0;
 };
@@ -43,6 +44,14 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
 // grader on the machine) are left alone. Reading other users' environments needs root. Returns
 // the number of processes killed.
 int kill_run_leftovers(int uid, const std::string& marker);
+
+// `bytes` as well-formed UTF-8: a byte that does not start a well-formed character (an overlong
+// form, a surrogate, a character cut by the capture's head and tail) becomes U+FFFD. Whatever a
+// program prints ends in the JSON reports, whose writer refuses anything else.
+std::string valid_utf8(std::string_view bytes);
+// The first (last) at most `max_bytes` bytes of UTF-8 text, cut between characters.
+std::string utf8_head(const std::string& text, std::size_t max_bytes);
+std::string utf8_tail(const std::string& text, std::size_t max_bytes);
 
 // "exit code 3", "killed by signal 11 (Segmentation fault)", "timed out after 30 s", ...
 std::string describe_exit(const ProcessResult& r, double timeout_s);

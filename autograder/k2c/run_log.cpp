@@ -6,6 +6,8 @@
 #include <set>
 #include <sstream>
 
+#include "process.h"
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -23,6 +25,26 @@ bool is_rank_line(const std::string& line) {
   return i > digits && line.compare(i, 2, ": ") == 0;
 }
 
+// GoogleTest's JSON report escapes each byte of a character outside ASCII on its own ("³", the
+// bytes C2 B3, becomes "\u00c2\u00b3": its escaping compares a signed char with ' '), so the
+// parsed string holds one code point per byte. Where every code point is below 256 and their
+// bytes are well-formed UTF-8, those bytes are what the test wrote.
+std::string undo_byte_escapes(const std::string& s) {
+  std::string bytes;
+  bytes.reserve(s.size());
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) {
+      bytes += s[i];
+    } else if ((c == 0xC2 || c == 0xC3) && i + 1 < s.size()) {  // U+0080 to U+00FF
+      bytes += static_cast<char>((c & 0x03) << 6 | (static_cast<unsigned char>(s[++i]) & 0x3F));
+    } else {
+      return s;  // a code point past 255: not one byte escaped
+    }
+  }
+  return valid_utf8(bytes) == bytes ? bytes : s;
+}
+
 }  // namespace
 
 std::string read_file(const fs::path& p) {
@@ -36,7 +58,7 @@ std::string first_lines(const std::string& text, int n, std::size_t max_chars) {
   std::istringstream in(text);
   std::string line, out;
   for (int i = 0; i < n && std::getline(in, line); ++i) out += (i ? "\n" : "") + line;
-  if (out.size() > max_chars) out = out.substr(0, max_chars) + " ...";
+  if (out.size() > max_chars) out = utf8_head(out, max_chars) + " ...";
   return out;
 }
 
@@ -99,7 +121,7 @@ std::string rank_failure(const std::string& log) {
     for (; j < lines.size() && added < 3 && !blank(lines[j]) && std::isspace(static_cast<unsigned char>(lines[j][0])); ++j, ++added)
       block += " / " + lines[j].substr(lines[j].find_first_not_of(" \t"));
     if (block.find("failed on another rank") != std::string::npos) continue;
-    return block.size() > 400 ? block.substr(0, 400) + " ..." : block;
+    return block.size() > 400 ? utf8_head(block, 400) + " ..." : block;
   }
   return "";
 }
@@ -128,7 +150,7 @@ double number_property(const json& t, const char* key, bool* ok) {
 
 std::string string_property(const json& j, const char* key) {
   auto it = j.find(key);
-  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+  return it != j.end() && it->is_string() ? undo_byte_escapes(it->get<std::string>()) : "";
 }
 
 // Properties recorded outside any test (the device, the seed) appear at the top level of

@@ -25,6 +25,8 @@ std::string fatal_line(const std::string& log);
 // A test's number property (a JSON number or a numeric string); *ok = false when absent or not
 // a number.
 double number_property(const nlohmann::json& t, const char* key, bool* ok);
+// A string property ("" when absent), with the characters outside ASCII that GoogleTest's JSON
+// report escaped byte by byte put back together.
 std::string string_property(const nlohmann::json& j, const char* key);
 // A property recorded outside any test (the device, the seed): at the top level of GoogleTest's
 // JSON report or on its test suites, depending on the GoogleTest version.

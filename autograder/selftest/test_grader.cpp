@@ -101,6 +101,19 @@ TEST(Verdict, BarDependsOnTree) {
   EXPECT_EQ(m.status, "partial");
 }
 
+// GoogleTest's JSON report escapes "³" (UTF-8 C2 B3) as two code points, \u00c2\u00b3: the
+// message the student reads is the one the test printed, and code points past 255 stay as they are.
+TEST(Verdict, FailureMessagesKeepTheirCharacters) {
+  const auto m = evaluate_module(two_test_module(), exited(0),
+                                 gtest_report("COMPLETED", "", R"(too slow at 8192\u00c2\u00b3 \u00e2\u0089\u00a4 0.3)"),
+                                 "assignments", 9);
+  ASSERT_EQ(m.tests.size(), 2u);
+  EXPECT_NE(m.tests[0].message.find("too slow at 8192\u00b3 \u2264 0.3"), std::string::npos) << m.tests[0].message;
+  const auto kept = evaluate_module(two_test_module(), exited(0), gtest_report("COMPLETED", "", R"(8192\u00b3 \u2264)"),
+                                    "assignments", 9);
+  EXPECT_NE(kept.tests[0].message.find("8192\u00b3 \u2264"), std::string::npos) << kept.tests[0].message;
+}
+
 TEST(Verdict, ImpossibleFigureVoidsModule) {
   const auto m = evaluate_module(two_test_module(), exited(0),
                                  gtest_report("COMPLETED", R"(, "k2c_achieved": "300", "k2c_ceiling": "100")"),
@@ -534,6 +547,23 @@ TEST(Process, TimeoutKillsTheGroupAndOutputIsBounded) {
   EXPECT_EQ(r.output_bytes, 5000000u);
   EXPECT_LT(r.output.size(), 400u);
   EXPECT_NE(r.output.find("bytes omitted"), std::string::npos);
+}
+
+// What a program prints ends in JSON reports, whose writer throws on malformed UTF-8: bytes that
+// are not UTF-8, and a character that the capture's head cuts in two, become U+FFFD.
+TEST(Process, OutputIsUtf8Text) {
+  const auto r = k2c::grader::run_process({"printf", "a\\377\\300\\257 \\303\\251 \\342\\211"}, {});
+  EXPECT_EQ(r.output, "a\uFFFD\uFFFD\uFFFD \u00e9 \uFFFD\uFFFD");
+  const auto cut = k2c::grader::run_process({"printf", "\\302\\263\\302\\263\\302\\263"},
+                                            {.keep_head = 3, .keep_tail = 1});
+  EXPECT_EQ(cut.output_bytes, 6u);
+  EXPECT_NO_THROW(nlohmann::json(cut.output).dump()) << cut.output;
+  // Messages and logs shortened for a report are cut between characters.
+  EXPECT_EQ(k2c::grader::utf8_head("a\u00b3\u00b3", 4), "a\u00b3");
+  EXPECT_EQ(k2c::grader::utf8_tail("\u00b3\u00b3a", 4), "\u00b3a");
+  EXPECT_EQ(k2c::grader::utf8_head("\u2264", 2), "");
+  // A surrogate and a code point past U+10FFFF, which JSON's writer refuses too.
+  EXPECT_EQ(k2c::grader::valid_utf8("\xed\xa0\x80|\xf4\x90\x80\x80"), "\uFFFD\uFFFD\uFFFD|\uFFFD\uFFFD\uFFFD\uFFFD");
 }
 
 TEST(Process, ReportsExitCodeSignalAndMissingProgram) {

@@ -102,8 +102,12 @@ json verdict(const std::string& fault, const std::string& problem) {
   return {{"fault", fault}, {"problem", problem}};
 }
 
+// Written whole or not at all (a .part file renamed), so that a verdict already there is never
+// left empty; what the ranks sent may be any bytes, replaced where they are not UTF-8.
 void write_verdict(const std::string& path, const json& v) {
-  std::ofstream(path, std::ios::trunc) << v.dump(1) << "\n";
+  const std::string tmp = path + ".part";
+  std::ofstream(tmp) << v.dump(1, ' ', false, json::error_handler_t::replace) << "\n";
+  std::rename(tmp.c_str(), path.c_str());
 }
 
 // ---- the channel -----------------------------------------------------------------------------
@@ -205,7 +209,7 @@ int run(const Args& a) {
     unlink(path.c_str());
     json v = verdict(fault, problem);
     v["seed"] = std::to_string(seed);  // a string: JSON readers round integers above 2^53
-    if (!fault.empty()) v["output"] = child.output.substr(child.output.size() > 4000 ? child.output.size() - 4000 : 0);
+    if (!fault.empty()) v["output"] = k2c::grader::utf8_tail(child.output, 4000);
     json shapes = json::array();
     for (const rw::Case& c : cases) shapes.push_back(c.what);
     if (fault.empty()) v["shapes"] = shapes;

@@ -278,7 +278,7 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
     runner.join();
     close(fds[0]);
     close(fds[1]);
-    result.output = child.output.substr(child.output.size() > 4000 ? child.output.size() - 4000 : 0);
+    result.output = k2c::grader::utf8_tail(child.output, 4000);
     return result;
   };
 
