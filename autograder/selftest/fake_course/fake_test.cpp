@@ -24,8 +24,12 @@ TEST(Fake, Correct) {
 #elif FAKE_MODE_notimpl
   K2C_TODO("write the kernel");
 #elif FAKE_MODE_noisy
-  std::string line(1023, 'x');
-  for (int i = 0; i < 50 * 1024; ++i) std::puts(line.c_str());  // 50 MiB
+  // 50 MiB of lines that are not UTF-8: a byte 0xFF, then 511 "³" (two bytes each). The two bytes
+  // first shift them so that the grader's kept head ends inside a "³".
+  std::string line = "\xff";
+  for (int i = 0; i < 511; ++i) line += "\xc2\xb3";
+  std::fputs("xx", stdout);
+  for (int i = 0; i < 50 * 1024; ++i) std::puts(line.c_str());
 #endif
   SUCCEED();
 }
