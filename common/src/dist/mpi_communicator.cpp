@@ -127,9 +127,13 @@ void reduce_into_bf16(void* out_v, const void* a_v, const void* b_v, std::size_t
 constexpr auto kSpin = std::chrono::microseconds(50);
 constexpr int kDefaultNapUs = 100;
 
+// K2C_MPI_NAP_US: a whole number of microseconds up to a second; anything else keeps the default.
 int nap_cap_us() {
   const char* s = std::getenv("K2C_MPI_NAP_US");
-  return s ? std::max(0, std::atoi(s)) : kDefaultNapUs;
+  if (s == nullptr) return kDefaultNapUs;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  return end != s && *end == '\0' && v >= 0 && v <= 1'000'000 ? static_cast<int>(v) : kDefaultNapUs;
 }
 
 }  // namespace
