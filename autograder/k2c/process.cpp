@@ -48,6 +48,11 @@ class BoundedCapture {
   std::string head_, tail_;
 };
 
+// A UTF-8 continuation byte at i: a cut there would split a character.
+bool continues(const std::string& s, std::size_t i) {
+  return i < s.size() && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80;
+}
+
 }  // namespace
 
 std::string valid_utf8(std::string_view s) {
@@ -75,12 +80,6 @@ std::string valid_utf8(std::string_view s) {
   }
   return out;
 }
-
-namespace {
-bool continues(const std::string& s, std::size_t i) {
-  return i < s.size() && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80;
-}
-}  // namespace
 
 std::string utf8_head(const std::string& text, std::size_t max_bytes) {
   if (text.size() <= max_bytes) return text;

@@ -37,6 +37,7 @@
 #include "k2c/dist/rank_witness.h"
 #include "process.h"
 #include "rank_cases.h"
+#include "verdict_file.h"
 
 namespace {
 
@@ -102,13 +103,7 @@ json verdict(const std::string& fault, const std::string& problem) {
   return {{"fault", fault}, {"problem", problem}};
 }
 
-// Written whole or not at all (a .part file renamed), so that a verdict already there is never
-// left empty; what the ranks sent may be any bytes, replaced where they are not UTF-8.
-void write_verdict(const std::string& path, const json& v) {
-  const std::string tmp = path + ".part";
-  std::ofstream(tmp) << v.dump(1, ' ', false, json::error_handler_t::replace) << "\n";
-  std::rename(tmp.c_str(), path.c_str());
-}
+using k2c::witness_io::write_verdict;
 
 // ---- the channel -----------------------------------------------------------------------------
 

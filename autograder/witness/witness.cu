@@ -48,6 +48,7 @@
 #include "k2c/testing/witness.h"
 #include "process.h"
 #include "specs.h"
+#include "verdict_file.h"
 
 namespace {
 
@@ -105,12 +106,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-void write_verdict(const std::string& path, const json& v) {
-  const std::string tmp = path + ".part";
-  // The test program's output may be any bytes: replaced where it is not UTF-8, not an exception.
-  std::ofstream(tmp) << v.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
-  std::rename(tmp.c_str(), path.c_str());
-}
+using k2c::witness_io::write_verdict;
 
 json verdict(const std::string& name, const std::string& fault, const std::string& problem) {
   return {{"witness", name}, {"fault", fault}, {"problem", problem}};
