@@ -9,7 +9,7 @@
 #   - a wrong softmax whose forged report says every test passed: void, the grader's own run
 #     checked the output itself;
 #   - the reference at the timed width only (nothing at any other), its report forged to say
-#     every test passed at an honest speed: the figure stands, and the fast softmax's correctness
+#     every test passed at the speed this GPU measured: the figure stands, and the fast softmax's correctness
 #     test fails on the grader's own check at shapes it drew.
 set -euo pipefail
 k2c=$1
@@ -40,7 +40,9 @@ for case in slow wrong tail; do
   sub="$work/$case/submission"
   mkdir -p "$sub/assignments/06_softmax"
   if [ "$case" != wrong ]; then
-    { cat "$here/witness/forger.inc"; grep -v '#include "dispatch.h"' "$root/solutions/06_softmax/softmax.cu"
+    # The tail forgery lies about correctness only: its report keeps the speed this GPU measured.
+    { [ "$case" = tail ] && echo "#define K2C_FORGER_HONEST_SPEED 1"
+      cat "$here/witness/forger.inc"; grep -v '#include "dispatch.h"' "$root/solutions/06_softmax/softmax.cu"
       cat "$here/witness/${case}_end.cu"; } > "$sub/assignments/06_softmax/softmax.cu"
   else
     cat "$here/witness/forger.inc" "$here/witness/wrong_softmax.cu" > "$sub/assignments/06_softmax/softmax.cu"
