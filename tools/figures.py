@@ -35,7 +35,9 @@ when the Markdown is rendered:
       A whole table, rewritten. ID is a module id (`06_softmax`: that module's performance tests,
       with achieved rate, ceiling of the same run, ratio, the rubric's student bar and goal), `all`
       (every module's tests, the README's results table) or a GEMM ladder
-      (`gemm_ladder/sgemm`, `gemm_ladder/bf16gemm`: TFLOP/s by size and version).
+      (`gemm_ladder/sgemm`, `gemm_ladder/bf16gemm`: TFLOP/s by size and version), read from the
+      reference file, or from another of the course tree where ID starts with its path
+      (`autograder/reference/h100.json:all`: another GPU's graded runs).
 
 Without FILE arguments the tool scans every Markdown file of the course tree (build trees and
 hidden folders apart). Markers inside code (backticks or fenced blocks) are examples, left alone.
@@ -112,8 +114,9 @@ class Unchecked(Exception):
 class References:
     """The reference file and the other files markers name, each read once."""
 
-    def __init__(self, default, without=()):
+    def __init__(self, default, without=(), default_name="autograder/reference/h200.json"):
         self.default = default
+        self.default_name = default_name
         self.without = [d.strip("/") for d in without]
         self.named = {}
 
@@ -210,12 +213,12 @@ def result_row(lead, r, perf, bar_column):
     return "| " + " | ".join(cells) + " |"
 
 
-def table_module(ref, rubric, module):
+def table_module(ref, rubric, module, source):
     tests = ref.get("modules", {}).get(module)
     if not tests:
         raise FigureError(f"table '{module}': no module of that id in the reference file")
     perf = rubric_perf(rubric)
-    rows = [f"{measured_on(ref, module)} (`autograder/reference/h200.json`):", "",
+    rows = [f"{measured_on(ref, module)} (`{source}`):", "",
             "| test | achieved | ceiling (same run) | ratio | student bar | goal |",
             "|---|---:|---|---:|---:|---:|"]
     for name, r in sorted(tests.items()):
@@ -259,14 +262,16 @@ def table_ladder(ref, which):
     return rows
 
 
-def render_table(ref, rubric, table_id):
-    table_id = table_id.strip()
+def render_table(refs, rubric, table_id):
+    """A table's rows, from the reference file or from the FILE.json that its id starts with."""
+    ref, table_id = refs.split(table_id.strip())
+    source = next((name for name, j in refs.named.items() if j is ref), refs.default_name)
     if table_id == "all":
         rows = table_all(ref, rubric)
     elif table_id.startswith("gemm_ladder/"):
         rows = table_ladder(ref, table_id.split("/", 1)[1])
     else:
-        rows = table_module(ref, rubric, table_id)
+        rows = table_module(ref, rubric, table_id, source)
     return "\n".join(rows) + "\n"
 
 
@@ -306,7 +311,6 @@ def process(path, refs, rubric, write, shown):
     text = path.read_text(encoding="utf-8")
     if "<!--fig:" not in text and "<!--table:" not in text:
         return 0, 0, []
-    ref = refs.default
     problems, count, unchecked = [], 0, 0
     code = code_spans(text)
 
@@ -332,13 +336,16 @@ def process(path, refs, rubric, write, shown):
         return m.group(0)
 
     def table(m):
-        nonlocal count
+        nonlocal count, unchecked
         if in_code(code, m.start()):
             return m.group(0)
         count += 1
         where = f"{shown}:{line_of(text, m.start())}"
         try:
-            want = render_table(ref, rubric, m.group("id"))
+            want = render_table(refs, rubric, m.group("id"))
+        except Unchecked:
+            unchecked += 1
+            return m.group(0)
         except FigureError as e:
             problems.append(f"{where}: {e}")
             return m.group(0)
@@ -383,8 +390,12 @@ def main(argv=None):
     ap.add_argument("files", nargs="*", help="Markdown files (default: the whole course tree)")
     args = ap.parse_args(argv)
 
-    refs = References(json.loads(pathlib.Path(args.reference).read_text(encoding="utf-8")),
-                      args.without)
+    reference = pathlib.Path(args.reference).resolve()
+    try:
+        reference_name = str(reference.relative_to(ROOT))
+    except ValueError:
+        reference_name = str(reference)
+    refs = References(json.loads(reference.read_text(encoding="utf-8")), args.without, reference_name)
     rubric = json.loads(pathlib.Path(args.rubric).read_text(encoding="utf-8"))
     files = [pathlib.Path(f) for f in args.files] or list(markdown_files(ROOT))
     total, unchecked, problems, touched = 0, 0, [], 0
