@@ -302,15 +302,26 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
   sync_tree(stage.string(), staged);
   fs::remove_all(taken);
 
-  // Everything else in the submission is reported, never copied.
-  for (auto it = fs::recursive_directory_iterator(sub); it != fs::recursive_directory_iterator();
-       ++it) {
-    if (fs::is_directory(it->symlink_status())) continue;
-    const std::string rel = fs::relative(it->path(), sub).string();
+  // Everything else in the submission is reported, never copied. The listing is for the student's
+  // information and never costs the grade: it resolves no link (a link that loops, or points
+  // nowhere, is a name like any other), skips what it may not read, stops where the walk fails,
+  // and names kMaxIgnoredListed entries at most.
+  constexpr std::size_t kMaxIgnoredListed = 200;
+  std::size_t unlisted = 0;
+  std::error_code ec;
+  fs::recursive_directory_iterator it(sub, fs::directory_options::skip_permission_denied, ec);
+  for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    std::error_code status_ec;
+    if (fs::is_directory(it->symlink_status(status_ec))) continue;
+    const std::string rel = it->path().lexically_relative(sub).string();
     const bool named = wanted_rel.count(rel) ||
                        (rel.find('/') == std::string::npos && wanted_base.count(rel));
-    if (!named) in.ignored.push_back(rel);
+    if (named) continue;
+    if (in.ignored.size() < kMaxIgnoredListed) in.ignored.push_back(valid_utf8(rel));
+    else ++unlisted;
   }
+  if (unlisted > 0) in.ignored.push_back("... and " + std::to_string(unlisted) + " more");
+  if (ec) in.ignored.push_back("(the listing stopped here: " + ec.message() + ")");
   return in;
 }
 

@@ -771,6 +771,33 @@ TEST(Intake, RefusesAnyPathThroughASymbolicLink) {
   EXPECT_EQ(slurp(fs::path(in.staged_root) / "assignments/80_ok/ok.cpp"), "student work");
 }
 
+// What a submission holds beyond the rubric's files is listed, never followed: a link that loops
+// or leads nowhere is a name like any other (resolving it threw, and the whole grade with it, no
+// report written), and a submission of thousands of stray files lists the first 200.
+TEST(Intake, ListsStrayEntriesWithoutFollowingThem) {
+  const fs::path root = kTmp / "stray_course", sub = kTmp / "stray_submission";
+  fs::remove_all(root);
+  fs::remove_all(sub);
+  write(root / "assignments/80_ok/ok.cpp", "stub");
+  write(sub / "ok.cpp", "student work");
+  fs::create_symlink("loop", sub / "loop");               // ELOOP for anything that resolves it
+  fs::create_symlink("nowhere/at/all", sub / "dangling");
+
+  k2c::Rubric rubric = k2c::load_rubric((kFake / "rubric.json").string());
+  const std::vector<const k2c::ModuleSpec*> mods = {rubric.find("80")};
+  const std::string stage = (kTmp / "stray_stage").string();
+  k2c::grader::Intake in;
+  ASSERT_NO_THROW(in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), stage));
+  EXPECT_EQ(in.problem_for(*mods[0]), "");
+  EXPECT_EQ(slurp(fs::path(in.staged_root) / "assignments/80_ok/ok.cpp"), "student work");
+  EXPECT_EQ(std::set<std::string>(in.ignored.begin(), in.ignored.end()), (std::set<std::string>{"loop", "dangling"}));
+
+  for (int i = 0; i < 250; ++i) write(sub / "junk" / ("f" + std::to_string(i)), "x");
+  ASSERT_NO_THROW(in = k2c::grader::take_submission(rubric, mods, sub.string(), root.string(), stage));
+  ASSERT_EQ(in.ignored.size(), 201u);  // 200 names and the count of the rest
+  EXPECT_EQ(in.ignored.back(), "... and 52 more");  // 252 stray entries: the links and 250 files
+}
+
 // The next submission graded in the same build folder is staged over the last one: only the
 // files whose bytes differ are written (an unchanged one keeps its time stamp, so the build
 // recompiles only the student's files), and anything else found there, a link above all, goes.
