@@ -767,6 +767,10 @@ WitnessVerdict read_witness_verdict(const std::string& json_text) {
     v.unit = j.value("unit", "");
     v.rate = j.value("rate", 0.0);
     v.output = j.value("output", "");
+    if (j.contains("ceiling") && j["ceiling"].is_number() && j.contains("ceiling_name") && j["ceiling_name"].is_string()) {
+      const double c = j["ceiling"].get<double>();
+      if (c > 0 && std::isfinite(c)) v.ceiling = c, v.ceiling_name = j["ceiling_name"].get<std::string>();
+    }
     if (j.contains("shapes") && j["shapes"].is_array()) v.shapes = static_cast<int>(j["shapes"].size());
     if (v.fault.empty() && v.shapes == 0 && !(v.rate > 0 && std::isfinite(v.rate))) {
       v.fault = "grader";
@@ -803,7 +807,20 @@ void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdi
     os << std::setprecision(4) << "the report says " << t->perf->achieved << " " << v.unit
        << ", the grader's own run of the same kernel reached at most " << v.rate << " " << v.unit
        << ": the report was not written by the course's harness";
-    void_module(os.str());
+    return void_module(os.str());
+  }
+  // The ratio divides by the report's ceiling, which the report could lower as well as it could
+  // raise its rate (or code under test could slow the test program's own measurement of it): held
+  // against the ceiling the checker measured itself, where it measured this test's.
+  if (v.ceiling > 0 && v.ceiling_name == t->perf->ceiling_name) {
+    t->perf->witnessed_ceiling = v.ceiling;
+    if (t->perf->ceiling * (1 + kWitnessSlack) < v.ceiling) {
+      std::ostringstream os;
+      os << std::setprecision(4) << "the report's ceiling (" << t->perf->ceiling_name << ") is " << t->perf->ceiling
+         << " " << v.unit << ", the grader measured " << v.ceiling << " " << v.unit
+         << " itself: the report was not written by the course's harness";
+      void_module(os.str());
+    }
   }
 }
 

@@ -55,6 +55,8 @@ struct PerfOutcome {
   // test was not witnessed (a machine where the check cannot run).
   std::optional<double> witnessed;
   std::string not_witnessed;
+  // The ceiling the witness measured itself, where it measures this test's (same name).
+  std::optional<double> witnessed_ceiling;
 };
 
 struct TestOutcome {
@@ -151,6 +153,10 @@ void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::s
 struct WitnessVerdict {
   std::string fault, problem, unit;
   double rate = 0;
+  // The ceiling the checker measured with the course's own code before the test program started
+  // (0: it measured none), in `unit`, under the rubric's name for it.
+  double ceiling = 0;
+  std::string ceiling_name;
   int shapes = 0;      // a correctness run (--shapes): the shapes it checked
   std::string output;  // the end of what the test program printed, when it was at fault
 };
@@ -161,9 +167,10 @@ WitnessVerdict read_witness_verdict(const std::string& json_text);
 // events, so an honest figure is at or a little above the witness's; a forged one is far above.
 inline constexpr double kWitnessSlack = 0.15;
 
-// Applies the verdict on test `test` of module m: wrong outputs, a failed run, or a reported figure
-// faster than kWitnessSlack over the witness void the module ("invalid"); a grader-side failure
-// only notes that the figure was not witnessed.
+// Applies the verdict on test `test` of module m: wrong outputs, a failed run, a reported figure
+// faster than kWitnessSlack over the witness, or a reported ceiling more than kWitnessSlack below
+// the one the witness measured (where it measured the test's) void the module ("invalid"); a
+// grader-side failure only notes that the figure was not witnessed.
 void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdict& v);
 
 // How many shapes the grader draws to check a correctness test again (k2c_witness --shapes).

@@ -125,6 +125,7 @@ json to_json(const GradeReport& r) {
                       {"reference_ratio", t.perf->reference_ratio ? json(*t.perf->reference_ratio) : json(nullptr)},
                       {"witnessed", t.perf->witnessed ? json(*t.perf->witnessed) : json(nullptr)}};
       if (t.perf && !t.perf->not_witnessed.empty()) jt["perf"]["not_witnessed"] = t.perf->not_witnessed;
+      if (t.perf && t.perf->witnessed_ceiling) jt["perf"]["witnessed_ceiling"] = *t.perf->witnessed_ceiling;
       if (!t.rechecked.empty()) jt["rechecked"] = t.rechecked;
       jm["tests"].push_back(jt);
     }

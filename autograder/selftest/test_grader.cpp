@@ -465,6 +465,30 @@ TEST(Verdict, TheWitnessJudgesTheReport) {
   }
   // A rate that is not a number is no verdict either.
   EXPECT_EQ(read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 0})").fault, "grader");
+
+  // The ceiling: an honest rate over a lowered ceiling is as forged as a raised rate.
+  m = reported();  // 100 reported, 110 measured by the grader: within the slack
+  apply_witness(m, "APerf.Rate",
+                read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 90, "ceiling": 110, "ceiling_name": "copy"})"));
+  EXPECT_EQ(m.points, 10) << m.detail;
+  ASSERT_TRUE(m.tests[1].perf->witnessed_ceiling.has_value());
+  EXPECT_EQ(*m.tests[1].perf->witnessed_ceiling, 110);
+  m = reported();  // 100 reported, 200 measured: the report halved it
+  apply_witness(m, "APerf.Rate",
+                read_witness_verdict(R"({"fault": "", "unit": "GB/s", "rate": 90, "ceiling": 200, "ceiling_name": "copy"})"));
+  EXPECT_EQ(m.status, "invalid");
+  EXPECT_EQ(m.points, 0);
+  EXPECT_NE(m.detail.find("APerf.Rate: the report's ceiling (copy) is 100 GB/s, the grader measured 200 GB/s itself"),
+            std::string::npos) << m.detail;
+  // Another ceiling than the test's, or none that is a number, is no measurement of it.
+  for (const std::string other : {R"({"fault": "", "unit": "GB/s", "rate": 90, "ceiling": 200, "ceiling_name": "fma"})",
+                                   R"({"fault": "", "unit": "GB/s", "rate": 90, "ceiling": "200", "ceiling_name": "copy"})",
+                                   R"({"fault": "", "unit": "GB/s", "rate": 90, "ceiling": 200})"}) {
+    m = reported();
+    apply_witness(m, "APerf.Rate", read_witness_verdict(other));
+    EXPECT_EQ(m.points, 10) << other;
+    EXPECT_FALSE(m.tests[1].perf->witnessed_ceiling.has_value()) << other;
+  }
 }
 
 TEST(Verdict, TheGradersOwnCheckJudgesACorrectnessTest) {
