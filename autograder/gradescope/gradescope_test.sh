@@ -253,6 +253,14 @@ for t in $tests; do
 done
 points=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["points"])' "$work/forged.json")
 [ "$points" = 0 ] || [ "$points" = 0.0 ] || { echo "FAIL: the forgery earned $points points"; exit 1; }
+# The same forgery graded with --sanitize: the grader's own checks still run (they were left out,
+# and every forged pass stood).
+OMPI_MCA_btl_vader_single_copy_mechanism=none "$k2c" --root "$direct/course" grade --impl assignments \
+  --build-dir "$ag/grading" --submission "$work/forged" --modules 11 --sanitize --json "$work/forged_sanitize.json" \
+  > "$work/forged_sanitize.log" 2>&1 || true
+points=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["points"])' "$work/forged_sanitize.json")
+[ "$points" = 0 ] || [ "$points" = 0.0 ] ||
+  { tail -n 30 "$work/forged_sanitize.log"; echo "FAIL: under --sanitize the forgery earned $points points"; exit 1; }
 [ "$(stamp 'libk2c_impl_11_collectives.so')" != "$impl" ] ||
   { echo "FAIL: the forged submission's library was not built"; exit 1; }
 runner=$(ran_as "$work/forged.json")

@@ -364,12 +364,26 @@ struct Checker {
   }
 };
 
+// The environment of every configure and build: a temporary folder of the grader's own (0700)
+// inside the build folder. In a shared /tmp the compilers' scratch files (nvcc names them after its
+// process id and opens them without O_EXCL) could be made in advance by a process that a run left
+// behind, and written while the build reads them: code of its choosing in objects built as the
+// grader, kept for every later submission.
+std::vector<std::pair<std::string, std::string>> build_env(const fs::path& build) {
+  const fs::path tmp = build / "tmp";
+  std::error_code ec;
+  if (fs::is_symlink(tmp, ec) || (fs::exists(tmp, ec) && !fs::is_directory(fs::symlink_status(tmp, ec)))) fs::remove(tmp, ec);
+  fs::create_directories(tmp, ec);
+  fs::permissions(tmp, fs::perms::owner_all, fs::perm_options::replace, ec);
+  return {{"TMPDIR", tmp.string()}};
+}
+
 Checker build_checker(const fs::path& build, const std::string& target, const std::string& what, int jobs,
                       std::ostream& progress) {
   Checker c{build / "bin" / target, "", ""};
   progress << "building " << target << " (" << what << ") ...\n" << std::flush;
   const ProcessResult b = run_process({"cmake", "--build", build.string(), "--target", target, "-j", std::to_string(jobs)},
-                                      {.timeout_s = 1800});
+                                      {.env = build_env(build), .timeout_s = 1800});
   if (b.exit_code != 0 || !fs::is_regular_file(c.bin))
     c.problem = target + " did not build: " + first_lines(build_failure_detail(b.output), 1);
   else
@@ -758,6 +772,38 @@ void withhold_performance(ModuleOutcome& m, const ModuleSpec& spec, const std::s
   m.detail += (m.detail.empty() ? "" : "; ") + std::string("performance points withheld: ") + reason;
 }
 
+std::vector<const ModuleSpec*> used_modules(const Rubric& rubric, const ModuleSpec& m) {
+  std::vector<const ModuleSpec*> used;
+  std::vector<const ModuleSpec*> todo = {&m};
+  for (std::size_t i = 0; i < todo.size(); ++i)
+    for (const std::string& id : todo[i]->uses)
+      if (const ModuleSpec* u = rubric.find(id); u != nullptr && u != &m &&
+                                                  std::find(used.begin(), used.end(), u) == used.end()) {
+        used.push_back(u);
+        todo.push_back(u);
+      }
+  return used;
+}
+
+std::vector<std::string> readable_include_dirs(const Rubric& rubric, const ModuleSpec& m, const std::string& staged,
+                                               const std::string& impl) {
+  const fs::path root(staged);
+  std::vector<std::string> dirs = {(root / "common" / "include").string(), (root / "common" / "model" / "include").string()};
+  std::vector<const ModuleSpec*> own = {&m};
+  for (const ModuleSpec* u : used_modules(rubric, m)) own.push_back(u);
+  for (const ModuleSpec* x : own)
+    dirs.insert(dirs.end(), {(root / "assignments" / x->id).string(), (root / impl / x->id).string()});
+  return dirs;
+}
+
+std::vector<const ModuleSpec*> with_used_modules(const Rubric& rubric, const std::vector<const ModuleSpec*>& selected) {
+  std::vector<const ModuleSpec*> all = selected;
+  for (const ModuleSpec* m : selected)
+    for (const ModuleSpec* u : used_modules(rubric, *m))
+      if (std::find(all.begin(), all.end(), u) == all.end()) all.push_back(u);
+  return all;
+}
+
 WitnessVerdict read_witness_verdict(const std::string& json_text) {
   WitnessVerdict v;
   try {
@@ -864,6 +910,9 @@ json find_reference(const std::string& dir, const std::string& gpu, std::string*
 }
 
 GradeReport grade(const GradeOptions& o, std::ostream& progress) {
+  // What a run leaves behind in a session of its own becomes the grader's child, so it is found
+  // and killed after the run even when it wiped its environment (and with it the run's mark).
+  adopt_orphans();
   const Rubric rubric = load_rubric(o.rubric_path);
   std::vector<const ModuleSpec*> selected;
   if (o.modules.empty())
@@ -900,7 +949,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     // under test could not write the build tree (it ran as another user); where it runs as the
     // grader, a fresh stage makes every object be built again.
     if (runner.uid < 0) fs::remove_all(stage);
-    intake = take_submission(rubric, selected, o.submission_dir, o.root, stage);
+    intake = take_submission(rubric, with_used_modules(rubric, selected), o.submission_dir, o.root, stage);
     source_root = intake->staged_root;
     progress << "submission: staged in " << stage << "\n";
     for (const IntakeFile& f : intake->files)
@@ -936,7 +985,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
                                         "-DK2C_IMPL=" + o.impl};
   if (!o.generator.empty() && !fs::exists(build / "CMakeCache.txt"))
     configure.insert(configure.end(), {"-G", o.generator});
-  const ProcessResult conf = run_process(configure, {.timeout_s = 900});
+  const ProcessResult conf = run_process(configure, {.env = build_env(build), .timeout_s = 900});
   json build_info = json::object();
   if (conf.exit_code == 0) {
     try {
@@ -948,7 +997,9 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   // The grader's own runs of timed kernels (k2c_witness, k2c/testing/witness.h), built once before
   // any code under test runs and kept as built: its bytes are compared before every use, since the
   // build tree is not part of the course's fingerprint.
-  const bool witnessing = conf.exit_code == 0 && gpu_here && !o.sanitize &&
+  // Under --sanitize too: a report's passes are no more to be trusted there (the sanitizer is
+  // another check, not a replacement for these).
+  const bool witnessing = conf.exit_code == 0 && gpu_here &&
                           std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
                             return s->kind != "cpu" && std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) {
                                      return !t.witness.empty() || (t.perf && !t.perf->witness.empty());
@@ -959,7 +1010,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   // The grader's own check of distributed correctness tests (k2c_rank_witness), likewise: it needs
   // no GPU, and holds no student code either.
   const bool rank_witnessing =
-      conf.exit_code == 0 && !o.sanitize && std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
+      conf.exit_code == 0 && std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
         return std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) { return !t.rank_witness.empty(); });
       });
   const Checker rank_witness =
@@ -1015,7 +1066,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     progress << tag << ": building ...\n" << std::flush;
     const ProcessResult b = run_process(
         {"cmake", "--build", build.string(), "--target", "k2c_test_" + spec.id, "-j", std::to_string(jobs)},
-        {.timeout_s = 1800});
+        {.env = build_env(build), .timeout_s = 1800});
     if (b.exit_code != 0) {
       m.status = "build failed";
       m.detail = build_failure_detail(b.output);
@@ -1035,18 +1086,23 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     // or the compilers' and toolkits' folders. Anything else (the reference solution reached by
     // an absolute path or by `../` climbing out of the staging tree, a test's internals) is
     // refused, from the records the build itself wrote (either generator).
+    // The modules this one links are checked the same way, each against its own folders: their
+    // headers are this module's to read, and their code runs inside its tests.
+    const std::vector<const ModuleSpec*> used = used_modules(rubric, spec);
     if (intake) {
       const fs::path staged(intake->staged_root);
-      const TargetDeps deps = target_dependencies(build.string(), "k2c_impl_" + spec.id);
       std::string problem;
-      if (deps.target_found && !deps.error.empty())
-        problem = "cannot check what it includes: " + deps.error;
-      else if (deps.target_found)
-        problem = include_outside(deps,
-                                  {(staged / "assignments" / spec.id).string(), (staged / o.impl / spec.id).string(),
-                                   (staged / "common" / "include").string(),
-                                   (staged / "common" / "model" / "include").string()},
-                                  system_include_dirs(build.string()), {o.root, staged.string(), o.build_dir});
+      std::vector<const ModuleSpec*> checked = {&spec};
+      checked.insert(checked.end(), used.begin(), used.end());
+      for (const ModuleSpec* c : checked) {
+        const TargetDeps deps = target_dependencies(build.string(), "k2c_impl_" + c->id);
+        const std::vector<std::string> readable = readable_include_dirs(rubric, *c, staged.string(), o.impl);
+        if (deps.target_found && !deps.error.empty())
+          problem = "cannot check what it includes: " + deps.error;
+        else if (deps.target_found)
+          problem = include_outside(deps, readable, system_include_dirs(build.string()), {o.root, staged.string(), o.build_dir});
+        if (!problem.empty()) break;
+      }
       if (!problem.empty()) {
         // Shown relative to the staging tree, where the student's files have their rubric paths.
         for (auto at = problem.find(staged.string() + "/"); at != std::string::npos; at = problem.find(staged.string() + "/"))
@@ -1060,8 +1116,17 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     // What it may load at run time, read from the built library: the link check (no undefined
     // symbols) says nothing about a library opened with dlopen() once the tests are running.
     std::string loading;
+    auto linked_by = [&](const ModuleSpec& x) {  // the implementations x may link: those of the modules it uses
+      std::vector<std::string> names;
+      for (const ModuleSpec* u : used_modules(rubric, x)) names.push_back("libk2c_impl_" + u->id + ".so");
+      return names;
+    };
     if (const fs::path lib = impl_library(build, spec.id); !lib.empty())
-      loading = runtime_loading_problem(inspect_library(lib.string()));
+      loading = runtime_loading_problem(inspect_library(lib.string()), linked_by(spec));
+    for (const ModuleSpec* u : used)
+      if (const fs::path lib = impl_library(build, u->id); !lib.empty())
+        if (const std::string p = runtime_loading_problem(inspect_library(lib.string()), linked_by(*u)); !p.empty())
+          loading += (loading.empty() ? "" : "; ") + u->id + ": " + p;
 
     const double timeout = o.timeout_s > 0 ? o.timeout_s : spec.timeout_s;
     const fs::path program = build / "bin" / ("k2c_test_" + spec.id);

@@ -160,6 +160,18 @@ struct WitnessVerdict {
   int shapes = 0;      // a correctness run (--shapes): the shapes it checked
   std::string output;  // the end of what the test program printed, when it was at fault
 };
+// The earlier modules whose implementations module `m` links (the rubric's build "uses", and
+// theirs in turn), each once, nearest first.
+std::vector<const ModuleSpec*> used_modules(const Rubric& rubric, const ModuleSpec& m);
+// `selected` and every module they use: what a grading takes from a submission (the capstone is
+// built with the student's own data, tensor, pipeline and expert parallelism, not the stubs).
+std::vector<const ModuleSpec*> with_used_modules(const Rubric& rubric, const std::vector<const ModuleSpec*>& selected);
+// Where the headers that module m's implementation compiles from may lie, in the staging tree
+// `staged`: the harness's public headers, and the folders of m and of every module it uses
+// (whose contract headers the capstone includes), under assignments/ and under `impl`.
+std::vector<std::string> readable_include_dirs(const Rubric& rubric, const ModuleSpec& m, const std::string& staged,
+                                               const std::string& impl);
+
 WitnessVerdict read_witness_verdict(const std::string& json_text);
 
 // How much faster than the witness a test's own figure may be: the witness times whole windows on

@@ -553,7 +553,7 @@ LibraryFindings inspect_library(const std::string& path) {
   return f;
 }
 
-std::string runtime_loading_problem(const LibraryFindings& f) {
+std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<std::string>& linked) {
   if (!f.error.empty()) return "the implementation library could not be inspected (" + f.error + ")";
   // The loader's entry points: with any of them, code can pull in a vendor library (or the
   // reference solution's) after the link check has passed.
@@ -572,7 +572,8 @@ std::string runtime_loading_problem(const LibraryFindings& f) {
     if (kLoader.count(base) && calls.find(base) == std::string::npos) calls += (calls.empty() ? "" : ", ") + base;
   }
   for (const std::string& n : f.needed)
-    if (std::none_of(kAllowed.begin(), kAllowed.end(), [&](const std::string& a) { return n.rfind(a, 0) == 0; }))
+    if (std::none_of(kAllowed.begin(), kAllowed.end(), [&](const std::string& a) { return n.rfind(a, 0) == 0; }) &&
+        std::find(linked.begin(), linked.end(), n) == linked.end())
       links += (links.empty() ? "" : ", ") + n;
   if (!calls.empty()) why = "the implementation loads libraries at run time (" + calls + ")";
   if (!links.empty()) why += (why.empty() ? "" : "; ") + std::string("the implementation links ") + links;

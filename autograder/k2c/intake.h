@@ -109,7 +109,9 @@ LibraryFindings inspect_library(const std::string& path);
 // Why the library may be borrowing its speed ("" when nothing is suspicious): it calls the
 // loader (dlopen, dlsym, ...), links a library other than the C/C++ runtimes and the CUDA
 // runtime, or names a vendor library (libcublas, libcudnn, cutlass, ...).
-std::string runtime_loading_problem(const LibraryFindings& f);
+// `linked`: further libraries the implementation may link, by file name (the implementations of
+// the earlier modules it uses, `libk2c_impl_12_data_parallel.so`).
+std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<std::string>& linked = {});
 
 // ------------------------------------------------------------------- course fingerprint ---
 

@@ -6,6 +6,7 @@
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,6 +18,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <sstream>
+#include <vector>
 
 namespace k2c::grader {
 namespace {
@@ -190,13 +193,35 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
   return r;
 }
 
+void adopt_orphans() { prctl(PR_SET_CHILD_SUBREAPER, 1); }
+
+namespace {
+// The parent of /proc/PID (field 4 of its stat, after the command name, which may hold spaces and
+// parentheses); -1 if it cannot be read.
+int parent_of(const std::string& dir) {
+  std::ifstream in(dir + "/stat");
+  std::string stat;
+  std::getline(in, stat);
+  const std::size_t end = stat.rfind(')');
+  if (end == std::string::npos) return -1;
+  std::istringstream rest(stat.substr(end + 1));
+  std::string state;
+  int ppid = -1;
+  rest >> state >> ppid;
+  return ppid;
+}
+}  // namespace
+
 int kill_run_leftovers(int uid, const std::string& marker) {
   if (uid <= 0 || marker.empty()) return 0;  // never root's processes
   const std::string tag = "K2C_RUN=" + marker;
+  const int self = static_cast<int>(getpid());
   int killed = 0;
-  // A few passes: a process may fork while the folder is read.
-  for (int pass = 0; pass < 3; ++pass) {
+  // Several passes: a process may fork while the folder is read, and an adopted process's own
+  // children are adopted in turn once it is killed.
+  for (int pass = 0; pass < 10; ++pass) {
     int found = 0;
+    std::vector<pid_t> adopted;
     DIR* proc = opendir("/proc");
     if (proc == nullptr) break;
     while (const dirent* e = readdir(proc)) {
@@ -205,13 +230,21 @@ int kill_run_leftovers(int uid, const std::string& marker) {
       const std::string dir = std::string("/proc/") + name;
       struct stat st {};
       if (stat(dir.c_str(), &st) != 0 || static_cast<int>(st.st_uid) != uid) continue;
+      const pid_t pid = static_cast<pid_t>(std::atoi(name));
+      const bool ours_by_birth = parent_of(dir) == self;
       std::ifstream environ(dir + "/environ", std::ios::binary);
       std::string entry;
-      bool ours = false;
+      bool ours = ours_by_birth;
       while (!ours && std::getline(environ, entry, '\0')) ours = entry == tag;
-      if (ours && kill(static_cast<pid_t>(std::atoi(name)), SIGKILL) == 0) ++found;
+      if (ours && kill(pid, SIGKILL) == 0) {
+        ++found;
+        if (ours_by_birth) adopted.push_back(pid);
+      }
     }
     closedir(proc);
+    // An adopted process is this one's child: reaped here, or it would stay a zombie.
+    for (const pid_t pid : adopted)
+      for (int i = 0; i < 50 && waitpid(pid, nullptr, WNOHANG) == 0; ++i) usleep(2000);
     killed += found;
     if (found == 0) break;
   }

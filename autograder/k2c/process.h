@@ -38,11 +38,17 @@ struct ProcessOptions {
 
 ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& options);
 
+// Makes this process the adopter of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process
+// that a run leaves behind in a session of its own becomes this process's child instead of init's,
+// whatever it does to its environment. The grader calls it once, before its first run.
+void adopt_orphans();
+
 // Kills what a run left behind, detached from its process group, to meddle with later runs: every
 // process of user `uid` whose environment holds K2C_RUN=`marker` (the grader sets a fresh marker
-// for each run; descendants inherit it). Processes of other runs as the same user (a second
-// grader on the machine) are left alone. Reading other users' environments needs root. Returns
-// the number of processes killed.
+// for each run; descendants inherit it), and every process of that user this process adopted
+// (adopt_orphans: one that cleared its environment too), reaping those. Processes of other runs
+// as the same user (a second grader on the machine) are left alone. Reading other users'
+// environments needs root. Returns the number of processes killed.
 int kill_run_leftovers(int uid, const std::string& marker);
 
 // `bytes` as well-formed UTF-8: a byte that does not start a well-formed character (an overlong

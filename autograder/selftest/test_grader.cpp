@@ -610,16 +610,37 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   if (id.exit_code == 125) GTEST_SKIP() << "this root cannot switch users: " << id.output;  // no CAP_SETUID
   EXPECT_EQ(id.exit_code, 0) << id.output;
   EXPECT_EQ(id.output, std::to_string(uid) + "\n" + std::to_string(gid) + "\n" + std::to_string(gid) + "\n");
-  // Two stragglers in sessions of their own, out of reach of the group kill: one from "our" run,
-  // one from another run of the same user.
+  // Stragglers in sessions of their own, out of reach of the group kill: one from another run of
+  // the same user (another grader's: not adopted by this process), then two from "our" run, one of
+  // which wiped its environment and with it the run's mark (found because this process adopted it).
   const std::string ours = "selftest-ours-" + std::to_string(getpid()), theirs = "selftest-theirs-" + std::to_string(getpid());
-  for (const std::string& mark : {ours, theirs}) {
-    // The shell waits a moment before it exits: the group kill at its end must find the sleeper
-    // already in its own session.
-    const auto stray = k2c::grader::run_process({"sh", "-c", "setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo started"},
-                                                {.env = {{"K2C_RUN", mark}}, .uid = uid, .gid = gid});
+  // The shell waits a moment before it exits: the group kill at its end must find the sleeper
+  // already in its own session.
+  auto straggle = [&](const std::string& mark, const char* command) {
+    const auto stray = k2c::grader::run_process({"sh", "-c", command}, {.env = {{"K2C_RUN", mark}}, .uid = uid, .gid = gid});
     EXPECT_EQ(stray.exit_code, 0) << stray.output;
-  }
+  };
+  straggle(theirs, "setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo started");
+  k2c::grader::adopt_orphans();
+  straggle(ours, "setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo started");
+  straggle(ours, "setsid env -i sleep 301 > /dev/null 2>&1 & sleep 1; echo started");
+  auto adopted = [&] {  // live processes of uid whose parent is this process, from /proc
+    int n = 0;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc", ec)) {
+      std::ifstream status(e.path() / "status");
+      std::string line;
+      int owner = -1, parent = -1;
+      bool zombie = false;
+      while (std::getline(status, line)) {
+        if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
+        if (line.rfind("PPid:", 0) == 0) parent = std::stoi(line.substr(5));
+        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
+      }
+      n += owner == uid && parent == static_cast<int>(getpid()) && !zombie;
+    }
+    return n;
+  };
   auto sleepers = [&](const std::string& mark) {  // live processes of uid carrying the mark, from /proc
     int n = 0;
     std::error_code ec;
@@ -637,11 +658,13 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
     }
     return n;
   };
-  for (int i = 0; i < 100 && (sleepers(ours) == 0 || sleepers(theirs) == 0); ++i) usleep(20000);
-  EXPECT_GT(sleepers(ours), 0);
-  EXPECT_GT(k2c::grader::kill_run_leftovers(uid, ours), 0);
-  for (int i = 0; i < 100 && sleepers(ours) > 0; ++i) usleep(20000);
+  for (int i = 0; i < 100 && (sleepers(ours) == 0 || sleepers(theirs) == 0 || adopted() < 2); ++i) usleep(20000);
+  EXPECT_EQ(sleepers(ours), 1);
+  EXPECT_EQ(adopted(), 2);  // the marked sleeper and the one without a mark
+  EXPECT_EQ(k2c::grader::kill_run_leftovers(uid, ours), 2);
+  for (int i = 0; i < 100 && (sleepers(ours) > 0 || adopted() > 0); ++i) usleep(20000);
   EXPECT_EQ(sleepers(ours), 0);
+  EXPECT_EQ(adopted(), 0) << "a leftover without the run's mark survived";
   EXPECT_GT(sleepers(theirs), 0) << "another run's process was killed";
   EXPECT_EQ(k2c::grader::kill_run_leftovers(0, theirs), 0) << "root's processes are never a run's leftovers";
   k2c::grader::kill_run_leftovers(uid, theirs);
@@ -1257,6 +1280,48 @@ TEST(Trust, ReadsWhatALibraryLoads) {
   auto named = clean;
   named.vendor_strings = {"cutlass"};
   EXPECT_NE(k2c::grader::runtime_loading_problem(named).find("cutlass"), std::string::npos);
+  // The capstone links the implementations of the modules it uses, those and no others.
+  auto capstone = clean;
+  capstone.needed.push_back("libk2c_impl_12_data_parallel.so");
+  EXPECT_NE(k2c::grader::runtime_loading_problem(capstone).find("links libk2c_impl_12_data_parallel.so"), std::string::npos);
+  EXPECT_EQ(k2c::grader::runtime_loading_problem(capstone, {"libk2c_impl_12_data_parallel.so"}), "");
+  EXPECT_NE(k2c::grader::runtime_loading_problem(capstone, {"libk2c_impl_13_zero.so"}), "");
+}
+
+// A module that links earlier modules' implementations (the capstone) is built from the student's
+// own: a grading of it alone takes their files too, and checks their includes and libraries.
+TEST(Rubric, AModuleBringsTheModulesItUses) {
+  const k2c::Rubric rubric = k2c::parse_rubric(R"({"version": 1, "max_file_bytes": 10, "modules": [
+    {"id": "60_a", "title": "a", "kind": "cpu", "timeout_s": 9, "files": [], "tests": [{"name": "A.B", "points": 1}]},
+    {"id": "61_b", "title": "b", "kind": "cpu", "timeout_s": 9, "files": [], "build": {"uses": ["60_a"]}, "tests": [{"name": "A.B", "points": 1}]},
+    {"id": "62_c", "title": "c", "kind": "cpu", "timeout_s": 9, "files": [], "build": {"uses": ["61_b", "60_a"]}, "tests": [{"name": "A.B", "points": 1}]},
+    {"id": "63_d", "title": "d", "kind": "cpu", "timeout_s": 9, "files": [], "tests": [{"name": "A.B", "points": 1}]}]})");
+  auto ids = [](const std::vector<const k2c::ModuleSpec*>& v) {
+    std::vector<std::string> out;
+    for (const k2c::ModuleSpec* m : v) out.push_back(m->id);
+    return out;
+  };
+  using k2c::grader::used_modules;
+  using k2c::grader::with_used_modules;
+  EXPECT_EQ(ids(used_modules(rubric, *rubric.find("62"))), (std::vector<std::string>{"61_b", "60_a"}));  // each once
+  EXPECT_EQ(ids(used_modules(rubric, *rubric.find("61"))), (std::vector<std::string>{"60_a"}));
+  EXPECT_TRUE(used_modules(rubric, *rubric.find("63")).empty());
+  EXPECT_EQ(ids(with_used_modules(rubric, {rubric.find("63"), rubric.find("62")})),
+            (std::vector<std::string>{"63_d", "62_c", "61_b", "60_a"}));
+  // The course's capstone: the data, ZeRO, tensor, pipeline and expert parallelism of the student,
+  // whose contract headers it includes (refused as "outside the submission" when only 18's own
+  // folder was readable: every submission of 18 was).
+  const k2c::Rubric course = k2c::load_rubric(K2C_RUBRIC_PATH);
+  EXPECT_EQ(ids(used_modules(course, *course.find("18"))),
+            (std::vector<std::string>{"12_data_parallel", "13_zero", "14_tensor_parallel", "15_pipeline_parallel",
+                                      "17_expert_parallel"}));
+  const std::vector<std::string> dirs = k2c::grader::readable_include_dirs(course, *course.find("18"), "/s", "assignments");
+  for (const char* d : {"/s/assignments/18_capstone", "/s/assignments/13_zero", "/s/assignments/17_expert_parallel",
+                        "/s/common/include", "/s/common/model/include"})
+    EXPECT_NE(std::find(dirs.begin(), dirs.end(), d), dirs.end()) << d;
+  for (const std::string& d : dirs) EXPECT_EQ(d.find("16_sequence_parallel"), std::string::npos) << d;  // not used
+  const std::vector<std::string> own = k2c::grader::readable_include_dirs(course, *course.find("11"), "/s", "assignments");
+  EXPECT_EQ(own.size(), 4u);  // the harness's two folders and 11's own (twice: the same tree)
 }
 
 TEST(Trust, CourseFingerprintNoticesEveryRewrite) {

@@ -14,6 +14,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -126,25 +127,38 @@ std::string receive(int fd, void* data, std::size_t n, Deadline deadline, const 
   return "";
 }
 
-// The listening socket at `path`, reachable by the test program's user (the folder around it is
-// that user's alone); -1 and `why` when it cannot be made.
-int listen_at(const std::string& path, int ranks, std::string& why) {
-  sockaddr_un addr{};
-  if (path.size() >= sizeof addr.sun_path) {
-    why = "the socket path " + path + " is too long";
+// The listening socket, in a folder of its own that this process makes and owns (0711: the test
+// program's user may reach the socket but neither list nor change the folder), so nothing the test
+// program's user does can stand in its way or turn the socket's path into a link: the run folder
+// is that user's, and a process it left behind could be waiting there. -1 and `why` when it cannot
+// be made; `folder` is then "" or the folder to remove.
+int listen_privately(int ranks, std::string& folder, std::string& path, std::string& why) {
+  char templ[] = "/tmp/k2c-rank-witness-XXXXXX";
+  if (mkdtemp(templ) == nullptr) {
+    why = std::string("cannot make the checker's socket folder: ") + std::strerror(errno);
     return -1;
   }
+  folder = templ;
+  path = folder + "/socket";
+  sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size());
-  unlink(path.c_str());
+  std::memcpy(addr.sun_path, path.c_str(), path.size());  // 35 bytes, well inside sun_path
+  // A chmod by path is safe here: no one else can write in the folder.
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 || listen(fd, ranks) != 0 ||
-      chmod(path.c_str(), 0666) != 0) {
+  if (chmod(templ, 0711) != 0 || fd < 0 || bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
+      listen(fd, ranks) != 0 || chmod(path.c_str(), 0666) != 0) {
     why = "cannot listen at " + path + ": " + std::strerror(errno);
     if (fd >= 0) close(fd);
     return -1;
   }
   return fd;
+}
+
+// A rank's connection, its sends bounded in time: a rank that stops reading (its buffer full with
+// a large case) must cost a case's time, not hold the checker until the grader kills it.
+void bound_sends(int fd) {
+  timeval limit{static_cast<time_t>(kCaseSeconds), 0};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
 }
 
 int run(const Args& a) {
@@ -164,10 +178,10 @@ int run(const Args& a) {
     write_verdict(a.out, verdict("grader", "k2c_rank_witness could not draw a case of '" + a.name + "': " + e.what()));
     return 0;
   }
-  const std::string path = (a.cwd.empty() ? std::string(".") : a.cwd) + "/rank_witness.sock";
-  std::string why;
-  const int listener = listen_at(path, a.ranks, why);
+  std::string folder, path, why;
+  const int listener = listen_privately(a.ranks, folder, path, why);
   if (listener < 0) {
+    if (!folder.empty()) rmdir(folder.c_str());
     write_verdict(a.out, verdict("grader", why));
     return 0;
   }
@@ -191,9 +205,9 @@ int run(const Args& a) {
   std::vector<int> rank_fd(a.ranks, -1);
   auto finish = [&](const std::string& fault, const std::string& problem) {
     for (int fd : rank_fd)
-      if (fd >= 0) {
+      if (fd >= 0) {  // a courtesy: a rank that does not take it is killed below anyway
         wr::Job end;
-        k2c::send_fully(fd, &end, sizeof end);
+        (void)!send(fd, &end, sizeof end, MSG_NOSIGNAL | MSG_DONTWAIT);
       }
     for (int i = 0; i < 100 && !child_done.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     if (const int pid = child_pid.load(); pid > 0 && !child_done.load()) kill(-pid, SIGKILL);
@@ -202,6 +216,7 @@ int run(const Args& a) {
       if (fd >= 0) close(fd);
     close(listener);
     unlink(path.c_str());
+    rmdir(folder.c_str());
     json v = verdict(fault, problem);
     v["seed"] = std::to_string(seed);  // a string: JSON readers round integers above 2^53
     if (!fault.empty()) v["output"] = k2c::grader::utf8_tail(child.output, 4000);
@@ -226,6 +241,7 @@ int run(const Args& a) {
     }
     const int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
+    bound_sends(fd);
     wr::Hello hello;
     if (const std::string late = receive(fd, &hello, sizeof hello, start_deadline, child_done); !late.empty()) {
       close(fd);
