@@ -372,7 +372,8 @@ struct Checker {
 std::vector<std::pair<std::string, std::string>> build_env(const fs::path& build) {
   const fs::path tmp = build / "tmp";
   std::error_code ec;
-  if (fs::is_symlink(tmp, ec) || (fs::exists(tmp, ec) && !fs::is_directory(fs::symlink_status(tmp, ec)))) fs::remove(tmp, ec);
+  const fs::file_status st = fs::symlink_status(tmp, ec);
+  if (fs::exists(st) && !fs::is_directory(st)) fs::remove(tmp, ec);  // a file, or a link, where the folder goes
   fs::create_directories(tmp, ec);
   fs::permissions(tmp, fs::perms::owner_all, fs::perm_options::replace, ec);
   return {{"TMPDIR", tmp.string()}};
