@@ -308,7 +308,8 @@ const std::vector<std::string> kSanitizer = {"compute-sanitizer", "--tool", "mem
 // One run of k2c_witness `bin` for witness `name` of test program `program`, which it starts as
 // `runner` in a fresh run folder; its verdict is written to a folder of the grader's own (0700),
 // out of the test program's reach. What that run left behind is killed afterwards.
-// `shapes` > 0: a correctness run over that many shapes, see k2c_witness.
+// `shapes` > 0: a correctness run over that many shapes, see k2c_witness. `ceiling`: for a timed
+// run, the rubric's name of the test's ceiling, which the checker measures too where it knows it.
 // Runs one of the grader's checkers (k2c_witness, k2c_rank_witness: the same options up to `--`)
 // in a fresh folder of the runner's, and reads its verdict; a grader fault says why there is none.
 WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const std::vector<std::string>& options,
@@ -333,9 +334,10 @@ WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const s
 }
 
 WitnessVerdict run_witness(const fs::path& bin, const std::string& name, const fs::path& program, const Runner& runner,
-                           double timeout, int shapes) {
+                           double timeout, int shapes, const std::string& ceiling) {
   std::vector<std::string> options;
   if (shapes > 0) options = {"--shapes", std::to_string(shapes)};
+  if (!ceiling.empty()) options.insert(options.end(), {"--ceiling", ceiling});
   // Each of its sessions (the calibration and the test program's, or one per shape) ends within
   // the test program's own limit; the checker's own work adds little.
   return run_checker(bin, name, options, {program.string()}, runner, timeout, std::max(shapes, 1) * (timeout + 30) + 60);
@@ -1237,11 +1239,11 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
           progress << tag << ": the grader's own check of " << ts.name << " at " << kRecheckShapes
                    << " shapes it draws ...\n" << std::flush;
           record_recheck(m, ts.name, "k2c_witness",
-                         run_witness(witness.bin, ts.witness, program, runner, timeout, kRecheckShapes), tag, progress);
+                         run_witness(witness.bin, ts.witness, program, runner, timeout, kRecheckShapes, ""), tag, progress);
           continue;
         }
         progress << tag << ": the grader's own run of " << ts.name << " ...\n" << std::flush;
-        const WitnessVerdict v = run_witness(witness.bin, ts.perf->witness, program, runner, timeout, 0);
+        const WitnessVerdict v = run_witness(witness.bin, ts.perf->witness, program, runner, timeout, 0, ts.perf->ceiling);
         if (v.fault.empty()) {
           std::ostringstream os;
           os << std::setprecision(4) << tag << ": " << ts.name << ": the report says " << t->perf->achieved << " "

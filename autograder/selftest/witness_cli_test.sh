@@ -20,13 +20,16 @@ status=0
 status=0
 "$witness" copy --out "$work/v.json" --shapes 1000 -- true > "$work/bad.txt" 2>&1 || status=$?
 [ "$status" = 2 ] && grep -q -- "--shapes: expected 0 to 64" "$work/bad.txt" || fail "--shapes 1000 was not refused"
+status=0
+"$witness" copy --out "$work/v.json" --ceiling > "$work/bad.txt" 2>&1 || status=$?
+[ "$status" = 2 ] && grep -q -- "--ceiling needs a value" "$work/bad.txt" || fail "--ceiling without a name was not refused"
 
 "$witness" no_such_witness --out "$work/unknown.json" -- true
 grep -q '"fault": "grader"' "$work/unknown.json" && grep -q "has no witness named 'no_such_witness'" "$work/unknown.json" ||
   { cat "$work/unknown.json"; fail "an unknown witness is not the grader's fault"; }
 
 ls /dev/nvidia0 >/dev/null 2>&1 && { echo "an NVIDIA device is here: witness_test.sh covers the rest"; exit 77; }
-"$witness" copy --out "$work/nodevice.json" -- true
+"$witness" copy --ceiling "cudaMemcpy D2D" --out "$work/nodevice.json" -- true
 grep -q '"fault": "grader"' "$work/nodevice.json" && grep -q "no CUDA device" "$work/nodevice.json" ||
   { cat "$work/nodevice.json"; fail "a machine without a device is not the grader's fault"; }
 "$witness" softmax_fast --shapes 3 --out "$work/nodevice_shapes.json" -- true

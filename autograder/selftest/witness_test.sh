@@ -10,7 +10,10 @@
 #     checked the output itself;
 #   - the reference at the timed width only (nothing at any other), its report forged to say
 #     every test passed at the speed this GPU measured: the figure stands, and the fast softmax's correctness
-#     test fails on the grader's own check at shapes it drew.
+#     test fails on the grader's own check at shapes it drew;
+#   - the reference as it is, its report's ceiling (the copy rate) forged to 0.8 of what was
+#     measured, which lifts the ratio by a quarter (still below the rubric's limit of what is
+#     possible): void, the grader measured the ceiling itself.
 set -euo pipefail
 k2c=$1
 work=$2
@@ -36,10 +39,13 @@ grep -o '"achieved": [0-9.e+]*\|"witnessed": [0-9.e+]*' "$work/reference.json"
 grep -q '"rechecked": "checked again at 3 shapes the grader drew"' "$work/reference.json" ||
   { grep -n rechecked "$work/reference.json"; echo "FAIL: the reference's fast softmax was not checked again"; exit 1; }
 
-for case in slow wrong tail; do
+for case in slow wrong tail ceiling; do
   sub="$work/$case/submission"
   mkdir -p "$sub/assignments/06_softmax"
-  if [ "$case" != wrong ]; then
+  if [ "$case" = ceiling ]; then
+    { echo "#define K2C_FORGER_HONEST_SPEED 1"; echo "#define K2C_FORGER_CEILING_SCALE 0.8"
+      cat "$here/witness/forger.inc" "$root/solutions/06_softmax/softmax.cu"; } > "$sub/assignments/06_softmax/softmax.cu"
+  elif [ "$case" != wrong ]; then
     # The tail forgery lies about correctness only: its report keeps the speed this GPU measured.
     { [ "$case" = tail ] && echo "#define K2C_FORGER_HONEST_SPEED 1"
       cat "$here/witness/forger.inc"; grep -v '#include "dispatch.h"' "$root/solutions/06_softmax/softmax.cu"
@@ -62,4 +68,10 @@ grep -q "the grader's own run of the timed kernel failed: window 1, launch 1 of"
   { echo "FAIL: the wrong forgery was voided for another reason"; exit 1; }
 grep -q "the grader's own run at shapes it drew: at shape" "$work/tail.json" ||
   { echo "FAIL: the tail forgery's correctness test did not fail on the grader's own check"; exit 1; }
-echo "PASS: the witness voids both forgeries, fails the third's unwritten shapes, and agrees with the reference"
+grep -q "the report's ceiling (cudaMemcpy D2D) is [0-9.e+]* GB/s, the grader measured" "$work/ceiling.json" ||
+  { echo "FAIL: the ceiling forgery was voided for another reason"; exit 1; }
+# The reference's honest ceiling was measured by the grader too, and let stand.
+grep -q '"witnessed_ceiling": [0-9]' "$work/reference.json" ||
+  { grep -n ceiling "$work/reference.json"; echo "FAIL: the grader did not measure the reference's ceiling"; exit 1; }
+grep -o '"ceiling": [0-9.e+]*\|"witnessed_ceiling": [0-9.e+]*' "$work/reference.json"
+echo "PASS: the witness voids the forgeries of rate, output and ceiling, fails the unwritten shapes, and agrees with the reference"

@@ -1,7 +1,7 @@
 // k2c_witness — the grader's own run of one timed kernel, in a process with no student code.
 //
-//   k2c_witness NAME --out VERDICT.json [--shapes N] [--timeout S] [--uid U --gid G] [--cwd DIR]
-//               [--env K=V]... -- TEST_PROGRAM [ARGS...]
+//   k2c_witness NAME --out VERDICT.json [--shapes N] [--ceiling CEILING] [--timeout S]
+//               [--uid U --gid G] [--cwd DIR] [--env K=V]... -- TEST_PROGRAM [ARGS...]
 //
 // Two kinds of run. Timed (the default): the kernel at its performance test's shape, in windows
 // the checker clocks, a sample of each launch's output checked. Correctness (--shapes N): N shapes
@@ -14,6 +14,9 @@
 // fault it was: "grader" when the checker could not set the run up (no device, no CUDA IPC),
 // "submission" for anything that happened once the test program was started, including its
 // silence. The grader (k2c grade) compares the rate with the test program's own report.
+// With --ceiling, a timed run also measures the ceiling the rubric names for the test (those this
+// program knows, see measure_ceiling), before the test program starts: the grader holds the
+// report's ceiling against it, as it holds the report's rate against the witnessed one.
 //
 // A window holds more than the work: the socket's round trip, the GPU's switch from this process's
 // context to the test program's and back, the read of the outputs (about 0.6 ms on an H200, as
@@ -31,6 +34,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -45,6 +49,7 @@
 #include "k2c/core/random.h"
 #include "k2c/device/device.h"
 #include "k2c/device/timing.h"
+#include "k2c/reference/ceilings.h"
 #include "k2c/testing/witness.h"
 #include "process.h"
 #include "specs.h"
@@ -64,7 +69,8 @@ constexpr std::size_t kSetBudget = std::size_t{16} << 30;
 
 struct Args {
   std::string name, out;
-  int shapes = 0;  // > 0: a correctness run over that many drawn shapes
+  int shapes = 0;       // > 0: a correctness run over that many drawn shapes
+  std::string ceiling;  // the rubric's name of the timed test's ceiling ("": none measured)
   double timeout_s = 300;
   int uid = -1, gid = -1;
   std::string cwd;
@@ -89,6 +95,7 @@ Args parse(int argc, char** argv) {
     if (arg == "--out") a.out = value();
     else if (arg == "--timeout") a.timeout_s = std::stod(value());
     else if (arg == "--shapes") a.shapes = std::stoi(value());
+    else if (arg == "--ceiling") a.ceiling = value();
     else if (arg == "--uid") a.uid = std::stoi(value());
     else if (arg == "--gid") a.gid = std::stoi(value());
     else if (arg == "--cwd") a.cwd = value();
@@ -107,6 +114,20 @@ Args parse(int argc, char** argv) {
 }
 
 using k2c::witness_io::write_verdict;
+
+// The ceiling the rubric calls `name`, in the rubric's unit, measured as the test programs measure
+// it (k2c/reference/ceilings.h); nothing for a ceiling this program does not know (those measured
+// inside a test, interleaved with the kernel's own repeats). Where tests measure one ceiling at
+// several sizes, the size that gives the lowest of them: the grader voids only a report whose
+// ceiling is well below this one, so it must never be above an honest report's.
+std::optional<double> measure_ceiling(const std::string& name) {
+  if (name == "cudaMemcpy D2D") return k2c::copy_bandwidth() / 1e9;  // GB/s; every such test copies 1 GiB
+  if (name == "fp32 peak") return k2c::fp32_peak_flops(k2c::device_info()) / 1e12;
+  if (name == "cuBLAS SGEMM") return k2c::sgemm_rate(4096) / 1e12;
+  if (name == "naive SGEMM") return k2c::naive_sgemm_rate(4096) / 1e12;
+  if (name == "cuBLAS bf16 GEMM") return k2c::bf16_gemm_rate(4096) / 1e12;  // tests take 4096 or 8192 (faster)
+  return std::nullopt;
+}
 
 json verdict(const std::string& name, const std::string& fault, const std::string& problem) {
   return {{"witness", name}, {"fault", fault}, {"problem", problem}};
@@ -457,6 +478,15 @@ int run(const Args& a) {
     return 0;
   }
   const double overhead_ms = *std::min_element(calibration.window_ms.begin(), calibration.window_ms.end());
+  // The test's ceiling, on a device no code under test has touched yet. Should it fail, the rate
+  // is still judged; the verdict says why the ceiling is not.
+  std::optional<double> ceiling;
+  std::string ceiling_problem;
+  try {
+    if (!a.ceiling.empty()) ceiling = measure_ceiling(a.ceiling);
+  } catch (const std::exception& e) {
+    ceiling_problem = e.what();
+  }
 
   // ---- from here on the test program runs: what goes wrong is the submission's ---------------
   write_verdict(a.out, verdict(a.name, "submission", "the witness run ended before the checker could judge it"));
@@ -482,6 +512,8 @@ int run(const Args& a) {
   v["sets"] = layout.sets;
   v["window_ms"] = s.window_ms;
   v["overhead_ms"] = calibration.window_ms;
+  if (ceiling) v["ceiling"] = *ceiling, v["ceiling_name"] = a.ceiling;
+  if (!ceiling_problem.empty()) v["ceiling_problem"] = ceiling_problem;
   write_verdict(a.out, v);
   return 0;
 }
