@@ -11,9 +11,9 @@
 #   - the reference at the timed width only (nothing at any other), its report forged to say
 #     every test passed at the speed this GPU measured: the figure stands, and the fast softmax's correctness
 #     test fails on the grader's own check at shapes it drew;
-#   - the reference as it is, its report's ceiling (the copy rate) forged to 0.8 of what was
-#     measured, which lifts the ratio by a quarter (still below the rubric's limit of what is
-#     possible): void, the grader measured the ceiling itself.
+#   - the reference as it is, its report's ceiling (the copy rate) forged to 0.85 of what was
+#     measured, which lifts the ratio by 18% (still below the rubric's limit of what is
+#     possible, 1.25): void, the grader measured the ceiling itself.
 set -euo pipefail
 k2c=$1
 work=$2
@@ -43,7 +43,7 @@ for case in slow wrong tail ceiling; do
   sub="$work/$case/submission"
   mkdir -p "$sub/assignments/06_softmax"
   if [ "$case" = ceiling ]; then
-    { echo "#define K2C_FORGER_HONEST_SPEED 1"; echo "#define K2C_FORGER_CEILING_SCALE 0.8"
+    { echo "#define K2C_FORGER_HONEST_SPEED 1"; echo "#define K2C_FORGER_CEILING_SCALE 0.85"
       cat "$here/witness/forger.inc" "$root/solutions/06_softmax/softmax.cu"; } > "$sub/assignments/06_softmax/softmax.cu"
   elif [ "$case" != wrong ]; then
     # The tail forgery lies about correctness only: its report keeps the speed this GPU measured.
