@@ -74,6 +74,13 @@ function(k2c_add_module id)
     endif()
   endif()
   add_library(k2c_impl_${id} SHARED ${impl_src} ${extra_src})
+  # The only target that compiles a student's files. The grader, grading a submission, compiles
+  # them as the account that runs its tests (K2C_COMPILE_AS: `k2c compile-as`, see
+  # autograder/k2c/process.h), so that what they read at build time is read with its rights.
+  if(K2C_COMPILE_AS)
+    set_target_properties(k2c_impl_${id} PROPERTIES CXX_COMPILER_LAUNCHER "${K2C_COMPILE_AS}"
+                                                    CUDA_COMPILER_LAUNCHER "${K2C_COMPILE_AS}")
+  endif()
   target_include_directories(k2c_impl_${id} PUBLIC ${root}/assignments/${id})
   target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers)
   # The course's NVTX ranges compile to nothing in student code (see k2c/device/nvtx.h).

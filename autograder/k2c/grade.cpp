@@ -419,6 +419,24 @@ int rank_witness_ranks(const ModuleSpec& spec) {
 
 }  // namespace
 
+// The first compiler of the build tree's cache (C++, CUDA) that users other than its owner cannot
+// run (a folder on its way not searchable by others, or the file not executable by them), or "".
+std::string compilers_out_of_reach(const fs::path& build) {
+  std::istringstream cache(read_file(build / "CMakeCache.txt"));
+  for (std::string line; std::getline(cache, line);) {
+    if (line.rfind("CMAKE_CXX_COMPILER:", 0) != 0 && line.rfind("CMAKE_CUDA_COMPILER:", 0) != 0) continue;
+    std::error_code ec;
+    const fs::path compiler = fs::canonical(line.substr(line.find('=') + 1), ec);
+    if (ec) continue;  // not a path CMake kept: its own check is the configure's
+    std::string blocked;
+    struct stat st {};
+    if (!searchable_by_others(compiler.parent_path(), blocked) || stat(compiler.c_str(), &st) != 0 ||
+        !(st.st_mode & S_IXOTH))
+      return compiler.string();
+  }
+  return "";
+}
+
 double GradeReport::points() const {
   double s = 0;
   for (const auto& m : modules) s += m.points;
@@ -988,7 +1006,23 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
                                         "-DK2C_IMPL=" + o.impl};
   if (!o.generator.empty() && !fs::exists(build / "CMakeCache.txt"))
     configure.insert(configure.end(), {"-G", o.generator});
-  const ProcessResult conf = run_process(configure, {.env = build_env(build), .timeout_s = 900});
+  // A submission's files compile as the runner (compile_as, through CMake's compiler launcher):
+  // what they #include or embed is read with its rights, not the grader's. Empty, and so cleared
+  // from the cache, where code under test runs as the grader, or the tree graded is the grader's.
+  std::string compile_as;
+  if (intake && runner.uid >= 0)
+    compile_as = fs::read_symlink("/proc/self/exe").string() + ";compile-as;" + std::to_string(runner.uid) + ";" +
+                 std::to_string(runner.gid) + ";--";
+  configure.push_back("-DK2C_COMPILE_AS=" + compile_as);
+  ProcessResult conf = run_process(configure, {.env = build_env(build), .timeout_s = 900});
+  // The runner must reach the compilers the build found (a toolkit under /root it cannot): where
+  // it cannot, the files compile as the grader, as the report says.
+  if (const std::string far = compilers_out_of_reach(build); conf.exit_code == 0 && !compile_as.empty() && !far.empty()) {
+    configure.back() = "-DK2C_COMPILE_AS=";
+    conf = run_process(configure, {.env = build_env(build), .timeout_s = 900});
+    report.runner += "; the submission's files compile as the grader: " + runner.name + " cannot run " + far;
+    progress << "the submission's files compile as the grader: " << runner.name << " cannot run " << far << "\n";
+  }
   json build_info = json::object();
   if (conf.exit_code == 0) {
     try {

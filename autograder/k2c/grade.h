@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <optional>
@@ -171,6 +172,10 @@ std::vector<const ModuleSpec*> with_used_modules(const Rubric& rubric, const std
 // (whose contract headers the capstone includes), under assignments/ and under `impl`.
 std::vector<std::string> readable_include_dirs(const Rubric& rubric, const ModuleSpec& m, const std::string& staged,
                                                const std::string& impl);
+
+// The first compiler of the build tree's cache (C++, CUDA) that users other than its owner cannot
+// run, or "": a submission's files compile as the runner only where it can run them.
+std::string compilers_out_of_reach(const std::filesystem::path& build);
 
 WitnessVerdict read_witness_verdict(const std::string& json_text);
 

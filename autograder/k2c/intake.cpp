@@ -294,6 +294,9 @@ Intake take_submission(const Rubric& rubric, const std::vector<const ModuleSpec*
       else {
         const fs::path copy = taken / std::to_string(taken_count++);
         fs::copy_file(found, copy);
+        // Readable by all, whatever its mode was: the account that runs the tests compiles it too.
+        fs::permissions(copy, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                                  fs::perms::others_read, fs::perm_options::replace);
         staged[fs::path(f).lexically_normal().string()] = copy.string();
       }
       in.files.push_back(item);

@@ -51,6 +51,16 @@ void adopt_orphans();
 // environments needs root. Returns the number of processes killed.
 int kill_run_leftovers(int uid, const std::string& marker);
 
+// The compiler launcher of a submission's files: `k2c compile-as UID GID -- COMPILER ARGS...`,
+// which CMake runs in place of the compiler for the implementation libraries when the grader
+// configures with K2C_COMPILE_AS. The compile runs as that user, so whatever the files #include or
+// embed (`.incbin`) is read with that user's rights, not the grader's: a file only root may read
+// stays unread, and no compiler message quotes it. Its object (-o) and dependency file (-MF) are
+// written into a fresh folder of that user's, then copied by the grader where the build expects
+// them, into a tree the user cannot write. Returns the compiler's exit status (1 for a compiler
+// that did not exit); what it printed goes to stderr.
+int compile_as(int uid, int gid, const std::vector<std::string>& command);
+
 // `bytes` as well-formed UTF-8: a byte that does not start a well-formed character (an overlong
 // form, a surrogate, a character cut by the capture's head and tail) becomes U+FFFD. Whatever a
 // program prints ends in the JSON reports, whose writer refuses anything else.

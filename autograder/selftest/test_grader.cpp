@@ -670,6 +670,50 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   k2c::grader::kill_run_leftovers(uid, theirs);
 }
 
+// A file only root may read, for the tests of what a submission's build reads.
+fs::path root_only_secret() {
+  const fs::path secret = kTmp / "root_only_secret.txt";
+  std::ofstream(secret) << "K2C-ROOT-ONLY-SECRET\n";
+  fs::permissions(secret, fs::perms::owner_read | fs::perms::owner_write, fs::perm_options::replace);
+  return secret;
+}
+
+// `k2c compile-as`, the build's launcher for a submission's files: the compile runs as the other
+// user, so a file only root may read is not read (and no message quotes it), while a plain compile
+// leaves its object where the build expects it.
+TEST(Process, CompilesAsAnotherUserWhoCannotReadRootsFiles) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  const passwd* nobody = getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody here";
+  const std::string uid = std::to_string(nobody->pw_uid), gid = std::to_string(nobody->pw_gid);
+  const fs::path dir = kTmp / "compile_as", secret = root_only_secret();
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  write(dir / "plain.cpp", "int k2c_answer() { return 42; }\n");
+  write(dir / "reads.cpp", "#include \"" + secret.string() + "\"\n");
+  auto compile = [&](const std::string& source) {
+    return k2c::grader::run_process({K2C_BIN, "compile-as", uid, gid, "--", "c++", "-MD", "-MF",
+                                     (dir / (source + ".d")).string(), "-c", (dir / source).string(), "-o",
+                                     (dir / (source + ".o")).string()},
+                                    {.timeout_s = 120});
+  };
+  const ProcessResult plain = compile("plain.cpp");
+  if (plain.output.find("cannot hand") != std::string::npos) GTEST_SKIP() << "this root cannot change owners: " << plain.output;
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  struct stat st {};
+  ASSERT_EQ(stat((dir / "plain.cpp.o").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 0u) << "the object is the grader's, out of the user's reach";
+  EXPECT_NE(slurp(dir / "plain.cpp.d").find("plain.cpp"), std::string::npos);
+  const ProcessResult reads = compile("reads.cpp");
+  EXPECT_NE(reads.exit_code, 0);
+  EXPECT_NE(reads.output.find("Permission denied"), std::string::npos) << reads.output;
+  EXPECT_EQ(reads.output.find("K2C-ROOT-ONLY-SECRET"), std::string::npos) << reads.output;
+  EXPECT_FALSE(fs::exists(dir / "reads.cpp.o"));
+  // Without a user to run as, or without an output to redirect, it refuses.
+  EXPECT_NE(k2c::grader::run_process({K2C_BIN, "compile-as", "0", "0", "--", "true", "-o", "x"}, {}).exit_code, 0);
+  EXPECT_NE(k2c::grader::run_process({K2C_BIN, "compile-as", uid, gid, "--", "true"}, {}).exit_code, 0);
+}
+
 // ---------------------------------------------------------------------------- end to end ---
 
 // One test, because CTest runs every test in its own process and grading the fake course means
@@ -1063,11 +1107,14 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
   write(sub / "assignments/96_hang/hang.cpp", kHang);
   write(sub / "assignments/97_rubric/rubric.cpp", kRubricWriter);
   write(sub / "assignments/98_forged/forged.cpp", kForger);
+  // Honest, and embeds a file only root may read into its library, for its tests to print.
+  write(sub / "assignments/99_secret/secret.cpp",
+        kHonest + "asm(\".section .rodata\\n.incbin \\\"" + root_only_secret().string() + "\\\"\\n.text\");\n");
 
   // 97 runs before 90: its rewrite of the rubric it was handed must not reach 90's run.
   const ProcessResult run = k2c::grader::run_process(
       {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
-       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "97,90,91,92,93,95,96,98",
+       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "97,90,91,92,93,95,96,98,99",
        "--seed", "1", "--json", report_path.string()},
       {.timeout_s = 900});
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -1097,7 +1144,15 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
     EXPECT_EQ(module("98_forged")["status"], "invalid") << detail("98_forged");
     EXPECT_EQ(module("98_forged")["points"], 0);
     EXPECT_NE(detail("98_forged").find("no NVIDIA device"), std::string::npos) << detail("98_forged");
-    EXPECT_EQ(report["points"], 22);
+    EXPECT_EQ(report["points"], report["runner"] == "nobody" ? 22 : 32);  // 99 builds where the grader runs it
+  }
+  // Where code under test runs as another user, so does the compiler of its files: 99's embedded
+  // file, which only root may read, stops its build instead of reaching its library.
+  if (report["runner"] == "nobody") {
+    EXPECT_EQ(module("99_secret")["status"], "build failed") << detail("99_secret");
+    EXPECT_NE(module("99_secret")["log"].get<std::string>().find("root_only_secret.txt"), std::string::npos)
+        << module("99_secret")["log"];  // the assembler could not open it
+    EXPECT_EQ(slurp(report_path).find("K2C-ROOT-ONLY-SECRET"), std::string::npos);
   }
 
   // Each reason names the path, the symbol or the call.
@@ -1255,6 +1310,33 @@ TEST(Trust, HeadersOnlyFromTheSubmissionTheHarnessAndTheSystem) {
   EXPECT_NE(check(reference, {base.string()}), "");
   // A recorded header that is not there (Ninja strikes out `link/..` by name) is refused.
   EXPECT_NE(check("/usr/include/k2c-no-such-header.h"), "");
+}
+
+// A submission's files compile as the runner only where the runner can run the compilers the
+// build found: a compiler in a folder others may not search (a toolkit under /root), or one
+// they may not execute, is named, and the grader compiles as itself.
+TEST(Trust, FindsCompilersTheRunnerCannotRun) {
+  const fs::path build = kTmp / "compilers_build", hidden = kTmp / "compilers_hidden";
+  fs::remove_all(build);
+  fs::remove_all(hidden);
+  fs::create_directories(build);
+  fs::create_directories(hidden);
+  const fs::path mine = hidden / "nvcc";
+  write(mine, "#!/bin/sh\n");
+  fs::permissions(mine, fs::perms::owner_all | fs::perms::group_all | fs::perms::others_read | fs::perms::others_exec,
+                  fs::perm_options::replace);
+  auto cache = [&](const std::string& cuda) {
+    write(build / "CMakeCache.txt", "CMAKE_CXX_COMPILER:FILEPATH=/bin/sh\nCMAKE_CUDA_COMPILER:FILEPATH=" + cuda + "\n");
+    return k2c::grader::compilers_out_of_reach(build);
+  };
+  EXPECT_EQ(cache("/bin/sh"), "");
+  fs::permissions(hidden, fs::perms::owner_all, fs::perm_options::replace);  // not searchable by others
+  EXPECT_EQ(cache(mine.string()), fs::canonical(mine).string());
+  fs::permissions(hidden, fs::perms::owner_all | fs::perms::others_exec, fs::perm_options::replace);
+  fs::permissions(mine, fs::perms::owner_all, fs::perm_options::replace);  // not executable by others
+  EXPECT_EQ(cache(mine.string()), fs::canonical(mine).string());
+  fs::permissions(mine, fs::perms::others_exec, fs::perm_options::add);
+  EXPECT_EQ(cache(mine.string()), "") << "reachable once both allow it (where " << kTmp << " is searchable by all)";
 }
 
 TEST(Trust, ReadsWhatALibraryLoads) {
