@@ -419,12 +419,29 @@ int rank_witness_ranks(const ModuleSpec& spec) {
 
 }  // namespace
 
-// The first compiler of the build tree's cache (C++, CUDA) that users other than its owner cannot
-// run (a folder on its way not searchable by others, or the file not executable by them), or "".
+std::string hidden_from_others(const fs::path& root) {
+  std::string blocked;
+  if (!searchable_by_others(root, blocked)) return blocked;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(root, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    struct stat st {};
+    if (lstat(it->path().c_str(), &st) != 0) continue;
+    if ((S_ISDIR(st.st_mode) && !(st.st_mode & S_IXOTH)) || (S_ISREG(st.st_mode) && !(st.st_mode & S_IROTH)))
+      return it->path().string();
+  }
+  return ec ? root.string() + " (" + ec.message() + ")" : "";
+}
+
+// The first compiler of the build tree's cache (C++, CUDA and its host compiler) that users other
+// than its owner cannot run (a folder on its way not searchable by others, or the file not
+// executable by them), or "".
 std::string compilers_out_of_reach(const fs::path& build) {
   std::istringstream cache(read_file(build / "CMakeCache.txt"));
   for (std::string line; std::getline(cache, line);) {
-    if (line.rfind("CMAKE_CXX_COMPILER:", 0) != 0 && line.rfind("CMAKE_CUDA_COMPILER:", 0) != 0) continue;
+    if (line.rfind("CMAKE_CXX_COMPILER:", 0) != 0 && line.rfind("CMAKE_CUDA_COMPILER:", 0) != 0 &&
+        line.rfind("CMAKE_CUDA_HOST_COMPILER:", 0) != 0)
+      continue;
     std::error_code ec;
     const fs::path compiler = fs::canonical(line.substr(line.find('=') + 1), ec);
     if (ec) continue;  // not a path CMake kept: its own check is the configure's
@@ -877,16 +894,29 @@ void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdi
     return void_module(os.str());
   }
   // The ratio divides by the report's ceiling, which the report could lower as well as it could
-  // raise its rate (or code under test could slow the test program's own measurement of it): held
-  // against the ceiling the checker measured itself, where it measured this test's.
+  // raise its rate (or code under test could slow the test program's own measurement of it). Where
+  // the checker measured this test's ceiling itself and found it well above the report's, the
+  // ratio is taken against the checker's: a lowered ceiling gains nothing, and an honest one
+  // measured on a GPU that had slowed down costs some ratio, never the module.
   if (v.ceiling > 0 && v.ceiling_name == t->perf->ceiling_name) {
     t->perf->witnessed_ceiling = v.ceiling;
     if (t->perf->ceiling * (1 + kWitnessSlack) < v.ceiling) {
       std::ostringstream os;
-      os << std::setprecision(4) << "the report's ceiling (" << t->perf->ceiling_name << ") is " << t->perf->ceiling
-         << " " << v.unit << ", the grader measured " << v.ceiling << " " << v.unit
-         << " itself: the report was not written by the course's harness";
-      void_module(os.str());
+      os << std::setprecision(4) << "taken against the grader's own measurement of " << t->perf->ceiling_name << ", "
+         << v.ceiling << " " << v.unit << " (the report's: " << t->perf->ceiling << ")";
+      t->perf->ceiling = v.ceiling;
+      t->perf->ratio = t->perf->achieved / v.ceiling;
+      if (t->status == "passed" && t->perf->ratio < t->perf->required) {
+        t->status = "failed";
+        t->points = 0;
+        t->message = "below the bar, " + os.str();
+      } else {
+        t->message += (t->message.empty() ? "" : "; ") + os.str();
+      }
+      double points = 0;
+      for (const TestOutcome& x : m.tests) points += x.points;
+      m.points = points;
+      m.status = module_status(m.tests);
     }
   }
 }
@@ -1009,19 +1039,29 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   // A submission's files compile as the runner (compile_as, through CMake's compiler launcher):
   // what they #include or embed is read with its rights, not the grader's. Empty, and so cleared
   // from the cache, where code under test runs as the grader, or the tree graded is the grader's.
-  std::string compile_as;
-  if (intake && runner.uid >= 0)
-    compile_as = fs::read_symlink("/proc/self/exe").string() + ";compile-as;" + std::to_string(runner.uid) + ";" +
-                 std::to_string(runner.gid) + ";--";
+  // The runner must read the staged tree and run the compilers the build found (not a course
+  // checked out under umask 077, not a toolkit under /root): where it cannot, the files compile as
+  // the grader, as the report says.
+  std::string compile_as, compile_as_blocked;
+  const std::string self_exe = fs::read_symlink("/proc/self/exe").string();
+  if (intake && runner.uid >= 0) {
+    if (const std::string hidden = hidden_from_others(intake->staged_root); !hidden.empty())
+      compile_as_blocked = runner.name + " cannot read " + hidden;
+    else if (self_exe.find(';') != std::string::npos)  // CMake would split the launcher there
+      compile_as_blocked = "the grader's path holds a ';' (" + self_exe + ")";
+    else
+      compile_as = self_exe + ";compile-as;" + std::to_string(runner.uid) + ";" + std::to_string(runner.gid) + ";--";
+  }
   configure.push_back("-DK2C_COMPILE_AS=" + compile_as);
   ProcessResult conf = run_process(configure, {.env = build_env(build), .timeout_s = 900});
-  // The runner must reach the compilers the build found (a toolkit under /root it cannot): where
-  // it cannot, the files compile as the grader, as the report says.
   if (const std::string far = compilers_out_of_reach(build); conf.exit_code == 0 && !compile_as.empty() && !far.empty()) {
     configure.back() = "-DK2C_COMPILE_AS=";
     conf = run_process(configure, {.env = build_env(build), .timeout_s = 900});
-    report.runner += "; the submission's files compile as the grader: " + runner.name + " cannot run " + far;
-    progress << "the submission's files compile as the grader: " << runner.name << " cannot run " << far << "\n";
+    compile_as_blocked = runner.name + " cannot run " + far;
+  }
+  if (!compile_as_blocked.empty()) {
+    report.runner += "; the submission's files compile as the grader: " + compile_as_blocked;
+    progress << "the submission's files compile as the grader: " << compile_as_blocked << "\n";
   }
   json build_info = json::object();
   if (conf.exit_code == 0) {
@@ -1104,6 +1144,9 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     const ProcessResult b = run_process(
         {"cmake", "--build", build.string(), "--target", "k2c_test_" + spec.id, "-j", std::to_string(jobs)},
         {.env = build_env(build), .timeout_s = 1800});
+    // A build stopped at its limit can leave a compile of the student's files running as the
+    // runner (k2c compile-as): below the grader, so killed with whatever else it left.
+    if (runner.uid >= 0) kill_run_leftovers(runner.uid, "");
     if (b.exit_code != 0) {
       m.status = "build failed";
       m.detail = build_failure_detail(b.output);

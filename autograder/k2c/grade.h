@@ -173,8 +173,11 @@ std::vector<const ModuleSpec*> with_used_modules(const Rubric& rubric, const std
 std::vector<std::string> readable_include_dirs(const Rubric& rubric, const ModuleSpec& m, const std::string& staged,
                                                const std::string& impl);
 
-// The first compiler of the build tree's cache (C++, CUDA) that users other than its owner cannot
-// run, or "": a submission's files compile as the runner only where it can run them.
+// What keeps the runner from compiling a submission's files, which it does only where it can
+// read the staged tree and run the compilers: the first folder of the tree at `root` (or on the
+// way to it) that others may not search, or file they may not read; the first compiler of the
+// build tree's cache (C++, CUDA, CUDA's host compiler) they may not run. "" where there is none.
+std::string hidden_from_others(const std::filesystem::path& root);
 std::string compilers_out_of_reach(const std::filesystem::path& build);
 
 WitnessVerdict read_witness_verdict(const std::string& json_text);

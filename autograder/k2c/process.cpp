@@ -19,6 +19,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -199,32 +201,43 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
 void adopt_orphans() { prctl(PR_SET_CHILD_SUBREAPER, 1); }
 
 namespace {
-// The parent of /proc/PID (field 4 of its stat, after the command name, which may hold spaces and
-// parentheses); -1 if it cannot be read.
-int parent_of(const std::string& dir) {
+// The state and parent of /proc/PID (fields 3 and 4 of its stat, after the command name, which may
+// hold spaces and parentheses); parent -1 if it cannot be read.
+struct ProcStat {
+  char state = '?';
+  int parent = -1;
+};
+ProcStat proc_stat(const std::string& dir) {
   std::ifstream in(dir + "/stat");
   std::string stat;
   std::getline(in, stat);
   const std::size_t end = stat.rfind(')');
-  if (end == std::string::npos) return -1;
+  ProcStat s;
+  if (end == std::string::npos) return s;
   std::istringstream rest(stat.substr(end + 1));
-  std::string state;
-  int ppid = -1;
-  rest >> state >> ppid;
-  return ppid;
+  rest >> s.state >> s.parent;
+  return s;
 }
 }  // namespace
 
 int kill_run_leftovers(int uid, const std::string& marker) {
-  if (uid <= 0 || marker.empty()) return 0;  // never root's processes
+  if (uid <= 0) return 0;  // never root's processes
   const std::string tag = "K2C_RUN=" + marker;
-  const int self = static_cast<int>(getpid());
-  int killed = 0;
-  // Several passes: a process may fork while the folder is read, and an adopted process's own
-  // children are adopted in turn once it is killed.
-  for (int pass = 0; pass < 10; ++pass) {
-    int found = 0;
-    std::vector<pid_t> adopted;
+  const pid_t self = getpid();
+  std::set<pid_t> killed;  // a killed process may still be dying at the next pass: counted once
+  // Passes until one finds nothing (or 10 s, against a process the kernel cannot end at once): a
+  // process may fork between the reading of /proc and the kill, and its child is then found by the
+  // next pass (it is this process's descendant all the same: as the subreaper, this process adopts
+  // whatever loses its parent below it).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    struct Entry {
+      pid_t parent;
+      bool users;   // a process of `uid`
+      bool zombie;  // dead, waiting for its parent to reap it
+      bool marked;
+    };
+    std::map<pid_t, Entry> procs;
     DIR* proc = opendir("/proc");
     if (proc == nullptr) break;
     while (const dirent* e = readdir(proc)) {
@@ -232,26 +245,41 @@ int kill_run_leftovers(int uid, const std::string& marker) {
       if (name[0] < '1' || name[0] > '9') continue;
       const std::string dir = std::string("/proc/") + name;
       struct stat st {};
-      if (stat(dir.c_str(), &st) != 0 || static_cast<int>(st.st_uid) != uid) continue;
-      const pid_t pid = static_cast<pid_t>(std::atoi(name));
-      const bool ours_by_birth = parent_of(dir) == self;
-      std::ifstream environ(dir + "/environ", std::ios::binary);
-      std::string entry;
-      bool ours = ours_by_birth;
-      while (!ours && std::getline(environ, entry, '\0')) ours = entry == tag;
-      if (ours && kill(pid, SIGKILL) == 0) {
-        ++found;
-        if (ours_by_birth) adopted.push_back(pid);
+      if (stat(dir.c_str(), &st) != 0) continue;
+      const ProcStat ps = proc_stat(dir);
+      Entry entry{static_cast<pid_t>(ps.parent), static_cast<int>(st.st_uid) == uid, ps.state == 'Z', false};
+      if (entry.users && !marker.empty()) {
+        std::ifstream environ(dir + "/environ", std::ios::binary);
+        for (std::string var; !entry.marked && std::getline(environ, var, '\0');) entry.marked = var == tag;
       }
+      procs[static_cast<pid_t>(std::atoi(name))] = entry;
     }
     closedir(proc);
-    // An adopted process is this one's child: reaped here, or it would stay a zombie.
-    for (const pid_t pid : adopted)
+    // The user's processes below this one (however deep, whatever their environment), and those
+    // with the run's mark wherever they are.
+    auto below_self = [&](pid_t pid) {
+      for (int depth = 0; depth < 4096 && pid > 1; ++depth) {
+        const auto it = procs.find(pid);
+        if (it == procs.end()) return false;
+        pid = it->second.parent;
+        if (pid == self) return true;
+      }
+      return false;
+    };
+    int found = 0;
+    std::vector<pid_t> children;
+    for (const auto& [pid, e] : procs) {
+      if (!e.users || !(e.marked || below_self(pid))) continue;
+      if (!e.zombie && kill(pid, SIGKILL) == 0 && killed.insert(pid).second) ++found;
+      if (e.parent == self) children.push_back(pid);
+    }
+    // A child of this process (adopted, or started by it) is reaped here, or it stays a zombie;
+    // a zombie's own dead children then become this process's, for the next pass.
+    for (const pid_t pid : children)
       for (int i = 0; i < 50 && waitpid(pid, nullptr, WNOHANG) == 0; ++i) usleep(2000);
-    killed += found;
-    if (found == 0) break;
+    if (found == 0 && children.empty()) break;
   }
-  return killed;
+  return static_cast<int>(killed.size());
 }
 
 std::string describe_exit(const ProcessResult& r, double timeout_s) {
@@ -264,36 +292,54 @@ std::string describe_exit(const ProcessResult& r, double timeout_s) {
 
 namespace {
 
-// Copies the plain file `from` (never through a link: the folder is another user's) to `to`.
-void copy_output(const std::string& from, const std::string& to) {
-  const int in = open(from.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+// The bytes of what the compiler wrote at `from`, in a folder of user `uid`'s: a plain file of that
+// user's with one name (never through a link, never a FIFO or a hard link to another file), and,
+// for the object, an ELF relocatable object (not, say, a linker script naming other files).
+std::string compiler_output(const std::string& from, int uid, bool object) {
+  const int in = open(from.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   struct stat st {};
-  if (in < 0 || fstat(in, &st) != 0 || !S_ISREG(st.st_mode)) {
-    if (in >= 0) close(in);
-    throw std::runtime_error("the compiler wrote no file " + from);
-  }
-  const int out = open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (out < 0) {
-    close(in);
-    throw std::runtime_error("cannot write " + to + ": " + std::strerror(errno));
-  }
+  const bool plain = in >= 0 && fstat(in, &st) == 0 && S_ISREG(st.st_mode) && static_cast<int>(st.st_uid) == uid &&
+                     st.st_nlink == 1;
+  std::string bytes;
   char buf[1 << 16];
   ssize_t n = 0;
-  bool ok = true;
-  while (ok && (n = read(in, buf, sizeof buf)) > 0)
-    for (ssize_t done = 0; ok && done < n;) {
-      const ssize_t w = write(out, buf + done, static_cast<std::size_t>(n - done));
-      ok = w > 0;
-      done += w > 0 ? w : 0;
-    }
-  close(in);
-  if (close(out) != 0 || !ok || n < 0) throw std::runtime_error("cannot copy " + from + " to " + to);
+  while (plain && (n = read(in, buf, sizeof buf)) > 0) bytes.append(buf, static_cast<std::size_t>(n));
+  if (in >= 0) close(in);
+  if (!plain || n < 0) throw std::runtime_error("the compiler wrote no plain file " + from);
+  // e_ident "\x7fELF", e_type (bytes 16-17, little-endian on the machines the course runs on) ET_REL.
+  if (object && (bytes.size() < 18 || bytes.compare(0, 4, "\x7f" "ELF") != 0 || bytes[16] != 1 || bytes[17] != 0))
+    throw std::runtime_error(from + " is not an object file");
+  return bytes;
+}
+
+// Writes `bytes` to `to` in the build tree: into a new file beside it, then renamed over it, so
+// that a failed write leaves no object that looks built.
+void write_output(const std::string& to, const std::string& bytes) {
+  const std::string temp = to + ".k2c-part";
+  const int out = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  bool ok = out >= 0;
+  for (std::size_t done = 0; ok && done < bytes.size();) {
+    const ssize_t w = write(out, bytes.data() + done, bytes.size() - done);
+    ok = w > 0;
+    done += w > 0 ? static_cast<std::size_t>(w) : 0;
+  }
+  if (out >= 0 && close(out) != 0) ok = false;
+  if (!ok || rename(temp.c_str(), to.c_str()) != 0) {
+    unlink(temp.c_str());
+    throw std::runtime_error("cannot write " + to + ": " + std::strerror(errno));
+  }
 }
 
 }  // namespace
 
 int compile_as(int uid, int gid, const std::vector<std::string>& command) {
   if (uid <= 0 || gid < 0) throw std::invalid_argument("compile-as: expected a user other than root");
+  // Ends with the build that started it (the grader kills a build that runs past its limit, and
+  // the build runs each command in a process group of its own, out of that kill's reach); the
+  // compiler it leaves is then below the grader, which kills it as a run's leftover.
+  const pid_t build = getppid();
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != build) return 1;  // it ended before the request took hold
   // The scratch folder: made by the grader (mkdtemp: a fresh name, 0700), then handed to the user.
   std::string scratch = "/tmp/k2c-compile-XXXXXX";
   if (mkdtemp(scratch.data()) == nullptr) throw std::runtime_error(std::string("compile-as: mkdtemp: ") + std::strerror(errno));
@@ -309,20 +355,29 @@ int compile_as(int uid, int gid, const std::vector<std::string>& command) {
                              std::strerror(errno));
   // The outputs the build expects (-o, -MF), each redirected into the scratch folder.
   std::vector<std::string> cmd = command;
-  std::vector<std::pair<std::string, std::string>> outputs;  // written there, expected here
+  struct Output {
+    std::string there, here;  // written there, expected here
+    bool object;
+  };
+  std::vector<Output> outputs;
   for (std::size_t i = 0; i + 1 < cmd.size(); ++i)
     if (cmd[i] == "-o" || cmd[i] == "-MF") {
       const std::string there = scratch + "/" + std::to_string(outputs.size()) + "-" +
                                 std::filesystem::path(cmd[i + 1]).filename().string();
-      outputs.emplace_back(there, cmd[i + 1]);
+      outputs.push_back({there, cmd[i + 1], cmd[i] == "-o"});
       cmd[++i] = there;
     }
-  if (outputs.empty()) throw std::invalid_argument("compile-as: the command names no output (-o)");
+  if (std::none_of(outputs.begin(), outputs.end(), [](const Output& o) { return o.object; }))
+    throw std::invalid_argument("compile-as: the command names no object (-o)");
   const ProcessResult r =
       run_process(cmd, {.env = {{"TMPDIR", scratch}}, .timeout_s = 1800, .uid = uid, .gid = gid});
   std::fwrite(r.output.data(), 1, r.output.size(), stderr);
+  if (r.timed_out) std::fprintf(stderr, "k2c compile-as: the compiler ran past 1800 s and was stopped\n");
   if (!r.started || r.exit_code != 0) return r.exit_code > 0 ? r.exit_code : 1;
-  for (const auto& [there, here] : outputs) copy_output(there, here);
+  // Every output read before any is written: the build sees all of them or none.
+  std::vector<std::string> bytes;
+  for (const Output& o : outputs) bytes.push_back(compiler_output(o.there, uid, o.object));
+  for (std::size_t k = 0; k < outputs.size(); ++k) write_output(outputs[k].here, bytes[k]);
   return 0;
 }
 

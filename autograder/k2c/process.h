@@ -44,11 +44,13 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
 void adopt_orphans();
 
 // Kills what a run left behind, detached from its process group, to meddle with later runs: every
-// process of user `uid` whose environment holds K2C_RUN=`marker` (the grader sets a fresh marker
-// for each run; descendants inherit it), and every process of that user this process adopted
-// (adopt_orphans: one that cleared its environment too), reaping those. Processes of other runs
-// as the same user (a second grader on the machine) are left alone. Reading other users'
-// environments needs root. Returns the number of processes killed.
+// process of user `uid` below this one in the process tree, however deep and whatever it did to
+// its environment (adopt_orphans keeps whatever loses its parent below this process there), and
+// every process of that user whose environment holds K2C_RUN=`marker` (the grader sets a fresh
+// marker for each run; descendants inherit it; "": none), reaping this process's children. It
+// passes over /proc until a pass finds nothing. Processes of other runs as the same user (a
+// second grader on the machine) are left alone. Reading other users' environments needs root.
+// Call it only when no run of this process is under way. Returns the number of processes killed.
 int kill_run_leftovers(int uid, const std::string& marker);
 
 // The compiler launcher of a submission's files: `k2c compile-as UID GID -- COMPILER ARGS...`,

@@ -13,7 +13,7 @@
 #     test fails on the grader's own check at shapes it drew;
 #   - the reference as it is, its report's ceiling (the copy rate) forged to 0.85 of what was
 #     measured, which lifts the ratio by 18% (still below the rubric's limit of what is
-#     possible, 1.25): void, the grader measured the ceiling itself.
+#     possible, 1.25): the grader measured the ceiling itself, and takes the ratio against its own.
 set -euo pipefail
 k2c=$1
 work=$2
@@ -60,6 +60,7 @@ for case in slow wrong tail ceiling; do
   echo "$case: $status: $detail"
   want=invalid
   [ "$case" = tail ] && want=partial
+  [ "$case" = ceiling ] && want=ok
   [ "$status" = "$want" ] || { tail -n 30 "$work/$case.log"; echo "FAIL: the $case forgery graded '$status'"; exit 1; }
 done
 grep -q "the report says 3800 GB/s, the grader's own run of the same kernel reached at most" "$work/slow.json" ||
@@ -68,10 +69,18 @@ grep -q "the grader's own run of the timed kernel failed: window 1, launch 1 of"
   { echo "FAIL: the wrong forgery was voided for another reason"; exit 1; }
 grep -q "the grader's own run at shapes it drew: at shape" "$work/tail.json" ||
   { echo "FAIL: the tail forgery's correctness test did not fail on the grader's own check"; exit 1; }
-grep -q "the report's ceiling (cudaMemcpy D2D) is [0-9.e+]* GB/s, the grader measured" "$work/ceiling.json" ||
-  { echo "FAIL: the ceiling forgery was voided for another reason"; exit 1; }
+grep -q "taken against the grader's own measurement of cudaMemcpy D2D, [0-9.e+]* GB/s (the report's: " "$work/ceiling.json" ||
+  { grep -n "message" "$work/ceiling.json"; echo "FAIL: the ceiling forgery's ratio was not taken against the grader's ceiling"; exit 1; }
+# ...which gives back the honest ratio (about 1 of the copy rate), not the forged 1.18.
+python3 - "$work/ceiling.json" <<'PY' || { echo "FAIL: the ceiling forgery kept its inflated ratio"; exit 1; }
+import json, sys
+r = json.load(open(sys.argv[1]))
+t = next(t for m in r["modules"] for t in m["tests"] if t["name"] == "SoftmaxPerf.FastVsCopy")
+print("ceiling forgery: ratio", round(t["perf"]["ratio"], 3), "against", round(t["perf"]["ceiling"]), "GB/s")
+sys.exit(0 if t["perf"]["ratio"] < 1.1 else 1)
+PY
 # The reference's honest ceiling was measured by the grader too, and let stand.
 grep -q '"witnessed_ceiling": [0-9]' "$work/reference.json" ||
   { grep -n ceiling "$work/reference.json"; echo "FAIL: the grader did not measure the reference's ceiling"; exit 1; }
 grep -o '"ceiling": [0-9.e+]*\|"witnessed_ceiling": [0-9.e+]*' "$work/reference.json"
-echo "PASS: the witness voids the forgeries of rate, output and ceiling, fails the unwritten shapes, and agrees with the reference"
+echo "PASS: the witness voids the forgeries of rate and output, undoes the lowered ceiling, fails the unwritten shapes, and agrees with the reference"
