@@ -234,7 +234,7 @@ int kill_run_leftovers(int uid, const std::string& marker) {
     struct Entry {
       pid_t parent;
       bool users;   // a process of `uid`
-      bool zombie;  // dead, waiting for its parent to reap it
+      bool zombie;  // dead, waiting for its parent to reap it (not a leader that left threads running)
       bool marked;
     };
     std::map<pid_t, Entry> procs;
@@ -247,7 +247,18 @@ int kill_run_leftovers(int uid, const std::string& marker) {
       struct stat st {};
       if (stat(dir.c_str(), &st) != 0) continue;
       const ProcStat ps = proc_stat(dir);
-      Entry entry{static_cast<pid_t>(ps.parent), static_cast<int>(st.st_uid) == uid, ps.state == 'Z', false};
+      // A process whose first thread has exited shows as a zombie while its other threads run:
+      // dead only with no task left beside that thread.
+      bool zombie = ps.state == 'Z';
+      if (zombie) {
+        int tasks = 0;
+        std::error_code ec;
+        for (auto t = std::filesystem::directory_iterator(dir + "/task", ec); !ec && t != std::filesystem::directory_iterator();
+             t.increment(ec))
+          ++tasks;
+        zombie = tasks <= 1;
+      }
+      Entry entry{static_cast<pid_t>(ps.parent), static_cast<int>(st.st_uid) == uid, zombie, false};
       if (entry.users && !marker.empty()) {
         std::ifstream environ(dir + "/environ", std::ios::binary);
         for (std::string var; !entry.marked && std::getline(environ, var, '\0');) entry.marked = var == tag;
@@ -266,18 +277,23 @@ int kill_run_leftovers(int uid, const std::string& marker) {
       }
       return false;
     };
-    int found = 0;
+    // Each one is sent the kill, zombie or not (to a true zombie it does nothing); the passes go on
+    // while any of them was still alive.
+    bool alive = false;
     std::vector<pid_t> children;
     for (const auto& [pid, e] : procs) {
       if (!e.users || !(e.marked || below_self(pid))) continue;
-      if (!e.zombie && kill(pid, SIGKILL) == 0 && killed.insert(pid).second) ++found;
+      kill(pid, SIGKILL);
+      if (!e.zombie) alive = true, killed.insert(pid);
       if (e.parent == self) children.push_back(pid);
     }
     // A child of this process (adopted, or started by it) is reaped here, or it stays a zombie;
     // a zombie's own dead children then become this process's, for the next pass.
     for (const pid_t pid : children)
-      for (int i = 0; i < 50 && waitpid(pid, nullptr, WNOHANG) == 0; ++i) usleep(2000);
-    if (found == 0 && children.empty()) break;
+      for (int i = 0; i < 50 && std::chrono::steady_clock::now() < deadline && waitpid(pid, nullptr, WNOHANG) == 0; ++i)
+        usleep(2000);
+    if (!alive && children.empty()) break;
+    if (children.empty()) usleep(2000);  // killed, not yet dead: give them a moment
   }
   return static_cast<int>(killed.size());
 }

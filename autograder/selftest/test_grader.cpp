@@ -703,6 +703,37 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   EXPECT_EQ(k2c::grader::kill_run_leftovers(uid, ours), 16);
   for (int i = 0; i < 100 && links() > 0; ++i) usleep(20000);
   EXPECT_EQ(links(), 0) << "part of a chain of leftovers without the run's mark survived";
+
+  // A leftover whose first thread has exited shows as a zombie while its other thread runs: it is
+  // killed all the same.
+  const fs::path half = kTmp / "half_zombie";
+  write(half.string() + ".cpp", "#include <pthread.h>\n#include <unistd.h>\n"
+                                "void* nap(void*) { sleep(300); return nullptr; }\n"
+                                "int main() { pthread_t t; pthread_create(&t, nullptr, nap, nullptr); pthread_exit(nullptr); }\n");
+  const ProcessResult built = k2c::grader::run_process({"c++", "-pthread", "-o", half.string(), half.string() + ".cpp"}, {});
+  ASSERT_EQ(built.exit_code, 0) << built.output;
+  auto halves = [&] {  // processes of uid running it with a thread left (its command line is gone)
+    int n = 0;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc", ec)) {
+      struct stat st {};
+      std::ifstream comm(e.path() / "comm");
+      std::string first;
+      std::getline(comm, first);
+      int tasks = 0;
+      for (auto t = fs::directory_iterator(e.path() / "task", ec); !ec && t != fs::directory_iterator(); t.increment(ec)) ++tasks;
+      ec.clear();
+      n += stat(e.path().c_str(), &st) == 0 && static_cast<int>(st.st_uid) == uid && first == "half_zombie" && tasks > 1;
+    }
+    return n;
+  };
+  const int others = halves();  // left by an earlier run of this test that failed, say
+  straggle(ours, ("setsid env -i " + half.string() + " > /dev/null 2>&1 & sleep 1; echo started").c_str());
+  for (int i = 0; i < 100 && halves() == others; ++i) usleep(20000);
+  ASSERT_EQ(halves(), others + 1);
+  EXPECT_EQ(k2c::grader::kill_run_leftovers(uid, ours), 1);
+  for (int i = 0; i < 100 && halves() > others; ++i) usleep(20000);
+  EXPECT_EQ(halves(), others) << "a leftover that looks like a zombie survived";
 }
 
 // A file only root may read, for the tests of what a submission's build reads.
