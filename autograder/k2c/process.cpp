@@ -385,8 +385,10 @@ int compile_as(int uid, int gid, const std::vector<std::string>& command) {
     }
   if (std::none_of(outputs.begin(), outputs.end(), [](const Output& o) { return o.object; }))
     throw std::invalid_argument("compile-as: the command names no object (-o)");
-  const ProcessResult r =
-      run_process(cmd, {.env = {{"TMPDIR", scratch}}, .timeout_s = 1800, .uid = uid, .gid = gid});
+  // The user's own scratch for everything a compiler writes on the side; a compiler cache (a
+  // ccache in front of the compiler) is bypassed, its folder being the grader's.
+  const ProcessResult r = run_process(
+      cmd, {.env = {{"TMPDIR", scratch}, {"HOME", scratch}, {"CCACHE_DISABLE", "1"}}, .timeout_s = 1800, .uid = uid, .gid = gid});
   std::fwrite(r.output.data(), 1, r.output.size(), stderr);
   if (r.timed_out) std::fprintf(stderr, "k2c compile-as: the compiler ran past 1800 s and was stopped\n");
   if (!r.started || r.exit_code != 0) return r.exit_code > 0 ? r.exit_code : 1;
