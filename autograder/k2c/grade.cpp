@@ -108,6 +108,13 @@ std::string module_status(const std::vector<TestOutcome>& all) {
   return passed > 0 ? "partial" : "failed";
 }
 
+// A module's points and status again, after a check of the grader's own changed one of its tests.
+void retotal(ModuleOutcome& m) {
+  m.points = 0;
+  for (const TestOutcome& x : m.tests) m.points += x.points;
+  m.status = module_status(m.tests);
+}
+
 // Where an untouched stub should be started: the K2C_TODO that the first not-implemented test
 // ran into (its message, after the marker, is "what (FILE:LINE)"), with the path from
 // assignments/ on (the file was compiled from a staging copy, whose folder means nothing to the
@@ -913,10 +920,7 @@ void apply_witness(ModuleOutcome& m, const std::string& test, const WitnessVerdi
       } else {
         t->message += (t->message.empty() ? "" : "; ") + os.str();
       }
-      double points = 0;
-      for (const TestOutcome& x : m.tests) points += x.points;
-      m.points = points;
-      m.status = module_status(m.tests);
+      retotal(m);
     }
   }
 }
@@ -936,10 +940,7 @@ void apply_recheck(ModuleOutcome& m, const std::string& test, const WitnessVerdi
   t->message = "the grader's own run at shapes it drew: " + v.problem;
   t->rechecked = "failed";
   t->points = 0;
-  double points = 0;
-  for (const TestOutcome& x : m.tests) points += x.points;
-  m.points = points;
-  m.status = module_status(m.tests);
+  retotal(m);
 }
 
 json find_reference(const std::string& dir, const std::string& gpu, std::string* file) {
