@@ -476,7 +476,7 @@ struct ArgBuffers {
 
 }  // namespace
 
-// The grader's own runs of the timed forward passes (k2c/testing/witness.h), on its buffers.
+// The grader's own runs of the timed passes (k2c/testing/witness.h), on its buffers.
 static Shape witness_shape(const k2c::testing::WitnessLaunch& w) {
   return make_shape(w.dim(0), w.dim(1), w.dim(2), w.dim(3), w.dim(4), w.dim(5), w.dim(6) != 0);
 }
@@ -485,6 +485,25 @@ K2C_WITNESS(attention_forward) {
 }
 K2C_WITNESS(attention_forward_hopper) {
   fa::forward_hopper(witness_shape(w), w.at<bf16>(0), w.at<bf16>(1), w.at<bf16>(2), w.at<bf16>(3), w.at<float>(4));
+}
+// The backward passes on the grader's q, k, v, o, dout and lse (buffers 0-5; dq, dk, dv 6-8). The
+// workspace is scratch, not an output: the test program's own, kept for the launches that follow
+// at the same shape.
+static void* witness_workspace(const Shape& s) {
+  static k2c::DeviceBuffer<unsigned char> work;
+  const std::size_t bytes = fa::backward_workspace_bytes(s);
+  if (work.size() < bytes) work = k2c::DeviceBuffer<unsigned char>(bytes);
+  return work.data();
+}
+K2C_WITNESS(attention_backward) {
+  const Shape s = witness_shape(w);
+  fa::backward(s, w.at<bf16>(0), w.at<bf16>(1), w.at<bf16>(2), w.at<bf16>(3), w.at<bf16>(4), w.at<float>(5), w.at<bf16>(6),
+               w.at<bf16>(7), w.at<bf16>(8), witness_workspace(s));
+}
+K2C_WITNESS(attention_backward_hopper) {
+  const Shape s = witness_shape(w);
+  fa::backward_hopper(s, w.at<bf16>(0), w.at<bf16>(1), w.at<bf16>(2), w.at<bf16>(3), w.at<bf16>(4), w.at<float>(5),
+                      w.at<bf16>(6), w.at<bf16>(7), w.at<bf16>(8), witness_workspace(s));
 }
 
 // Worth no points: it lets the grader say "not implemented yet" even without a GPU.

@@ -33,7 +33,9 @@
 // --time-ops runs one more step at the end with every operation timed alone (a GPU sync around
 // each: the step runs slower than the others and is left out of their figures) and prints where
 // its time went, course kernels with their conversions; the JSON has it as "ops_ms", and the host's
-// share of each (the CPU's time to issue the operation's work) as "ops_host_ms".
+// share of each (the CPU's time to issue the operation's work) as "ops_host_ms". On a GPU a step
+// before that one is timed as it runs, from events on the stream around each operation, nothing
+// waiting: "ops_in_step_ms", with the GPU's idle time between operations.
 //
 // --kernels course (the default) runs the model's GEMMs, RMSNorm, RoPE, attention and the experts'
 // grouped GEMMs on the GPU with the course's own kernels, modules 05, 07, 08, 09 and 10 of the tree
@@ -308,11 +310,14 @@ int run(k2c::dist::Communicator& world, const Options& o) {
 #endif
   }
   // --time-ops: a timer around everything (the course kernels' conversions included), which times
-  // only when told to, so the training steps run untouched.
+  // only when told to, so the training steps run untouched. On a GPU a second one, switched off
+  // until its step, times the operations inside a step that runs as usual (marks on the stream).
   bool timing = false;
-  std::unique_ptr<km::TimedOps> timed;
+  std::unique_ptr<km::TimedOps> timed, timed_in_step;
+  std::unique_ptr<km::QueueMarks> marks;
   if (o.time_ops) {
-    timed = std::make_unique<km::TimedOps>(*ops, [&timing, cuda = world.backend() == k2c::dist::Backend::nccl] {
+    const bool cuda = world.backend() == k2c::dist::Backend::nccl;
+    timed = std::make_unique<km::TimedOps>(*ops, [&timing, cuda] {
 #if K2C_MODEL_CUDA
       if (timing && cuda) km::cuda_ops_synchronize();
 #else
@@ -320,6 +325,14 @@ int run(k2c::dist::Communicator& world, const Options& o) {
 #endif
     });
     ops = timed.get();
+#if K2C_MODEL_CUDA
+    if (cuda) {
+      marks = km::cuda_queue_marks();
+      timed_in_step = std::make_unique<km::TimedOps>(*timed, *marks);
+      timed_in_step->enable(false);
+      ops = timed_in_step.get();
+    }
+#endif
   }
   // A grid that does not fit the ranks or the model: every rank finds the same reason (the checks
   // read only the configuration and the world's size), so each returns 2 and rank 0 says why.
@@ -393,9 +406,22 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   }
   if (!o.checkpoint.empty()) trainer.save(o.checkpoint);
   const std::vector<float> values = trainer.gather_values();
-  // --time-ops: one step past the run (after the checkpoint and the gathered weights, so neither
-  // sees it), each operation alone.
-  std::vector<std::pair<std::string, double>> ops_ms, ops_host_ms;
+  // --time-ops: steps past the run (after the checkpoint and the gathered weights, so neither
+  // sees them): on a GPU one timed inside the step, then one with each operation alone.
+  std::vector<std::pair<std::string, double>> ops_ms, ops_host_ms, ops_in_step_ms;
+  if (timed_in_step) {
+    timed_in_step->reset();
+    timed_in_step->enable(true);
+    trainer.step();
+    timed_in_step->enable(false);
+    for (const auto& [name, e] : timed_in_step->entries()) ops_in_step_ms.emplace_back(name, e.seconds * 1e3);
+    ops_in_step_ms.emplace_back("(idle between operations)", timed_in_step->idle_seconds() * 1e3);
+    if (root)
+      std::cout << "where one more step's GPU time went (rank 0, the time between marks on the stream around each "
+                   "operation in a step run as usual):\n"
+                << timed_in_step->report() << "GPU idle between operations: " << timed_in_step->idle_seconds() * 1e3
+                << " ms\n";
+  }
   if (timed) {
     timed->reset();
     timing = true;
@@ -448,7 +474,8 @@ int run(k2c::dist::Communicator& world, const Options& o) {
           << ", \"fallback\": " << quoted(r.fallback) << ", \"replaced\": " << quoted(r.replaced) << "}";
       }
     }
-    for (const auto& [key, table] : {std::pair{"ops_ms", &ops_ms}, std::pair{"ops_host_ms", &ops_host_ms}}) {
+    for (const auto& [key, table] : {std::pair{"ops_ms", &ops_ms}, std::pair{"ops_host_ms", &ops_host_ms},
+                                     std::pair{"ops_in_step_ms", &ops_in_step_ms}}) {
       j << "},\n  " << quoted(key) << ": {";
       for (std::size_t i = 0; i < table->size(); ++i)
         j << (i ? ", " : "") << quoted((*table)[i].first) << ": " << (*table)[i].second;

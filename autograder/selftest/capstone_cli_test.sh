@@ -84,6 +84,7 @@ assert r["kernels"] == {}, r["kernels"]  # no course kernels on the CPU backend
 assert r["ops_ms"].get("matmul fwd (a bT)", 0) > 0 and r["ops_ms"].get("attention backward", 0) > 0, r["ops_ms"]
 # The host's part of each operation: the same operations, each within its whole.
 assert r["ops_host_ms"].keys() == r["ops_ms"].keys(), (r["ops_host_ms"], r["ops_ms"])
+assert r["ops_in_step_ms"] == {}, r["ops_in_step_ms"]  # the CPU backend has no queue to mark
 assert all(0 <= r["ops_host_ms"][k] <= r["ops_ms"][k] for k in r["ops_ms"]), (r["ops_host_ms"], r["ops_ms"])
 assert r["median_tokens_per_s"] > 0
 # --traffic: the last step's gradients all-reduced over dp, as planned (the tiny model's 123,712

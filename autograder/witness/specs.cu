@@ -12,8 +12,10 @@
 #include <cstring>
 #include <span>
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 
+#include "k2c/core/check.h"
 #include "k2c/core/random.h"
 #include "k2c/device/device.h"
 #include "k2c/reference/moe_baseline.h"
@@ -533,6 +535,214 @@ Spec attention_forward(const std::string& name, const Shape& shape) {
   return s;
 }
 
+// Module 09's backward pass needs the o and lse of a forward pass over the same inputs: this
+// checker makes them itself, with cuBLAS and a kernel of its own, one head at a time: S = Q·Kᵀ in
+// fp32, each row's softmax under the mask (lse in fp32, P rounded to bf16 as a fused kernel rounds
+// it), O = P·V rounded to bf16. For each query row it also keeps D = Σ dO ∘ O and e = Σ |dO ∘ O|
+// (in double, from the bf16 O and dO the pass is given): with lse, all the CPU reference needs of
+// the forward pass.
+__global__ void masked_softmax_rows(const float* S, bf16* P, float* lse, int q_len, int kv_len, float scale, bool causal) {
+  __shared__ float part[256];
+  const int i = blockIdx.x;
+  const float* s = S + static_cast<std::size_t>(i) * kv_len;
+  bf16* p = P + static_cast<std::size_t>(i) * kv_len;
+  const long last = causal ? static_cast<long>(i) + kv_len - q_len : kv_len - 1;  // the last key row i sees
+  const int seen = static_cast<int>(last < 0 ? 0 : (last + 1 < kv_len ? last + 1 : kv_len));
+  auto reduce = [&](float v, bool is_max) {
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w /= 2) {
+      if (threadIdx.x < w) part[threadIdx.x] = is_max ? fmaxf(part[threadIdx.x], part[threadIdx.x + w]) : part[threadIdx.x] + part[threadIdx.x + w];
+      __syncthreads();
+    }
+    const float r = part[0];
+    __syncthreads();
+    return r;
+  };
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < seen; j += blockDim.x) m = fmaxf(m, s[j] * scale);
+  m = reduce(m, true);
+  float sum = 0;
+  for (int j = threadIdx.x; j < seen; j += blockDim.x) sum += expf(s[j] * scale - m);
+  sum = reduce(sum, false);
+  const float l = seen > 0 ? m + logf(sum) : INFINITY;
+  if (threadIdx.x == 0) lse[i] = l;
+  for (int j = threadIdx.x; j < kv_len; j += blockDim.x) p[j] = __float2bfloat16(j < seen ? expf(s[j] * scale - l) : 0.0f);
+}
+
+__global__ void row_terms(const bf16* o, const bf16* dout, double* D, double* e, std::int64_t rows, int d) {
+  const std::int64_t r = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  double sum = 0, magnitude = 0;
+  for (int c = 0; c < d; ++c) {
+    const double x = static_cast<double>(__bfloat162float(dout[r * d + c])) * __bfloat162float(o[r * d + c]);
+    sum += x;
+    magnitude += fabs(x);
+  }
+  D[r] = sum;
+  e[r] = magnitude;
+}
+
+struct ForwardRows {
+  std::vector<float> lse;
+  std::vector<double> D, e;
+};
+
+// o and lse of every head (heads first, GQA's group of query heads on one kv head) into the
+// buffers, and the rows' lse, D and e on the host.
+ForwardRows witness_forward(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, bf16* o, float* lse,
+                            std::int64_t batch, std::int64_t heads, std::int64_t kv_heads, std::int64_t q_len,
+                            std::int64_t kv_len, std::int64_t d, bool causal, float scale) {
+  struct Blas {
+    cublasHandle_t h{};
+    Blas() { K2C_CUBLAS_CHECK(cublasCreate(&h)); }
+    ~Blas() { cublasDestroy(h); }
+  };
+  static Blas blas;
+  const std::int64_t rows = batch * heads * q_len, per_head = q_len * kv_len;
+  float* S = nullptr;
+  bf16* P = nullptr;
+  double* terms = nullptr;
+  K2C_CUDA_CHECK(cudaMalloc(&S, per_head * sizeof(float)));
+  K2C_CUDA_CHECK(cudaMalloc(&P, per_head * sizeof(bf16)));
+  K2C_CUDA_CHECK(cudaMalloc(&terms, 2 * rows * sizeof(double)));
+  ForwardRows out{std::vector<float>(rows), std::vector<double>(rows), std::vector<double>(rows)};
+  try {
+    const float one = 1.0f, zero = 0.0f;
+    const int m = static_cast<int>(q_len), n = static_cast<int>(kv_len), dd = static_cast<int>(d);
+    for (std::int64_t bh = 0; bh < batch * heads; ++bh) {
+      const std::int64_t b = bh / heads, g = (bh % heads) / (heads / kv_heads);
+      const bf16* qh = q + bh * q_len * d;
+      const bf16* kh = k + (b * kv_heads + g) * kv_len * d;
+      const bf16* vh = v + (b * kv_heads + g) * kv_len * d;
+      // Row-major S (q_len × kv_len) = Q·Kᵀ is column-major Sᵀ = K·Qᵀ: cuBLAS sees K (d × kv_len,
+      // column-major) transposed and Q (d × q_len) as it is.
+      K2C_CUBLAS_CHECK(cublasGemmEx(blas.h, CUBLAS_OP_T, CUBLAS_OP_N, n, m, dd, &one, kh, CUDA_R_16BF, dd, qh, CUDA_R_16BF, dd,
+                                    &zero, S, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      masked_softmax_rows<<<m, 256>>>(S, P, lse + bh * q_len, m, n, scale, causal);
+      K2C_CUDA_CHECK(cudaGetLastError());
+      // Row-major O (q_len × d) = P·V is column-major Oᵀ = Vᵀ·Pᵀ: V (d × kv_len) and P (kv_len × q_len).
+      K2C_CUBLAS_CHECK(cublasGemmEx(blas.h, CUBLAS_OP_N, CUBLAS_OP_N, dd, m, n, &one, vh, CUDA_R_16BF, dd, P, CUDA_R_16BF, n,
+                                    &zero, o + bh * q_len * d, CUDA_R_16BF, dd, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    row_terms<<<static_cast<unsigned>((rows + 255) / 256), 256>>>(o, dout, terms, terms + rows, rows, dd);
+    K2C_CUDA_CHECK(cudaGetLastError());
+    K2C_CUDA_CHECK(cudaMemcpy(out.lse.data(), lse, rows * sizeof(float), cudaMemcpyDeviceToHost));
+    K2C_CUDA_CHECK(cudaMemcpy(out.D.data(), terms, rows * sizeof(double), cudaMemcpyDeviceToHost));
+    K2C_CUDA_CHECK(cudaMemcpy(out.e.data(), terms + rows, rows * sizeof(double), cudaMemcpyDeviceToHost));
+  } catch (...) {
+    cudaFree(S), cudaFree(P), cudaFree(terms);
+    throw;
+  }
+  cudaFree(S), cudaFree(P), cudaFree(terms);
+  return out;
+}
+
+// Module 09: the backward pass at attention_forward's shapes, on o and lse this checker computed
+// (witness_forward); pieces are rows of dq, and rows of dk with the same rows of dv, each checked
+// against the CPU reference given the same lse and each row's D and e, with the bound of module
+// 09's tests.
+Spec attention_backward(const std::string& name, const Shape& shape) {
+  const std::int64_t batch = shape.at(0), heads = shape.at(1), kv_heads = shape.at(2), q_len = shape.at(3),
+                     kv_len = shape.at(4), d = shape.at(5);
+  const bool causal = shape.at(6) != 0;
+  const std::int64_t q_rows = batch * heads * q_len, kv_rows = batch * kv_heads * kv_len, nq = q_rows * d, nkv = kv_rows * d,
+                     group = heads / kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // as the tests' make_shape rounds it
+  Spec s;
+  s.name = name;
+  s.shape = shape;
+  // q, k, v, o, dout, lse; dq, dk, dv
+  s.buffers = {{nq * sizeof(bf16), false},     {nkv * sizeof(bf16), false}, {nkv * sizeof(bf16), false},
+               {nq * sizeof(bf16), false},     {nq * sizeof(bf16), false},  {q_rows * sizeof(float), false},
+               {nq * sizeof(bf16), true},      {nkv * sizeof(bf16), true},  {nkv * sizeof(bf16), true}};
+  s.work = 2.5 * 4.0 * batch * heads * static_cast<double>(q_len) * kv_len * d * (causal ? 0.5 : 1.0);
+  s.unit = "TFLOP/s";
+  s.unit_scale = 1e12;
+  s.max_sets = 8;
+  auto kept = std::make_shared<Kept<ForwardRows>>();
+  s.fill = [=](const std::vector<char*>& p, std::uint64_t seed) {
+    auto b = [&](int i) { return reinterpret_cast<bf16*>(p[i]); };
+    fill_uniform_device(b(0), nq, buffer_seed(seed, 0), -2.0f, 2.0f);
+    fill_uniform_device(b(1), nkv, buffer_seed(seed, 1), -2.0f, 2.0f);
+    fill_uniform_device(b(2), nkv, buffer_seed(seed, 2), -1.0f, 1.0f);
+    fill_uniform_device(b(4), nq, buffer_seed(seed, 4), -1.0f, 1.0f);
+    kept->put(seed, witness_forward(b(0), b(1), b(2), b(4), b(3), reinterpret_cast<float*>(p[5]), batch, heads, kv_heads,
+                                    q_len, kv_len, d, causal, scale));
+  };
+  s.pieces = q_rows + kv_rows;
+  s.piece = [=](std::int64_t i) {
+    const std::uint64_t bytes = d * sizeof(bf16);
+    if (i < q_rows) return std::vector<Range>{{6, static_cast<std::uint64_t>(i) * bytes, bytes}};
+    const std::uint64_t at = static_cast<std::uint64_t>(i - q_rows) * bytes;
+    return std::vector<Range>{{7, at, bytes}, {8, at, bytes}};
+  };
+  s.sampled = 2;
+  s.check = [=](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    const ForwardRows& rows = kept->at(seed);
+    // The inputs of one kv head and its group of query heads, drawn once per check, as a batch of
+    // one with kv_heads 1 for the reference.
+    struct Group {
+      std::vector<float> q, k, v, dout, lse;
+      std::vector<double> D, e;
+    };
+    std::map<std::int64_t, Group> groups;
+    auto group_of = [&](std::int64_t b, std::int64_t g) -> const Group& {
+      Group& x = groups[b * kv_heads + g];
+      if (!x.q.empty()) return x;
+      const std::int64_t q0 = (b * heads + g * group) * q_len, kv0 = (b * kv_heads + g) * kv_len;
+      for (std::int64_t i = 0; i < group * q_len * d; ++i) {
+        x.q.push_back(bf16_at(buffer_seed(seed, 0), q0 * d + i, -2.0f, 2.0f));
+        x.dout.push_back(bf16_at(buffer_seed(seed, 4), q0 * d + i, -1.0f, 1.0f));
+      }
+      for (std::int64_t i = 0; i < kv_len * d; ++i) {
+        x.k.push_back(bf16_at(buffer_seed(seed, 1), kv0 * d + i, -2.0f, 2.0f));
+        x.v.push_back(bf16_at(buffer_seed(seed, 2), kv0 * d + i, -1.0f, 1.0f));
+      }
+      x.lse.assign(rows.lse.begin() + q0, rows.lse.begin() + q0 + group * q_len);
+      x.D.assign(rows.D.begin() + q0, rows.D.begin() + q0 + group * q_len);
+      x.e.assign(rows.e.begin() + q0, rows.e.begin() + q0 + group * q_len);
+      return x;
+    };
+    const ref::AttentionShape one{1, static_cast<int>(group), 1, static_cast<int>(q_len), static_cast<int>(kv_len),
+                                  static_cast<int>(d), causal, scale};
+    // Module 09's bound: a bf16 rounding of every intermediate, with a margin.
+    auto compare = [&](const char* what, std::int64_t row, const char* got, const std::vector<double>& want,
+                       const std::vector<double>& magnitude) {
+      for (std::int64_t c = 0; c < d; ++c) {
+        const double x = read_bf16(got + c * sizeof(bf16));
+        const double bound = 1.25 * std::ldexp(magnitude[c] + std::fabs(want[c]), -8) + 1e-5;
+        if (!(std::fabs(x - want[c]) <= bound))
+          return std::string(what) + "[row " + std::to_string(row) + "][" + std::to_string(c) + "] = " + std::to_string(x) +
+                 ", expected " + std::to_string(want[c]);
+      }
+      return std::string();
+    };
+    for (std::size_t t = 0; t < ranges.size(); ++t) {
+      const std::int64_t row = static_cast<std::int64_t>(ranges[t].offset / (d * sizeof(bf16)));
+      if (ranges[t].buffer == 6) {  // dq of query row `row`
+        const std::int64_t i = row % q_len, bh = row / q_len, b = bh / heads, h = bh % heads, g = h / group;
+        const Group& x = group_of(b, g);
+        const ref::AttentionRowGradient want = ref::attention_query_gradient_at(
+            x.q, x.k, x.v, ref::AttentionRowTerms{x.D, x.e}, x.dout, x.lse, one, 0, static_cast<int>(h % group), static_cast<int>(i));
+        if (std::string p = compare("dq", row, bytes[t], want.dq, want.dq_magnitude); !p.empty()) return p;
+        continue;
+      }
+      if (ranges[t].buffer != 7 || t + 1 >= ranges.size() || ranges[t + 1].buffer != 8)
+        return std::string("a piece of dk without its dv");
+      const std::int64_t j = row % kv_len, bg = row / kv_len, b = bg / kv_heads, g = bg % kv_heads;
+      const Group& x = group_of(b, g);
+      const ref::AttentionRowGradient want =
+          ref::attention_key_gradient_at(x.q, x.k, x.v, ref::AttentionRowTerms{x.D, x.e}, x.dout, x.lse, one, 0, 0, static_cast<int>(j));
+      if (std::string p = compare("dk", row, bytes[t], want.dk, want.dk_magnitude); !p.empty()) return p;
+      if (std::string p = compare("dv", row, bytes[t + 1], want.dv, want.dv_magnitude); !p.empty()) return p;
+      ++t;
+    }
+    return std::string();
+  };
+  return s;
+}
+
 // Module 10: the routed experts' up projection, [g|u] = x·W13ᵀ per expert (shape: experts, rows,
 // n, k, top_k; timed: 16,384 tokens each to 6 of 64 experts picked uniformly, n = 2 × 1,408,
 // k = 2,048), loads drawn afresh for every launch; elements of C checked.
@@ -673,6 +883,14 @@ Shape row_shape(std::mt19937_64& rng) {
   return {pick(rng, 1, std::max<std::int64_t>(1, 200000 / cols)), cols};
 }
 
+// As module 09's random shapes: up to 300 tokens of queries and keys each, GQA groups up to 4,
+// head_dim 64 or 128, causal or not.
+Shape attention_shape(std::mt19937_64& rng) {
+  const std::int64_t kv_heads = pick(rng, 1, 3);
+  return Shape{pick(rng, 1, 2), kv_heads * pick(rng, 1, 4), kv_heads, pick(rng, 1, 300), pick(rng, 1, 300),
+               pick(rng, 0, 1) ? 128 : 64, pick(rng, 0, 1)};
+}
+
 // M, N and K up to 300 each, K a multiple of 8 (module 05's fast path, and Part B's contract).
 Shape gemm_shape(std::mt19937_64& rng, bool k_multiple_of_8) {
   std::int64_t k = pick(rng, 1, 300);
@@ -705,11 +923,10 @@ const std::vector<Witness>& all() {
                    }});
     for (const char* name : {"attention_forward", "attention_forward_hopper"})
       w.push_back({name, {4, 32, 32, 4096, 4096, 128, 1}, [name](const Shape& s) { return attention_forward(name, s); },
-                   [](std::mt19937_64& rng) {  // as module 09's random shapes, up to 300 tokens
-                     const std::int64_t kv_heads = pick(rng, 1, 3);
-                     return Shape{pick(rng, 1, 2),   kv_heads * pick(rng, 1, 4), kv_heads, pick(rng, 1, 300),
-                                  pick(rng, 1, 300), pick(rng, 0, 1) ? 128 : 64,  pick(rng, 0, 1)};
-                   }});
+                   attention_shape});
+    for (const char* name : {"attention_backward", "attention_backward_hopper"})
+      w.push_back({name, {4, 32, 32, 4096, 4096, 128, 1}, [name](const Shape& s) { return attention_backward(name, s); },
+                   attention_shape});
     w.push_back({"moe_up_projection", {64, 16384 * 6, 2 * 1408, 2048, 6}, moe_up_projection,
                  [](std::mt19937_64& rng) {  // empty experts included; k % 8 == 0 for Part B
                    const std::int64_t experts = pick(rng, 1, 16), top_k = pick(rng, 1, std::min<std::int64_t>(experts, 6));

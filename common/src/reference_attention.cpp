@@ -183,10 +183,13 @@ AttentionRowGradient zero_rows(int d) {
 
 }  // namespace
 
-AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::span<const float> k,
-                                               std::span<const float> v, std::span<const float> o,
-                                               std::span<const float> dout, std::span<const float> lse,
-                                               const AttentionShape& s, int batch, int kv_head, int key) {
+namespace {
+
+// The two spot checks over a source of each query row's terms: row(r) for lse's row r.
+template <class Row>
+AttentionRowGradient key_gradient(std::span<const float> q, std::span<const float> k, std::span<const float> v,
+                                  std::span<const float> dout, std::span<const float> lse, const AttentionShape& s,
+                                  int batch, int kv_head, int key, Row row) {
   check(s, q.size(), k.size(), v.size());
   const int d = s.head_dim, group = s.heads / s.kv_heads;
   AttentionRowGradient g = zero_rows(d);
@@ -195,7 +198,7 @@ AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::sp
     for (int i = 0; i < s.q_len; ++i) {
       const std::size_t qi = sl.q + static_cast<std::size_t>(i) * d;
       PairTerms t;
-      if (!pair_terms(q, k, v, dout, lse, s, sl, i, key, row_terms(o, dout, qi, d), t)) continue;
+      if (!pair_terms(q, k, v, dout, lse, s, sl, i, key, row(sl.row + i, qi), t)) continue;
       for (int c = 0; c < d; ++c) {
         g.dv[c] += t.p * dout[qi + c];
         g.dv_magnitude[c] += t.p * std::abs(dout[qi + c]);
@@ -207,18 +210,18 @@ AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::sp
   return g;
 }
 
-AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::span<const float> k,
-                                                 std::span<const float> v, std::span<const float> o,
-                                                 std::span<const float> dout, std::span<const float> lse,
-                                                 const AttentionShape& s, int batch, int head, int query) {
+template <class Row>
+AttentionRowGradient query_gradient(std::span<const float> q, std::span<const float> k, std::span<const float> v,
+                                    std::span<const float> dout, std::span<const float> lse, const AttentionShape& s,
+                                    int batch, int head, int query, Row row) {
   check(s, q.size(), k.size(), v.size());
   const int d = s.head_dim;
   AttentionRowGradient g = zero_rows(d);
   const Slice sl = slice(s, batch, head);
-  const RowTerms row = row_terms(o, dout, sl.q + static_cast<std::size_t>(query) * d, d);  // once, not per key
+  const RowTerms terms = row(sl.row + query, sl.q + static_cast<std::size_t>(query) * d);  // once, not per key
   for (int j = 0; j < s.kv_len; ++j) {
     PairTerms t;
-    if (!pair_terms(q, k, v, dout, lse, s, sl, query, j, row, t)) continue;
+    if (!pair_terms(q, k, v, dout, lse, s, sl, query, j, terms, t)) continue;
     const std::size_t kj = sl.kv + static_cast<std::size_t>(j) * d;
     for (int c = 0; c < d; ++c) {
       g.dq[c] += s.scale * t.ds * k[kj + c];
@@ -226,6 +229,47 @@ AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::
     }
   }
   return g;
+}
+
+// Row terms from o, or as given (checked to cover lse's rows).
+auto terms_of(std::span<const float> o, std::span<const float> dout, int d) {
+  if (o.size() != dout.size()) throw std::invalid_argument("attention reference: o must be shaped like dout");
+  return [o, dout, d](std::size_t, std::size_t qi) { return row_terms(o, dout, qi, d); };
+}
+auto terms_of(const AttentionRowTerms& rows, std::size_t lse_rows) {
+  if (rows.D.size() != lse_rows || rows.e.size() != lse_rows)
+    throw std::invalid_argument("attention reference: D and e need one number per row of lse");
+  return [rows](std::size_t r, std::size_t) { return RowTerms{rows.D[r], rows.e[r]}; };
+}
+
+}  // namespace
+
+AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::span<const float> k,
+                                               std::span<const float> v, std::span<const float> o,
+                                               std::span<const float> dout, std::span<const float> lse,
+                                               const AttentionShape& s, int batch, int kv_head, int key) {
+  return key_gradient(q, k, v, dout, lse, s, batch, kv_head, key, terms_of(o, dout, s.head_dim));
+}
+
+AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::span<const float> k,
+                                                 std::span<const float> v, std::span<const float> o,
+                                                 std::span<const float> dout, std::span<const float> lse,
+                                                 const AttentionShape& s, int batch, int head, int query) {
+  return query_gradient(q, k, v, dout, lse, s, batch, head, query, terms_of(o, dout, s.head_dim));
+}
+
+AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::span<const float> k,
+                                               std::span<const float> v, const AttentionRowTerms& rows,
+                                               std::span<const float> dout, std::span<const float> lse,
+                                               const AttentionShape& s, int batch, int kv_head, int key) {
+  return key_gradient(q, k, v, dout, lse, s, batch, kv_head, key, terms_of(rows, lse.size()));
+}
+
+AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::span<const float> k,
+                                                 std::span<const float> v, const AttentionRowTerms& rows,
+                                                 std::span<const float> dout, std::span<const float> lse,
+                                                 const AttentionShape& s, int batch, int head, int query) {
+  return query_gradient(q, k, v, dout, lse, s, batch, head, query, terms_of(rows, lse.size()));
 }
 
 std::vector<double> mla_forward(std::span<const float> x, int T, const MlaShape& c, const MlaWeights& w) {

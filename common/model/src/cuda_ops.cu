@@ -812,4 +812,36 @@ void* cuda_ops_stream() { return g_stream; }
 
 void cuda_ops_synchronize() { K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream)); }
 
+namespace {
+class CudaQueueMarks final : public QueueMarks {
+ public:
+  ~CudaQueueMarks() override {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);  // no throwing from a destructor
+  }
+  int mark() override {
+    if (used_ == events_.size()) {
+      cudaEvent_t e = nullptr;
+      K2C_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    K2C_CUDA_CHECK(cudaEventRecord(events_[used_], g_stream));
+    return static_cast<int>(used_++);
+  }
+  double seconds(int from, int to) override {
+    K2C_CHECK(from >= 0 && to >= 0 && static_cast<std::size_t>(std::max(from, to)) < used_, "no such mark");
+    K2C_CUDA_CHECK(cudaEventSynchronize(events_[to]));
+    float ms = 0;
+    K2C_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[from], events_[to]));
+    return ms * 1e-3;
+  }
+  void reset() override { used_ = 0; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+  std::size_t used_ = 0;
+};
+}  // namespace
+
+std::unique_ptr<QueueMarks> cuda_queue_marks() { return std::make_unique<CudaQueueMarks>(); }
+
 }  // namespace k2c::model

@@ -226,6 +226,41 @@ TEST(Model, TimedStepIsTheSameStep) {
   EXPECT_NE(clock.report().find("host ms"), std::string::npos);
 }
 
+// In-step timing: each operation between two marks of its own, its time the marks' distance,
+// the gaps between operations counted apart; off, it passes everything through untimed.
+TEST(Model, TimedInStepReadsTheMarks) {
+  struct FakeMarks final : QueueMarks {
+    int marks = 0, resets = 0;
+    int mark() override { return marks++; }
+    double seconds(int from, int to) override { return 1e-3 * (to - from); }  // 1 ms a mark
+    void reset() override { ++resets; }
+  } fake;
+  ModelRun plain(small_config(), 2);
+  ModelRun timed(small_config(), 2);
+  TimedOps clock(cpu_ops(), fake);
+  clock.enable(false);
+  Context ctx{clock, timed.ledger, timed.params};
+  const float scale = 1.0f / (2 * timed.config.seq_len);
+  EXPECT_EQ(timed.model.train_step(ctx, timed.ids, timed.targets, 2, scale, false), plain.step());
+  EXPECT_EQ(fake.marks, 0) << "switched off, it marks nothing";
+  EXPECT_TRUE(clock.entries().empty());
+  clock.enable(true);
+  timed.model.train_step(ctx, timed.ids, timed.targets, 2, scale, false);
+  long calls = 0;
+  double seconds = 0;
+  for (const auto& [name, e] : clock.entries()) calls += e.calls, seconds += e.seconds;
+  ASSERT_GT(calls, 10);
+  EXPECT_EQ(fake.marks, 2 * calls) << "a mark before and after each operation";
+  EXPECT_DOUBLE_EQ(seconds, 1e-3 * calls) << "each operation's marks are neighbours";
+  EXPECT_DOUBLE_EQ(clock.idle_seconds(), 1e-3 * (calls - 1)) << "one mark's distance between operations";
+  const auto& norm = clock.entries().at("rmsnorm");
+  EXPECT_DOUBLE_EQ(norm.seconds, 1e-3 * norm.calls);
+  clock.reset();
+  EXPECT_TRUE(clock.entries().empty());
+  EXPECT_EQ(clock.idle_seconds(), 0.0);
+  EXPECT_EQ(fake.resets, 1);
+}
+
 TEST(Model, GradientsAccumulateOverMicroBatches) {
   // Two calls on the same batch with grad_scale 1/2 each equal one call with scale 1.
   ModelRun once(small_config(), 2), twice(small_config(), 2);

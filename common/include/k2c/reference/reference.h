@@ -123,6 +123,19 @@ AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::
                                                  std::span<const float> v, std::span<const float> o,
                                                  std::span<const float> dout, std::span<const float> lse,
                                                  const AttentionShape& shape, int batch, int head, int query);
+// The same two, given per query row (as lse's rows) D_i = Σ dO_i ∘ O_i and e_i = Σ |dO_i ∘ O_i| in
+// place of o: for a caller that keeps two numbers a row rather than the whole of o.
+struct AttentionRowTerms {
+  std::span<const double> D, e;
+};
+AttentionRowGradient attention_key_gradient_at(std::span<const float> q, std::span<const float> k,
+                                               std::span<const float> v, const AttentionRowTerms& rows,
+                                               std::span<const float> dout, std::span<const float> lse,
+                                               const AttentionShape& shape, int batch, int kv_head, int key);
+AttentionRowGradient attention_query_gradient_at(std::span<const float> q, std::span<const float> k,
+                                                 std::span<const float> v, const AttentionRowTerms& rows,
+                                                 std::span<const float> dout, std::span<const float> lse,
+                                                 const AttentionShape& shape, int batch, int head, int query);
 
 // Multi-head latent attention (module 19, Part D) over one sequence x [T][d_model] at positions
 // 0 .. T−1, causal, in the training form: per-head queries [x·W_qnᵀ ; RoPE(x·W_qrᵀ)], keys

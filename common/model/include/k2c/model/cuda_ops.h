@@ -9,7 +9,10 @@
 // Agreement with the CPU backend is within rounding (bf16's for the fast path), not in bits.
 #pragma once
 
+#include <memory>
+
 #include "k2c/model/ops.h"
+#include "k2c/model/timed_ops.h"
 
 namespace k2c::model {
 
@@ -31,5 +34,8 @@ void cuda_ops_use_stream(void* stream);
 void* cuda_ops_stream();
 // Waits for everything issued to that stream (for timing one operation alone).
 void cuda_ops_synchronize();
+// Marks for TimedOps' in-step timing: CUDA events recorded on the backends' stream at the time
+// of each mark (a pool, reused after reset()).
+std::unique_ptr<QueueMarks> cuda_queue_marks();
 
 }  // namespace k2c::model
