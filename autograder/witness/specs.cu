@@ -583,14 +583,9 @@ __global__ void row_terms(const bf16* o, const bf16* dout, double* D, double* e,
   e[r] = magnitude;
 }
 
-struct ForwardRows {
-  std::vector<float> lse;
-  std::vector<double> D, e;
-};
-
 // o and lse of every head (heads first, GQA's group of query heads on one kv head) into the
 // buffers, and the rows' lse, D and e on the host.
-ForwardRows witness_forward(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, bf16* o, float* lse,
+AttentionRows witness_forward(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, bf16* o, float* lse,
                             std::int64_t batch, std::int64_t heads, std::int64_t kv_heads, std::int64_t q_len,
                             std::int64_t kv_len, std::int64_t d, bool causal, float scale) {
   struct Blas {
@@ -606,7 +601,7 @@ ForwardRows witness_forward(const bf16* q, const bf16* k, const bf16* v, const b
   K2C_CUDA_CHECK(cudaMalloc(&S, per_head * sizeof(float)));
   K2C_CUDA_CHECK(cudaMalloc(&P, per_head * sizeof(bf16)));
   K2C_CUDA_CHECK(cudaMalloc(&terms, 2 * rows * sizeof(double)));
-  ForwardRows out{std::vector<float>(rows), std::vector<double>(rows), std::vector<double>(rows)};
+  AttentionRows out{std::vector<float>(rows), std::vector<double>(rows), std::vector<double>(rows)};
   try {
     const float one = 1.0f, zero = 0.0f;
     const int m = static_cast<int>(q_len), n = static_cast<int>(kv_len), dd = static_cast<int>(d);
@@ -646,8 +641,7 @@ Spec attention_backward(const std::string& name, const Shape& shape) {
   const std::int64_t batch = shape.at(0), heads = shape.at(1), kv_heads = shape.at(2), q_len = shape.at(3),
                      kv_len = shape.at(4), d = shape.at(5);
   const bool causal = shape.at(6) != 0;
-  const std::int64_t q_rows = batch * heads * q_len, kv_rows = batch * kv_heads * kv_len, nq = q_rows * d, nkv = kv_rows * d,
-                     group = heads / kv_heads;
+  const std::int64_t q_rows = batch * heads * q_len, kv_rows = batch * kv_heads * kv_len, nq = q_rows * d, nkv = kv_rows * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // as the tests' make_shape rounds it
   Spec s;
   s.name = name;
@@ -660,7 +654,7 @@ Spec attention_backward(const std::string& name, const Shape& shape) {
   s.unit = "TFLOP/s";
   s.unit_scale = 1e12;
   s.max_sets = 8;
-  auto kept = std::make_shared<Kept<ForwardRows>>();
+  auto kept = std::make_shared<Kept<AttentionRows>>();
   s.fill = [=](const std::vector<char*>& p, std::uint64_t seed) {
     auto b = [&](int i) { return reinterpret_cast<bf16*>(p[i]); };
     fill_uniform_device(b(0), nq, buffer_seed(seed, 0), -2.0f, 2.0f);
@@ -678,67 +672,8 @@ Spec attention_backward(const std::string& name, const Shape& shape) {
     return std::vector<Range>{{7, at, bytes}, {8, at, bytes}};
   };
   s.sampled = 2;
-  s.check = [=](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
-    const ForwardRows& rows = kept->at(seed);
-    // The inputs of one kv head and its group of query heads, drawn once per check, as a batch of
-    // one with kv_heads 1 for the reference.
-    struct Group {
-      std::vector<float> q, k, v, dout, lse;
-      std::vector<double> D, e;
-    };
-    std::map<std::int64_t, Group> groups;
-    auto group_of = [&](std::int64_t b, std::int64_t g) -> const Group& {
-      Group& x = groups[b * kv_heads + g];
-      if (!x.q.empty()) return x;
-      const std::int64_t q0 = (b * heads + g * group) * q_len, kv0 = (b * kv_heads + g) * kv_len;
-      for (std::int64_t i = 0; i < group * q_len * d; ++i) {
-        x.q.push_back(bf16_at(buffer_seed(seed, 0), q0 * d + i, -2.0f, 2.0f));
-        x.dout.push_back(bf16_at(buffer_seed(seed, 4), q0 * d + i, -1.0f, 1.0f));
-      }
-      for (std::int64_t i = 0; i < kv_len * d; ++i) {
-        x.k.push_back(bf16_at(buffer_seed(seed, 1), kv0 * d + i, -2.0f, 2.0f));
-        x.v.push_back(bf16_at(buffer_seed(seed, 2), kv0 * d + i, -1.0f, 1.0f));
-      }
-      x.lse.assign(rows.lse.begin() + q0, rows.lse.begin() + q0 + group * q_len);
-      x.D.assign(rows.D.begin() + q0, rows.D.begin() + q0 + group * q_len);
-      x.e.assign(rows.e.begin() + q0, rows.e.begin() + q0 + group * q_len);
-      return x;
-    };
-    const ref::AttentionShape one{1, static_cast<int>(group), 1, static_cast<int>(q_len), static_cast<int>(kv_len),
-                                  static_cast<int>(d), causal, scale};
-    // Module 09's bound: a bf16 rounding of every intermediate, with a margin.
-    auto compare = [&](const char* what, std::int64_t row, const char* got, const std::vector<double>& want,
-                       const std::vector<double>& magnitude) {
-      for (std::int64_t c = 0; c < d; ++c) {
-        const double x = read_bf16(got + c * sizeof(bf16));
-        const double bound = 1.25 * std::ldexp(magnitude[c] + std::fabs(want[c]), -8) + 1e-5;
-        if (!(std::fabs(x - want[c]) <= bound))
-          return std::string(what) + "[row " + std::to_string(row) + "][" + std::to_string(c) + "] = " + std::to_string(x) +
-                 ", expected " + std::to_string(want[c]);
-      }
-      return std::string();
-    };
-    for (std::size_t t = 0; t < ranges.size(); ++t) {
-      const std::int64_t row = static_cast<std::int64_t>(ranges[t].offset / (d * sizeof(bf16)));
-      if (ranges[t].buffer == 6) {  // dq of query row `row`
-        const std::int64_t i = row % q_len, bh = row / q_len, b = bh / heads, h = bh % heads, g = h / group;
-        const Group& x = group_of(b, g);
-        const ref::AttentionRowGradient want = ref::attention_query_gradient_at(
-            x.q, x.k, x.v, ref::AttentionRowTerms{x.D, x.e}, x.dout, x.lse, one, 0, static_cast<int>(h % group), static_cast<int>(i));
-        if (std::string p = compare("dq", row, bytes[t], want.dq, want.dq_magnitude); !p.empty()) return p;
-        continue;
-      }
-      if (ranges[t].buffer != 7 || t + 1 >= ranges.size() || ranges[t + 1].buffer != 8)
-        return std::string("a piece of dk without its dv");
-      const std::int64_t j = row % kv_len, bg = row / kv_len, b = bg / kv_heads, g = bg % kv_heads;
-      const Group& x = group_of(b, g);
-      const ref::AttentionRowGradient want =
-          ref::attention_key_gradient_at(x.q, x.k, x.v, ref::AttentionRowTerms{x.D, x.e}, x.dout, x.lse, one, 0, 0, static_cast<int>(j));
-      if (std::string p = compare("dk", row, bytes[t], want.dk, want.dk_magnitude); !p.empty()) return p;
-      if (std::string p = compare("dv", row, bytes[t + 1], want.dv, want.dv_magnitude); !p.empty()) return p;
-      ++t;
-    }
-    return std::string();
+  s.check = [shape, kept](std::uint64_t seed, const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+    return check_attention_backward(shape, seed, kept->at(seed), ranges, bytes);
   };
   return s;
 }
@@ -944,6 +879,81 @@ const std::vector<Witness>& all() {
 }
 
 }  // namespace
+
+float attention_input(std::uint64_t seed, int buffer, std::int64_t i) {
+  const bool keys = buffer == 0 || buffer == 1;  // q and k in [-2, 2], v and dout in [-1, 1]
+  return bf16_at(buffer_seed(seed, buffer), i, keys ? -2.0f : -1.0f, keys ? 2.0f : 1.0f);
+}
+
+std::string check_attention_backward(const Shape& shape, std::uint64_t seed, const AttentionRows& rows,
+                                     const std::vector<Range>& ranges, const std::vector<const char*>& bytes) {
+  const std::int64_t batch = shape.at(0), heads = shape.at(1), kv_heads = shape.at(2), q_len = shape.at(3),
+                     kv_len = shape.at(4), d = shape.at(5);
+  const bool causal = shape.at(6) != 0;
+  const std::int64_t group = heads / kv_heads, q_rows = batch * heads * q_len;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // as the tests' make_shape rounds it
+  if (rows.lse.size() != static_cast<std::size_t>(q_rows) || rows.D.size() != rows.lse.size() || rows.e.size() != rows.lse.size())
+    throw std::invalid_argument("check_attention_backward: lse, D and e need one number per query row");
+  // The inputs of one kv head and its group of query heads, drawn once per check, as a batch of
+  // one with kv_heads 1 for the reference.
+  struct Group {
+    std::vector<float> q, k, v, dout, lse;
+    std::vector<double> D, e;
+  };
+  std::map<std::int64_t, Group> groups;
+  auto group_of = [&](std::int64_t b, std::int64_t g) -> const Group& {
+    Group& x = groups[b * kv_heads + g];
+    if (!x.q.empty()) return x;
+    const std::int64_t q0 = (b * heads + g * group) * q_len, kv0 = (b * kv_heads + g) * kv_len;
+    for (std::int64_t i = 0; i < group * q_len * d; ++i) {
+      x.q.push_back(attention_input(seed, 0, q0 * d + i));
+      x.dout.push_back(attention_input(seed, 4, q0 * d + i));
+    }
+    for (std::int64_t i = 0; i < kv_len * d; ++i) {
+      x.k.push_back(attention_input(seed, 1, kv0 * d + i));
+      x.v.push_back(attention_input(seed, 2, kv0 * d + i));
+    }
+    x.lse.assign(rows.lse.begin() + q0, rows.lse.begin() + q0 + group * q_len);
+    x.D.assign(rows.D.begin() + q0, rows.D.begin() + q0 + group * q_len);
+    x.e.assign(rows.e.begin() + q0, rows.e.begin() + q0 + group * q_len);
+    return x;
+  };
+  const ref::AttentionShape one{1, static_cast<int>(group), 1, static_cast<int>(q_len), static_cast<int>(kv_len),
+                                static_cast<int>(d), causal, scale};
+  // Module 09's bound: a bf16 rounding of every intermediate, with a margin.
+  auto compare = [&](const char* what, std::int64_t row, const char* got, const std::vector<double>& want,
+                     const std::vector<double>& magnitude) {
+    for (std::int64_t c = 0; c < d; ++c) {
+      const double x = read_bf16(got + c * sizeof(bf16));
+      const double bound = 1.25 * std::ldexp(magnitude[c] + std::fabs(want[c]), -8) + 1e-5;
+      if (!(std::fabs(x - want[c]) <= bound))
+        return std::string(what) + "[row " + std::to_string(row) + "][" + std::to_string(c) + "] = " + std::to_string(x) +
+               ", expected " + std::to_string(want[c]);
+    }
+    return std::string();
+  };
+  for (std::size_t t = 0; t < ranges.size(); ++t) {
+    const std::int64_t row = static_cast<std::int64_t>(ranges[t].offset / (d * sizeof(bf16)));
+    if (ranges[t].buffer == 6) {  // dq of query row `row`
+      const std::int64_t i = row % q_len, bh = row / q_len, b = bh / heads, h = bh % heads, g = h / group;
+      const Group& x = group_of(b, g);
+      const ref::AttentionRowGradient want = ref::attention_query_gradient_at(
+          x.q, x.k, x.v, ref::AttentionRowTerms{x.D, x.e}, x.dout, x.lse, one, 0, static_cast<int>(h % group), static_cast<int>(i));
+      if (std::string p = compare("dq", row, bytes[t], want.dq, want.dq_magnitude); !p.empty()) return p;
+      continue;
+    }
+    if (ranges[t].buffer != 7 || t + 1 >= ranges.size() || ranges[t + 1].buffer != 8)
+      return std::string("a piece of dk without its dv");
+    const std::int64_t j = row % kv_len, bg = row / kv_len, b = bg / kv_heads, g = bg % kv_heads;
+    const Group& x = group_of(b, g);
+    const ref::AttentionRowGradient want =
+        ref::attention_key_gradient_at(x.q, x.k, x.v, ref::AttentionRowTerms{x.D, x.e}, x.dout, x.lse, one, 0, 0, static_cast<int>(j));
+    if (std::string p = compare("dk", row, bytes[t], want.dk, want.dk_magnitude); !p.empty()) return p;
+    if (std::string p = compare("dv", row, bytes[t + 1], want.dv, want.dv_magnitude); !p.empty()) return p;
+    ++t;
+  }
+  return std::string();
+}
 
 const Witness* find(const std::string& name) {
   for (const Witness& w : all())

@@ -65,4 +65,17 @@ struct Witness {
 // nullptr for a name no witness has.
 const Witness* find(const std::string& name);
 
+// Module 09's backward check apart from the checker's run, which calls it with what its own forward
+// pass kept for a launch's seed: lse, D = Σ dO ∘ O and e = Σ |dO ∘ O| of every query row (heads
+// first, as the launch's lse). Whole pieces of dq (buffer 6) and of dk with dv (7 and 8), bytes[i]
+// holding ranges[i]; "" or the first problem. attention_input(seed, b, i) is element i of input
+// buffer b of that launch (q 0, k 1, v 2, dout 4), as its fill draws it.
+struct AttentionRows {
+  std::vector<float> lse;
+  std::vector<double> D, e;
+};
+std::string check_attention_backward(const Shape& shape, std::uint64_t seed, const AttentionRows& rows,
+                                     const std::vector<Range>& ranges, const std::vector<const char*>& bytes);
+float attention_input(std::uint64_t seed, int buffer, std::int64_t i);
+
 }  // namespace k2c::witness_specs
