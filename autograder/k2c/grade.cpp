@@ -378,6 +378,8 @@ struct Checker {
 // process id and opens them without O_EXCL) could be made in advance by a process that a run left
 // behind, and written while the build reads them: code of its choosing in objects built as the
 // grader, kept for every later submission.
+// A submission's compiles (compile-as) make their scratch folders beside it, in a folder emptied
+// after each build (compile_scratch_env), where the user they run as can reach them.
 std::vector<std::pair<std::string, std::string>> build_env(const fs::path& build) {
   const fs::path tmp = build / "tmp";
   std::error_code ec;
@@ -385,7 +387,12 @@ std::vector<std::pair<std::string, std::string>> build_env(const fs::path& build
   if (fs::exists(st) && !fs::is_directory(st)) fs::remove(tmp, ec);  // a file, or a link, where the folder goes
   fs::create_directories(tmp, ec);
   fs::permissions(tmp, fs::perms::owner_all, fs::perm_options::replace, ec);
-  return {{"TMPDIR", tmp.string()}};
+  std::vector<std::pair<std::string, std::string>> env = {{"TMPDIR", tmp.string()}};
+  const fs::path scratch = build / "compile-scratch";
+  std::string blocked;
+  for (auto& kv : compile_scratch_env(scratch))
+    if (searchable_by_others(scratch, blocked)) env.push_back(kv);
+  return env;
 }
 
 Checker build_checker(const fs::path& build, const std::string& target, const std::string& what, int jobs,
@@ -1148,6 +1155,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     // A build stopped at its limit can leave a compile of the student's files running as the
     // runner (k2c compile-as): below the grader, so killed with whatever else it left.
     if (runner.uid >= 0) kill_run_leftovers(runner.uid, "");
+    clear_compile_scratch(build / "compile-scratch");  // what a compile killed with it left
     if (b.exit_code != 0) {
       m.status = "build failed";
       m.detail = build_failure_detail(b.output);

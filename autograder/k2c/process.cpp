@@ -348,6 +348,33 @@ void write_output(const std::string& to, const std::string& bytes) {
 
 }  // namespace
 
+std::vector<std::pair<std::string, std::string>> compile_scratch_env(const std::filesystem::path& folder) {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::symlink_status(folder, ec);
+  if (std::filesystem::exists(st) && !std::filesystem::is_directory(st)) std::filesystem::remove(folder, ec);
+  std::filesystem::create_directories(folder, ec);
+  // Searchable by the user a scratch folder is handed to, so that it reaches its own; listable and
+  // writable by the grader only.
+  std::filesystem::permissions(folder, std::filesystem::perms::owner_all | std::filesystem::perms::group_exec |
+                                           std::filesystem::perms::others_exec,
+                               std::filesystem::perm_options::replace, ec);
+  struct stat info {};
+  if (ec || lstat(folder.c_str(), &info) != 0 || !S_ISDIR(info.st_mode) || info.st_uid != geteuid()) return {};
+  return {{kCompileScratch, std::filesystem::absolute(folder).string()}};
+}
+
+int clear_compile_scratch(const std::filesystem::path& folder) {
+  int removed = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(folder, ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    std::error_code gone;
+    std::filesystem::remove_all(it->path(), gone);  // links are removed, never followed
+    if (!gone) ++removed;
+  }
+  return removed;
+}
+
 int compile_as(int uid, int gid, const std::vector<std::string>& command) {
   if (uid <= 0 || gid < 0) throw std::invalid_argument("compile-as: expected a user other than root");
   // Ends with the build that started it (the grader kills a build that runs past its limit, and
@@ -356,8 +383,11 @@ int compile_as(int uid, int gid, const std::vector<std::string>& command) {
   const pid_t build = getppid();
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != build) return 1;  // it ended before the request took hold
-  // The scratch folder: made by the grader (mkdtemp: a fresh name, 0700), then handed to the user.
-  std::string scratch = "/tmp/k2c-compile-XXXXXX";
+  // The scratch folder: made by the grader (mkdtemp: a fresh name, 0700), then handed to the user,
+  // in the folder the grading names (compile_scratch_env: one it empties after each build, where
+  // a compile-as killed with its build leaves its own behind) or else in /tmp.
+  const char* parent = std::getenv(kCompileScratch);
+  std::string scratch = std::string(parent != nullptr && parent[0] == '/' ? parent : "/tmp") + "/k2c-compile-XXXXXX";
   if (mkdtemp(scratch.data()) == nullptr) throw std::runtime_error(std::string("compile-as: mkdtemp: ") + std::strerror(errno));
   struct Remove {
     std::string path;

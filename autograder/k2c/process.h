@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -62,6 +63,16 @@ int kill_run_leftovers(int uid, const std::string& marker);
 // them, into a tree the user cannot write. Returns the compiler's exit status (1 for a compiler
 // that did not exit); what it printed goes to stderr.
 int compile_as(int uid, int gid, const std::vector<std::string>& command);
+
+// Where compile_as makes its scratch folders during a grading: the variable (K2C_COMPILE_SCRATCH)
+// that names `folder` for the builds' environment, the folder made the grader's own and
+// searchable by others (0711), or nothing (compile_as then uses /tmp) where it cannot be. A
+// compile-as killed with its build (it dies with it) leaves its scratch folder there;
+// clear_compile_scratch removes every entry of `folder`, without following links, and returns how
+// many it removed. Call it when no compile of this grading runs (after kill_run_leftovers).
+inline constexpr const char* kCompileScratch = "K2C_COMPILE_SCRATCH";
+std::vector<std::pair<std::string, std::string>> compile_scratch_env(const std::filesystem::path& folder);
+int clear_compile_scratch(const std::filesystem::path& folder);
 
 // `bytes` as well-formed UTF-8: a byte that does not start a well-formed character (an overlong
 // form, a surrogate, a character cut by the capture's head and tail) becomes U+FFFD. Whatever a

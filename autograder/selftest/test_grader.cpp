@@ -784,6 +784,26 @@ TEST(Process, CompilesAsAnotherUserWhoCannotReadRootsFiles) {
   EXPECT_NE(script.exit_code, 0);
   EXPECT_NE(script.output.find("is not an object file"), std::string::npos) << script.output;
   EXPECT_FALSE(fs::exists(dir / "script.o"));
+  // In the grading's scratch folder (as every build's environment names it): a compile leaves
+  // nothing there; one killed with its build leaves its folder, which the grader clears after the
+  // build.
+  const fs::path scratch = dir / "compile-scratch";
+  const auto env = k2c::grader::compile_scratch_env(scratch);
+  ASSERT_EQ(env.size(), 1u);
+  struct stat sst {};
+  ASSERT_EQ(stat(scratch.c_str(), &sst), 0);
+  EXPECT_EQ(sst.st_mode & 07777, 0711u) << "searchable by the user, listable by the grader only";
+  const ProcessResult kept = k2c::grader::run_process(
+      {K2C_BIN, "compile-as", uid, gid, "--", "c++", "-c", (dir / "plain.cpp").string(), "-o", (dir / "again.o").string()},
+      {.env = env, .timeout_s = 120});
+  EXPECT_EQ(kept.exit_code, 0) << kept.output;
+  EXPECT_TRUE(fs::is_empty(scratch));
+  const ProcessResult killed = k2c::grader::run_process(
+      {K2C_BIN, "compile-as", uid, gid, "--", "sh", "-c", "sleep 3", "sh", "-o", (dir / "never.o").string()}, {.env = env, .timeout_s = 1});
+  EXPECT_TRUE(killed.timed_out);
+  EXPECT_FALSE(fs::is_empty(scratch)) << "a compile-as killed mid-way cannot clean up";
+  EXPECT_EQ(k2c::grader::clear_compile_scratch(scratch), 1);
+  EXPECT_TRUE(fs::is_empty(scratch));
   // Without a user to run as, or without an output to redirect, it refuses.
   EXPECT_NE(k2c::grader::run_process({K2C_BIN, "compile-as", "0", "0", "--", "true", "-o", "x"}, {}).exit_code, 0);
   EXPECT_NE(k2c::grader::run_process({K2C_BIN, "compile-as", uid, gid, "--", "true"}, {}).exit_code, 0);
