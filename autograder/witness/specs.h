@@ -62,7 +62,8 @@ struct Witness {
   std::function<Shape(std::mt19937_64&)> draw;
 };
 
-// nullptr for a name no witness has.
+// Every witness, and the one of a name (nullptr for a name no witness has).
+const std::vector<Witness>& all();
 const Witness* find(const std::string& name);
 
 // Module 09's backward check apart from the checker's run, which calls it with what its own forward

@@ -1,9 +1,11 @@
-// specs_test.cpp — k2c_witness_specs_test: module 09's backward check (specs.h) on the CPU. The
-// rows of dq, dk and dv an honest backward pass would write, made by the CPU reference from the
-// inputs a launch's seed gives and the o and lse of a forward pass, pass the check; one element
-// moved by a few percent, the wrong D, or a dk without its dv, fail it.
+// specs_test.cpp — k2c_witness_specs_test: what of the witnesses (specs.h) needs no device, on the
+// CPU. Every witness's launches fit the protocol's greeting (k2c/testing/witness.h). Module 09's
+// backward check: the rows of dq, dk and dv an honest backward pass would write, made by the CPU
+// reference from the inputs a launch's seed gives and the o and lse of a forward pass, pass it; one
+// element moved by an eighth, the wrong D, or a dk without its dv, fail it.
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -11,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "k2c/reference/reference.h"
+#include "k2c/testing/witness.h"
 #include "specs.h"
 
 namespace ws = k2c::witness_specs;
@@ -96,6 +99,26 @@ struct Launch {
 };
 
 }  // namespace
+
+// The greeting holds kMaxBuffers buffer offsets and kMaxShape dimensions: a spec past either
+// would be refused by the test program, an honest one included.
+TEST(WitnessSpecs, EveryLaunchFitsTheGreeting) {
+  std::mt19937_64 rng(1);
+  ASSERT_GE(ws::all().size(), 14u);
+  for (const ws::Witness& w : ws::all()) {
+    std::vector<ws::Shape> shapes = {w.timed};
+    for (int i = 0; i < 5; ++i) shapes.push_back(w.draw(rng));
+    for (const ws::Shape& shape : shapes) {
+      const ws::Spec spec = w.make(shape);
+      EXPECT_GE(spec.buffers.size(), 1u) << w.name;
+      EXPECT_LE(spec.buffers.size(), static_cast<std::size_t>(k2c::witness::kMaxBuffers)) << w.name;
+      EXPECT_LE(spec.shape.size(), static_cast<std::size_t>(k2c::witness::kMaxShape)) << w.name;
+      EXPECT_EQ(spec.name, w.name);
+    }
+  }
+  EXPECT_NE(ws::find("attention_backward"), nullptr);
+  EXPECT_EQ(ws::find("attention_backward_hopper")->make(ws::find("attention_backward_hopper")->timed).buffers.size(), 9u);
+}
 
 TEST(WitnessSpecs, AttentionBackwardCheckPassesHonestRows) {
   // Causal with fewer queries than keys and grouped heads; then more queries than keys (the first

@@ -205,6 +205,10 @@ struct Layout {
 // Lays out as many sets as the budget holds (at most kMaxSets and `max_sets`); throws what stands
 // in the way.
 Layout lay_out(const k2c::witness_specs::Spec& spec, int max_sets) {
+  if (spec.buffers.size() > static_cast<std::size_t>(wp::kMaxBuffers))
+    throw std::runtime_error("a launch of more than kMaxBuffers buffers");
+  if (spec.shape.size() > static_cast<std::size_t>(wp::kMaxShape))
+    throw std::runtime_error("a shape of more than kMaxShape dimensions");
   Layout l;
   l.spec = &spec;
   std::size_t set_bytes = 0;
@@ -225,7 +229,6 @@ Layout lay_out(const k2c::witness_specs::Spec& spec, int max_sets) {
   l.hello.sets = static_cast<std::uint32_t>(l.sets);
   std::snprintf(l.hello.name, sizeof l.hello.name, "%s", spec.name.c_str());
   K2C_CUDA_CHECK(cudaIpcGetMemHandle(&l.hello.memory, l.base));
-  if (spec.shape.size() > wp::kMaxShape) throw std::runtime_error("a shape of more than kMaxShape dimensions");
   for (std::size_t i = 0; i < spec.shape.size(); ++i) l.hello.shape[i] = spec.shape[i];
   for (int s = 0; s < l.sets; ++s)
     for (std::size_t b = 0; b < spec.buffers.size(); ++b) l.hello.offset[s][b] = s * set_bytes + buffer_offset[b];

@@ -8,6 +8,7 @@
 namespace k2c::model {
 
 std::string TimedOps::report() const {
+  settle();
   std::vector<std::pair<std::string, Entry>> rows(entries_.begin(), entries_.end());
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
   double total = 0, host = 0;

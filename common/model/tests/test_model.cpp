@@ -239,6 +239,7 @@ TEST(Model, TimedInStepReadsTheMarks) {
   ModelRun timed(small_config(), 2);
   TimedOps clock(cpu_ops(), fake);
   clock.enable(false);
+  EXPECT_TRUE(clock.report().find("total") != std::string::npos);
   Context ctx{clock, timed.ledger, timed.params};
   const float scale = 1.0f / (2 * timed.config.seq_len);
   EXPECT_EQ(timed.model.train_step(ctx, timed.ids, timed.targets, 2, scale, false), plain.step());
@@ -246,18 +247,22 @@ TEST(Model, TimedInStepReadsTheMarks) {
   EXPECT_TRUE(clock.entries().empty());
   clock.enable(true);
   timed.model.train_step(ctx, timed.ids, timed.targets, 2, scale, false);
+  const std::string table = clock.report();  // asked first, it reads the marks itself
   long calls = 0;
   double seconds = 0;
   for (const auto& [name, e] : clock.entries()) calls += e.calls, seconds += e.seconds;
   ASSERT_GT(calls, 10);
+  char total[32];
+  std::snprintf(total, sizeof total, "%10.3f", 1.0 * calls);  // calls × 1 ms
+  EXPECT_NE(table.find(std::string("total") + std::string(21, ' ') + " " + total), std::string::npos) << table;
   EXPECT_EQ(fake.marks, 2 * calls) << "a mark before and after each operation";
   EXPECT_DOUBLE_EQ(seconds, 1e-3 * calls) << "each operation's marks are neighbours";
-  EXPECT_DOUBLE_EQ(clock.idle_seconds(), 1e-3 * (calls - 1)) << "one mark's distance between operations";
+  EXPECT_DOUBLE_EQ(clock.between_seconds(), 1e-3 * (calls - 1)) << "one mark's distance between operations";
   const auto& norm = clock.entries().at("rmsnorm");
   EXPECT_DOUBLE_EQ(norm.seconds, 1e-3 * norm.calls);
   clock.reset();
   EXPECT_TRUE(clock.entries().empty());
-  EXPECT_EQ(clock.idle_seconds(), 0.0);
+  EXPECT_EQ(clock.between_seconds(), 0.0);
   EXPECT_EQ(fake.resets, 1);
 }
 

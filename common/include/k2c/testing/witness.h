@@ -33,7 +33,7 @@
 namespace k2c::witness {
 
 inline constexpr std::uint32_t kMagic = 0x5743324Bu;  // "K2CW"
-inline constexpr int kMaxBuffers = 8, kMaxSets = 32, kMaxShape = 8;
+inline constexpr int kMaxBuffers = 12, kMaxSets = 32, kMaxShape = 8;
 // The socket's end in the test program.
 inline constexpr int kChannelFd = 3;
 

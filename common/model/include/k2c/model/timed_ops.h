@@ -11,9 +11,12 @@
 // the device's queue (QueueMarks; for the CUDA backend, events on its stream), and its time is
 // what the GPU spent between them: while the host stays ahead of the GPU, the operation's own
 // GPU time inside a step that runs as usual. Where the GPU caught up with the host during an
-// operation, the wait is in that operation's time; waits between operations are in no one's,
-// and idle_seconds() gives their sum. The marks are read when the table is (entries(),
-// report()), which waits for the last of them.
+// operation, the wait is in that operation's time. What lies between one operation's closing mark
+// and the next one's opening mark is in no one's, and between_seconds() gives its sum: the GPU
+// waiting for the host to issue the next operation, and whatever was queued outside the
+// operations (a communicator's all-reduces and sends on a grid of several ranks, and their waits
+// for the other ranks). The marks are read when the table is (entries(), report()), which waits
+// for the last of them.
 //
 // Each operation's host time is also kept: the part of its wall time spent before it returned
 // (alone: with the GPU idle at its start). For most operations that is the CPU's cost of issuing
@@ -62,16 +65,16 @@ class TimedOps final : public ForwardingOps {
     settle();
     return entries_;
   }
-  // In the step: the GPU time from the first operation's start to the last one's end that lies
-  // between operations (the GPU waiting for the host to issue the next); 0 when timing alone.
-  double idle_seconds() const {
+  // In the step: the time on the device's queue from the first operation's start to the last
+  // one's end that lies between operations (see above); 0 when timing alone.
+  double between_seconds() const {
     settle();
-    return idle_;
+    return between_;
   }
   void reset() {
     settle();
     entries_.clear();
-    idle_ = 0;
+    between_ = 0;
     if (marks_) marks_->reset();
   }
   // A table, the most expensive operation first: seconds, share of the total, host seconds, calls.
@@ -125,7 +128,7 @@ class TimedOps final : public ForwardingOps {
     for (std::size_t i = 0; i < pending_.size(); ++i) {
       const Pending& p = pending_[i];
       entries_[p.what].seconds += marks_->seconds(p.from, p.to);
-      if (i > 0) idle_ += marks_->seconds(pending_[i - 1].to, p.from);
+      if (i > 0) between_ += marks_->seconds(pending_[i - 1].to, p.from);
     }
     pending_.clear();
   }
@@ -135,7 +138,7 @@ class TimedOps final : public ForwardingOps {
   bool enabled_ = true;
   mutable std::vector<Pending> pending_;
   mutable std::map<std::string, Entry> entries_;
-  mutable double idle_ = 0;
+  mutable double between_ = 0;
 };
 
 }  // namespace k2c::model
