@@ -390,8 +390,9 @@ std::vector<std::pair<std::string, std::string>> build_env(const fs::path& build
   std::vector<std::pair<std::string, std::string>> env = {{"TMPDIR", tmp.string()}};
   const fs::path scratch = build / "compile-scratch";
   std::string blocked;
-  for (auto& kv : compile_scratch_env(scratch))
-    if (searchable_by_others(scratch, blocked)) env.push_back(kv);
+  // Always set, so that a value inherited from the grader's own environment never reaches a build.
+  for (auto& [name, value] : compile_scratch_env(scratch))
+    env.emplace_back(name, searchable_by_others(scratch, blocked) ? value : std::string());
   return env;
 }
 
@@ -1152,10 +1153,11 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     const ProcessResult b = run_process(
         {"cmake", "--build", build.string(), "--target", "k2c_test_" + spec.id, "-j", std::to_string(jobs)},
         {.env = build_env(build), .timeout_s = 1800});
-    // A build stopped at its limit can leave a compile of the student's files running as the
-    // runner (k2c compile-as): below the grader, so killed with whatever else it left.
-    if (runner.uid >= 0) kill_run_leftovers(runner.uid, "");
-    clear_compile_scratch(build / "compile-scratch");  // what a compile killed with it left
+    // A build stopped at its limit can leave compiles running (k2c compile-as, as root, below a
+    // shell of Ninja's; the student's files compiling as the runner below it): everything below
+    // the grader is killed, whoever it runs as, then what their scratch folders held.
+    kill_descendants();
+    clear_compile_scratch(build / "compile-scratch");
     if (b.exit_code != 0) {
       m.status = "build failed";
       m.detail = build_failure_detail(b.output);

@@ -220,8 +220,10 @@ ProcStat proc_stat(const std::string& dir) {
 }
 }  // namespace
 
-int kill_run_leftovers(int uid, const std::string& marker) {
-  if (uid <= 0) return 0;  // never root's processes
+namespace {
+// kill_run_leftovers and kill_descendants: every process below this one of user `uid` (-1: of
+// every user), and those of `uid` with the mark wherever they are.
+int kill_below(int uid, const std::string& marker) {
   const std::string tag = "K2C_RUN=" + marker;
   const pid_t self = getpid();
   std::set<pid_t> killed;  // a killed process may still be dying at the next pass: counted once
@@ -258,8 +260,8 @@ int kill_run_leftovers(int uid, const std::string& marker) {
           ++tasks;
         zombie = tasks <= 1;
       }
-      Entry entry{static_cast<pid_t>(ps.parent), static_cast<int>(st.st_uid) == uid, zombie, false};
-      if (entry.users && !marker.empty()) {
+      Entry entry{static_cast<pid_t>(ps.parent), uid < 0 || static_cast<int>(st.st_uid) == uid, zombie, false};
+      if (entry.users && uid >= 0 && !marker.empty()) {
         std::ifstream environ(dir + "/environ", std::ios::binary);
         for (std::string var; !entry.marked && std::getline(environ, var, '\0');) entry.marked = var == tag;
       }
@@ -297,6 +299,14 @@ int kill_run_leftovers(int uid, const std::string& marker) {
   }
   return static_cast<int>(killed.size());
 }
+}  // namespace
+
+int kill_run_leftovers(int uid, const std::string& marker) {
+  if (uid <= 0) return 0;  // never root's processes
+  return kill_below(uid, marker);
+}
+
+int kill_descendants() { return kill_below(-1, ""); }
 
 std::string describe_exit(const ProcessResult& r, double timeout_s) {
   if (!r.started) return r.output;
@@ -348,6 +358,16 @@ void write_output(const std::string& to, const std::string& bytes) {
 
 }  // namespace
 
+namespace {
+// Whether `folder` is one compile_as may make scratch folders in and the grader may clear: a real
+// folder (not a link) of this process's user that no one else may write.
+bool scratch_parent(const std::filesystem::path& folder) {
+  struct stat st {};
+  return lstat(folder.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == geteuid() &&
+         (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
+}
+}  // namespace
+
 std::vector<std::pair<std::string, std::string>> compile_scratch_env(const std::filesystem::path& folder) {
   std::error_code ec;
   const std::filesystem::file_status st = std::filesystem::symlink_status(folder, ec);
@@ -358,12 +378,12 @@ std::vector<std::pair<std::string, std::string>> compile_scratch_env(const std::
   std::filesystem::permissions(folder, std::filesystem::perms::owner_all | std::filesystem::perms::group_exec |
                                            std::filesystem::perms::others_exec,
                                std::filesystem::perm_options::replace, ec);
-  struct stat info {};
-  if (ec || lstat(folder.c_str(), &info) != 0 || !S_ISDIR(info.st_mode) || info.st_uid != geteuid()) return {};
+  if (ec || !scratch_parent(folder)) return {{kCompileScratch, ""}};  // compile_as then takes /tmp
   return {{kCompileScratch, std::filesystem::absolute(folder).string()}};
 }
 
 int clear_compile_scratch(const std::filesystem::path& folder) {
+  if (!scratch_parent(folder)) return 0;  // a link, or a folder another user could have prepared
   int removed = 0;
   std::error_code ec;
   for (auto it = std::filesystem::directory_iterator(folder, ec); !ec && it != std::filesystem::directory_iterator();
@@ -386,8 +406,9 @@ int compile_as(int uid, int gid, const std::vector<std::string>& command) {
   // The scratch folder: made by the grader (mkdtemp: a fresh name, 0700), then handed to the user,
   // in the folder the grading names (compile_scratch_env: one it empties after each build, where
   // a compile-as killed with its build leaves its own behind) or else in /tmp.
-  const char* parent = std::getenv(kCompileScratch);
-  std::string scratch = std::string(parent != nullptr && parent[0] == '/' ? parent : "/tmp") + "/k2c-compile-XXXXXX";
+  const char* named = std::getenv(kCompileScratch);
+  const bool usable = named != nullptr && named[0] == '/' && scratch_parent(named);
+  std::string scratch = std::string(usable ? named : "/tmp") + "/k2c-compile-XXXXXX";
   if (mkdtemp(scratch.data()) == nullptr) throw std::runtime_error(std::string("compile-as: mkdtemp: ") + std::strerror(errno));
   struct Remove {
     std::string path;

@@ -53,6 +53,10 @@ void adopt_orphans();
 // second grader on the machine) are left alone. Reading other users' environments needs root.
 // Call it only when no run of this process is under way. Returns the number of processes killed.
 int kill_run_leftovers(int uid, const std::string& marker);
+// Kills every process below this one, whatever its user, the same way: what a build left running
+// (under Ninja a compile-as runs below a shell of its own and outlives the build that a time limit
+// stopped). Call it only when nothing of this process should be running.
+int kill_descendants();
 
 // The compiler launcher of a submission's files: `k2c compile-as UID GID -- COMPILER ARGS...`,
 // which CMake runs in place of the compiler for the implementation libraries when the grader
@@ -66,10 +70,12 @@ int compile_as(int uid, int gid, const std::vector<std::string>& command);
 
 // Where compile_as makes its scratch folders during a grading: the variable (K2C_COMPILE_SCRATCH)
 // that names `folder` for the builds' environment, the folder made the grader's own and
-// searchable by others (0711), or nothing (compile_as then uses /tmp) where it cannot be. A
-// compile-as killed with its build (it dies with it) leaves its scratch folder there;
-// clear_compile_scratch removes every entry of `folder`, without following links, and returns how
-// many it removed. Call it when no compile of this grading runs (after kill_run_leftovers).
+// searchable by others (0711), or the variable set empty (compile_as then uses /tmp, as it does
+// for any folder that is a link, another user's, or writable by others). A compile-as killed
+// mid-way leaves its scratch folder there; clear_compile_scratch removes every entry of `folder`
+// (nothing where the folder is not one compile_as would use), without following links, and
+// returns how many it removed. Call it when no compile of this grading runs (after
+// kill_descendants).
 inline constexpr const char* kCompileScratch = "K2C_COMPILE_SCRATCH";
 std::vector<std::pair<std::string, std::string>> compile_scratch_env(const std::filesystem::path& folder);
 int clear_compile_scratch(const std::filesystem::path& folder);

@@ -26,6 +26,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -747,6 +748,19 @@ fs::path root_only_secret() {
 // `k2c compile-as`, the build's launcher for a submission's files: the compile runs as the other
 // user, so a file only root may read is not read (and no message quotes it), while a plain compile
 // leaves its object where the build expects it.
+// What a build leaves running is killed whoever it runs as: a process of this user in a session of
+// its own, adopted once its shell has ended (as Ninja's shells leave a compile-as behind).
+TEST(Process, KillsWhatABuildLeftBehindWhateverItsUser) {
+  k2c::grader::adopt_orphans();
+  const ProcessResult left = k2c::grader::run_process({"sh", "-c", "setsid sleep 300 > /dev/null 2>&1 & echo $!; sleep 1"}, {});
+  ASSERT_EQ(left.exit_code, 0) << left.output;
+  const pid_t pid = static_cast<pid_t>(std::stol(left.output));
+  ASSERT_EQ(kill(pid, 0), 0) << "the sleeper outlives its shell";
+  EXPECT_GE(k2c::grader::kill_descendants(), 1);
+  EXPECT_NE(kill(pid, 0), 0) << "killed and reaped";
+  EXPECT_EQ(k2c::grader::kill_descendants(), 0) << "nothing left";
+}
+
 TEST(Process, CompilesAsAnotherUserWhoCannotReadRootsFiles) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
   const passwd* nobody = getpwnam("nobody");
@@ -799,11 +813,31 @@ TEST(Process, CompilesAsAnotherUserWhoCannotReadRootsFiles) {
   EXPECT_EQ(kept.exit_code, 0) << kept.output;
   EXPECT_TRUE(fs::is_empty(scratch));
   const ProcessResult killed = k2c::grader::run_process(
-      {K2C_BIN, "compile-as", uid, gid, "--", "sh", "-c", "sleep 3", "sh", "-o", (dir / "never.o").string()}, {.env = env, .timeout_s = 1});
+      {K2C_BIN, "compile-as", uid, gid, "--", "sh", "-c", "sleep 2", "sh", "-o", (dir / "never.o").string()}, {.env = env, .timeout_s = 1});
   EXPECT_TRUE(killed.timed_out);
   EXPECT_FALSE(fs::is_empty(scratch)) << "a compile-as killed mid-way cannot clean up";
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // its compiler's end (the grader kills it)
   EXPECT_EQ(k2c::grader::clear_compile_scratch(scratch), 1);
   EXPECT_TRUE(fs::is_empty(scratch));
+  // Only a folder compile_as would use is cleared: not one reached through a link (nor one another
+  // user could write, which compile_as passes over for /tmp, as it does a folder that is missing).
+  const fs::path victim = dir / "victim", link = dir / "link-scratch";
+  fs::create_directories(victim);
+  write(victim / "keep", "x");
+  fs::create_directory_symlink(victim, link);
+  EXPECT_EQ(k2c::grader::clear_compile_scratch(link), 0);
+  EXPECT_TRUE(fs::exists(victim / "keep"));
+  const fs::path open_to_all = dir / "open-to-all";
+  fs::create_directories(open_to_all);
+  fs::permissions(open_to_all, fs::perms::all, fs::perm_options::replace);
+  for (const std::string& named : {open_to_all.string(), std::string("/nonexistent/k2c"), link.string()}) {
+    const ProcessResult elsewhere = k2c::grader::run_process(
+        {K2C_BIN, "compile-as", uid, gid, "--", "c++", "-c", (dir / "plain.cpp").string(), "-o", (dir / "else.o").string()},
+        {.env = {{k2c::grader::kCompileScratch, named}}, .timeout_s = 120});
+    EXPECT_EQ(elsewhere.exit_code, 0) << named << ": " << elsewhere.output;
+  }
+  EXPECT_TRUE(fs::is_empty(open_to_all));
+  EXPECT_EQ(k2c::grader::clear_compile_scratch(open_to_all), 0);
   // Without a user to run as, or without an output to redirect, it refuses.
   EXPECT_NE(k2c::grader::run_process({K2C_BIN, "compile-as", "0", "0", "--", "true", "-o", "x"}, {}).exit_code, 0);
   EXPECT_NE(k2c::grader::run_process({K2C_BIN, "compile-as", uid, gid, "--", "true"}, {}).exit_code, 0);
