@@ -36,6 +36,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total 
 nvcc --version | tail -2 >> "$LOG"
 
 step "configure + build (sm_$ARCH)"
+# A tree copied onto a machine (rsync, a device tool) may carry file times older than the outputs
+# an earlier build left in $BUILD: the build would then skip what changed. Every source file whose
+# content differs from the last build's record is touched first.
+mkdir -p "$BUILD"
+sums=$(find common autograder solutions assignments lab cmake CMakeLists.txt -type f \
+         \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.cpp' -o -name '*.txt' -o -name '*.cmake' -o -name '*.json' \) \
+         -print0 | sort -z | xargs -0 md5sum)
+if [ -f "$BUILD/k2c-source-sums" ]; then
+  diff <(echo "$sums") "$BUILD/k2c-source-sums" | awk '/^</ {print $3}' | xargs -r touch
+fi
+echo "$sums" > "$BUILD/k2c-source-sums"
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S . -B "$BUILD" "${gen[@]}" -DK2C_IMPL=solutions -DCMAKE_CUDA_ARCHITECTURES="$ARCH" >> "$LOG" 2>&1 ||
   { echo "CONFIGURE FAILED"; tail -40 "$LOG"; exit 1; }
