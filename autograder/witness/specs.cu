@@ -538,6 +538,10 @@ Spec attention_forward(const std::string& name, const Shape& shape) {
   return s;
 }
 
+// The range the backward witness draws input buffer `b` from: q and k in [-2, 2], v and dout in
+// [-1, 1], as module 09's tests draw them.
+std::pair<float, float> attention_range(int b) { return b == 0 || b == 1 ? std::pair{-2.0f, 2.0f} : std::pair{-1.0f, 1.0f}; }
+
 // Module 09's backward pass needs the o and lse of a forward pass over the same inputs: this
 // checker makes them itself, with cuBLAS and a kernel of its own, one head at a time: S = Q·Kᵀ in
 // fp32, each row's softmax under the mask (lse in fp32, P rounded to bf16 as a fused kernel rounds
@@ -661,10 +665,10 @@ Spec attention_backward(const std::string& name, const Shape& shape) {
   auto kept = std::make_shared<Kept<AttentionRows>>(2 * s.max_sets);
   s.fill = [=](const std::vector<char*>& p, std::uint64_t seed) {
     auto b = [&](int i) { return reinterpret_cast<bf16*>(p[i]); };
-    fill_uniform_device(b(0), nq, buffer_seed(seed, 0), -2.0f, 2.0f);
-    fill_uniform_device(b(1), nkv, buffer_seed(seed, 1), -2.0f, 2.0f);
-    fill_uniform_device(b(2), nkv, buffer_seed(seed, 2), -1.0f, 1.0f);
-    fill_uniform_device(b(4), nq, buffer_seed(seed, 4), -1.0f, 1.0f);
+    for (const int input : {0, 1, 2, 4}) {  // q, k, v, dout: what attention_input draws
+      const auto [lo, hi] = attention_range(input);
+      fill_uniform_device(b(input), input == 1 || input == 2 ? nkv : nq, buffer_seed(seed, input), lo, hi);
+    }
     kept->put(seed, witness_forward(b(0), b(1), b(2), b(4), b(3), reinterpret_cast<float*>(p[5]), batch, heads, kv_heads,
                                     q_len, kv_len, d, causal, scale));
   };
@@ -885,8 +889,8 @@ const std::vector<Witness>& known() {
 }  // namespace
 
 float attention_input(std::uint64_t seed, int buffer, std::int64_t i) {
-  const bool keys = buffer == 0 || buffer == 1;  // q and k in [-2, 2], v and dout in [-1, 1]
-  return bf16_at(buffer_seed(seed, buffer), i, keys ? -2.0f : -1.0f, keys ? 2.0f : 1.0f);
+  const auto [lo, hi] = attention_range(buffer);
+  return bf16_at(buffer_seed(seed, buffer), i, lo, hi);
 }
 
 std::string check_attention_backward(const Shape& shape, std::uint64_t seed, const AttentionRows& rows,
