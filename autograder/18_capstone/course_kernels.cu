@@ -903,8 +903,8 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
   };
 
   // ---- 10: the experts' grouped GEMMs, one launch over every group: the Hopper part where its
-  // shapes allow (bf16 products, converted to the model's fp32 after; fp32 weight gradients), else
-  // Part A (fp32 outputs). The group offsets reach the device as 10's int32 by a kernel argument.
+  // shapes allow (bf16 products, landing in the model's tensor as they are where it holds bf16,
+  // converted where fp32; fp32 weight gradients), else Part A (fp32 outputs). The group offsets reach the device as 10's int32 by a kernel argument.
   namespace moe = k2c::moe;
   // Whether 10 takes the call (else the trusted backend names what is wrong).
   auto grouped_fits = [](const Tensor& a, std::span<const std::int64_t> offsets, int first, const Tensor& w) {
@@ -956,7 +956,7 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
                          bool transpose_w, Tensor& c) {
     const int* off;
     const bf16 *a16, *w16;
-    if (!grouped_fits(a, offsets, first, w) || is_bf16(c)) return false;  // the MoE layer's tensors are fp32
+    if (!grouped_fits(a, offsets, first, w)) return false;
     if (a.dim(0) == 0) return true;  // no rows: nothing to write (10 takes no null output)
     if (!grouped_args(a, offsets, first, w, off, a16, &w16)) return false;
     // Forward: w_g is 10's B_g [n][k]. Input gradient: w_g [rows of w][cols of w] is 10's [k][n].
@@ -965,10 +965,15 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
     const int n = int(transpose_w ? w.dim(1) : w.dim(2)), kk = int(transpose_w ? w.dim(2) : w.dim(1));
     grouped_hopper->ran_hopper = grouped_hopper->hopper && kk % 8 == 0 && (transpose_w || (n % 8 == 0 && kk % 64 == 0)) &&
                                  std::int64_t{groups} * (transpose_w ? n : kk) <= INT_MAX;
+    // c fp32 or bf16 (the experts' activations are in the run's dtype, their output in fp32).
     if (grouped_hopper->ran_hopper) {
-      bf16* c16 = scratch->get<bf16>("moe c", c.numel());
+      bf16* c16 = out_bf16(*scratch, "moe c", c);
       moe::grouped_gemm_hopper(groups, off, rows, n, kk, a16, w16, c16, transpose_w, stream());
-      convert(c16, c.f32(), c.numel());
+      land(c16, c);
+    } else if (is_bf16(c)) {  // the portable part writes fp32
+      float* c32 = scratch->get<float>("moe c32", c.numel());
+      moe::grouped_gemm(groups, off, n, kk, a16, w16, c32, transpose_w, false, stream());
+      convert(c32, bf16_data(c), c.numel());
     } else {
       moe::grouped_gemm(groups, off, n, kk, a16, w16, c.f32(), transpose_w, false, stream());
     }

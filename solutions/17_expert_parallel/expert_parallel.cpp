@@ -132,6 +132,7 @@ class LocalExperts {
         if (list_.info(id).name == kinds[i]) theirs[i] = id;
     for (int i = 0; i < 3; ++i)
       if (!ctx.trains(shards[i])) list_.freeze(theirs[i]);  // a frozen shard takes no gradient here either
+    view_.activations = ctx.activations;  // the experts store their activations in the run's dtype
     list_.materialize(ctx.ops, ctx.ledger, 0, {.values = false, .grads = false});
     for (int i = 0; i < 3; ++i) {
       list_.bind_value(theirs[i], ctx.params.value(shards[i]).f32());

@@ -182,9 +182,10 @@ class CpuOps final : public Ops {
   }
 
   void copy(Tensor& dst, const Tensor& src) override {
-    if (dst.numel() != src.numel() || dst.dtype() != src.dtype())
-      throw std::invalid_argument("copy: " + src.shape().str() + " into " + dst.shape().str());
-    std::memcpy(dst.raw(), src.raw(), src.bytes());
+    checks::copy_args(dst, src);
+    if (dst.dtype() == src.dtype()) return (void)std::memcpy(dst.raw(), src.raw(), src.bytes());
+    Wide ws(src), wd(dst, true);  // a conversion: widened exactly, rounded once where stored
+    copy(wd, ws);
   }
 
   void add(const Tensor& a, const Tensor& b, Tensor& out) override {
@@ -567,6 +568,10 @@ class CpuOps final : public Ops {
   }
 
   void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) override {
+    if (any_bf16({&src, &out})) {
+      Wide ws(src), wo(out, true);
+      return gather_rows(ws, rows, wo);
+    }
     const Matrix m = as_matrix(src);
     out.expect({rows.numel(), m.cols}, "gather_rows output");
     for (std::int64_t r = 0; r < rows.numel(); ++r) {
@@ -577,6 +582,10 @@ class CpuOps final : public Ops {
   }
 
   void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) override {
+    if (any_bf16({&src, &out})) {
+      Wide ws(src), wo(out, true);
+      return scatter_add_rows(ws, rows, scale, wo);
+    }
     const Matrix m = as_matrix(out);
     src.expect({rows.numel(), m.cols}, "scatter_add_rows source");
     if (scale) scale->expect({rows.numel()}, "scatter_add_rows scale");

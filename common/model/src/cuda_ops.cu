@@ -165,9 +165,19 @@ class CudaOps final : public Ops {
     else launch(fill_kernel<T>, t.numel(), ptr<T>(t), t.numel(), v);
   }
   void copy(Tensor& dst, const Tensor& src) override {
-    if (dst.numel() != src.numel() || dst.dtype() != src.dtype())
-      throw std::invalid_argument("copy: " + src.shape().str() + " into " + dst.shape().str());
-    K2C_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.bytes(), cudaMemcpyDeviceToDevice, g_stream));
+    checks::copy_args(dst, src);
+    if (dst.dtype() == src.dtype()) {
+      K2C_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.bytes(), cudaMemcpyDeviceToDevice, g_stream));
+    } else if (dst.dtype() == DType::bf16) {
+      convert_as(src.f32(), ptr<__nv_bfloat16>(dst), src.numel());
+    } else {
+      convert_as(ptr<__nv_bfloat16>(src), dst.f32(), src.numel());
+    }
+  }
+  template <class S, class O>
+  void convert_as(const S* src, O* dst, std::int64_t n) {
+    if (vectorizable(n, {src, dst})) launch(convert4_kernel<S, O>, n / 4, src, dst, n / 4);
+    else launch(convert_kernel<S, O>, n, src, dst, n);
   }
   void add(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "add");
@@ -610,33 +620,67 @@ class CudaOps final : public Ops {
     const Matrix m = checks::top_k_args(scores, k, indices, values);
     launch(top_k_kernel, m.rows, scores.f32(), indices.i32(), values.f32(), m.rows, static_cast<int>(m.cols), k);
   }
+  // The row operations: a block per row (row_launch), four columns at a time where every row
+  // allows it (row_vectors).
   void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) override {
     const Matrix m = as_matrix(src);
     out.expect({rows.numel(), m.cols}, "gather_rows output");
+    const RowLaunch l = row_launch(rows.numel(), m, {src.raw(), out.raw()});
+    if (!l.blocks) return;
     clear_flag();
-    launch(gather_rows_kernel, rows.numel() * m.cols, src.f32(), rows.i32(), out.f32(), rows.numel(), m.cols, m.rows, flag_);
+    auto run = [&](auto* from, auto* to) {
+      if (l.vec) gather_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, flag_);
+      else gather_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, flag_);
+    };
+    const bool s16 = src.dtype() == DType::bf16, o16 = out.dtype() == DType::bf16;  // [bf16]: either, each
+    if (s16 && o16) run(ptr<__nv_bfloat16>(src), ptr<__nv_bfloat16>(out));
+    else if (s16) run(ptr<__nv_bfloat16>(src), out.f32());
+    else if (o16) run(src.f32(), ptr<__nv_bfloat16>(out));
+    else run(src.f32(), out.f32());
+    K2C_CUDA_CHECK_LAUNCH();
     if (flag_set()) throw std::out_of_range("gather_rows: a row outside the source");
   }
   void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) override {
     const Matrix m = as_matrix(out);
     src.expect({rows.numel(), m.cols}, "scatter_add_rows source");
     if (scale) scale->expect({rows.numel()}, "scatter_add_rows scale");
+    if (out.dtype() == DType::bf16) {  // the adds are fp32 atomics: on an fp32 copy
+      Wide wo(*this, out, Use::in_out);
+      scatter_add_rows(src, rows, scale, wo);
+      return wo.store();
+    }
+    const RowLaunch l = row_launch(rows.numel(), m, {src.raw(), out.raw()});
+    if (!l.blocks) return;
     clear_flag();
-    launch(scatter_add_rows_kernel, rows.numel() * m.cols, src.f32(), rows.i32(), scale ? scale->f32() : nullptr, out.f32(),
-           rows.numel(), m.cols, m.rows, flag_);
+    const float* sc = scale ? scale->f32() : nullptr;
+    auto run = [&](auto* from) {
+      if (l.vec) scatter_add_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), sc, out.f32(), l.cols, l.bound, flag_);
+      else scatter_add_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), sc, out.f32(), l.cols, l.bound, flag_);
+    };
+    if (src.dtype() == DType::bf16) run(ptr<__nv_bfloat16>(src));
+    else run(src.f32());
+    K2C_CUDA_CHECK_LAUNCH();
     if (flag_set()) throw std::out_of_range("scatter_add_rows: a row outside the output");
   }
   void row_dot(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "row_dot");
     const Matrix m = as_matrix(a);
     out.expect({m.rows}, "row_dot output");
-    if (m.rows) row_dot_kernel<<<rows_grid(m.rows), kThreads, 0, g_stream>>>(a.f32(), b.f32(), out.f32(), m.cols);
+    const RowLaunch l = row_launch(m.rows, m, {a.raw(), b.raw()});
+    if (!l.blocks) return;
+    // kThreads a block: block_sum halves a power of two.
+    if (l.vec) row_dot_kernel<true><<<l.blocks, kThreads, 0, g_stream>>>(a.f32(), b.f32(), out.f32(), l.cols);
+    else row_dot_kernel<false><<<l.blocks, kThreads, 0, g_stream>>>(a.f32(), b.f32(), out.f32(), l.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
   void scale_rows(Tensor& x, const Tensor& s) override {
     const Matrix m = as_matrix(x);
     s.expect({m.rows}, "scale_rows scale");
-    launch(scale_rows_kernel, x.numel(), x.f32(), s.f32(), m.rows, m.cols);
+    const RowLaunch l = row_launch(m.rows, m, {x.raw()});
+    if (!l.blocks) return;
+    if (l.vec) scale_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(x.f32(), s.f32(), l.cols);
+    else scale_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(x.f32(), s.f32(), l.cols);
+    K2C_CUDA_CHECK_LAUNCH();
   }
   // The router's bookkeeping stays on the device: E numbers cross to the host, not N·E.
   std::vector<double> column_sums(const Tensor& x) override {
@@ -748,6 +792,27 @@ class CudaOps final : public Ops {
     if (n <= 0) return;
     kernel<<<blocks_for(n), kThreads, 0, g_stream>>>(args...);
     K2C_CUDA_CHECK_LAUNCH();
+  }
+  // A row operation's launch: one block per row of `count`, threads enough for a row's columns
+  // (four at a time with vec: the columns a multiple of 4 and every pointer 16-byte aligned, so
+  // that every row starts aligned for 16 bytes of fp32 or 8 of bf16), all in 32-bit arithmetic.
+  struct RowLaunch {
+    unsigned blocks = 0, threads = 0;
+    int cols = 0, bound = 0;  // bound: the rows an index may name
+    bool vec = false;
+  };
+  static RowLaunch row_launch(std::int64_t count, const Matrix& m, std::initializer_list<const void*> pointers) {
+    if (count > 2147483647 || m.cols > 2147483647 || m.rows > 2147483647)
+      throw std::invalid_argument("row operation: " + std::to_string(count) + " rows of " + std::to_string(m.cols) +
+                                  " over " + std::to_string(m.rows) + " is past a launch's 32-bit indices");
+    RowLaunch l;
+    if (count == 0 || m.cols == 0) return l;
+    l.vec = vectorizable(m.cols, pointers);
+    const std::int64_t lanes = l.vec ? m.cols / 4 : m.cols;
+    l.blocks = static_cast<unsigned>(count);
+    l.threads = static_cast<unsigned>(std::min<std::int64_t>(kThreads, (lanes + 31) / 32 * 32));
+    l.cols = static_cast<int>(m.cols), l.bound = static_cast<int>(m.rows);
+    return l;
   }
   static unsigned rows_grid(std::int64_t rows) {
     if (rows > 2147483647) throw std::invalid_argument("too many rows for one launch");

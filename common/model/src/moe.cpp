@@ -92,19 +92,36 @@ void check_plan(const std::vector<std::int64_t>& offsets, int first, int experts
 }
 }  // namespace
 
+namespace {
+// t in the run's activation dtype: t itself, or a rounded copy kept in `copy`.
+const Tensor& in_activation_dtype(Context& ctx, const Tensor& t, Tensor& copy) {
+  if (t.dtype() == ctx.activations) return t;
+  copy = ctx.activation(t.shape());
+  ctx.ops.copy(copy, t);
+  return copy;
+}
+}  // namespace
+
+// The experts' activations (gate, up, h and, in backward, their gradients) are stored in the run's
+// activation dtype, as the dense MLP's are, and so are the rows they read: a caller's fp32 rows
+// (an expert-parallel exchange) are rounded here, where Moe::forward gathers them rounded, so that
+// every grid rounds the same values. Their output yp stays fp32: it is summed into the layer's
+// fp32 output, here or on the rank the rows came from.
 void Moe::experts_forward(Context& ctx, const std::vector<std::int64_t>& offsets, int first, const Tensor& xp,
                           Saved& s) const {
   const std::int64_t R = xp.dim(0), d = config_.d_model, F = config_.d_expert;
   check_plan(offsets, first, config_.experts, R);
-  s.gate = ctx.tensor({R, F});
-  s.up = ctx.tensor({R, F});
-  s.h = ctx.tensor({R, F});
+  s.gate = ctx.activation({R, F});
+  s.up = ctx.activation({R, F});
+  s.h = ctx.activation({R, F});
   s.yp = ctx.tensor({R, d});
+  s.x_rounded = Tensor();  // none from an earlier call
   if (R == 0) return;
+  const Tensor& x = in_activation_dtype(ctx, xp, s.x_rounded);
   // Each operation over every expert's rows at once (one grouped GEMM: module 10's shape of the
   // work); row by row the same arithmetic as one expert at a time.
-  ctx.ops.grouped_matmul(xp, offsets, first, ctx.params.value(gate_), true, s.gate);
-  ctx.ops.grouped_matmul(xp, offsets, first, ctx.params.value(up_), true, s.up);
+  ctx.ops.grouped_matmul(x, offsets, first, ctx.params.value(gate_), true, s.gate);
+  ctx.ops.grouped_matmul(x, offsets, first, ctx.params.value(up_), true, s.up);
   ctx.ops.swiglu_forward(s.gate, s.up, s.h);
   ctx.ops.grouped_matmul(s.h, offsets, first, ctx.params.value(down_), true, s.yp);
 }
@@ -114,12 +131,15 @@ void Moe::experts_backward(Context& ctx, const std::vector<std::int64_t>& offset
   const std::int64_t R = xp.dim(0), F = config_.d_expert;
   check_plan(offsets, first, config_.experts, R);
   if (R > 0) {
-    Tensor dh = ctx.tensor({R, F}), dg = ctx.tensor({R, F}), du = ctx.tensor({R, F}), part = ctx.tensor(dxp.shape());
-    if (ctx.trains(down_)) ctx.ops.grouped_weight_grad(dyp, s.h, offsets, first, ctx.params.grad(down_));
-    ctx.ops.grouped_matmul(dyp, offsets, first, ctx.params.value(down_), false, dh);
+    Tensor dh = ctx.activation({R, F}), dg = ctx.activation({R, F}), du = ctx.activation({R, F}),
+           part = ctx.tensor(dxp.shape()), dy_rounded;
+    const Tensor& x = s.x_rounded.empty() ? xp : s.x_rounded;  // the rows forward read
+    const Tensor& dy = in_activation_dtype(ctx, dyp, dy_rounded);
+    if (ctx.trains(down_)) ctx.ops.grouped_weight_grad(dy, s.h, offsets, first, ctx.params.grad(down_));
+    ctx.ops.grouped_matmul(dy, offsets, first, ctx.params.value(down_), false, dh);
     ctx.ops.swiglu_backward(s.gate, s.up, dh, dg, du);
-    if (ctx.trains(gate_)) ctx.ops.grouped_weight_grad(dg, xp, offsets, first, ctx.params.grad(gate_));
-    if (ctx.trains(up_)) ctx.ops.grouped_weight_grad(du, xp, offsets, first, ctx.params.grad(up_));
+    if (ctx.trains(gate_)) ctx.ops.grouped_weight_grad(dg, x, offsets, first, ctx.params.grad(gate_));
+    if (ctx.trains(up_)) ctx.ops.grouped_weight_grad(du, x, offsets, first, ctx.params.grad(up_));
     ctx.ops.grouped_matmul(dg, offsets, first, ctx.params.value(gate_), false, dxp);
     ctx.ops.grouped_matmul(du, offsets, first, ctx.params.value(up_), false, part);
     ctx.ops.accumulate(dxp, part, 1.0f);
@@ -133,7 +153,7 @@ void Moe::experts_backward(Context& ctx, const std::vector<std::int64_t>& offset
 void Moe::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
   route(ctx, x, s);
   ctx.aux_loss += s.balance_loss;
-  s.xp = ctx.tensor({s.token_of_row.numel(), config_.d_model});
+  s.xp = ctx.activation({s.token_of_row.numel(), config_.d_model});  // rounded as they are gathered
   ctx.ops.gather_rows(x, s.token_of_row, s.xp);
   experts_forward(ctx, s.routing.offsets, 0, s.xp, s);
   if (has_shared_) {
@@ -150,12 +170,11 @@ void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Te
   const std::int64_t N = x.dim(0), R = s.xp.dim(0), d = config_.d_model;
   const int E = config_.experts, k = config_.top_k;
   // Combine: y[n] += w_row · yp[row]  =>  dyp[row] = w_row · dy[n], dw_row = dy[n] · yp[row].
-  Tensor dy_rows = ctx.tensor({R, d}), dw_row = ctx.tensor({R}), dyp = ctx.tensor({R, d}), dxp = ctx.tensor({R, d});
+  Tensor dy_rows = ctx.tensor({R, d}), dw_row = ctx.tensor({R}), dxp = ctx.tensor({R, d});
   ctx.ops.gather_rows(dy, s.token_of_row, dy_rows);
   ctx.ops.row_dot(dy_rows, s.yp, dw_row);
-  ctx.ops.copy(dyp, dy_rows);
-  ctx.ops.scale_rows(dyp, s.weight_of_row);
-  experts_backward(ctx, s.routing.offsets, 0, s.xp, s, dyp, dxp);
+  ctx.ops.scale_rows(dy_rows, s.weight_of_row);  // now dyp, the experts' output gradient
+  experts_backward(ctx, s.routing.offsets, 0, s.xp, s, dy_rows, dxp);
   if (has_shared_) {
     shared_.backward(ctx, x, s.shared, dy, dx);
   } else {

@@ -17,6 +17,14 @@ inline void same_shape(const Tensor& a, const Tensor& b, const char* what) {
     throw std::invalid_argument(std::string(what) + ": shapes differ, " + a.shape().str() + " and " + b.shape().str());
 }
 
+// copy's: as many elements, of one dtype, or fp32 and bf16 either way (a conversion).
+inline void copy_args(const Tensor& dst, const Tensor& src) {
+  auto is_float = [](DType t) { return t == DType::f32 || t == DType::bf16; };
+  if (dst.numel() != src.numel() || (dst.dtype() != src.dtype() && !(is_float(dst.dtype()) && is_float(src.dtype()))))
+    throw std::invalid_argument("copy: " + src.shape().str() + " " + to_string(src.dtype()) + " into " +
+                                dst.shape().str() + " " + to_string(dst.dtype()));
+}
+
 // Rows and row length of a tensor seen as a matrix (all leading dimensions are rows).
 struct Matrix {
   std::int64_t rows, cols;

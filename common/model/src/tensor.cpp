@@ -186,7 +186,8 @@ Tensor Tensor::rows(std::int64_t begin, std::int64_t count) const {
   if (rank() != 2 || begin < 0 || count < 0 || begin + count > dim(0))
     throw std::out_of_range("rows [" + std::to_string(begin) + ", " + std::to_string(begin + count) + ") of " +
                             shape_.str());
-  return view(f32() + begin * dim(1), {count, dim(1)});
+  const std::size_t offset = static_cast<std::size_t>(begin * dim(1)) * dtype_size(dtype_);
+  return view(static_cast<unsigned char*>(raw()) + offset, {count, dim(1)}, dtype_);
 }
 
 void Tensor::expect(const Shape& shape, const char* what, DType dtype) const {

@@ -223,6 +223,36 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   expect_close(gathered, "gather_rows + scale_rows");
   expect_close(scat, "scatter_add_rows");
   expect_close(dots, "row_dot");
+  // The same at the MoE layer's width, whose rows take the four-at-a-time path: 300 rows drawn
+  // with repeats from 40 (the scatter adds several rows into one), and a view starting 4
+  // bytes past a 16-byte boundary for the element path with whole vectors of columns.
+  {
+    std::vector<std::int32_t> picks(300);
+    std::mt19937 rng(11);
+    for (auto& r : picks) r = static_cast<std::int32_t>(rng() % 40);
+    Pair wide = t.random({40, 768}), wrows = t.ints({300}, picks), wg = t.nans({300, 768}, DType::f32),
+         ws = t.random({40, 768}), wsc = t.random({300}), wd = t.nans({300}, DType::f32);
+    Pair odd = t.random({41, 12}), orows = t.ints({5}, {3, 0, 39, 3, 7}), og = t.nans({5, 12}, DType::f32);
+    run([&](Ops& o, bool g) {
+      o.gather_rows(pick(wide, g), pick(wrows, g), pick(wg, g));
+      o.row_dot(pick(wg, g), pick(wg, g), pick(wd, g));
+      o.scatter_add_rows(pick(wg, g), pick(wrows, g), &pick(wsc, g), pick(ws, g));
+      o.scale_rows(pick(wg, g), pick(wsc, g));
+      const Tensor from = Tensor::view(pick(odd, g).f32() + 1, {40, 12});  // starts 4 bytes past 16
+      o.gather_rows(from, pick(orows, g), pick(og, g));
+    });
+    expect_close(wg, "gather_rows + scale_rows, 768 columns", 0.0f);
+    expect_close(wd, "row_dot, 768 columns", 1e-5f);
+    expect_close(ws, "scatter_add_rows, 768 columns, repeated rows");
+    expect_close(og, "gather_rows from a view off 16 bytes", 0.0f);
+    // A row outside the source or the output is refused on both backends, and not read.
+    Pair bad = t.ints({3}, {0, 40, 2});
+    EXPECT_THROW(gpu().gather_rows(wide.gpu, bad.gpu, wg.gpu), std::out_of_range);
+    EXPECT_THROW(cpu_ops().gather_rows(wide.cpu, bad.cpu, wg.cpu), std::out_of_range);
+    Pair bad_src = t.random({3, 768});
+    EXPECT_THROW(gpu().scatter_add_rows(bad_src.gpu, bad.gpu, nullptr, ws.gpu), std::out_of_range);
+    EXPECT_THROW(cpu_ops().scatter_add_rows(bad_src.cpu, bad.cpu, nullptr, ws.cpu), std::out_of_range);
+  }
   // The router's bookkeeping: column sums of the probabilities, and their gradient from each
   // token's chosen experts (topi, from top_k above) plus a term per expert.
   // p was computed on each backend (softmax: equal to float rounding); `tall` holds the same
@@ -662,6 +692,33 @@ void check_bf16_ops(Ops& gpu_ops) {
     });
     EXPECT_EQ(host(rsum.cpu, cpu_ops()), host(rsum.gpu, gpu())) << "add (fp32 + bf16), " << s.str();
     EXPECT_EQ(host(rsum16.cpu, cpu_ops()), host(rsum16.gpu, gpu())) << "add (bf16 sum), " << s.str();
+  }
+  // The MoE layer's rows in bf16: gathered from fp32 (rounded) and from bf16, into either dtype,
+  // whole vectors (768 columns) and not (7); then scattered from bf16 into fp32 and into bf16.
+  // Copies between the dtypes round and widen exactly as the CPU does.
+  for (const std::int64_t cols : {768, 7}) {
+    const std::vector<std::int32_t> picks{5, 0, 5, 11, 2, 9, 9, 1};
+    Pair src32 = t.random({12, cols}), src16 = t.random({12, cols}, 1.0f, b), rows = t.ints({8}, picks);
+    Pair g16 = t.nans({8, cols}, b), g16b = t.nans({8, cols}, b), g32 = t.nans({8, cols}, DType::f32);
+    Pair sc = t.random({8}), into32 = t.random({12, cols}), into16 = t.random({12, cols}, 1.0f, b);
+    Pair c16 = t.nans({12, cols}, b), c32 = t.nans({12, cols}, DType::f32);
+    both([&](Ops& o, bool g) {
+      o.gather_rows(pick(src32, g), pick(rows, g), pick(g16, g));
+      o.gather_rows(pick(src16, g), pick(rows, g), pick(g16b, g));
+      o.gather_rows(pick(src16, g), pick(rows, g), pick(g32, g));
+      o.scatter_add_rows(pick(g16, g), pick(rows, g), &pick(sc, g), pick(into32, g));
+      o.scatter_add_rows(pick(g16, g), pick(rows, g), nullptr, pick(into16, g));
+      o.copy(pick(c16, g), pick(src32, g));
+      o.copy(pick(c32, g), pick(src16, g));
+    });
+    const std::string n = std::to_string(cols) + " columns";
+    EXPECT_EQ(host(g16.cpu, cpu_ops()), host(g16.gpu, gpu())) << "gather_rows fp32 -> bf16, " << n;
+    EXPECT_EQ(host(g16b.cpu, cpu_ops()), host(g16b.gpu, gpu())) << "gather_rows bf16 -> bf16, " << n;
+    EXPECT_EQ(host(g32.cpu, cpu_ops()), host(g32.gpu, gpu())) << "gather_rows bf16 -> fp32, " << n;
+    EXPECT_EQ(host(c16.cpu, cpu_ops()), host(c16.gpu, gpu())) << "copy fp32 -> bf16, " << n;
+    EXPECT_EQ(host(c32.cpu, cpu_ops()), host(c32.gpu, gpu())) << "copy bf16 -> fp32, " << n;
+    expect_close(into32, ("scatter_add_rows bf16 -> fp32, " + n).c_str());
+    expect_close_bf16(into16, ("scatter_add_rows bf16 -> bf16, " + n).c_str(), 1e-2, 1e-2);
   }
   // fill writes bf16.
   Pair f = t.nans({3, 5}, b);

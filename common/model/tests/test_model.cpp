@@ -160,7 +160,8 @@ TEST(Model, CheckpointedBackwardIsBitIdenticalAndSmaller) {
 // them counted in the ledger), leaks none, and its loss and gradients stay within bf16's rounding
 // of the fp32 step (the gradients differ by about 0.3% of their norm here), but not at zero
 // distance: something was rounded. A checkpointed bf16 step recomputes the same bits. The MoE
-// configuration too, whose routed experts stay fp32.
+// configuration too, whose routed experts store their rows and activations in bf16 (their summed
+// outputs stay fp32: 0.73 of the fp32 peak here, 0.86 when the experts kept fp32).
 TEST(Model, Bf16ActivationsHalveTheirBytesWithinRounding) {
   for (const bool moe : {false, true}) {
     SCOPED_TRACE(moe ? "moe" : "dense");
@@ -173,8 +174,7 @@ TEST(Model, Bf16ActivationsHalveTheirBytesWithinRounding) {
     const double a = f32.step(), b = bf16.step();
     EXPECT_EQ(again.step(true), b) << "checkpointed recomputation rounds at the same points";
     EXPECT_EQ(again.grads(), bf16.grads());
-    // The routed experts' tensors stay fp32, and at this size they are most of the peak.
-    EXPECT_LT(bf16.ledger.peak(Category::activations), (moe ? 1.0 : 0.8) * f32.ledger.peak(Category::activations));
+    EXPECT_LT(bf16.ledger.peak(Category::activations), 0.8 * f32.ledger.peak(Category::activations));
     EXPECT_EQ(bf16.ledger.current(Category::activations), before) << "activations leaked after the step";
     EXPECT_NEAR(a, b, 2e-3 * a);
     EXPECT_NE(a, b) << "bf16 activations that round nothing";

@@ -43,8 +43,9 @@ struct Context {
   // just before the layer runs and frees them after it.
   std::function<void(int layer, LayerEvent event)> on_layer;
   // The dtype of the activations that pass between a layer's operations (ops.h's [bf16]): fp32,
-  // or bf16 for half the bytes. The residual stream, the MoE layer's routing and routed experts
-  // (its shared expert is an Mlp, which follows this), parameters and their gradients stay fp32.
+  // or bf16 for half the bytes; the MoE layer's experts follow it too (their input rows, gated
+  // activations and their gradients). The residual stream, the MoE layer's routing and the
+  // experts' summed outputs, parameters and their gradients stay fp32.
   DType activations = DType::f32;
 
   Tensor tensor(Shape shape, Category c = Category::activations, DType t = DType::f32) {

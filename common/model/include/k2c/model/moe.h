@@ -49,6 +49,7 @@ class Moe {
     Routing routing;
     Tensor token_of_row, weight_of_row;       // [N·k] on the backend
     Tensor xp, gate, up, h, yp;               // permuted rows and the experts' activations
+    Tensor x_rounded;  // xp in the activation dtype, where experts_forward was given fp32 rows
     Mlp::Saved shared;
     Tensor shared_out;
     double balance_loss = 0;
@@ -67,7 +68,8 @@ class Moe {
   // ---- the stages, for an expert-parallel dispatcher
   void route(Context& ctx, const Tensor& x, Saved& saved) const;
   // The experts' forward on rows already grouped by expert: rows [offsets[e], offsets[e+1]) of
-  // xp go through expert first_expert + e. yp gets the outputs.
+  // xp go through expert first_expert + e. yp gets the outputs, in fp32; xp may be fp32 or bf16,
+  // and the experts store their activations in ctx.activations (fp32 rows rounded on the way in).
   void experts_forward(Context& ctx, const std::vector<std::int64_t>& offsets, int first_expert,
                        const Tensor& xp, Saved& saved) const;
   void experts_backward(Context& ctx, const std::vector<std::int64_t>& offsets, int first_expert,

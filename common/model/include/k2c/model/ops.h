@@ -73,7 +73,8 @@ class Ops {
 
   // ---- element-wise
   virtual void fill(Tensor& t, float value) = 0;                                // [bf16]
-  virtual void copy(Tensor& dst, const Tensor& src) = 0;                        // same dtypes
+  // dst = src, element for element: one dtype, or fp32 and bf16 either way (rounding once). [bf16]
+  virtual void copy(Tensor& dst, const Tensor& src) = 0;
   virtual void add(const Tensor& a, const Tensor& b, Tensor& out) = 0;         // out = a + b [bf16]
   virtual void accumulate(Tensor& acc, const Tensor& x, float scale) = 0;       // acc += scale·x
   virtual void scale(Tensor& t, float s) = 0;                                   // t *= s
@@ -171,9 +172,9 @@ class Ops {
   // The k largest entries of each row of scores [N, E] in decreasing order (ties: the lower
   // index first): indices i32 [N, k] and values [N, k].
   virtual void top_k(const Tensor& scores, int k, Tensor& indices, Tensor& values) = 0;
-  // out[r, :] = src[rows[r], :]; rows i32 [R], out [R, D].
+  // out[r, :] = src[rows[r], :]; rows i32 [R], out [R, D]. [bf16]: src and out either dtype.
   virtual void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) = 0;
-  // out[rows[r], :] += scale[r] · src[r, :] in order of r (scale null: 1); src [R, D].
+  // out[rows[r], :] += scale[r] · src[r, :] in order of r (scale null: 1); src [R, D]. [bf16]
   virtual void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) = 0;
   // out[r] = a[r, :] · b[r, :].
   virtual void row_dot(const Tensor& a, const Tensor& b, Tensor& out) = 0;

@@ -98,7 +98,7 @@ class Tensor {
   std::int32_t* i32() const;
   // A view of the same memory with another shape of the same element count.
   Tensor reshaped(Shape shape) const;
-  // A view of rows [begin, begin + count) of a matrix ([rows, cols], f32): an expert's rows, a shard.
+  // A view of rows [begin, begin + count) of a matrix ([rows, cols], any dtype): an expert's rows, a shard.
   Tensor rows(std::int64_t begin, std::int64_t count) const;
   // Throws std::invalid_argument naming `what` unless the shape (and dtype) match.
   void expect(const Shape& shape, const char* what, DType dtype = DType::f32) const;
