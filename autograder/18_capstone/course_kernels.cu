@@ -970,10 +970,10 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
       bf16* c16 = out_bf16(*scratch, "moe c", c);
       moe::grouped_gemm_hopper(groups, off, rows, n, kk, a16, w16, c16, transpose_w, stream());
       land(c16, c);
-    } else if (is_bf16(c)) {  // the portable part writes fp32
-      float* c32 = scratch->get<float>("moe c32", c.numel());
-      moe::grouped_gemm(groups, off, n, kk, a16, w16, c32, transpose_w, false, stream());
-      convert(c32, bf16_data(c), c.numel());
+    } else if (is_bf16(c)) {
+      bf16* c16 = out_bf16(*scratch, "moe c", c);
+      moe::grouped_gemm(groups, off, n, kk, a16, w16, c16, transpose_w, false, stream());
+      land(c16, c);
     } else {
       moe::grouped_gemm(groups, off, n, kk, a16, w16, c.f32(), transpose_w, false, stream());
     }

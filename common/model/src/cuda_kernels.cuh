@@ -649,8 +649,8 @@ __global__ void top_k_kernel(const float* s, int* idx, float* val, std::int64_t 
 // per-row dot and scale). A block per row, its threads over the row's columns: the row index is
 // read once per row, the column arithmetic is 32-bit, and with kVec every thread moves four
 // neighbours at a time (16 bytes of fp32, 8 of bf16), which every row start allows when the
-// columns are a multiple of 4 and the pointers aligned (row_vectors). The first versions took an
-// element per thread and found its row with a 64-bit division each: a few times the bytes' time.
+// columns are a multiple of 4 and the pointers aligned (CudaOps::row_launch). The first versions
+// took an element per thread and found its row with a 64-bit division each.
 template <bool kVec, class S, class O>
 __global__ void gather_rows_kernel(const S* src, const int* rows, O* out, int d, int src_rows, int* bad) {
   const int i = rows[blockIdx.x];

@@ -620,11 +620,12 @@ class CudaOps final : public Ops {
     const Matrix m = checks::top_k_args(scores, k, indices, values);
     launch(top_k_kernel, m.rows, scores.f32(), indices.i32(), values.f32(), m.rows, static_cast<int>(m.cols), k);
   }
-  // The row operations: a block per row (row_launch), four columns at a time where every row
-  // allows it (row_vectors).
+  // The row operations: a block per row, four columns at a time where every row allows it
+  // (row_launch).
   void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) override {
     const Matrix m = as_matrix(src);
-    out.expect({rows.numel(), m.cols}, "gather_rows output");
+    float_dtype(src, "gather_rows source");
+    out.expect({rows.numel(), m.cols}, "gather_rows output", float_dtype(out, "gather_rows output"));
     const RowLaunch l = row_launch(rows.numel(), m, {src.raw(), out.raw()});
     if (!l.blocks) return;
     clear_flag();
@@ -642,9 +643,9 @@ class CudaOps final : public Ops {
   }
   void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) override {
     const Matrix m = as_matrix(out);
-    src.expect({rows.numel(), m.cols}, "scatter_add_rows source");
+    src.expect({rows.numel(), m.cols}, "scatter_add_rows source", float_dtype(src, "scatter_add_rows source"));
     if (scale) scale->expect({rows.numel()}, "scatter_add_rows scale");
-    if (out.dtype() == DType::bf16) {  // the adds are fp32 atomics: on an fp32 copy
+    if (float_dtype(out, "scatter_add_rows output") == DType::bf16) {  // the adds are fp32 atomics: on an fp32 copy
       Wide wo(*this, out, Use::in_out);
       scatter_add_rows(src, rows, scale, wo);
       return wo.store();
@@ -796,13 +797,20 @@ class CudaOps final : public Ops {
   // A row operation's launch: one block per row of `count`, threads enough for a row's columns
   // (four at a time with vec: the columns a multiple of 4 and every pointer 16-byte aligned, so
   // that every row starts aligned for 16 bytes of fp32 or 8 of bf16), all in 32-bit arithmetic.
+  // float_dtype: a row operation's activation is fp32 or bf16 (ops.h's [bf16]); returns it.
+  static DType float_dtype(const Tensor& t, const char* what) {
+    if (t.dtype() != DType::f32 && t.dtype() != DType::bf16)
+      throw std::invalid_argument(std::string(what) + ": fp32 or bf16, not " + to_string(t.dtype()));
+    return t.dtype();
+  }
   struct RowLaunch {
     unsigned blocks = 0, threads = 0;
     int cols = 0, bound = 0;  // bound: the rows an index may name
     bool vec = false;
   };
   static RowLaunch row_launch(std::int64_t count, const Matrix& m, std::initializer_list<const void*> pointers) {
-    if (count > 2147483647 || m.cols > 2147483647 || m.rows > 2147483647)
+    // A thread steps by 4·blockDim columns: the column index stays below INT_MAX.
+    if (count > 2147483647 || m.cols > 2147483647 - 4 * kThreads || m.rows > 2147483647)
       throw std::invalid_argument("row operation: " + std::to_string(count) + " rows of " + std::to_string(m.cols) +
                                   " over " + std::to_string(m.rows) + " is past a launch's 32-bit indices");
     RowLaunch l;

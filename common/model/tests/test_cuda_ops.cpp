@@ -246,9 +246,9 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
     expect_close(ws, "scatter_add_rows, 768 columns, repeated rows");
     expect_close(og, "gather_rows from a view off 16 bytes", 0.0f);
     // A row outside the source or the output is refused on both backends, and not read.
-    Pair bad = t.ints({3}, {0, 40, 2});
-    EXPECT_THROW(gpu().gather_rows(wide.gpu, bad.gpu, wg.gpu), std::out_of_range);
-    EXPECT_THROW(cpu_ops().gather_rows(wide.cpu, bad.cpu, wg.cpu), std::out_of_range);
+    Pair bad = t.ints({3}, {0, 40, 2}), bad_out = t.nans({3, 768}, DType::f32);
+    EXPECT_THROW(gpu().gather_rows(wide.gpu, bad.gpu, bad_out.gpu), std::out_of_range);
+    EXPECT_THROW(cpu_ops().gather_rows(wide.cpu, bad.cpu, bad_out.cpu), std::out_of_range);
     Pair bad_src = t.random({3, 768});
     EXPECT_THROW(gpu().scatter_add_rows(bad_src.gpu, bad.gpu, nullptr, ws.gpu), std::out_of_range);
     EXPECT_THROW(cpu_ops().scatter_add_rows(bad_src.cpu, bad.cpu, nullptr, ws.cpu), std::out_of_range);
