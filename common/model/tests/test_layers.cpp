@@ -480,6 +480,70 @@ TEST(Layers, MixtureOfExpertsWithSharedExpertAndBalanceLoss) {
   }
 }
 
+// With bf16 activations the experts store their rows and activations in bf16 and their outputs
+// in fp32. Rows gathered by the layer come rounded; fp32 rows (as an expert-parallel exchange
+// hands them over) are rounded where the experts start, to the same bits: both callers get the
+// same outputs, input gradients and weight gradients, bit for bit.
+std::vector<std::uint16_t> halves(const Tensor& t) {
+  const auto* p = static_cast<const std::uint16_t*>(t.raw());
+  return {p, p + t.numel()};
+}
+std::vector<float> floats(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+
+TEST(Layers, MoeExpertsRoundTheSameRowsWhoeverGathersThem) {
+  Rig s;
+  s.ctx.activations = DType::bf16;
+  MoeConfig c{6, 4, 2, 5, 1, true, 0.5f};
+  Moe moe(s.params, "moe", c);
+  s.params.materialize(s.ctx.ops, s.ledger, 8);
+  s.randomize_params(0.6f);
+  randomize(s.params.value(0), 3.0f);  // the router
+  const int N = 7;
+  Tensor x = s.make({N, 6}), y = s.ctx.tensor({N, 6});
+  Moe::Saved layer;
+  moe.forward(s.ctx, x, y, layer);
+  EXPECT_EQ(layer.xp.dtype(), DType::bf16);
+  for (const Tensor* t : {&layer.gate, &layer.up, &layer.h}) EXPECT_EQ(t->dtype(), DType::bf16);
+  EXPECT_EQ(layer.yp.dtype(), DType::f32);
+  EXPECT_TRUE(layer.x_rounded.empty()) << "rows gathered rounded need no second copy";
+
+  // The same rows gathered in fp32 by another caller.
+  const std::int64_t R = layer.xp.dim(0);
+  Tensor rows32 = s.ctx.tensor({R, 6});
+  s.ctx.ops.gather_rows(x, layer.token_of_row, rows32);
+  Moe::Saved other;
+  moe.experts_forward(s.ctx, layer.routing.offsets, 0, rows32, other);
+  ASSERT_EQ(other.x_rounded.dtype(), DType::bf16);
+  EXPECT_EQ(halves(other.x_rounded), halves(layer.xp));
+  EXPECT_EQ(halves(other.h), halves(layer.h));
+  EXPECT_EQ(floats(other.yp), floats(layer.yp));
+
+  // Backward from one fp32 output gradient: the same input and weight gradients.
+  Tensor dyp = s.make({R, 6});
+  auto backward = [&](const Tensor& rows, const Moe::Saved& saved) {
+    Tensor dxp = s.ctx.tensor({R, 6});
+    s.params.zero_grads(s.ctx.ops);
+    s.params.begin_backward();
+    moe.experts_backward(s.ctx, layer.routing.offsets, 0, rows, saved, dyp, dxp);
+    for (ParamId id = 0; id < s.params.size(); ++id)  // the ones experts_backward does not report
+      if (s.params.info(id).name.find("experts") == std::string::npos) s.params.grad_done(id);
+    s.params.end_backward();
+    std::vector<float> out = floats(dxp);
+    for (ParamId id = 0; id < s.params.size(); ++id) {
+      const std::vector<float> g = floats(s.params.grad(id));
+      out.insert(out.end(), g.begin(), g.end());
+    }
+    return out;
+  };
+  const std::vector<float> a = backward(layer.xp, layer), b = backward(rows32, other);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, std::vector<float>(a.size(), 0.0f));
+
+  // A Saved used again drops the rounded rows of its last call.
+  moe.experts_forward(s.ctx, layer.routing.offsets, 0, layer.xp, other);
+  EXPECT_TRUE(other.x_rounded.empty());
+}
+
 TEST(Layers, RoutingPlanIsStableAndHandlesEmptyExperts) {
   // Tokens 0..3, top 2, experts 0..3; expert 2 gets nothing.
   const Routing r = Routing::plan({3, 0, 0, 1, 3, 1, 0, 3}, 4, 2, 4);
