@@ -794,15 +794,15 @@ class CudaOps final : public Ops {
     kernel<<<blocks_for(n), kThreads, 0, g_stream>>>(args...);
     K2C_CUDA_CHECK_LAUNCH();
   }
-  // A row operation's launch: one block per row of `count`, threads enough for a row's columns
-  // (four at a time with vec: the columns a multiple of 4 and every pointer 16-byte aligned, so
-  // that every row starts aligned for 16 bytes of fp32 or 8 of bf16), all in 32-bit arithmetic.
-  // float_dtype: a row operation's activation is fp32 or bf16 (ops.h's [bf16]); returns it.
+  // A row operation's activation is fp32 or bf16 (ops.h's [bf16]): its dtype, checked.
   static DType float_dtype(const Tensor& t, const char* what) {
     if (t.dtype() != DType::f32 && t.dtype() != DType::bf16)
       throw std::invalid_argument(std::string(what) + ": fp32 or bf16, not " + to_string(t.dtype()));
     return t.dtype();
   }
+  // A row operation's launch: one block per row of `count`, threads enough for a row's columns
+  // (four at a time with vec: the columns a multiple of 4 and every pointer 16-byte aligned, so
+  // that every row starts aligned for 16 bytes of fp32 or 8 of bf16), all in 32-bit arithmetic.
   struct RowLaunch {
     unsigned blocks = 0, threads = 0;
     int cols = 0, bound = 0;  // bound: the rows an index may name

@@ -90,9 +90,7 @@ void check_plan(const std::vector<std::int64_t>& offsets, int first, int experts
   for (std::size_t e = 0; e + 1 < offsets.size(); ++e)
     if (offsets[e + 1] < offsets[e]) throw std::invalid_argument("moe experts: offsets must not decrease");
 }
-}  // namespace
 
-namespace {
 // t in the run's activation dtype: t itself, or a rounded copy kept in `copy`.
 const Tensor& in_activation_dtype(Context& ctx, const Tensor& t, Tensor& copy) {
   if (t.dtype() == ctx.activations) return t;

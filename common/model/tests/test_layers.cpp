@@ -443,17 +443,23 @@ TEST(Layers, RopeInverseAndRelativePositions) {
 namespace k2c::model {
 namespace {
 
-// The mixture of experts: 4 experts, top 2, one shared expert, the balance term included in the
-// loss (weighted 1 here: loss_scale · N = 1). A large router spreads the scores, so the small
-// steps of the finite differences never change which experts a token goes to.
+// 4 experts of width 5 over d 6, top 2, one shared expert, balance coefficient 0.5, its
+// parameters random and a large router: it spreads the scores, so the small steps of finite
+// differences never change which experts a token goes to.
+Moe small_moe(Rig& s, bool normalize) {
+  Moe moe(s.params, "moe", MoeConfig{6, 4, 2, 5, 1, normalize, 0.5f});
+  s.params.materialize(s.ctx.ops, s.ledger, 8);
+  s.randomize_params(0.6f);
+  randomize(s.params.value(0), 3.0f);  // the router
+  return moe;
+}
+
+// The mixture of experts (small_moe), the balance term included in the loss (weighted 1 here:
+// loss_scale · N = 1).
 TEST(Layers, MixtureOfExpertsWithSharedExpertAndBalanceLoss) {
   for (bool normalize : {true, false}) {
     Rig s;
-    MoeConfig c{6, 4, 2, 5, 1, normalize, 0.5f};
-    Moe moe(s.params, "moe", c);
-    s.params.materialize(s.ctx.ops, s.ledger, 8);
-    s.randomize_params(0.6f);
-    randomize(s.params.value(0), 3.0f);  // the router
+    const Moe moe = small_moe(s, normalize);
     const int N = 7;
     s.ctx.loss_scale = 1.0f / N;
     Tensor x = s.make({N, 6}), r = s.make({N, 6}), y = s.ctx.tensor({N, 6}), dx = s.ctx.tensor({N, 6});
@@ -493,11 +499,7 @@ std::vector<float> floats(const Tensor& t) { return {t.f32(), t.f32() + t.numel(
 TEST(Layers, MoeExpertsRoundTheSameRowsWhoeverGathersThem) {
   Rig s;
   s.ctx.activations = DType::bf16;
-  MoeConfig c{6, 4, 2, 5, 1, true, 0.5f};
-  Moe moe(s.params, "moe", c);
-  s.params.materialize(s.ctx.ops, s.ledger, 8);
-  s.randomize_params(0.6f);
-  randomize(s.params.value(0), 3.0f);  // the router
+  const Moe moe = small_moe(s, true);
   const int N = 7;
   Tensor x = s.make({N, 6}), y = s.ctx.tensor({N, 6});
   Moe::Saved layer;
