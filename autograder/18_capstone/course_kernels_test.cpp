@@ -258,6 +258,29 @@ TEST_F(CourseKernels, GroupedGemmsWithEmptyGroupsAndAnOffsetFirstGroup) {
         EXPECT_NE(r.kernel.find("_hopper"), std::string::npos) << r.op << ": " << r.kernel;
 }
 
+// The experts' grouped GEMMs under bf16 activations (common/model/src/moe.cpp), the dtypes each
+// call of a step meets: bf16 rows give bf16 gate and up, and bf16 h an fp32 output; the fp32 output
+// gradient gives a bf16 dh, and bf16 dg fp32 input-gradient rows; the fp32 weight gradients come
+// from bf16 rows with a bf16 or an fp32 dy. Same groups and shapes as above.
+TEST_F(CourseKernels, GroupedGemmsOnBf16Rows) {
+  const int first = 2;
+  const std::vector<std::int64_t> offsets{0, 3, 3, 20, 21, 21};
+  for (const auto& [n, k] : {std::pair{24, 40}, std::pair{64, 40}, std::pair{24, 13}}) {
+    Tensor x = random16({21, k}), w = random({8, n, k}), w_down = random({8, k, n});
+    Tensor h = poisoned16({21, n}), y = side_->poisoned({21, k});
+    course_->grouped_matmul(x, offsets, first, w, true, h);       // h_g = x_g · w_gᵀ, bf16 out
+    course_->grouped_matmul(h, offsets, first, w_down, true, y);  // y_g = h_g · w_down_gᵀ, fp32 out
+    Tensor dy = random({21, k}), dh = poisoned16({21, n}), dx = side_->poisoned({21, k});
+    course_->grouped_matmul(dy, offsets, first, w_down, false, dh);  // fp32 in, bf16 out
+    course_->grouped_matmul(dh, offsets, first, w, false, dx);       // bf16 in, fp32 out
+    Tensor dw = random({8, n, k}), dw_down = random({8, k, n});
+    course_->grouped_weight_grad(dh, x, offsets, first, dw);
+    course_->grouped_weight_grad(dy, h, offsets, first, dw_down);
+  }
+  expect_row("grouped matmul", 12);
+  expect_row("grouped weight grad", 6);
+}
+
 TEST_F(CourseKernels, RmsNormForwardAndBackward) {
   const int shapes[][2] = {{1, 64}, {37, 100}, {1000, 768}};
   for (const auto& [rows, cols] : shapes) {
