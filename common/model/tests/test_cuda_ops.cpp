@@ -223,15 +223,16 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   expect_close(gathered, "gather_rows + scale_rows");
   expect_close(scat, "scatter_add_rows");
   expect_close(dots, "row_dot");
-  // The same at the MoE layer's width, whose rows take the four-at-a-time path: 300 rows drawn
-  // with repeats from 40 (the scatter adds several rows into one), and a view starting 4
-  // bytes past a 16-byte boundary for the element path with whole vectors of columns.
+  // The same on rows that take the four-at-a-time path, wider than a block covers in one pass
+  // (1028 columns: each thread takes a second step): 300 rows drawn with repeats from 40 (the
+  // scatter adds several rows into one), and a view starting 4 bytes past a 16-byte boundary for
+  // the element path with whole vectors of columns.
   {
     std::vector<std::int32_t> picks(300);
     std::mt19937 rng(11);
     for (auto& r : picks) r = static_cast<std::int32_t>(rng() % 40);
-    Pair wide = t.random({40, 768}), wrows = t.ints({300}, picks), wg = t.nans({300, 768}, DType::f32),
-         ws = t.random({40, 768}), wsc = t.random({300}), wd = t.nans({300}, DType::f32);
+    Pair wide = t.random({40, 1028}), wrows = t.ints({300}, picks), wg = t.nans({300, 1028}, DType::f32),
+         ws = t.random({40, 1028}), wsc = t.random({300}), wd = t.nans({300}, DType::f32);
     Pair odd = t.random({41, 12}), orows = t.ints({5}, {3, 0, 39, 3, 7}), og = t.nans({5, 12}, DType::f32);
     run([&](Ops& o, bool g) {
       o.gather_rows(pick(wide, g), pick(wrows, g), pick(wg, g));
@@ -241,15 +242,15 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
       const Tensor from = Tensor::view(pick(odd, g).f32() + 1, {40, 12});  // starts 4 bytes past 16
       o.gather_rows(from, pick(orows, g), pick(og, g));
     });
-    expect_close(wg, "gather_rows + scale_rows, 768 columns", 0.0f);
-    expect_close(wd, "row_dot, 768 columns", 1e-5f);
-    expect_close(ws, "scatter_add_rows, 768 columns, repeated rows");
+    expect_close(wg, "gather_rows + scale_rows, 1028 columns", 0.0f);
+    expect_close(wd, "row_dot, 1028 columns", 1e-5f);
+    expect_close(ws, "scatter_add_rows, 1028 columns, repeated rows");
     expect_close(og, "gather_rows from a view off 16 bytes", 0.0f);
     // A row outside the source or the output is refused on both backends, and not read.
-    Pair bad = t.ints({3}, {0, 40, 2}), bad_out = t.nans({3, 768}, DType::f32);
+    Pair bad = t.ints({3}, {0, 40, 2}), bad_out = t.nans({3, 1028}, DType::f32);
     EXPECT_THROW(gpu().gather_rows(wide.gpu, bad.gpu, bad_out.gpu), std::out_of_range);
     EXPECT_THROW(cpu_ops().gather_rows(wide.cpu, bad.cpu, bad_out.cpu), std::out_of_range);
-    Pair bad_src = t.random({3, 768});
+    Pair bad_src = t.random({3, 1028});
     EXPECT_THROW(gpu().scatter_add_rows(bad_src.gpu, bad.gpu, nullptr, ws.gpu), std::out_of_range);
     EXPECT_THROW(cpu_ops().scatter_add_rows(bad_src.cpu, bad.cpu, nullptr, ws.cpu), std::out_of_range);
   }
@@ -752,6 +753,54 @@ TEST(CudaOpsBf16, Bf16AttentionMatchesTheCpu) {
   a.q_len = 24, a.kv_len = 40, a.q_offset = 16;  // not one sequence: the plain kernel
   check_blocked_attention(a, DType::bf16);
   check_blocked_attention(a, DType::bf16, gpu());
+}
+
+// The MoE layer's experts with bf16 activations on both backends, given the same rows and plan
+// (the routing, which rounding can flip, is not theirs to choose): fp32 rows as an expert-parallel
+// exchange hands them in, rounded where the experts start; 4 experts, one with no rows, widths that
+// take the GPU's vector paths (64) or not (36). Outputs, input gradients and the experts' weight
+// gradients within bf16's rounding; the GPU's fp32 mode too.
+void check_bf16_experts(Ops& gpu_ops, std::int64_t d_expert) {
+  SCOPED_TRACE("d_expert " + std::to_string(d_expert));
+  const MoeConfig config{64, 4, 2, d_expert, 1, true, 0.01f};
+  const std::vector<std::int64_t> offsets{0, 37, 37, 100, 129};
+  const std::int64_t R = offsets.back(), d = config.d_model;
+  Both t;
+  Pair xp = t.random({R, d}), dyp = t.random({R, d}), dxp = t.nans({R, d}, DType::f32), yp = t.nans({R, d}, DType::f32);
+  MemoryLedger lc, lg;
+  ParamList pc, pg;
+  Pair grads;
+  for (const bool g : {false, true}) {
+    Ops& ops = g ? gpu_ops : cpu_ops();
+    ParamList& params = g ? pg : pc;
+    Context ctx{ops, g ? lg : lc, params};
+    ctx.activations = DType::bf16;
+    const Moe moe(params, "moe", config);
+    params.materialize(ops, g ? lg : lc, 11);
+    Moe::Saved saved;
+    moe.experts_forward(ctx, offsets, 0, g ? xp.gpu : xp.cpu, saved);
+    ASSERT_EQ(saved.h.dtype(), DType::bf16);
+    ops.copy(g ? yp.gpu : yp.cpu, saved.yp);
+    params.zero_grads(ops);
+    params.begin_backward();
+    moe.experts_backward(ctx, offsets, 0, g ? xp.gpu : xp.cpu, saved, g ? dyp.gpu : dyp.cpu, g ? dxp.gpu : dxp.cpu);
+    for (ParamId id = 0; id < params.size(); ++id)  // the router and the shared expert: not the experts'
+      if (params.info(id).name.find("experts") == std::string::npos) params.grad_done(id);
+    params.end_backward();
+    (g ? grads.gpu : grads.cpu) = Tensor::view(params.flat_grads().raw(), params.flat_grads().shape());
+  }
+  expect_close_bf16(yp, "experts' outputs", 2e-2, 5e-2);
+  expect_close_bf16(dxp, "experts' input gradients", 3e-2, 1e-1);
+  expect_close_bf16(grads, "experts' weight gradients", 3e-2, 1e-1);
+}
+
+TEST(CudaOpsBf16, MoeExpertsMatchTheCpu) {
+  REQUIRE_DEVICE();
+  for (Ops* ops : {&fast(), &gpu()}) {
+    SCOPED_TRACE(ops == &fast() ? "fast path" : "fp32 mode");
+    check_bf16_experts(*ops, 64);
+    check_bf16_experts(*ops, 36);
+  }
 }
 
 // A training step of the small models with bf16 activations on both backends, each rounding
