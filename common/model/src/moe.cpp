@@ -154,13 +154,11 @@ void Moe::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
   s.xp = ctx.activation({s.token_of_row.numel(), config_.d_model});  // rounded as they are gathered
   ctx.ops.gather_rows(x, s.token_of_row, s.xp);
   experts_forward(ctx, s.routing.offsets, 0, s.xp, s);
-  if (has_shared_) {
-    s.shared_out = ctx.tensor(y.shape());
-    shared_.forward(ctx, x, s.shared_out, s.shared);
-    ctx.ops.copy(y, s.shared_out);
-  } else {
+  // y starts as the shared expert's output, written there directly, and the routed rows add in.
+  if (has_shared_)
+    shared_.forward(ctx, x, y, s.shared);
+  else
     ctx.ops.fill(y, 0.0f);
-  }
   ctx.ops.scatter_add_rows(s.yp, s.token_of_row, &s.weight_of_row, y);  // combine
 }
 

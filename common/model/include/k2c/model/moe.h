@@ -51,7 +51,6 @@ class Moe {
     Tensor xp, gate, up, h, yp;               // permuted rows and the experts' activations
     Tensor x_rounded;  // xp in the activation dtype, where experts_forward was given fp32 rows
     Mlp::Saved shared;
-    Tensor shared_out;
     double balance_loss = 0;
   };
 
