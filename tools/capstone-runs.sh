@@ -29,6 +29,8 @@ declare -A FLAGS=(
   ["dense-135m bf16"]="--config dense-135m --steps 10 --kernels trusted --activations bf16"
   ["dense-135m course f32 same day"]="--config dense-135m --steps 10 --kernels course --activations f32"
   ["dense-135m course bf16"]="--config dense-135m --steps 10 --kernels course --activations bf16"
+  ["moe-135m"]="--config moe-135m --steps 30 --kernels trusted --activations f32"
+  ["moe-135m course"]="--config moe-135m --steps 30 --kernels course --activations f32"
   ["moe-135m bf16"]="--config moe-135m --steps 30 --kernels trusted --activations bf16"
   ["moe-135m course bf16"]="--config moe-135m --steps 30 --kernels course --activations bf16"
   # Data parallel over two GPUs, each rank the one-GPU run's 16 sequences (--batch is the global
@@ -38,7 +40,7 @@ declare -A FLAGS=(
   ["moe-135m course bf16 dp2"]="--grid dp2 --batch 32 --config moe-135m --steps 30 --kernels course --activations bf16 --traffic"
 )
 ORDER=("dense-135m f32 same day" "dense-135m bf16" "dense-135m course f32 same day" "dense-135m course bf16"
-       "moe-135m bf16" "moe-135m course bf16")
+       "moe-135m" "moe-135m course" "moe-135m bf16" "moe-135m course bf16")
 # The GPUs this process can use: CUDA_VISIBLE_DEVICES's list where it is set, else nvidia-smi's.
 if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
   gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)

@@ -258,10 +258,10 @@ TEST_F(CourseKernels, GroupedGemmsWithEmptyGroupsAndAnOffsetFirstGroup) {
         EXPECT_NE(r.kernel.find("_hopper"), std::string::npos) << r.op << ": " << r.kernel;
 }
 
-// The experts' grouped GEMMs under bf16 activations (common/model/src/moe.cpp), the dtypes each
-// call of a step meets: bf16 rows give bf16 gate and up, and bf16 h an fp32 output; the fp32 output
-// gradient gives a bf16 dh, and bf16 dg fp32 input-gradient rows; the fp32 weight gradients come
-// from bf16 rows with a bf16 or an fp32 dy. Same groups and shapes as above.
+// The experts' grouped GEMMs under bf16 activations (common/model/src/moe.cpp), in the dtypes a
+// step gives them: bf16 rows give bf16 gate and up, and bf16 h an fp32 output; backward rounds
+// the output gradient to bf16 first, which gives a bf16 dh, and bf16 dg gives fp32 input-gradient
+// rows; the fp32 weight gradients come from bf16 operands. Same groups and shapes as above.
 TEST_F(CourseKernels, GroupedGemmsOnBf16Rows) {
   const int first = 2;
   const std::vector<std::int64_t> offsets{0, 3, 3, 20, 21, 21};
@@ -270,8 +270,8 @@ TEST_F(CourseKernels, GroupedGemmsOnBf16Rows) {
     Tensor h = poisoned16({21, n}), y = side_->poisoned({21, k});
     course_->grouped_matmul(x, offsets, first, w, true, h);       // h_g = x_g · w_gᵀ, bf16 out
     course_->grouped_matmul(h, offsets, first, w_down, true, y);  // y_g = h_g · w_down_gᵀ, fp32 out
-    Tensor dy = random({21, k}), dh = poisoned16({21, n}), dx = side_->poisoned({21, k});
-    course_->grouped_matmul(dy, offsets, first, w_down, false, dh);  // fp32 in, bf16 out
+    Tensor dy = random16({21, k}), dh = poisoned16({21, n}), dx = side_->poisoned({21, k});
+    course_->grouped_matmul(dy, offsets, first, w_down, false, dh);  // bf16 in, bf16 out
     course_->grouped_matmul(dh, offsets, first, w, false, dx);       // bf16 in, fp32 out
     Tensor dw = random({8, n, k}), dw_down = random({8, k, n});
     course_->grouped_weight_grad(dh, x, offsets, first, dw);

@@ -179,18 +179,22 @@ std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::
   const double attn_b = tp_attention ? 4 : a, cut = tp_attention ? t : 1;
   const double attn_saved = N * ((2 * d + 2 * kv) / cut * attn_b + 4 * H / cut);
   const double attn_grads = N * (2 * d + 2 * kv) / cut * attn_b;
-  // A mixture of experts: the router's probabilities, the routing (5 numbers per assignment in the
+  // A mixture of experts: the router's probabilities, the routing (3 numbers per assignment in the
   // library's layer, 2 in 17's plan), the rows (gate, up and h in the activation dtype, the output
   // fp32; the input gathered in the activation dtype by the library's layer, fp32 from 17's
   // exchange with a rounded copy under bf16, and 17 keeps the rows returned), the shared expert's
   // activations (and 17 its output; the library's layer writes it into its own output).
   const double R = N * k;
   const double rows = expert_kind ? R * ((12 + (a < 4 ? a : 0)) * d + 3 * a * de) : R * ((a + 4) * d + 3 * a * de);
-  const double moe_saved = N * 4 * E + R * 4 * (expert_kind ? 2 : 5) + rows + N * (3 * dsh * a + (expert_kind ? 4 * d : 0));
+  const double moe_saved = N * 4 * E + R * 4 * (expert_kind ? 2 : 3) + rows + N * (3 * dsh * a + (expert_kind ? 4 * d : 0));
+  // The experts' backward: dh, dg and du in the activation dtype, the output gradient's rows
+  // rounded under bf16, and fp32 rows of R × d: the output gradient, the input gradient and its
+  // second part (and 17's own copy of the output gradient before its exchange).
+  const double expert_grads = R * (3 * a * de + (expert_kind ? 16 : 12) * d + (a < 4 ? a * d : 0));
   double block_saved = 0, block_grads = 0;
   if (expert_kind) {  // the capstone's own block around 17's layer
     block_saved = N * (d * a + 16 * d + (tensor ? 4 : a) * d + 8) + attn_saved + moe_saved;
-    block_grads = N * 8 * d + std::max(attn_grads, R * (3 * a * de + 3 * 4 * d));
+    block_grads = N * 8 * d + std::max(attn_grads, expert_grads);
   } else if (tensor) {  // 14's block
     block_saved = N * (24 * d + 8) + attn_saved + N * 3 * F / t * 4;
     block_grads = N * 8 * d + std::max(attn_grads, N * 3 * F / t * 4);
@@ -201,7 +205,7 @@ std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::
     const double n2 = moe ? 4 : a, attn_out = dropout ? 4 : a, mlp_out = moe || dropout ? 4 : a;
     block_saved = N * ((a + n2 + attn_out + mlp_out) * d + 8 * d + 8) + attn_saved + (moe ? moe_saved : N * 3 * F * a);
     block_grads = N * (4 * d + n2 * d + (dropout ? 4 * d : 0)) +
-                  std::max(attn_grads, moe ? R * (3 * a * de + 3 * 4 * d) : N * 3 * F * a);
+                  std::max(attn_grads, moe ? expert_grads : N * 3 * F * a);
   }
   const double head_b = tensor ? 4 : a, Vr = V / t;
   double saved = blocks * block_saved + 4.0 * m.seq_len;  // and the positions (i32)

@@ -42,7 +42,7 @@ using namespace k2c::capstone_testing;
 namespace {
 
 // How far the activations' estimate may be from the ledger's peak (relative), and the whole
-// plan from an H200 run's peak.
+// plan from the peak of a reference run on one GPU.
 constexpr double kActivationTolerance = 0.15, kReferenceTolerance = 0.02;
 
 std::string table(const kc::PlannedTraffic& t) {

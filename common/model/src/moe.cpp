@@ -51,21 +51,22 @@ void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
   s.probs = ctx.tensor({N, E});
   ctx.ops.softmax_rows(logits, s.probs);
   s.top_idx = ctx.tensor({N, k}, Category::activations, DType::i32);
-  s.top_val = ctx.tensor({N, k});
-  ctx.ops.top_k(s.probs, k, s.top_idx, s.top_val);
+  Tensor top_val = ctx.tensor({N, k});
+  ctx.ops.top_k(s.probs, k, s.top_idx, top_val);
   // The plan is host bookkeeping of N·k integers (a device backend downloads them once).
   std::vector<std::int32_t> idx(static_cast<std::size_t>(N) * k);
   ctx.ops.download(idx.data(), s.top_idx);
   s.routing = Routing::plan(idx, static_cast<int>(N), k, E);
-  std::vector<float> val(idx.size()), w(idx.size());
-  ctx.ops.download(val.data(), s.top_val);
+  // The chosen probabilities are kept on the host, where backward's router gradient reads them.
+  const std::vector<float>& val = s.top_val;
+  s.top_val.resize(idx.size());
+  ctx.ops.download(s.top_val.data(), top_val);
+  std::vector<float> w(idx.size());
   for (std::int64_t n = 0; n < N; ++n) {
     float sum = 0;
     for (int j = 0; j < k; ++j) sum += val[n * k + j];
     for (int j = 0; j < k; ++j) w[n * k + j] = config_.normalize_top_k ? val[n * k + j] / sum : val[n * k + j];
   }
-  s.weights = ctx.tensor({N, k});
-  ctx.ops.upload(s.weights, w.data());
   std::vector<float> w_row(idx.size());
   for (std::size_t a = 0; a < idx.size(); ++a) w_row[s.routing.row_of[a]] = w[a];
   s.token_of_row = ctx.tensor({N * k}, Category::activations, DType::i32);
@@ -180,9 +181,9 @@ void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Te
 
   // Back through the weights to the router probabilities: each token's k chosen probabilities on
   // the host (N·k numbers), then the N × E gradient where the probabilities are.
-  std::vector<float> dw_rows(R), val(static_cast<std::size_t>(N) * k), dval(val.size());
+  const std::vector<float>& val = s.top_val;
+  std::vector<float> dw_rows(R), dval(val.size());
   ctx.ops.download(dw_rows.data(), dw_row);
-  ctx.ops.download(val.data(), s.top_val);
   for (std::int64_t n = 0; n < N; ++n) {
     float sum = 0, wdw = 0;
     for (int j = 0; j < k; ++j) sum += val[n * k + j];

@@ -45,7 +45,8 @@ struct Routing {
 class Moe {
  public:
   struct Saved {
-    Tensor probs, top_idx, top_val, weights;  // [N, E], [N, k], [N, k], [N, k] combine weights
+    Tensor probs, top_idx;                    // [N, E], [N, k]
+    std::vector<float> top_val;               // [N·k] the chosen probabilities, on the host
     Routing routing;
     Tensor token_of_row, weight_of_row;       // [N·k] on the backend
     Tensor xp, gate, up, h, yp;               // permuted rows and the experts' activations
