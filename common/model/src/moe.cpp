@@ -58,9 +58,9 @@ void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
   ctx.ops.download(idx.data(), s.top_idx);
   s.routing = Routing::plan(idx, static_cast<int>(N), k, E);
   // The chosen probabilities are kept on the host, where backward's router gradient reads them.
-  const std::vector<float>& val = s.top_val;
   s.top_val.resize(idx.size());
   ctx.ops.download(s.top_val.data(), top_val);
+  const std::vector<float>& val = s.top_val;
   std::vector<float> w(idx.size());
   for (std::int64_t n = 0; n < N; ++n) {
     float sum = 0;
