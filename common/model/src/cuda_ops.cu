@@ -121,6 +121,50 @@ class DeviceMemory final : public Memory {
   std::size_t cached_ = 0;
 };
 
+// Small uploads without a wait: the host's bytes are copied into pinned memory at once, so the
+// caller may reuse its buffer on return, and the device copy is queued in stream order. Two
+// buffers take turns; one is refilled only after the copy that last read it has finished (an
+// event, almost always long past).
+class Staging {
+ public:
+  static constexpr std::size_t kMaxBytes = std::size_t{4} << 20;
+  Staging() = default;
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging() {
+    for (Slot& s : slots_) {
+      if (s.read) cudaEventDestroy(s.read);
+      cudaFreeHost(s.host);
+    }
+  }
+  static bool fits(std::size_t bytes) { return bytes <= kMaxBytes; }
+  void to_device(void* dst, const void* host, std::size_t bytes) {
+    if (bytes == 0) return;
+    Slot& s = slots_[next_];
+    next_ ^= 1;
+    if (s.read) K2C_CUDA_CHECK(cudaEventSynchronize(s.read));
+    else K2C_CUDA_CHECK(cudaEventCreateWithFlags(&s.read, cudaEventDisableTiming));
+    if (s.bytes < bytes) {
+      K2C_CUDA_CHECK(cudaFreeHost(s.host));
+      s.host = nullptr, s.bytes = 0;
+      K2C_CUDA_CHECK(cudaMallocHost(&s.host, bytes));
+      s.bytes = bytes;
+    }
+    std::memcpy(s.host, host, bytes);
+    K2C_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, bytes, cudaMemcpyHostToDevice, g_stream));
+    K2C_CUDA_CHECK(cudaEventRecord(s.read, g_stream));
+  }
+
+ private:
+  struct Slot {
+    void* host = nullptr;
+    std::size_t bytes = 0;
+    cudaEvent_t read = nullptr;  // recorded after the copy that reads `host`
+  };
+  Slot slots_[2];
+  int next_ = 0;
+};
+
 #include "cuda_kernels.cuh"
 
 #include "cuda_attention.cuh"
@@ -135,24 +179,31 @@ class CudaOps final : public Ops {
     K2C_CUBLAS_CHECK(cublasCreate(&blas_));
     // fp32 mode: plain fp32 products, as the CPU backend computes them (no TF32).
     K2C_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
-    K2C_CUDA_CHECK(cudaMalloc(&flag_, sizeof(int)));
+    K2C_CUDA_CHECK(cudaMalloc(&flags_, kChecks * sizeof(int)));
+    K2C_CUDA_CHECK(cudaMemset(flags_, 0, kChecks * sizeof(int)));
+    K2C_CUDA_CHECK(cudaMallocHost(&flags_seen_, kChecks * sizeof(int)));
     K2C_CUDA_CHECK(cudaMalloc(&sum_, sizeof(double)));
   }
   ~CudaOps() override {
     cublasDestroy(blas_);
-    cudaFree(flag_);
+    cudaFree(flags_);
+    cudaFreeHost(flags_seen_);
     cudaFree(sum_);
   }
   std::string name() const override { return math_ == GpuMath::bf16 ? "cuda (bf16 tensor cores)" : "cuda (fp32)"; }
   Memory& memory() override { return device_; }
 
+  // The caller may reuse `host` at once: a small upload is copied into pinned memory on the spot
+  // and reaches the device in stream order, without a wait (the MoE layer uploads its routing
+  // every layer); a large one waits for its copy.
   void upload(Tensor& dst, const void* host) override {
+    if (staging_.fits(dst.bytes())) return staging_.to_device(dst.raw(), host, dst.bytes());
     K2C_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), host, dst.bytes(), cudaMemcpyHostToDevice, g_stream));
-    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));  // the caller may reuse `host` at once
+    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
   }
   void download(void* host, const Tensor& src) override {
     K2C_CUDA_CHECK(cudaMemcpyAsync(host, src.raw(), src.bytes(), cudaMemcpyDeviceToHost, g_stream));
-    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    wait();
   }
 
   void fill(Tensor& t, float v) override {
@@ -207,7 +258,7 @@ class CudaOps final : public Ops {
     launch(sum_squares_kernel, t.numel(), t.f32(), t.numel(), sum_);
     double s = 0;
     K2C_CUDA_CHECK(cudaMemcpyAsync(&s, sum_, sizeof s, cudaMemcpyDeviceToHost, g_stream));
-    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    wait();
     return s;
   }
 
@@ -349,10 +400,8 @@ class CudaOps final : public Ops {
   void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) override {
     const Matrix t = as_matrix(table);
     out.expect({ids.numel(), t.cols}, "embedding output");
-    clear_flag();
     launch(embedding_forward_kernel, ids.numel() * t.cols, ids.i32(), table.f32(), out.f32(), ids.numel(), t.cols, t.rows,
-           flag_);
-    if (flag_set()) throw std::out_of_range("embedding: an id outside [0, " + std::to_string(t.rows) + ")");
+           flag(kIds, t.rows));
   }
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) override {
     const Matrix t = as_matrix(dtable);
@@ -552,14 +601,11 @@ class CudaOps final : public Ops {
       return loss;
     }
     auto* losses = static_cast<double*>(ws_.get(kLosses, m.rows * sizeof(double)));
-    clear_flag();
     if (logits.dtype() == DType::bf16) cross_entropy_as<__nv_bfloat16>(m, logits, targets, grad_scale, dlogits, losses);
     else cross_entropy_as<float>(m, logits, targets, grad_scale, dlogits, losses);
     std::vector<double> host(static_cast<std::size_t>(m.rows));
     K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));
-    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
-    if (flag_set())
-      throw std::out_of_range("cross-entropy: a target outside [0, " + std::to_string(m.cols) + ")");
+    wait();
     double total = 0;  // summed on the host in row order, like the CPU backend
     for (double l : host) total += l;
     return total;
@@ -574,7 +620,7 @@ class CudaOps final : public Ops {
       if (m.cols % 8 == 0 && vecs <= 8 && vectorizable(m.cols, {logits.raw(), dlogits.raw()})) {
         auto rows = [&](auto kernel) {
           kernel<<<rows_grid(m.rows), kRowThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale, ptr<T>(dlogits),
-                                                                  losses, static_cast<int>(m.cols), flag_);
+                                                                  losses, static_cast<int>(m.cols), flag(kTargets, m.cols));
           K2C_CUDA_CHECK_LAUNCH();
         };
         if (vecs <= 1) rows(cross_entropy_rows_kernel<1>);
@@ -587,10 +633,10 @@ class CudaOps final : public Ops {
     // Four at a time where a row is whole 16-byte (fp32) or 8-byte (bf16) steps from aligned starts.
     if (vectorizable(m.cols, {logits.raw(), dlogits.raw()}))
       cross_entropy_kernel<true, T><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale,
-                                                                                 ptr<T>(dlogits), losses, m.cols, flag_);
+                                                                                 ptr<T>(dlogits), losses, m.cols, flag(kTargets, m.cols));
     else
       cross_entropy_kernel<false, T><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale,
-                                                                                  ptr<T>(dlogits), losses, m.cols, flag_);
+                                                                                  ptr<T>(dlogits), losses, m.cols, flag(kTargets, m.cols));
     K2C_CUDA_CHECK_LAUNCH();
   }
 
@@ -628,10 +674,10 @@ class CudaOps final : public Ops {
     out.expect({rows.numel(), m.cols}, "gather_rows output", float_dtype(out, "gather_rows output"));
     const RowLaunch l = row_launch(rows.numel(), m, {src.raw(), out.raw()});
     if (!l.blocks) return;
-    clear_flag();
+    int* bad = flag(kGatherRows, m.rows);
     auto run = [&](auto* from, auto* to) {
-      if (l.vec) gather_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, flag_);
-      else gather_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, flag_);
+      if (l.vec) gather_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, bad);
+      else gather_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, bad);
     };
     const bool s16 = src.dtype() == DType::bf16, o16 = out.dtype() == DType::bf16;  // [bf16]: either, each
     if (s16 && o16) run(ptr<__nv_bfloat16>(src), ptr<__nv_bfloat16>(out));
@@ -639,7 +685,6 @@ class CudaOps final : public Ops {
     else if (o16) run(src.f32(), ptr<__nv_bfloat16>(out));
     else run(src.f32(), out.f32());
     K2C_CUDA_CHECK_LAUNCH();
-    if (flag_set()) throw std::out_of_range("gather_rows: a row outside the source");
   }
   void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) override {
     const Matrix m = as_matrix(out);
@@ -652,16 +697,15 @@ class CudaOps final : public Ops {
     }
     const RowLaunch l = row_launch(rows.numel(), m, {src.raw(), out.raw()});
     if (!l.blocks) return;
-    clear_flag();
+    int* bad = flag(kScatterRows, m.rows);
     const float* sc = scale ? scale->f32() : nullptr;
     auto run = [&](auto* from) {
-      if (l.vec) scatter_add_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), sc, out.f32(), l.cols, l.bound, flag_);
-      else scatter_add_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), sc, out.f32(), l.cols, l.bound, flag_);
+      if (l.vec) scatter_add_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), sc, out.f32(), l.cols, l.bound, bad);
+      else scatter_add_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), sc, out.f32(), l.cols, l.bound, bad);
     };
     if (src.dtype() == DType::bf16) run(ptr<__nv_bfloat16>(src));
     else run(src.f32());
     K2C_CUDA_CHECK_LAUNCH();
-    if (flag_set()) throw std::out_of_range("scatter_add_rows: a row outside the output");
   }
   void row_dot(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "row_dot");
@@ -693,7 +737,7 @@ class CudaOps final : public Ops {
     column_sums_kernel<<<static_cast<unsigned>(m.cols), kThreads, 0, g_stream>>>(x.f32(), d, m.rows, m.cols);
     K2C_CUDA_CHECK_LAUNCH();
     K2C_CUDA_CHECK(cudaMemcpyAsync(sums.data(), d, sums.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));
-    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    wait();
     return sums;
   }
   void routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
@@ -701,13 +745,9 @@ class CudaOps final : public Ops {
     const Matrix m = checks::routing_grad_args(indices, values, column_add, out);
     if (out.numel() == 0) return;
     auto* add = static_cast<float*>(ws_.get(kRouting, column_add.size() * sizeof(float)));
-    // From pageable memory the copy has read `column_add` by the time it returns.
-    K2C_CUDA_CHECK(cudaMemcpyAsync(add, column_add.data(), column_add.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                   g_stream));
-    clear_flag();
+    staging_.to_device(add, column_add.data(), column_add.size() * sizeof(float));
     launch(routing_grad_kernel, out.numel(), indices.i32(), values.f32(), add, out.f32(), m.rows, m.cols,
-           static_cast<int>(indices.dim(1)), flag_);
-    if (flag_set()) throw std::out_of_range("routing_grad: an expert outside [0, " + std::to_string(m.cols) + ")");
+           static_cast<int>(indices.dim(1)), flag(kExperts, m.cols));
   }
 
   void sgd_step(Tensor& param, const Tensor& grad, Tensor* momentum, float lr, float beta, float wd) override {
@@ -838,12 +878,28 @@ class CudaOps final : public Ops {
       throw std::invalid_argument("attention (first GPU version): at most 12288 keys a call, got " + std::to_string(s.kv_len));
     return bytes;
   }
-  void clear_flag() { K2C_CUDA_CHECK(cudaMemsetAsync(flag_, 0, sizeof(int), g_stream)); }
-  bool flag_set() {
-    int f = 0;
-    K2C_CUDA_CHECK(cudaMemcpyAsync(&f, flag_, sizeof f, cudaMemcpyDeviceToHost, g_stream));
+
+  // Index checks without a wait of their own. A kernel that meets an index outside its range skips
+  // it and sets its operation's flag; the flags cross to the host with the next wait the host makes
+  // anyway (a download, a loss, column sums, a sum of squares), which throws std::out_of_range for
+  // the first one set. A wait after each check would drain the stream several times in every MoE
+  // layer (its gathers, scatters and router gradient). The bound named is the last call's.
+  enum Check { kIds, kTargets, kGatherRows, kScatterRows, kExperts, kChecks };
+  int* flag(Check c, std::int64_t bound) {
+    bounds_[c] = bound;
+    return flags_ + c;
+  }
+  void wait() {
+    K2C_CUDA_CHECK(cudaMemcpyAsync(flags_seen_, flags_, kChecks * sizeof(int), cudaMemcpyDeviceToHost, g_stream));
     K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
-    return f != 0;
+    for (int c = 0; c < kChecks; ++c) {
+      if (!flags_seen_[c]) continue;
+      K2C_CUDA_CHECK(cudaMemsetAsync(flags_, 0, kChecks * sizeof(int), g_stream));  // reported once
+      static constexpr const char* what[kChecks] = {"embedding: an id", "cross-entropy: a target",
+                                                    "gather_rows: a row", "scatter_add_rows: a row",
+                                                    "routing_grad: an expert"};
+      throw std::out_of_range(std::string(what[c]) + " outside [0, " + std::to_string(bounds_[c]) + ")");
+    }
   }
 
   GpuMath math_;
@@ -854,7 +910,10 @@ class CudaOps final : public Ops {
   FlashAttention flash_{ws_};                // head_dim 64 or 128
   MemoryLedger copies_;    // Wide's fp32 copies (scratch, outside the model's ledger)
   float empty_ = 0;       // the address of an empty copy
-  int* flag_ = nullptr;   // set by kernels that find an index out of range
+  int* flags_ = nullptr;  // [kChecks], set by kernels that find an index out of range (flag)
+  int* flags_seen_ = nullptr;  // their pinned host copy, read after a wait
+  std::int64_t bounds_[kChecks] = {};
+  Staging staging_;
   double* sum_ = nullptr;
 };
 

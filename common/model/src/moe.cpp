@@ -53,6 +53,9 @@ void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
   s.top_idx = ctx.tensor({N, k}, Category::activations, DType::i32);
   Tensor top_val = ctx.tensor({N, k});
   ctx.ops.top_k(s.probs, k, s.top_idx, top_val);
+  // P_e, the mean probability of each expert (for the balance loss), summed where the probabilities
+  // are; asked for first, so the downloads below find the device done.
+  const std::vector<double> p = ctx.ops.column_sums(s.probs);
   // The plan is host bookkeeping of N·k integers (a device backend downloads them once).
   std::vector<std::int32_t> idx(static_cast<std::size_t>(N) * k);
   ctx.ops.download(idx.data(), s.top_idx);
@@ -73,8 +76,7 @@ void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
   s.weight_of_row = ctx.tensor({N * k});
   ctx.ops.upload(s.token_of_row, s.routing.token_of_row.data());
   ctx.ops.upload(s.weight_of_row, w_row.data());
-  // Balance: f_e from the counts, P_e the mean probability (summed where the probabilities are).
-  const std::vector<double> p = ctx.ops.column_sums(s.probs);
+  // Balance: f_e from the counts, P_e from p.
   double balance = 0;
   for (int e = 0; e < E; ++e) balance += static_cast<double>(s.routing.counts[e]) / (N * k) * (p[e] / N);
   s.balance_loss = config_.balance_coef * E * balance;

@@ -82,6 +82,21 @@ std::vector<float> host(const Tensor& t, Ops& ops) {
   return v;
 }
 
+// A GPU backend reports an index out of range at its next wait: `op`, then a download of `out`
+// must throw std::out_of_range naming `what`, and the report is made once (a second download is
+// clean).
+template <class Op>
+void expect_index_error(Op op, const Tensor& out, const std::string& what) {
+  try {
+    op();
+    host(out, gpu());
+    ADD_FAILURE() << what << ": no error reported";
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(host(out, gpu())) << what << ": reported twice";
+}
+
 void expect_close(const Pair& p, const char* what, float tol = 1e-4f) {
   const std::vector<float> a = host(p.cpu, cpu_ops()), b = host(p.gpu, gpu());
   ASSERT_EQ(a.size(), b.size());
@@ -116,6 +131,30 @@ TEST(CudaOps, ElementwiseMatmulAndReductions) {
   expect_close(y, "y = x Wt");
   expect_close(dx, "dx = dy W");
   expect_close(dw, "dW += dyT x");
+}
+
+// Uploads return with the host buffer free to reuse: small ones through the backend's pinned
+// buffers (which take turns, so five in a row reuse each one), large ones directly. Each tensor
+// must hold what the buffer held when its upload was called, though the buffer is overwritten at
+// once and no wait comes between.
+TEST(CudaOps, UploadsLeaveTheHostBufferFree) {
+  REQUIRE_DEVICE();
+  MemoryLedger ledger;
+  for (std::int64_t n : {std::int64_t{1000}, std::int64_t{3} << 20}) {  // 4 KB and 12 MB
+    std::vector<float> buf(static_cast<std::size_t>(n));
+    std::vector<Tensor> ts;
+    ts.reserve(5);
+    for (int i = 0; i < 5; ++i) {
+      std::fill(buf.begin(), buf.end(), static_cast<float>(i + 1));
+      ts.emplace_back(gpu().memory(), ledger, Category::activations, Shape{n});
+      gpu().upload(ts.back(), buf.data());
+    }
+    std::fill(buf.begin(), buf.end(), NAN);
+    for (int i = 0; i < 5; ++i) {
+      const std::vector<float> got = host(ts[i], gpu());
+      EXPECT_EQ(std::count(got.begin(), got.end(), static_cast<float>(i + 1)), n) << "upload " << i << " of " << n;
+    }
+  }
 }
 
 // AdamW on the GPU's two paths: 16-byte vectors where the length is a multiple of 4 and every
@@ -248,10 +287,12 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
     expect_close(og, "gather_rows from a view off 16 bytes", 0.0f);
     // A row outside the source or the output is refused on both backends, and not read.
     Pair bad = t.ints({3}, {0, 40, 2}), bad_out = t.nans({3, 1028}, DType::f32);
-    EXPECT_THROW(gpu().gather_rows(wide.gpu, bad.gpu, bad_out.gpu), std::out_of_range);
+    expect_index_error([&] { gpu().gather_rows(wide.gpu, bad.gpu, bad_out.gpu); }, bad_out.gpu,
+                       "gather_rows: a row outside [0, 40)");
     EXPECT_THROW(cpu_ops().gather_rows(wide.cpu, bad.cpu, bad_out.cpu), std::out_of_range);
     Pair bad_src = t.random({3, 1028});
-    EXPECT_THROW(gpu().scatter_add_rows(bad_src.gpu, bad.gpu, nullptr, ws.gpu), std::out_of_range);
+    expect_index_error([&] { gpu().scatter_add_rows(bad_src.gpu, bad.gpu, nullptr, ws.gpu); }, ws.gpu,
+                       "scatter_add_rows: a row outside [0, 40)");
     EXPECT_THROW(cpu_ops().scatter_add_rows(bad_src.cpu, bad.cpu, nullptr, ws.cpu), std::out_of_range);
   }
   // The router's bookkeeping: column sums of the probabilities, and their gradient from each
@@ -270,13 +311,15 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   run([&](Ops& o, bool g) { o.routing_grad(pick(topi, g), pick(dval, g), per_expert, pick(dprobs, g)); });
   expect_close(dprobs, "routing_grad", 0.0f);
   Pair bad_expert = t.ints({6, 3}, std::vector<std::int32_t>(18, 9));
-  EXPECT_THROW(gpu().routing_grad(bad_expert.gpu, dval.gpu, per_expert, dprobs.gpu), std::out_of_range);
+  expect_index_error([&] { gpu().routing_grad(bad_expert.gpu, dval.gpu, per_expert, dprobs.gpu); }, dprobs.gpu,
+                     "routing_grad: an expert outside [0, 9)");
   EXPECT_THROW(cpu_ops().routing_grad(bad_expert.cpu, dval.cpu, per_expert, dprobs.cpu), std::out_of_range);
   EXPECT_THROW(gpu().routing_grad(topi.gpu, dval.gpu, std::vector<float>(4), dprobs.gpu), std::invalid_argument);
   // Out-of-range indices are refused, not read.
   Pair wrong = t.ints({2}, {0, 9});
   Pair out2 = t.zeros({2, 11});
-  EXPECT_THROW(gpu().embedding_forward(wrong.gpu, table.gpu, out2.gpu), std::out_of_range);
+  expect_index_error([&] { gpu().embedding_forward(wrong.gpu, table.gpu, out2.gpu); }, out2.gpu,
+                     "embedding: an id outside [0, 8)");
 }
 
 TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {

@@ -60,6 +60,11 @@ struct DropoutKey {
   std::int64_t full_cols = -1;   // the whole activation's row length (-1: this tensor's)
 };
 
+// Indices (token ids, targets, rows, experts) are checked by every backend: one outside its range
+// throws std::out_of_range. The CPU backend throws from the call; a GPU backend's kernel skips the
+// index and records it, and the backend throws from its next call that waits for the device (a
+// download, a loss, column sums, a sum of squares), naming the operation that found it, so the
+// step it happened in never completes. Outputs may be written by then.
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -67,7 +72,8 @@ class Ops {
   // Where this backend's tensors live.
   virtual Memory& memory() = 0;
 
-  // Host <-> tensor copies (a plain memcpy on the CPU backend).
+  // Host <-> tensor copies (a plain memcpy on the CPU backend). The host buffer may be reused as
+  // soon as either returns; an upload need not wait for the device.
   virtual void upload(Tensor& dst, const void* host) = 0;
   virtual void download(void* host, const Tensor& src) = 0;
 
@@ -116,8 +122,7 @@ class Ops {
                                    Tensor& dw);
 
   // ---- layers' kernels
-  // out[i, :] = table[ids[i], :]; ids i32 [N], table [V, D], out [N, D]. An id outside [0, V)
-  // throws (CPU) or is reported by the backend's checks.
+  // out[i, :] = table[ids[i], :]; ids i32 [N], table [V, D], out [N, D]; ids in [0, V).
   virtual void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) = 0;
   // dtable[ids[i], :] += dout[i, :], in order of i.
   virtual void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
@@ -185,9 +190,9 @@ class Ops {
   // backend sums where x is (in its own order) and returns E numbers.
   virtual std::vector<double> column_sums(const Tensor& x);
   // The router probabilities' gradient: out[n, e] = Σ_j [indices[n, j] = e]·values[n, j] (in
-  // order of j) + column_add[e]; indices i32 [N, k], values [N, k], out [N, E] written whole. By
-  // default on the host, then one upload of out; a device backend uploads E numbers instead. An
-  // expert outside [0, E) throws std::out_of_range (out may be written by then).
+  // order of j) + column_add[e]; indices i32 [N, k] in [0, E), values [N, k], out [N, E] written
+  // whole. By default on the host, then one upload of out; a device backend uploads E numbers
+  // instead.
   virtual void routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
                             Tensor& out);
 
