@@ -144,8 +144,18 @@ __global__ void embedding_forward_kernel(const int* ids, const float* table, flo
     out[i] = table[id * d + i % d];
   }
 }
-__global__ void embedding_backward_kernel(const int* ids, const float* dout, float* dtable, std::int64_t n, std::int64_t d) {
-  K2C_FOR_EACH(i, n * d) atomicAdd(&dtable[ids[i / d] * d + i % d], dout[i]);
+// An id outside the table is skipped and flagged here too: the forward's flag is reported only at
+// the next wait, which may come after the backward.
+__global__ void embedding_backward_kernel(const int* ids, const float* dout, float* dtable, std::int64_t n, std::int64_t d,
+                                          std::int64_t vocab, int* bad) {
+  K2C_FOR_EACH(i, n * d) {
+    const std::int64_t id = ids[i / d];
+    if (id < 0 || id >= vocab) {
+      *bad = 1;
+      continue;
+    }
+    atomicAdd(&dtable[id * d + i % d], dout[i]);
+  }
 }
 
 // One block a row. y (fp32 or bf16) from fp32 x: the residual stream in, a GEMM's operand out.

@@ -165,6 +165,45 @@ class Staging {
   int next_ = 0;
 };
 
+// Index checks without a wait of their own. A kernel that meets an index outside its range skips
+// it and sets its operation's flag; the flags cross to the host with the next wait the host makes
+// anyway (a download, a loss, column sums, a sum of squares, cuda_ops_synchronize), which throws
+// std::out_of_range for the first operation flagged and clears them all. A wait after each check
+// would drain the stream several times in every MoE layer (its gathers, scatters and router
+// gradient). One set of flags for the process: both backends issue to the same stream, and a
+// tensor one of them made may reach the other's kernels.
+enum IndexCheck { kIds, kTargets, kGatherRows, kScatterRows, kExperts, kIndexChecks };
+struct IndexFlags {
+  int* device = nullptr;  // [kIndexChecks]
+  int* seen = nullptr;    // their pinned copy on the host
+};
+IndexFlags& index_flags() {
+  static IndexFlags f = [] {
+    IndexFlags n;
+    K2C_CUDA_CHECK(cudaMalloc(&n.device, kIndexChecks * sizeof(int)));
+    K2C_CUDA_CHECK(cudaMemset(n.device, 0, kIndexChecks * sizeof(int)));
+    K2C_CUDA_CHECK(cudaMallocHost(&n.seen, kIndexChecks * sizeof(int)));
+    return n;
+  }();
+  return f;
+}
+int* index_flag(IndexCheck c) { return index_flags().device + c; }
+void wait_for_device() {
+  IndexFlags& f = index_flags();
+  K2C_CUDA_CHECK(cudaMemcpyAsync(f.seen, f.device, kIndexChecks * sizeof(int), cudaMemcpyDeviceToHost, g_stream));
+  K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+  for (int c = 0; c < kIndexChecks; ++c) {
+    if (!f.seen[c]) continue;
+    std::fill(f.seen, f.seen + kIndexChecks, 0);
+    K2C_CUDA_CHECK(cudaMemsetAsync(f.device, 0, kIndexChecks * sizeof(int), g_stream));  // reported once
+    static constexpr const char* what[kIndexChecks] = {
+        "embedding: an id outside the table", "cross-entropy: a target outside the vocabulary",
+        "gather_rows: a row outside the source", "scatter_add_rows: a row outside the output",
+        "routing_grad: an expert outside [0, E)"};
+    throw std::out_of_range(what[c]);
+  }
+}
+
 #include "cuda_kernels.cuh"
 
 #include "cuda_attention.cuh"
@@ -179,31 +218,19 @@ class CudaOps final : public Ops {
     K2C_CUBLAS_CHECK(cublasCreate(&blas_));
     // fp32 mode: plain fp32 products, as the CPU backend computes them (no TF32).
     K2C_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
-    K2C_CUDA_CHECK(cudaMalloc(&flags_, kChecks * sizeof(int)));
-    K2C_CUDA_CHECK(cudaMemset(flags_, 0, kChecks * sizeof(int)));
-    K2C_CUDA_CHECK(cudaMallocHost(&flags_seen_, kChecks * sizeof(int)));
     K2C_CUDA_CHECK(cudaMalloc(&sum_, sizeof(double)));
   }
   ~CudaOps() override {
     cublasDestroy(blas_);
-    cudaFree(flags_);
-    cudaFreeHost(flags_seen_);
     cudaFree(sum_);
   }
   std::string name() const override { return math_ == GpuMath::bf16 ? "cuda (bf16 tensor cores)" : "cuda (fp32)"; }
   Memory& memory() override { return device_; }
 
-  // The caller may reuse `host` at once: a small upload is copied into pinned memory on the spot
-  // and reaches the device in stream order, without a wait (the MoE layer uploads its routing
-  // every layer); a large one waits for its copy.
-  void upload(Tensor& dst, const void* host) override {
-    if (staging_.fits(dst.bytes())) return staging_.to_device(dst.raw(), host, dst.bytes());
-    K2C_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), host, dst.bytes(), cudaMemcpyHostToDevice, g_stream));
-    K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
-  }
+  void upload(Tensor& dst, const void* host) override { to_device(dst.raw(), host, dst.bytes()); }
   void download(void* host, const Tensor& src) override {
     K2C_CUDA_CHECK(cudaMemcpyAsync(host, src.raw(), src.bytes(), cudaMemcpyDeviceToHost, g_stream));
-    wait();
+    wait_for_device();
   }
 
   void fill(Tensor& t, float v) override {
@@ -258,7 +285,7 @@ class CudaOps final : public Ops {
     launch(sum_squares_kernel, t.numel(), t.f32(), t.numel(), sum_);
     double s = 0;
     K2C_CUDA_CHECK(cudaMemcpyAsync(&s, sum_, sizeof s, cudaMemcpyDeviceToHost, g_stream));
-    wait();
+    wait_for_device();
     return s;
   }
 
@@ -401,12 +428,13 @@ class CudaOps final : public Ops {
     const Matrix t = as_matrix(table);
     out.expect({ids.numel(), t.cols}, "embedding output");
     launch(embedding_forward_kernel, ids.numel() * t.cols, ids.i32(), table.f32(), out.f32(), ids.numel(), t.cols, t.rows,
-           flag(kIds, t.rows));
+           index_flag(kIds));
   }
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) override {
     const Matrix t = as_matrix(dtable);
     dout.expect({ids.numel(), t.cols}, "embedding output gradient");
-    launch(embedding_backward_kernel, ids.numel() * t.cols, ids.i32(), dout.f32(), dtable.f32(), ids.numel(), t.cols);
+    launch(embedding_backward_kernel, ids.numel() * t.cols, ids.i32(), dout.f32(), dtable.f32(), ids.numel(), t.cols, t.rows,
+           index_flag(kIds));
   }
 
   void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) override {
@@ -605,7 +633,7 @@ class CudaOps final : public Ops {
     else cross_entropy_as<float>(m, logits, targets, grad_scale, dlogits, losses);
     std::vector<double> host(static_cast<std::size_t>(m.rows));
     K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));
-    wait();
+    wait_for_device();
     double total = 0;  // summed on the host in row order, like the CPU backend
     for (double l : host) total += l;
     return total;
@@ -620,7 +648,7 @@ class CudaOps final : public Ops {
       if (m.cols % 8 == 0 && vecs <= 8 && vectorizable(m.cols, {logits.raw(), dlogits.raw()})) {
         auto rows = [&](auto kernel) {
           kernel<<<rows_grid(m.rows), kRowThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale, ptr<T>(dlogits),
-                                                                  losses, static_cast<int>(m.cols), flag(kTargets, m.cols));
+                                                                  losses, static_cast<int>(m.cols), index_flag(kTargets));
           K2C_CUDA_CHECK_LAUNCH();
         };
         if (vecs <= 1) rows(cross_entropy_rows_kernel<1>);
@@ -633,10 +661,10 @@ class CudaOps final : public Ops {
     // Four at a time where a row is whole 16-byte (fp32) or 8-byte (bf16) steps from aligned starts.
     if (vectorizable(m.cols, {logits.raw(), dlogits.raw()}))
       cross_entropy_kernel<true, T><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale,
-                                                                                 ptr<T>(dlogits), losses, m.cols, flag(kTargets, m.cols));
+                                                                                 ptr<T>(dlogits), losses, m.cols, index_flag(kTargets));
     else
       cross_entropy_kernel<false, T><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<T>(logits), targets.i32(), grad_scale,
-                                                                                  ptr<T>(dlogits), losses, m.cols, flag(kTargets, m.cols));
+                                                                                  ptr<T>(dlogits), losses, m.cols, index_flag(kTargets));
     K2C_CUDA_CHECK_LAUNCH();
   }
 
@@ -674,7 +702,7 @@ class CudaOps final : public Ops {
     out.expect({rows.numel(), m.cols}, "gather_rows output", float_dtype(out, "gather_rows output"));
     const RowLaunch l = row_launch(rows.numel(), m, {src.raw(), out.raw()});
     if (!l.blocks) return;
-    int* bad = flag(kGatherRows, m.rows);
+    int* bad = index_flag(kGatherRows);
     auto run = [&](auto* from, auto* to) {
       if (l.vec) gather_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, bad);
       else gather_rows_kernel<false><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), to, l.cols, l.bound, bad);
@@ -697,7 +725,7 @@ class CudaOps final : public Ops {
     }
     const RowLaunch l = row_launch(rows.numel(), m, {src.raw(), out.raw()});
     if (!l.blocks) return;
-    int* bad = flag(kScatterRows, m.rows);
+    int* bad = index_flag(kScatterRows);
     const float* sc = scale ? scale->f32() : nullptr;
     auto run = [&](auto* from) {
       if (l.vec) scatter_add_rows_kernel<true><<<l.blocks, l.threads, 0, g_stream>>>(from, rows.i32(), sc, out.f32(), l.cols, l.bound, bad);
@@ -737,7 +765,7 @@ class CudaOps final : public Ops {
     column_sums_kernel<<<static_cast<unsigned>(m.cols), kThreads, 0, g_stream>>>(x.f32(), d, m.rows, m.cols);
     K2C_CUDA_CHECK_LAUNCH();
     K2C_CUDA_CHECK(cudaMemcpyAsync(sums.data(), d, sums.size() * sizeof(double), cudaMemcpyDeviceToHost, g_stream));
-    wait();
+    wait_for_device();
     return sums;
   }
   void routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
@@ -745,9 +773,9 @@ class CudaOps final : public Ops {
     const Matrix m = checks::routing_grad_args(indices, values, column_add, out);
     if (out.numel() == 0) return;
     auto* add = static_cast<float*>(ws_.get(kRouting, column_add.size() * sizeof(float)));
-    staging_.to_device(add, column_add.data(), column_add.size() * sizeof(float));
+    to_device(add, column_add.data(), column_add.size() * sizeof(float));
     launch(routing_grad_kernel, out.numel(), indices.i32(), values.f32(), add, out.f32(), m.rows, m.cols,
-           static_cast<int>(indices.dim(1)), flag(kExperts, m.cols));
+           static_cast<int>(indices.dim(1)), index_flag(kExperts));
   }
 
   void sgd_step(Tensor& param, const Tensor& grad, Tensor* momentum, float lr, float beta, float wd) override {
@@ -879,27 +907,13 @@ class CudaOps final : public Ops {
     return bytes;
   }
 
-  // Index checks without a wait of their own. A kernel that meets an index outside its range skips
-  // it and sets its operation's flag; the flags cross to the host with the next wait the host makes
-  // anyway (a download, a loss, column sums, a sum of squares), which throws std::out_of_range for
-  // the first one set. A wait after each check would drain the stream several times in every MoE
-  // layer (its gathers, scatters and router gradient). The bound named is the last call's.
-  enum Check { kIds, kTargets, kGatherRows, kScatterRows, kExperts, kChecks };
-  int* flag(Check c, std::int64_t bound) {
-    bounds_[c] = bound;
-    return flags_ + c;
-  }
-  void wait() {
-    K2C_CUDA_CHECK(cudaMemcpyAsync(flags_seen_, flags_, kChecks * sizeof(int), cudaMemcpyDeviceToHost, g_stream));
+  // The caller may reuse `host` at once: a small copy goes through pinned memory and reaches the
+  // device in stream order, without a wait (the MoE layer uploads its routing every layer); a large
+  // one waits for its copy.
+  void to_device(void* dst, const void* host, std::size_t bytes) {
+    if (Staging::fits(bytes)) return staging_.to_device(dst, host, bytes);
+    K2C_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, g_stream));
     K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream));
-    for (int c = 0; c < kChecks; ++c) {
-      if (!flags_seen_[c]) continue;
-      K2C_CUDA_CHECK(cudaMemsetAsync(flags_, 0, kChecks * sizeof(int), g_stream));  // reported once
-      static constexpr const char* what[kChecks] = {"embedding: an id", "cross-entropy: a target",
-                                                    "gather_rows: a row", "scatter_add_rows: a row",
-                                                    "routing_grad: an expert"};
-      throw std::out_of_range(std::string(what[c]) + " outside [0, " + std::to_string(bounds_[c]) + ")");
-    }
   }
 
   GpuMath math_;
@@ -910,9 +924,6 @@ class CudaOps final : public Ops {
   FlashAttention flash_{ws_};                // head_dim 64 or 128
   MemoryLedger copies_;    // Wide's fp32 copies (scratch, outside the model's ledger)
   float empty_ = 0;       // the address of an empty copy
-  int* flags_ = nullptr;  // [kChecks], set by kernels that find an index out of range (flag)
-  int* flags_seen_ = nullptr;  // their pinned host copy, read after a wait
-  std::int64_t bounds_[kChecks] = {};
   Staging staging_;
   double* sum_ = nullptr;
 };
@@ -942,7 +953,7 @@ void cuda_ops_use_stream(void* stream) {
 
 void* cuda_ops_stream() { return g_stream; }
 
-void cuda_ops_synchronize() { K2C_CUDA_CHECK(cudaStreamSynchronize(g_stream)); }
+void cuda_ops_synchronize() { wait_for_device(); }
 
 namespace {
 class CudaQueueMarks final : public QueueMarks {

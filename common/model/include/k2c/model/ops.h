@@ -63,8 +63,9 @@ struct DropoutKey {
 // Indices (token ids, targets, rows, experts) are checked by every backend: one outside its range
 // throws std::out_of_range. The CPU backend throws from the call; a GPU backend's kernel skips the
 // index and records it, and the backend throws from its next call that waits for the device (a
-// download, a loss, column sums, a sum of squares), naming the operation that found it, so the
-// step it happened in never completes. Outputs may be written by then.
+// download, a loss, column sums, a sum of squares), naming the first operation that found one. A
+// training step waits at its loss, so it reports its own bad indices; outputs (and, by then, later
+// operations' results) may be written.
 class Ops {
  public:
   virtual ~Ops() = default;
