@@ -184,12 +184,12 @@ inline km::Routing routing_of(const Choices& c, int s) {
 }
 
 // Choices of rank s as the reference routed them: the reference's routing covers all n·N tokens.
-inline Choices choices_from(const km::Routing& whole, int ranks, int tokens) {
+inline Choices choices_from(const std::vector<std::int32_t>& expert, int top_k, int ranks, int tokens) {
   Choices c;
-  c.ranks = ranks, c.tokens = tokens, c.top_k = whole.top_k;
-  const std::size_t per = static_cast<std::size_t>(tokens) * whole.top_k;
+  c.ranks = ranks, c.tokens = tokens, c.top_k = top_k;
+  const std::size_t per = static_cast<std::size_t>(tokens) * top_k;
   for (int s = 0; s < ranks; ++s) {
-    c.expert.emplace_back(whole.expert.begin() + s * per, whole.expert.begin() + (s + 1) * per);
+    c.expert.emplace_back(expert.begin() + s * per, expert.begin() + (s + 1) * per);
     c.weight.emplace_back(per, 1.0f);
   }
   return c;
@@ -328,14 +328,16 @@ inline LayerRun run_against_moe(Group& g, const LayerCase& lc, int n, int r) {
   whole.forward(ref.ctx, xr, yr, sr);
   mine.forward(par.ctx, xm, ym, sm);
   run.forward = g.counting.counts();
-  run.routed = choices_from(sr.routing, n, kTokens);
+  std::vector<std::int32_t> chosen(static_cast<std::size_t>(sr.top_idx.numel()));
+  ref.ops().download(chosen.data(), sr.top_idx);
+  run.routed = choices_from(chosen, cfg.top_k, n, kTokens);
 
   const Host Y = ref.download(yr), y = par.download(ym);
   expect_close(y, row_block(Y, kModel, r * kTokens, kTokens), "y (this rank's tokens)");
   EXPECT_NEAR(sm.balance_loss, sr.balance_loss, 1e-5 * std::abs(sr.balance_loss) + 1e-12) << "the group's balance term";
   EXPECT_NEAR(par.ctx.aux_loss, sm.balance_loss, 1e-12) << "forward adds the balance term to ctx.aux_loss";
   EXPECT_TRUE(same_on_all_ranks(&sm.balance_loss, sizeof sm.balance_loss)) << "the balance term differs between ranks";
-  EXPECT_EQ(sm.counts, sr.routing.counts) << "the group's assignments per expert";
+  EXPECT_EQ(sm.counts, sr.counts) << "the group's assignments per expert";
   EXPECT_EQ(sm.group_tokens, T);
   EXPECT_EQ(sm.dropped, 0);
   EXPECT_EQ(sm.group_dropped, 0);

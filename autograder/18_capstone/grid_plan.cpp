@@ -179,14 +179,14 @@ std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::
   const double attn_b = tp_attention ? 4 : a, cut = tp_attention ? t : 1;
   const double attn_saved = N * ((2 * d + 2 * kv) / cut * attn_b + 4 * H / cut);
   const double attn_grads = N * (2 * d + 2 * kv) / cut * attn_b;
-  // A mixture of experts: the router's probabilities, the routing (3 numbers per assignment in the
+  // A mixture of experts: the router's probabilities, the routing (5 numbers per assignment in the
   // library's layer, 2 in 17's plan), the rows (gate, up and h in the activation dtype, the output
   // fp32; the input gathered in the activation dtype by the library's layer, fp32 from 17's
   // exchange with a rounded copy under bf16, and 17 keeps the rows returned), the shared expert's
   // activations (and 17 its output; the library's layer writes it into its own output).
   const double R = N * k;
   const double rows = expert_kind ? R * ((12 + (a < 4 ? a : 0)) * d + 3 * a * de) : R * ((a + 4) * d + 3 * a * de);
-  const double moe_saved = N * 4 * E + R * 4 * (expert_kind ? 2 : 3) + rows + N * (3 * dsh * a + (expert_kind ? 4 * d : 0));
+  const double moe_saved = N * 4 * E + R * 4 * (expert_kind ? 2 : 5) + rows + N * (3 * dsh * a + (expert_kind ? 4 * d : 0));
   // The experts' backward: dh, dg and du in the activation dtype, the output gradient's rows
   // rounded under bf16, and fp32 rows of R × d: the output gradient, the input gradient and its
   // second part (and 17's own copy of the output gradient before its exchange).

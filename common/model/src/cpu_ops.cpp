@@ -14,6 +14,7 @@
 
 #include "k2c/core/bf16.h"
 #include "k2c/model/mask.h"
+#include "k2c/model/moe.h"
 #include "k2c/model/ops.h"
 #include "op_checks.h"
 
@@ -112,6 +113,50 @@ void Ops::routing_grad(const Tensor& indices, const Tensor& values, std::span<co
     for (std::int64_t e = 0; e < m.cols; ++e) host[n * m.cols + e] += column_add[e];
   }
   upload(out, host.data());
+}
+
+std::vector<std::int64_t> Ops::route_rows(const Tensor& indices, const Tensor& values, int experts, bool normalize,
+                                          Tensor& token_of_row, Tensor& row_of, Tensor& weight_of_row) {
+  const std::int64_t A = checks::route_rows_args(indices, values, experts, token_of_row, row_of, weight_of_row);
+  const std::int64_t N = indices.dim(0), k = indices.dim(1);
+  std::vector<std::int32_t> idx(static_cast<std::size_t>(A));
+  std::vector<float> val(idx.size()), w_row(idx.size());
+  download(idx.data(), indices);
+  download(val.data(), values);
+  const Routing r = Routing::plan(idx, static_cast<int>(N), static_cast<int>(k), experts);
+  for (std::int64_t n = 0; n < N; ++n) {
+    float sum = 0;
+    for (std::int64_t j = 0; j < k; ++j) sum += val[n * k + j];
+    for (std::int64_t j = 0; j < k; ++j)
+      w_row[r.row_of[n * k + j]] = normalize ? val[n * k + j] / sum : val[n * k + j];
+  }
+  upload(token_of_row, r.token_of_row.data());
+  upload(row_of, r.row_of.data());
+  upload(weight_of_row, w_row.data());
+  return r.counts;
+}
+
+void Ops::route_rows_backward(const Tensor& values, const Tensor& row_of, const Tensor& dweight, bool normalize,
+                              Tensor& dvalues) {
+  checks::route_rows_backward_args(values, row_of, dweight, dvalues);
+  const std::int64_t N = values.dim(0), k = values.dim(1);
+  std::vector<float> val(static_cast<std::size_t>(values.numel())), dw(val.size()), dval(val.size());
+  std::vector<std::int32_t> row(val.size());
+  download(val.data(), values);
+  download(row.data(), row_of);
+  download(dw.data(), dweight);
+  for (std::int32_t r : row)
+    if (r < 0 || r >= values.numel()) throw std::out_of_range("route_rows_backward: row " + std::to_string(r));
+  for (std::int64_t n = 0; n < N; ++n) {
+    float sum = 0, wdw = 0;
+    for (std::int64_t j = 0; j < k; ++j) sum += val[n * k + j];
+    for (std::int64_t j = 0; j < k; ++j) wdw += val[n * k + j] / sum * dw[row[n * k + j]];
+    for (std::int64_t j = 0; j < k; ++j) {
+      const float d = dw[row[n * k + j]];
+      dval[n * k + j] = normalize ? (d - wdw) / sum : d;
+    }
+  }
+  upload(dvalues, dval.data());
 }
 
 void Ops::rmsnorm_backward_add(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,

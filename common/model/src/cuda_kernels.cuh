@@ -719,6 +719,76 @@ __global__ void column_sums_kernel(const float* x, double* sums, std::int64_t ro
   }
   if (threadIdx.x == 0) sums[blockIdx.x] = scratch[0];
 }
+// The MoE layer's plan (route_rows) in two passes over the N·k assignments, a block per expert
+// in each (the assignments are a few hundred KB, read from L2 after the first blocks). First each
+// expert's count; block 0 also flags an expert outside [0, E), which no block counts.
+__global__ void route_counts_kernel(const int* idx, int assignments, int experts, int* counts, int* bad) {
+  __shared__ int scratch[kThreads];
+  const int e = blockIdx.x;
+  int c = 0;
+  for (int a = threadIdx.x; a < assignments; a += blockDim.x) {
+    const int x = idx[a];
+    c += x == e;
+    if (e == 0 && (x < 0 || x >= experts)) *bad = 1;
+  }
+  scratch[threadIdx.x] = c;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) scratch[threadIdx.x] += scratch[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) counts[e] = scratch[0];
+}
+// Then each expert's rows, in order of assignment (Routing::plan's stable order): the block walks
+// the assignments a block's width at a time, and a thread whose assignment is this expert's takes
+// the row after those of the lanes before it (a ballot per warp) and of the warps before it. The
+// weight is the host's arithmetic in the host's order (sums of floats, an IEEE division): the
+// same bits as the CPU backend.
+__global__ void route_rows_kernel(const int* idx, const float* val, int assignments, int k, bool normalize,
+                                  const int* counts, int* token_of_row, int* row_of, float* weight_of_row) {
+  __shared__ int warp_rows[kThreads / 32];
+  const int e = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int next = 0;  // the row the next of this expert's assignments takes
+  for (int f = 0; f < e; ++f) next += counts[f];
+  for (int base = 0; base < assignments; base += blockDim.x) {
+    const int a = base + threadIdx.x;
+    const bool mine = a < assignments && idx[a] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_rows[warp] = __popc(ballot);
+    __syncthreads();
+    if (mine) {
+      int row = next + __popc(ballot & ((1u << lane) - 1u));
+      for (int w = 0; w < warp; ++w) row += warp_rows[w];
+      const int n = a / k;
+      float sum = 0;
+      for (int j = 0; j < k; ++j) sum += val[n * k + j];
+      token_of_row[row] = n;
+      row_of[a] = row;
+      weight_of_row[row] = normalize ? __fdiv_rn(val[a], sum) : val[a];
+    }
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) next += warp_rows[w];
+    __syncthreads();  // warp_rows is read before the next round writes it
+  }
+}
+// route_rows' gradient, a thread a token, with the host's operations in the host's order (no
+// fused multiply-adds): the same bits as the CPU backend. A row outside [0, N·k) is flagged.
+__global__ void route_rows_backward_kernel(const float* val, const int* row_of, const float* dw, std::int64_t tokens,
+                                           int k, bool normalize, float* dval, int* bad) {
+  K2C_FOR_EACH(n, tokens) {
+    const float* v = val + n * k;
+    const int* rows = row_of + n * k;
+    bool ok = true;
+    for (int j = 0; j < k; ++j) ok = ok && rows[j] >= 0 && rows[j] < tokens * k;
+    if (!ok) {
+      *bad = 1;
+      continue;
+    }
+    float sum = 0, wdw = 0;
+    for (int j = 0; j < k; ++j) sum += v[j];
+    for (int j = 0; j < k; ++j) wdw = __fadd_rn(wdw, __fmul_rn(__fdiv_rn(v[j], sum), dw[rows[j]]));
+    for (int j = 0; j < k; ++j) dval[n * k + j] = normalize ? __fdiv_rn(__fsub_rn(dw[rows[j]], wdw), sum) : dw[rows[j]];
+  }
+}
 // out[n, e] = Σ_j [idx[n, j] = e]·val[n, j] + add[e], in the CPU backend's order; an expert outside
 // [0, cols) sets *bad (checked by the row's thread for e = 0).
 __global__ void routing_grad_kernel(const int* idx, const float* val, const float* add, float* out, std::int64_t rows,

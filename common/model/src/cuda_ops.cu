@@ -172,7 +172,7 @@ class Staging {
 // would drain the stream several times in every MoE layer (its gathers, scatters and router
 // gradient). One set of flags for the process: both backends issue to the same stream, and a
 // tensor one of them made may reach the other's kernels.
-enum IndexCheck { kIds, kTargets, kGatherRows, kScatterRows, kExperts, kIndexChecks };
+enum IndexCheck { kIds, kTargets, kGatherRows, kScatterRows, kExperts, kPlanExperts, kPlanRows, kIndexChecks };
 struct IndexFlags {
   int* device = nullptr;  // [kIndexChecks]
   int* seen = nullptr;    // their pinned copy on the host
@@ -199,7 +199,8 @@ void wait_for_device() {
     static constexpr const char* what[kIndexChecks] = {
         "embedding: an id outside the table", "cross-entropy: a target outside the vocabulary",
         "gather_rows: a row outside the source", "scatter_add_rows: a row outside the output",
-        "routing_grad: an expert outside [0, E)"};
+        "routing_grad: an expert outside [0, E)", "route_rows: an expert outside [0, experts)",
+        "route_rows_backward: a row outside [0, N·k)"};
     throw std::out_of_range(what[c]);
   }
 }
@@ -776,6 +777,35 @@ class CudaOps final : public Ops {
     to_device(add, column_add.data(), column_add.size() * sizeof(float));
     launch(routing_grad_kernel, out.numel(), indices.i32(), values.f32(), add, out.f32(), m.rows, m.cols,
            static_cast<int>(indices.dim(1)), index_flag(kExperts));
+  }
+
+  // The plan on the device: E counts cross to the host (the grouped GEMMs' offsets), not the N·k
+  // assignments, and the host has no N·k loop to run while the GPU waits.
+  std::vector<std::int64_t> route_rows(const Tensor& indices, const Tensor& values, int experts, bool normalize,
+                                       Tensor& token_of_row, Tensor& row_of, Tensor& weight_of_row) override {
+    const std::int64_t A = checks::route_rows_args(indices, values, experts, token_of_row, row_of, weight_of_row);
+    K2C_CHECK(A <= INT_MAX, "route_rows: " << A << " assignments");
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
+    if (A == 0) return counts;
+    auto* c = static_cast<int*>(ws_.get(kRouting, counts.size() * sizeof(int)));
+    const int a = static_cast<int>(A), k = static_cast<int>(indices.dim(1));
+    route_counts_kernel<<<static_cast<unsigned>(experts), kThreads, 0, g_stream>>>(indices.i32(), a, experts, c,
+                                                                                   index_flag(kPlanExperts));
+    K2C_CUDA_CHECK_LAUNCH();
+    route_rows_kernel<<<static_cast<unsigned>(experts), kThreads, 0, g_stream>>>(
+        indices.i32(), values.f32(), a, k, normalize, c, token_of_row.i32(), row_of.i32(), weight_of_row.f32());
+    K2C_CUDA_CHECK_LAUNCH();
+    std::vector<int> host(counts.size());
+    K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), c, host.size() * sizeof(int), cudaMemcpyDeviceToHost, g_stream));
+    wait_for_device();
+    std::copy(host.begin(), host.end(), counts.begin());
+    return counts;
+  }
+  void route_rows_backward(const Tensor& values, const Tensor& row_of, const Tensor& dweight, bool normalize,
+                           Tensor& dvalues) override {
+    checks::route_rows_backward_args(values, row_of, dweight, dvalues);
+    launch(route_rows_backward_kernel, values.dim(0), values.f32(), row_of.i32(), dweight.f32(), values.dim(0),
+           static_cast<int>(values.dim(1)), normalize, dvalues.f32(), index_flag(kPlanRows));
   }
 
   void sgd_step(Tensor& param, const Tensor& grad, Tensor* momentum, float lr, float beta, float wd) override {

@@ -51,34 +51,21 @@ void Moe::route(Context& ctx, const Tensor& x, Saved& s) const {
   s.probs = ctx.tensor({N, E});
   ctx.ops.softmax_rows(logits, s.probs);
   s.top_idx = ctx.tensor({N, k}, Category::activations, DType::i32);
-  Tensor top_val = ctx.tensor({N, k});
-  ctx.ops.top_k(s.probs, k, s.top_idx, top_val);
-  // P_e, the mean probability of each expert (for the balance loss), summed where the probabilities
-  // are; asked for first, so the downloads below find the device done.
-  const std::vector<double> p = ctx.ops.column_sums(s.probs);
-  // The plan is host bookkeeping of N·k integers (a device backend downloads them once).
-  std::vector<std::int32_t> idx(static_cast<std::size_t>(N) * k);
-  ctx.ops.download(idx.data(), s.top_idx);
-  s.routing = Routing::plan(idx, static_cast<int>(N), k, E);
-  // The chosen probabilities are kept on the host, where backward's router gradient reads them.
-  s.top_val.resize(idx.size());
-  ctx.ops.download(s.top_val.data(), top_val);
-  const std::vector<float>& val = s.top_val;
-  std::vector<float> w(idx.size());
-  for (std::int64_t n = 0; n < N; ++n) {
-    float sum = 0;
-    for (int j = 0; j < k; ++j) sum += val[n * k + j];
-    for (int j = 0; j < k; ++j) w[n * k + j] = config_.normalize_top_k ? val[n * k + j] / sum : val[n * k + j];
-  }
-  std::vector<float> w_row(idx.size());
-  for (std::size_t a = 0; a < idx.size(); ++a) w_row[s.routing.row_of[a]] = w[a];
+  s.top_val = ctx.tensor({N, k});
+  ctx.ops.top_k(s.probs, k, s.top_idx, s.top_val);
+  // The plan stays where the choices are; the host gets E counts, for the grouped GEMMs' offsets
+  // and the balance term, and E column sums, P_e the mean probability of each expert.
   s.token_of_row = ctx.tensor({N * k}, Category::activations, DType::i32);
+  s.row_of = ctx.tensor({N * k}, Category::activations, DType::i32);
   s.weight_of_row = ctx.tensor({N * k});
-  ctx.ops.upload(s.token_of_row, s.routing.token_of_row.data());
-  ctx.ops.upload(s.weight_of_row, w_row.data());
+  s.counts = ctx.ops.route_rows(s.top_idx, s.top_val, E, config_.normalize_top_k, s.token_of_row, s.row_of,
+                                s.weight_of_row);
+  s.offsets.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) s.offsets[e + 1] = s.offsets[e] + s.counts[e];
+  const std::vector<double> p = ctx.ops.column_sums(s.probs);
   // Balance: f_e from the counts, P_e from p.
   double balance = 0;
-  for (int e = 0; e < E; ++e) balance += static_cast<double>(s.routing.counts[e]) / (N * k) * (p[e] / N);
+  for (int e = 0; e < E; ++e) balance += static_cast<double>(s.counts[e]) / (N * k) * (p[e] / N);
   s.balance_loss = config_.balance_coef * E * balance;
 }
 
@@ -156,7 +143,7 @@ void Moe::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
   ctx.aux_loss += s.balance_loss;
   s.xp = ctx.activation({s.token_of_row.numel(), config_.d_model});  // rounded as they are gathered
   ctx.ops.gather_rows(x, s.token_of_row, s.xp);
-  experts_forward(ctx, s.routing.offsets, 0, s.xp, s);
+  experts_forward(ctx, s.offsets, 0, s.xp, s);
   // y starts as the shared expert's output, written there directly, and the routed rows add in.
   if (has_shared_)
     shared_.forward(ctx, x, y, s.shared);
@@ -173,7 +160,7 @@ void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Te
   ctx.ops.gather_rows(dy, s.token_of_row, dy_rows);
   ctx.ops.row_dot(dy_rows, s.yp, dw_row);
   ctx.ops.scale_rows(dy_rows, s.weight_of_row);  // now dyp, the experts' output gradient
-  experts_backward(ctx, s.routing.offsets, 0, s.xp, s, dy_rows, dxp);
+  experts_backward(ctx, s.offsets, 0, s.xp, s, dy_rows, dxp);
   if (has_shared_) {
     shared_.backward(ctx, x, s.shared, dy, dx);
   } else {
@@ -181,29 +168,16 @@ void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Te
   }
   ctx.ops.scatter_add_rows(dxp, s.token_of_row, nullptr, dx);  // un-permute
 
-  // Back through the weights to the router probabilities: each token's k chosen probabilities on
-  // the host (N·k numbers), then the N × E gradient where the probabilities are.
-  const std::vector<float>& val = s.top_val;
-  std::vector<float> dw_rows(R), dval(val.size());
-  ctx.ops.download(dw_rows.data(), dw_row);
-  for (std::int64_t n = 0; n < N; ++n) {
-    float sum = 0, wdw = 0;
-    for (int j = 0; j < k; ++j) sum += val[n * k + j];
-    for (int j = 0; j < k; ++j) wdw += val[n * k + j] / sum * dw_rows[s.routing.row_of[n * k + j]];
-    for (int j = 0; j < k; ++j) {
-      const float dw = dw_rows[s.routing.row_of[n * k + j]];
-      // w_j = v_j / Σv  =>  dv_j = (dw_j − Σ_i w_i dw_i) / Σv
-      dval[n * k + j] = config_.normalize_top_k ? (dw - wdw) / sum : dw;
-    }
-  }
+  // Back through the weights to the router probabilities: the chosen ones' gradient (where the
+  // plan is), then the N × E gradient.
+  Tensor dv = ctx.tensor({N, k});
+  ctx.ops.route_rows_backward(s.top_val, s.row_of, dw_row, config_.normalize_top_k, dv);
   // The balance term coef·E·Σ_e f_e·mean_n(p_ne) adds coef·E·f_e/N to every dp_ne; it is weighted
   // like the loss it joins (loss_scale per token, N tokens here).
   const double w_aux = static_cast<double>(ctx.loss_scale) * N;
   std::vector<float> per_expert(E);
   for (int e = 0; e < E; ++e)
-    per_expert[e] = static_cast<float>(w_aux * config_.balance_coef * E * s.routing.counts[e] / double(N * k) / N);
-  Tensor dv = ctx.tensor({N, k});
-  ctx.ops.upload(dv, dval.data());
+    per_expert[e] = static_cast<float>(w_aux * config_.balance_coef * E * s.counts[e] / double(N * k) / N);
   Tensor dp = ctx.tensor({N, E}), dlogits = ctx.tensor({N, E}), part = ctx.tensor(x.shape());
   ctx.ops.routing_grad(s.top_idx, dv, per_expert, dp);
   ctx.ops.softmax_rows_backward(s.probs, dp, dlogits);

@@ -92,6 +92,30 @@ inline Matrix routing_grad_args(const Tensor& indices, const Tensor& values, std
   return m;
 }
 
+// route_rows' arguments; returns N·k.
+inline std::int64_t route_rows_args(const Tensor& indices, const Tensor& values, int experts, const Tensor& token_of_row,
+                                    const Tensor& row_of, const Tensor& weight_of_row) {
+  if (indices.rank() != 2)
+    throw std::invalid_argument("route_rows: indices must be [N, k], got rank " + std::to_string(indices.rank()));
+  if (experts < 1) throw std::invalid_argument("route_rows: " + std::to_string(experts) + " experts");
+  indices.expect(indices.shape(), "route_rows indices", DType::i32);
+  values.expect(indices.shape(), "route_rows values");
+  const std::int64_t a = indices.numel();
+  token_of_row.expect({a}, "route_rows token_of_row", DType::i32);
+  row_of.expect({a}, "route_rows row_of", DType::i32);
+  weight_of_row.expect({a}, "route_rows weight_of_row");
+  return a;
+}
+inline void route_rows_backward_args(const Tensor& values, const Tensor& row_of, const Tensor& dweight,
+                                     const Tensor& dvalues) {
+  if (values.rank() != 2)
+    throw std::invalid_argument("route_rows_backward: values must be [N, k], got rank " + std::to_string(values.rank()));
+  values.expect(values.shape(), "route_rows_backward values");
+  row_of.expect({values.numel()}, "route_rows_backward row_of", DType::i32);
+  dweight.expect({values.numel()}, "route_rows_backward dweight");
+  dvalues.expect(values.shape(), "route_rows_backward dvalues");
+}
+
 // An activation of ops.h's [bf16] operations: the shape, in fp32 or bf16.
 inline void activation(const Tensor& t, const Shape& shape, const char* what) {
   t.expect(shape, what, t.dtype() == DType::bf16 ? DType::bf16 : DType::f32);

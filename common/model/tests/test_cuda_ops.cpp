@@ -12,6 +12,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -325,6 +326,59 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
   Pair out2 = t.zeros({2, 11});
   expect_index_error([&] { gpu().embedding_forward(wrong.gpu, table.gpu, out2.gpu); }, out2.gpu,
                      "embedding: an id outside the table");
+}
+
+// The MoE layer's plan on the device against the host's (Ops::route_rows' default): the same
+// counts, rows and weights, bit for bit, and the same gradient of the chosen probabilities. 300
+// tokens of top 3 over 9 experts (900 assignments: four rounds of a block, the last partial),
+// expert 4 never chosen; a single assignment; an expert or a row out of range.
+TEST(CudaOps, RoutePlanMatchesTheCpuBitForBit) {
+  REQUIRE_DEVICE();
+  Both t;
+  std::mt19937 rng(5);
+  auto ints = [](const Tensor& x, Ops& ops) {
+    std::vector<std::int32_t> v(static_cast<std::size_t>(x.numel()));
+    ops.download(v.data(), x);
+    return v;
+  };
+  for (const auto& [N, k, E] : {std::tuple{300, 3, 9}, std::tuple{1, 1, 2}}) {
+    std::vector<std::int32_t> chosen;
+    for (int n = 0; n < N; ++n) {
+      std::vector<std::int32_t> row;
+      while (static_cast<int>(row.size()) < k) {
+        const auto e = static_cast<std::int32_t>(rng() % E);
+        if (e != 4 && std::find(row.begin(), row.end(), e) == row.end()) row.push_back(e);
+      }
+      chosen.insert(chosen.end(), row.begin(), row.end());
+    }
+    std::vector<float> probs(chosen.size());
+    for (float& p : probs) p = std::uniform_real_distribution<float>(0.01f, 0.5f)(rng);
+    Pair idx = t.ints({N, k}, chosen), val = t.make({N, k}, probs);
+    for (bool normalize : {true, false}) {
+      const std::int64_t A = static_cast<std::int64_t>(N) * k;
+      Pair token = t.ints({A}, std::vector<std::int32_t>(A, -7)), row = t.ints({A}, std::vector<std::int32_t>(A, -7));
+      Pair weight = t.nans({A}, DType::f32), dw = t.random({A}), dval = t.nans({N, k}, DType::f32);
+      const std::vector<std::int64_t> cc = cpu_ops().route_rows(idx.cpu, val.cpu, E, normalize, token.cpu, row.cpu, weight.cpu);
+      const std::vector<std::int64_t> gc = gpu().route_rows(idx.gpu, val.gpu, E, normalize, token.gpu, row.gpu, weight.gpu);
+      EXPECT_EQ(cc, gc) << "counts, " << N << " tokens";
+      EXPECT_EQ(ints(token.cpu, cpu_ops()), ints(token.gpu, gpu())) << "token_of_row";
+      EXPECT_EQ(ints(row.cpu, cpu_ops()), ints(row.gpu, gpu())) << "row_of";
+      expect_close(weight, "weight_of_row", 0.0f);
+      cpu_ops().route_rows_backward(val.cpu, row.cpu, dw.cpu, normalize, dval.cpu);
+      gpu().route_rows_backward(val.gpu, row.gpu, dw.gpu, normalize, dval.gpu);
+      expect_close(dval, "route_rows_backward", 0.0f);
+    }
+  }
+  // An expert outside [0, E): the plan's own wait reports it. A row outside [0, N·k): the next wait.
+  Pair idx = t.ints({2, 2}, {0, 1, 3, 0}), val = t.random({2, 2}), token = t.ints({4}, {0, 0, 0, 0}),
+       row = t.ints({4}, {0, 1, 2, 3}), weight = t.zeros({4});
+  EXPECT_THROW(gpu().route_rows(idx.gpu, val.gpu, 3, true, token.gpu, row.gpu, weight.gpu), std::out_of_range);
+  EXPECT_THROW(cpu_ops().route_rows(idx.cpu, val.cpu, 3, true, token.cpu, row.cpu, weight.cpu), std::out_of_range);
+  EXPECT_NO_THROW(host(weight.gpu, gpu())) << "reported once";
+  Pair bad_row = t.ints({4}, {0, 1, 4, 3}), dw = t.random({4}), dval = t.zeros({2, 2});
+  expect_index_error([&] { gpu().route_rows_backward(val.gpu, bad_row.gpu, dw.gpu, true, dval.gpu); }, dval.gpu,
+                     "route_rows_backward: a row outside");
+  EXPECT_THROW(cpu_ops().route_rows_backward(val.cpu, bad_row.cpu, dw.cpu, true, dval.cpu), std::out_of_range);
 }
 
 TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {

@@ -86,8 +86,9 @@ void expect_gradients_off_seams(const std::function<double()>& loss, const std::
   EXPECT_LE(skipped, n / 10) << skipped << " of " << n << " elements changed the routing when stepped";
 }
 
-std::uint64_t routing_signature(const std::vector<std::int32_t>& experts, std::uint64_t h = 1469598103934665603ull) {
-  for (std::int32_t e : experts) h = (h ^ static_cast<std::uint64_t>(e)) * 1099511628211ull;
+// The chosen experts of a MoE layer (an i32 tensor on the CPU backend), hashed.
+std::uint64_t routing_signature(const Tensor& experts, std::uint64_t h = 1469598103934665603ull) {
+  for (std::int64_t i = 0; i < experts.numel(); ++i) h = (h ^ static_cast<std::uint64_t>(experts.i32()[i])) * 1099511628211ull;
   return h;
 }
 
@@ -469,20 +470,22 @@ TEST(Layers, MixtureOfExpertsWithSharedExpertAndBalanceLoss) {
       return weighted_sum(y, r) + saved.balance_loss;
     };
     loss();
-    // Every assignment appears once in the plan, grouped by expert.
-    const Routing& plan = saved.routing;
-    EXPECT_EQ(plan.offsets.back(), N * 2);
+    // Every assignment appears once in the plan, grouped by expert, with its weight.
+    const std::vector<std::int64_t>& offsets = saved.offsets;
+    EXPECT_EQ(offsets.back(), N * 2);
     for (int a = 0; a < N * 2; ++a) {
-      const int e = plan.expert[a];
-      EXPECT_TRUE(plan.row_of[a] >= plan.offsets[e] && plan.row_of[a] < plan.offsets[e + 1]);
-      EXPECT_EQ(plan.token_of_row[plan.row_of[a]], a / 2);
+      const int e = saved.top_idx.i32()[a], row = saved.row_of.i32()[a];
+      EXPECT_TRUE(row >= offsets[e] && row < offsets[e + 1]);
+      EXPECT_EQ(saved.token_of_row.i32()[row], a / 2);
+      const float* v = saved.top_val.f32() + a / 2 * 2;
+      EXPECT_EQ(saved.weight_of_row.f32()[row], normalize ? v[a % 2] / (v[0] + v[1]) : v[a % 2]);
     }
     s.params.begin_backward();
     moe.backward(s.ctx, x, saved, r, dx);
     s.params.end_backward();
     auto vars = s.param_vars();
     vars.push_back({"x", x.f32(), dx.f32(), x.numel()});
-    expect_gradients_off_seams(loss, vars, 3e-3, [&] { return routing_signature(saved.routing.expert); });
+    expect_gradients_off_seams(loss, vars, 3e-3, [&] { return routing_signature(saved.top_idx); });
   }
 }
 
@@ -514,7 +517,7 @@ TEST(Layers, MoeExpertsRoundTheSameRowsWhoeverGathersThem) {
   Tensor rows32 = s.ctx.tensor({R, 6});
   s.ctx.ops.gather_rows(x, layer.token_of_row, rows32);
   Moe::Saved other;
-  moe.experts_forward(s.ctx, layer.routing.offsets, 0, rows32, other);
+  moe.experts_forward(s.ctx, layer.offsets, 0, rows32, other);
   ASSERT_EQ(other.x_rounded.dtype(), DType::bf16);
   EXPECT_EQ(halves(other.x_rounded), halves(layer.xp));
   EXPECT_EQ(halves(other.h), halves(layer.h));
@@ -526,7 +529,7 @@ TEST(Layers, MoeExpertsRoundTheSameRowsWhoeverGathersThem) {
     Tensor dxp = s.ctx.tensor({R, 6});
     s.params.zero_grads(s.ctx.ops);
     s.params.begin_backward();
-    moe.experts_backward(s.ctx, layer.routing.offsets, 0, rows, saved, dyp, dxp);
+    moe.experts_backward(s.ctx, layer.offsets, 0, rows, saved, dyp, dxp);
     for (ParamId id = 0; id < s.params.size(); ++id)  // the ones experts_backward does not report
       if (s.params.info(id).name.find("experts") == std::string::npos) s.params.grad_done(id);
     s.params.end_backward();
@@ -542,7 +545,7 @@ TEST(Layers, MoeExpertsRoundTheSameRowsWhoeverGathersThem) {
   EXPECT_NE(a, std::vector<float>(a.size(), 0.0f));
 
   // A Saved used again drops the rounded rows of its last call.
-  moe.experts_forward(s.ctx, layer.routing.offsets, 0, layer.xp, other);
+  moe.experts_forward(s.ctx, layer.offsets, 0, layer.xp, other);
   EXPECT_TRUE(other.x_rounded.empty());
 }
 
@@ -586,7 +589,7 @@ TEST(Layers, TransformerWithMixtureOfExperts) {
     Tensor scratch = s.ctx.tensor(sv.logits.shape());
     const double ce = s.ctx.ops.cross_entropy(sv.logits, targets, 0.0f, scratch);
     signature = 0;
-    for (const Block::Saved& b : sv.blocks) signature = routing_signature(b.internals->moe.routing.expert, signature + 1);
+    for (const Block::Saved& b : sv.blocks) signature = routing_signature(b.internals->moe.top_idx, signature + 1);
     return scale * ce + s.ctx.aux_loss;
   };
   expect_gradients_off_seams(loss, s.param_vars(), 3e-3, [&] { return signature; });

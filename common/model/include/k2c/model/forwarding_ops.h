@@ -123,6 +123,17 @@ class ForwardingOps : public Ops {
                     Tensor& out) override {
     around("routing_grad", [&] { inner_.routing_grad(indices, values, column_add, out); });
   }
+  std::vector<std::int64_t> route_rows(const Tensor& indices, const Tensor& values, int experts, bool normalize,
+                                       Tensor& token_of_row, Tensor& row_of, Tensor& weight_of_row) override {
+    std::vector<std::int64_t> counts;
+    around("route_rows",
+           [&] { counts = inner_.route_rows(indices, values, experts, normalize, token_of_row, row_of, weight_of_row); });
+    return counts;
+  }
+  void route_rows_backward(const Tensor& values, const Tensor& row_of, const Tensor& dweight, bool normalize,
+                           Tensor& dvalues) override {
+    around("route_rows_backward", [&] { inner_.route_rows_backward(values, row_of, dweight, normalize, dvalues); });
+  }
   void sgd_step(Tensor& p, const Tensor& g, Tensor* m, float lr, float beta, float wd) override {
     around("sgd", [&] { inner_.sgd_step(p, g, m, lr, beta, wd); });
   }

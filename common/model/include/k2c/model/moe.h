@@ -45,10 +45,10 @@ struct Routing {
 class Moe {
  public:
   struct Saved {
-    Tensor probs, top_idx;                    // [N, E], [N, k]
-    std::vector<float> top_val;               // [N·k] the chosen probabilities, on the host
-    Routing routing;
-    Tensor token_of_row, weight_of_row;       // [N·k] on the backend
+    Tensor probs, top_idx, top_val;           // [N, E]; [N, k] the chosen experts (i32), their probabilities
+    std::vector<std::int64_t> counts;         // [E] rows per expert, on the host
+    std::vector<std::int64_t> offsets;        // [E + 1] the first row of each expert, on the host
+    Tensor token_of_row, row_of, weight_of_row;  // [N·k] the plan, on the backend (Ops::route_rows)
     Tensor xp, gate, up, h, yp;               // permuted rows and the experts' activations
     Tensor x_rounded;  // xp in the activation dtype, where experts_forward was given fp32 rows
     Mlp::Saved shared;
@@ -66,6 +66,8 @@ class Moe {
   void backward(Context& ctx, const Tensor& x, Saved& saved, const Tensor& dy, Tensor& dx) const;
 
   // ---- the stages, for an expert-parallel dispatcher
+  // The router, the choice of experts, the plan (Ops::route_rows: on the backend, its counts and
+  // offsets on the host) and the balance term.
   void route(Context& ctx, const Tensor& x, Saved& saved) const;
   // The experts' forward on rows already grouped by expert: rows [offsets[e], offsets[e+1]) of
   // xp go through expert first_expert + e. yp gets the outputs, in fp32; xp may be fp32 or bf16,

@@ -196,6 +196,21 @@ class Ops {
   // instead.
   virtual void routing_grad(const Tensor& indices, const Tensor& values, std::span<const float> column_add,
                             Tensor& out);
+  // The MoE layer's plan of its routed rows, from each token's chosen experts, indices i32 [N, k]
+  // in [0, experts), and their probabilities, values [N, k]: the N·k assignments sorted by expert,
+  // in order of n·k + j within an expert (Routing::plan's order). Writes token_of_row i32 [N·k]
+  // (the token of each row), row_of i32 [N·k] (the row of assignment n·k + j) and weight_of_row
+  // [N·k] (the assignment's value, divided by the sum of its token's k values where `normalize`,
+  // summed in order of j), and returns each expert's count of rows. By default on the host after a
+  // download (Routing::plan); a device backend plans where the indices are and returns E numbers.
+  virtual std::vector<std::int64_t> route_rows(const Tensor& indices, const Tensor& values, int experts,
+                                               bool normalize, Tensor& token_of_row, Tensor& row_of,
+                                               Tensor& weight_of_row);
+  // Its gradient: dvalues [N, k] from dweight [N·k], the gradient of weight_of_row (values and
+  // row_of as route_rows had and wrote them): dv_j = dw_j, or with `normalize`
+  // (dw_j − Σ_i w_i·dw_i) / Σ_i v_i, the sums in order of i.
+  virtual void route_rows_backward(const Tensor& values, const Tensor& row_of, const Tensor& dweight, bool normalize,
+                                   Tensor& dvalues);
 
   // ---- optimizer updates on flat fp32 buffers (parameters, gradients, state of equal length)
   virtual void sgd_step(Tensor& param, const Tensor& grad, Tensor* momentum, float lr,
