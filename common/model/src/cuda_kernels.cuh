@@ -719,46 +719,62 @@ __global__ void column_sums_kernel(const float* x, double* sums, std::int64_t ro
   }
   if (threadIdx.x == 0) sums[blockIdx.x] = scratch[0];
 }
-// The MoE layer's plan (route_rows) in two passes over the N·k assignments, a block per expert
-// in each (the assignments are a few hundred KB, read from L2 after the first blocks). First each
-// expert's count; block 0 also flags an expert outside [0, E), which no block counts.
-__global__ void route_counts_kernel(const int* idx, int assignments, int experts, int* counts, int* bad) {
-  __shared__ int scratch[kThreads];
-  const int e = blockIdx.x;
-  int c = 0;
-  for (int a = threadIdx.x; a < assignments; a += blockDim.x) {
-    const int x = idx[a];
-    c += x == e;
-    if (e == 0 && (x < 0 || x >= experts)) *bad = 1;
-  }
-  scratch[threadIdx.x] = c;
+// The MoE layer's plan (route_rows) over chunks of kPlanChunk assignments, in three launches.
+// First each chunk's count of every expert (a histogram in shared memory, E ints); an expert
+// outside [0, E) is flagged and counted nowhere.
+constexpr int kPlanChunk = 1024;
+__global__ void route_counts_kernel(const int* idx, int assignments, int experts, int* chunk_counts, int* bad) {
+  extern __shared__ int hist[];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) scratch[threadIdx.x] += scratch[threadIdx.x + w];
-    __syncthreads();
+  const int begin = blockIdx.x * kPlanChunk, end = min(assignments, begin + kPlanChunk);
+  for (int a = begin + threadIdx.x; a < end; a += blockDim.x) {
+    const int x = idx[a];
+    if (x < 0 || x >= experts) *bad = 1;
+    else atomicAdd(&hist[x], 1);
   }
-  if (threadIdx.x == 0) counts[e] = scratch[0];
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) chunk_counts[blockIdx.x * experts + e] = hist[e];
 }
-// Then each expert's rows, in order of assignment (Routing::plan's stable order): the block walks
-// the assignments a block's width at a time, and a thread whose assignment is this expert's takes
-// the row after those of the lanes before it (a ballot per warp) and of the warps before it. The
-// weight is the host's arithmetic in the host's order (sums of floats, an IEEE division): the
-// same bits as the CPU backend.
-__global__ void route_rows_kernel(const int* idx, const float* val, int assignments, int k, bool normalize,
-                                  const int* counts, int* token_of_row, int* row_of, float* weight_of_row) {
-  __shared__ int warp_rows[kThreads / 32];
-  const int e = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int next = 0;  // the row the next of this expert's assignments takes
-  for (int f = 0; f < e; ++f) next += counts[f];
-  for (int base = 0; base < assignments; base += blockDim.x) {
-    const int a = base + threadIdx.x;
-    const bool mine = a < assignments && idx[a] == e;
-    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-    if (lane == 0) warp_rows[warp] = __popc(ballot);
-    __syncthreads();
-    if (mine) {
-      int row = next + __popc(ballot & ((1u << lane) - 1u));
-      for (int w = 0; w < warp; ++w) row += warp_rows[w];
+// Then, in one block, each expert's total (for the host), the experts' first rows (a scan over E
+// on one thread: E is tens to hundreds) and the first row of each (chunk, expert).
+__global__ void route_bases_kernel(const int* chunk_counts, int chunks, int experts, int* counts, int* bases) {
+  extern __shared__ int first[];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    int total = 0;
+    for (int c = 0; c < chunks; ++c) total += chunk_counts[c * experts + e];
+    counts[e] = total;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int row = 0;
+    for (int e = 0; e < experts; ++e) first[e] = row, row += counts[e];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    int row = first[e];
+    for (int c = 0; c < chunks; ++c) bases[c * experts + e] = row, row += chunk_counts[c * experts + e];
+  }
+}
+// Last, a warp per chunk walks its assignments 32 at a time, in order (Routing::plan's stable
+// order): the lanes holding the same expert find each other (__match_any_sync), each takes the
+// expert's next row plus the count of those lanes before it, and the lowest of them moves the
+// expert's next row on. The weight is the host's arithmetic in the host's order (sums of floats,
+// an IEEE division): the same bits as the CPU backend.
+__global__ void route_rows_kernel(const int* idx, const float* val, int assignments, int k, int experts, bool normalize,
+                                  const int* bases, int* token_of_row, int* row_of, float* weight_of_row) {
+  extern __shared__ int next[];
+  const int lane = threadIdx.x;
+  for (int e = lane; e < experts; e += 32) next[e] = bases[blockIdx.x * experts + e];
+  __syncwarp();
+  const int begin = blockIdx.x * kPlanChunk, end = min(assignments, begin + kPlanChunk);
+  for (int base = begin; base < end; base += 32) {
+    const int a = base + lane;
+    int x = a < end ? idx[a] : -1;
+    if (x < 0 || x >= experts) x = -1;  // flagged by route_counts_kernel
+    const unsigned same = __match_any_sync(0xffffffffu, x);
+    if (x >= 0) {
+      const int row = next[x] + __popc(same & ((1u << lane) - 1u));
       const int n = a / k;
       float sum = 0;
       for (int j = 0; j < k; ++j) sum += val[n * k + j];
@@ -766,8 +782,9 @@ __global__ void route_rows_kernel(const int* idx, const float* val, int assignme
       row_of[a] = row;
       weight_of_row[row] = normalize ? __fdiv_rn(val[a], sum) : val[a];
     }
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) next += warp_rows[w];
-    __syncthreads();  // warp_rows is read before the next round writes it
+    __syncwarp();
+    if (x >= 0 && lane == __ffs(same) - 1) next[x] += __popc(same);
+    __syncwarp();
   }
 }
 // route_rows' gradient, a thread a token, with the host's operations in the host's order (no

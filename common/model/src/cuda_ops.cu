@@ -780,23 +780,30 @@ class CudaOps final : public Ops {
   }
 
   // The plan on the device: E counts cross to the host (the grouped GEMMs' offsets), not the N·k
-  // assignments, and the host has no N·k loop to run while the GPU waits.
+  // assignments, and the host has no N·k loop to run while the GPU waits. Three launches over
+  // chunks of kPlanChunk assignments (route_counts_kernel), the E ints of shared memory each needs
+  // bounding E (a plan for more experts runs on the host, as ops.h's default).
   std::vector<std::int64_t> route_rows(const Tensor& indices, const Tensor& values, int experts, bool normalize,
                                        Tensor& token_of_row, Tensor& row_of, Tensor& weight_of_row) override {
     const std::int64_t A = checks::route_rows_args(indices, values, experts, token_of_row, row_of, weight_of_row);
-    K2C_CHECK(A <= INT_MAX, "route_rows: " << A << " assignments");
+    if (experts > 8192 || A > INT_MAX)
+      return Ops::route_rows(indices, values, experts, normalize, token_of_row, row_of, weight_of_row);
     std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
     if (A == 0) return counts;
-    auto* c = static_cast<int*>(ws_.get(kRouting, counts.size() * sizeof(int)));
-    const int a = static_cast<int>(A), k = static_cast<int>(indices.dim(1));
-    route_counts_kernel<<<static_cast<unsigned>(experts), kThreads, 0, g_stream>>>(indices.i32(), a, experts, c,
-                                                                                   index_flag(kPlanExperts));
+    const int a = static_cast<int>(A), k = static_cast<int>(indices.dim(1)), chunks = (a + kPlanChunk - 1) / kPlanChunk;
+    const std::size_t E = counts.size(), grid = static_cast<std::size_t>(chunks) * E, shared = E * sizeof(int);
+    int* c = static_cast<int*>(ws_.get(kRouting, (E + 2 * grid) * sizeof(int)));  // counts, chunk counts, bases
+    int *chunk_counts = c + E, *bases = c + E + grid;
+    route_counts_kernel<<<chunks, kThreads, shared, g_stream>>>(indices.i32(), a, experts, chunk_counts,
+                                                                index_flag(kPlanExperts));
     K2C_CUDA_CHECK_LAUNCH();
-    route_rows_kernel<<<static_cast<unsigned>(experts), kThreads, 0, g_stream>>>(
-        indices.i32(), values.f32(), a, k, normalize, c, token_of_row.i32(), row_of.i32(), weight_of_row.f32());
+    route_bases_kernel<<<1, kThreads, shared, g_stream>>>(chunk_counts, chunks, experts, c, bases);
     K2C_CUDA_CHECK_LAUNCH();
-    std::vector<int> host(counts.size());
-    K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), c, host.size() * sizeof(int), cudaMemcpyDeviceToHost, g_stream));
+    route_rows_kernel<<<chunks, 32, shared, g_stream>>>(indices.i32(), values.f32(), a, k, experts, normalize, bases,
+                                                        token_of_row.i32(), row_of.i32(), weight_of_row.f32());
+    K2C_CUDA_CHECK_LAUNCH();
+    std::vector<int> host(E);
+    K2C_CUDA_CHECK(cudaMemcpyAsync(host.data(), c, E * sizeof(int), cudaMemcpyDeviceToHost, g_stream));
     wait_for_device();
     std::copy(host.begin(), host.end(), counts.begin());
     return counts;
