@@ -13,6 +13,14 @@ operation; the legend gives each run's total. Operations below 1 % of every run'
 into "the rest". Where a run has "ops_host_ms" (the host's part of each operation, the GPU idle at
 its start: for most, the CPU's time to issue its work; all of it for those that hand a result back
 to the host), a dark inner bar shows it.
+
+With --in-step the bars are "ops_in_step_ms" instead: each operation's GPU time inside a step that
+ran as usual, and "(between operations)" the time the GPU waited for the host in that step (shown
+whatever its size), so the totals are the steps' spans:
+
+    python3 tools/plot_ops.py --in-step --reference autograder/reference/h100.json \
+        "capstone/moe_plan_on_device/before" "capstone/moe_plan_on_device/after" \
+        --png lectures/figures/capstone_moe_plan_on_device.png
 """
 import argparse
 import json
@@ -21,8 +29,15 @@ import sys
 import k2c_tools
 
 
+IDLE = "(between operations)"
+
+
 def load(args):
     """[(label, {operation: ms}, {operation: host ms} or None)] from the files or the reference entries."""
+    field = "ops_in_step_ms" if args.in_step else "ops_ms"
+
+    def times(run):  # in a step the host's part is not measured apart
+        return run[field], None if args.in_step else run.get("ops_host_ms")
     runs = []
     if args.reference:
         with open(args.reference) as f:
@@ -31,12 +46,12 @@ def load(args):
             node = ref
             for key in path.split("/"):
                 node = node[key]
-            runs.append((path.split("/")[-1], node["ops_ms"], node.get("ops_host_ms")))
+            runs.append((path.split("/")[-1], *times(node)))
     else:
         for path in args.entries:
             with open(path) as f:
                 run = json.load(f)
-            runs.append((f"{path} ({run.get('grid', '?')})", run["ops_ms"], run.get("ops_host_ms")))
+            runs.append((f"{path} ({run.get('grid', '?')})", *times(run)))
     return runs
 
 
@@ -46,13 +61,16 @@ def main() -> int:
     ap.add_argument("--reference", metavar="JSON", help="read the entries from this reference file")
     ap.add_argument("--labels", nargs="+", help="a name for each run in the legend (default: where it came from)")
     ap.add_argument("--png", default="ops.png", help="output image (default ops.png)")
+    ap.add_argument("--in-step", action="store_true",
+                    help="plot ops_in_step_ms (times inside a step as it ran, the GPU's idle time beside them)")
     args = ap.parse_args()
     if args.labels and len(args.labels) != len(args.entries):
         ap.error(f"{len(args.labels)} labels for {len(args.entries)} runs")
     try:
         runs = load(args)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"plot_ops.py: no per-operation times there (run k2c_capstone with --time-ops): {e}", file=sys.stderr)
+        print(f"plot_ops.py: no per-operation times there (run k2c_capstone with --time-ops"
+              f"{'; ops_in_step_ms needs a build that records it' if args.in_step else ''}): {e}", file=sys.stderr)
         return 1
     if args.labels:
         runs = [(label, ops, host) for label, (_, ops, host) in zip(args.labels, runs)]
@@ -62,7 +80,8 @@ def main() -> int:
 
     totals = [sum(ops.values()) for _, ops, _ in runs]
     names = {op for _, ops, _ in runs for op in ops}
-    shown = sorted((op for op in names if any(ops.get(op, 0) >= 0.01 * t for (_, ops, _), t in zip(runs, totals))),
+    shown = sorted((op for op in names
+                    if op == IDLE or any(ops.get(op, 0) >= 0.01 * t for (_, ops, _), t in zip(runs, totals))),
                    key=lambda op: max(ops.get(op, 0) for _, ops, _ in runs))
     rows = ["the rest"] + shown
 
@@ -84,7 +103,8 @@ def main() -> int:
             host_labelled = True
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(rows)
-    ax.set_xlabel("ms in one step, each operation timed alone")
+    ax.set_xlabel("ms in one step as it ran (GPU time between events)" if args.in_step
+                  else "ms in one step, each operation timed alone")
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("Where one training step's time goes")
