@@ -167,7 +167,7 @@ class Staging {
 
 // Index checks without a wait of their own. A kernel that meets an index outside its range skips
 // it and sets its operation's flag; the flags cross to the host with the next wait the host makes
-// anyway (a download, a loss, column sums, a sum of squares, cuda_ops_synchronize), which throws
+// anyway (a download, a loss, column sums, a routing plan, a sum of squares, cuda_ops_synchronize), which throws
 // std::out_of_range for the first operation flagged and clears them all. A wait after each check
 // would drain the stream several times in every MoE layer (its gathers, scatters and router
 // gradient). One set of flags for the process: both backends issue to the same stream, and a
@@ -786,11 +786,13 @@ class CudaOps final : public Ops {
   std::vector<std::int64_t> route_rows(const Tensor& indices, const Tensor& values, int experts, bool normalize,
                                        Tensor& token_of_row, Tensor& row_of, Tensor& weight_of_row) override {
     const std::int64_t A = checks::route_rows_args(indices, values, experts, token_of_row, row_of, weight_of_row);
-    if (experts > 8192 || A > INT_MAX)
+    // The kernels index in int: every index they form must fit.
+    const std::int64_t chunks64 = (A + kPlanChunk - 1) / kPlanChunk;
+    if (experts > 8192 || A > INT_MAX - kPlanChunk || chunks64 * experts > INT_MAX)
       return Ops::route_rows(indices, values, experts, normalize, token_of_row, row_of, weight_of_row);
     std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
     if (A == 0) return counts;
-    const int a = static_cast<int>(A), k = static_cast<int>(indices.dim(1)), chunks = (a + kPlanChunk - 1) / kPlanChunk;
+    const int a = static_cast<int>(A), k = static_cast<int>(indices.dim(1)), chunks = static_cast<int>(chunks64);
     const std::size_t E = counts.size(), grid = static_cast<std::size_t>(chunks) * E, shared = E * sizeof(int);
     int* c = static_cast<int*>(ws_.get(kRouting, (E + 2 * grid) * sizeof(int)));  // counts, chunk counts, bases
     int *chunk_counts = c + E, *bases = c + E + grid;

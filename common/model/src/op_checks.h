@@ -101,6 +101,8 @@ inline std::int64_t route_rows_args(const Tensor& indices, const Tensor& values,
   indices.expect(indices.shape(), "route_rows indices", DType::i32);
   values.expect(indices.shape(), "route_rows values");
   const std::int64_t a = indices.numel();
+  if (a > INT32_MAX)
+    throw std::invalid_argument("route_rows: " + std::to_string(a) + " assignments, more than i32 rows can number");
   token_of_row.expect({a}, "route_rows token_of_row", DType::i32);
   row_of.expect({a}, "route_rows row_of", DType::i32);
   weight_of_row.expect({a}, "route_rows weight_of_row");

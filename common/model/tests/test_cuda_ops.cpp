@@ -331,8 +331,9 @@ TEST(CudaOps, LayerKernelsMatchTheCpu) {
 // The MoE layer's plan on the device against the host's (Ops::route_rows' default): the same
 // counts, rows and weights, bit for bit, and the same gradient of the chosen probabilities. 1500
 // tokens of top 3 over 9 experts (4500 assignments: five chunks of the GPU's plan, the last one
-// partial and ending in a partial warp), expert 4 never chosen; a single assignment; an expert or
-// a row out of range.
+// partial and ending in a partial warp), expert 4 never chosen; 300 experts (more than a block's
+// threads and a warp's lanes, most of them empty); a single assignment; an expert or a row out of
+// range.
 TEST(CudaOps, RoutePlanMatchesTheCpuBitForBit) {
   REQUIRE_DEVICE();
   Both t;
@@ -342,7 +343,7 @@ TEST(CudaOps, RoutePlanMatchesTheCpuBitForBit) {
     ops.download(v.data(), x);
     return v;
   };
-  for (const auto& [N, k, E] : {std::tuple{1500, 3, 9}, std::tuple{1, 1, 2}}) {
+  for (const auto& [N, k, E] : {std::tuple{1500, 3, 9}, std::tuple{700, 2, 300}, std::tuple{1, 1, 2}}) {
     std::vector<std::int32_t> chosen;
     for (int n = 0; n < N; ++n) {
       std::vector<std::int32_t> row;

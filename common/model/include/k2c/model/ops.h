@@ -63,7 +63,8 @@ struct DropoutKey {
 // Indices (token ids, targets, rows, experts) are checked by every backend: one outside its range
 // throws std::out_of_range. The CPU backend throws from the call; a GPU backend's kernel skips the
 // index and records it, and the backend throws from its next call that waits for the device (a
-// download, a loss, column sums, a sum of squares), naming the first operation that found one. A
+// download, a loss, column sums, a routing plan, a sum of squares), naming the first operation
+// that found one. A
 // training step waits at its loss, so it reports its own bad indices; outputs (and, by then, later
 // operations' results) may be written.
 class Ops {
@@ -207,8 +208,8 @@ class Ops {
                                                bool normalize, Tensor& token_of_row, Tensor& row_of,
                                                Tensor& weight_of_row);
   // Its gradient: dvalues [N, k] from dweight [N·k], the gradient of weight_of_row (values and
-  // row_of as route_rows had and wrote them): dv_j = dw_j, or with `normalize`
-  // (dw_j − Σ_i w_i·dw_i) / Σ_i v_i, the sums in order of i.
+  // row_of as route_rows had and wrote them). With dw_j = dweight[row_of[n·k + j]] for token n:
+  // dv_j = dw_j, or with `normalize` (dw_j − Σ_i (v_i / Σv)·dw_i) / Σv, the sums in order of i.
   virtual void route_rows_backward(const Tensor& values, const Tensor& row_of, const Tensor& dweight, bool normalize,
                                    Tensor& dvalues);
 
