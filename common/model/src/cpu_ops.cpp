@@ -642,6 +642,48 @@ class CpuOps final : public Ops {
     }
   }
 
+  void gather_add_rows(const Tensor& src, const Tensor& rows, int k, const Tensor* scale, Tensor& out) override {
+    if (any_bf16({&src, &out})) {
+      Wide ws(src), wo(out, true);
+      return gather_add_rows(ws, rows, k, scale, wo);
+    }
+    const Matrix m = checks::gather_add_rows_args(src, rows, k, scale, out);
+    const std::int64_t R = as_matrix(src).rows;
+    for (std::int64_t a = 0; a < rows.numel(); ++a)  // every row checked before anything is added
+      if (rows.i32()[a] < 0 || rows.i32()[a] >= R)
+        throw std::out_of_range("gather_add_rows: row " + std::to_string(rows.i32()[a]));
+    std::vector<std::int64_t> order(static_cast<std::size_t>(k));
+    for (std::int64_t n = 0; n < m.rows; ++n) {
+      const std::int32_t* r = rows.i32() + n * k;
+      for (int j = 0; j < k; ++j) order[j] = j;
+      std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return r[a] < r[b]; });
+      float* to = out.f32() + n * m.cols;
+      for (std::int64_t j : order) {
+        const float s = scale ? scale->f32()[r[j]] : 1.0f;
+        const float* from = src.f32() + r[j] * m.cols;
+        for (std::int64_t c = 0; c < m.cols; ++c) to[c] += s * from[c];
+      }
+    }
+  }
+
+  void gather_add_rows_backward(const Tensor& dout, const Tensor& token_of_row, const Tensor& scale, const Tensor& src,
+                                Tensor& dsrc, Tensor& dscale) override {
+    if (any_bf16({&dout, &src, &dsrc})) {
+      Wide wd(dout), ws(src), wds(dsrc, true);
+      return gather_add_rows_backward(wd, token_of_row, scale, ws, wds, dscale);
+    }
+    const Matrix m = checks::gather_add_rows_backward_args(dout, token_of_row, scale, src, dsrc, dscale);
+    const std::int64_t N = as_matrix(dout).rows;
+    for (std::int64_t r = 0; r < m.rows; ++r)
+      if (token_of_row.i32()[r] < 0 || token_of_row.i32()[r] >= N)
+        throw std::out_of_range("gather_add_rows_backward: token " + std::to_string(token_of_row.i32()[r]));
+    for (std::int64_t r = 0; r < m.rows; ++r) {
+      const float* dy = dout.f32() + token_of_row.i32()[r] * m.cols;
+      dscale.f32()[r] = dot(dy, src.f32() + r * m.cols, static_cast<int>(m.cols));
+      for (std::int64_t c = 0; c < m.cols; ++c) dsrc.f32()[r * m.cols + c] = scale.f32()[r] * dy[c];
+    }
+  }
+
   void row_dot(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "row_dot");
     const Matrix m = as_matrix(a);

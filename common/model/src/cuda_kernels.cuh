@@ -705,6 +705,86 @@ __global__ void scatter_add_rows_kernel(const S* src, const int* rows, const flo
     for (int j = threadIdx.x; j < d; j += blockDim.x) atomicAdd(to + j, s * load1(from + j));
   }
 }
+// out[n] += scale[r]·src[r] over token n's k rows, in increasing order of r (equal rows in order of
+// j): a block per token, whose first thread sorts the rows into shared memory (k is a handful),
+// then each thread adds its columns in that order, a product then a sum, as the CPU rounds them
+// (no fused multiply-add). A row outside src is skipped and flagged.
+template <bool kVec, class S>
+__global__ void gather_add_rows_kernel(const S* src, const int* rows, int k, const float* scale, float* out, int d,
+                                       int src_rows, int* bad) {
+  extern __shared__ int sorted[];  // [k]
+  __shared__ int count;
+  if (threadIdx.x == 0) {
+    const int* mine = rows + static_cast<std::int64_t>(blockIdx.x) * k;
+    int m = 0;
+    for (int j = 0; j < k; ++j) {
+      const int r = mine[j];
+      if (r < 0 || r >= src_rows) {
+        *bad = 1;
+        continue;
+      }
+      int i = m++;
+      for (; i > 0 && sorted[i - 1] > r; --i) sorted[i] = sorted[i - 1];  // an equal row stays first
+      sorted[i] = r;
+    }
+    count = m;
+  }
+  __syncthreads();
+  float* to = out + static_cast<std::int64_t>(blockIdx.x) * d;
+  if constexpr (kVec) {
+    for (int j = 4 * threadIdx.x; j < d; j += 4 * blockDim.x) {
+      float4 acc = load4(to + j);
+      for (int i = 0; i < count; ++i) {
+        const int r = sorted[i];
+        const float s = scale ? scale[r] : 1.0f;
+        const float4 v = load4(src + static_cast<std::int64_t>(r) * d + j);
+        acc = make_float4(__fadd_rn(acc.x, __fmul_rn(s, v.x)), __fadd_rn(acc.y, __fmul_rn(s, v.y)),
+                          __fadd_rn(acc.z, __fmul_rn(s, v.z)), __fadd_rn(acc.w, __fmul_rn(s, v.w)));
+      }
+      store4(to + j, acc);
+    }
+  } else {
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+      float acc = to[j];
+      for (int i = 0; i < count; ++i) {
+        const int r = sorted[i];
+        acc = __fadd_rn(acc, __fmul_rn(scale ? scale[r] : 1.0f, load1(src + static_cast<std::int64_t>(r) * d + j)));
+      }
+      to[j] = acc;
+    }
+  }
+}
+// Its gradient: row r of dsrc = scale[r]·dout[t] (one rounding, the CPU's) and dscale[r] = dout[t]·src[r]
+// (a block sum, as row_dot's), t = token_of_row[r]. A token outside dout is skipped and flagged,
+// its outputs left unwritten.
+template <bool kVec, class O>
+__global__ void gather_add_rows_backward_kernel(const float* dout, const int* token_of_row, const float* scale,
+                                                const float* src, O* dsrc, float* dscale, int d, int tokens, int* bad) {
+  __shared__ float scratch[kThreads];
+  const int t = token_of_row[blockIdx.x];
+  if (t < 0 || t >= tokens) {
+    if (threadIdx.x == 0) *bad = 1;
+    return;
+  }
+  const float* dy = dout + static_cast<std::int64_t>(t) * d;
+  const std::int64_t o = static_cast<std::int64_t>(blockIdx.x) * d;
+  const float w = scale[blockIdx.x];
+  float s = 0;
+  if constexpr (kVec) {
+    for (int j = 4 * threadIdx.x; j < d; j += 4 * blockDim.x) {
+      const float4 g = load4(dy + j), x = load4(src + o + j);
+      s += g.x * x.x + g.y * x.y + g.z * x.z + g.w * x.w;
+      store4(dsrc + o + j, make_float4(__fmul_rn(w, g.x), __fmul_rn(w, g.y), __fmul_rn(w, g.z), __fmul_rn(w, g.w)));
+    }
+  } else {
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+      s += dy[j] * src[o + j];
+      store1(dsrc + o + j, __fmul_rn(w, dy[j]));
+    }
+  }
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) dscale[blockIdx.x] = s;
+}
 // One block per column of x [rows, cols]: its sum in double (the router's mean probability per
 // expert, for the balance loss).
 __global__ void column_sums_kernel(const float* x, double* sums, std::int64_t rows, std::int64_t cols) {

@@ -172,7 +172,7 @@ class Staging {
 // would drain the stream several times in every MoE layer (its gathers, scatters and router
 // gradient). One set of flags for the process: both backends issue to the same stream, and a
 // tensor one of them made may reach the other's kernels.
-enum IndexCheck { kIds, kTargets, kGatherRows, kScatterRows, kExperts, kPlanExperts, kPlanRows, kIndexChecks };
+enum IndexCheck { kIds, kTargets, kGatherRows, kScatterRows, kGatherAddRows, kGatherAddTokens, kExperts, kPlanExperts, kPlanRows, kIndexChecks };
 struct IndexFlags {
   int* device = nullptr;  // [kIndexChecks]
   int* seen = nullptr;    // their pinned copy on the host
@@ -199,6 +199,7 @@ void wait_for_device() {
     static constexpr const char* what[kIndexChecks] = {
         "embedding: an id outside the table", "cross-entropy: a target outside the vocabulary",
         "gather_rows: a row outside the source", "scatter_add_rows: a row outside the output",
+        "gather_add_rows: a row outside the source", "gather_add_rows_backward: a token outside the output gradient",
         "routing_grad: an expert outside [0, E)", "route_rows: an expert outside [0, experts)",
         "route_rows_backward: a row outside [0, N·k)"};
     throw std::out_of_range(what[c]);
@@ -734,6 +735,57 @@ class CudaOps final : public Ops {
     };
     if (src.dtype() == DType::bf16) run(ptr<__nv_bfloat16>(src));
     else run(src.f32());
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+  // A block per output row: no two blocks add into one row, so no atomics, and the CPU's order.
+  static constexpr int kMaxGatherAdd = 4096;  // rows a token: the block sorts them in shared memory
+  void gather_add_rows(const Tensor& src, const Tensor& rows, int k, const Tensor* scale, Tensor& out) override {
+    const Matrix m = checks::gather_add_rows_args(src, rows, k, scale, out);
+    float_dtype(src, "gather_add_rows source");
+    if (float_dtype(out, "gather_add_rows output") == DType::bf16) {  // summed in fp32, rounded once
+      Wide wo(*this, out, Use::in_out);
+      gather_add_rows(src, rows, k, scale, wo);
+      return wo.store();
+    }
+    if (k > kMaxGatherAdd)
+      throw std::invalid_argument("gather_add_rows: " + std::to_string(k) + " rows a token, more than the GPU backend's " +
+                                  std::to_string(kMaxGatherAdd));
+    const RowLaunch l = row_launch(m.rows, as_matrix(src), {src.raw(), out.raw()});  // bound: src's rows
+    if (!l.blocks) return;
+    int* bad = index_flag(kGatherAddRows);
+    const float* sc = scale ? scale->f32() : nullptr;
+    // The sorted rows in whole 16-byte words: the compiler reads the list a vector at a time
+    // (compute-sanitizer saw a 12-byte read past a token's single row).
+    const std::size_t sorted = (static_cast<std::size_t>(k) + 3) / 4 * 16;
+    auto run = [&](auto* from) {
+      if (l.vec) gather_add_rows_kernel<true><<<l.blocks, l.threads, sorted, g_stream>>>(from, rows.i32(), k, sc, out.f32(), l.cols, l.bound, bad);
+      else gather_add_rows_kernel<false><<<l.blocks, l.threads, sorted, g_stream>>>(from, rows.i32(), k, sc, out.f32(), l.cols, l.bound, bad);
+    };
+    if (src.dtype() == DType::bf16) run(ptr<__nv_bfloat16>(src));
+    else run(src.f32());
+    K2C_CUDA_CHECK_LAUNCH();
+  }
+  // A block per row r: dout's row read once for both outputs.
+  void gather_add_rows_backward(const Tensor& dout, const Tensor& token_of_row, const Tensor& scale, const Tensor& src,
+                                Tensor& dsrc, Tensor& dscale) override {
+    const Matrix m = checks::gather_add_rows_backward_args(dout, token_of_row, scale, src, dsrc, dscale);
+    const Matrix md = as_matrix(dout);
+    const bool d16 = float_dtype(dout, "gather_add_rows_backward dout") == DType::bf16,
+               s16 = float_dtype(src, "gather_add_rows_backward src") == DType::bf16,
+               o16 = float_dtype(dsrc, "gather_add_rows_backward dsrc") == DType::bf16;
+    if (d16 || s16) {  // the gradients arrive in fp32 (the residual stream's); other mixes through fp32 copies
+      Wide wd(*this, dout), ws(*this, src);
+      return gather_add_rows_backward(wd, token_of_row, scale, ws, dsrc, dscale);
+    }
+    const RowLaunch l = row_launch(m.rows, md, {dout.raw(), src.raw(), dsrc.raw()});  // bound: dout's rows
+    if (!l.blocks) return;
+    int* bad = index_flag(kGatherAddTokens);
+    auto run = [&](auto* to) {  // kThreads a block: block_sum halves a power of two
+      if (l.vec) gather_add_rows_backward_kernel<true><<<l.blocks, kThreads, 0, g_stream>>>(dout.f32(), token_of_row.i32(), scale.f32(), src.f32(), to, dscale.f32(), l.cols, l.bound, bad);
+      else gather_add_rows_backward_kernel<false><<<l.blocks, kThreads, 0, g_stream>>>(dout.f32(), token_of_row.i32(), scale.f32(), src.f32(), to, dscale.f32(), l.cols, l.bound, bad);
+    };
+    if (o16) run(ptr<__nv_bfloat16>(dsrc));
+    else run(dsrc.f32());
     K2C_CUDA_CHECK_LAUNCH();
   }
   void row_dot(const Tensor& a, const Tensor& b, Tensor& out) override {

@@ -149,24 +149,24 @@ void Moe::forward(Context& ctx, const Tensor& x, Tensor& y, Saved& s) const {
     shared_.forward(ctx, x, y, s.shared);
   else
     ctx.ops.fill(y, 0.0f);
-  ctx.ops.scatter_add_rows(s.yp, s.token_of_row, &s.weight_of_row, y);  // combine
+  // Combine: each token's k rows, gathered in row order (scatter_add_rows's sums without atomics).
+  ctx.ops.gather_add_rows(s.yp, s.row_of, config_.top_k, &s.weight_of_row, y);
 }
 
 void Moe::backward(Context& ctx, const Tensor& x, Saved& s, const Tensor& dy, Tensor& dx) const {
   const std::int64_t N = x.dim(0), R = s.xp.dim(0), d = config_.d_model;
   const int E = config_.experts, k = config_.top_k;
-  // Combine: y[n] += w_row · yp[row]  =>  dyp[row] = w_row · dy[n], dw_row = dy[n] · yp[row].
-  Tensor dy_rows = ctx.tensor({R, d}), dw_row = ctx.tensor({R}), dxp = ctx.tensor({R, d});
-  ctx.ops.gather_rows(dy, s.token_of_row, dy_rows);
-  ctx.ops.row_dot(dy_rows, s.yp, dw_row);
-  ctx.ops.scale_rows(dy_rows, s.weight_of_row);  // now dyp, the experts' output gradient
-  experts_backward(ctx, s.offsets, 0, s.xp, s, dy_rows, dxp);
+  // Combine: y[n] += w_row · yp[row]  =>  dyp[row] = w_row · dy[n], dw_row = dy[n] · yp[row]; dyp
+  // in the experts' activation dtype, as their products read it.
+  Tensor dyp = ctx.activation({R, d}), dw_row = ctx.tensor({R}), dxp = ctx.tensor({R, d});
+  ctx.ops.gather_add_rows_backward(dy, s.token_of_row, s.weight_of_row, s.yp, dyp, dw_row);
+  experts_backward(ctx, s.offsets, 0, s.xp, s, dyp, dxp);
   if (has_shared_) {
     shared_.backward(ctx, x, s.shared, dy, dx);
   } else {
     ctx.ops.fill(dx, 0.0f);
   }
-  ctx.ops.scatter_add_rows(dxp, s.token_of_row, nullptr, dx);  // un-permute
+  ctx.ops.gather_add_rows(dxp, s.row_of, k, nullptr, dx);  // un-permute
 
   // Back through the weights to the router probabilities: the chosen ones' gradient (where the
   // plan is), then the N × E gradient.

@@ -118,6 +118,33 @@ inline void route_rows_backward_args(const Tensor& values, const Tensor& row_of,
   dvalues.expect(values.shape(), "route_rows_backward dvalues");
 }
 
+// gather_add_rows' arguments: rows i32 [N·k] for out [N, D], src [R, D], scale [R]; returns out
+// as a matrix.
+inline Matrix gather_add_rows_args(const Tensor& src, const Tensor& rows, int k, const Tensor* scale, const Tensor& out) {
+  const Matrix m = as_matrix(out), ms = as_matrix(src);
+  if (k < 1) throw std::invalid_argument("gather_add_rows: " + std::to_string(k) + " rows a token");
+  rows.expect({m.rows * k}, "gather_add_rows rows", DType::i32);
+  if (ms.cols != m.cols)
+    throw std::invalid_argument("gather_add_rows: source " + src.shape().str() + " for output " + out.shape().str());
+  if (scale) scale->expect({ms.rows}, "gather_add_rows scale");
+  return m;
+}
+
+// gather_add_rows_backward's: src and dsrc [R, D] alike, token_of_row i32, scale and dscale [R],
+// dout [N, D]; returns src as a matrix.
+inline Matrix gather_add_rows_backward_args(const Tensor& dout, const Tensor& token_of_row, const Tensor& scale,
+                                            const Tensor& src, const Tensor& dsrc, const Tensor& dscale) {
+  const Matrix m = as_matrix(src);
+  same_shape(src, dsrc, "gather_add_rows_backward dsrc");
+  token_of_row.expect({m.rows}, "gather_add_rows_backward token_of_row", DType::i32);
+  scale.expect({m.rows}, "gather_add_rows_backward scale");
+  dscale.expect({m.rows}, "gather_add_rows_backward dscale");
+  if (as_matrix(dout).cols != m.cols)
+    throw std::invalid_argument("gather_add_rows_backward: output gradient " + dout.shape().str() + " for rows " +
+                                src.shape().str());
+  return m;
+}
+
 // An activation of ops.h's [bf16] operations: the shape, in fp32 or bf16.
 inline void activation(const Tensor& t, const Shape& shape, const char* what) {
   t.expect(shape, what, t.dtype() == DType::bf16 ? DType::bf16 : DType::f32);

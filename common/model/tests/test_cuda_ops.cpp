@@ -383,6 +383,75 @@ TEST(CudaOps, RoutePlanMatchesTheCpuBitForBit) {
   EXPECT_THROW(cpu_ops().route_rows_backward(val.cpu, bad_row.cpu, dw.cpu, true, dval.cpu), std::out_of_range);
 }
 
+// The MoE combine without atomics: a block per token adds the token's rows in row order, so the
+// GPU's sums equal the CPU's bit for bit. Rows from a shuffled plan (each token's k rows in any
+// order) on 1028 columns (four at a time, two steps a thread), 13 (one at a time) and 4; fp32
+// and bf16 sources and outputs; with and without a scale; rows repeated within a token; a row
+// outside the source, refused and reported at the next wait. Then its gradient, on the same rows.
+TEST(CudaOps, GatherAddRowsMatchesTheCpuBitForBit) {
+  REQUIRE_DEVICE();
+  Both t;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  auto on = [](Pair& p, bool g) -> Tensor& { return g ? p.gpu : p.cpu; };
+  for (const auto& [N, k, D] : {std::tuple{300, 4, 1028}, std::tuple{37, 3, 13}, std::tuple{1, 1, 4}}) {
+    const int R = N * k;
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(R));
+    for (int a = 0; a < R; ++a) perm[a] = a;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    Pair rows = t.ints({R}, perm), scale = t.random({R});
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      std::vector<float> start(static_cast<std::size_t>(N) * D);
+      for (float& x : start) x = normal(rng);
+      Pair src = t.random({R, D}, 1.0f, dtype), scaled = t.make({N, D}, start, dtype), plain = t.make({N, D}, start, dtype);
+      for (bool g : {false, true}) {
+        Ops& o = g ? gpu() : cpu_ops();
+        o.gather_add_rows(on(src, g), on(rows, g), k, &on(scale, g), on(scaled, g));
+        o.gather_add_rows(on(src, g), on(rows, g), k, nullptr, on(plain, g));
+      }
+      const std::string what = std::to_string(N) + " x " + std::to_string(k) + " rows of " + std::to_string(D) +
+                               (dtype == DType::bf16 ? ", bf16" : ", fp32");
+      expect_close(scaled, ("gather_add_rows, " + what).c_str(), 0.0f);
+      expect_close(plain, ("gather_add_rows without a scale, " + what).c_str(), 0.0f);
+      // The gradient: dsrc one product each (bit for bit, in src's dtype), dscale a dot (summed in
+      // another order on the GPU).
+      std::vector<std::int32_t> token_of_row(static_cast<std::size_t>(R));
+      for (int a = 0; a < R; ++a) token_of_row[perm[a]] = a / k;
+      Pair tokens = t.ints({R}, token_of_row), dout = t.random({N, D}), dsrc = t.nans({R, D}, dtype),
+           dscale = t.nans({R}, DType::f32);
+      for (bool g : {false, true})
+        (g ? gpu() : cpu_ops())
+            .gather_add_rows_backward(on(dout, g), on(tokens, g), on(scale, g), on(src, g), on(dsrc, g), on(dscale, g));
+      expect_close(dsrc, ("gather_add_rows_backward dsrc, " + what).c_str(), 0.0f);
+      // A dot of random signs cancels: its rounding is bounded by the sum of |products|, not by
+      // the result.
+      const std::vector<float> dy = host(dout.cpu, cpu_ops()), x = host(src.cpu, cpu_ops()),
+                               want = host(dscale.cpu, cpu_ops()), got = host(dscale.gpu, gpu());
+      int bad = 0;
+      for (int r = 0; r < R; ++r) {
+        double size = 0;
+        for (int c = 0; c < D; ++c) size += std::abs(double(dy[token_of_row[r] * D + c]) * x[r * D + c]);
+        if (!(std::abs(want[r] - got[r]) <= 1e-6 * size + 1e-30) && ++bad <= 5)
+          ADD_FAILURE() << "gather_add_rows_backward dscale, " << what << "[" << r << "]: cpu " << want[r] << ", gpu "
+                        << got[r] << ", sum of |products| " << size;
+      }
+      EXPECT_EQ(bad, 0) << what;
+    }
+  }
+  Pair src = t.random({6, 9}), repeated = t.ints({6}, {2, 0, 3, 3, 5, 2}), out = t.random({3, 9});
+  for (bool g : {false, true}) (g ? gpu() : cpu_ops()).gather_add_rows(on(src, g), on(repeated, g), 2, nullptr, on(out, g));
+  expect_close(out, "gather_add_rows, rows repeated", 0.0f);
+  Pair bad = t.ints({6}, {2, 0, 3, 6, 5, 2});
+  expect_index_error([&] { gpu().gather_add_rows(src.gpu, bad.gpu, 2, nullptr, out.gpu); }, out.gpu,
+                     "gather_add_rows: a row outside the source");
+  EXPECT_THROW(cpu_ops().gather_add_rows(src.cpu, bad.cpu, 2, nullptr, out.cpu), std::out_of_range);
+  EXPECT_THROW(gpu().gather_add_rows(src.gpu, repeated.gpu, 3, nullptr, out.gpu), std::invalid_argument);
+  Pair far = t.ints({6}, {0, 1, 2, 3, 2, 1}), w = t.random({6}), ds = t.nans({6, 9}, DType::f32), dw = t.nans({6}, DType::f32);
+  expect_index_error([&] { gpu().gather_add_rows_backward(out.gpu, far.gpu, w.gpu, src.gpu, ds.gpu, dw.gpu); }, dw.gpu,
+                     "gather_add_rows_backward: a token outside");
+  EXPECT_THROW(cpu_ops().gather_add_rows_backward(out.cpu, far.cpu, w.cpu, src.cpu, ds.cpu, dw.cpu), std::out_of_range);
+}
+
 TEST(CudaOps, RopeAttentionAndLossMatchTheCpu) {
   REQUIRE_DEVICE();
   Both t;

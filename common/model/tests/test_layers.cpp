@@ -5,6 +5,7 @@
 // (L(x + ε) − L(x − ε)) / 2ε for every element of every input and parameter. Shapes are tiny and
 // awkward (odd sizes, repeated ids, GQA, fully masked attention rows) so each test takes
 // milliseconds.
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
@@ -558,6 +559,70 @@ TEST(Layers, RoutingPlanIsStableAndHandlesEmptyExperts) {
   for (int a = 0; a < 8; ++a) EXPECT_EQ(r.token_of_row[r.row_of[a]], a / 2);
   EXPECT_THROW(Routing::plan({0, 4}, 1, 2, 4), std::out_of_range);
   EXPECT_THROW(Routing::plan({0, 1, 2}, 1, 2, 4), std::invalid_argument);
+}
+
+// The MoE combine seen from each token (Ops::gather_add_rows) adds what the combine seen from each
+// row (scatter_add_rows over the inverse list) adds, in the same order: equal bit for bit. Rows
+// repeated within a token add in order of j; a row outside the source throws before anything
+// is added.
+TEST(Layers, GatherAddRowsAddsWhatScatterAddRowsAdds) {
+  MemoryLedger ledger;
+  auto make = [&](Shape s, DType dtype = DType::f32) {
+    return Tensor(cpu_ops().memory(), ledger, Category::activations, s, dtype);
+  };
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  const Routing r = Routing::plan({3, 0, 0, 1, 3, 1, 0, 3, 2, 1}, 5, 2, 4);
+  const int N = 5, k = 2, R = N * k, D = 7;
+  Tensor src = make({R, D}), scale = make({R}), rows = make({R}, DType::i32), tokens = make({R}, DType::i32);
+  for (std::int64_t i = 0; i < src.numel(); ++i) src.f32()[i] = normal(rng);
+  for (std::int64_t i = 0; i < R; ++i) scale.f32()[i] = normal(rng);
+  cpu_ops().upload(rows, r.row_of.data());
+  cpu_ops().upload(tokens, r.token_of_row.data());
+  Tensor gathered = make({N, D}), scattered = make({N, D});
+  for (std::int64_t i = 0; i < gathered.numel(); ++i) gathered.f32()[i] = scattered.f32()[i] = normal(rng);
+  cpu_ops().gather_add_rows(src, rows, k, &scale, gathered);
+  cpu_ops().scatter_add_rows(src, tokens, &scale, scattered);
+  for (std::int64_t i = 0; i < gathered.numel(); ++i)
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(gathered.f32()[i]), std::bit_cast<std::uint32_t>(scattered.f32()[i])) << i;
+
+  // Token 0 names row 4 twice and row 1: 1, then 4 twice.
+  Tensor twice = make({3}, DType::i32), one = make({1, D});
+  const std::vector<std::int32_t> picks{4, 1, 4};
+  cpu_ops().upload(twice, picks.data());
+  for (int c = 0; c < D; ++c) one.f32()[c] = 0.5f;
+  cpu_ops().gather_add_rows(src, twice, 3, nullptr, one);
+  for (int c = 0; c < D; ++c) {
+    float want = 0.5f;
+    for (int row : {1, 4, 4}) want += src.f32()[row * D + c];
+    EXPECT_EQ(one.f32()[c], want) << c;
+  }
+
+  const std::vector<float> before(one.f32(), one.f32() + D);
+  const std::vector<std::int32_t> outside{0, static_cast<std::int32_t>(R), 2};
+  cpu_ops().upload(twice, outside.data());
+  EXPECT_THROW(cpu_ops().gather_add_rows(src, twice, 3, nullptr, one), std::out_of_range);
+  EXPECT_EQ(std::vector<float>(one.f32(), one.f32() + D), before) << "nothing added";
+  EXPECT_THROW(cpu_ops().gather_add_rows(src, twice, 2, nullptr, one), std::invalid_argument);  // 3 rows for 1 x 2
+  EXPECT_THROW(cpu_ops().gather_add_rows(src, rows, 0, nullptr, gathered), std::invalid_argument);
+  EXPECT_THROW(cpu_ops().gather_add_rows(src, rows, k, &rows, gathered), std::invalid_argument);  // scale not fp32
+
+  // The gradient equals the three row operations it replaces: gather dout's rows, their dots with
+  // src, then the scaling.
+  Tensor dout = make({N, D}), dsrc = make({R, D}), dscale = make({R}), rows_of_dout = make({R, D}), dots = make({R});
+  for (std::int64_t i = 0; i < dout.numel(); ++i) dout.f32()[i] = normal(rng);
+  cpu_ops().gather_add_rows_backward(dout, tokens, scale, src, dsrc, dscale);
+  cpu_ops().gather_rows(dout, tokens, rows_of_dout);
+  cpu_ops().row_dot(rows_of_dout, src, dots);
+  cpu_ops().scale_rows(rows_of_dout, scale);
+  for (std::int64_t i = 0; i < dsrc.numel(); ++i) EXPECT_EQ(dsrc.f32()[i], rows_of_dout.f32()[i]) << i;
+  for (std::int64_t row = 0; row < R; ++row) EXPECT_EQ(dscale.f32()[row], dots.f32()[row]) << row;
+  Tensor bad_tokens = make({R}, DType::i32);
+  std::vector<std::int32_t> past(r.token_of_row);
+  past[3] = N;
+  cpu_ops().upload(bad_tokens, past.data());
+  EXPECT_THROW(cpu_ops().gather_add_rows_backward(dout, bad_tokens, scale, src, dsrc, dscale), std::out_of_range);
+  EXPECT_THROW(cpu_ops().gather_add_rows_backward(dout, tokens, scale, src, gathered, dscale), std::invalid_argument);
 }
 
 TEST(Layers, TransformerWithMixtureOfExperts) {

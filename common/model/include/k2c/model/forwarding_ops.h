@@ -112,6 +112,13 @@ class ForwardingOps : public Ops {
   void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) override {
     around("scatter_add_rows", [&] { inner_.scatter_add_rows(src, rows, scale, out); });
   }
+  void gather_add_rows(const Tensor& src, const Tensor& rows, int k, const Tensor* scale, Tensor& out) override {
+    around("gather_add_rows", [&] { inner_.gather_add_rows(src, rows, k, scale, out); });
+  }
+  void gather_add_rows_backward(const Tensor& dout, const Tensor& token_of_row, const Tensor& scale, const Tensor& src,
+                                Tensor& dsrc, Tensor& dscale) override {
+    around("gather_add_rows backward", [&] { inner_.gather_add_rows_backward(dout, token_of_row, scale, src, dsrc, dscale); });
+  }
   void row_dot(const Tensor& a, const Tensor& b, Tensor& out) override { around("row_dot", [&] { inner_.row_dot(a, b, out); }); }
   void scale_rows(Tensor& x, const Tensor& s) override { around("scale_rows", [&] { inner_.scale_rows(x, s); }); }
   std::vector<double> column_sums(const Tensor& x) override {

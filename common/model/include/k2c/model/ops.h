@@ -183,6 +183,19 @@ class Ops {
   virtual void gather_rows(const Tensor& src, const Tensor& rows, Tensor& out) = 0;
   // out[rows[r], :] += scale[r] · src[r, :] in order of r (scale null: 1); src [R, D]. [bf16]
   virtual void scatter_add_rows(const Tensor& src, const Tensor& rows, const Tensor* scale, Tensor& out) = 0;
+  // The same sums seen from the output: out[n, :] += scale[r] · src[r, :] for each of token n's k
+  // rows r = rows[n·k + j] (scale null: 1), in increasing order of r (equal rows in order of j).
+  // Where rows is the inverse of scatter_add_rows's row list (route_rows's row_of is the inverse of
+  // its token_of_row), both add the same products in the same order. Each output row is one
+  // token's, so a device backend adds without atomics, in the CPU's order. rows i32 [N·k], src
+  // [R, D], out [N, D]; a row outside src throws. [bf16]
+  virtual void gather_add_rows(const Tensor& src, const Tensor& rows, int k, const Tensor* scale, Tensor& out) = 0;
+  // Its gradient, row by row: dsrc[r, :] = scale[r] · dout[t, :] and dscale[r] = dout[t, :] · src[r, :]
+  // (summed as row_dot sums), t = token_of_row[r], the token whose output row r added into (so
+  // token_of_row [R] i32 is the inverse of gather_add_rows's rows). dout [N, D], src and dsrc
+  // [R, D], scale and dscale [R]. [bf16]: dout, src, dsrc.
+  virtual void gather_add_rows_backward(const Tensor& dout, const Tensor& token_of_row, const Tensor& scale,
+                                        const Tensor& src, Tensor& dsrc, Tensor& dscale) = 0;
   // out[r] = a[r, :] · b[r, :].
   virtual void row_dot(const Tensor& a, const Tensor& b, Tensor& out) = 0;
   // x[r, :] *= scale[r].
