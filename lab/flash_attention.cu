@@ -15,7 +15,8 @@
 // consumers' turns, d = 128. "hopper_fwd64": the same kernels at d = 64, at the graded shape and
 // at the capstone's (B 16, H 12, N 1024), with 2 and 4 ring slots. "capstone": the capstone's
 // attention (d = 64, B 16, H 12, N 1024, causal) as course mode calls it, and the backward's passes
-// around its kernel. "once": one shipped
+// around its kernel. "depth": Part B's backward with its copies one step ahead (shipped) and two,
+// at the graded shapes and the capstone's. "once": one shipped
 // forward, backward and Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
@@ -104,7 +105,7 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
 // backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
 // of close variants in alternating rounds.
-enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone };
+enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone, depth };
 
 // Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
 // back to back); prints the rate per round and the ratio of the middle two rounds' mean times
@@ -222,6 +223,16 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
           20);
       std::printf("  backward's passes around its kernel (D, zeroing, dQ conversion)  (%.3f ms)\n", ms);
     }
+  } else if (mode == Mode::depth) {
+    // Part B's backward with the copies of Q, dO, lse and D one step ahead (shipped) and two.
+    using Two = fa::HopperBackwardTile<D>;
+    using Three = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 3>;
+    backward_variant<Two, true>("Part B, copies 1 step ahead", s, b, flops);
+    backward_variant<Three, true>("Part B, copies 2 steps ahead", s, b, flops);
+    const fa::Params p = backward_params(s, b);
+    rounds("backward: 1 step ahead / 2 steps ahead, TFLOP/s", 2.5 * flops,
+           [&] { fa::launch_backward<Two, fa::hopper_backward_kernel<Two>>(p, s, nullptr); },
+           [&] { fa::launch_backward<Three, fa::hopper_backward_kernel<Three>>(p, s, nullptr); });
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
@@ -310,9 +321,15 @@ int main(int argc, char** argv) {
                       : arg == "hopper_fwd" ? Mode::hopper_forward
                       : arg == "hopper_fwd64" ? Mode::hopper_forward64
                       : arg == "capstone"     ? Mode::capstone
+                      : arg == "depth"        ? Mode::depth
                                             : Mode::tiles;
     if (mode == Mode::capstone) {
       sweep<64>(true, mode, 16, 12, 1024);
+    } else if (mode == Mode::depth) {
+      sweep<128>(true, mode);
+      sweep<128>(false, mode);
+      sweep<64>(true, mode);
+      sweep<64>(true, mode, 16, 12, 1024);  // the capstone's attention
     } else if (mode == Mode::hopper_forward64) {
       sweep<64>(true, mode);
       sweep<64>(false, mode);

@@ -343,10 +343,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // kProbe: what a step leaves out, for lab/flash_attention.cu's timing probes only (their results
 // are wrong; the library never launches them): dQ's atomic adds, or dQ altogether, with or
 // without the barrier that publishes dSᵀ to it.
+// kBuffers: the Q, dO, lse and D buffers, so kBuffers − 1 steps' copies are in flight while a step
+// computes (2: the next step's only).
 enum class BackwardProbe { none, no_dq_adds, no_dq, no_dq_no_barrier };
-template <int D_, BackwardProbe kProbe_ = BackwardProbe::none>
+template <int D_, BackwardProbe kProbe_ = BackwardProbe::none, int kBuffers_ = 2>
 struct HopperBackwardTile {
-  static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256;
+  static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256, kBuffers = kBuffers_;
   static constexpr BackwardProbe kProbe = kProbe_;
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
@@ -357,7 +359,8 @@ struct HopperBackwardTile {
   // At D = 64 the warpgroups swap the halves of their dQ blocks that the other one adds: 16 floats
   // a thread each way (see the kernel).
   static constexpr int kSwapBytes = D == 64 ? 2 * 128 * 16 * 4 : 0;
-  static constexpr int kSmemBytes = 2 * kKvBytes + 4 * kRowBytes + kDsBytes + 4 * kRows * 4 + kSwapBytes + 1024;
+  static constexpr int kSmemBytes =
+      2 * kKvBytes + 2 * kBuffers * kRowBytes + kDsBytes + 2 * kBuffers * kRows * 4 + kSwapBytes + 1024;
 };
 
 template <class T, bool kTokens = false>
@@ -368,12 +371,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   extern __shared__ unsigned char smem_raw[];
   const std::uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
   const std::uint32_t sK = base, sV = base + T::kKvBytes;
-  auto sQ = [&](int t) { return base + 2 * T::kKvBytes + (t & 1) * T::kRowBytes; };
-  auto sdO = [&](int t) { return base + 2 * T::kKvBytes + (2 + (t & 1)) * T::kRowBytes; };
-  const std::uint32_t sdS = base + 2 * T::kKvBytes + 4 * T::kRowBytes;  // dSᵀ: BN rows of BM, one block
-  float* s_lse = reinterpret_cast<float*>(smem_raw + (sdS + T::kDsBytes - smem_addr(smem_raw)));  // [2][BM]
-  float* s_dot = s_lse + 2 * BM;                                                                  // [2][BM]
-  const std::uint32_t sSwap = sdS + T::kDsBytes + 4 * BM * 4;  // D = 64: [warpgroup][4][128] float4
+  constexpr int NB = T::kBuffers;
+  auto sQ = [&](int t) { return base + 2 * T::kKvBytes + (t % NB) * T::kRowBytes; };
+  auto sdO = [&](int t) { return base + 2 * T::kKvBytes + (NB + t % NB) * T::kRowBytes; };
+  const std::uint32_t sdS = base + 2 * T::kKvBytes + 2 * NB * T::kRowBytes;  // dSᵀ: BN rows of BM, one block
+  float* s_lse = reinterpret_cast<float*>(smem_raw + (sdS + T::kDsBytes - smem_addr(smem_raw)));  // [NB][BM]
+  float* s_dot = s_lse + NB * BM;                                                                 // [NB][BM]
+  const std::uint32_t sSwap = sdS + T::kDsBytes + 2 * NB * BM * 4;  // D = 64: [warpgroup][4][128] float4
 
   int rank, g, b;
   launch_place(p.wave_heads, rank, g, b);
@@ -389,13 +393,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     const std::size_t at = p.q_at<D, kTokens>(r + m0);
     load_tile_sw128<BM, D, T::kThreads>(sQ(t), p.q + at, p.q_ld<D, kTokens>(), p.q_len - m0, tid);
     load_tile_sw128<BM, D, T::kThreads>(sdO(t), p.dout + at, p.q_ld<D, kTokens>(), p.q_len - m0, tid);
-    fetch_row_terms<BM>(p, r, m0, s_lse + (t & 1) * BM, s_dot + (t & 1) * BM, tid);
+    fetch_row_terms<BM>(p, r, m0, s_lse + (t % NB) * BM, s_dot + (t % NB) * BM, tid);
   };
 
   load_tile_sw128<BN, D, T::kThreads>(sK, p.k + p.kv_at<D, kTokens>(kv_row0), p.kv_ld<D, kTokens>(), p.kv_len - n0, tid);
   load_tile_sw128<BN, D, T::kThreads>(sV, p.v + p.kv_at<D, kTokens>(kv_row0), p.kv_ld<D, kTokens>(), p.kv_len - n0, tid);
   if (walk.steps > 0) fetch(0);
   tc::cp_async_commit();
+  for (int t = 1; t + 1 < NB; ++t) {  // the other steps in flight at the first, one group each
+    if (t < walk.steps) fetch(t);
+    tc::cp_async_commit();
+  }
 
   float dk[DT][4] = {}, dv[DT][4] = {};     // the warpgroup's 64 key rows, accumulator layout per warp
   const int key_row = 64 * wg + 16 * warp;  // this warp's 16 keys: rows key_row + lane/4 (+8)
@@ -417,14 +425,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     // As in the mma.sync kernel: wait, one barrier, then prefetch into the buffers step t − 1
     // used (its wgmmas were waited for at its end). The fence makes the cp.async data visible
     // to wgmma, which reads shared memory through the async proxy.
-    tc::cp_async_wait<0>();
+    tc::cp_async_wait<NB - 2>();  // this step's group (the later steps' may still be in flight)
     hp::fence_proxy_async();
     __syncthreads();
-    if (t + 1 < walk.steps) fetch(t + 1);
+    if (t + NB - 1 < walk.steps) fetch(t + NB - 1);
     tc::cp_async_commit();
 
     // Sᵀ and dPᵀ, the warpgroup's 64 keys × BM queries, D/16 k16 steps each, as two groups.
-    const std::uint32_t buffer = (t & 1) * T::kRowBytes;  // this step's Q and dO buffers
+    const std::uint32_t buffer = (t % NB) * T::kRowBytes;  // this step's Q and dO buffers
     float sT[QT][4], dpT[QT][4];
     hp::wgmma_fence();
     {
@@ -444,8 +452,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
 
     // Pᵀ and dSᵀ exactly as in the mma.sync kernel: a warp's share of a wgmma accumulator has the
     // layout of mma.sync's n8 tiles.
-    const float* lse = s_lse + (t & 1) * BM;
-    const float* dot = s_dot + (t & 1) * BM;
+    const float* lse = s_lse + (t % NB) * BM;
+    const float* dot = s_dot + (t % NB) * BM;
     const bool masked = n0 + BN > p.kv_len || (p.causal && n0 + BN - 1 > m0 + mask.offset);
     hp::wgmma_wait<1>();  // Sᵀ is done; dPᵀ may still run
 #pragma unroll
