@@ -308,8 +308,9 @@ void once() {
 }
 
 // Arguments: "unroll" runs the unrolling, dQ and launch-order variants, "hopper_bwd" the wgmma
-// backward beside the shipped one, "once" one forward and the two backwards for a profiler; none
-// runs the tile sweep.
+// backward beside the shipped one, "rounds", "hopper_fwd", "hopper_fwd64", "capstone" and "depth"
+// as the header says, "once" one forward and the two backwards for a profiler; none runs the tile
+// sweep.
 int main(int argc, char** argv) {
   const std::string arg = argc > 1 ? argv[1] : "";
   if (arg == "once") {

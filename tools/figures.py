@@ -8,7 +8,9 @@
 
 Every number in a lecture, a handout or the README that was measured on the reference GPU lives
 in `autograder/reference/h200.json` (graded runs, benchmark sweeps) or in
-`lab/results/h200.json` (the research programs of lab/), and nowhere else. The Markdown holds a marker around it, and
+`lab/results/h200.json` (the research programs of lab/), or, for the runs made on an H100, in their
+H100 counterparts (`autograder/reference/h100.json`, `lab/results/h100.json`), and nowhere else. The
+Markdown holds a marker around it, and
 this tool writes what sits between the markers. Markers are HTML comments, so they do not show
 when the Markdown is rendered:
 

@@ -187,10 +187,12 @@ std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::
   const double R = N * k;
   const double rows = expert_kind ? R * ((12 + (a < 4 ? a : 0)) * d + 3 * a * de) : R * ((a + 4) * d + 3 * a * de);
   const double moe_saved = N * 4 * E + R * 4 * (expert_kind ? 2 : 5) + rows + N * (3 * dsh * a + (expert_kind ? 4 * d : 0));
-  // The experts' backward: dh, dg and du in the activation dtype, the output gradient's rows
-  // rounded under bf16, and fp32 rows of R × d: the output gradient, the input gradient and its
-  // second part (and 17's own copy of the output gradient before its exchange).
-  const double expert_grads = R * (3 * a * de + (expert_kind ? 16 : 12) * d + (a < 4 ? a * d : 0));
+  // The experts' backward: dh, dg and du in the activation dtype; the output gradient's rows (the
+  // library's layer writes them in the activation dtype; 17 receives fp32 rows, rounds a copy under
+  // bf16, and keeps its own copy from before its exchange); fp32 rows of R × d for the input
+  // gradient and its second part.
+  const double expert_grads =
+      R * (3 * a * de + (expert_kind ? 16 * d + (a < 4 ? a * d : 0) : 8 * d + a * d));
   double block_saved = 0, block_grads = 0;
   if (expert_kind) {  // the capstone's own block around 17's layer
     block_saved = N * (d * a + 16 * d + (tensor ? 4 : a) * d + 8) + attn_saved + moe_saved;

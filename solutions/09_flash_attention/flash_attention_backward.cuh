@@ -349,6 +349,7 @@ enum class BackwardProbe { none, no_dq_adds, no_dq, no_dq_no_barrier };
 template <int D_, BackwardProbe kProbe_ = BackwardProbe::none, int kBuffers_ = 2>
 struct HopperBackwardTile {
   static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256, kBuffers = kBuffers_;
+  static_assert(kBuffers >= 2, "a step's copies and the next step's at least");
   static constexpr BackwardProbe kProbe = kProbe_;
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
@@ -371,7 +372,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   extern __shared__ unsigned char smem_raw[];
   const std::uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
   const std::uint32_t sK = base, sV = base + T::kKvBytes;
-  constexpr int NB = T::kBuffers;
+  constexpr unsigned NB = T::kBuffers;  // unsigned: t % NB compiles to t & 1 where NB = 2
   auto sQ = [&](int t) { return base + 2 * T::kKvBytes + (t % NB) * T::kRowBytes; };
   auto sdO = [&](int t) { return base + 2 * T::kKvBytes + (NB + t % NB) * T::kRowBytes; };
   const std::uint32_t sdS = base + 2 * T::kKvBytes + 2 * NB * T::kRowBytes;  // dSᵀ: BN rows of BM, one block
@@ -400,7 +401,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   load_tile_sw128<BN, D, T::kThreads>(sV, p.v + p.kv_at<D, kTokens>(kv_row0), p.kv_ld<D, kTokens>(), p.kv_len - n0, tid);
   if (walk.steps > 0) fetch(0);
   tc::cp_async_commit();
-  for (int t = 1; t + 1 < NB; ++t) {  // the other steps in flight at the first, one group each
+  for (int t = 1; t + 1 < T::kBuffers; ++t) {  // the other steps in flight at the first, one group each
     if (t < walk.steps) fetch(t);
     tc::cp_async_commit();
   }
@@ -425,10 +426,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     // As in the mma.sync kernel: wait, one barrier, then prefetch into the buffers step t − 1
     // used (its wgmmas were waited for at its end). The fence makes the cp.async data visible
     // to wgmma, which reads shared memory through the async proxy.
-    tc::cp_async_wait<NB - 2>();  // this step's group (the later steps' may still be in flight)
+    tc::cp_async_wait<T::kBuffers - 2>();  // this step's group (the later steps' may still be in flight)
     hp::fence_proxy_async();
     __syncthreads();
-    if (t + NB - 1 < walk.steps) fetch(t + NB - 1);
+    if (t + T::kBuffers - 1 < walk.steps) fetch(t + T::kBuffers - 1);
     tc::cp_async_commit();
 
     // Sᵀ and dPᵀ, the warpgroup's 64 keys × BM queries, D/16 k16 steps each, as two groups.

@@ -741,15 +741,15 @@ class CudaOps final : public Ops {
   static constexpr int kMaxGatherAdd = 4096;  // rows a token: the block sorts them in shared memory
   void gather_add_rows(const Tensor& src, const Tensor& rows, int k, const Tensor* scale, Tensor& out) override {
     const Matrix m = checks::gather_add_rows_args(src, rows, k, scale, out);
+    if (k > kMaxGatherAdd)
+      throw std::invalid_argument("gather_add_rows: " + std::to_string(k) + " rows a token, more than the GPU backend's " +
+                                  std::to_string(kMaxGatherAdd));
     float_dtype(src, "gather_add_rows source");
     if (float_dtype(out, "gather_add_rows output") == DType::bf16) {  // summed in fp32, rounded once
       Wide wo(*this, out, Use::in_out);
       gather_add_rows(src, rows, k, scale, wo);
       return wo.store();
     }
-    if (k > kMaxGatherAdd)
-      throw std::invalid_argument("gather_add_rows: " + std::to_string(k) + " rows a token, more than the GPU backend's " +
-                                  std::to_string(kMaxGatherAdd));
     const RowLaunch l = row_launch(m.rows, as_matrix(src), {src.raw(), out.raw()});  // bound: src's rows
     if (!l.blocks) return;
     int* bad = index_flag(kGatherAddRows);

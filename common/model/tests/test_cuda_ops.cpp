@@ -446,6 +446,9 @@ TEST(CudaOps, GatherAddRowsMatchesTheCpuBitForBit) {
                      "gather_add_rows: a row outside the source");
   EXPECT_THROW(cpu_ops().gather_add_rows(src.cpu, bad.cpu, 2, nullptr, out.cpu), std::out_of_range);
   EXPECT_THROW(gpu().gather_add_rows(src.gpu, repeated.gpu, 3, nullptr, out.gpu), std::invalid_argument);
+  Pair many = t.ints({4097}, std::vector<std::int32_t>(4097, 0)), one_row = t.random({1, 9});  // past the GPU's k
+  EXPECT_THROW(gpu().gather_add_rows(src.gpu, many.gpu, 4097, nullptr, one_row.gpu), std::invalid_argument);
+  EXPECT_NO_THROW(cpu_ops().gather_add_rows(src.cpu, many.cpu, 4097, nullptr, one_row.cpu));
   Pair far = t.ints({6}, {0, 1, 2, 3, 2, 1}), w = t.random({6}), ds = t.nans({6, 9}, DType::f32), dw = t.nans({6}, DType::f32);
   expect_index_error([&] { gpu().gather_add_rows_backward(out.gpu, far.gpu, w.gpu, src.gpu, ds.gpu, dw.gpu); }, dw.gpu,
                      "gather_add_rows_backward: a token outside");

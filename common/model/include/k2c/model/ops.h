@@ -188,12 +188,14 @@ class Ops {
   // Where rows is the inverse of scatter_add_rows's row list (route_rows's row_of is the inverse of
   // its token_of_row), both add the same products in the same order. Each output row is one
   // token's, so a device backend adds without atomics, in the CPU's order. rows i32 [N·k], src
-  // [R, D], out [N, D]; a row outside src throws. [bf16]
+  // [R, D], scale fp32 [R] (by source row, as scatter_add_rows's), out [N, D]; a row outside src
+  // throws std::out_of_range. The GPU backend takes k up to 4096. [bf16]: src, out.
   virtual void gather_add_rows(const Tensor& src, const Tensor& rows, int k, const Tensor* scale, Tensor& out) = 0;
   // Its gradient, row by row: dsrc[r, :] = scale[r] · dout[t, :] and dscale[r] = dout[t, :] · src[r, :]
-  // (summed as row_dot sums), t = token_of_row[r], the token whose output row r added into (so
-  // token_of_row [R] i32 is the inverse of gather_add_rows's rows). dout [N, D], src and dsrc
-  // [R, D], scale and dscale [R]. [bf16]: dout, src, dsrc.
+  // (a dot product, summed in the CPU backend's order as its row_dot sums), t = token_of_row[r], the
+  // token whose output row r added into (so token_of_row [R] i32 is the inverse of
+  // gather_add_rows's rows); a token outside dout throws std::out_of_range. dout [N, D], src and
+  // dsrc [R, D], scale and dscale fp32 [R]. [bf16]: dout, src, dsrc.
   virtual void gather_add_rows_backward(const Tensor& dout, const Tensor& token_of_row, const Tensor& scale,
                                         const Tensor& src, Tensor& dsrc, Tensor& dscale) = 0;
   // out[r] = a[r, :] · b[r, :].
