@@ -49,18 +49,19 @@ int main(int argc, char** argv) {
   bool check = true;
   std::string out_json;
   col::RingOptions ring;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "-b") begin = kd::parse_size(v);
-    else if (a == "-e") end = kd::parse_size(v);
-    else if (a == "-f") factor = std::atof(v.c_str());
-    else if (a == "-n") iters = std::atoi(v.c_str());
-    else if (a == "-w") warmup = std::atoi(v.c_str());
-    else if (a == "-c") check = std::atoi(v.c_str()) != 0;
-    else if (a == "-o") out_json = v;
-    else if (a == "--min-chunk") ring.min_chunk_bytes = kd::parse_size(v);
-    else if (a == "--max-chunks") ring.max_chunks = std::atoi(v.c_str());
-  }
+  const kd::FlagSetters flags{
+      {"-b", [&](const std::string& v) { begin = kd::parse_size(v); }},
+      {"-e", [&](const std::string& v) { end = kd::parse_size(v); }},
+      {"-f", [&](const std::string& v) { factor = std::atof(v.c_str()); }},
+      {"-n", [&](const std::string& v) { iters = std::atoi(v.c_str()); }},
+      {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
+      {"-c", [&](const std::string& v) { check = std::atoi(v.c_str()) != 0; }},
+      {"-o", [&](const std::string& v) { out_json = v; }},
+      {"--min-chunk", [&](const std::string& v) { ring.min_chunk_bytes = kd::parse_size(v); }},
+      {"--max-chunks", [&](const std::string& v) { ring.max_chunks = std::atoi(v.c_str()); }}};
+  if (!kd::parse_flags(argc, argv, flags,
+                       "[-b 1M] [-e 1G] [-f 2] [-n 20] [-w 5] [-c 1] [-o out.json] [--min-chunk 512M] [--max-chunks 8]"))
+    return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     kd::PointToPointView p2p(w);
     const int n = w.size(), r = w.rank();

@@ -65,22 +65,19 @@ int main(int argc, char** argv) {
   std::string model_name, sizes_arg, csv, json;
   int rows_per_rank = 0, repeats = 10, warmup = 3;  // rows 0: the model's default
   bool ledger = false, step_for_ledger = true;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--model") model_name = value();
-    else if (a == "--rows") rows_per_rank = std::atoi(value().c_str());
-    else if (a == "-b") sizes_arg = value();
-    else if (a == "-n") repeats = std::atoi(value().c_str());
-    else if (a == "-w") warmup = std::atoi(value().c_str());
-    else if (a == "--csv") csv = value();
-    else if (a == "-o") json = value();
-    else if (a == "--ledger") ledger = true;
-    else if (a == "--no-step") step_for_ledger = false;
-  }
+  const kd::FlagSetters flags{{"--model", [&](const std::string& v) { model_name = v; }},
+                              {"--rows", [&](const std::string& v) { rows_per_rank = std::atoi(v.c_str()); }},
+                              {"-b", [&](const std::string& v) { sizes_arg = v; }},
+                              {"-n", [&](const std::string& v) { repeats = std::atoi(v.c_str()); }},
+                              {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
+                              {"--csv", [&](const std::string& v) { csv = v; }},
+                              {"-o", [&](const std::string& v) { json = v; }}};
+  const kd::FlagSwitches switches{{"--ledger", [&] { ledger = true; }}, {"--no-step", [&] { step_for_ledger = false; }}};
+  if (!kd::parse_flags(argc, argv, flags,
+                       "[--model tiny|perf|135m] [--rows R] [-b 1M,10M,100M,1000M] [-n 10] [-w 3] [--csv out.csv] "
+                       "[-o out.json] [--ledger [--no-step]]",
+                       switches))
+    return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const bool gpu = w.backend() == kd::Backend::nccl;
     const int n = w.size(), rank = w.rank();

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "k2c/dist/bench.h"
 #include "k2c/dist/counting.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
@@ -59,13 +60,11 @@ double sent_per_rank(const kd::CountingCommunicator& c) {
 int main(int argc, char** argv) {
   std::string model_name = "deep", out_json;
   int warmup = 2, repeats = 5;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--model") model_name = v;
-    else if (a == "-w") warmup = std::atoi(v.c_str());
-    else if (a == "-n") repeats = std::atoi(v.c_str());
-    else if (a == "-o") out_json = v;
-  }
+  const kd::FlagSetters flags{{"--model", [&](const std::string& v) { model_name = v; }},
+                              {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
+                              {"-n", [&](const std::string& v) { repeats = std::atoi(v.c_str()); }},
+                              {"-o", [&](const std::string& v) { out_json = v; }}};
+  if (!kd::parse_flags(argc, argv, flags, "[--model tiny|deep|gpu] [-w 2] [-n 5] [-o out.json]")) return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const km::ModelConfig c = model_name == "tiny" ? tiny_model() : model_name == "gpu" ? gpu_model() : deep_model();
     if (model_name != "tiny" && model_name != "deep" && model_name != "gpu")

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "k2c/dist/bench.h"
 #include "k2c/dist/runtime.h"
 #include "k2c/dist/timing.h"
 #include "k2c/model/backend.h"
@@ -129,16 +130,15 @@ int main(int argc, char** argv) {
   std::string model_name, out_dir = ".";
   int m = 0, rows = 0, warmup = 2, repeats = 5;
   bool plot = true;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i], v = i + 1 < argc ? argv[i + 1] : "";
-    if (a == "--no-plot") plot = false;
-    else if (a == "--model") model_name = v, ++i;
-    else if (a == "-m") m = std::atoi(v.c_str()), ++i;
-    else if (a == "--rows") rows = std::atoi(v.c_str()), ++i;
-    else if (a == "-w") warmup = std::atoi(v.c_str()), ++i;
-    else if (a == "-n") repeats = std::atoi(v.c_str()), ++i;
-    else if (a == "-o") out_dir = v, ++i;
-  }
+  const kd::FlagSetters flags{{"--model", [&](const std::string& v) { model_name = v; }},
+                              {"-m", [&](const std::string& v) { m = std::atoi(v.c_str()); }},
+                              {"--rows", [&](const std::string& v) { rows = std::atoi(v.c_str()); }},
+                              {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
+                              {"-n", [&](const std::string& v) { repeats = std::atoi(v.c_str()); }},
+                              {"-o", [&](const std::string& v) { out_dir = v; }}};
+  if (!kd::parse_flags(argc, argv, flags, "[--model cpu|gpu] [-m M] [--rows R] [-w 2] [-n 5] [-o DIR] [--no-plot]",
+                       {{"--no-plot", [&] { plot = false; }}}))
+    return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {
     const int s = w.rank(), p = w.size();
     if (model_name.empty()) model_name = w.backend() == kd::Backend::nccl ? "gpu" : "cpu";

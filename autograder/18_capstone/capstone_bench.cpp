@@ -1,14 +1,5 @@
 // capstone_bench.cpp — k2c_capstone: train the course's transformer on a dp × tp × pp × ep grid.
-//
-//   k2c run -np 8 build/solutions/bin/k2c_capstone --grid dp2,tp2,pp2 --data datasets/grammar
-//           [--config tiny|tiny-moe|dense-135m|moe-135m] [--steps N] [--batch B]
-//           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
-//           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
-//           [--samples N] [--peak-tflops P] [--kernels course|trusted]
-//           [--activations f32|bf16] [--time-ops] [--traffic] [--bucket-mib X]
-//   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--data DIR] [--batch B] [--micro-batches M]
-//                [--gpipe] [--activations f32|bf16] [--zero N] [--json plan.json]
-//   k2c_capstone --plan-ranks 8 [the same flags but --grid]
+// The command lines are kUsage's, below the includes (`k2c_capstone --help` prints them).
 //
 // --bucket-mib X sizes DataParallel's buckets (module 12; 1 MiB by default): on a data-parallel
 // grid, how many all-reduces a step starts under backward.
@@ -111,6 +102,20 @@ std::string quoted(const std::string& s) {
   return q + "\"";
 }
 
+constexpr const char* kUsage = R"(usage:
+  k2c run -np 8 build/solutions/bin/k2c_capstone --grid dp2,tp2,pp2 --data datasets/grammar
+          [--config tiny|tiny-moe|dense-135m|moe-135m] [--steps N] [--batch B]
+          [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
+          [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
+          [--samples N] [--peak-tflops P] [--kernels course|trusted]
+          [--activations f32|bf16] [--time-ops] [--traffic] [--bucket-mib X]
+  k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--data DIR] [--batch B] [--micro-batches M]
+               [--gpipe] [--activations f32|bf16] [--zero N] [--json plan.json]
+  k2c_capstone --plan-ranks 8 [the same flags but --grid]
+One GPU: k2c run -np 1 --backend nccl build/solutions/bin/k2c_capstone --config dense-135m ...
+What each flag does: the top of autograder/18_capstone/capstone_bench.cpp.
+)";
+
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -179,7 +184,7 @@ Options parse(int argc, char** argv) {
       o.plan_ranks = static_cast<int>(n), o.plan = true;
     }
     else if (a == "--traffic") o.traffic = true;
-    else throw UsageError("unknown argument '" + a + "' (see the top of autograder/18_capstone/capstone_bench.cpp)");
+    else throw UsageError("unknown argument '" + a + "' (k2c_capstone --help lists them)");
   }
   if (o.kernels != "course" && o.kernels != "trusted")
     throw UsageError("--kernels " + o.kernels + ": course or trusted");
@@ -528,6 +533,11 @@ int run(k2c::dist::Communicator& world, const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
+      std::cout << kUsage;
+      return 0;
+    }
   Options o;
   try {
     o = parse(argc, argv);

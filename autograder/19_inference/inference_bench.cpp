@@ -1,11 +1,6 @@
 // autograder/19_inference/inference_bench.cpp — k2c_inference: serving a trace co-located and
-// disaggregated, and the bandwidth the disaggregated cache transfer needs.
-//
-//   mpirun -np 1|2 k2c_inference [-n 32] [-r 20] [-p 16,256] [-o 8,64] [-b 8] [--pages 0]
-//                                [--page 16] [--split 256] [--model tiny|small] [--cost]
-//                                [--seed 1] [-j out.json]
-//   mpirun -np 1 k2c_inference --sweep 1,2,4,...,256 [--context 1024] [--model ...] [-j out.json]
-//   (or: k2c run -np 2 build/solutions/bin/k2c_inference ...)
+// disaggregated, and the bandwidth the disaggregated cache transfer needs. The command lines are
+// kUsage's, below the includes (`k2c_inference --help` prints them).
 //
 // --sweep: decode throughput against batch size. For each batch size B it prefills B prompts of
 // --context tokens, then times decode steps of all B sequences (median of 10 after 2 warm-up)
@@ -81,6 +76,15 @@ std::pair<int, int> parse_range(const std::string& s) {
   return {std::stoi(s.substr(0, comma)), std::stoi(s.substr(comma + 1))};
 }
 
+constexpr const char* kUsage = R"(usage:
+  mpirun -np 1|2 k2c_inference [-n 32] [-r 20] [-p 16,256] [-o 8,64] [-b 8] [--pages 0]
+                               [--page 16] [--split 256] [--model tiny|small] [--cost]
+                               [--seed 1] [-j out.json]
+  mpirun -np 1 k2c_inference --sweep 1,2,4,...,256 [--context 1024] [--model ...] [-j out.json]
+  (or: k2c run -np 2 build/solutions/bin/k2c_inference ...)
+What each flag does: the top of autograder/19_inference/inference_bench.cpp.
+)";
+
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -103,7 +107,7 @@ Options parse(int argc, char** argv) {
     else if (a == "-j") o.json = value();
     else if (a == "--sweep") o.sweep = parse_list(value());
     else if (a == "--context") o.context = std::stoi(value());
-    else throw std::invalid_argument("unknown option '" + a + "' (see the top of inference_bench.cpp)");
+    else throw std::invalid_argument("unknown option '" + a + "' (k2c_inference --help lists them)");
   }
   return o;
 }
@@ -207,10 +211,23 @@ void sweep_batches(kd::Communicator& w, km::Ops& ops, const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The command line before MPI starts: help and a bad flag need no ranks (status 2, as every
+  // program of the course gives a bad command line).
+  Options opt;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+  try {
+    opt = parse(argc, argv);
+  } catch (const std::exception& e) {  // std::invalid_argument, and std::stoi's out_of_range
+    std::fprintf(stderr, "k2c_inference: %s\n", e.what());
+    return 2;
+  }
   kd::Runtime runtime(&argc, &argv);
   kd::Communicator& w = runtime.world();
   try {
-    Options opt = parse(argc, argv);
     const bool gpu = w.backend() == kd::Backend::nccl;
     km::Ops* ops = &km::backend_for(gpu, w.compute_stream());
     if (opt.model.empty()) opt.model = gpu ? "small" : "tiny";

@@ -22,6 +22,10 @@ refused() {  # expected message, flags...
   grep -qF -- "$want" <<<"$out" || fail "'$*' said '$out', not '$want'"
   echo "ok: '$*' refused: $out"
 }
+out=$("$prog" --help 2>&1); rc=$?
+[ $rc = 0 ] && grep -qF -- "--grid dp2,tp2,pp2" <<<"$out" || fail "'--help' exited $rc: $out"
+echo "ok: '--help' prints the command lines"
+refused "unknown argument '--no-such-flag' (k2c_capstone --help lists them)" --no-such-flag
 refused "--kernels fast: course or trusted" --kernels fast
 refused "--resume needs --checkpoint FILE" --resume
 refused "--steps: 'many' is not a number" --steps many

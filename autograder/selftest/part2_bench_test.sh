@@ -32,6 +32,17 @@ assert eval(sys.argv[2]), j
 PY
 }
 
+# Every program answers --help with its usage and status 0, and refuses a flag it does not know
+# with status 2 (a typo must not run the defaults), before any rank starts work.
+for prog in k2c_collectives k2c_data_parallel k2c_zero k2c_tensor_parallel k2c_pipeline_parallel \
+            k2c_sequence_parallel k2c_expert_parallel k2c_inference; do
+  out=$("$bin/$prog" --help 2>&1); rc=$?
+  [ $rc = 0 ] && grep -q "usage" <<<"$out" || fail "$prog --help exited $rc: $out"
+  out=$("$mpirun" -np 1 "$bin/$prog" --no-such-flag 1 2>&1); rc=$?
+  [ $rc = 2 ] || fail "$prog --no-such-flag 1 exited $rc, not 2: $out"
+  echo "ok: $prog --help, and an unknown flag refused"
+done
+
 bench 2 k2c_collectives -b 1K -e 8K -f 8 -n 2 -w 1 -c 1 -o coll.json
 holds coll.json "j['ranks'] == 2 and len(j['results']) == 14 and all(r['wrong'] == 0 and r['busbw_gbs'] > 0 for r in j['results'])"
 bench 2 k2c_data_parallel --model tiny -b 1K,64K -n 1 -w 1 -o ddp.json --csv ddp.csv

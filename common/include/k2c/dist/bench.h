@@ -1,9 +1,10 @@
 // k2c/dist/bench.h — the command line and the JSON file of Part II's MPI programs (the sweeps in
 // autograder/NN_name/name_bench.cpp), written once for all of them.
 //
-// Flags come in "-x value" pairs, from nccl-tests' vocabulary where one fits (-b -e -f -n -w -o):
-// parse_flags hands each value to its flag's setter and refuses an unknown flag, or one missing
-// its value, with the program's usage line. Sizes take K, M and G for powers of 1024, as
+// Flags come in "-x value" pairs, from nccl-tests' vocabulary where one fits (-b -e -f -n -w -o),
+// or as switches without a value (--ledger): parse_flags hands each value to its flag's setter,
+// prints the program's usage line for -h or --help, and refuses an unknown flag, or one missing
+// its value, with that line. Sizes take K, M and G for powers of 1024, as
 // nccl-tests' do; lists are comma-separated. A sweep's JSON file is one line holding one object:
 // the run's fields (backend, ranks, the sizes it swept), then "rows", one object per measured
 // point. Fields keep the order they were added in, and numbers print as a C++ stream prints
@@ -57,20 +58,32 @@ inline std::vector<std::int64_t> parse_counts(const std::string& list) {
   return out;
 }
 
-// What each flag does with its value.
+// What each flag does with its value, and each switch (a flag without one) when it is given.
 using FlagSetters = std::map<std::string, std::function<void(const std::string&)>>;
+using FlagSwitches = std::map<std::string, std::function<void()>>;
 
-// Reads argv[1..] as "-flag value" pairs through `flags`. Prints "usage: <program> <usage>" to
-// stderr and returns false on an unknown flag or a flag without its value (the program then
-// exits 2, the code of a bad command line).
-inline bool parse_flags(int argc, char** argv, const FlagSetters& flags, const std::string& usage) {
-  for (int i = 1; i < argc; i += 2) {
-    const auto f = flags.find(argv[i]);
+// Reads argv[1..]: a flag of `flags` takes the next argument as its value, a switch none. -h or
+// --help prints "usage: <program> <usage>" to stdout and exits 0 (before any rank starts work);
+// an unknown flag, or a flag without its value, prints the same line to stderr and returns false
+// (the program then exits 2, the code of a bad command line).
+inline bool parse_flags(int argc, char** argv, const FlagSetters& flags, const std::string& usage,
+                        const FlagSwitches& switches = {}) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::printf("usage: %s %s\n", argv[0], usage.c_str());
+      std::exit(0);
+    }
+    if (const auto s = switches.find(a); s != switches.end()) {
+      s->second();
+      continue;
+    }
+    const auto f = flags.find(a);
     if (f == flags.end() || i + 1 >= argc) {
       std::fprintf(stderr, "usage: %s %s\n", argv[0], usage.c_str());
       return false;
     }
-    f->second(argv[i + 1]);
+    f->second(argv[++i]);
   }
   return true;
 }
