@@ -18,7 +18,8 @@
 // synchronises before each clock reading on NCCL), written to DIR/pipeline_trace.json, which
 // tools/plot_pipeline.py draws as DIR/pipeline_timeline.svg (one row per stage, forward and
 // backward boxes, the gaps between them the bubble). The benchmark runs the tool itself unless
-// --no-plot (with --png FILE the tool also draws a PNG, where matplotlib is installed).
+// --no-plot (`tools/plot_pipeline.py TRACE --png FILE` also draws a PNG, where matplotlib is
+// installed).
 //
 // Recomputation should cost about one more forward per micro-batch, a third of a forward and
 // backward (backward is about twice a forward), and shrink each stage's peak to its inputs

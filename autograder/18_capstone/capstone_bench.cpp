@@ -103,7 +103,7 @@ std::string quoted(const std::string& s) {
 }
 
 constexpr const char* kUsage = R"(usage:
-  k2c run -np 8 build/solutions/bin/k2c_capstone --grid dp2,tp2,pp2 --data datasets/grammar
+  k2c run -np 8 build/<tree>/bin/k2c_capstone [--grid dp2,tp2,pp2] [--data datasets/grammar]
           [--config tiny|tiny-moe|dense-135m|moe-135m] [--steps N] [--batch B]
           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
@@ -112,8 +112,10 @@ constexpr const char* kUsage = R"(usage:
   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--data DIR] [--batch B] [--micro-batches M]
                [--gpipe] [--activations f32|bf16] [--zero N] [--json plan.json]
   k2c_capstone --plan-ranks 8 [the same flags but --grid]
-One GPU: k2c run -np 1 --backend nccl build/solutions/bin/k2c_capstone --config dense-135m ...
-What each flag does: the top of autograder/18_capstone/capstone_bench.cpp.
+One GPU: k2c run -np 1 --backend nccl build/<tree>/bin/k2c_capstone --config dense-135m ...
+(<tree>: solutions or assignments.) Without --grid the grid is 1; without --data the run trains
+on a Markov chain made on the fly. The flags that need more than their name are explained at the
+top of autograder/18_capstone/capstone_bench.cpp.
 )";
 
 struct UsageError : std::runtime_error {

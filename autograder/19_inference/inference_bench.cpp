@@ -81,8 +81,9 @@ constexpr const char* kUsage = R"(usage:
                                [--page 16] [--split 256] [--model tiny|small] [--cost]
                                [--seed 1] [-j out.json]
   mpirun -np 1 k2c_inference --sweep 1,2,4,...,256 [--context 1024] [--model ...] [-j out.json]
-  (or: k2c run -np 2 build/solutions/bin/k2c_inference ...)
-What each flag does: the top of autograder/19_inference/inference_bench.cpp.
+  (or: k2c run -np 2 build/<tree>/bin/k2c_inference ...)
+The flags that need more than their name are explained at the top of
+autograder/19_inference/inference_bench.cpp.
 )";
 
 Options parse(int argc, char** argv) {
@@ -109,6 +110,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--context") o.context = std::stoi(value());
     else throw std::invalid_argument("unknown option '" + a + "' (k2c_inference --help lists them)");
   }
+  if (!o.model.empty() && o.model != "tiny" && o.model != "small")
+    throw std::invalid_argument("--model tiny or small, got '" + o.model + "'");
   return o;
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # capstone_cli_test.sh PROGRAM MPIRUN WORKDIR IMPL — k2c_capstone's command line on two CPU ranks:
-# bad flags, configs, grids and data folders refused with exit 2 and the reason; a dp2 run that writes its progress lines, CSV log,
+# --help; unknown and bad flags, configs, grids and data folders refused with exit 2 and the reason; a dp2 run that writes its progress lines, CSV log,
 # JSON summary (kernels table, one step timed operation by operation) and checkpoint; a resumed run
 # that continues the same log from the checkpoint's step. Skipped (77) in a build from assignments/,
 # whose capstone is the student's to finish.

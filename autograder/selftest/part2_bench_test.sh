@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# part2_bench_test.sh BIN_DIR MPIRUN WORKDIR IMPL — the benchmark programs of modules 11–17 and 19
-# at toy sizes on two CPU ranks (one for the decode sweep), each to its JSON, and the plot tools
+# part2_bench_test.sh BIN_DIR MPIRUN WORKDIR IMPL — the benchmark programs of modules 11–17 and 19:
+# their -h and --help, an unknown flag refused, then each at toy sizes on two CPU ranks (one for
+# the decode sweep and the ledger), each to its JSON, and the plot tools
 # over that JSON where a Python with matplotlib is at hand. On a GPU machine the same programs make
 # the course's figures (tools/gpu-check.sh); here they must start, finish, check their own results
 # (the collectives count wrong elements) and write what the plot tools read. Skipped (77) in a
@@ -36,16 +37,20 @@ PY
 # with status 2 (a typo must not run the defaults), before any rank starts work.
 for prog in k2c_collectives k2c_data_parallel k2c_zero k2c_tensor_parallel k2c_pipeline_parallel \
             k2c_sequence_parallel k2c_expert_parallel k2c_inference; do
-  out=$("$bin/$prog" --help 2>&1); rc=$?
-  [ $rc = 0 ] && grep -q "usage" <<<"$out" || fail "$prog --help exited $rc: $out"
-  out=$("$mpirun" -np 1 "$bin/$prog" --no-such-flag 1 2>&1); rc=$?
-  [ $rc = 2 ] || fail "$prog --no-such-flag 1 exited $rc, not 2: $out"
-  echo "ok: $prog --help, and an unknown flag refused"
+  for help in -h --help; do
+    out=$("$bin/$prog" $help 2>/dev/null); rc=$?
+    [ $rc = 0 ] && grep -q "^usage:" <<<"$out" || fail "$prog $help exited $rc, printing '$out' on stdout"
+  done
+  out=$("$mpirun" -np 1 "$bin/$prog" --no-such-flag 1 2>&1 > /dev/null); rc=$?
+  [ $rc = 2 ] && grep -q "usage:\|--help lists them" <<<"$out" || fail "$prog --no-such-flag 1 exited $rc, saying '$out'"
+  echo "ok: $prog -h and --help, and an unknown flag refused"
 done
 
 bench 2 k2c_collectives -b 1K -e 8K -f 8 -n 2 -w 1 -c 1 -o coll.json
 holds coll.json "j['ranks'] == 2 and len(j['results']) == 14 and all(r['wrong'] == 0 and r['busbw_gbs'] > 0 for r in j['results'])"
 bench 2 k2c_data_parallel --model tiny -b 1K,64K -n 1 -w 1 -o ddp.json --csv ddp.csv
+bench 1 k2c_data_parallel --model tiny --ledger --no-step
+grep -q "^parameters" out.txt || fail "k2c_data_parallel --ledger printed no ledger"
 holds ddp.json "j['ranks'] == 2 and j['parameters'] > 0 and len(j['results']) == 4"
 bench 2 k2c_zero --model tiny -w 1 -n 1 -o zero.json
 holds zero.json "len(j['rows']) == 5"
