@@ -52,13 +52,13 @@ int main(int argc, char** argv) {
   const kd::FlagSetters flags{
       {"-b", [&](const std::string& v) { begin = kd::parse_size(v); }},
       {"-e", [&](const std::string& v) { end = kd::parse_size(v); }},
-      {"-f", [&](const std::string& v) { factor = std::atof(v.c_str()); }},
-      {"-n", [&](const std::string& v) { iters = std::atoi(v.c_str()); }},
-      {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
-      {"-c", [&](const std::string& v) { check = std::atoi(v.c_str()) != 0; }},
+      {"-f", [&](const std::string& v) { factor = std::stod(v); }},
+      {"-n", [&](const std::string& v) { iters = std::stoi(v); }},
+      {"-w", [&](const std::string& v) { warmup = std::stoi(v); }},
+      {"-c", [&](const std::string& v) { check = std::stoi(v) != 0; }},
       {"-o", [&](const std::string& v) { out_json = v; }},
       {"--min-chunk", [&](const std::string& v) { ring.min_chunk_bytes = kd::parse_size(v); }},
-      {"--max-chunks", [&](const std::string& v) { ring.max_chunks = std::atoi(v.c_str()); }}};
+      {"--max-chunks", [&](const std::string& v) { ring.max_chunks = std::stoi(v); }}};
   if (!kd::parse_flags(argc, argv, flags,
                        "[-b 1M] [-e 1G] [-f 2] [-n 20] [-w 5] [-c 1] [-o out.json] [--min-chunk 512M] [--max-chunks 8]"))
     return 2;

@@ -66,10 +66,10 @@ int main(int argc, char** argv) {
   int rows_per_rank = 0, repeats = 10, warmup = 3;  // rows 0: the model's default
   bool ledger = false, step_for_ledger = true;
   const kd::FlagSetters flags{{"--model", [&](const std::string& v) { model_name = v; }},
-                              {"--rows", [&](const std::string& v) { rows_per_rank = std::atoi(v.c_str()); }},
+                              {"--rows", [&](const std::string& v) { rows_per_rank = std::stoi(v); }},
                               {"-b", [&](const std::string& v) { sizes_arg = v; }},
-                              {"-n", [&](const std::string& v) { repeats = std::atoi(v.c_str()); }},
-                              {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
+                              {"-n", [&](const std::string& v) { repeats = std::stoi(v); }},
+                              {"-w", [&](const std::string& v) { warmup = std::stoi(v); }},
                               {"--csv", [&](const std::string& v) { csv = v; }},
                               {"-o", [&](const std::string& v) { json = v; }}};
   const kd::FlagSwitches switches{{"--ledger", [&] { ledger = true; }}, {"--no-step", [&] { step_for_ledger = false; }}};

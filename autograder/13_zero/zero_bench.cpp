@@ -61,8 +61,8 @@ int main(int argc, char** argv) {
   std::string model_name = "deep", out_json;
   int warmup = 2, repeats = 5;
   const kd::FlagSetters flags{{"--model", [&](const std::string& v) { model_name = v; }},
-                              {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
-                              {"-n", [&](const std::string& v) { repeats = std::atoi(v.c_str()); }},
+                              {"-w", [&](const std::string& v) { warmup = std::stoi(v); }},
+                              {"-n", [&](const std::string& v) { repeats = std::stoi(v); }},
                               {"-o", [&](const std::string& v) { out_json = v; }}};
   if (!kd::parse_flags(argc, argv, flags, "[--model tiny|deep|gpu] [-w 2] [-n 5] [-o out.json]")) return 2;
   return kd::run(argc, argv, [&](kd::Communicator& w) {

@@ -132,10 +132,10 @@ int main(int argc, char** argv) {
   int m = 0, rows = 0, warmup = 2, repeats = 5;
   bool plot = true;
   const kd::FlagSetters flags{{"--model", [&](const std::string& v) { model_name = v; }},
-                              {"-m", [&](const std::string& v) { m = std::atoi(v.c_str()); }},
-                              {"--rows", [&](const std::string& v) { rows = std::atoi(v.c_str()); }},
-                              {"-w", [&](const std::string& v) { warmup = std::atoi(v.c_str()); }},
-                              {"-n", [&](const std::string& v) { repeats = std::atoi(v.c_str()); }},
+                              {"-m", [&](const std::string& v) { m = std::stoi(v); }},
+                              {"--rows", [&](const std::string& v) { rows = std::stoi(v); }},
+                              {"-w", [&](const std::string& v) { warmup = std::stoi(v); }},
+                              {"-n", [&](const std::string& v) { repeats = std::stoi(v); }},
                               {"-o", [&](const std::string& v) { out_dir = v; }}};
   if (!kd::parse_flags(argc, argv, flags, "[--model cpu|gpu] [-m M] [--rows R] [-w 2] [-n 5] [-o DIR] [--no-plot]",
                        {{"--no-plot", [&] { plot = false; }}}))

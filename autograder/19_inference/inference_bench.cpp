@@ -26,11 +26,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <tuple>
 #include <vector>
 
@@ -58,11 +60,23 @@ struct Options {
   int context = 1024;      // prompt tokens per sequence in --sweep
 };
 
+// The value of `flag` as a number: std::stoi and its kin refuse a value without saying whose.
+template <class T>
+T number(const std::string& flag, const std::string& v) {
+  try {
+    if constexpr (std::is_same_v<T, int>) return std::stoi(v);
+    else if constexpr (std::is_same_v<T, double>) return std::stod(v);
+    else return static_cast<T>(std::stoull(v));
+  } catch (const std::logic_error&) {
+    throw std::invalid_argument(flag + " '" + v + "' is not a number");
+  }
+}
+
 std::vector<int> parse_list(const std::string& s) {
   std::vector<int> out;
   std::stringstream in(s);
   for (std::string item; std::getline(in, item, ',');) {
-    const int v = std::stoi(item);
+    const int v = number<int>("--sweep", item);
     if (v < 1) throw std::invalid_argument("--sweep takes batch sizes >= 1, got " + item);
     out.push_back(v);
   }
@@ -70,10 +84,10 @@ std::vector<int> parse_list(const std::string& s) {
   return out;
 }
 
-std::pair<int, int> parse_range(const std::string& s) {
+std::pair<int, int> parse_range(const std::string& flag, const std::string& s) {
   const std::size_t comma = s.find(',');
-  if (comma == std::string::npos) throw std::invalid_argument("expected MIN,MAX, got '" + s + "'");
-  return {std::stoi(s.substr(0, comma)), std::stoi(s.substr(comma + 1))};
+  if (comma == std::string::npos) throw std::invalid_argument(flag + " expects MIN,MAX, got '" + s + "'");
+  return {number<int>(flag, s.substr(0, comma)), number<int>(flag, s.substr(comma + 1))};
 }
 
 constexpr const char* kUsage = R"(usage:
@@ -94,20 +108,20 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
-    if (a == "-n") o.requests = std::stoi(value());
-    else if (a == "-r") o.rate = std::stod(value());
-    else if (a == "-p") std::tie(o.min_prompt, o.max_prompt) = parse_range(value());
-    else if (a == "-o") std::tie(o.min_output, o.max_output) = parse_range(value());
-    else if (a == "-b") o.max_batch = std::stoi(value());
-    else if (a == "--pages") o.pages = std::stoi(value());
-    else if (a == "--page") o.page = std::stoi(value());
-    else if (a == "--split") o.split = std::stoi(value());
+    if (a == "-n") o.requests = number<int>(a, value());
+    else if (a == "-r") o.rate = number<double>(a, value());
+    else if (a == "-p") std::tie(o.min_prompt, o.max_prompt) = parse_range(a, value());
+    else if (a == "-o") std::tie(o.min_output, o.max_output) = parse_range(a, value());
+    else if (a == "-b") o.max_batch = number<int>(a, value());
+    else if (a == "--pages") o.pages = number<int>(a, value());
+    else if (a == "--page") o.page = number<int>(a, value());
+    else if (a == "--split") o.split = number<int>(a, value());
     else if (a == "--model") o.model = value();
     else if (a == "--cost") o.cost = true;
-    else if (a == "--seed") o.seed = std::stoull(value());
+    else if (a == "--seed") o.seed = number<std::uint64_t>(a, value());
     else if (a == "-j") o.json = value();
     else if (a == "--sweep") o.sweep = parse_list(value());
-    else if (a == "--context") o.context = std::stoi(value());
+    else if (a == "--context") o.context = number<int>(a, value());
     else throw std::invalid_argument("unknown option '" + a + "' (k2c_inference --help lists them)");
   }
   if (!o.model.empty() && o.model != "tiny" && o.model != "small")

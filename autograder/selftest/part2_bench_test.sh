@@ -43,7 +43,9 @@ for prog in k2c_collectives k2c_data_parallel k2c_zero k2c_tensor_parallel k2c_p
   done
   out=$("$mpirun" -np 1 "$bin/$prog" --no-such-flag 1 2>&1 > /dev/null); rc=$?
   [ $rc = 2 ] && grep -q "usage:\|--help lists them" <<<"$out" || fail "$prog --no-such-flag 1 exited $rc, saying '$out'"
-  echo "ok: $prog -h and --help, and an unknown flag refused"
+  out=$("$mpirun" -np 1 "$bin/$prog" -n many 2>&1 > /dev/null); rc=$?
+  [ $rc = 2 ] && grep -q "many" <<<"$out" || fail "$prog -n many exited $rc, saying '$out'"
+  echo "ok: $prog -h and --help, an unknown flag and a count that is not a number refused"
 done
 
 bench 2 k2c_collectives -b 1K -e 8K -f 8 -n 2 -w 1 -c 1 -o coll.json

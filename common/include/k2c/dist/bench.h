@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -64,8 +65,9 @@ using FlagSwitches = std::map<std::string, std::function<void()>>;
 
 // Reads argv[1..]: a flag of `flags` takes the next argument as its value, a switch none. -h or
 // --help prints "usage: <program> <usage>" to stdout and exits 0 (before any rank starts work);
-// an unknown flag, or a flag without its value, prints the same line to stderr and returns false
-// (the program then exits 2, the code of a bad command line).
+// an unknown flag, a flag without its value, or a value its setter throws on (std::stoi's "not a
+// number") prints the same line to stderr and returns false (the program then exits 2, the code
+// of a bad command line).
 inline bool parse_flags(int argc, char** argv, const FlagSetters& flags, const std::string& usage,
                         const FlagSwitches& switches = {}) {
   for (int i = 1; i < argc; ++i) {
@@ -83,7 +85,13 @@ inline bool parse_flags(int argc, char** argv, const FlagSetters& flags, const s
       std::fprintf(stderr, "usage: %s %s\n", argv[0], usage.c_str());
       return false;
     }
-    f->second(argv[++i]);
+    try {
+      f->second(argv[++i]);
+    } catch (const std::exception&) {
+      std::fprintf(stderr, "%s: %s '%s' is not a value it takes\nusage: %s %s\n", argv[0], a.c_str(), argv[i], argv[0],
+                   usage.c_str());
+      return false;
+    }
   }
   return true;
 }
