@@ -16,7 +16,9 @@
 // at the capstone's (B 16, H 12, N 1024), with 2 and 4 ring slots. "capstone": the capstone's
 // attention (d = 64, B 16, H 12, N 1024, causal) as course mode calls it, and the backward's passes
 // around its kernel. "depth": Part B's backward with its copies one step ahead (shipped) and two,
-// at the graded shapes and the capstone's. "once": one shipped
+// at the graded shapes and the capstone's. "pairs": Part B's backward with each block adding its dQ
+// block (shipped) and with pairs of blocks (clusters of two) summing theirs first, checked
+// against each other on edge shapes, then timed at the graded shapes and the capstone's. "once": one shipped
 // forward, backward and Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
@@ -105,7 +107,7 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
 // backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
 // of close variants in alternating rounds.
-enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone, depth };
+enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone, depth, pairs };
 
 // Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
 // back to back); prints the rate per round and the ratio of the middle two rounds' mean times
@@ -233,6 +235,17 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
     rounds("backward: 1 step ahead / 2 steps ahead, TFLOP/s", 2.5 * flops,
            [&] { fa::launch_backward<Two, fa::hopper_backward_kernel<Two>>(p, s, nullptr); },
            [&] { fa::launch_backward<Three, fa::hopper_backward_kernel<Three>>(p, s, nullptr); });
+  } else if (mode == Mode::pairs) {
+    // Part B's backward with each block adding its dQ block into dq_accum (shipped) and with
+    // pairs of blocks summing theirs first (kPair).
+    using One = fa::HopperBackwardTile<D>;
+    using Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>;
+    backward_variant<One, true>("Part B, each block adds its dQ", s, b, flops);
+    backward_variant<Pair, true>("Part B, pairs sum their dQ first", s, b, flops);
+    const fa::Params p = backward_params(s, b);
+    rounds("backward: each block / pairs, TFLOP/s", 2.5 * flops,
+           [&] { fa::launch_backward<One, fa::hopper_backward_kernel<One>>(p, s, nullptr); },
+           [&] { fa::launch_backward<Pair, fa::hopper_backward_kernel<Pair>>(p, s, nullptr); });
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
@@ -290,6 +303,77 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
 
 }  // namespace
 
+// kPair against the shipped Part B backward on shapes the sweep does not reach: an odd number of
+// key blocks (a pair's second block past the last key), grouped query heads, q_len ≠ kv_len with
+// the causal mask, both layouts. Prints the largest difference of dq, dk and dv between the two
+// (the same products summed in another order: within a bf16 step or two) and whether any is NaN.
+template <int D>
+void check_pairs(fa::Shape s) {
+  s.head_dim = D;
+  s.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const size_t nq = size_t(s.batch) * s.heads * s.q_len * D, nk = size_t(s.batch) * s.kv_heads * s.kv_len * D;
+  bf16 *q, *k, *v, *o, *dout, *dq[2], *dk[2], *dv[2];
+  float *lse, *work, *d;
+  for (bf16** x : {&q, &o, &dout, &dq[0], &dq[1]}) cudaMalloc(x, nq * sizeof(bf16));
+  for (bf16** x : {&k, &v, &dk[0], &dk[1], &dv[0], &dv[1]}) cudaMalloc(x, nk * sizeof(bf16));
+  cudaMalloc(&lse, size_t(s.batch) * s.heads * s.q_len * sizeof(float));
+  cudaMalloc(&work, fa::backward_workspace_bytes(s));
+  cudaMalloc(&d, sizeof(float));
+  k2c::fill_uniform_device(q, nq, 11, -2, 2);
+  k2c::fill_uniform_device(k, nk, 12, -2, 2);
+  k2c::fill_uniform_device(v, nk, 13, -1, 1);
+  k2c::fill_uniform_device(dout, nq, 14, -1, 1);
+  fa::forward(s, q, k, v, o, lse);
+  using One = fa::HopperBackwardTile<D>;
+  using Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>;
+  for (int i = 0; i < 2; ++i) {
+    for (bf16* x : {dq[i]}) cudaMemset(x, 0xff, nq * sizeof(bf16));
+    for (bf16* x : {dk[i], dv[i]}) cudaMemset(x, 0xff, nk * sizeof(bf16));
+    fa::Params p = fa::make_params(s);
+    p.q = q, p.k = k, p.v = v, p.o = o, p.dout = dout, p.lse_in = lse;
+    p.dq = dq[i], p.dk = dk[i], p.dv = dv[i], p.dot = work, p.dq_accum = work + fa::dot_floats(s);
+    const bool tokens = s.layout == fa::Layout::tokens_first;
+    if (i == 0) {
+      if (tokens) fa::launch_backward<One, fa::hopper_backward_kernel<One, true>>(p, s, nullptr);
+      else fa::launch_backward<One, fa::hopper_backward_kernel<One, false>>(p, s, nullptr);
+    } else {
+      if (tokens) fa::launch_backward<Pair, fa::hopper_backward_kernel<Pair, true>>(p, s, nullptr);
+      else fa::launch_backward<Pair, fa::hopper_backward_kernel<Pair, false>>(p, s, nullptr);
+    }
+  }
+  auto worst = [&](const bf16* a, const bf16* c, size_t n) {
+    cudaMemset(d, 0, sizeof(float));
+    max_diff<<<1024, 256>>>(a, c, n, d);
+    float h = 0;
+    cudaMemcpy(&h, d, sizeof(float), cudaMemcpyDeviceToHost);
+    return h;
+  };
+  std::printf("  pairs check d %d B %d H %d/%d q %d kv %d %s %s: max |diff| dq %.3g dk %.3g dv %.3g\n", D, s.batch,
+              s.heads, s.kv_heads, s.q_len, s.kv_len, s.causal ? "causal" : "full",
+              s.layout == fa::Layout::tokens_first ? "tokens_first" : "heads_first", worst(dq[0], dq[1], nq),
+              worst(dk[0], dk[1], nk), worst(dv[0], dv[1], nk));
+  for (void* x : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)dout, (void*)dq[0], (void*)dq[1], (void*)dk[0],
+                  (void*)dk[1], (void*)dv[0], (void*)dv[1], (void*)lse, (void*)work, (void*)d})
+    cudaFree(x);
+}
+
+void pair_checks() {
+  const fa::Layout heads = fa::Layout::heads_first, tokens = fa::Layout::tokens_first;
+  check_pairs<128>({2, 4, 2, 300, 700, 128, true, 0, heads});     // 6 key blocks, 3 pairs; kv_len > q_len
+  check_pairs<128>({1, 3, 1, 1000, 1000, 128, true, 0, tokens});  // 8 key blocks
+  check_pairs<128>({1, 2, 2, 640, 384, 128, true, 0, heads});     // 3: a pair's second block past the end; q_len > kv_len
+  check_pairs<64>({2, 6, 3, 129, 1100, 64, false, 0, heads});     // 9 key blocks
+  check_pairs<64>({3, 4, 4, 700, 700, 64, true, 0, tokens});
+  check_pairs<64>({1, 8, 2, 96, 96, 64, true, 0, heads});  // one key block
+}
+
+// Waits for the GPU and reports its first error: the status of the run.
+int finish() {
+  const cudaError_t e = cudaDeviceSynchronize();
+  std::printf("%s\n", e == cudaSuccess ? "ok" : cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 1;
+}
+
 // One shipped forward and backward, and Part B's backward, at the graded shape (d = 128, causal),
 // for a profiler:
 //   ncu --clock-control none -k regex:"forward_kernel|backward_kernel" ... /tmp/fa once
@@ -323,9 +407,17 @@ int main(int argc, char** argv) {
                       : arg == "hopper_fwd64" ? Mode::hopper_forward64
                       : arg == "capstone"     ? Mode::capstone
                       : arg == "depth"        ? Mode::depth
+                      : arg == "pairs" || arg == "pairs_check" ? Mode::pairs
                                             : Mode::tiles;
     if (mode == Mode::capstone) {
       sweep<64>(true, mode, 16, 12, 1024);
+    } else if (mode == Mode::pairs) {
+      pair_checks();
+      if (arg == "pairs_check") return finish();
+      sweep<128>(true, mode);
+      sweep<128>(false, mode);
+      sweep<64>(true, mode);
+      sweep<64>(true, mode, 16, 12, 1024);  // the capstone's attention
     } else if (mode == Mode::depth) {
       sweep<128>(true, mode);
       sweep<128>(false, mode);
@@ -341,7 +433,5 @@ int main(int argc, char** argv) {
       sweep<64>(true, mode);
     }
   }
-  const cudaError_t e = cudaDeviceSynchronize();
-  std::printf("%s\n", e == cudaSuccess ? "ok" : cudaGetErrorString(e));
-  return e == cudaSuccess ? 0 : 1;
+  return finish();
 }

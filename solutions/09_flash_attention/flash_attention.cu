@@ -225,10 +225,19 @@ void launch_backward(Params p, const Shape& s, cudaStream_t stream) {
   const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len;
   launch_dot<D>(p, rows, stream);
   K2C_CUDA_CHECK_LAUNCH();
-  const dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
+  dim3 grid(ceil_div(s.kv_len, T::kKeys), s.kv_heads, s.batch);
   if (p.wave_heads <= 0) p.wave_heads = wave_heads(static_cast<int>(grid.x), 1);
   if (grid.x > 0) {
-    Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+    if constexpr (T::kPair) {
+      // Clusters of two along x, a whole number of them (a pair's second block past the last key
+      // returns at once).
+      grid.x += grid.x % 2;
+      k2c::hopper::ClusterLaunch launch(2, T::kThreads, T::kSmemBytes, stream);
+      launch.config.gridDim = grid;
+      K2C_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, Kernel, p));
+    } else {
+      Kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+    }
     K2C_CUDA_CHECK_LAUNCH();
   }
   const std::size_t quads = rows * D / 4;

@@ -77,6 +77,7 @@ struct BackwardTile {
   // step's: one barrier a step instead of two, plus one after the loop for the last step's dQ.
   static constexpr bool kDqLate = DQ_LATE;
   static constexpr int kDsBuffers = kDqLate ? 2 : 1;
+  static constexpr bool kPair = false;  // clusters: HopperBackwardTile's only
   static constexpr int kSmemBytes = (2 * kKeys * D + 4 * kRows * D + kDsBuffers * kKeys * kRows) * 2 + 4 * kRows * 4;
 };
 
@@ -116,6 +117,7 @@ __device__ __forceinline__ void store_key_rows(const float (&dk)[DT][4], const f
 // t % per_head)·BM.
 template <int BM>
 struct QueryWalk {
+  static constexpr int shared_steps = 0;  // none taken in step with another block (PairWalk's are)
   int m_first, per_head, steps;
   __device__ QueryWalk(const Params& p, int n0) {
     const int first_query = p.causal ? max(0, n0 - (p.kv_len - p.q_len)) : 0;
@@ -345,12 +347,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // without the barrier that publishes dSᵀ to it.
 // kBuffers: the Q, dO, lse and D buffers, so kBuffers − 1 steps' copies are in flight while a step
 // computes (2: the next step's only).
+// kPair: blocks run in clusters of two, neighbouring key blocks of one head, which walk their
+// common query blocks in step and sum their dQ blocks in shared memory before adding them into
+// dq_accum: every element is added half as often (see the kernel).
 enum class BackwardProbe { none, no_dq_adds, no_dq, no_dq_no_barrier };
-template <int D_, BackwardProbe kProbe_ = BackwardProbe::none, int kBuffers_ = 2>
+template <int D_, BackwardProbe kProbe_ = BackwardProbe::none, int kBuffers_ = 2, bool kPair_ = false>
 struct HopperBackwardTile {
   static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256, kBuffers = kBuffers_;
   static_assert(kBuffers >= 2, "a step's copies and the next step's at least");
   static constexpr BackwardProbe kProbe = kProbe_;
+  static constexpr bool kPair = kPair_;
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
   // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
@@ -360,8 +366,45 @@ struct HopperBackwardTile {
   // At D = 64 the warpgroups swap the halves of their dQ blocks that the other one adds: 16 floats
   // a thread each way (see the kernel).
   static constexpr int kSwapBytes = D == 64 ? 2 * 128 * 16 * 4 : 0;
-  static constexpr int kSmemBytes =
-      2 * kKvBytes + 2 * kBuffers * kRowBytes + kDsBytes + 2 * kBuffers * kRows * 4 + kSwapBytes + 1024;
+  // kPair: the holders of one dQ element's partial sums in a step (the pair's two blocks, times
+  // the two warpgroups at D = 64); each adds kHeldTiles of a thread's 8 n8 tiles, for every
+  // holder. A block's inbox, per step parity: [its holder][sender][tile][thread] float4, a thread
+  // named by its index in the block at D = 128 (the warpgroups hold different columns) and in its
+  // warpgroup at D = 64 (both hold the same ones).
+  static constexpr int kHolders = D == 128 ? 2 : 4, kHeldTiles = 8 / kHolders, kLocalHolders = kHolders / 2;
+  static constexpr int kInboxThreads = D == 128 ? 256 : 128;
+  static constexpr int kInboxBytes = kLocalHolders * kHolders * kHeldTiles * kInboxThreads * 16;
+  // What the other holders send a block in a step (its own holders' parts it stores itself).
+  static constexpr int kIncomingBytes = kLocalHolders * (kHolders - 1) * kHeldTiles * kInboxThreads * 16;
+  static constexpr int kSmemBytes = 2 * kKvBytes + 2 * kBuffers * kRowBytes + kDsBytes + 2 * kBuffers * kRows * 4 +
+                                    kSwapBytes + (kPair ? 2 * kInboxBytes + 4 * 8 : 0) + 1024;
+};
+
+// The query blocks a key block walks in a pair (kPair): first the ones both blocks of the pair
+// walk, in step (the second block's, which the causal mask starts later: every query head of the
+// group), then, for the first block only, its own first query blocks, which the second block's
+// keys do not see. rows() as QueryWalk's; shared_steps: the steps taken in step with the other.
+template <int BM>
+struct PairWalk {
+  int m_shared, per_shared, shared_steps, m_own, per_own, steps;
+  __device__ PairWalk(const Params& p, int n0_first, int keys, int member) {
+    const QueryWalk<BM> first(p, n0_first), second(p, n0_first + keys);
+    per_shared = n0_first + keys < p.kv_len ? second.per_head : 0;  // no second block past the last key
+    m_shared = second.m_first;
+    shared_steps = p.group * per_shared;
+    m_own = first.m_first;
+    per_own = member == 0 ? first.per_head - per_shared : 0;
+    steps = shared_steps + p.group * per_own;
+  }
+  __device__ std::size_t rows(const Params& p, int b, int g, int t, int& m0) const {
+    if (t < shared_steps) {
+      m0 = (m_shared + t % per_shared) * BM;
+      return p.q_rows(b, g * p.group + t / per_shared);
+    }
+    const int e = t - shared_steps;
+    m0 = (m_own + e % per_own) * BM;
+    return p.q_rows(b, g * p.group + e / per_own);
+  }
 };
 
 template <class T, bool kTokens = false>
@@ -379,14 +422,37 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   float* s_lse = reinterpret_cast<float*>(smem_raw + (sdS + T::kDsBytes - smem_addr(smem_raw)));  // [NB][BM]
   float* s_dot = s_lse + NB * BM;                                                                 // [NB][BM]
   const std::uint32_t sSwap = sdS + T::kDsBytes + 2 * NB * BM * 4;  // D = 64: [warpgroup][4][128] float4
+  const std::uint32_t sInbox = sSwap + T::kSwapBytes;                // kPair: [step parity] inboxes
+  // kPair: full[parity] completes when a step's inbox holds every other holder's part (one
+  // arrival, this block's thread 0 announcing the bytes, and the bytes); empty[parity] when the
+  // other block has read what this one sent it two steps before (one arrival, from it).
+  const std::uint32_t full0 = sInbox + 2 * T::kInboxBytes, empty0 = full0 + 16;
 
-  int rank, g, b;
-  launch_place(p.wave_heads, rank, g, b);
+  int rank, g, b, member = 0;
+  if constexpr (T::kPair) {
+    // Cluster c of the grid's pairs takes key blocks 2r and 2r + 1 of a head, r placed as
+    // launch_place places a block.
+    member = static_cast<int>(hp::cluster_rank());
+    tile_place(launch_index() / 2, gridDim.x / 2, static_cast<int>(gridDim.y),
+               static_cast<long long>(gridDim.y) * gridDim.z, p.wave_heads, rank, g, b);
+    rank = 2 * rank + member;
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < 2; ++i) hp::mbarrier_init(full0 + 8 * i, 1), hp::mbarrier_init(empty0 + 8 * i, 1);
+      hp::fence_barrier_init();
+    }
+    hp::cluster_sync();  // both blocks run, their barriers ready, before either signals the other
+    if (rank * BN >= p.kv_len) return;  // the second block of a pair past the last key: no work
+  } else {
+    launch_place(p.wave_heads, rank, g, b);
+  }
   const int n0 = rank * BN;
   const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, warp = (tid / 32) % 4;
   const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
   const std::size_t kv_row0 = p.kv_rows(b, g) + n0;
-  const QueryWalk<BM> walk(p, n0);
+  const auto walk = [&] {
+    if constexpr (T::kPair) return PairWalk<BM>(p, n0 - member * BN, BN, member);
+    else return QueryWalk<BM>(p, n0);
+  }();
   static_assert(T::kThreads >= 2 * BM, "fetch copies lse and D with a thread per row each");
   auto fetch = [&](int t) {
     int m0;
@@ -420,6 +486,69 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   auto slice = [](std::uint64_t tile, int rows, int kk) {
     return hp::smem_desc_plus(tile, (kk / 4) * rows * 128 + (kk % 4) * 32);
   };
+  // kPair: a shared step's dQ block goes out to its holders (hand_out, at the step's end: every
+  // tile into the inbox of the holder that adds it), and each holder adds its tiles' sums one step
+  // later (add_held), once its block's full barrier says every part has landed. A holder's own part
+  // is a plain store that the same thread reads back; the others' come by st.async, which
+  // completes their bytes on the receiving block's barrier and orders nothing else: no fence waits
+  // for this thread's earlier atomic adds (barrier.cluster's release did, and cost a third of the
+  // kernel's rate). Step t uses the inboxes and barriers of parity t % 2; a block's thread 0
+  // announces step t's bytes at its top, and, from step 2 on, tells the other block that step
+  // t − 2's inbox is read (every thread read it in step t − 1, before this step's barrier), which
+  // that block waits for before it writes that parity again. At D = 128 a holder is a block (tiles
+  // 4·member on); at D = 64 a warpgroup of either block (holder 2·member + warpgroup, tiles
+  // 2·holder on), and the warpgroups of one block send each other their parts by st.async too.
+  constexpr int kHeld = T::kHeldTiles, kLocal = T::kLocalHolders;
+  const int holder = member * kLocal + (kLocal == 2 ? wg : 0);
+  const int inbox_thread = tid % T::kInboxThreads;
+  auto inbox = [&](int t, int local_holder, int sender, int tile) {
+    return sInbox + (t & 1) * T::kInboxBytes +
+           (((local_holder * T::kHolders + sender) * kHeld + tile) * T::kInboxThreads + inbox_thread) * 16;
+  };
+  auto step_top = [&](int t) {  // after the step's barrier
+    if (tid == 0 && t < walk.shared_steps) {
+      if (t >= 2) hp::mbarrier_arrive_cluster(empty0 + 8 * (t & 1), 1 - member);
+      hp::mbarrier_arrive_expect_tx(full0 + 8 * (t & 1), T::kIncomingBytes);
+    }
+  };
+  auto hand_out = [&](const float (&dq)[32], int t) {
+    if (t >= 2) hp::mbarrier_wait(empty0 + 8 * (t & 1), ((t >> 1) - 1) & 1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int owner = j / kHeld, cta = owner / kLocal;
+      const std::uint32_t at = inbox(t, owner % kLocal, holder, j % kHeld);
+      const float* v = dq + 4 * j;
+      if (owner == holder)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]));
+      else
+        hp::store_remote_v4(at, full0 + 8 * (t & 1), cta, v[0], v[1], v[2], v[3]);
+    }
+  };
+  auto add_held = [&](int t) {
+    hp::mbarrier_wait(full0 + 8 * (t & 1), (t >> 1) & 1);
+    int m0;
+    const std::size_t q_row0 = walk.rows(p, b, g, t, m0);
+    const int dq_block = D == 128 ? wg : 0;
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k) {
+      float x = 0, y = 0, z = 0, w = 0;
+#pragma unroll
+      for (int sender = 0; sender < T::kHolders; ++sender) {
+        float a, c, d, e;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(a), "=f"(c), "=f"(d), "=f"(e)
+                     : "r"(inbox(t, holder % kLocal, sender, k)));
+        x += a, y += c, z += d, w += e;
+      }
+      const int j = holder * kHeld + k;
+      float* dst = p.dq_accum + q_row0 * D + 64 * dq_block + acc_col(lane) + 8 * j;
+      const int row = m0 + 16 * warp + acc_row(lane, 0);
+      if (row < p.q_len) add_pair(dst + std::size_t(row) * D, x, y);
+      if (row + 8 < p.q_len) add_pair(dst + std::size_t(row + 8) * D, z, w);
+    }
+  };
+  (void)step_top, (void)hand_out, (void)add_held;
+
   for (int t = 0; t < walk.steps; ++t) {
     int m0;
     const std::size_t q_row0 = walk.rows(p, b, g, t, m0);
@@ -431,6 +560,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     __syncthreads();
     if (t + T::kBuffers - 1 < walk.steps) fetch(t + T::kBuffers - 1);
     tc::cp_async_commit();
+    if constexpr (T::kPair) step_top(t);
 
     // Sᵀ and dPᵀ, the warpgroup's 64 keys × BM queries, D/16 k16 steps each, as two groups.
     const std::uint32_t buffer = (t % NB) * T::kRowBytes;  // this step's Q and dO buffers
@@ -450,6 +580,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
         hp::wgmma_m64n64k16_ss(reinterpret_cast<float(&)[QT * 4]>(dpT), slice(v_desc, BN, kk), slice(do_desc, BM, kk), kk > 0);
     }
     hp::wgmma_commit();
+    if constexpr (T::kPair) {
+      if (t > 0 && t - 1 < walk.shared_steps) add_held(t - 1);  // while Sᵀ and dPᵀ run
+    }
 
     // Pᵀ and dSᵀ exactly as in the mma.sync kernel: a warp's share of a wgmma accumulator has the
     // layout of mma.sync's n8 tiles.
@@ -541,6 +674,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
       };
       if constexpr (T::kProbe == BackwardProbe::no_dq_adds) {
         (void)add_tiles;  // the probe leaves them out
+      } else if (T::kPair && t < walk.shared_steps) {
+        hand_out(dq, t);
       } else if constexpr (D == 128) {
         add_tiles(0, 8);
       } else {
@@ -576,6 +711,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
         else swap_in(std::integral_constant<int, 4>{});
       }
     }
+  }
+  if constexpr (T::kPair) {
+    if (walk.steps > 0 && walk.steps == walk.shared_steps) add_held(walk.steps - 1);  // the last step's
   }
   tc::cp_async_wait<0>();
 

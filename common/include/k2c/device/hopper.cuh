@@ -180,6 +180,19 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
+// Stores four floats at the address `addr` has in the shared memory of CTA `cta` of the cluster
+// (distributed shared memory: `addr` is an offset this CTA would use for its own), and completes
+// 16 bytes on the mbarrier at `bar`'s offset in that CTA when they have landed. Nothing orders
+// them before anything else: the receiver learns of them from its barrier only.
+__device__ __forceinline__ void store_remote_v4(std::uint32_t addr, std::uint32_t bar, std::uint32_t cta, float x,
+                                                float y, float z, float w) {
+  asm volatile(
+      "{\n .reg .b32 ra, rb;\n mapa.shared::cluster.u32 ra, %0, %2;\n mapa.shared::cluster.u32 rb, %1, %2;\n"
+      " st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [ra], {%3, %4, %5, %6}, [rb];\n}\n" ::"r"(addr),
+      "r"(bar), "r"(cta), "f"(x), "f"(y), "f"(z), "f"(w)
+      : "memory");
+}
+
 // An arrival on the mbarrier at the same offset as `bar`, in CTA `cta` of the cluster. It keeps
 // the default .release.cta ordering, which is enough for what the GEMM announces with it: "my
 // reads of my own shared memory are over" (wgmma_wait retired them), after which the peer's TMA
