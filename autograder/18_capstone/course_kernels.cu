@@ -1112,7 +1112,7 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
   k.second_choice["attention backward"] = attention_after(bwd_hopper, bwd_tokens, options.attention_tokens_first, "backward");
   k.attention_backward = [scratch, fa_shape, bwd_hopper, bwd_tokens](
                              const AttentionShape& s, const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& o,
-                             const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+                             const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, bool add_kv) {
     fa::Shape f;
     const bool tokens = *bwd_tokens;
     if (!fa_shape(s, tokens, f)) return false;
@@ -1125,22 +1125,33 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
                *do16 = attention_input(sc, "attn do", dout, s.q_len, s.q_heads, d, tokens);
     float* lse09 = scratch->get<float>("attn lse", lse.numel());
     launch(flip_infinite, lse.numel(), lse.f32(), lse09, lse.numel());
-    // dq is written (straight into the model's tensor where 09 can); dk and dv are added into.
-    bf16* dq16 = tokens && !overlaps(dq, q) && !overlaps(dq, dout) ? out_bf16(sc, "attn dq", dq)
-                                                                    : scratch->get<bf16>("attn dq", dq.numel());
-    bf16* dk16 = scratch->get<bf16>("attn dk", dk.numel());
-    bf16* dv16 = scratch->get<bf16>("attn dv", dv.numel());
+    // dq is written, and dk and dv unless add_kv: straight into the model's tensors where 09 can
+    // (its layout, and no input in the same memory); dk and dv are added into where add_kv.
+    auto apart = [&](const Tensor& t) {
+      return !overlaps(t, q) && !overlaps(t, kk) && !overlaps(t, v) && !overlaps(t, o) && !overlaps(t, dout);
+    };
+    auto written = [&](const char* name, const Tensor& t, bool whole) {
+      return whole && tokens && apart(t) ? out_bf16(sc, name, t) : scratch->get<bf16>(name, t.numel());
+    };
+    bf16* dq16 = written("attn dq", dq, true);
+    bf16* dk16 = written("attn dk", dk, !add_kv);
+    bf16* dv16 = written("attn dv", dv, !add_kv);
     void* ws = scratch->get<unsigned char>("attn workspace", static_cast<std::int64_t>(fa::backward_workspace_bytes(f)));
     if (bwd_hopper->hopper) fa::backward_hopper(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
     else fa::backward(f, q16, k16, v16, o16, do16, lse09, dq16, dk16, dv16, ws, stream());
     if (tokens) {
       land(dq16, dq);
-      gemm_epilogue(dk16, 1, dk.numel(), dk, dk.numel(), 1.0f, 1.0f);  // dk += dk16
-      gemm_epilogue(dv16, 1, dv.numel(), dv, dv.numel(), 1.0f, 1.0f);
+      if (add_kv) {
+        gemm_epilogue(dk16, 1, dk.numel(), dk, dk.numel(), 1.0f, 1.0f);  // dk += dk16
+        gemm_epilogue(dv16, 1, dv.numel(), dv, dv.numel(), 1.0f, 1.0f);
+      } else {
+        land(dk16, dk);
+        land(dv16, dv);
+      }
     } else {
       from_heads_first(dq16, dq, s.q_len, s.q_heads, d, false);
-      from_heads_first(dk16, dk, s.kv_len, s.kv_heads, d, true);
-      from_heads_first(dv16, dv, s.kv_len, s.kv_heads, d, true);
+      from_heads_first(dk16, dk, s.kv_len, s.kv_heads, d, add_kv);
+      from_heads_first(dv16, dv, s.kv_len, s.kv_heads, d, add_kv);
     }
     return true;
   };

@@ -314,7 +314,9 @@ TEST_F(CourseKernels, RopeAtAnyPositions) {
 }
 
 // The attention cases: GQA and MQA, head dims 64 and 128, tails, keys longer than queries, the
-// bottom-right causal mask; and two that 09 declines (a top-left causal mask, head_dim 32).
+// bottom-right causal mask; and two that 09 declines (a top-left causal mask, head_dim 32). The
+// backward runs both ways, adding into dk and dv and writing them over NaN (the library's
+// Attention), each checked at every shape as a shape of its own.
 void CourseKernels::attention_cases() {
   struct Case {
     AttentionShape s;
@@ -338,10 +340,12 @@ void CourseKernels::attention_cases() {
     Tensor dk = random({s.batch * s.kv_len, s.kv_heads * s.head_dim}), dv = random({s.batch * s.kv_len, s.kv_heads * s.head_dim});
     course_->attention_forward(s, q, k, v, o, lse);
     course_->attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+    Tensor dk_written = side_->poisoned(dk.shape()), dv_written = side_->poisoned(dv.shape());
+    course_->attention_backward_overwrite(s, q, k, v, o, lse, dout, dq, dk_written, dv_written);
     (c.taken ? taken : declined) += 1;
   }
   expect_row("attention", taken, declined);
-  expect_row("attention backward", taken, declined);
+  expect_row("attention backward", 2 * taken, 2 * declined);
 }
 
 // With the reference, both passes take the model's tensors as they stand (09's tokens_first).

@@ -413,8 +413,17 @@ void CourseOps::attention_backward(const AttentionShape& s, const Tensor& q, con
                                    Tensor& dv) {
   const std::string key = attention_key(s) + dtypes({&q, &k, &v, &o, &dout, &dq, &dk, &dv});
   run("attention backward", bool(kernels_.attention_backward), key, key, {{&dq, false}, {&dk, true}, {&dv, true}},
-      [&] { return kernels_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv); },
+      [&] { return kernels_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv, true); },
       [&] { inner_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv); });
+}
+// The adapter's other path (dk and dv written): a shape of its own, checked on its own.
+void CourseOps::attention_backward_overwrite(const AttentionShape& s, const Tensor& q, const Tensor& k,
+                                             const Tensor& v, const Tensor& o, const Tensor& lse, const Tensor& dout,
+                                             Tensor& dq, Tensor& dk, Tensor& dv) {
+  const std::string key = attention_key(s) + dtypes({&q, &k, &v, &o, &dout, &dq, &dk, &dv}) + " dk, dv written";
+  run("attention backward", bool(kernels_.attention_backward), key, key, {{&dq, false}, {&dk, false}, {&dv, false}},
+      [&] { return kernels_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv, false); },
+      [&] { inner_.attention_backward_overwrite(s, q, k, v, o, lse, dout, dq, dk, dv); });
 }
 
 }  // namespace k2c::model

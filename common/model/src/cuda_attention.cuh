@@ -236,16 +236,17 @@ __global__ void block_softmax_backward_kernel(BlockAttn a, int hd, const float* 
   }
 }
 
-// dkv[b, t, kh, :] += Σ over the group's query heads h of per_head[b, t, h, :].
+// dkv[b, t, kh, :] += (or, without `add`, =) Σ over the group's query heads h of per_head[b, t, h, :].
 template <class G>
-__global__ void sum_groups_kernel(const float* per_head, G* dkv, std::int64_t tokens, int kv_heads, int group, int hd) {
+__global__ void sum_groups_kernel(const float* per_head, G* dkv, std::int64_t tokens, int kv_heads, int group, int hd,
+                                  bool add) {
   K2C_FOR_EACH(e, tokens * kv_heads * hd) {
     const std::int64_t tok = e / (static_cast<std::int64_t>(kv_heads) * hd);
     const int kh = static_cast<int>(e / hd % kv_heads), k = static_cast<int>(e % hd);
     const float* src = per_head + (tok * kv_heads * group + static_cast<std::int64_t>(kh) * group) * hd + k;
     float acc = 0;
     for (int g = 0; g < group; ++g) acc += src[static_cast<std::int64_t>(g) * hd];
-    store1(dkv + e, load1(dkv + e) + acc);
+    store1(dkv + e, add ? load1(dkv + e) + acc : acc);
   }
 }
 
@@ -397,7 +398,7 @@ class BlockedAttention {
     if (group > 1) {
       const std::int64_t tokens = static_cast<std::int64_t>(s.batch) * T;
       for (auto [src, dst] : {std::pair{dk_dst, dk.f32()}, std::pair{dv_dst, dv.f32()}}) {
-        sum_groups_kernel<<<blocks_for(tokens * Hk * D), kThreads, 0, g_stream>>>(src, dst, tokens, Hk, group, D);
+        sum_groups_kernel<<<blocks_for(tokens * Hk * D), kThreads, 0, g_stream>>>(src, dst, tokens, Hk, group, D, true);
         K2C_CUDA_CHECK_LAUNCH();
       }
     }

@@ -467,9 +467,10 @@ class FlashAttention {
     forward_as(s, q16, k16, v16, o.f32(), lse);
   }
 
-  // dq, dk and dv of one dtype, o and dout of one dtype (the caller widens a mixed set).
+  // dq, dk and dv of one dtype, o and dout of one dtype (the caller widens a mixed set). dq is
+  // written; dk and dv are added into where `add_kv`, else written.
   void backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+                const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, bool add_kv) {
     const __nv_bfloat16 *q16 = to_bf16(q, ws_, kAttnQ), *k16 = to_bf16(k, ws_, kAttnK), *v16 = to_bf16(v, ws_, kAttnV),
                         *do16 = to_bf16(dout, ws_, kAttnDo);
     const std::int64_t rows = static_cast<std::int64_t>(s.batch) * s.q_len * s.q_heads;
@@ -482,8 +483,8 @@ class FlashAttention {
                                                                            s.q_heads, s.head_dim);
     K2C_CUDA_CHECK_LAUNCH();
     const Inputs in{q16, k16, v16, do16, lse.f32(), delta};
-    if (dq.dtype() == DType::bf16) return backward_as<__nv_bfloat16>(s, q, in, dq, dk, dv);
-    backward_as<float>(s, q, in, dq, dk, dv);
+    if (dq.dtype() == DType::bf16) return backward_as<__nv_bfloat16>(s, q, in, dq, dk, dv, add_kv);
+    backward_as<float>(s, q, in, dq, dk, dv, add_kv);
   }
 
  private:
@@ -498,14 +499,15 @@ class FlashAttention {
     if (s.head_dim == 64) launch_forward<64>(grid, args(s), q, k, v, o, lse.f32());
     else launch_forward<128>(grid, args(s), q, k, v, o, lse.f32());
   }
-  // The gradients are G. One query head per key-value head: dK and dV add straight into the
+  // The gradients are G. One query head per key-value head: dK and dV go straight into the
   // layer's tensors. Otherwise each query head writes its own fp32 slice and sum_groups_kernel
   // folds the groups into them.
   template <class G>
-  void backward_as(const AttentionShape& s, const Tensor& q, const Inputs& in, Tensor& dq, Tensor& dk, Tensor& dv) {
+  void backward_as(const AttentionShape& s, const Tensor& q, const Inputs& in, Tensor& dq, Tensor& dk, Tensor& dv,
+                   bool add_kv) {
     const int group = s.q_heads / s.kv_heads;
     const dim3 grid((s.q_len + flash::kTile - 1) / flash::kTile, s.q_heads, s.batch);
-    if (group == 1) return run_backward(s, grid, in, ptr<G>(dq), ptr<G>(dk), ptr<G>(dv), s.kv_heads, true);
+    if (group == 1) return run_backward(s, grid, in, ptr<G>(dq), ptr<G>(dk), ptr<G>(dv), s.kv_heads, add_kv);
     const std::size_t bytes = static_cast<std::size_t>(q.numel()) * sizeof(float);
     auto* dk_heads = static_cast<float*>(ws_.get(kGroupDk, bytes));
     auto* dv_heads = static_cast<float*>(ws_.get(kGroupDv, bytes));
@@ -513,7 +515,7 @@ class FlashAttention {
     const std::int64_t tokens = static_cast<std::int64_t>(s.batch) * s.q_len;
     for (auto [src, dst] : {std::pair{dk_heads, ptr<G>(dk)}, std::pair{dv_heads, ptr<G>(dv)}}) {
       sum_groups_kernel<<<blocks_for(tokens * s.kv_heads * s.head_dim), kThreads, 0, g_stream>>>(
-          src, dst, tokens, s.kv_heads, group, s.head_dim);
+          src, dst, tokens, s.kv_heads, group, s.head_dim, add_kv);
       K2C_CUDA_CHECK_LAUNCH();
     }
   }

@@ -552,9 +552,7 @@ class CudaOps final : public Ops {
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
     checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
     if (s.q_len == 0) return;
-    // The fused kernels read bf16 as they are and write the gradients in their tensors' dtype (one
-    // for the three; O and dO of one too); the other kernels take fp32 only.
-    const bool flash = math_ == GpuMath::bf16 && flash_fits(s, dq) && same_dtype({&dq, &dk, &dv}) && same_dtype({&o, &dout});
+    const bool flash = flash_backward_takes(s, o, dout, dq, dk, dv);
     if (!flash && any_bf16({&q, &k, &v, &o, &dout, &dq, &dk, &dv})) {
       Wide wq(*this, q), wk(*this, k), wv(*this, v), wo(*this, o), wdo(*this, dout);
       Wide wdq(*this, dq, Use::out), wdk(*this, dk, Use::in_out), wdv(*this, dv, Use::in_out);
@@ -564,7 +562,7 @@ class CudaOps final : public Ops {
       return wdv.store();
     }
     if (flash) {
-      flash_.backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+      flash_.backward(s, q, k, v, o, lse, dout, dq, dk, dv, true);
       return;
     }
     if (math_ == GpuMath::bf16 && blocked_attention_fits(s)) {
@@ -576,6 +574,23 @@ class CudaOps final : public Ops {
     attention_backward_kernel<<<grid, kThreads, score_bytes(s), g_stream>>>(args(s), q.f32(), k.f32(), v.f32(), o.f32(), lse.f32(),
                                                                   dout.f32(), dq.f32(), dk.f32(), dv.f32());
     K2C_CUDA_CHECK_LAUNCH();
+  }
+  // The fused kernels write dk and dv where they would add into them; every other path zeroes them
+  // and adds (Ops's default).
+  void attention_backward_overwrite(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& o, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                                    Tensor& dv) override {
+    checks::attention_backward_args(s, q, k, v, o, lse, dout, dq, dk, dv);
+    if (!flash_backward_takes(s, o, dout, dq, dk, dv))
+      return Ops::attention_backward_overwrite(s, q, k, v, o, lse, dout, dq, dk, dv);
+    flash_.backward(s, q, k, v, o, lse, dout, dq, dk, dv, false);
+  }
+  // Whether the fused kernels take this backward: they read bf16 as it is and write the gradients
+  // in their tensors' dtype (one for the three; O and dO of one too); the other kernels take fp32
+  // only.
+  bool flash_backward_takes(const AttentionShape& s, const Tensor& o, const Tensor& dout, const Tensor& dq,
+                            const Tensor& dk, const Tensor& dv) const {
+    return math_ == GpuMath::bf16 && flash_fits(s, dq) && same_dtype({&dq, &dk, &dv}) && same_dtype({&o, &dout});
   }
 
   void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& h) override {

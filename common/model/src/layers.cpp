@@ -133,10 +133,8 @@ void Attention::backward(Context& ctx, const Tensor& x, const Tensor& positions,
   Tensor dout = ctx.activation(s.o.shape()), dq = ctx.activation(s.q.shape()), dk = ctx.activation(s.k.shape()),
          dv = ctx.activation(s.v.shape());
   wo_.backward(ctx, s.o, dy, &dout);
-  ctx.ops.fill(dk, 0.0f);  // attention_backward adds into dk and dv
-  ctx.ops.fill(dv, 0.0f);
-  ctx.ops.attention_backward(shape_of(config_, batch, positions.numel()), s.q, s.k, s.v, s.o, s.lse,
-                             dout, dq, dk, dv);
+  ctx.ops.attention_backward_overwrite(shape_of(config_, batch, positions.numel()), s.q, s.k, s.v, s.o, s.lse, dout,
+                                       dq, dk, dv);
   // Through RoPE: the rotation's transpose is its inverse.
   ctx.ops.rope(dq, positions, config_.q_heads, config_.head_dim(), config_.rope_theta, true);
   ctx.ops.rope(dk, positions, config_.kv_heads, config_.head_dim(), config_.rope_theta, true);

@@ -292,7 +292,7 @@ TEST(CourseOps, AttentionBackwardMustAddIntoDkAndDv) {
   CourseKernels k;
   k.attention_backward = [&](const AttentionShape& sh, const Tensor& q, const Tensor& kk, const Tensor& v,
                              const Tensor& o, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
-                             Tensor& dv) {
+                             Tensor& dv, bool) {
     ++calls;
     cpu_ops().fill(dk, 0.0f);
     cpu_ops().fill(dv, 0.0f);

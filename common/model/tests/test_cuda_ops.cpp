@@ -676,6 +676,30 @@ void check_blocked_attention(const AttentionShape& a, DType acts = DType::f32, O
   expect_close_bf16(dq, "attention dq", 1e-2, 1e-1);
   expect_close_bf16(dk, "attention dk (added)", 1e-2, 1e-1);
   expect_close_bf16(dv, "attention dv (added)", 1e-2, 1e-1);
+  // Again with dk and dv written over NaN (attention_backward_overwrite): on the GPU what adding
+  // into zeros gives, exactly where queries and keys are one sequence (the fused kernels and the
+  // blocked GEMMs, which sum in a fixed order) and within a reordered sum's rounding where the
+  // plain kernel adds by atomics (a bf16 result may then round one step apart); on the CPU within
+  // the tolerance above.
+  const std::vector<float> none(static_cast<std::size_t>(krows * kc), 0.0f);
+  Pair dk0 = t.make({krows, kc}, none, acts), dv0 = t.make({krows, kc}, none, acts), dkw = t.nans({krows, kc}, acts),
+       dvw = t.nans({krows, kc}, acts), dq0 = t.nans({qrows, qc}, acts);
+  gpu_ops.attention_backward(a, q.gpu, k.gpu, v.gpu, o.gpu, lse.gpu, dout.gpu, dq0.gpu, dk0.gpu, dv0.gpu);
+  gpu_ops.attention_backward_overwrite(a, q.gpu, k.gpu, v.gpu, o.gpu, lse.gpu, dout.gpu, dq0.gpu, dkw.gpu, dvw.gpu);
+  cpu_ops().attention_backward_overwrite(a, q.cpu, k.cpu, v.cpu, o.cpu, lse.cpu, dout.cpu, dq0.cpu, dkw.cpu, dvw.cpu);
+  const bool fixed_order = a.q_len == a.kv_len;
+  for (auto [added, written] : {std::pair{&dk0, &dkw}, std::pair{&dv0, &dvw}}) {
+    const std::vector<float> x = host(added->gpu, gpu_ops), y = host(written->gpu, gpu_ops);
+    float largest = 0;
+    for (float e : x) largest = std::max(largest, std::abs(e));
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const char* what = added == &dk0 ? "dk" : "dv";
+      if (fixed_order) ASSERT_EQ(x[i], y[i]) << what << " written against added into zeros, element " << i;
+      else ASSERT_NEAR(x[i], y[i], (acts == DType::bf16 ? 1.0f / 128 : 1e-5f) * largest) << what << " written against added into zeros, element " << i;
+    }
+  }
+  expect_close_bf16(dkw, "attention dk (written)", 1e-2, 1e-1);
+  expect_close_bf16(dvw, "attention dv (written)", 1e-2, 1e-1);
 }
 
 TEST(CudaOpsBf16, BlockedAttentionMatchesTheCpu) {

@@ -269,6 +269,23 @@ TEST(Layers, AttentionOpWithOffsetsAndMaskedRows) {
   expect_gradients(loss, {{"q", q.f32(), dq.f32(), q.numel()},
                           {"k", k.f32(), dk.f32(), k.numel()},
                           {"v", v.f32(), dv.f32(), v.numel()}});
+  // Written instead of added into: the same gradients over NaN; with no queries, zeros.
+  Tensor dk_written = s.ctx.tensor({5, 4}), dv_written = s.ctx.tensor({5, 4});
+  s.ctx.ops.fill(dk_written, NAN);
+  s.ctx.ops.fill(dv_written, NAN);
+  s.ctx.ops.attention_backward_overwrite(a, q, k, v, o, lse, r, dq, dk_written, dv_written);
+  for (std::int64_t i = 0; i < dk.numel(); ++i) {
+    EXPECT_EQ(dk_written.f32()[i], dk.f32()[i]) << i;
+    EXPECT_EQ(dv_written.f32()[i], dv.f32()[i]) << i;
+  }
+  AttentionShape none = a;
+  none.q_len = 0;
+  Tensor no_q = s.ctx.tensor({0, 8}), no_lse = s.ctx.tensor({1, 2, 0});
+  s.ctx.ops.fill(dk_written, NAN);
+  s.ctx.ops.fill(dv_written, NAN);
+  s.ctx.ops.attention_backward_overwrite(none, no_q, k, v, no_q, no_lse, no_q, no_q, dk_written, dv_written);
+  for (std::int64_t i = 0; i < dk.numel(); ++i) EXPECT_EQ(dk_written.f32()[i], 0.0f) << i;
+  for (std::int64_t i = 0; i < dv.numel(); ++i) EXPECT_EQ(dv_written.f32()[i], 0.0f) << i;
   a.head_dim = 0;
   EXPECT_THROW(s.ctx.ops.attention_forward(a, q, k, v, o, lse), std::invalid_argument);
 }

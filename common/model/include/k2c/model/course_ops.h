@@ -68,9 +68,10 @@ struct CourseKernels {
   std::function<bool(Tensor& x, const Tensor& positions, int heads, int head_dim, float theta, bool inverse)> rope;
   std::function<bool(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse)>
       attention_forward;
-  // dq written, dk and dv added into (as Ops::attention_backward).
+  // dq written, dk and dv added into where add_kv (as Ops::attention_backward), else written (as
+  // Ops::attention_backward_overwrite).
   std::function<bool(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                     const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv)>
+                     const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, bool add_kv)>
       attention_backward;
   std::map<std::string, std::string> names;  // operation → "09 flash_attention::forward_hopper"
   // operation → switches that operation's kernel to the module's next implementation (its Part A
@@ -126,6 +127,9 @@ class CourseOps final : public ForwardingOps {
                          Tensor& lse) override;
   void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override;
+  void attention_backward_overwrite(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& o, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                                    Tensor& dv) override;
 
  private:
   // An output of a call: `adds` when the operation adds into it (judged on what it added);

@@ -87,6 +87,11 @@ class ForwardingOps : public Ops {
                           const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) override {
     around("attention backward", [&] { inner_.attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv); });
   }
+  void attention_backward_overwrite(const AttentionShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& o, const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk,
+                                    Tensor& dv) override {
+    around("attention backward", [&] { inner_.attention_backward_overwrite(s, q, k, v, o, lse, dout, dq, dk, dv); });
+  }
   void swiglu_forward(const Tensor& g, const Tensor& u, Tensor& h) override {
     around("swiglu", [&] { inner_.swiglu_forward(g, u, h); });
   }

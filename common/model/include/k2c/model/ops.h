@@ -155,6 +155,16 @@ class Ops {
   virtual void attention_backward(const AttentionShape& s, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& o, const Tensor& lse,
                                   const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+  // The same with dk and dv overwritten too, for a caller whose dk and dv would start at zero (the
+  // library's Attention): a backend can then skip zeroing them and reading them back. By default
+  // it zeroes them and adds.
+  virtual void attention_backward_overwrite(const AttentionShape& s, const Tensor& q, const Tensor& k,
+                                            const Tensor& v, const Tensor& o, const Tensor& lse,
+                                            const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+    fill(dk, 0.0f);
+    fill(dv, 0.0f);
+    attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+  }
 
   // h = silu(gate) · up, all [N, F]; backward writes dgate and dup. [bf16]
   virtual void swiglu_forward(const Tensor& gate, const Tensor& up, Tensor& h) = 0;
