@@ -212,6 +212,12 @@ class RecordingOps final : public km::ForwardingOps {
     calls.push_back({s, true, sent_()});
     ForwardingOps::attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
   }
+  void attention_backward_overwrite(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k,
+                                    const km::Tensor& v, const km::Tensor& o, const km::Tensor& lse,
+                                    const km::Tensor& dout, km::Tensor& dq, km::Tensor& dk, km::Tensor& dv) override {
+    calls.push_back({s, true, sent_()});  // a ring's first block may ask for its gradients written
+    ForwardingOps::attention_backward_overwrite(s, q, k, v, o, lse, dout, dq, dk, dv);
+  }
 
  private:
   std::function<std::uint64_t()> sent_;

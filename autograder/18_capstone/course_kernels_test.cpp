@@ -440,9 +440,12 @@ TEST_F(CourseKernels, Bf16Activations) {
            dv = random16({kr, s.kv_heads * s.head_dim}, 0.05f);
     course_->attention_forward(s, q, k, v, o, lse);
     course_->attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
+    // Written instead (the library's Attention): 09 writes straight into these bf16 tensors.
+    Tensor dk_written = poisoned16(dk.shape()), dv_written = poisoned16(dv.shape());
+    course_->attention_backward_overwrite(s, q, k, v, o, lse, dout, dq, dk_written, dv_written);
   }
   expect_row("attention", 2);
-  expect_row("attention backward", 2);
+  expect_row("attention backward", 4);
 }
 
 // The Linear layers of Bf16Activations with their weight gradients on 05 alone: its transposes

@@ -491,13 +491,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   // later (add_held), once its block's full barrier says every part has landed. A holder's own part
   // is a plain store that the same thread reads back; the others' come by st.async, which
   // completes their bytes on the receiving block's barrier and orders nothing else: no fence waits
-  // for this thread's earlier atomic adds (barrier.cluster's release did, and cost a third of the
-  // kernel's rate). Step t uses the inboxes and barriers of parity t % 2; a block's thread 0
-  // announces step t's bytes at its top, and, from step 2 on, tells the other block that step
-  // t − 2's inbox is read (every thread read it in step t − 1, before this step's barrier), which
-  // that block waits for before it writes that parity again. At D = 128 a holder is a block (tiles
-  // 4·member on); at D = 64 a warpgroup of either block (holder 2·member + warpgroup, tiles
-  // 2·holder on), and the warpgroups of one block send each other their parts by st.async too.
+  // for this thread's earlier atomic adds (with barrier.cluster's release, which did, the pairs ran
+  // at 0.73-0.79 of the shipped kernel's rate; this way at 0.83-0.89). Step t uses the inboxes and
+  // barriers of parity t % 2; a block's thread 0 announces step t's bytes at its top, and, from
+  // step 2 on, tells the other block that step t − 2's inbox is read (every thread read it in step
+  // t − 1, before this step's barrier), which that block waits for before it writes that parity
+  // again. At D = 128 a holder is a block (tiles 4·member on); at D = 64 a warpgroup of either
+  // block (holder 2·member + warpgroup, tiles 2·holder on), and the warpgroups of one block send
+  // each other their parts by st.async too: those writes of parity t % 2 come after step t's
+  // __syncthreads, which follows every thread's reads of step t − 2's. No cluster barrier is needed
+  // before a block exits: whatever the other block sends into it (bytes, arrivals) is consumed by a
+  // wait of its own before it gets there.
   constexpr int kHeld = T::kHeldTiles, kLocal = T::kLocalHolders;
   const int holder = member * kLocal + (kLocal == 2 ? wg : 0);
   const int inbox_thread = tid % T::kInboxThreads;
