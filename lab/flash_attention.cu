@@ -19,7 +19,9 @@
 // at the graded shapes and the capstone's. "pairs": Part B's backward with each block adding its dQ
 // block (shipped) and with pairs of blocks (clusters of two) summing theirs first, checked
 // against each other on edge shapes, then timed at the graded shapes and the capstone's;
-// "pairs_check" the checks alone (for compute-sanitizer). "once": one shipped
+// "pairs_check" the checks alone (for compute-sanitizer). "defer": Part B's backward with each
+// step's dQ adds issued at once (shipped) and a step later, under the next step's first products.
+// "once": one shipped
 // forward, backward and Part B backward for a profiler.
 #include <algorithm>
 #include <cstdio>
@@ -108,7 +110,7 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
 // backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
 // of close variants in alternating rounds.
-enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone, depth, pairs };
+enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone, depth, pairs, defer };
 
 // Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
 // back to back); prints the rate per round and the ratio of the middle two rounds' mean times
@@ -236,6 +238,17 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
     rounds("backward: 1 step ahead / 2 steps ahead, TFLOP/s", 2.5 * flops,
            [&] { fa::launch_backward<Two, fa::hopper_backward_kernel<Two>>(p, s, nullptr); },
            [&] { fa::launch_backward<Three, fa::hopper_backward_kernel<Three>>(p, s, nullptr); });
+  } else if (mode == Mode::defer) {
+    // Part B's backward with a step's dQ adds where they are (shipped) and one step later, issued
+    // while the next step's first products run (kDefer).
+    using Now = fa::HopperBackwardTile<D>;
+    using Later = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, true>;
+    backward_variant<Now, true>("Part B, dQ added at once", s, b, flops);
+    backward_variant<Later, true>("Part B, dQ added a step later", s, b, flops);
+    const fa::Params p = backward_params(s, b);
+    rounds("backward: at once / a step later, TFLOP/s", 2.5 * flops,
+           [&] { fa::launch_backward<Now, fa::hopper_backward_kernel<Now>>(p, s, nullptr); },
+           [&] { fa::launch_backward<Later, fa::hopper_backward_kernel<Later>>(p, s, nullptr); });
   } else if (mode == Mode::pairs) {
     // Part B's backward with each block adding its dQ block into dq_accum (shipped) and with
     // pairs of blocks summing theirs first (kPair).
@@ -310,8 +323,8 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
 // (the same products summed in another order: within a bf16 step or two) and whether any is NaN.
 bool g_pairs_failed = false;  // a check_pairs difference past its bound
 
-template <int D>
-void check_pairs(fa::Shape s) {
+template <int D, class Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>>
+void check_pairs(fa::Shape s, const char* what = "pairs") {
   s.head_dim = D;
   s.scale = 1.0f / std::sqrt(static_cast<float>(D));
   const size_t nq = size_t(s.batch) * s.heads * s.q_len * D, nk = size_t(s.batch) * s.kv_heads * s.kv_len * D;
@@ -328,7 +341,6 @@ void check_pairs(fa::Shape s) {
   k2c::fill_uniform_device(dout, nq, 14, -1, 1);
   fa::forward(s, q, k, v, o, lse);
   using One = fa::HopperBackwardTile<D>;
-  using Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>;
   for (int i = 0; i < 2; ++i) {
     for (bf16* x : {dq[i]}) cudaMemset(x, 0xff, nq * sizeof(bf16));
     for (bf16* x : {dk[i], dv[i]}) cudaMemset(x, 0xff, nk * sizeof(bf16));
@@ -352,7 +364,7 @@ void check_pairs(fa::Shape s) {
     return h;
   };
   const float ddq = worst(dq[0], dq[1], nq), ddk = worst(dk[0], dk[1], nk), ddv = worst(dv[0], dv[1], nk);
-  std::printf("  pairs check d %d B %d H %d/%d q %d kv %d %s %s: max |diff| dq %.3g dk %.3g dv %.3g\n", D, s.batch,
+  std::printf("  %s check d %d B %d H %d/%d q %d kv %d %s %s: max |diff| dq %.3g dk %.3g dv %.3g\n", what, D, s.batch,
               s.heads, s.kv_heads, s.q_len, s.kv_len, s.causal ? "causal" : "full",
               s.layout == fa::Layout::tokens_first ? "tokens_first" : "heads_first", ddq, ddk, ddv);
   // A few bf16 steps at these magnitudes: the two sum in different orders. More (or a NaN, counted
@@ -371,6 +383,17 @@ void pair_checks() {
   check_pairs<64>({2, 6, 3, 129, 1100, 64, false, 0, heads});     // 9 key blocks
   check_pairs<64>({3, 4, 4, 700, 700, 64, true, 0, tokens});
   check_pairs<64>({1, 8, 2, 96, 96, 64, true, 0, heads});  // one key block
+}
+
+// kDefer against the shipped kernel on the same edge shapes.
+void defer_checks() {
+  const fa::Layout heads = fa::Layout::heads_first, tokens = fa::Layout::tokens_first;
+  using D128 = fa::HopperBackwardTile<128, fa::BackwardProbe::none, 2, false, true>;
+  using D64 = fa::HopperBackwardTile<64, fa::BackwardProbe::none, 2, false, true>;
+  check_pairs<128, D128>({2, 4, 2, 300, 700, 128, true, 0, heads}, "defer");
+  check_pairs<128, D128>({1, 2, 2, 640, 384, 128, true, 0, tokens}, "defer");
+  check_pairs<64, D64>({2, 6, 3, 129, 1100, 64, false, 0, heads}, "defer");
+  check_pairs<64, D64>({3, 4, 4, 700, 700, 64, true, 0, tokens}, "defer");
 }
 
 // Waits for the GPU and reports its first error, or a pairs check past its bound: the status of
@@ -415,9 +438,16 @@ int main(int argc, char** argv) {
                       : arg == "capstone"     ? Mode::capstone
                       : arg == "depth"        ? Mode::depth
                       : arg == "pairs" || arg == "pairs_check" ? Mode::pairs
+                      : arg == "defer"        ? Mode::defer
                                             : Mode::tiles;
     if (mode == Mode::capstone) {
       sweep<64>(true, mode, 16, 12, 1024);
+    } else if (mode == Mode::defer) {
+      defer_checks();
+      sweep<128>(true, mode);
+      sweep<128>(false, mode);
+      sweep<64>(true, mode);
+      sweep<64>(true, mode, 16, 12, 1024);  // the capstone's attention
     } else if (mode == Mode::pairs) {
       pair_checks();
       if (arg == "pairs_check") return finish();

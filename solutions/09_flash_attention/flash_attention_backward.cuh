@@ -350,13 +350,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // kPair: blocks run in clusters of two, neighbouring key blocks of one head, which walk their
 // common query blocks in step and sum their dQ blocks in shared memory before adding them into
 // dq_accum: every element is added half as often (see the kernel).
+// kDefer: a step's dQ adds are issued in the next step, once its Sᵀ and dPᵀ products are on the
+// tensor cores, each thread's sums parked in shared memory in between.
 enum class BackwardProbe { none, no_dq_adds, no_dq, no_dq_no_barrier };
-template <int D_, BackwardProbe kProbe_ = BackwardProbe::none, int kBuffers_ = 2, bool kPair_ = false>
+template <int D_, BackwardProbe kProbe_ = BackwardProbe::none, int kBuffers_ = 2, bool kPair_ = false,
+          bool kDefer_ = false>
 struct HopperBackwardTile {
   static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256, kBuffers = kBuffers_;
   static_assert(kBuffers >= 2, "a step's copies and the next step's at least");
   static constexpr BackwardProbe kProbe = kProbe_;
-  static constexpr bool kPair = kPair_;
+  static constexpr bool kPair = kPair_, kDefer = kDefer_;
+  static_assert(!(kPair && kDefer), "one way of moving the adds at a time");
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
   // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
@@ -376,8 +380,10 @@ struct HopperBackwardTile {
   static constexpr int kInboxBytes = kLocalHolders * kHolders * kHeldTiles * kInboxThreads * 16;
   // What the other holders send a block in a step (its own holders' parts it stores itself).
   static constexpr int kIncomingBytes = kLocalHolders * (kHolders - 1) * kHeldTiles * kInboxThreads * 16;
+  // kDefer: [step parity][tile][thread] float4, a thread's 8 n8 tiles of dQ.
+  static constexpr int kParkBytes = kDefer ? 2 * 8 * kThreads * 16 : 0;
   static constexpr int kSmemBytes = 2 * kKvBytes + 2 * kBuffers * kRowBytes + kDsBytes + 2 * kBuffers * kRows * 4 +
-                                    kSwapBytes + (kPair ? 2 * kInboxBytes + 4 * 8 : 0) + 1024;
+                                    kSwapBytes + (kPair ? 2 * kInboxBytes + 4 * 8 : 0) + kParkBytes + 1024;
 };
 
 // The query blocks a key block walks in a pair (kPair): first the ones both blocks of the pair
@@ -427,6 +433,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   // arrival, this block's thread 0 announcing the bytes, and the bytes); empty[parity] when the
   // other block has read what this one sent it two steps before (one arrival, from it).
   const std::uint32_t full0 = sInbox + 2 * T::kInboxBytes, empty0 = full0 + 16;
+  const std::uint32_t sPark = sInbox + (T::kPair ? 2 * T::kInboxBytes + 32 : 0);  // kDefer
 
   int rank, g, b, member = 0;
   if constexpr (T::kPair) {
@@ -553,6 +560,37 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   };
   (void)step_top, (void)hand_out, (void)add_held;
 
+  // kDefer: a thread's tiles j0 .. j0 + tiles − 1 of step t's dQ (the ones it adds: all 8 at
+  // D = 128, its warpgroup's half after the swap at D = 64) parked, and added one step later. A
+  // thread reads back only what it parked itself, so no barrier orders the two.
+  const int park_j0 = D == 128 ? 0 : 4 * wg, park_tiles = D == 128 ? 8 : 4;
+  auto park = [&](int t, const float (&dq)[32]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < park_j0 || j >= park_j0 + park_tiles) continue;
+      const float* v = dq + 4 * j;
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sPark + (((t & 1) * 8 + j) * T::kThreads + tid) * 16),
+                   "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]));
+    }
+  };
+  auto add_parked = [&](int t) {
+    int m0;
+    const std::size_t q_row0 = walk.rows(p, b, g, t, m0);
+    const int dq_block = D == 128 ? wg : 0, row = m0 + 16 * warp + acc_row(lane, 0);
+    float* dst = p.dq_accum + q_row0 * D + 64 * dq_block + acc_col(lane);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < park_j0 || j >= park_j0 + park_tiles) continue;
+      float x, y, z, w;
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(x), "=f"(y), "=f"(z), "=f"(w)
+                   : "r"(sPark + (((t & 1) * 8 + j) * T::kThreads + tid) * 16));
+      if (row < p.q_len) add_pair(dst + std::size_t(row) * D + 8 * j, x, y);
+      if (row + 8 < p.q_len) add_pair(dst + std::size_t(row + 8) * D + 8 * j, z, w);
+    }
+  };
+  (void)park, (void)add_parked;
+
   for (int t = 0; t < walk.steps; ++t) {
     int m0;
     const std::size_t q_row0 = walk.rows(p, b, g, t, m0);
@@ -586,6 +624,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
     hp::wgmma_commit();
     if constexpr (T::kPair) {
       if (t > 0 && t - 1 < walk.shared_steps) add_held(t - 1);  // while Sᵀ and dPᵀ run
+    }
+    if constexpr (T::kDefer) {
+      if (t > 0) add_parked(t - 1);  // while Sᵀ and dPᵀ run
     }
 
     // Pᵀ and dSᵀ exactly as in the mma.sync kernel: a warp's share of a wgmma accumulator has the
@@ -667,6 +708,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
       // pair. These adds cost the kernel a fifth of its time at D = 128 and two fifths at D = 64,
       // and bulk or TMA reductions of the same sums were no faster (lecture 09's appendix, 5.4).
       auto add_tiles = [&](int j0, int tiles) {
+        if constexpr (T::kDefer) {
+          (void)j0, (void)tiles;  // the same tiles: park_j0 and park_tiles
+          return park(t, dq);
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = m0 + 16 * warp + acc_row(lane, half);
@@ -718,6 +763,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   }
   if constexpr (T::kPair) {
     if (walk.steps > 0 && walk.steps == walk.shared_steps) add_held(walk.steps - 1);  // the last step's
+  }
+  if constexpr (T::kDefer) {
+    if (walk.steps > 0) add_parked(walk.steps - 1);
   }
   tc::cp_async_wait<0>();
 

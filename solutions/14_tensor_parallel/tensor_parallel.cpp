@@ -230,10 +230,9 @@ void ParallelAttention::backward(Context& ctx, const Tensor& x, const Tensor& po
   Tensor dout = ctx.tensor(s.o.shape()), dq = ctx.tensor(s.q.shape()), dk = ctx.tensor(s.k.shape()),
          dv = ctx.tensor(s.v.shape());
   wo_.backward(ctx, s.o, dy, &dout);
-  ctx.ops.fill(dk, 0.0f);  // attention_backward adds into dk and dv
-  ctx.ops.fill(dv, 0.0f);
   const auto shape = model::AttentionShape::causal_self(batch, positions.numel(), hq, hkv, hd);
-  ctx.ops.attention_backward(shape, s.q, s.k, s.v, s.o, s.lse, dout, dq, dk, dv);
+  // dk and dv written, not added into (attention_backward adds, for a ring): nothing to zero first.
+  ctx.ops.attention_backward_overwrite(shape, s.q, s.k, s.v, s.o, s.lse, dout, dq, dk, dv);
   ctx.ops.rope(dq, positions, hq, hd, config_.rope_theta, true);  // a rotation's transpose is its inverse
   ctx.ops.rope(dk, positions, hkv, hd, config_.rope_theta, true);
   // q, k and v were all computed from x: their input gradients add, then one f for the three.

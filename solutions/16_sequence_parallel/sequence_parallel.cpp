@@ -144,10 +144,9 @@ void attention_partial_backward(Context& ctx, const HeadLinears& a, const Tensor
   Tensor dout = ctx.tensor(s.o.shape()), dq = ctx.tensor(s.q.shape()), dk = ctx.tensor(s.k.shape()),
          dv = ctx.tensor(s.v.shape()), part = ctx.tensor(x.shape());
   a.wo.backward(ctx, s.o, dy, &dout);
-  ctx.ops.fill(dk, 0.0f);  // attention_backward adds into dk and dv
-  ctx.ops.fill(dv, 0.0f);
   const auto shape = model::AttentionShape::causal_self(batch, positions.numel(), a.q_heads, a.kv_heads, a.head_dim);
-  ctx.ops.attention_backward(shape, s.q, s.k, s.v, s.o, s.lse, dout, dq, dk, dv);
+  // dk and dv written, not added into: nothing to zero first (a ring adds; this is one block).
+  ctx.ops.attention_backward_overwrite(shape, s.q, s.k, s.v, s.o, s.lse, dout, dq, dk, dv);
   ctx.ops.rope(dq, positions, a.q_heads, a.head_dim, a.theta, true);
   ctx.ops.rope(dk, positions, a.kv_heads, a.head_dim, a.theta, true);
   // q, k and v all read x: their input gradients add before anything leaves the rank.
