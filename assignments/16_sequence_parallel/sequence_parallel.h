@@ -207,7 +207,8 @@ struct RingConfig {
 };
 
 // How the work is done, which the tests check:
-//   - One attention_forward (backward: attention_backward) call per pair (query chunk i, key
+//   - One attention_forward (backward: attention_backward, or attention_backward_overwrite
+//     where a key chunk's dk and dv start empty) call per pair (query chunk i, key
 //     chunk j) with at least one visible key, with q_len = kv_len = C, batch = B, q_offset =
 //     (global index of chunk i)·C and kv_offset likewise: causal = true only on the diagonal (the
 //     same chunk), causal = false where every key is visible (an earlier chunk), no call where

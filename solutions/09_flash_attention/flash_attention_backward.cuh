@@ -361,6 +361,7 @@ struct HopperBackwardTile {
   static constexpr BackwardProbe kProbe = kProbe_;
   static constexpr bool kPair = kPair_, kDefer = kDefer_;
   static_assert(!(kPair && kDefer), "one way of moving the adds at a time");
+  static_assert(!kDefer || kProbe == BackwardProbe::none, "a probe without adds would add parked garbage");
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
   // own block over all 128 keys; at D = 64 both take the one block, each over its own 64 keys,
@@ -710,15 +711,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
       auto add_tiles = [&](int j0, int tiles) {
         if constexpr (T::kDefer) {
           (void)j0, (void)tiles;  // the same tiles: park_j0 and park_tiles
-          return park(t, dq);
-        }
+          park(t, dq);
+        } else {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = m0 + 16 * warp + acc_row(lane, half);
-          if (row >= p.q_len) continue;
-          float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
+          for (int half = 0; half < 2; ++half) {
+            const int row = m0 + 16 * warp + acc_row(lane, half);
+            if (row >= p.q_len) continue;
+            float* dst = p.dq_accum + (q_row0 + row) * D + 64 * dq_block + acc_col(lane);
 #pragma unroll
-          for (int j = j0; j < j0 + tiles; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+            for (int j = j0; j < j0 + tiles; ++j) add_pair(dst + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+          }
         }
       };
       if constexpr (T::kProbe == BackwardProbe::no_dq_adds) {
