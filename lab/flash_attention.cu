@@ -122,6 +122,18 @@ void rounds(const char* what, double flops, const std::function<void()>& first, 
   std::printf("   second/first rate %.3f\n", middle_mean(ms[0]) / middle_mean(ms[1]));
 }
 
+// Part B's backward as shipped against a variant of it: each once (outputs compared), then both
+// in alternating rounds; `shipped` and `variant` label the rows, `what` the rounds.
+template <class Shipped, class Variant>
+void against_shipped(const char* shipped, const char* variant, const char* what, const fa::Shape& s, Bufs& b,
+                     double flops) {
+  backward_variant<Shipped, true>(shipped, s, b, flops);
+  backward_variant<Variant, true>(variant, s, b, flops);
+  const fa::Params p = backward_params(s, b);
+  rounds(what, 2.5 * flops, [&] { fa::launch_backward<Shipped, fa::hopper_backward_kernel<Shipped>>(p, s, nullptr); },
+         [&] { fa::launch_backward<Variant, fa::hopper_backward_kernel<Variant>>(p, s, nullptr); });
+}
+
 // B, H, N: the graded shape unless given (hopper_fwd64 also runs the capstone's, B 16 H 12 N 1024).
 template <int D>
 void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
@@ -230,36 +242,20 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
     }
   } else if (mode == Mode::depth) {
     // Part B's backward with the copies of Q, dO, lse and D one step ahead (shipped) and two.
-    using Two = fa::HopperBackwardTile<D>;
-    using Three = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 3>;
-    backward_variant<Two, true>("Part B, copies 1 step ahead", s, b, flops);
-    backward_variant<Three, true>("Part B, copies 2 steps ahead", s, b, flops);
-    const fa::Params p = backward_params(s, b);
-    rounds("backward: 1 step ahead / 2 steps ahead, TFLOP/s", 2.5 * flops,
-           [&] { fa::launch_backward<Two, fa::hopper_backward_kernel<Two>>(p, s, nullptr); },
-           [&] { fa::launch_backward<Three, fa::hopper_backward_kernel<Three>>(p, s, nullptr); });
+    against_shipped<fa::HopperBackwardTile<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 3>>(
+        "Part B, copies 1 step ahead", "Part B, copies 2 steps ahead", "backward: 1 step ahead / 2 steps ahead, TFLOP/s", s,
+        b, flops);
   } else if (mode == Mode::defer) {
     // Part B's backward with a step's dQ adds where they are (shipped) and one step later, issued
     // while the next step's first products run (kDefer).
-    using Now = fa::HopperBackwardTile<D>;
-    using Later = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, true>;
-    backward_variant<Now, true>("Part B, dQ added at once", s, b, flops);
-    backward_variant<Later, true>("Part B, dQ added a step later", s, b, flops);
-    const fa::Params p = backward_params(s, b);
-    rounds("backward: at once / a step later, TFLOP/s", 2.5 * flops,
-           [&] { fa::launch_backward<Now, fa::hopper_backward_kernel<Now>>(p, s, nullptr); },
-           [&] { fa::launch_backward<Later, fa::hopper_backward_kernel<Later>>(p, s, nullptr); });
+    against_shipped<fa::HopperBackwardTile<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, true>>(
+        "Part B, dQ added at once", "Part B, dQ added a step later", "backward: at once / a step later, TFLOP/s", s, b, flops);
   } else if (mode == Mode::pairs) {
     // Part B's backward with each block adding its dQ block into dq_accum (shipped) and with
     // pairs of blocks summing theirs first (kPair).
-    using One = fa::HopperBackwardTile<D>;
-    using Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>;
-    backward_variant<One, true>("Part B, each block adds its dQ", s, b, flops);
-    backward_variant<Pair, true>("Part B, pairs sum their dQ first", s, b, flops);
-    const fa::Params p = backward_params(s, b);
-    rounds("backward: each block / pairs, TFLOP/s", 2.5 * flops,
-           [&] { fa::launch_backward<One, fa::hopper_backward_kernel<One>>(p, s, nullptr); },
-           [&] { fa::launch_backward<Pair, fa::hopper_backward_kernel<Pair>>(p, s, nullptr); });
+    against_shipped<fa::HopperBackwardTile<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>>(
+        "Part B, each block adds its dQ", "Part B, pairs sum their dQ first", "backward: each block / pairs, TFLOP/s", s, b,
+        flops);
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
