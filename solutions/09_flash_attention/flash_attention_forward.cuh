@@ -355,13 +355,18 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //   barriers  q_full; k_full[s] and v_full[s] complete on the copies' bytes, so S can start
 //             while V is still arriving; empty[s] takes one arrival per consumer once its P V
 //             has read the slot.
-//   turns     (kPingpong) the consumers issue their S = Q Kᵀ in turn, through two named
+//   turns     (kPingpong) the consumers issue their products in turn, through two named
 //             barriers: while one warpgroup's products run on the tensor cores, the other does its
 //             softmax, so the tensor cores do not wait for the exponentials (the ping-pong
 //             schedule of FA3).
-//   overlap   (kOverlap) FA3's second schedule: S(j) = Q K(j)ᵀ is issued together with the
-//             previous tile's O += P(j−1) V(j−1), and the softmax of S(j) runs while that product
-//             is still on the tensor cores; O's rescaling waits for it.
+//   order     what a turn issues (kOrder). kGrouped, the default: O += P(j) V(j) and the next
+//             S(j+1) = Q K(j+1)ᵀ together, as FA3 groups them, so one turn hands the tensor cores
+//             both of a warpgroup's products and the other warpgroup's softmax runs under them
+//             (a tile's first S and last P V take a turn each). kSerial: S(j) alone in a turn,
+//             P V(j) issued outside the turns once its softmax is done. kOverlapSoftmax, FA3's
+//             second schedule: the same pair as kGrouped's (S(j) with P(j−1) V(j−1)), but only
+//             S(j) is in the turn and only S(j) is waited for: the softmax of S(j) runs while
+//             P(j−1) V(j−1) is still on the tensor cores, and O's rescaling waits for it.
 //   schedule  which tiles a block takes (kSchedule). kClaim, the default, is persistent: one
 //             block per SM, each taking the next tile in launch_place's order from a counter in
 //             global memory when it starts one (so blocks that drew light tiles take more of
@@ -382,12 +387,18 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //             head's rows: whatever those hold (a NaN in V would survive P = 0), one head's output
 //             depends on its own inputs only. Q rows past q_len are computed and never stored; K
 //             rows past kv_len are masked.
-// Shared memory: Q 128·D + STAGES·2·128·D bf16 = 160 KiB at D = 128 and two stages.
+// Shared memory: Q 128·D + STAGES·2·128·D bf16 = 224 KiB at D = 128 and three stages, the
+// default: with kGrouped a turn reads K(j+1) while P V(j) still reads V(j), so two slots are in use
+// and the third is what the producer fills ahead. Measured on an H100 at the graded shape
+// (lab/flash_attention.cu hopper_fwd), kGrouped ran 1.06 (causal) and 1.05 (full) times as fast
+// as kSerial with two slots; kGrouped with two slots ran 0.97 and 1.02 times.
 enum WsSchedule { kOneTile, kClaim };
-template <int D_, bool PINGPONG = true, int STAGES = 2, bool OVERLAP = false, int SCHEDULE = kClaim>
+enum WsOrder { kSerial, kOverlapSoftmax, kGrouped };
+template <int D_, bool PINGPONG = true, int STAGES = 3, int ORDER = kGrouped, int SCHEDULE = kClaim>
 struct HopperWsTile {
   static constexpr int D = D_, kRows = 128, kKeys = 128, kStages = STAGES, kThreads = 384;
-  static constexpr bool kPingpong = PINGPONG, kOverlap = OVERLAP;
+  static constexpr bool kPingpong = PINGPONG;
+  static constexpr int kOrder = ORDER;
   static constexpr int kSchedule = SCHEDULE;
   static constexpr int kQBytes = kRows * D * 2, kTileBytes = kKeys * D * 2;  // Q; one K or V tile
   static constexpr int kBarrierBytes = 8 * (2 + 3 * kStages);
@@ -479,9 +490,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const Mask mask{p.kv_len, p.kv_len - p.q_len, p.causal};
     const std::uint32_t q_rows = sQ + consumer * 64 * 128;  // this warpgroup's 64 rows in each column block
-    // Turns: consumer c waits on barrier 2 + c before each S = Q Kᵀ and, once it is issued, lets
-    // the other go. Consumer 1 arrives once before the first, so consumer 0 goes first, and
-    // consumer 0 takes that extra turn after the last tile, so both barriers end complete.
+    // Turns: consumer c waits on barrier 2 + c before it issues a turn's products (kOrder says
+    // which) and, once they are issued, lets the other go. Both take the same turns, tile by tile.
+    // Consumer 1 arrives once before the first, so consumer 0 goes first, and consumer 0 takes
+    // that extra turn after the last tile, so both barriers end complete.
     constexpr int kTurn = 2;
     if (T::kPingpong && consumer == 1) hp::named_arrive(kTurn, 256);
     float sc[NT][4];
@@ -503,11 +515,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         if (threadIdx.x % 128 == 0) hp::mbarrier_arrive(q_empty);
       };
       if (n_blocks == 0) q_done();
-      // S = Q K(j)ᵀ issued (in this consumer's turn) and committed; not waited for.
-      auto issue_scores = [&](int j) {
-        const int s = (it + j) % S;
-        hp::mbarrier_wait(k_full(s), ((it + j) / S) & 1);
+      // This consumer's turn to issue products, and the other's once they are issued.
+      auto take_turn = [&] {
         if constexpr (T::kPingpong) hp::named_sync(kTurn + consumer, 256);
+      };
+      auto pass_turn = [&] {
+        if constexpr (T::kPingpong) hp::named_arrive(kTurn + 1 - consumer, 256);
+      };
+      auto wait_k = [&](int j) { hp::mbarrier_wait(k_full((it + j) % S), ((it + j) / S) & 1); };
+      auto wait_v = [&](int j) { hp::mbarrier_wait(v_full((it + j) % S), ((it + j) / S) & 1); };
+      // S = Q K(j)ᵀ issued and committed, not waited for.
+      auto scores = [&](int j) {
+        const int s = (it + j) % S;
         hp::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
@@ -517,17 +536,26 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                                   hp::smem_desc_128b(sK(s) + (kk / 4) * BN * 128 + along), kk > 0);
         }
         hp::wgmma_commit();
-        if constexpr (T::kPingpong) hp::named_arrive(kTurn + 1 - consumer, 256);
       };
       // O += P V(j), P in `a`; issued and committed, not waited for.
-      auto issue_pv = [&](int j) {
+      auto pv = [&](int j) {
         const int s = (it + j) % S;
-        hp::mbarrier_wait(v_full(s), ((it + j) / S) & 1);
         hp::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
           wgmma_rs_tb<D>(o, a[kk], hp::smem_desc_128b_mn(sV(s) + kk * 16 * 128, BN * 128));
         hp::wgmma_commit();
+      };
+      // S(j) alone in a turn; P V(j) outside the turns (kSerial, kOverlapSoftmax).
+      auto issue_scores = [&](int j) {
+        wait_k(j);
+        take_turn();
+        scores(j);
+        pass_turn();
+      };
+      auto issue_pv = [&](int j) {
+        wait_v(j);
+        pv(j);
       };
       auto release = [&](int j) {
         if (threadIdx.x % 128 == 0) hp::mbarrier_arrive(empty((it + j) % S));  // the slot's K and V are read
@@ -541,7 +569,32 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a(a[kk], sc[2 * kk], sc[2 * kk + 1]);
       };
-      if constexpr (T::kOverlap) {
+      if constexpr (T::kOrder == kGrouped) {
+        if (n_blocks > 0) {
+          float rescale[2];
+          issue_scores(0);
+          hp::wgmma_wait<0>();
+          if (n_blocks == 1) q_done();
+          softmax(0, rescale);
+          to_a();  // O is zero: nothing to rescale
+          for (int j = 0; j < n_blocks; ++j) {
+            const bool next = j + 1 < n_blocks;
+            wait_v(j);  // the copies waited for before the turn, so a turn is never held on them
+            if (next) wait_k(j + 1);
+            take_turn();
+            pv(j);
+            if (next) scores(j + 1);
+            pass_turn();
+            hp::wgmma_wait<0>();
+            release(j);
+            if (!next) break;
+            if (j + 2 == n_blocks) q_done();
+            softmax(j + 1, rescale);
+            rescale_rows(o, rescale);
+            to_a();
+          }
+        }
+      } else if constexpr (T::kOrder == kOverlapSoftmax) {
         if (n_blocks > 0) {
           float rescale[2];
           issue_scores(0);
@@ -581,7 +634,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       it += n_blocks;
       store_strip<false>(o, row_max, row_sum, p, p.q_rows(t.b, t.h), row0, lane);  // heads first only (TMA)
     }
-    if (T::kPingpong && consumer == 0) hp::named_sync(kTurn, 256);  // consumer 1's arrival after its last S
+    if (T::kPingpong && consumer == 0) hp::named_sync(kTurn, 256);  // consumer 1's arrival after its last turn
   }
 #else
   (void)map_q, (void)map_k, (void)map_v, (void)p;  // compiled without sm_90a: see forward_hopper()
