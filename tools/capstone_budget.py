@@ -17,8 +17,10 @@ Reads the measurements it adds up, all from one GPU's files:
                                length; AdamW's time, the model FLOPs a token, the run's tokens/s,
                                ratio and cuBLAS bf16 rate)
 and prints the budget: the sum, the tokens/s and ratio to cuBLAS it would give, and what the rest
-of the measured step costs; where the run has ops_host_ms, also the CPU's time to issue the step's
-work and its share of the measured step. --write records it as capstone_budget in the lab file, where the docs
+of the measured step costs; where the run has ops_in_step_ms, that rest by part (the memory-bound
+operations by group, and what the products, attention and AdamW took in the step beyond their times
+alone); where it has ops_host_ms, also the CPU's time to issue the step's work and its share of the
+measured step. --write records it as capstone_budget in the lab file, where the docs
 read it from (tools/figures.py). --lab and --reference point at another GPU's files (default: the
 H200's), --attention-run at the run of capstone_shape to take (default: the shipped build's).
 """
@@ -40,6 +42,14 @@ SHIPPED = "run3"  # capstone_shape's run of the shipped build of module 09 on th
 # time is their whole time, not the cost of issuing them (k2c/model/timed_ops.h).
 READ_BACK = {"cross-entropy", "sum_squares", "upload", "download", "column_sums", "route_rows"}
 GOAL = 0.62  # the module's goal: model FLOP rate over cuBLAS bf16 (README's course map, lecture 18 section 3)
+# The rest of the step by part, on the run's in-step clock (ops_in_step_ms): the memory-bound
+# operations in these groups, every other such operation as "other operations", and what the
+# budget's own operations took in the step beyond their times alone.
+PRODUCT_OPS = ("matmul fwd (a bT)", "linear backward (dW, dX)")
+ATTENTION_OPS = ("attention", "attention backward")
+BETWEEN = "(between operations)"
+REST_GROUPS = {"rmsnorm": ("rmsnorm", "rmsnorm backward"), "rope": ("rope",), "swiglu": ("swiglu", "swiglu backward"),
+               "add": ("add",), "cross-entropy": ("cross-entropy",)}
 
 
 def gemm_step(gemms, layers):
@@ -91,6 +101,28 @@ def budget_of(lab, run, attention_run):
     }
     ratio = tokens_per_s * flops_per_token / (run["cublas_bf16_tflops"] * 1e12)
     budget["goal_rest_ms"] = round(kernels_ms * (ratio / GOAL - 1.0), 3)
+    # Where the run has the in-step clock: the rest of the step by part. The parts are in-step
+    # times, the budget's are times alone, and the in-step clock is a step of its own, so what
+    # the parts leave of rest_ms is the two clocks' difference ("unattributed").
+    in_step = run.get("ops_in_step_ms")
+    if in_step:
+        parts = {}
+        for name, ops in REST_GROUPS.items():
+            parts[name] = sum(in_step.get(op, 0.0) for op in ops)
+        known = set(PRODUCT_OPS) | set(ATTENTION_OPS) | {"adamw", BETWEEN} | {op for ops in REST_GROUPS.values() for op in ops}
+        parts["other operations"] = sum(ms for op, ms in in_step.items() if op not in known)
+        parts["products beyond their kernels alone"] = sum(in_step[op] for op in PRODUCT_OPS) - products_ms
+        parts["attention beyond its calls alone"] = sum(in_step[op] for op in ATTENTION_OPS) - attention_ms
+        parts["adamw in the step beyond alone"] = in_step["adamw"] - adamw_ms
+        parts["between operations"] = in_step.get(BETWEEN, 0.0)
+        parts["unattributed"] = budget["rest_ms"] - sum(parts.values())
+        budget["$comment"] += (" rest_by_part: rest_ms split by the run's in-step clock (ops_in_step_ms): the memory-bound "
+                               "operations by group (rmsnorm: forward and backward, likewise swiglu; 'other operations': "
+                               "every operation not named here), the products', attention's and AdamW's in-step times "
+                               "less their times in this budget (for the products: course mode's passes around 05 and 10, "
+                               "conversions, partial sums), the gaps between operations, and what is left of rest_ms "
+                               "(the in-step clock's step against the measured median step).")
+        budget["rest_by_part"] = {k: round(v, 3) for k, v in parts.items()}
     # Where the run has the host's part of each operation: what the CPU spends issuing one step's
     # work (the operations that read a result back left out), against the measured step.
     host = run.get("ops_host_ms")
@@ -129,7 +161,10 @@ def main():
         raise SystemExit(f"capstone_budget: a measurement is missing ({e}) in {args.lab} or {args.reference}; "
                          "see this tool's docstring for what it reads")
     for key, value in budget.items():
-        if not key.startswith("$"):
+        if isinstance(value, dict):
+            for part, ms in value.items():
+                print(f"{key}: {part:38s} {ms}")
+        elif not key.startswith("$"):
             print(f"{key:22s} {value}")
     if "host_issue_ms" not in budget:
         print(f"(the reference's {RUN} run has no ops_host_ms: a k2c_capstone --time-ops run of this build adds "
