@@ -2,7 +2,7 @@
 """The ceiling of the capstone's course mode on one GPU: what a dense-135M step would take if only
 its GEMMs, its attention calls and AdamW cost anything, each at the time it was measured alone.
 
-    python3 tools/capstone_budget.py [--write] [--lab FILE] [--reference FILE]
+    python3 tools/capstone_budget.py [--write | --check] [--lab FILE] [--reference FILE]
 
 Reads the measurements it adds up, all from one GPU's files:
   lab/results/h200.json        capstone_gemms (each product of the step timed alone; weighted
@@ -21,7 +21,8 @@ of the measured step costs; where the run has ops_in_step_ms, that rest by part 
 operations by group, and what the products, attention and AdamW took in the step beyond their times
 alone); where it has ops_host_ms, also the CPU's time to issue the step's work and its share of the
 measured step. --write records it as capstone_budget in the lab file, where the docs
-read it from (tools/figures.py). --lab and --reference point at another GPU's files (default: the
+read it from (tools/figures.py); --check exits 1 where the recorded budget is not the one its
+measurements give now (a reference run or lab result replaced without --write after it). --lab and --reference point at another GPU's files (default: the
 H200's), --attention-run at the run of capstone_shape to take (default: the shipped build's).
 """
 import argparse
@@ -144,7 +145,9 @@ def read(path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help="record the budget in the lab file")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="record the budget in the lab file")
+    mode.add_argument("--check", action="store_true", help="exit 1 unless the recorded budget is the one computed now")
     ap.add_argument("--lab", type=pathlib.Path, default=LAB, help=f"lab results (default {LAB.relative_to(ROOT)})")
     ap.add_argument("--reference", type=pathlib.Path, default=REFERENCE,
                     help=f"reference timings (default {REFERENCE.relative_to(ROOT)})")
@@ -160,6 +163,14 @@ def main():
     except (KeyError, TypeError) as e:
         raise SystemExit(f"capstone_budget: a measurement is missing ({e}) in {args.lab} or {args.reference}; "
                          "see this tool's docstring for what it reads")
+    if args.check:
+        recorded = lab.get("capstone_budget") or {}
+        if recorded == budget:
+            print(f"capstone_budget: {args.lab} holds the budget its measurements give")
+            return
+        stale = [k for k in sorted(set(budget) | set(recorded)) if recorded.get(k) != budget.get(k)]
+        raise SystemExit(f"capstone_budget: {args.lab}'s capstone_budget is stale or missing ({', '.join(stale)}): "
+                         "run tools/capstone_budget.py --write, then tools/figures.py --write")
     for key, value in budget.items():
         if isinstance(value, dict):
             for part, ms in value.items():
