@@ -10,7 +10,10 @@
 # of this checkout, graded in the same build folder without building the course again. Then the
 # grader's own check of module 11's correctness tests (k2c_rank_witness): the reference's were
 # each checked again on three ranks, and a forged submission whose collectives never communicate
-# fails every one of them and earns 0.
+# fails every one of them and earns 0. A third submission reaches through the view it is given to
+# the library's own collectives: it fails every correctness test too. And the direct grading runs
+# with a plain file planted where Open MPI would make the runner's session directory, as an
+# earlier submission could leave it: each run's TMPDIR is its own folder, so module 11 still runs.
 # CPU only, to stay quick: both trees are configured with -DK2C_CUDA=OFF, so the GPU modules are
 # reported as skipped, as they are on a grading machine without a GPU.
 # `bundle` makes the zip and runs setup.sh (which builds; no rank runs), `grade` the rest: CTest
@@ -133,7 +136,14 @@ fi
 # the build folder run_autograder used: the grader stages the copy's files over the bundle's, and
 # rebuilds whatever differs between them
 direct=$(mktemp -d)
-trap 'rm -rf "$direct"' EXIT
+# What code under test as nobody could leave in /tmp for the next submission: a plain file named as
+# Open MPI's session directory of that account, which stops every mpirun that makes it there.
+plant=""
+if [ "$(id -u)" = 0 ] && id nobody > /dev/null 2>&1; then
+  plant="${TMPDIR:-/tmp}/ompi.$(hostname).$(id -u nobody)"
+  if [ -e "$plant" ]; then plant=""; else touch "$plant" && chown nobody "$plant"; fi
+fi
+trap 'rm -rf "$direct"; [ -z "$plant" ] || rm -f "$plant"' EXIT
 # Open to others, as the bundle's tree is: code under test then runs as nobody here too, and the
 # grader keeps run_autograder's objects (it builds everything again where it must run as root).
 chmod 755 "$direct"
@@ -146,7 +156,7 @@ if ! OMPI_MCA_btl_vader_single_copy_mechanism=none "$k2c" --root "$direct/course
 fi
 grep -q '^K2C_CUDA:BOOL=OFF' "$ag/grading/build/CMakeCache.txt" ||
   { echo "FAIL: k2c grade did not keep the CPU-only cache of $ag/grading/build"; exit 1; }
-lap "k2c grade graded the same files"
+lap "k2c grade graded the same files${plant:+ (with $plant planted)}"
 
 # ---- results.json: Gradescope's format, the direct grade's scores, GPU modules skipped
 python3 - "$ag/results/results.json" "$work/direct.json" "$repo/autograder/rubric.json" <<'PY'
@@ -263,3 +273,21 @@ if [ "$runner" = nobody ]; then
     { echo "FAIL: grading the forgery built the course's libraries or the checker again"; exit 1; }
 fi
 lap "the grader's own check failed the forged collectives (code under test ran as $runner)"
+
+# ---- collectives borrowed from the library through the view's Communicator: right answers, no
+# ring; every correctness test fails on the count of library collectives, 0 points
+mkdir -p "$work/unwrapping/assignments/11_collectives"
+cp "$repo/autograder/selftest/witness/unwrapping_collectives.cpp" "$work/unwrapping/assignments/11_collectives/collectives.cpp"
+OMPI_MCA_btl_vader_single_copy_mechanism=none "$k2c" --root "$direct/course" grade --impl assignments \
+  --build-dir "$ag/grading" --submission "$work/unwrapping" --modules 11 --json "$work/unwrapping.json" \
+  > "$work/unwrapping.log" 2>&1 || true
+for t in $tests; do
+  status=$(test_field "$work/unwrapping.json" "$t" status)
+  message=$(test_field "$work/unwrapping.json" "$t" message)
+  echo "unwrapping $t: $status: ${message:0:160}"
+  [ "$status" = failed ] && [[ "$message" == *"started a collective of the communication library"* ]] ||
+    { tail -n 30 "$work/unwrapping.log"; echo "FAIL: the unwrapping $t was not failed for its library collective"; exit 1; }
+done
+points=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["points"])' "$work/unwrapping.json")
+[ "$points" = 0 ] || [ "$points" = 0.0 ] || { echo "FAIL: the unwrapping submission earned $points points"; exit 1; }
+lap "collectives borrowed through the view failed every correctness test"

@@ -327,7 +327,7 @@ WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const s
   const std::string run_mark = folder.path().filename().string();
   std::vector<std::string> cmd = {bin.string(), name, "--out", verdict.string(), "--timeout", std::to_string(timeout),
                                   "--cwd", folder.path().string(), "--env", "K2C_RUN=" + run_mark,
-                                  "--env", "HOME=" + folder.path().string()};
+                                  "--env", "HOME=" + folder.path().string(), "--env", "TMPDIR=" + folder.path().string()};
   if (runner.uid >= 0) cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
   cmd.insert(cmd.end(), options.begin(), options.end());
   cmd.push_back("--");
@@ -1204,14 +1204,36 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
         continue;
       }
     }
-    // What it may load at run time, read from the built library: the link check (no undefined
-    // symbols) says nothing about a library opened with dlopen() once the tests are running.
-    std::string loading;
     auto linked_by = [&](const ModuleSpec& x) {  // the implementations x may link: those of the modules it uses
       std::vector<std::string> names;
       for (const ModuleSpec* u : used_modules(rubric, x)) names.push_back("libk2c_impl_" + u->id + ".so");
       return names;
     };
+    // A weak reference is a link the link check does not see, and a loader call one made at run
+    // time: either can reach MPI, NCCL or cuBLAS and have them compute the module's results, not
+    // only time them. Refused, with the modules it links.
+    {
+      std::string refusal;
+      std::vector<const ModuleSpec*> libraries = {&spec};
+      libraries.insert(libraries.end(), used.begin(), used.end());
+      for (const ModuleSpec* c : libraries) {
+        const fs::path lib = impl_library(build, c->id);
+        if (lib.empty() || !refusal.empty()) continue;
+        const LibraryFindings f = inspect_library(lib.string());
+        std::string p = weak_reference_problem(f);
+        if (p.empty() && !loader_calls(f).empty()) p = runtime_loading_problem(f, linked_by(*c));
+        if (!p.empty()) refusal = (c == &spec ? "" : c->id + ": ") + p;
+      }
+      if (!refusal.empty()) {
+        m.status = "refused";
+        m.detail = "build refused: " + refusal;
+        finish(m);
+        continue;
+      }
+    }
+    // What it may load at run time, read from the built library: the link check (no undefined
+    // symbols) says nothing about a library opened with dlopen() once the tests are running.
+    std::string loading;
     if (const fs::path lib = impl_library(build, spec.id); !lib.empty())
       loading = runtime_loading_problem(inspect_library(lib.string()), linked_by(spec));
     for (const ModuleSpec* u : used)
@@ -1247,6 +1269,10 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       auto all_env = env;
       all_env.emplace_back("K2C_RUBRIC", rubric_copy.path());
       all_env.emplace_back("HOME", folder.path().string());
+      // Its temporary files in its own folder too: what an earlier run left in /tmp (a plain file
+      // where Open MPI makes its session directory, say, which stops every later mpirun of the
+      // same account) is never in the way of this one, and nothing it leaves there reaches a later one.
+      all_env.emplace_back("TMPDIR", folder.path().string());
       // This run's mark, which its descendants inherit: what is still running with it afterwards
       // is killed, and nothing else of the same user.
       const std::string run_mark = folder.path().filename().string();

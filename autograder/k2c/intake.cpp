@@ -533,8 +533,10 @@ LibraryFindings inspect_library(const std::string& path) {
       if (s.type == kDynSym) {  // Elf64_Sym: name u32, info, other, shndx u16, value, size
         has_dynsym = true;
         for (std::uint64_t at = s.offset; at + 24 <= s.offset + s.size; at += 24) {
-          const std::uint64_t name = get(at, 4), shndx = get(at + 6, 2);
-          if (name != 0 && shndx == 0) f.undefined.push_back(c_string(strtab + name));
+          const std::uint64_t name = get(at, 4), binding = get(at + 4, 1) >> 4, shndx = get(at + 6, 2);
+          if (name == 0 || shndx != 0) continue;
+          f.undefined.push_back(c_string(strtab + name));
+          if (binding == 2) f.weak_undefined.push_back(f.undefined.back());  // STB_WEAK
         }
       } else {  // Elf64_Dyn: tag i64, value u64; DT_NEEDED = 1, DT_NULL = 0 ends the table
         for (std::uint64_t at = s.offset; at + 16 <= s.offset + s.size; at += 16) {
@@ -558,24 +560,30 @@ LibraryFindings inspect_library(const std::string& path) {
   return f;
 }
 
-std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<std::string>& linked) {
-  if (!f.error.empty()) return "the implementation library could not be inspected (" + f.error + ")";
+std::string loader_calls(const LibraryFindings& f) {
   // The loader's entry points: with any of them, code can pull in a vendor library (or the
   // reference solution's) after the link check has passed.
   static const std::set<std::string> kLoader = {"dlopen", "dlmopen", "dlsym", "dlvsym", "dladdr", "dladdr1",
                                                 "dlinfo", "dl_iterate_phdr", "_dl_find_object",
                                                 "__libc_dlopen_mode", "__libc_dlsym"};
+  std::string calls;
+  for (const std::string& s : f.undefined) {
+    const std::string base = s.substr(0, s.find('@'));
+    if (kLoader.count(base) && calls.find(base) == std::string::npos) calls += (calls.empty() ? "" : ", ") + base;
+  }
+  return calls;
+}
+
+std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<std::string>& linked) {
+  if (!f.error.empty()) return "the implementation library could not be inspected (" + f.error + ")";
   // What a module's implementation is linked with: the C and C++ runtimes (and the maths,
   // vector-maths and atomics helpers the compiler may call) and the CUDA runtime.
   static const std::vector<std::string> kAllowed = {"libc.so.", "libm.so.", "libmvec.so.", "libstdc++.so.",
                                                     "libgcc_s.so.", "libatomic.so.", "libpthread.so.",
                                                     "librt.so.", "libcudart.so", "ld-linux",
                                                     "libk2c_model.so"};  // the course's model library (Part II)
-  std::string why, calls, links;
-  for (const std::string& s : f.undefined) {
-    std::string base = s.substr(0, s.find('@'));
-    if (kLoader.count(base) && calls.find(base) == std::string::npos) calls += (calls.empty() ? "" : ", ") + base;
-  }
+  std::string why, links;
+  const std::string calls = loader_calls(f);
   for (const std::string& n : f.needed)
     if (std::none_of(kAllowed.begin(), kAllowed.end(), [&](const std::string& a) { return n.rfind(a, 0) == 0; }) &&
         std::find(linked.begin(), linked.end(), n) == linked.end())
@@ -588,6 +596,21 @@ std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<
     why += (why.empty() ? "" : "; ") + std::string("the implementation names vendor libraries (") + names + ")";
   }
   return why;
+}
+
+std::string weak_reference_problem(const LibraryFindings& f) {
+  if (!f.error.empty()) return "";  // runtime_loading_problem says so
+  // What GCC's start-up files and the C++ runtime leave weak in every shared library.
+  static const std::set<std::string> kToolchain = {"__gmon_start__", "_ITM_registerTMCloneTable",
+                                                   "_ITM_deregisterTMCloneTable", "__cxa_finalize",
+                                                   "_Jv_RegisterClasses"};
+  std::string names;
+  for (const std::string& s : f.weak_undefined)
+    if (!kToolchain.count(s.substr(0, s.find('@'))) && names.find(s) == std::string::npos)
+      names += (names.empty() ? "" : ", ") + s;
+  if (names.empty()) return "";
+  return "the implementation refers weakly to " + names +
+         ", which binds at run time to whatever the test program has loaded (the link check cannot see it)";
 }
 
 // ------------------------------------------------------------------- course fingerprint ---

@@ -101,6 +101,7 @@ std::string include_outside(const TargetDeps& deps, const std::vector<std::strin
 struct LibraryFindings {
   std::vector<std::string> needed;          // DT_NEEDED entries
   std::vector<std::string> undefined;       // undefined dynamic symbols
+  std::vector<std::string> weak_undefined;  // those of them bound weak (also in `undefined`)
   std::vector<std::string> vendor_strings;  // vendor library names found among its bytes
   std::string error;                        // not a readable 64-bit ELF file
 };
@@ -112,6 +113,18 @@ LibraryFindings inspect_library(const std::string& path);
 // `linked`: further libraries the implementation may link, by file name (the implementations of
 // the earlier modules it uses, `libk2c_impl_12_data_parallel.so`).
 std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<std::string>& linked = {});
+
+// Why the library may not be graded at all ("" when nothing is wrong): it refers weakly to a
+// symbol other than the few the toolchain itself leaves weak (__gmon_start__, the transactional
+// memory hooks, __cxa_finalize). A weak undefined symbol passes the link check (--no-undefined
+// lets it through unresolved) and binds at run time to whatever the test program has loaded:
+// MPI_Allreduce or ncclAllReduce in a module that must write its own, say.
+std::string weak_reference_problem(const LibraryFindings& f);
+
+// The loader entry points the library calls (dlopen, dlsym, ...), "" when none: with them it can
+// reach whatever the test program has loaded or can load (MPI, NCCL, cuBLAS), and so borrow not
+// only a module's speed but its results: such a library is not graded at all.
+std::string loader_calls(const LibraryFindings& f);
 
 // ------------------------------------------------------------------- course fingerprint ---
 

@@ -19,7 +19,10 @@
 //               carry a message down the pipeline;
 //   counting    each operation's calls and bytes equal the formulas of k2c/dist/counting.h, per
 //               label, through a grid's groups and a default split; report(); reset();
-//   time_step   every rank gets the same result, and it is the slowest rank's time.
+//   time_step   every rank gets the same result, and it is the slowest rank's time;
+//   library     library_collectives() counts each collective, started or blocking, barriers and
+//               collectives of a split included, and no point-to-point operation; the
+//               Communicator behind a PointToPointView, one pointer away, is counted the same.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -688,12 +691,47 @@ void timing(kd::Communicator& w) {
 
 }  // namespace
 
+// What module 11's tests hold a hand-written collective to (k2c/dist/communicator.h).
+void library(kd::Communicator& w) {
+  const int n = w.size(), r = w.rank();
+  kd::Buffer a(w, 64), b(w, 64 * static_cast<std::size_t>(n));
+  std::vector<unsigned char> zeros(64 * static_cast<std::size_t>(n), 0);
+  w.to_backend(a.get(), zeros.data(), 64);
+  std::uint64_t before = kd::library_collectives();
+  auto counted = [&](std::uint64_t at_least, const std::string& what) {
+    const std::uint64_t now = kd::library_collectives();
+    require(now >= before + at_least, what + ": library_collectives() moved by " + std::to_string(now - before) +
+                                          ", want at least " + std::to_string(at_least));
+    before = now;
+  };
+  w.all_reduce(a.get(), a.get(), 4, DType::f32, ReduceOp::sum);
+  counted(1, "all_reduce");
+  w.wait(w.start_all_gather(a.get(), b.get(), 4, DType::f32));
+  counted(1, "start_all_gather");
+  w.broadcast(a.get(), 4, DType::f32, 0);
+  w.barrier();
+  counted(2, "broadcast and barrier");
+  std::unique_ptr<kd::Communicator> split = w.split(0, r);
+  before = kd::library_collectives();  // split() itself may use one
+  split->all_reduce(a.get(), a.get(), 1, DType::i32, ReduceOp::sum);
+  counted(1, "a split's all_reduce");
+  kd::PointToPointView p2p(w);
+  p2p.send_recv(a.get(), 4, (r + 1) % n, b.get(), 4, (r + n - 1) % n, DType::f32);
+  w.synchronize();
+  require(kd::library_collectives() == before, "point-to-point exchanges are not library collectives");
+  // The view's one member, after its vtable pointer: what a ring that goes looking finds.
+  kd::Communicator& behind = **reinterpret_cast<kd::Communicator**>(reinterpret_cast<char*>(&p2p) + sizeof(void*));
+  require(&behind == &w, "the Communicator is where module 11's tests assume a ring could find it");
+  behind.all_reduce(a.get(), a.get(), 4, DType::f32, ReduceOp::sum);
+  counted(1, "all_reduce through the view's Communicator");
+}
+
 int main(int argc, char** argv) {
   return kd::run(argc, argv, [](kd::Communicator& w) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::pair<const char*, void (*)(kd::Communicator&)> parts[] = {
         {"overlap", overlap}, {"avg", avg},         {"bf16", bf16},          {"streams", streams},
-        {"groups", groups},   {"counting", counting}, {"time_step", timing}};
+        {"groups", groups},   {"counting", counting}, {"time_step", timing}, {"library", library}};
     bf16_conversions();
     for (const auto& [name, part] : parts) {
       part(w);

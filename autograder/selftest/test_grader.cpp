@@ -7,7 +7,7 @@
 //             error, are stubs, or do not compile; each must cost its own module only.
 // Intake:     a submission with a symlink (of the file or of a folder on its way), an unlisted
 //             file and an oversized file; the staging folder lies outside the course tree.
-// Hostile:    `k2c grade --submission` on the fake course's modules 90-97 (submission_rubric.json)
+// Hostile:    `k2c grade --submission` on the fake course's modules 79 and 90-99 (submission_rubric.json)
 //             with submissions that link to the solutions, include them, dlopen a library,
 //             rewrite the rubric, call cuBLAS, or hang: each earns no more than honest work.
 // Trust:      the parts those verdicts rest on, each alone: dependency records of both CMake
@@ -1112,6 +1112,15 @@ fs::path fake_course_copy(const std::string& name) {
 // Implementations of the fake contract (common/include/fake_gemm.h), honest and otherwise.
 const std::string kHonest = "#include \"fake_gemm.h\"\nint k2c::gemm::answer() { return 42; }\n";
 
+// Right, and refers weakly to MPI's all-reduce: --no-undefined lets a weak reference through, and
+// at run time it binds to MPI wherever the test program has loaded it (module 11's does). Here
+// nothing defines it, so the answer is the honest one: only the grader's reading of the library
+// can refuse it.
+const std::string kWeak = R"(#include "fake_gemm.h"
+extern "C" int MPI_Allreduce(const void*, void*, int, int, int, int) __attribute__((weak));
+int k2c::gemm::answer() { return MPI_Allreduce ? MPI_Allreduce(nullptr, nullptr, 0, 0, 0, 0) : 42; }
+)";
+
 // Climbs from wherever the file is staged up to / (`..` at the root stays there), then down to
 // `file`: the relative form of an absolute #include.
 std::string include_of(const fs::path& file) {
@@ -1235,6 +1244,7 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
   write(sub / "assignments/92_include/include.cpp", include_of(course / "solutions/91_symlink/symlink.cpp"));
   write(sub / "assignments/93_dlopen/dlopen.cpp", kDlopen);
   write(sub / "assignments/95_linkerr/linkerr.cpp", kLinkError);
+  write(sub / "assignments/79_weak/weak.cpp", kWeak);
   write(sub / "assignments/96_hang/hang.cpp", kHang);
   write(sub / "assignments/97_rubric/rubric.cpp", kRubricWriter);
   write(sub / "assignments/98_forged/forged.cpp", kForger);
@@ -1245,7 +1255,7 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
   // 97 runs before 90: its rewrite of the rubric it was handed must not reach 90's run.
   const ProcessResult run = k2c::grader::run_process(
       {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
-       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "97,90,91,92,93,95,96,98,99",
+       "--build-dir", build.string(), "--submission", sub.string(), "--modules", "97,90,91,92,93,95,79,96,98,99",
        "--seed", "1", "--json", report_path.string()},
       {.timeout_s = 900});
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -1261,8 +1271,9 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
       {"97_rubric", {"partial", 6}},     // its own rubric copy rewritten: its own perf test fails
       {"91_symlink", {"refused", 0}},    // a folder linked to the reference: the stub's 0
       {"92_include", {"refused", 0}},    // the reference #included: the stub's 0
-      {"93_dlopen", {"partial", 6}},     // correct, but its speed may be borrowed: no perf points
+      {"93_dlopen", {"refused", 0}},     // correct, but what it opens could have computed it
       {"95_linkerr", {"build failed", 0}},
+      {"79_weak", {"refused", 0}},       // right, but a weak reference could have bound to MPI
       {"96_hang", {"timed out", 0}}};
   for (const auto& [id, want] : expected) {
     EXPECT_EQ(module(id)["status"], want.first) << id << ": " << detail(id);
@@ -1275,7 +1286,7 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
     EXPECT_EQ(module("98_forged")["status"], "invalid") << detail("98_forged");
     EXPECT_EQ(module("98_forged")["points"], 0);
     EXPECT_NE(detail("98_forged").find("no NVIDIA device"), std::string::npos) << detail("98_forged");
-    EXPECT_EQ(report["points"], report["runner"] == "nobody" ? 22 : 32);  // 99 builds where the grader runs it
+    EXPECT_EQ(report["points"], report["runner"] == "nobody" ? 16 : 26);  // 99 builds where the grader runs it
   }
   // Where code under test runs as another user, so does the compiler of its files: 99's embedded
   // file, which only root may read, stops its build instead of reaching its library.
@@ -1292,12 +1303,12 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
       << detail("92_include");
   EXPECT_NE(detail("92_include").find("solutions/91_symlink/symlink.cpp outside the submission"), std::string::npos)
       << detail("92_include");
-  EXPECT_EQ(test("93_dlopen", "Fake.Correct")["status"], "passed");
-  EXPECT_EQ(test("93_dlopen", "FakePerf.Rate")["status"], "withheld");
-  EXPECT_NE(test("93_dlopen", "FakePerf.Rate")["message"].get<std::string>().find("loads libraries at run time (dlopen"),
-            std::string::npos);
+  EXPECT_NE(detail("93_dlopen").find("build refused: the implementation loads libraries at run time (dlopen"),
+            std::string::npos) << detail("93_dlopen");
   EXPECT_NE(detail("93_dlopen").find("libcublas"), std::string::npos) << detail("93_dlopen");
   EXPECT_EQ(detail("95_linkerr").substr(0, detail("95_linkerr").find('\n')), "link failed: undefined symbol cublasSgemm_v2");
+  EXPECT_NE(detail("79_weak").find("build refused: the implementation refers weakly to MPI_Allreduce"), std::string::npos)
+      << detail("79_weak");
   EXPECT_EQ(test("97_rubric", "FakePerf.Rate")["status"], "failed");
 
   // The hang cost one time limit (3 s), not two: the bonus run was not launched.
@@ -1312,6 +1323,9 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
   const auto honest = k2c::grader::inspect_library((build / "build/lib/libk2c_impl_90_honest.so").string());
   EXPECT_EQ(honest.error, "");
   EXPECT_EQ(k2c::grader::runtime_loading_problem(honest), "");
+  EXPECT_EQ(k2c::grader::weak_reference_problem(honest), "");  // the toolchain's own weak symbols pass
+  const auto weak = k2c::grader::inspect_library((build / "build/lib/libk2c_impl_79_weak.so").string());
+  EXPECT_NE(std::find(weak.weak_undefined.begin(), weak.weak_undefined.end(), "MPI_Allreduce"), weak.weak_undefined.end());
   const auto dl = k2c::grader::inspect_library((build / "build/lib/libk2c_impl_93_dlopen.so").string());
   EXPECT_NE(std::find(dl.undefined.begin(), dl.undefined.end(), "dlopen"), dl.undefined.end());
   EXPECT_NE(std::find(dl.undefined.begin(), dl.undefined.end(), "dlsym"), dl.undefined.end());
@@ -1497,9 +1511,16 @@ TEST(Trust, ReadsWhatALibraryLoads) {
   clean.needed = {"libcudart.so.13", "libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6"};
   clean.undefined = {"cudaMalloc", "memcpy", "__cxa_throw"};
   EXPECT_EQ(k2c::grader::runtime_loading_problem(clean), "");
+  clean.weak_undefined = {"__gmon_start__", "_ITM_registerTMCloneTable", "_ITM_deregisterTMCloneTable", "__cxa_finalize"};
+  EXPECT_EQ(k2c::grader::weak_reference_problem(clean), "");
+  auto weak = clean;
+  weak.weak_undefined.push_back("ncclAllReduce");
+  EXPECT_NE(k2c::grader::weak_reference_problem(weak).find("refers weakly to ncclAllReduce"), std::string::npos);
   auto loader = clean;
   loader.undefined.insert(loader.undefined.end(), {"dlopen", "dlsym"});
   EXPECT_NE(k2c::grader::runtime_loading_problem(loader).find("loads libraries at run time (dlopen, dlsym)"), std::string::npos);
+  EXPECT_EQ(k2c::grader::loader_calls(loader), "dlopen, dlsym");
+  EXPECT_EQ(k2c::grader::loader_calls(clean), "");
   auto linked = clean;
   linked.needed.push_back("libcublasLt.so.13");
   EXPECT_NE(k2c::grader::runtime_loading_problem(linked).find("links libcublasLt.so.13"), std::string::npos);

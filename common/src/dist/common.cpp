@@ -2,6 +2,7 @@
 // (k2c/dist/communicator.h), the process grid (k2c/dist/grid.h), the counting decorator
 // (k2c/dist/counting.h) and time_step (k2c/dist/timing.h).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <iomanip>
 #include <sstream>
@@ -15,6 +16,12 @@
 #include "mpi_communicator.h"
 
 namespace k2c::dist {
+
+namespace {
+std::atomic<std::uint64_t> g_library_collectives{0};
+}
+std::uint64_t library_collectives() { return g_library_collectives.load(std::memory_order_relaxed); }
+void detail::count_library_collective() { g_library_collectives.fetch_add(1, std::memory_order_relaxed); }
 
 std::string to_string(Backend b) { return b == Backend::nccl ? "nccl" : "mpi"; }
 std::string to_string(DType t) {

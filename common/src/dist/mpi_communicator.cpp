@@ -295,6 +295,7 @@ void MpiCommunicator::reduce_local(void* out, const void* a, const void* b, std:
 // they may complete in any order after that.
 
 Ticket MpiCommunicator::start_all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+  detail::count_library_collective();
   check_reduction(t, op, "all_reduce");
   Pending p("all_reduce", 1);
   K2C_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, mpi_count(count, "all_reduce"),
@@ -305,6 +306,7 @@ Ticket MpiCommunicator::start_all_reduce(const void* send, void* recv, std::size
 
 Ticket MpiCommunicator::start_reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
                                              ReduceOp op) {
+  detail::count_library_collective();
   check_reduction(t, op, "reduce_scatter");
   Pending p("reduce_scatter", 1);
   K2C_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, mpi_count(count, "reduce_scatter"), mpi_type(t),
@@ -314,6 +316,7 @@ Ticket MpiCommunicator::start_reduce_scatter(const void* send, void* recv, std::
 }
 
 Ticket MpiCommunicator::start_all_gather(const void* send, void* recv, std::size_t count, DType t) {
+  detail::count_library_collective();
   Pending p("all_gather", 1);
   const int n = mpi_count(count, "all_gather");
   K2C_MPI_CHECK(MPI_Iallgather(send, n, mpi_type(t), recv, n, mpi_type(t), comm_, &p.requests[0]));
@@ -324,6 +327,7 @@ Ticket MpiCommunicator::start_all_to_all_v(const void* send, const std::vector<s
                                            const std::vector<std::size_t>& send_offsets, void* recv,
                                            const std::vector<std::size_t>& recv_counts,
                                            const std::vector<std::size_t>& recv_offsets, DType t) {
+  detail::count_library_collective();
   const std::size_t n = static_cast<std::size_t>(size_);
   K2C_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
                 recv_offsets.size() == n,
@@ -350,12 +354,14 @@ Ticket MpiCommunicator::start_all_to_all_v(const void* send, const std::vector<s
 // ----------------------------------------------------------------- blocking collectives -----
 
 void MpiCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
+  detail::count_library_collective();
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Ibcast(buf, mpi_count(count, "broadcast"), mpi_type(t), root, comm_, &r[0]));
   complete(r, "broadcast");
 }
 
 void MpiCommunicator::reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) {
+  detail::count_library_collective();
   check_reduction(t, op, "reduce");
   std::vector<MPI_Request> r(1);
   const bool in_place = rank_ == root && send == recv;
@@ -366,6 +372,7 @@ void MpiCommunicator::reduce(const void* send, void* recv, std::size_t count, DT
 }
 
 void MpiCommunicator::all_to_all(const void* send, void* recv, std::size_t count, DType t) {
+  detail::count_library_collective();
   std::vector<MPI_Request> r(1);
   const int n = mpi_count(count, "all_to_all");
   K2C_MPI_CHECK(MPI_Ialltoall(send, n, mpi_type(t), recv, n, mpi_type(t), comm_, &r[0]));
@@ -373,6 +380,7 @@ void MpiCommunicator::all_to_all(const void* send, void* recv, std::size_t count
 }
 
 void MpiCommunicator::barrier() {
+  detail::count_library_collective();
   std::vector<MPI_Request> r(1);
   K2C_MPI_CHECK(MPI_Ibarrier(comm_, &r[0]));
   complete(r, "barrier");

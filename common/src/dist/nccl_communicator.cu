@@ -256,6 +256,7 @@ void NcclCommunicator::reduce_local(void* out, const void* a, const void* b, std
 // enqueues a collective on a stream; it does not care which, as long as every rank issues the
 // communicator's operations in the same order.
 Ticket NcclCommunicator::start_all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+  detail::count_library_collective();
   check_reduction(t, op, "all_reduce");
   comm_after_local();
   K2C_NCCL_CHECK(ncclAllReduce(send, recv, count, nccl_type(t), nccl_op(op), comm_, comm_stream_));
@@ -263,12 +264,14 @@ Ticket NcclCommunicator::start_all_reduce(const void* send, void* recv, std::siz
 }
 Ticket NcclCommunicator::start_reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
                                               ReduceOp op) {
+  detail::count_library_collective();
   check_reduction(t, op, "reduce_scatter");
   comm_after_local();
   K2C_NCCL_CHECK(ncclReduceScatter(send, recv, count, nccl_type(t), nccl_op(op), comm_, comm_stream_));
   return open_ticket();
 }
 Ticket NcclCommunicator::start_all_gather(const void* send, void* recv, std::size_t count, DType t) {
+  detail::count_library_collective();
   comm_after_local();
   K2C_NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(t), comm_, comm_stream_));
   return open_ticket();
@@ -277,6 +280,7 @@ Ticket NcclCommunicator::start_all_to_all_v(const void* send, const std::vector<
                                             const std::vector<std::size_t>& send_offsets, void* recv,
                                             const std::vector<std::size_t>& recv_counts,
                                             const std::vector<std::size_t>& recv_offsets, DType t) {
+  detail::count_library_collective();
   const std::size_t n = static_cast<std::size_t>(size_), es = dtype_size(t);
   K2C_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
                 recv_offsets.size() == n,
@@ -298,15 +302,18 @@ Ticket NcclCommunicator::start_all_to_all_v(const void* send, const std::vector<
 }
 
 void NcclCommunicator::broadcast(void* buf, std::size_t count, DType t, int root) {
+  detail::count_library_collective();
   local_after_comm();
   K2C_NCCL_CHECK(ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream_));
 }
 void NcclCommunicator::reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, int root) {
+  detail::count_library_collective();
   check_reduction(t, op, "reduce");
   local_after_comm();
   K2C_NCCL_CHECK(ncclReduce(send, recv, count, nccl_type(t), nccl_op(op), root, comm_, stream_));
 }
 void NcclCommunicator::all_to_all(const void* send, void* recv, std::size_t count, DType t) {
+  detail::count_library_collective();
   const std::size_t bytes = count * dtype_size(t);
   local_after_comm();
   K2C_NCCL_CHECK(ncclGroupStart());
@@ -317,6 +324,7 @@ void NcclCommunicator::all_to_all(const void* send, void* recv, std::size_t coun
   K2C_NCCL_CHECK(ncclGroupEnd());
 }
 void NcclCommunicator::barrier() {
+  detail::count_library_collective();
   Buffer one(*this, sizeof(int));
   K2C_CUDA_CHECK(cudaMemsetAsync(one.get(), 0, sizeof(int), stream_));
   all_reduce(one.get(), one.get(), 1, DType::i32, ReduceOp::sum);
