@@ -83,8 +83,10 @@ function(k2c_add_module id)
   endif()
   target_include_directories(k2c_impl_${id} PUBLIC ${root}/assignments/${id})
   target_link_libraries(k2c_impl_${id} PUBLIC k2c_headers)
-  # The course's NVTX ranges compile to nothing in student code (see k2c/device/nvtx.h).
-  target_compile_definitions(k2c_impl_${id} PRIVATE K2C_NO_NVTX)
+  # The course's NVTX ranges compile to nothing in student code (see k2c/device/nvtx.h), and so
+  # does NVTX itself: CUB's and Thrust's device-wide headers bring in its injection loader, whose
+  # dlopen and dlsym would have the grader refuse the library (docs/SECURITY.md, row 14).
+  target_compile_definitions(k2c_impl_${id} PRIVATE K2C_NO_NVTX NVTX_DISABLE)
   if(arg_KIND STREQUAL "gpu" OR cuda_parts)
     target_link_libraries(k2c_impl_${id} PUBLIC CUDA::cudart)
   endif()

@@ -96,11 +96,14 @@ const std::vector<std::size_t>& counts() {
 enum class Which { all_reduce, reduce_scatter, all_gather };
 
 // The Communicator is one pointer away from the view a ring is given (k2c/dist/communicator.h):
-// a ring must not start a collective of the library, and the backends count every one.
+// a ring must not start a collective of the library, and the backends count every one. The count
+// is read once the ring's work has completed (synchronize), so that nothing it left running
+// starts one afterwards unseen.
 template <class F>
-void by_hand(F&& ring) {
+void by_hand(kd::Communicator& w, F&& ring) {
   const std::uint64_t before = kd::library_collectives();
   ring();
+  w.synchronize();
   if (const std::uint64_t started = kd::library_collectives() - before; started != 0)
     ADD_FAILURE() << "the hand-written collective started a collective of the communication library (" << started
                   << " of them): only point-to-point sends and receives are allowed";
@@ -125,13 +128,13 @@ void check(Which which, DType t, ReduceOp op) {
       // Rank r contributes block r of the reference input of rank 0 ... the gathered result is
       // simply rank-ordered blocks: use the rank's own input block.
       w.to_backend(data.get(), in.data() + mine.offset, mine.size * sizeof(T));
-      by_hand([&] { col::ring_all_gather(p2p, data.get(), out.get(), count, t); });
+      by_hand(w, [&] { col::ring_all_gather(p2p, data.get(), out.get(), count, t); });
     } else {
       w.to_backend(data.get(), in.data(), count * sizeof(T));
       if (which == Which::all_reduce)
-        by_hand([&] { col::ring_all_reduce(p2p, data.get(), out.get(), count, t, op); });
+        by_hand(w, [&] { col::ring_all_reduce(p2p, data.get(), out.get(), count, t, op); });
       else
-        by_hand([&] { col::ring_reduce_scatter(p2p, data.get(), out.get(), count, t, op); });
+        by_hand(w, [&] { col::ring_reduce_scatter(p2p, data.get(), out.get(), count, t, op); });
     }
     w.synchronize();
     const std::size_t got_count = which == Which::reduce_scatter ? mine.size : count;
@@ -205,7 +208,7 @@ TEST_F(Collectives, AllReduceInPlace) {
   const std::vector<int> in = host_input<int>(w.rank(), count, DType::i32, "inplace");
   kd::Buffer buf(w, count * sizeof(int));
   w.to_backend(buf.get(), in.data(), count * sizeof(int));
-  by_hand([&] { col::ring_all_reduce(p2p, buf.get(), buf.get(), count, DType::i32, ReduceOp::sum); });
+  by_hand(w, [&] { col::ring_all_reduce(p2p, buf.get(), buf.get(), count, DType::i32, ReduceOp::sum); });
   w.synchronize();
   std::vector<int> got(count);
   w.to_host(got.data(), buf.get(), count * sizeof(int));
@@ -268,7 +271,7 @@ TEST_F(CollectivesPerf, AllReduceVsNccl) {
   };
   const double lib_ms = time([&] { w.all_reduce(a.get(), b.get(), count, DType::f32, ReduceOp::sum); });
   const double ring_ms =
-      time([&] { by_hand([&] { col::ring_all_reduce(p2p, a.get(), b.get(), count, DType::f32, ReduceOp::sum); }); });
+      time([&] { by_hand(w, [&] { col::ring_all_reduce(p2p, a.get(), b.get(), count, DType::f32, ReduceOp::sum); }); });
   const int n = w.size();
   // The ring's timed output, at fresh positions: the sum of every rank's input.
   std::vector<float> result(count);

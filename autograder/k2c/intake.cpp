@@ -600,14 +600,21 @@ std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<
 
 std::string weak_reference_problem(const LibraryFindings& f) {
   if (!f.error.empty()) return "";  // runtime_loading_problem says so
-  // What GCC's start-up files and the C++ runtime leave weak in every shared library.
-  static const std::set<std::string> kToolchain = {"__gmon_start__", "_ITM_registerTMCloneTable",
-                                                   "_ITM_deregisterTMCloneTable", "__cxa_finalize",
-                                                   "_Jv_RegisterClasses"};
+  // What compilers and the C and C++ runtimes leave weak in honest libraries: the start-up files'
+  // profiling and transactional-memory hooks, the C++ ABI (__cxa_pure_virtual in the vtable of
+  // any abstract class, __cxa_finalize), the threads library on older C libraries, and the
+  // sanitizers' runtimes. Whatever they bind to is the C or C++ runtime: nothing that could
+  // compute a module's results.
+  static const std::vector<std::string> kRuntimePrefixes = {"__gmon_start__", "_ITM_", "_Jv_", "__cxa_", "__gxx_",
+                                                            "pthread_", "__pthread_", "__asan_", "__ubsan_",
+                                                            "__tsan_", "__lsan_", "__sanitizer_"};
   std::string names;
-  for (const std::string& s : f.weak_undefined)
-    if (!kToolchain.count(s.substr(0, s.find('@'))) && names.find(s) == std::string::npos)
-      names += (names.empty() ? "" : ", ") + s;
+  for (const std::string& s : f.weak_undefined) {
+    const std::string base = s.substr(0, s.find('@'));
+    const bool runtime = std::any_of(kRuntimePrefixes.begin(), kRuntimePrefixes.end(),
+                                     [&](const std::string& prefix) { return base.rfind(prefix, 0) == 0; });
+    if (!runtime && names.find(base) == std::string::npos) names += (names.empty() ? "" : ", ") + base;
+  }
   if (names.empty()) return "";
   return "the implementation refers weakly to " + names +
          ", which binds at run time to whatever the test program has loaded (the link check cannot see it)";

@@ -115,8 +115,8 @@ LibraryFindings inspect_library(const std::string& path);
 std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<std::string>& linked = {});
 
 // Why the library may not be graded at all ("" when nothing is wrong): it refers weakly to a
-// symbol other than the few the toolchain itself leaves weak (__gmon_start__, the transactional
-// memory hooks, __cxa_finalize). A weak undefined symbol passes the link check (--no-undefined
+// symbol other than those compilers and the C and C++ runtimes leave weak (__gmon_start__, the
+// transactional-memory hooks, the C++ ABI's __cxa_*, pthread_*, the sanitizers'). A weak undefined symbol passes the link check (--no-undefined
 // lets it through unresolved) and binds at run time to whatever the test program has loaded:
 // MPI_Allreduce or ncclAllReduce in a module that must write its own, say.
 std::string weak_reference_problem(const LibraryFindings& f);
