@@ -17,6 +17,13 @@ rewriting only the files whose bytes differ, so each student's build recompiles 
 and not the course (where code under test runs as the grader's own user, k2c builds everything
 again, and this is only as quick as grading each alone).
 
+Every student's folder is copied first, before any code runs, into a folder of the grader's own
+(0700) that is removed at the end, and graded from there: code under test of an earlier student
+(run as an unprivileged account, see docs/SECURITY.md) cannot rewrite a later student's files,
+however loose the permissions an upload arrived with. Only folders, plain files and links are
+copied (links stay links, which k2c refuses); a pipe or a device is left out, as k2c would not
+take it.
+
 A student whose report is already in OUT is not graded again unless --regrade is given, so an
 interrupted class picks up where it stopped. A grading that k2c could not finish for one student
 (its status 2, or no report) is listed and the class goes on; a grading stopped because the
@@ -26,10 +33,14 @@ after it could be trusted.
 import argparse
 import csv
 import json
+import os
 import pathlib
 import re
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -78,6 +89,22 @@ def students(folder):
     return found, passed_over
 
 
+def snapshot(found):
+    """Every student's folder copied into a fresh 0700 folder of this process's; returns it and
+    the copies, in the order given."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="k2c-class-"))
+
+    def copy_plain(src, dst):  # copytree's copy for what is not a folder or a link
+        if stat.S_ISREG(os.lstat(src).st_mode):
+            shutil.copy2(src, dst)
+
+    copies = []
+    for student in found:
+        shutil.copytree(student, root / student.name, symlinks=True, copy_function=copy_plain)
+        copies.append(root / student.name)
+    return root, copies
+
+
 def grade(k2c, args, student, out):
     """Runs k2c for one student; returns (report or None, why there is none, stop the class)."""
     report_path, log_path = out / "reports" / f"{student.name}.json", out / "logs" / f"{student.name}.log"
@@ -110,8 +137,17 @@ def main():
     for sub in ("reports", "logs", "build"):
         (out / sub).mkdir(parents=True, exist_ok=True)
 
+    snapshot_root, copies = snapshot(found)
+    try:
+        return grade_all(k2c, args, found, copies, passed_over, out)
+    finally:
+        shutil.rmtree(snapshot_root, ignore_errors=True)
+
+
+def grade_all(k2c, args, found, copies, passed_over, out):
+    """Grades each student from its copy; writes scores.csv and the plot."""
     reports, problems = {}, {}
-    for i, student in enumerate(found, 1):
+    for i, (student, copy) in enumerate(zip(found, copies), 1):
         tag = f"[{i}/{len(found)}] {student.name}"
         kept = out / "reports" / f"{student.name}.json"
         if kept.is_file() and not args.regrade:
@@ -122,7 +158,7 @@ def main():
             except (json.JSONDecodeError, KeyError):
                 pass  # unreadable: graded again
         start = time.monotonic()
-        report, why, stop = grade(k2c, args, student, out)
+        report, why, stop = grade(k2c, args, copy, out)
         seconds = time.monotonic() - start
         if stop:
             sys.exit(f"{tag}: {why}\ngrade_class: stopped; restore the course tree and run again "

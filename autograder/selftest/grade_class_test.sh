@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # grade_class_test.sh K2C_BIN WORKDIR — tools/grade_class.py on the fake course: three students
 # graded into one build folder (honest work, a module that does not link, nothing handed in),
-# what it passes over, scores.csv, and a second run that keeps the reports it already has.
+# what it passes over, scores.csv, and a second run that keeps the reports it already has. Alice's
+# honest module also rewrites Carol's file, which arrived writable by all, as unzip can leave an
+# upload: Carol, graded after her, must still be graded on what she handed in.
 set -euo pipefail
 k2c=$(realpath "$1")
 work=$(realpath -m "$2")
@@ -18,10 +20,19 @@ subs=$work/submissions
 honest='#include "fake_gemm.h"
 int k2c::gemm::answer() { return 42; }'
 mkdir -p "$subs/alice/assignments/90_honest" "$subs/alice/assignments/95_linkerr" "$subs/bob" "$subs/carol" "$subs/bad name"
-echo "$honest" > "$subs/alice/assignments/90_honest/honest.cpp"
+carol_file="$subs/carol/honest.cpp"
+cat > "$subs/alice/assignments/90_honest/honest.cpp" <<EOF
+#include <fstream>
+#include "fake_gemm.h"
+int k2c::gemm::answer() {
+  std::ofstream("$carol_file") << "#include \"fake_gemm.h\"\nint k2c::gemm::answer() { return 41; }\n";
+  return 42;
+}
+EOF
 printf '#include "fake_gemm.h"\nextern "C" int cublasSgemm_v2(void*, int);\nint k2c::gemm::answer() { return cublasSgemm_v2(nullptr, 42); }\n' \
   > "$subs/alice/assignments/95_linkerr/linkerr.cpp"
-echo "$honest" > "$subs/carol/honest.cpp"            # flat, as Gradescope uploads
+echo "$honest" > "$carol_file"                       # flat, as Gradescope uploads
+chmod 0777 "$subs/carol" && chmod 0666 "$carol_file"
 echo "$honest" > "$subs/bad name/honest.cpp"
 echo "not a student" > "$subs/notes.txt"
 
@@ -60,6 +71,12 @@ fi
 for s in alice bob carol; do
   test -s "$work/out/reports/$s.json" && test -s "$work/out/logs/$s.log" || { echo "FAIL: no report or log for $s"; exit 1; }
 done
+# Carol's 10 points above were earned on her own file: say whether Alice's code reached it.
+if grep -q "return 41" "$carol_file"; then
+  echo "alice's code rewrote carol's upload; carol was graded on the copy taken before any code ran"
+else
+  echo "alice's code could not reach carol's upload here (the path is not open to the runner)"
+fi
 
 # A second run keeps what the first graded.
 run > "$work/second.log" 2>&1 || { cat "$work/second.log"; echo "FAIL: grade_class.py, second run"; exit 1; }
