@@ -44,7 +44,8 @@ Drawer find_drawer(const std::string& name) {
 }
 
 std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
-                                                                  const std::string& reference, double of_largest) {
+                                                                  const std::string& reference, double of_largest,
+                                                                  double floor) {
   return [=](const std::vector<Bytes>& got) -> std::string {
     for (std::size_t r = 0; r < want.size(); ++r) {
       double largest = 0;  // over all the rank's tensors
@@ -56,7 +57,7 @@ std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vec
         for (float v : w) top = std::max(top, static_cast<double>(std::abs(v)));
         for (std::size_t i = 0; i < w.size(); ++i) {
           const double g = float_at(got[r], at + i);
-          if (!(std::abs(g - w[i]) <= of_largest * top + 1e-4 * std::abs(w[i])))
+          if (!(std::abs(g - w[i]) <= std::max(of_largest * top, floor * largest) + 1e-4 * std::abs(w[i])))
             return "rank " + std::to_string(r) + ": " + name + ", element " + std::to_string(i) + ": got " + std::to_string(g) +
                    ", " + reference + " " + std::to_string(w[i]);
         }

@@ -40,10 +40,14 @@ Drawer find_drawer(const std::string& name);
 // out of it named (a tensor far smaller than the rank's others, such as a gradient that is zero
 // but for rounding, within 1e-8 of the rank's largest |value|); where every rank answers the whole y and dx (`whole` floats each, > 0), those
 // must be the same bits on every rank. `of_largest` replaces the 1e-5 where a check's contract
-// allows more (module 19's absorbed MLA reorders every product: 1e-4, as its test).
+// allows more (module 19's absorbed MLA reorders every product: 1e-4, as its test). `floor`: at
+// least this much of the rank's largest |value| is allowed everywhere, for answers held against an
+// oracle in double: a float value that cancels to near zero from terms of that size carries their
+// rounding (float's epsilon, 1.2e-7, times their size), which the 1e-8 above does not cover.
 using Tensors = std::vector<std::pair<std::string, std::vector<float>>>;
 std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vector<Tensors>& want, std::size_t whole,
-                                                                  const std::string& reference, double of_largest = 1e-5);
+                                                                  const std::string& reference, double of_largest = 1e-5,
+                                                                  double floor = 0);
 
 // A model in args[4 .. 11] (vocab, d_model, n_layers, q_heads, kv_heads, d_ff, seq_len, tied
 // head: what k2c/model/dist_testing.h's witness_model reads) and seed >> 1 in args[12], the seed
