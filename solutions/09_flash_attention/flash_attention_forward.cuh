@@ -569,14 +569,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a(a[kk], sc[2 * kk], sc[2 * kk + 1]);
       };
+      // A tile's first S, waited for, its softmax, P into `a` (O is zero: nothing to rescale).
+      auto first_block = [&](float (&rescale)[2]) {
+        issue_scores(0);
+        hp::wgmma_wait<0>();
+        if (n_blocks == 1) q_done();
+        softmax(0, rescale);
+        to_a();
+      };
       if constexpr (T::kOrder == kGrouped) {
         if (n_blocks > 0) {
           float rescale[2];
-          issue_scores(0);
-          hp::wgmma_wait<0>();
-          if (n_blocks == 1) q_done();
-          softmax(0, rescale);
-          to_a();  // O is zero: nothing to rescale
+          first_block(rescale);
           for (int j = 0; j < n_blocks; ++j) {
             const bool next = j + 1 < n_blocks;
             wait_v(j);  // the copies waited for before the turn, so a turn is never held on them
@@ -597,11 +601,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       } else if constexpr (T::kOrder == kOverlapSoftmax) {
         if (n_blocks > 0) {
           float rescale[2];
-          issue_scores(0);
-          hp::wgmma_wait<0>();
-          if (n_blocks == 1) q_done();
-          softmax(0, rescale);
-          to_a();
+          first_block(rescale);
           for (int j = 1; j < n_blocks; ++j) {
             issue_scores(j);
             issue_pv(j - 1);
