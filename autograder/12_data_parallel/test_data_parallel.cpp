@@ -709,15 +709,20 @@ TEST_F(DataParallelPerf, StepVsNoSync) {
 }
 
 // The grader's own checks of broadcast_parameters and all_reduce_gradients
-// (k2c/dist/rank_witness.h), on parameters of the checker's sizes, the last one frozen. args: the
-// number of parameters, then each one's element count.
+// (k2c/dist/rank_witness.h), on parameters of the checker's sizes, one of them frozen. args: the
+// number of parameters, then each one's element count; args[11] the frozen one.
 namespace {
 
-std::vector<km::ParamId> witness_params(k2c::model::testing::Side& s, const k2c::dist::testing::RankCase& c) {
-  const int count = static_cast<int>(c.args[0]);
+// `trainable`: the frozen one left out of the list (it has no gradient).
+std::vector<km::ParamId> witness_params(k2c::model::testing::Side& s, const k2c::dist::testing::RankCase& c,
+                                        bool trainable) {
+  const int count = static_cast<int>(c.args[0]), frozen = static_cast<int>(c.args[11]);
+  if (count < 1 || count > 8 || frozen < 0 || frozen >= count) throw std::runtime_error("unexpected parameter counts");
   std::vector<km::ParamId> ids;
-  for (int p = 0; p < count; ++p)
-    ids.push_back(s.params.add("p" + std::to_string(p), {c.args[1 + p]}, km::Init{}, p == count - 1));
+  for (int p = 0; p < count; ++p) {
+    const km::ParamId id = s.params.add("p" + std::to_string(p), {c.args[1 + p]}, km::Init{}, p == frozen);
+    if (!trainable || p != frozen) ids.push_back(id);
+  }
   s.materialize(1);
   return ids;
 }
@@ -748,7 +753,7 @@ void transfer(k2c::model::testing::Side& s, const std::vector<km::ParamId>& ids,
 // Every value, this rank's from the checker before; the answer is every value afterwards.
 K2C_RANK_WITNESS(broadcast_parameters) {
   k2c::model::testing::Side s(km::cpu_ops());  // the check runs on the MPI backend: host memory
-  const std::vector<km::ParamId> ids = witness_params(s, c);
+  const std::vector<km::ParamId> ids = witness_params(s, c, false);
   auto value = [&](km::ParamId id) -> km::Tensor& { return s.params.value(id); };
   transfer(s, ids, value, c, true);
   dp::broadcast_parameters(world(), s.params);
@@ -759,8 +764,7 @@ K2C_RANK_WITNESS(broadcast_parameters) {
 // afterwards (the frozen one has none).
 K2C_RANK_WITNESS(all_reduce_gradients) {
   k2c::model::testing::Side s(km::cpu_ops());
-  std::vector<km::ParamId> ids = witness_params(s, c);
-  ids.pop_back();
+  const std::vector<km::ParamId> ids = witness_params(s, c, true);
   auto grad = [&](km::ParamId id) -> km::Tensor& { return s.params.grad(id); };
   transfer(s, ids, grad, c, true);
   dp::all_reduce_gradients(world(), s.params);
@@ -774,8 +778,7 @@ K2C_RANK_WITNESS(all_reduce_gradients) {
 namespace {
 void bucketed_case(k2c::dist::testing::RankCase& c) {
   k2c::model::testing::Side s(km::cpu_ops());
-  std::vector<km::ParamId> ids = witness_params(s, c);
-  ids.pop_back();  // the frozen one
+  const std::vector<km::ParamId> ids = witness_params(s, c, true);
   const int micros = static_cast<int>(c.args[10]);
   std::size_t count = 0;
   for (km::ParamId id : ids) count += static_cast<std::size_t>(s.params.grad(id).numel());

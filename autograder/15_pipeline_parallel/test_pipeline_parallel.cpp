@@ -663,9 +663,20 @@ TEST_F(PipelineParallelPerf, StepVsIdeal) {
   const kd::TimeStepOptions opt{.warmup = 2, .repeats = 7};
   const double one_ms =
       kd::time_step(w, [&] { k2c::pipeline_harness::run_alone(stage, ctx, mbs[0], scale, false); }, opt).median_ms;
-  const double step_ms =
-      kd::time_step(w, [&] { pp::train_step(p2p, stage, ctx, mbs, {pp::Schedule::one_f_one_b, false}, nullptr); }, opt)
-          .median_ms;
+  // Every timed step must run the schedule's passes, all of them: the stage's own log is checked
+  // after each call (host work outside the GPU's timeline), so that a step that skips passes on
+  // the timed calls cannot pass for a fast one.
+  const std::vector<std::pair<Pass, int>> want = prescribed(pp::Schedule::one_f_one_b, s, p, m);
+  int wrong_steps = 0;
+  const double step_ms = kd::time_step(w, [&] {
+    stage.reset_counts();
+    pp::train_step(p2p, stage, ctx, mbs, {pp::Schedule::one_f_one_b, false}, nullptr);
+    std::vector<std::pair<Pass, int>> ran;
+    for (const ps::Stage::Ran& x : stage.log()) ran.emplace_back(x.pass, x.micro_batch);
+    if (ran != want || stage.live() != 0) ++wrong_steps;
+  }, opt).median_ms;
+  EXPECT_EQ(wrong_steps, 0) << "timed 1F1B steps whose passes on stage " << s << " were not the schedule's "
+                            << describe(want);
   const double ideal_ms = (m + p - 1) * one_ms;
   if (s == 0)
     K2C_EXPECT_PERF(1e3 / step_ms, 1e3 / ideal_ms,

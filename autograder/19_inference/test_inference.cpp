@@ -334,6 +334,12 @@ TEST_F(Inference, PagedEqualsContiguous) {
   for (std::size_t i = 0; i + 1 < outputs.size(); ++i)
     expect_bits(outputs[i], outputs.back(), "pages of " + std::string(i == 0 ? "1" : i == 1 ? "2" : "5") +
                                                 " token(s) against one page per sequence");
+  // Equal bits prove nothing if every layout gives the same wrong answer: the contiguous one
+  // against the host's attention.
+  for (int b = 0; b < B; ++b)
+    expect_near(row_of(outputs.back(), width, b),
+                attend_host(row_of(q, width, b), keys[b], values[b], lengths[b], Hq, Hkv, hd), 1e-5, 1e-4,
+                "one page per sequence, sequence " + std::to_string(b) + " of length " + std::to_string(lengths[b]));
 }
 
 // =============================================================================================

@@ -130,6 +130,37 @@ void expect_same_outputs(const inf::ServeReport& got, const inf::ServeReport& wa
   }
 }
 
+// Every request of a trace of valid requests served, and its tokens the model's greedy choices:
+// the serving tests compare reports with each other, and two reports of a serve() that never ran
+// the engine would agree. Each request's prompt and tokens (but the last) are recomputed in one
+// forward pass of the library's model; a token must be that pass's largest logit wherever the
+// largest is clearly the largest (as DecodeMatchesRecompute holds it).
+void expect_greedy(Served& s, const std::vector<inf::Request>& trace, const inf::ServeReport& r, const std::string& what) {
+  ASSERT_EQ(r.results.size(), trace.size()) << what << ": one result per request";
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const inf::Request& q = trace[i];
+    const inf::RequestResult& res = r.results[i];
+    const std::string at = what + ": request " + std::to_string(q.id);
+    ASSERT_EQ(res.id, q.id) << at << ": results in trace order";
+    ASSERT_TRUE(res.ok) << at << " was not served: " << res.error;
+    ASSERT_EQ(static_cast<int>(res.tokens.size()), q.output_len) << at << "'s token count";
+    Ids fed = q.prompt;
+    fed.insert(fed.end(), res.tokens.begin(), res.tokens.end() - 1);
+    const Host logits = s.recompute(fed);
+    for (int j = 0; j < q.output_len; ++j) {
+      const Host row = row_of(logits, s.model.vocab, static_cast<std::int64_t>(q.prompt.size()) - 1 + j);
+      Host sorted = row;
+      std::sort(sorted.rbegin(), sorted.rend());
+      const auto best = std::max_element(row.begin(), row.end()) - row.begin();
+      if (sorted[0] - sorted[1] > 1e-3 * largest(widen(row)) && res.tokens[static_cast<std::size_t>(j)] != best) {
+        ADD_FAILURE() << at << ", token " << j << ": " << res.tokens[static_cast<std::size_t>(j)]
+                      << ", not the largest logit's " << best;
+        break;  // the later tokens follow from this one
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TEST_F(Inference, BatchingMatchesOneAtATime) {
@@ -139,6 +170,7 @@ TEST_F(Inference, BatchingMatchesOneAtATime) {
   const std::vector<inf::Request> trace = trace_of(10, 50.0, 9, m, k2c::testing::seed_for("trace"));
   const inf::ServeReport batched = inf::serve(engine, trace, cost_config(4));
   EXPECT_GT(batched.decode_steps, 0);
+  expect_greedy(s, trace, batched, "batched");
   for (std::size_t i = 0; i < trace.size(); ++i) {
     inf::Request alone = trace[i];
     alone.arrival_s = 0;
@@ -162,6 +194,7 @@ TEST_F(Inference, BatchingMetricsUnderCostModel) {
     const std::vector<inf::Request> trace = trace_of(12, 40.0, 10, m, k2c::testing::seed_for("trace"));
     const inf::ServeReport r = inf::serve(engine, trace, cost_config(max_batch));
     const Schedule want = simulate(trace, pages, page, max_batch);
+    expect_greedy(s, trace, r, "max_batch " + std::to_string(max_batch));
     EXPECT_EQ(r.prefill_steps, want.prefills);
     EXPECT_EQ(r.decode_steps, want.decodes);
     std::vector<double> ttft, tpot;
@@ -218,6 +251,7 @@ TEST_F(Inference, BadRequestsRejected) {
     EXPECT_NE(r.error.find_first_of("0123456789", r.error.find(std::to_string(r.id)) + 3), std::string::npos)
         << "the error should name the offending values: '" << r.error << "'";
   }
+  expect_greedy(s, good, without, "the good requests alone");
   expect_same_outputs(kept, without, true, "the good requests with bad ones among them");
   EXPECT_EQ(engine.cache().used_pages(), 0);
 
@@ -245,7 +279,7 @@ TEST_F(Inference, PagesReturnedAfterTrace) {
   inf::Engine engine(s.ctx, m, pages, 4, 3);
   std::vector<inf::Request> trace = trace_of(10, 0.0, 9, m, k2c::testing::seed_for("trace"));  // all at once
   const inf::ServeReport first = inf::serve(engine, trace, cost_config(6));
-  for (const inf::RequestResult& r : first.results) EXPECT_TRUE(r.ok) << r.error;
+  expect_greedy(s, trace, first, "ten requests at once");
   EXPECT_EQ(engine.cache().used_pages(), 0);
   EXPECT_EQ(engine.cache().free_pages(), pages);
   EXPECT_EQ(engine.cache().sequences(), 0);
@@ -289,6 +323,7 @@ TEST_F(Inference, DisaggregatedMatchesColocated) {
   inf::Engine engine(s.ctx, m, 24, 4, 6);
   const std::vector<inf::Request> trace = trace_of(12, 30.0, 8, m, k2c::testing::seed_for("trace"));
   const inf::ServeReport together = inf::serve(engine, trace, cost_config(4));
+  expect_greedy(s, trace, together, "co-located");
   const inf::ServeReport apart = inf::serve_disaggregated(world(), engine, trace, cost_config(4));
   expect_same_outputs(apart, together, false, "disaggregated against co-located");
   EXPECT_TRUE(same_on_both(apart)) << "the two ranks' reports differ";
@@ -328,9 +363,10 @@ TEST_F(Inference, DisaggregationTransferBytes) {
   kd::CountingCommunicator counting(world(), "world");
   const int max_batch = 3;
   const inf::ServeReport r = inf::serve_disaggregated(counting, engine, trace, cost_config(max_batch));
+  expect_greedy(s, trace, r, "disaggregated");  // every request served: none left out of the bytes below
   std::int64_t kv = 0, decoded = 0;
   for (std::size_t i = 0; i < trace.size(); ++i)
-    if (r.results[i].ok && trace[i].output_len >= 2) {
+    if (trace[i].output_len >= 2) {
       kv += std::int64_t(trace[i].prompt.size()) * engine.cache().bytes_per_token();
       ++decoded;
     }

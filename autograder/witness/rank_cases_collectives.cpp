@@ -130,7 +130,9 @@ Case draw_collectives(const std::string& kind, int n, int index, std::mt19937_64
 
 // Module 12's broadcast of the parameters from rank 0, its naive all-reduce of the gradients, and
 // DataParallel's bucketed one. args: the number of parameters P (2 to 7), then each one's element
-// count; the last one is frozen; args[9] the bucket size in bytes, args[10] the micro-batches M.
+// count; args[11] the frozen one (any of them: first, in the middle or last, so that a parameter's
+// place in the flat values and in the flat gradients differ); args[9] the bucket size in bytes,
+// args[10] the micro-batches M.
 //   broadcast_parameters  every rank gets values of its own for all P and answers what it holds
 //                         afterwards, rank 0's to the bit
 //   all_reduce_gradients  every rank gets gradients of its own for the P − 1 trainable ones and
@@ -146,15 +148,17 @@ Case draw_parameters(const std::string& kind, int n, int index, std::mt19937_64&
   const bool broadcast = kind == "broadcast_parameters";
   const int params = 2 + static_cast<int>(rng() % 6);
   const int micros = kind == "accumulate_buckets" ? 2 + static_cast<int>(rng() % 2) : 1;
+  const int frozen = static_cast<int>(rng() % params);
   Case c;
   c.args[0] = params;
+  c.args[11] = frozen;
   std::int64_t total = 0, trainable = 0;
   for (int p = 0; p < params; ++p) {
     // In turn: a few values each, hundreds, tens of thousands.
     const std::int64_t size = index % 3 == 0 ? 1 + rng() % 3 : index % 3 == 1 ? 1 + rng() % 999 : 10000 + rng() % 40000;
     c.args[1 + p] = size;
     total += size;
-    if (p < params - 1) trainable += size;
+    if (p != frozen) trainable += size;
   }
   // Buckets from one float (a bucket per parameter) to more than all of them (one bucket).
   const std::int64_t bucket_bytes = 4 * (1 + static_cast<std::int64_t>(rng() % (trainable + trainable / 2 + 1)));

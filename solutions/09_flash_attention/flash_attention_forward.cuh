@@ -393,9 +393,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 // (lab/flash_attention.cu hopper_fwd), kGrouped ran 1.06 (causal) and 1.05 (full) times as fast
 // as kSerial with two slots; kGrouped with two slots ran 0.97 and 1.02 times.
 enum WsSchedule { kOneTile, kClaim };
-enum WsOrder { kSerial, kOverlapSoftmax, kGrouped };
-template <int D_, bool PINGPONG = true, int STAGES = 3, int ORDER = kGrouped, int SCHEDULE = kClaim>
+enum WsOrder { kSerial, kOverlapSoftmax, kGrouped, kGroupedOverlap };
+template <int D_, bool PINGPONG = true, int STAGES = 3, int ORDER = kGrouped, int SCHEDULE = kClaim,
+          bool EARLY_RELEASE = false>
 struct HopperWsTile {
+  static constexpr bool kEarlyRelease = EARLY_RELEASE;
   static constexpr int D = D_, kRows = 128, kKeys = 128, kStages = STAGES, kThreads = 384;
   static constexpr bool kPingpong = PINGPONG;
   static constexpr int kOrder = ORDER;
@@ -589,14 +591,48 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             pv(j);
             if (next) scores(j + 1);
             pass_turn();
-            hp::wgmma_wait<0>();
-            release(j);
+            if constexpr (T::kEarlyRelease) {
+              hp::wgmma_wait<1>();  // P(j) V(j) is done: the slot goes back before S(j+1) is waited for
+              release(j);
+              hp::wgmma_wait<0>();
+            } else {
+              hp::wgmma_wait<0>();
+              release(j);
+            }
             if (!next) break;
             if (j + 2 == n_blocks) q_done();
             softmax(j + 1, rescale);
             rescale_rows(o, rescale);
             to_a();
           }
+        }
+      } else if constexpr (T::kOrder == kGroupedOverlap) {
+        // The last block's P V is peeled off, so every turn of the loop commits the same two
+        // groups: ptxas then sees that wgmma_wait<1> completes S, and does not serialise.
+        if (n_blocks > 0) {
+          float rescale[2];
+          first_block(rescale);
+          for (int j = 0; j + 1 < n_blocks; ++j) {
+            wait_v(j);
+            wait_k(j + 1);
+            take_turn();
+            scores(j + 1);  // first, so that it completes first
+            pv(j);
+            pass_turn();
+            hp::wgmma_wait<1>();  // S(j+1) is done; P(j) V(j) may still run (it reads `a`, not sc)
+            if (j + 2 == n_blocks) q_done();
+            softmax(j + 1, rescale);
+            hp::wgmma_wait<0>();
+            release(j);
+            rescale_rows(o, rescale);
+            to_a();
+          }
+          wait_v(n_blocks - 1);
+          take_turn();
+          pv(n_blocks - 1);
+          pass_turn();
+          hp::wgmma_wait<0>();
+          release(n_blocks - 1);
         }
       } else if constexpr (T::kOrder == kOverlapSoftmax) {
         if (n_blocks > 0) {
