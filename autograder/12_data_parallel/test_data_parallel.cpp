@@ -536,6 +536,10 @@ TEST_F(DataParallelBucketed, OverlapsBackward) {
                             "gradient is final, during backward; first mismatch "
                          << first.str();
       EXPECT_EQ(counting.total("all_reduce").calls, plan.size()) << "all-reduces when backward returned";
+      // Started and at once waited for, an all-reduce would hold backward up as a blocking one
+      // does: the waits belong to finish_gradients().
+      EXPECT_EQ(counting.waits(), 0u) << "wait() or synchronize() called during backward: the all-reduces must run "
+                                         "while backward goes on, and be waited for in finish_gradients()";
       ddp.finish_gradients();
       EXPECT_EQ(counting.total("all_reduce").calls, plan.size()) << "all-reduces after finish_gradients";
     }

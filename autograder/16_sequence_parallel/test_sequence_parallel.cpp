@@ -180,7 +180,8 @@ using km::testing::expect_params_match;
 struct AttentionCall {
   km::AttentionShape shape;
   bool backward = false;
-  std::uint64_t sent_bytes = 0;  // the cp group's send_recv bytes when the call was made
+  std::uint64_t sent_bytes = 0;    // the cp group's send_recv bytes when the call was made
+  std::uint64_t waited_bytes = 0;  // and the bytes of its exchanges waited for by then
   std::int64_t visible_pairs() const {
     std::int64_t pairs = 0;
     for (std::int64_t i = 0; i < shape.q_len; ++i) {
@@ -197,30 +198,32 @@ struct AttentionCall {
 
 class RecordingOps final : public km::ForwardingOps {
  public:
-  RecordingOps(km::Ops& inner, std::function<std::uint64_t()> sent) : ForwardingOps(inner), sent_(std::move(sent)) {}
+  RecordingOps(km::Ops& inner, std::function<std::uint64_t()> sent, std::function<std::uint64_t()> waited = {})
+      : ForwardingOps(inner), sent_(std::move(sent)), waited_(std::move(waited)) {}
   std::vector<AttentionCall> calls;
 
   std::string name() const override { return inner().name() + " (recorded)"; }
   void attention_forward(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k, const km::Tensor& v,
                          km::Tensor& o, km::Tensor& lse) override {
-    calls.push_back({s, false, sent_()});
+    calls.push_back({s, false, sent_(), waited()});
     ForwardingOps::attention_forward(s, q, k, v, o, lse);
   }
   void attention_backward(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k, const km::Tensor& v,
                           const km::Tensor& o, const km::Tensor& lse, const km::Tensor& dout, km::Tensor& dq,
                           km::Tensor& dk, km::Tensor& dv) override {
-    calls.push_back({s, true, sent_()});
+    calls.push_back({s, true, sent_(), waited()});
     ForwardingOps::attention_backward(s, q, k, v, o, lse, dout, dq, dk, dv);
   }
   void attention_backward_overwrite(const km::AttentionShape& s, const km::Tensor& q, const km::Tensor& k,
                                     const km::Tensor& v, const km::Tensor& o, const km::Tensor& lse,
                                     const km::Tensor& dout, km::Tensor& dq, km::Tensor& dk, km::Tensor& dv) override {
-    calls.push_back({s, true, sent_()});  // a ring's first block may ask for its gradients written
+    calls.push_back({s, true, sent_(), waited()});  // a ring's first block may ask for its gradients written
     ForwardingOps::attention_backward_overwrite(s, q, k, v, o, lse, dout, dq, dk, dv);
   }
 
  private:
-  std::function<std::uint64_t()> sent_;
+  std::uint64_t waited() const { return waited_ ? waited_() : 0; }
+  std::function<std::uint64_t()> sent_, waited_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -589,7 +592,10 @@ RingRun run_ring(bool causal) {
   ref.ops().attention_backward(whole, qr, kr, vr, orf, lr, dor, dqr, dkr, dvr);
 
   // The ring, on this rank's rows in local order.
-  RecordingOps rec(km::cpu_ops(), [&g] { return g.of("cp", "send_recv").bytes; });
+  auto& cp = dynamic_cast<kd::CountingCommunicator&>(g.cp());
+  std::uint64_t waited_before = 0;  // the cp group's waited bytes when the pass began
+  RecordingOps rec(km::cpu_ops(), [&g] { return g.of("cp", "send_recv").bytes; },
+                   [&] { return cp.waited_bytes() - waited_before; });
   Side par(rec);
   const std::int64_t local = 2 * B * C;
   km::Tensor qp = par.upload(pick_rows(q, H * hd, rows), {local, H * hd});
@@ -602,12 +608,14 @@ RingRun run_ring(bool causal) {
   EXPECT_EQ(ring.layout().chunk, C);
 
   g.counting.reset();
+  waited_before = cp.waited_bytes();
   ring.forward(par.ctx, qp, kp, vp, op, lp);
   RingRun run;
   run.forward = g.of("cp", "send_recv");
   run.forward_calls = std::move(rec.calls);
   rec.calls.clear();
   g.counting.reset();
+  waited_before = cp.waited_bytes();
   ring.backward(par.ctx, qp, kp, vp, op, lp, dop, dqp, dkp, dvp);
   run.backward = g.of("cp", "send_recv");
   run.backward_calls = std::move(rec.calls);
@@ -701,6 +709,13 @@ TEST_F(SequenceParallelRingAttention, OverlapsTheRing) {
         EXPECT_GE(c.sent_bytes, need) << mode << (backward ? " backward" : " forward") << ", step " << step
                                       << ": the next hop must be started before this step's blocks are computed ("
                                       << c.sent_bytes << " bytes sent, " << need << " expected)";
+        // ... and still be under way: waited for, by then, at most the hops this step reads
+        // (step of them) and, backward, the gradients' hops of the steps before.
+        const std::uint64_t drained = static_cast<std::uint64_t>(backward ? 2 * step : step) * K;
+        EXPECT_LE(c.waited_bytes, drained) << mode << (backward ? " backward" : " forward") << ", step " << step
+                                           << ": " << c.waited_bytes << " bytes of exchanges waited for before this "
+                                           << "step's blocks, more than the " << drained
+                                           << " it reads: a hop started and waited for at once overlaps nothing";
       }
   }
 }

@@ -260,7 +260,25 @@ std::string CountingCommunicator::report() const {
   return os.str();
 }
 
-void CountingCommunicator::reset() { ledger_->clear(); }
+void CountingCommunicator::reset() {
+  ledger_->clear();
+  waits_ = 0;
+  waited_bytes_ = 0;
+}
+
+Ticket CountingCommunicator::remember(Ticket ticket, std::uint64_t bytes) {
+  started_bytes_[ticket.id] = bytes;
+  return ticket;
+}
+
+void CountingCommunicator::wait(Ticket ticket) {
+  ++waits_;
+  if (const auto it = started_bytes_.find(ticket.id); it != started_bytes_.end()) {
+    waited_bytes_ += it->second;
+    started_bytes_.erase(it);
+  }
+  inner_.wait(ticket);
+}
 
 // The counts are recorded before forwarding: a call that throws (a refused reduction) was still
 // asked for, and the ledger is about what the algorithm asked for.
@@ -275,7 +293,7 @@ void CountingCommunicator::recv(void* buf, std::size_t count, DType t, int peer)
 Ticket CountingCommunicator::start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
                                              std::size_t recv_count, int src, DType t) {
   record("send_recv", send_count * dtype_size(t), true);
-  return inner_.start_send_recv(send_buf, send_count, dst, recv_buf, recv_count, src, t);
+  return remember(inner_.start_send_recv(send_buf, send_count, dst, recv_buf, recv_count, src, t), send_count * dtype_size(t));
 }
 
 void CountingCommunicator::all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
@@ -320,23 +338,24 @@ void CountingCommunicator::all_to_all_v(const void* send, const std::vector<std:
 Ticket CountingCommunicator::start_all_reduce(const void* send, void* recv, std::size_t count, DType t,
                                               ReduceOp op) {
   record("all_reduce", count * dtype_size(t), true);
-  return inner_.start_all_reduce(send, recv, count, t, op);
+  return remember(inner_.start_all_reduce(send, recv, count, t, op), count * dtype_size(t));
 }
 Ticket CountingCommunicator::start_reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
                                                   ReduceOp op) {
   record("reduce_scatter", count * size() * dtype_size(t), true);
-  return inner_.start_reduce_scatter(send, recv, count, t, op);
+  return remember(inner_.start_reduce_scatter(send, recv, count, t, op), count * size() * dtype_size(t));
 }
 Ticket CountingCommunicator::start_all_gather(const void* send, void* recv, std::size_t count, DType t) {
   record("all_gather", count * size() * dtype_size(t), true);
-  return inner_.start_all_gather(send, recv, count, t);
+  return remember(inner_.start_all_gather(send, recv, count, t), count * size() * dtype_size(t));
 }
 Ticket CountingCommunicator::start_all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
                                                 const std::vector<std::size_t>& send_offsets, void* recv,
                                                 const std::vector<std::size_t>& recv_counts,
                                                 const std::vector<std::size_t>& recv_offsets, DType t) {
   record("all_to_all_v", sum_of(send_counts) * dtype_size(t), true);
-  return inner_.start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t);
+  return remember(inner_.start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t),
+                  sum_of(send_counts) * dtype_size(t));
 }
 
 void CountingCommunicator::barrier() {

@@ -34,7 +34,8 @@
 // A started collective (start_all_reduce, ...) is counted under its collective's name, and also
 // in `started`: calls - started were blocking. send_recv always counts as started, because the
 // blocking send_recv is start_send_recv + wait. Not counted: local work (alloc, copy,
-// reduce_local, ...), wait, synchronize, split and host transfers.
+// reduce_local, ...), wait, synchronize, split and host transfers (wait and synchronize have a
+// count of their own, waits()).
 #pragma once
 
 #include <cstdint>
@@ -87,7 +88,14 @@ class CountingCommunicator final : public Communicator {
   std::uint64_t calls_except(const std::set<std::pair<std::string, std::string>>& allowed) const;
   // One line per (label, operation), ordered by both: "rank 0  tp  all_reduce  calls 4 ..."
   std::string report() const;
-  void reset();  // empties the whole shared ledger
+  void reset();  // empties the whole shared ledger, and this communicator's waits
+  // Calls of wait() and synchronize() on this communicator (not its splits) since it was made or
+  // reset: what a test of overlap holds to zero while the work that should run under the
+  // communication goes on (a collective started and waited for at once overlaps nothing).
+  std::uint64_t waits() const { return waits_; }
+  // The bytes (as counted above) of the started operations waited for on this communicator since
+  // it was made or reset: how far a pipeline of started exchanges has been drained.
+  std::uint64_t waited_bytes() const { return waited_bytes_; }
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -97,7 +105,7 @@ class CountingCommunicator final : public Communicator {
   void recv(void* buf, std::size_t count, DType t, int peer) override;
   Ticket start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
                          std::size_t recv_count, int src, DType t) override;
-  void wait(Ticket ticket) override { inner_.wait(ticket); }
+  void wait(Ticket ticket) override;
   void* alloc(std::size_t bytes) override { return inner_.alloc(bytes); }
   void free(void* p) override { inner_.free(p); }
   void* scratch(std::size_t bytes) override { return inner_.scratch(bytes); }
@@ -106,7 +114,10 @@ class CountingCommunicator final : public Communicator {
                     ReduceOp op) override {
     inner_.reduce_local(out, a, b, count, t, op);
   }
-  void synchronize() override { inner_.synchronize(); }
+  void synchronize() override {
+    ++waits_;
+    inner_.synchronize();
+  }
 
   void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
@@ -136,6 +147,7 @@ class CountingCommunicator final : public Communicator {
   CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label,
                        std::shared_ptr<TrafficTable> ledger, std::shared_ptr<GroupNamer> namer, int world_rank);
   void record(const char* op, std::uint64_t bytes, bool started);
+  Ticket remember(Ticket ticket, std::uint64_t bytes);  // a started operation's bytes, for wait()
   std::unique_ptr<Communicator> owned_;  // set when this wraps a split (or was given ownership)
   Communicator& inner_;
   std::string label_;
@@ -143,6 +155,8 @@ class CountingCommunicator final : public Communicator {
   std::shared_ptr<GroupNamer> namer_;  // shared with every split; empty: "<label>/split"
   int world_rank_;                     // this process's rank in the first counting communicator
   bool root_ = true;                   // made by a public constructor, not by split()
+  std::uint64_t waits_ = 0, waited_bytes_ = 0;
+  std::map<std::uint64_t, std::uint64_t> started_bytes_;  // ticket id -> bytes, until waited for
 };
 
 }  // namespace k2c::dist
