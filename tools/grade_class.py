@@ -37,7 +37,6 @@ import os
 import pathlib
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -89,19 +88,42 @@ def students(folder):
     return found, passed_over
 
 
+MAX_DEPTH = 64  # folders deeper than this in an upload are refused (a course tree is a few deep)
+
+
+def copy_folder(src, dst):
+    """Copies the folders, plain files and links under src into dst (made here), without
+    recursion: an upload nested hundreds of folders deep must not stop the class. Raises OSError
+    with the reason when it cannot."""
+    todo = [(pathlib.Path(src), pathlib.Path(dst), 0)]
+    while todo:
+        source, target, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise OSError(f"folders nested more than {MAX_DEPTH} deep")
+        target.mkdir(mode=0o700)
+        for entry in os.scandir(source):
+            at, to = pathlib.Path(entry.path), target / entry.name
+            if entry.is_symlink():
+                os.symlink(os.readlink(at), to)
+            elif entry.is_dir(follow_symlinks=False):
+                todo.append((at, to, depth + 1))
+            elif entry.is_file(follow_symlinks=False):
+                shutil.copy2(at, to, follow_symlinks=False)
+
+
 def snapshot(found):
-    """Every student's folder copied into a fresh 0700 folder of this process's; returns it and
-    the copies, in the order given."""
+    """Every student's folder copied into a fresh 0700 folder of this process's; returns it and,
+    in the order given, each copy, or the reason it could not be made (an unreadable file, folders
+    nested too deep): that student is reported as not graded, the others are graded."""
     root = pathlib.Path(tempfile.mkdtemp(prefix="k2c-class-"))
-
-    def copy_plain(src, dst):  # copytree's copy for what is not a folder or a link
-        if stat.S_ISREG(os.lstat(src).st_mode):
-            shutil.copy2(src, dst)
-
     copies = []
     for student in found:
-        shutil.copytree(student, root / student.name, symlinks=True, copy_function=copy_plain)
-        copies.append(root / student.name)
+        try:
+            copy_folder(student, root / student.name)
+            copies.append(root / student.name)
+        except (OSError, shutil.Error) as e:
+            shutil.rmtree(root / student.name, ignore_errors=True)
+            copies.append(f"could not copy the upload: {e}")
     return root, copies
 
 
@@ -137,11 +159,13 @@ def main():
     for sub in ("reports", "logs", "build"):
         (out / sub).mkdir(parents=True, exist_ok=True)
 
-    snapshot_root, copies = snapshot(found)
+    snapshot_root = None
     try:
+        snapshot_root, copies = snapshot(found)
         return grade_all(k2c, args, found, copies, passed_over, out)
     finally:
-        shutil.rmtree(snapshot_root, ignore_errors=True)
+        if snapshot_root:
+            shutil.rmtree(snapshot_root, ignore_errors=True)
 
 
 def grade_all(k2c, args, found, copies, passed_over, out):
@@ -157,6 +181,10 @@ def grade_all(k2c, args, found, copies, passed_over, out):
                 continue
             except (json.JSONDecodeError, KeyError):
                 pass  # unreadable: graded again
+        if isinstance(copy, str):  # the upload could not be copied
+            problems[student.name] = copy
+            print(f"{tag}: not graded: {copy}", flush=True)
+            continue
         start = time.monotonic()
         report, why, stop = grade(k2c, args, copy, out)
         seconds = time.monotonic() - start

@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -118,8 +119,14 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     close(fds[1]);
     return r;
   }
-  if (pid == 0) {  // child: own process group, output into the pipe, then exec
-    setpgid(0, 0);
+  if (pid == 0) {  // child: own session, output into the pipe, then exec
+    // A session of its own, not only a process group: code under test that kept the grader's
+    // controlling terminal could open /dev/tty and push keystrokes into the shell that started
+    // the grader (TIOCSTI), as that shell's user. A new session has no terminal. The grader's
+    // session keyring is left behind too (an anonymous one instead; ignored where keyrings are
+    // not built in).
+    if (setsid() < 0) _exit(125);
+    (void)syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, nullptr);
     dup2(fds[1], STDOUT_FILENO);
     dup2(fds[1], STDERR_FILENO);
     close(fds[0]);
@@ -151,7 +158,10 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     (void)!write(STDERR_FILENO, msg.data(), msg.size());
     _exit(127);
   }
-  setpgid(pid, pid);  // also from the parent, so the group exists before we might signal it
+  // The child's setsid() makes its process group; wait for it (a few microseconds), so that the
+  // group exists before we might signal it. A child that already ended leaves a zombie with the
+  // same answer until it is reaped below.
+  for (int i = 0; i < 100000 && getpgid(pid) != pid; ++i) usleep(10);
   if (o.on_start) o.on_start(static_cast<int>(pid));
   close(fds[1]);
   fcntl(fds[0], F_SETFL, O_NONBLOCK);

@@ -1,6 +1,11 @@
 // run_log.cpp — see run_log.h.
 #include "run_log.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cctype>
 #include <fstream>
 #include <set>
@@ -149,8 +154,11 @@ double number_property(const json& t, const char* key, bool* ok) {
 }
 
 std::string string_property(const json& j, const char* key) {
+  // The report is the code under test's to write: no string from it goes on at any length into
+  // messages, tables and results.json (an honest failure message is a few lines).
+  constexpr std::size_t kLongest = 16384;
   auto it = j.find(key);
-  return it != j.end() && it->is_string() ? undo_byte_escapes(it->get<std::string>()) : "";
+  return it != j.end() && it->is_string() ? utf8_head(undo_byte_escapes(it->get<std::string>()), kLongest) : "";
 }
 
 // Properties recorded outside any test (the device, the seed) appear at the top level of
@@ -161,6 +169,41 @@ std::string global_property(const json& report, const char* key) {
   for (const json& s : report["testsuites"])
     if (!(v = string_property(s, key)).empty()) return v;
   return v;
+}
+
+int json_nesting(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+std::string read_report(const std::filesystem::path& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return "";
+  struct stat st {};
+  std::string text;
+  constexpr std::size_t kMax = std::size_t{4} << 20;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    char buf[65536];
+    ssize_t n = 0;
+    while (text.size() <= kMax && (n = read(fd, buf, sizeof buf)) > 0) text.append(buf, static_cast<std::size_t>(n));
+  }
+  close(fd);
+  if (text.size() > kMax || json_nesting(text) > 32) return "";
+  return text;
 }
 
 }  // namespace k2c::grader

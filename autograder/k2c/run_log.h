@@ -32,4 +32,13 @@ std::string string_property(const nlohmann::json& j, const char* key);
 // JSON report or on its test suites, depending on the GoogleTest version.
 std::string global_property(const nlohmann::json& report, const char* key);
 
+// How deep a JSON text's arrays and objects nest (brackets inside strings not counted).
+int json_nesting(const std::string& text);
+// The GoogleTest report (or a checker's verdict) a run left at `path`, which the code under test
+// could have replaced with a link (to a file only the grader may read, a FIFO that never ends,
+// /dev/zero) or made to exhaust the grader: opened without following links and without blocking,
+// read only if it is a plain file, and "" (no report) past 4 MiB or 32 levels of nesting (64 MiB
+// of '[' once took the grader to 5 GB of memory). Honest reports are tens of kilobytes.
+std::string read_report(const std::filesystem::path& path);
+
 }  // namespace k2c::grader

@@ -82,4 +82,13 @@ fi
 run > "$work/second.log" 2>&1 || { cat "$work/second.log"; echo "FAIL: grade_class.py, second run"; exit 1; }
 [ "$(grep -c 'kept from an earlier run' "$work/second.log")" = 3 ] ||
   { cat "$work/second.log"; echo "FAIL: the second run graded again what it had"; exit 1; }
-echo "PASS: three students graded into one build folder, the others passed over, the reports kept"
+# An upload nested 600 folders deep (unzip makes one without trouble) cannot be copied: that
+# student is not graded, and says why; the others still are.
+deep="$subs/dave/$(python3 -c "print('/'.join(['d'] * 600))")"
+mkdir -p "$deep" && echo "$honest" > "$subs/dave/honest.cpp"
+if run > "$work/third.log" 2>&1; then cat "$work/third.log"; echo "FAIL: a student not graded, yet status 0"; exit 1; fi
+grep -q "dave: not graded: could not copy the upload: folders nested more than 64 deep" "$work/third.log" &&
+  [ "$(grep -c 'kept from an earlier run' "$work/third.log")" = 3 ] &&
+  grep -q "^dave,,,.*could not copy the upload" "$work/out/scores.csv" ||
+  { cat "$work/third.log" "$work/out/scores.csv"; echo "FAIL: the deep upload stopped the class, or was not reported"; exit 1; }
+echo "PASS: three students graded into one build folder, the others passed over, the reports kept, a deep upload refused"

@@ -36,6 +36,7 @@
 #include "k2c/core/rubric.h"
 #include "k2c/core/todo.h"
 #include "process.h"
+#include "run_log.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -147,6 +148,25 @@ TEST(Verdict, GpuFiguresWithoutAGpuVoidTheModule) {
   k2c::ModuleSpec cpu = two_test_module();
   cpu.kind = "cpu";
   EXPECT_EQ(evaluate_module(cpu, exited(0), report, "assignments", 9, false).points, 10);
+}
+
+// A correctness test that needs a device ("device": true) reported passed on a machine with none:
+// the harness skips it there, so the report was forged, figures or not. A test without the flag
+// (an argument check, which runs anywhere) passes as ever.
+TEST(Verdict, DeviceTestsPassedWithoutAGpuVoidTheModule) {
+  k2c::ModuleSpec spec = two_test_module();
+  spec.tests[0].device = true;
+  const std::string report = gtest_report("COMPLETED", "");  // the performance test without figures
+  const auto forged = evaluate_module(spec, exited(0), report, "assignments", 9, /*gpu_here=*/false);
+  EXPECT_EQ(forged.status, "invalid");
+  EXPECT_EQ(forged.points, 0);
+  EXPECT_NE(forged.detail.find("A.Correct: reported passed on a machine with no NVIDIA device"), std::string::npos)
+      << forged.detail;
+  EXPECT_EQ(evaluate_module(spec, exited(0), report, "assignments", 9, true).points, 6);
+  EXPECT_EQ(evaluate_module(two_test_module(), exited(0), report, "assignments", 9, false).points, 6);
+  std::string skipped = report;
+  skipped.replace(skipped.find("\"COMPLETED\""), 11, "\"SKIPPED\"");
+  EXPECT_NE(evaluate_module(spec, exited(0), skipped, "assignments", 9, false).status, "invalid");
 }
 
 TEST(Verdict, PerfTestWithoutFiguresEarnsNothing) {
@@ -601,6 +621,19 @@ TEST(Process, OutputIsUtf8Text) {
   EXPECT_EQ(k2c::grader::utf8_head("\u2264", 2), "");
   // A surrogate and a code point past U+10FFFF, which JSON's writer refuses too.
   EXPECT_EQ(k2c::grader::valid_utf8("\xed\xa0\x80|\xf4\x90\x80\x80"), "\uFFFD\uFFFD\uFFFD|\uFFFD\uFFFD\uFFFD\uFFFD");
+}
+
+// Code under test runs in a session of its own, with no controlling terminal: a program that kept
+// the grader's terminal could push keystrokes into the shell that started the grader (TIOCSTI).
+// /proc/self/stat's fields 6 and 7: the session and the terminal.
+TEST(Process, RunsInASessionOfItsOwnWithoutATerminal) {
+  const auto r = k2c::grader::run_process({"sh", "-c", "cut -d' ' -f6,7 /proc/self/stat"}, {});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream in(r.output);
+  long session = 0, terminal = -1;
+  ASSERT_TRUE(in >> session >> terminal) << r.output;
+  EXPECT_NE(session, static_cast<long>(getsid(0))) << "the child is in the grader's session";
+  EXPECT_EQ(terminal, 0) << "the child has a controlling terminal";
 }
 
 TEST(Process, ReportsExitCodeSignalAndMissingProgram) {
@@ -1279,13 +1312,14 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
     EXPECT_EQ(module(id)["status"], want.first) << id << ": " << detail(id);
     EXPECT_EQ(module(id)["points"], want.second) << id << ": " << detail(id);
   }
-  // 98 poses as a GPU module. Where this machine has no NVIDIA device its forged figures void
-  // it, as its honest version would earn nothing here (its tests would skip); where there is one,
+  // 98 poses as a GPU module. Where this machine has no NVIDIA device its forged pass of a test
+  // that needs one voids it, as its honest version would earn nothing here (its tests would skip); where there is one,
   // a plausible forged report is still believed (docs/SECURITY.md, row 21).
   if (!k2c::grader::nvidia_device_present()) {
     EXPECT_EQ(module("98_forged")["status"], "invalid") << detail("98_forged");
     EXPECT_EQ(module("98_forged")["points"], 0);
-    EXPECT_NE(detail("98_forged").find("no NVIDIA device"), std::string::npos) << detail("98_forged");
+    EXPECT_NE(detail("98_forged").find("Fake.Correct: reported passed on a machine with no NVIDIA device"),
+              std::string::npos) << detail("98_forged");
     EXPECT_EQ(report["points"], report["runner"] == "nobody" ? 16 : 26);  // 99 builds where the grader runs it
   }
   // Where code under test runs as another user, so does the compiler of its files: 99's embedded
@@ -1398,6 +1432,27 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
 // --------------------------------------------------------------------------------- trust ---
 
 // What the build recorded each object was compiled from, in both generators' formats.
+// A report is the code under test's to write: one of megabytes, or nested thousands deep, is no
+// report (parsing 64 MiB of '[' took the grader to 5 GB), and no string of one goes on at length.
+TEST(Trust, ReportsOfAnySizeOrDepth) {
+  const fs::path at = kTmp / "report_size.json";
+  const std::string honest = gtest_report("COMPLETED", "");
+  write(at, honest);
+  EXPECT_EQ(k2c::grader::read_report(at), honest);
+  EXPECT_EQ(k2c::grader::json_nesting(honest), 5);
+  EXPECT_EQ(k2c::grader::json_nesting(R"({"a": "[[[{{", "b": "\"[["})"), 1);  // brackets in strings
+  write(at, std::string(100000, '['));
+  EXPECT_EQ(k2c::grader::read_report(at), "");
+  write(at, R"({"k": ")" + std::string(5u << 20, 'x') + R"("})");
+  EXPECT_EQ(k2c::grader::read_report(at), "");
+  fs::remove(at);
+  fs::create_symlink("/dev/zero", at);
+  EXPECT_EQ(k2c::grader::read_report(at), "");
+  fs::remove(at);
+  const json long_reason = {{"k2c_skip", std::string(100000, 'y')}};
+  EXPECT_EQ(k2c::grader::string_property(long_reason, "k2c_skip").size(), 16384u);
+}
+
 TEST(Trust, ReadsTheDependencyRecordsOfBothGenerators) {
   const std::string ninja =
       "autograder/CMakeFiles/k2c_impl_01_x.dir/x.cu.o: #deps 3, deps mtime 123 (VALID)\n"

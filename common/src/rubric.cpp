@@ -70,7 +70,7 @@ PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
 }
 
 TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"name", "points", "bonus", "perf", "witness", "rank_witness", "rank_witness_ranks"});
+  rd.only_keys(j, path, {"name", "points", "bonus", "device", "perf", "witness", "rank_witness", "rank_witness_ranks"});
   TestSpec t;
   t.name = rd.string(j, path, "name");
   static const std::regex kName("[A-Za-z][A-Za-z0-9_]*\\.[A-Za-z][A-Za-z0-9_/]*");
@@ -80,6 +80,10 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
   if (j.contains("bonus")) {
     if (!j["bonus"].is_boolean()) rd.error(path + ".bonus", "expected true or false");
     t.bonus = j["bonus"].get<bool>();
+  }
+  if (j.contains("device")) {
+    if (!j["device"].is_boolean()) rd.error(path + ".device", "expected true or false");
+    t.device = j["device"].get<bool>();
   }
   if (j.contains("perf")) t.perf = read_perf(rd, j["perf"], path + ".perf");
   if (j.contains("witness")) {

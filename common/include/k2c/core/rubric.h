@@ -47,6 +47,10 @@ struct TestSpec {
   std::string name;        // GoogleTest "Suite.Name"
   double points = 0;
   bool bonus = false;      // points on top of the module's total (an advanced, optional part)
+  // Needs a CUDA device (its program skips it without one, or it runs on NCCL only): a report
+  // in which it passed on a machine with no NVIDIA device was not written by the harness, and
+  // voids the module. Which tests these are: autograder/selftest/device_flags_test.sh checks it.
+  bool device = false;
   std::optional<PerfSpec> perf;
   // A correctness test: "" or the kernel the grader checks again itself, at shapes it draws
   // (k2c_witness --shapes, autograder/witness/specs.cu), when the report says the test passed.
