@@ -601,11 +601,12 @@ std::string runtime_loading_problem(const LibraryFindings& f, const std::vector<
 std::string weak_reference_problem(const LibraryFindings& f) {
   if (!f.error.empty()) return "";  // runtime_loading_problem says so
   // What compilers and the C and C++ runtimes leave weak in honest libraries: the start-up files'
-  // profiling and transactional-memory hooks, the C++ ABI (__cxa_pure_virtual in the vtable of
-  // any abstract class, __cxa_finalize), the threads library on older C libraries, and the
-  // sanitizers' runtimes. Whatever they bind to is the C or C++ runtime: nothing that could
-  // compute a module's results.
-  static const std::vector<std::string> kRuntimePrefixes = {"__gmon_start__", "_ITM_", "_Jv_", "__cxa_", "__gxx_",
+  // profiling and transactional-memory hooks, GCC's transaction-safe clones of the C++ runtime's
+  // operators new and delete (_ZGTtnam, _ZGTtdlPv: some libstdc++ builds leave them in every
+  // library), the C++ ABI (__cxa_pure_virtual in the vtable of any abstract class, __cxa_finalize),
+  // the threads library on older C libraries, and the sanitizers' runtimes. Whatever they bind to
+  // is the C or C++ runtime: nothing that could compute a module's results.
+  static const std::vector<std::string> kRuntimePrefixes = {"__gmon_start__", "_ITM_", "_ZGTt", "_Jv_", "__cxa_", "__gxx_",
                                                             "pthread_", "__pthread_", "__asan_", "__ubsan_",
                                                             "__tsan_", "__lsan_", "__sanitizer_"};
   std::string names;

@@ -1567,7 +1567,8 @@ TEST(Trust, ReadsWhatALibraryLoads) {
   clean.undefined = {"cudaMalloc", "memcpy", "__cxa_throw"};
   EXPECT_EQ(k2c::grader::runtime_loading_problem(clean), "");
   clean.weak_undefined = {"__gmon_start__", "_ITM_registerTMCloneTable", "_ITM_deregisterTMCloneTable", "__cxa_finalize",
-                          "__cxa_pure_virtual", "__pthread_key_create", "__ubsan_handle_add_overflow"};
+                          "__cxa_pure_virtual", "__pthread_key_create", "__ubsan_handle_add_overflow",
+                          "_ZGTtnam", "_ZGTtdlPv"};  // the last two: an H100 machine's toolchain, in every library
   EXPECT_EQ(k2c::grader::weak_reference_problem(clean), "");
   auto weak = clean;
   weak.weak_undefined.push_back("ncclAllReduce");

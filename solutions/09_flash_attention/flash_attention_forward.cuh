@@ -359,10 +359,13 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //             barriers: while one warpgroup's products run on the tensor cores, the other does its
 //             softmax, so the tensor cores do not wait for the exponentials (the ping-pong
 //             schedule of FA3).
-//   order     what a turn issues (kOrder). kGrouped, the default: O += P(j) V(j) and the next
-//             S(j+1) = Q K(j+1)ᵀ together, as FA3 groups them, so one turn hands the tensor cores
-//             both of a warpgroup's products and the other warpgroup's softmax runs under them
-//             (a tile's first S and last P V take a turn each). kSerial: S(j) alone in a turn,
+//   order     what a turn issues (kOrder). kGroupedOverlap, the default, FA3's: the next
+//             S(j+1) = Q K(j+1)ᵀ and O += P(j) V(j) together, S first, so one turn hands the
+//             tensor cores both of a warpgroup's products and the other warpgroup's softmax runs
+//             under them; the warpgroup then waits for S(j+1) alone (wgmma_wait<1>) and computes
+//             its softmax while its own P V(j) is still on the tensor cores, and waits for P V
+//             only to rescale O (a tile's first S and last P V take a turn each). kGrouped: the
+//             same pair, P V first, both waited for before the softmax. kSerial: S(j) alone in a turn,
 //             P V(j) issued outside the turns once its softmax is done. kOverlapSoftmax, FA3's
 //             second schedule: the same pair as kGrouped's (S(j) with P(j−1) V(j−1)), but only
 //             S(j) is in the turn and only S(j) is waited for: the softmax of S(j) runs while
@@ -388,13 +391,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) hopper_forward_ker
 //             depends on its own inputs only. Q rows past q_len are computed and never stored; K
 //             rows past kv_len are masked.
 // Shared memory: Q 128·D + STAGES·2·128·D bf16 = 224 KiB at D = 128 and three stages, the
-// default: with kGrouped a turn reads K(j+1) while P V(j) still reads V(j), so two slots are in use
-// and the third is what the producer fills ahead. Measured on an H100 at the graded shape
-// (lab/flash_attention.cu hopper_fwd), kGrouped ran 1.06 (causal) and 1.05 (full) times as fast
-// as kSerial with two slots; kGrouped with two slots ran 0.97 and 1.02 times.
+// default: with the grouped orders a turn reads K(j+1) while P V(j) still reads V(j), so two slots
+// are in use and the third is what the producer fills ahead. Measured on an H100 at the graded
+// shape (lab/flash_attention.cu hopper_fwd, lecture 09's appendix §5.5): kGrouped ran 1.06
+// (causal) and 1.05 (full) times as fast as kSerial with two slots, and kGroupedOverlap 1.04 and
+// 1.05 times as fast as kGrouped; with two slots kGroupedOverlap loses a fifth.
 enum WsSchedule { kOneTile, kClaim };
 enum WsOrder { kSerial, kOverlapSoftmax, kGrouped, kGroupedOverlap };
-template <int D_, bool PINGPONG = true, int STAGES = 3, int ORDER = kGrouped, int SCHEDULE = kClaim,
+template <int D_, bool PINGPONG = true, int STAGES = 3, int ORDER = kGroupedOverlap, int SCHEDULE = kClaim,
           bool EARLY_RELEASE = false>
 struct HopperWsTile {
   static constexpr bool kEarlyRelease = EARLY_RELEASE;
