@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -1323,6 +1324,21 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
 
     if (!loading.empty()) withhold_performance(m, spec, loading);
 
+    // The module's checks below share one time limit, the module's own. Each check is bounded by
+    // its checker, but a submission that passes its runs and then stalls every check would cost
+    // that bound once per checked test (hours over a course); past the limit, a check not yet run
+    // counts as failed by the submission, as the one that stalled did.
+    const auto checks_began = std::chrono::steady_clock::now();
+    const double checks_limit = std::max(timeout, 60.0);
+    auto out_of_time = [&](WitnessVerdict& v) {
+      const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - checks_began).count();
+      if (spent <= checks_limit) return false;
+      v.fault = "submission";
+      v.problem = "not run: this module's checks took " + std::to_string(static_cast<int>(spent)) +
+                  " s, past its time limit of " + std::to_string(static_cast<int>(checks_limit)) + " s";
+      return true;
+    };
+
     // The grader's own run of each witnessed kernel whose test passed (with figures, for a
     // performance test): the report came from a process that holds the student's code, and so
     // could have been written by it.
@@ -1338,6 +1354,15 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
           continue;
         }
         witness.check_unchanged(spec.id);
+        if (WitnessVerdict late; out_of_time(late)) {
+          if (timed) {
+            progress << tag << ": " << ts.name << ": " << late.problem << "\n" << std::flush;
+            apply_witness(m, ts.name, late);
+          } else {
+            record_recheck(m, ts.name, "k2c_witness", late, tag, progress);
+          }
+          continue;
+        }
         if (!timed) {
           progress << tag << ": the grader's own check of " << ts.name << " at " << kRecheckShapes
                    << " shapes it draws ...\n" << std::flush;
@@ -1373,6 +1398,10 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
           continue;
         }
         rank_witness.check_unchanged(spec.id);
+        if (WitnessVerdict late; out_of_time(late)) {
+          record_recheck(m, ts.name, "k2c_rank_witness", late, tag, progress);
+          continue;
+        }
         progress << tag << ": the grader's own check of " << ts.name << " on " << ranks << " ranks, "
                  << kRecheckShapes << " cases it draws ...\n" << std::flush;
         Launch l = mpirun_prefix({.ranks = ranks, .backend = "mpi", .dist_timeout_s = std::max(10, static_cast<int>(timeout / 3))});
