@@ -1274,7 +1274,9 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
       gtest_json = read_report(json_path);
       if (!gtest_json.empty()) std::ofstream(kept) << gtest_json;
-      ModuleOutcome out = evaluate_module(part, r, gtest_json, o.impl, timeout, gpu_here);
+      // The device files may appear only once a first program has started CUDA (nvidia-modprobe
+      // without udev rules): looked for again before a report is judged as from a machine without.
+      ModuleOutcome out = evaluate_module(part, r, gtest_json, o.impl, timeout, gpu_here || nvidia_device_present());
       if (o.sanitize) {  // the sanitizer's own verdict, for the record
         const auto at = r.output.rfind("ERROR SUMMARY:");
         if (at != std::string::npos)

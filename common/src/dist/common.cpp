@@ -173,22 +173,22 @@ std::string ProcessGrid::describe() const {
 
 CountingCommunicator::CountingCommunicator(Communicator& inner, std::string label)
     : inner_(inner), label_(std::move(label)), ledger_(std::make_shared<TrafficTable>()),
-      namer_(std::make_shared<GroupNamer>()), world_rank_(inner.rank()) {}
+      namer_(std::make_shared<GroupNamer>()), world_rank_(inner.rank()), waits_(std::make_shared<Waits>()) {}
 
 CountingCommunicator::CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label)
     : owned_(std::move(inner)), inner_(*owned_), label_(std::move(label)), ledger_(std::make_shared<TrafficTable>()),
-      namer_(std::make_shared<GroupNamer>()), world_rank_(inner_.rank()) {}
+      namer_(std::make_shared<GroupNamer>()), world_rank_(inner_.rank()), waits_(std::make_shared<Waits>()) {}
 
 CountingCommunicator::CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label,
-                                           std::shared_ptr<TrafficTable> ledger, std::shared_ptr<GroupNamer> namer,
-                                           int world_rank)
+                                           std::shared_ptr<TrafficTable> ledger, std::shared_ptr<Waits> waits,
+                                           std::shared_ptr<GroupNamer> namer, int world_rank)
     : owned_(std::move(inner)), inner_(*owned_), label_(std::move(label)), ledger_(std::move(ledger)),
-      namer_(std::move(namer)), world_rank_(world_rank), root_(false) {}
+      namer_(std::move(namer)), world_rank_(world_rank), root_(false), waits_(std::move(waits)) {}
 
 std::unique_ptr<CountingCommunicator> CountingCommunicator::split(int color, int key, std::string label) {
   // The constructor that shares the ledger is private: make_unique cannot reach it.
   return std::unique_ptr<CountingCommunicator>(
-      new CountingCommunicator(inner_.split(color, key), std::move(label), ledger_, namer_, world_rank_));
+      new CountingCommunicator(inner_.split(color, key), std::move(label), ledger_, waits_, namer_, world_rank_));
 }
 
 std::unique_ptr<Communicator> CountingCommunicator::split(int color, int key) {
@@ -205,7 +205,7 @@ std::unique_ptr<Communicator> CountingCommunicator::split(int color, int key) {
   }
   std::sort(members.begin(), members.end());
   return std::unique_ptr<CountingCommunicator>(
-      new CountingCommunicator(std::move(group), (*namer_)(members), ledger_, namer_, world_rank_));
+      new CountingCommunicator(std::move(group), (*namer_)(members), ledger_, waits_, namer_, world_rank_));
 }
 
 void CountingCommunicator::name_groups(GroupNamer namer) {
@@ -262,8 +262,7 @@ std::string CountingCommunicator::report() const {
 
 void CountingCommunicator::reset() {
   ledger_->clear();
-  waits_ = 0;
-  waited_bytes_ = 0;
+  *waits_ = {};
 }
 
 Ticket CountingCommunicator::remember(Ticket ticket, std::uint64_t bytes) {
@@ -272,12 +271,36 @@ Ticket CountingCommunicator::remember(Ticket ticket, std::uint64_t bytes) {
 }
 
 void CountingCommunicator::wait(Ticket ticket) {
-  ++waits_;
+  ++waits_->calls;
   if (const auto it = started_bytes_.find(ticket.id); it != started_bytes_.end()) {
-    waited_bytes_ += it->second;
+    waits_->bytes += it->second;
     started_bytes_.erase(it);
   }
   inner_.wait(ticket);
+}
+
+void CountingCommunicator::drained() {
+  ++waits_->calls;
+  for (const auto& [id, bytes] : started_bytes_) waits_->bytes += bytes;
+  started_bytes_.clear();
+}
+
+void CountingCommunicator::synchronize() {
+  drained();
+  inner_.synchronize();
+}
+
+void CountingCommunicator::free(void* p) {
+  if (!started_bytes_.empty()) drained();
+  inner_.free(p);
+}
+
+void* CountingCommunicator::scratch(std::size_t bytes) {
+  if (bytes > scratch_bytes_) {
+    scratch_bytes_ = bytes;
+    if (!started_bytes_.empty()) drained();
+  }
+  return inner_.scratch(bytes);
 }
 
 // The counts are recorded before forwarding: a call that throws (a refused reduction) was still

@@ -77,7 +77,6 @@ class CountingCommunicator final : public Communicator {
   void name_groups(GroupNamer namer);
 
   const std::string& label() const { return label_; }
-  Communicator& inner() { return inner_; }
 
   // The ledger shared with every split of the communicator it came from.
   const TrafficTable& counts() const { return *ledger_; }
@@ -88,14 +87,16 @@ class CountingCommunicator final : public Communicator {
   std::uint64_t calls_except(const std::set<std::pair<std::string, std::string>>& allowed) const;
   // One line per (label, operation), ordered by both: "rank 0  tp  all_reduce  calls 4 ..."
   std::string report() const;
-  void reset();  // empties the whole shared ledger, and this communicator's waits
-  // Calls of wait() and synchronize() on this communicator (not its splits) since it was made or
-  // reset: what a test of overlap holds to zero while the work that should run under the
-  // communication goes on (a collective started and waited for at once overlaps nothing).
-  std::uint64_t waits() const { return waits_; }
-  // The bytes (as counted above) of the started operations waited for on this communicator since
-  // it was made or reset: how far a pipeline of started exchanges has been drained.
-  std::uint64_t waited_bytes() const { return waited_bytes_; }
+  void reset();  // empties the whole shared ledger, waits included
+  // Waits since the ledger was made or reset, on this communicator and every split sharing its
+  // ledger: calls of wait() and synchronize(), and of free() or a growing scratch() while
+  // exchanges were open (they may complete them). What a test of overlap holds to zero while the
+  // work that should run under the communication goes on (a collective started and waited for at
+  // once overlaps nothing).
+  std::uint64_t waits() const { return waits_->calls; }
+  // The bytes (as counted above) of the started operations those waits completed: how far a
+  // pipeline of started exchanges has been drained.
+  std::uint64_t waited_bytes() const { return waits_->bytes; }
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -107,17 +108,16 @@ class CountingCommunicator final : public Communicator {
                          std::size_t recv_count, int src, DType t) override;
   void wait(Ticket ticket) override;
   void* alloc(std::size_t bytes) override { return inner_.alloc(bytes); }
-  void free(void* p) override { inner_.free(p); }
-  void* scratch(std::size_t bytes) override { return inner_.scratch(bytes); }
+  // Freeing, or a scratch buffer larger than any before, may complete every open exchange first
+  // (the MPI backend does): counted as a wait for all of them, as synchronize() is.
+  void free(void* p) override;
+  void* scratch(std::size_t bytes) override;
   void copy(void* dst, const void* src, std::size_t bytes) override { inner_.copy(dst, src, bytes); }
   void reduce_local(void* out, const void* a, const void* b, std::size_t count, DType t,
                     ReduceOp op) override {
     inner_.reduce_local(out, a, b, count, t, op);
   }
-  void synchronize() override {
-    ++waits_;
-    inner_.synchronize();
-  }
+  void synchronize() override;
 
   void all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) override;
@@ -144,10 +144,14 @@ class CountingCommunicator final : public Communicator {
   void to_host(void* host_dst, const void* src, std::size_t bytes) override { inner_.to_host(host_dst, src, bytes); }
 
  private:
-  CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label,
-                       std::shared_ptr<TrafficTable> ledger, std::shared_ptr<GroupNamer> namer, int world_rank);
+  struct Waits {
+    std::uint64_t calls = 0, bytes = 0;
+  };
+  CountingCommunicator(std::unique_ptr<Communicator> inner, std::string label, std::shared_ptr<TrafficTable> ledger,
+                       std::shared_ptr<Waits> waits, std::shared_ptr<GroupNamer> namer, int world_rank);
   void record(const char* op, std::uint64_t bytes, bool started);
   Ticket remember(Ticket ticket, std::uint64_t bytes);  // a started operation's bytes, for wait()
+  void drained();  // a call that may complete every open exchange: one wait for all of them
   std::unique_ptr<Communicator> owned_;  // set when this wraps a split (or was given ownership)
   Communicator& inner_;
   std::string label_;
@@ -155,8 +159,9 @@ class CountingCommunicator final : public Communicator {
   std::shared_ptr<GroupNamer> namer_;  // shared with every split; empty: "<label>/split"
   int world_rank_;                     // this process's rank in the first counting communicator
   bool root_ = true;                   // made by a public constructor, not by split()
-  std::uint64_t waits_ = 0, waited_bytes_ = 0;
+  std::shared_ptr<Waits> waits_;                          // shared with every split, as the ledger
   std::map<std::uint64_t, std::uint64_t> started_bytes_;  // ticket id -> bytes, until waited for
+  std::size_t scratch_bytes_ = 0;                         // the largest scratch() asked for
 };
 
 }  // namespace k2c::dist
