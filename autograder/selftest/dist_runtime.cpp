@@ -18,7 +18,8 @@
 //               list irrelevant; pipeline neighbours agree with the gathered coordinates and
 //               carry a message down the pipeline;
 //   counting    each operation's calls and bytes equal the formulas of k2c/dist/counting.h, per
-//               label, through a grid's groups and a default split; report(); reset();
+//               label, through a grid's groups and a default split; report(); reset(); the
+//               waits and the bytes they complete (wait, synchronize, free with an exchange open);
 //   time_step   every rank gets the same result, and it is the slowest rank's time;
 //   library     library_collectives() counts each collective, started or blocking, barriers and
 //               collectives of a split included, and no point-to-point operation; the
@@ -661,6 +662,28 @@ void counting(kd::Communicator& w) {
   require(kd::group_label({.dp = 2, .ep = 2, .tp = 2}, {0, 2, 4, 6}) == "dp+ep" &&
               kd::group_label({.dp = 2, .ep = 2, .tp = 2}, {3}) == "self",
           "group_label names the axes along which the members differ");
+
+  // Waits: a wait completes its ticket's bytes; synchronize(), and free() while an exchange is
+  // open, complete every open one; a split's count into its parent's; reset() clears them.
+  kd::CountingCommunicator d(w, "waits");
+  require(d.waits() == 0 && d.waited_bytes() == 0, "no waits yet");
+  kd::Ticket t = d.start_all_reduce(a.get(), a.get(), 10, DType::f32, ReduceOp::sum);  // 40 bytes
+  require(d.waits() == 0 && d.waited_bytes() == 0, "starting is not waiting");
+  d.wait(t);
+  require(d.waits() == 1 && d.waited_bytes() == 40, "a wait completes its ticket's 40 bytes");
+  t = d.start_all_reduce(a.get(), a.get(), 20, DType::f32, ReduceOp::sum);              // 80 bytes
+  d.free(d.alloc(4));
+  require(d.waits() == 2 && d.waited_bytes() == 120, "free() with an exchange open counts as its wait");
+  d.wait(t);  // the ticket itself is still to be waited for once; its bytes are counted already
+  require(d.waits() == 3 && d.waited_bytes() == 120, "a ticket's bytes are counted once");
+  d.free(d.alloc(4));
+  require(d.waits() == 3, "free() with nothing open is no wait");
+  auto half = d.split(r % 2, r);
+  half->start_all_reduce(a.get(), a.get(), 1, DType::f32, ReduceOp::sum);  // closed by synchronize()
+  half->synchronize();
+  require(d.waits() == 4 && d.waited_bytes() == 124, "a split's waits count into its parent's");
+  d.reset();
+  require(d.waits() == 0 && d.waited_bytes() == 0, "reset() clears the waits");
 }
 
 // ---------------------------------------------------------------------------- time_step -----
