@@ -106,10 +106,12 @@ GradeReport grade(const GradeOptions& options, std::ostream& progress);
 // The verdict for one module from its child's exit and its GoogleTest JSON (empty if absent).
 // gpu_here is the grader's own finding (nvidia_device_present): without a device, a report of a
 // GPU or MPI module that carries performance figures (all measured on a GPU) cannot have come from
-// the course's harness, and voids the module.
+// the course's harness, and voids the module; so does a pass of a test that needs a device
+// ("device"). nccl_run: the run was on the NCCL backend (false: an MPI run of a distributed
+// module, whose report cannot pass a test that runs on NCCL only, "nccl").
 ModuleOutcome evaluate_module(const ModuleSpec& module, const ProcessResult& run,
                               const std::string& gtest_json, const std::string& impl,
-                              double timeout_s, bool gpu_here = true);
+                              double timeout_s, bool gpu_here = true, bool nccl_run = true);
 
 // Whether this machine has an NVIDIA device node (/dev/nvidia0, ..., or WSL's /dev/dxg), read by
 // the grader itself: code under test, run as another user, cannot add one.

@@ -7,7 +7,8 @@ report could say otherwise. A flag on a test that does run without a device woul
 work on such a machine, and a missing flag would let a forged pass through. So, here (where there
 is no device; elsewhere this exits 77, skipped), every test program of the rubric runs once on
 the reference solutions (MPI modules on one rank, the MPI backend) and each test's outcome is
-held to its flag: flagged tests skipped for want of a device (or of NCCL), the others not.
+held to its flags: a "device" test skipped, a test skipped for want of a device flagged; an
+"nccl" test skipped on MPI, a test skipped for want of NCCL flagged "nccl".
 
   device_flags_test.py BIN_DIR RUBRIC MPIEXEC
 """
@@ -76,6 +77,13 @@ def main():
                 if flagged and result != "SKIPPED":
                     problems.append(f"{module['id']}: {test['name']} is flagged \"device\" but ran here "
                                     f"({result}): honest work would be voided")
+                on_nccl = "needs the NCCL backend" in why
+                if test.get("nccl", False) and result != "SKIPPED":
+                    problems.append(f"{module['id']}: {test['name']} is flagged \"nccl\" but ran on MPI "
+                                    f"({result}): honest work would be voided")
+                elif on_nccl and not test.get("nccl", False):
+                    problems.append(f"{module['id']}: {test['name']} runs on NCCL only ({why}) and is not flagged "
+                                    f"\"nccl\": a forged pass of it in an MPI run would stand")
                 elif needs and not flagged:
                     problems.append(f"{module['id']}: {test['name']} needs a device ({why}) and is not flagged "
                                     f"\"device\": a forged pass of it would stand")

@@ -169,6 +169,27 @@ TEST(Verdict, DeviceTestsPassedWithoutAGpuVoidTheModule) {
   EXPECT_NE(evaluate_module(spec, exited(0), skipped, "assignments", 9, false).status, "invalid");
 }
 
+// A test that runs on NCCL only ("nccl": true) reported passed by a run on the MPI backend, where
+// the harness skips it: forged, whatever devices the machine has. On an NCCL run it stands.
+TEST(Verdict, NcclTestsPassedInAnMpiRunVoidTheModule) {
+  k2c::ModuleSpec spec = two_test_module();
+  spec.kind = "mpi";
+  spec.tests[0].device = spec.tests[0].nccl = true;
+  const std::string report = gtest_report("COMPLETED", "");
+  const auto forged = evaluate_module(spec, exited(0), report, "assignments", 9, /*gpu_here=*/true, /*nccl_run=*/false);
+  EXPECT_EQ(forged.status, "invalid");
+  EXPECT_NE(forged.detail.find("A.Correct: reported passed by a run on the MPI backend"), std::string::npos)
+      << forged.detail;
+  EXPECT_EQ(evaluate_module(spec, exited(0), report, "assignments", 9, true, true).points, 6);
+  const std::string rubric = R"({"version": 1, "max_file_bytes": 10, "modules": [
+    {"id": "50_demo", "title": "demo", "kind": "mpi", "timeout_s": 9, "files": [], "runs": [{"ranks": 1, "backend": "mpi"}],
+     "tests": [{"name": "A.Correct", "points": 6, "device": true, "nccl": true}]}]})";
+  EXPECT_TRUE(k2c::parse_rubric(rubric).modules[0].tests[0].nccl);
+  std::string without_device = rubric;
+  without_device.erase(without_device.find(R"("device": true, )"), 16);
+  EXPECT_THROW(k2c::parse_rubric(without_device), std::exception) << "\"nccl\" without \"device\"";
+}
+
 TEST(Verdict, PerfTestWithoutFiguresEarnsNothing) {
   const auto m = evaluate_module(two_test_module(), exited(0), gtest_report("COMPLETED", ""), "assignments", 9);
   EXPECT_EQ(m.points, 6);

@@ -70,7 +70,7 @@ PerfSpec read_perf(const Reader& rd, const json& j, const std::string& path) {
 }
 
 TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
-  rd.only_keys(j, path, {"name", "points", "bonus", "device", "perf", "witness", "rank_witness", "rank_witness_ranks"});
+  rd.only_keys(j, path, {"name", "points", "bonus", "device", "nccl", "perf", "witness", "rank_witness", "rank_witness_ranks"});
   TestSpec t;
   t.name = rd.string(j, path, "name");
   static const std::regex kName("[A-Za-z][A-Za-z0-9_]*\\.[A-Za-z][A-Za-z0-9_/]*");
@@ -84,6 +84,11 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
   if (j.contains("device")) {
     if (!j["device"].is_boolean()) rd.error(path + ".device", "expected true or false");
     t.device = j["device"].get<bool>();
+  }
+  if (j.contains("nccl")) {
+    if (!j["nccl"].is_boolean()) rd.error(path + ".nccl", "expected true or false");
+    t.nccl = j["nccl"].get<bool>();
+    if (t.nccl && !t.device) rd.error(path + ".nccl", "a test that runs on NCCL only needs a device: \"device\": true");
   }
   if (j.contains("perf")) t.perf = read_perf(rd, j["perf"], path + ".perf");
   if (j.contains("witness")) {

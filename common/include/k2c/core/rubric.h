@@ -51,6 +51,10 @@ struct TestSpec {
   // in which it passed on a machine with no NVIDIA device was not written by the harness, and
   // voids the module. Which tests these are: autograder/selftest/device_flags_test.sh checks it.
   bool device = false;
+  // Runs on the NCCL backend only (a distributed module's test that skips on MPI): a run of the
+  // module on the MPI backend whose report says it passed was not written by the harness, and
+  // voids the module, whatever devices the machine has. A "nccl" test is a "device" test too.
+  bool nccl = false;
   std::optional<PerfSpec> perf;
   // A correctness test: "" or the kernel the grader checks again itself, at shapes it draws
   // (k2c_witness --shapes, autograder/witness/specs.cu), when the report says the test passed.
