@@ -39,6 +39,13 @@ class Reader {
     if (!v.is_number()) error(path + "." + key, "expected a number");
     return v.get<double>();
   }
+  // An optional true/false field: `fallback` when absent.
+  bool flag(const json& obj, const std::string& path, const char* key, bool fallback = false) const {
+    auto it = obj.find(key);
+    if (it == obj.end()) return fallback;
+    if (!it->is_boolean()) error(path + "." + key, "expected true or false");
+    return it->get<bool>();
+  }
   void only_keys(const json& obj, const std::string& path,
                  std::initializer_list<const char*> keys) const {
     for (auto it = obj.begin(); it != obj.end(); ++it) {
@@ -77,19 +84,10 @@ TestSpec read_test(const Reader& rd, const json& j, const std::string& path) {
   if (!std::regex_match(t.name, kName)) rd.error(path + ".name", "expected \"Suite.Name\"");
   t.points = rd.number(j, path, "points");
   if (!(t.points >= 0)) rd.error(path + ".points", "expected a number >= 0");
-  if (j.contains("bonus")) {
-    if (!j["bonus"].is_boolean()) rd.error(path + ".bonus", "expected true or false");
-    t.bonus = j["bonus"].get<bool>();
-  }
-  if (j.contains("device")) {
-    if (!j["device"].is_boolean()) rd.error(path + ".device", "expected true or false");
-    t.device = j["device"].get<bool>();
-  }
-  if (j.contains("nccl")) {
-    if (!j["nccl"].is_boolean()) rd.error(path + ".nccl", "expected true or false");
-    t.nccl = j["nccl"].get<bool>();
-    if (t.nccl && !t.device) rd.error(path + ".nccl", "a test that runs on NCCL only needs a device: \"device\": true");
-  }
+  t.bonus = rd.flag(j, path, "bonus");
+  t.device = rd.flag(j, path, "device");
+  t.nccl = rd.flag(j, path, "nccl");
+  if (t.nccl && !t.device) rd.error(path + ".nccl", "a test that runs on NCCL only needs a device: \"device\": true");
   if (j.contains("perf")) t.perf = read_perf(rd, j["perf"], path + ".perf");
   if (j.contains("witness")) {
     t.witness = rd.string(j, path, "witness");
@@ -144,14 +142,8 @@ ModuleSpec read_module(const Reader& rd, const json& j, const std::string& path)
     const json& b = j["build"];
     const std::string bp = path + ".build";
     rd.only_keys(b, bp, {"model", "uses", "sm90a"});
-    if (b.contains("model")) {
-      if (!b["model"].is_boolean()) rd.error(bp + ".model", "expected true or false");
-      m.model = b["model"].get<bool>();
-    }
-    if (b.contains("sm90a")) {
-      if (!b["sm90a"].is_boolean()) rd.error(bp + ".sm90a", "expected true or false");
-      m.sm90a = b["sm90a"].get<bool>();
-    }
+    m.model = rd.flag(b, bp, "model", m.model);
+    m.sm90a = rd.flag(b, bp, "sm90a", m.sm90a);
     if (b.contains("uses")) {
       if (!b["uses"].is_array()) rd.error(bp + ".uses", "expected an array of module ids");
       for (std::size_t i = 0; i < b["uses"].size(); ++i) {

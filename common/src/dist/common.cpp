@@ -315,8 +315,9 @@ void CountingCommunicator::recv(void* buf, std::size_t count, DType t, int peer)
 }
 Ticket CountingCommunicator::start_send_recv(const void* send_buf, std::size_t send_count, int dst, void* recv_buf,
                                              std::size_t recv_count, int src, DType t) {
-  record("send_recv", send_count * dtype_size(t), true);
-  return remember(inner_.start_send_recv(send_buf, send_count, dst, recv_buf, recv_count, src, t), send_count * dtype_size(t));
+  const std::uint64_t bytes = send_count * dtype_size(t);
+  record("send_recv", bytes, true);
+  return remember(inner_.start_send_recv(send_buf, send_count, dst, recv_buf, recv_count, src, t), bytes);
 }
 
 void CountingCommunicator::all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
@@ -360,25 +361,28 @@ void CountingCommunicator::all_to_all_v(const void* send, const std::vector<std:
 
 Ticket CountingCommunicator::start_all_reduce(const void* send, void* recv, std::size_t count, DType t,
                                               ReduceOp op) {
-  record("all_reduce", count * dtype_size(t), true);
-  return remember(inner_.start_all_reduce(send, recv, count, t, op), count * dtype_size(t));
+  const std::uint64_t bytes = count * dtype_size(t);
+  record("all_reduce", bytes, true);
+  return remember(inner_.start_all_reduce(send, recv, count, t, op), bytes);
 }
 Ticket CountingCommunicator::start_reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
                                                   ReduceOp op) {
-  record("reduce_scatter", count * size() * dtype_size(t), true);
-  return remember(inner_.start_reduce_scatter(send, recv, count, t, op), count * size() * dtype_size(t));
+  const std::uint64_t bytes = count * size() * dtype_size(t);
+  record("reduce_scatter", bytes, true);
+  return remember(inner_.start_reduce_scatter(send, recv, count, t, op), bytes);
 }
 Ticket CountingCommunicator::start_all_gather(const void* send, void* recv, std::size_t count, DType t) {
-  record("all_gather", count * size() * dtype_size(t), true);
-  return remember(inner_.start_all_gather(send, recv, count, t), count * size() * dtype_size(t));
+  const std::uint64_t bytes = count * size() * dtype_size(t);
+  record("all_gather", bytes, true);
+  return remember(inner_.start_all_gather(send, recv, count, t), bytes);
 }
 Ticket CountingCommunicator::start_all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
                                                 const std::vector<std::size_t>& send_offsets, void* recv,
                                                 const std::vector<std::size_t>& recv_counts,
                                                 const std::vector<std::size_t>& recv_offsets, DType t) {
-  record("all_to_all_v", sum_of(send_counts) * dtype_size(t), true);
-  return remember(inner_.start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t),
-                  sum_of(send_counts) * dtype_size(t));
+  const std::uint64_t bytes = sum_of(send_counts) * dtype_size(t);
+  record("all_to_all_v", bytes, true);
+  return remember(inner_.start_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, t), bytes);
 }
 
 void CountingCommunicator::barrier() {
