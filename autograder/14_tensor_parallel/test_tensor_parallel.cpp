@@ -726,37 +726,57 @@ TEST_F(TensorParallelPerf, MlpScaling) {
                         std::to_string(n) + " GPUs " + std::to_string(tn) + " ms");
 }
 
-// The grader's own check of the two linear layers' forward passes (k2c/dist/rank_witness.h): the
-// checker's x and this rank's shard of its weight, [out/n, in] for the column-parallel layer and
-// [out, in/n] for the row-parallel one (whose x is this rank's in/n columns too); the answer is
-// this rank's columns of y, or the whole y. args: in, out, tokens.
+// The grader's own checks of the two linear layers (k2c/dist/rank_witness.h; the layout in
+// autograder/witness/rank_cases_layers.cpp): the checker's x and this rank's shard of its weight,
+// [out/n, in] for the column-parallel layer and [out, in/n] for the row-parallel one (whose x is
+// this rank's in/n columns too), and for a backward dy as the layer takes it. The answer: the
+// column-parallel forward's columns of y; the column-parallel backward's dx and weight gradient;
+// the row-parallel layer's y, dx and weight gradient. args: in, out, tokens.
 namespace {
-void linear_case(k2c::dist::testing::RankCase& c, bool column) {
+void linear_case(k2c::dist::testing::RankCase& c, bool column, bool backward) {
   const std::int64_t in = c.args[0], out = c.args[1], tokens = c.args[2];
   const int n = world().size();
   km::Ops* ops = parallel_ops();
   if (ops == nullptr) throw std::runtime_error("this run has no backend for the layers");
   Side par(*ops);
   Group& g = group();
-  const std::int64_t x_cols = column ? in : in / n, y_cols = column ? out / n : out;
+  const std::int64_t x_cols = column ? in : in / n, y_cols = column ? out / n : out, w_rows = column ? out / n : out;
+  const std::int64_t dy_cols = backward ? y_cols : 0;
   std::vector<float> values(c.in.size() / sizeof(float));
+  if (values.size() != static_cast<std::size_t>(tokens * x_cols + w_rows * x_cols + tokens * dy_cols))
+    throw std::runtime_error("the input has an unexpected size");
   std::memcpy(values.data(), c.in.data(), values.size() * sizeof(float));
-  const Host x(values.begin(), values.begin() + tokens * x_cols), w(values.begin() + tokens * x_cols, values.end());
+  const auto w_begin = values.begin() + tokens * x_cols, dy_begin = w_begin + w_rows * x_cols;
+  const Host x(values.begin(), w_begin), w(w_begin, dy_begin), dy(dy_begin, values.end());
   km::Tensor xp = par.upload(x, {tokens, x_cols}), yp = par.poisoned({tokens, y_cols});
+  km::Tensor dxp = par.poisoned({tokens, x_cols});
+  Host answer;
   auto run = [&](const auto& layer) {
     par.materialize(kWeightSeed);
     km::Tensor& weight = par.params.value(layer.weight());
     if (weight.numel() != static_cast<std::int64_t>(w.size())) throw std::runtime_error("the weight has an unexpected shape");
     par.ops().upload(weight, w.data());
-    layer.forward(par.ctx, xp, yp);
+    // The column-parallel backward's check gives dy only: the forward is column_parallel_forward's.
+    if (!column || !backward) {
+      layer.forward(par.ctx, xp, yp);
+      answer = par.download(yp);
+    }
+    if (!backward) return;
+    km::Tensor dyp = par.upload(dy, {tokens, y_cols});
+    par.params.zero_grads(par.ops());
+    par.params.begin_backward();
+    layer.backward(par.ctx, xp, dyp, &dxp);
+    par.params.end_backward();
+    const Host dx = par.download(dxp), dw = par.download(par.params.grad(layer.weight()));
+    answer.insert(answer.end(), dx.begin(), dx.end());
+    answer.insert(answer.end(), dw.begin(), dw.end());
   };
   if (column)
     run(tp::ColumnParallelLinear(g.tp(), par.params, "proj", in, out));
   else
     run(tp::RowParallelLinear(g.tp(), par.params, "proj", in, out));
-  const Host y = par.download(yp);
-  if (y.size() * sizeof(float) != c.out.size()) throw std::runtime_error("y has an unexpected size");
-  std::memcpy(c.out.data(), y.data(), c.out.size());
+  if (answer.size() * sizeof(float) != c.out.size()) throw std::runtime_error("the answer has an unexpected size");
+  std::memcpy(c.out.data(), answer.data(), c.out.size());
 }
 }  // namespace
 
@@ -880,5 +900,6 @@ K2C_RANK_WITNESS(vocab_parallel_embedding) {
   std::memcpy(c.out.data(), answer.data(), c.out.size());
 }
 
-K2C_RANK_WITNESS(column_parallel_forward) { linear_case(c, true); }
-K2C_RANK_WITNESS(row_parallel_forward) { linear_case(c, false); }
+K2C_RANK_WITNESS(column_parallel_forward) { linear_case(c, true, false); }
+K2C_RANK_WITNESS(column_parallel_backward) { linear_case(c, true, true); }
+K2C_RANK_WITNESS(row_parallel_linear) { linear_case(c, false, true); }

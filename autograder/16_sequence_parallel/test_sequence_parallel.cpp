@@ -856,27 +856,35 @@ TEST_F(SequenceParallelRingAttentionPerf, VsOneGpu) {
   }
 }
 
-// The grader's own check of ring attention's forward pass (k2c/dist/rank_witness.h): this rank's
-// rows of q, k and v in local order, as the checker laid them out; the answer is o for the same
-// rows. args: batch, seq_len, q_heads, kv_heads, head_dim.
+// The grader's own check of ring attention, forward and backward (k2c/dist/rank_witness.h): this
+// rank's rows of q, k, v and dout in local order, as the checker laid them out; the answer is o,
+// dq, dk and dv for the same rows. args: batch, seq_len, q_heads, kv_heads, head_dim.
 namespace {
 void ring_case(k2c::dist::testing::RankCase& c, bool causal) {
   const int B = static_cast<int>(c.args[0]), H = static_cast<int>(c.args[2]), Hkv = static_cast<int>(c.args[3]),
             hd = static_cast<int>(c.args[4]);
   const std::int64_t T = c.args[1], C = T / (2 * world().size()), local = 2 * B * C;
-  if (c.in.size() != static_cast<std::size_t>(local * (H + 2 * Hkv) * hd) * sizeof(float))
+  if (c.in.size() != static_cast<std::size_t>(local * (2 * H + 2 * Hkv) * hd) * sizeof(float))
     throw std::runtime_error("the input has an unexpected size");
   std::vector<float> in(c.in.size() / sizeof(float));
   std::memcpy(in.data(), c.in.data(), c.in.size());
-  const auto q_end = in.begin() + local * H * hd, k_end = q_end + local * Hkv * hd;
+  const auto q_end = in.begin() + local * H * hd, k_end = q_end + local * Hkv * hd, v_end = k_end + local * Hkv * hd;
   Side par(km::cpu_ops());  // the check runs on the MPI backend: host memory
   const sp::RingAttention ring(par.ctx, world(), {B, T, H, Hkv, hd, causal});
   km::Tensor q = par.upload(Host(in.begin(), q_end), {local, H * hd});
-  km::Tensor k = par.upload(Host(q_end, k_end), {local, Hkv * hd}), v = par.upload(Host(k_end, in.end()), {local, Hkv * hd});
+  km::Tensor k = par.upload(Host(q_end, k_end), {local, Hkv * hd}), v = par.upload(Host(k_end, v_end), {local, Hkv * hd});
+  km::Tensor dout = par.upload(Host(v_end, in.end()), {local, H * hd});
   km::Tensor o = par.poisoned({local, H * hd}), lse = par.tensor({2 * B, H, C});
+  km::Tensor dq = par.poisoned({local, H * hd}), dk = par.poisoned({local, Hkv * hd}), dv = par.poisoned({local, Hkv * hd});
   ring.forward(par.ctx, q, k, v, o, lse);
-  const Host got = par.download(o);
-  std::memcpy(c.out.data(), got.data(), std::min(c.out.size(), got.size() * sizeof(float)));
+  ring.backward(par.ctx, q, k, v, o, lse, dout, dq, dk, dv);
+  Host answer;
+  for (const km::Tensor* t : {&o, &dq, &dk, &dv}) {
+    const Host h = par.download(*t);
+    answer.insert(answer.end(), h.begin(), h.end());
+  }
+  if (answer.size() * sizeof(float) != c.out.size()) throw std::runtime_error("the answer has an unexpected size");
+  std::memcpy(c.out.data(), answer.data(), c.out.size());
 }
 }  // namespace
 

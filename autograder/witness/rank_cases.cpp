@@ -16,7 +16,7 @@ Drawer find_drawer(const std::string& name) {
   static const Entry table[] = {
       {draw_collectives, {"all_reduce_sum", "all_reduce_max", "reduce_scatter", "all_gather", "all_reduce_in_place"}},
       {draw_parameters, {"broadcast_parameters", "all_reduce_gradients", "all_reduce_buckets", "accumulate_buckets"}},
-      {draw_linear, {"column_parallel_forward", "row_parallel_forward"}},
+      {draw_linear, {"column_parallel_forward", "column_parallel_backward", "row_parallel_linear"}},
       {draw_mlp, {"parallel_mlp"}},
       {draw_attention, {"parallel_attention"}},
       {draw_block, {"parallel_block", "tensor_parallel_block", "sequence_parallel_block"}},

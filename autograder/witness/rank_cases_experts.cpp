@@ -170,6 +170,7 @@ Case draw_experts(const std::string& kind, int n, int index, std::mt19937_64& rn
     Bytes plan;                                  // expert_plan: the whole answer
     std::vector<float> there, back, y_rows;      // the exchanged rows
     std::vector<double> y;                       // combine's y, in double
+    std::vector<double> terms;                   // Σ of its terms' |values| (y₀ and each weight·row)
     double top = 0;                              // the largest |y|
   };
   std::vector<Want> want(n);
@@ -207,10 +208,15 @@ Case draw_experts(const std::string& kind, int n, int index, std::mt19937_64& rn
     } else {
       w.there = expert_rows(r, [&](int s, std::int64_t, int t) { return x[s].data() + std::int64_t{t} * d; });
       w.y.assign(y0[r].begin(), y0[r].end());
+      for (float v : y0[r]) w.terms.push_back(std::abs(static_cast<double>(v)));
       for (int e = 0; e < E; ++e)
         for (const auto& [t, v] : m.rows[e]) {
           w.back.insert(w.back.end(), x[r].begin() + std::int64_t{t} * d, x[r].begin() + std::int64_t{t + 1} * d);
-          for (int j = 0; j < d; ++j) w.y[std::int64_t{t} * d + j] += static_cast<double>(v) * x[r][std::int64_t{t} * d + j];
+          for (int j = 0; j < d; ++j) {
+            const double term = static_cast<double>(v) * x[r][std::int64_t{t} * d + j];
+            w.y[std::int64_t{t} * d + j] += term;
+            w.terms[std::int64_t{t} * d + j] += std::abs(term);
+          }
         }
       for (double v : w.y) w.top = std::max(w.top, std::abs(v));
     }
@@ -245,7 +251,9 @@ Case draw_experts(const std::string& kind, int n, int index, std::mt19937_64& rn
       const std::size_t y_at = w.there.size() + w.back.size();
       for (std::size_t i = 0; i < w.y.size(); ++i) {
         const double g = float_at(got[r], y_at + i);
-        if (!(std::abs(g - w.y[i]) <= 1e-6 * std::abs(w.y[i]) + 1e-6 * w.top))
+        // fp32 sums of a few terms: rounding of the order of float's epsilon times the terms' size,
+        // however much of them cancels in y (a y near zero from terms near 1 carries their rounding).
+        if (!(std::abs(g - w.y[i]) <= 1e-6 * w.terms[i] + 1e-6 * w.top))
           return rank + ": combine: y[" + std::to_string(i / d) + "][" + std::to_string(i % d) + "]: got " +
                  std::to_string(g) + ", want " + std::to_string(w.y[i]) + " (y₀ + Σ weight·row over kept rows)";
       }

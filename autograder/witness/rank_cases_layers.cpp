@@ -5,19 +5,57 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <tuple>
 
 #include "k2c/core/random.h"
 #include "rank_cases.h"
 
 namespace k2c::rank_witness {
 
-// Module 14's linear layers, forward. args: in, out, tokens (in and out divisible by the ranks).
-// column_parallel_forward: rank r gets x [tokens, in] and rows r·out/n.. of W [out, in], and
-// answers its columns of y = x·Wᵀ; row_parallel_forward: rank r gets columns r·in/n.. of x and of
-// W, and answers the whole y, the same on every rank.
+// Module 14's linear layers. args: in, out, tokens (in and out divisible by the ranks); x, W and dy
+// drawn whole, each rank given its part:
+//   column_parallel_forward   x [tokens, in] and rows r·out/n.. of W [out, in]; answers its
+//                             columns of y = x·Wᵀ.
+//   column_parallel_backward  the same and its columns of dy [tokens, out]; answers dx [tokens, in]
+//                             (f's backward summed it: the same bits on every rank), then its rows
+//                             of dW = dyᵀ·x.
+//   row_parallel_linear       columns r·in/n.. of x and of W, and dy whole; answers y (the same
+//                             bits on every rank), then its columns of dx = dy·W, then its columns
+//                             of dW.
+// The references in double; fp32 sums of at most a few hundred terms in another order (and, by
+// rows, across ranks): within 1e-4 of the larger of 1 and the tensor's largest |value|.
+
+namespace {
+
+// The first of the answer's floats [at, at + want.size()) further than 1e-4 of the larger of 1 and
+// want's largest |value| from its reference: its index, or -1.
+std::int64_t first_miss(const Bytes& got, std::size_t at, const std::vector<double>& want) {
+  double top = 1;
+  for (double v : want) top = std::max(top, std::abs(v));
+  for (std::size_t i = 0; i < want.size(); ++i)
+    if (!(std::abs(float_at(got, at + i) - want[i]) <= 1e-4 * top)) return static_cast<std::int64_t>(i);
+  return -1;
+}
+
+// "got G, want W" for element i.
+std::string got_want(const Bytes& got, std::size_t at, const std::vector<double>& want, std::int64_t i) {
+  return "got " + std::to_string(float_at(got, at + i)) + ", want " + std::to_string(want[i]);
+}
+
+// Rows [r0, r0 + rows) × columns [c0, c0 + cols) of a row-major matrix `width` wide.
+template <class T>
+std::vector<T> block(const std::vector<T>& m, std::int64_t width, std::int64_t r0, std::int64_t rows, std::int64_t c0,
+                     std::int64_t cols) {
+  std::vector<T> out;
+  for (std::int64_t i = r0; i < r0 + rows; ++i) out.insert(out.end(), m.begin() + i * width + c0, m.begin() + i * width + c0 + cols);
+  return out;
+}
+
+}  // namespace
 
 Case draw_linear(const std::string& kind, int n, int index, std::mt19937_64& rng) {
-  const bool column = kind == "column_parallel_forward";
+  const bool column = kind != "row_parallel_linear", backward = kind != "column_parallel_forward";
   // In turn: one token, a few, many; widths of a few elements per rank up to 32.
   const std::int64_t tokens = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 15 : 64 + rng() % 129;
   const std::int64_t in = n * (1 + rng() % 32), out = n * (1 + rng() % 32);
@@ -28,45 +66,57 @@ Case draw_linear(const std::string& kind, int n, int index, std::mt19937_64& rng
   c.what = kind + ", " + std::to_string(tokens) + " tokens, " + std::to_string(in) + " → " + std::to_string(out) +
            " on " + std::to_string(n) + " ranks";
   const std::uint64_t seed = rng();
-  std::vector<float> x(tokens * in), w(out * in);
+  std::vector<float> x(tokens * in), w(out * in), dy(tokens * out);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = k2c::uniform_at(seed, i, -1.0f, 1.0f);
   for (std::size_t i = 0; i < w.size(); ++i) w[i] = k2c::uniform_at(seed + 1, i, -0.5f, 0.5f);
-  std::vector<double> y(tokens * out, 0.0);
-  double top = 0;
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = k2c::uniform_at(seed + 2, i, -1.0f, 1.0f);
+  std::vector<double> y(tokens * out, 0.0), dx(tokens * in, 0.0), dw(out * in, 0.0);
   for (std::int64_t t = 0; t < tokens; ++t)
-    for (std::int64_t o = 0; o < out; ++o) {
-      for (std::int64_t k = 0; k < in; ++k) y[t * out + o] += double(x[t * in + k]) * w[o * in + k];
-      top = std::max(top, std::abs(y[t * out + o]));
-    }
+    for (std::int64_t o = 0; o < out; ++o)
+      for (std::int64_t k = 0; k < in; ++k) {
+        y[t * out + o] += double(x[t * in + k]) * w[o * in + k];
+        dx[t * in + k] += double(dy[t * out + o]) * w[o * in + k];
+        dw[o * in + k] += double(dy[t * out + o]) * x[t * in + k];
+      }
   const std::int64_t lo = out / n, li = in / n;
+  // Each rank's answer, as the references it is held to: named, in the answer's order.
+  std::vector<std::vector<std::pair<std::string, std::vector<double>>>> want(n);
   for (int r = 0; r < n; ++r) {
     std::vector<float> mine;
     if (column) {
       mine = x;
       mine.insert(mine.end(), w.begin() + r * lo * in, w.begin() + (r + 1) * lo * in);
-      c.out_bytes.push_back(tokens * lo * sizeof(float));
+      if (backward) {
+        const std::vector<float> d = block(dy, out, 0, tokens, r * lo, lo);
+        mine.insert(mine.end(), d.begin(), d.end());
+        want[r] = {{"dx", dx}, {"dW (its rows)", block(dw, in, r * lo, lo, 0, in)}};
+      } else {
+        want[r] = {{"y (its columns)", block(y, out, 0, tokens, r * lo, lo)}};
+      }
     } else {
-      for (std::int64_t t = 0; t < tokens; ++t) mine.insert(mine.end(), x.begin() + t * in + r * li, x.begin() + t * in + (r + 1) * li);
-      for (std::int64_t o = 0; o < out; ++o) mine.insert(mine.end(), w.begin() + o * in + r * li, w.begin() + o * in + (r + 1) * li);
-      c.out_bytes.push_back(tokens * out * sizeof(float));
+      mine = block(x, in, 0, tokens, r * li, li);
+      const std::vector<float> wr = block(w, in, 0, out, r * li, li);
+      mine.insert(mine.end(), wr.begin(), wr.end());
+      mine.insert(mine.end(), dy.begin(), dy.end());
+      want[r] = {{"y", y}, {"dx (its columns)", block(dx, in, 0, tokens, r * li, li)}, {"dW (its columns)", block(dw, in, 0, out, r * li, li)}};
     }
+    std::size_t floats_out = 0;
+    for (const auto& t : want[r]) floats_out += t.second.size();
     c.in.push_back(floats(mine));
+    c.out_bytes.push_back(floats_out * sizeof(float));
   }
-  // fp32 dot products of at most 96 terms, summed in another order (and, by rows, across ranks).
-  const double tol = 1e-4 * std::max(top, 1.0);
+  // Where every rank holds the whole of the first tensor (y after g, dx after f), the same bits.
+  const std::size_t whole = column && !backward ? 0 : want[0][0].second.size();
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r) {
-      const std::int64_t cols = column ? lo : out, first = column ? r * lo : 0;
-      for (std::int64_t t = 0; t < tokens; ++t)
-        for (std::int64_t j = 0; j < cols; ++j) {
-          float g;
-          std::memcpy(&g, got[r].data() + (t * cols + j) * sizeof(float), sizeof g);
-          const double want = y[t * out + first + j];
-          if (!(std::abs(g - want) <= tol))
-            return "rank " + std::to_string(r) + ", y[" + std::to_string(t) + "][" + std::to_string(first + j) +
-                   "]: got " + std::to_string(g) + ", want " + std::to_string(want);
-        }
-      if (!column && got[r] != got[0]) return "rank " + std::to_string(r) + "'s y differs from rank 0's";
+      std::size_t at = 0;
+      for (const auto& [name, ref] : want[r]) {
+        if (const std::int64_t i = first_miss(got[r], at, ref); i >= 0)
+          return "rank " + std::to_string(r) + ", " + name + ", element " + std::to_string(i) + ": " + got_want(got[r], at, ref, i);
+        at += ref.size();
+      }
+      if (whole > 0 && std::memcmp(got[r].data(), got[0].data(), whole * sizeof(float)) != 0)
+        return "rank " + std::to_string(r) + "'s " + want[r][0].first + " differs from rank 0's";
     }
     return "";
   };
@@ -179,9 +229,12 @@ Case draw_rows(const std::string& kind, int n, int index, std::mt19937_64& rng) 
   return c;
 }
 
-// Module 16's ring attention, forward. args: batch B, seq_len T (2·n·C), q_heads H, kv_heads Hkv,
-// head_dim hd. Rank r gets its rows of q, k and v in the contract's local order (its chunks r and
-// 2n − 1 − r, chunk-major, then sequence, then token) and answers o for the same rows.
+// Module 16's ring attention, forward and backward. args: batch B, seq_len T (2·n·C), q_heads H,
+// kv_heads Hkv, head_dim hd. Rank r gets its rows of q, k, v and dout in the contract's local order
+// (its chunks r and 2n − 1 − r, chunk-major, then sequence, then token) and answers o, dq, dk and
+// dv for the same rows. The reference in double: o within 1e-4 (averages of values in [-1, 1]),
+// the gradients within 1e-4 of the larger of 1 and the tensor's largest |value| (fp32 sums over at
+// most a few dozen keys or queries, and dk, dv summed over the group's query heads and the ring).
 
 Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   const bool causal = kind == "ring_attention_causal";
@@ -199,53 +252,81 @@ Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) 
            std::to_string(kv_heads) + " heads of " + std::to_string(hd) + " on " + std::to_string(n) + " ranks";
   const std::uint64_t seed = rng();
   const std::int64_t qw = heads * hd, kw = kv_heads * hd;
-  std::vector<float> q(B * T * qw), k(B * T * kw), v(B * T * kw);
+  std::vector<float> q(B * T * qw), k(B * T * kw), v(B * T * kw), dout(B * T * qw);
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = k2c::uniform_at(seed, i, -2.0f, 2.0f);
   for (std::size_t i = 0; i < k.size(); ++i) k[i] = k2c::uniform_at(seed + 1, i, -2.0f, 2.0f);
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed + 2, i, -1.0f, 1.0f);
-  // The reference, in double: softmax(q·kᵀ/sqrt(hd)) over the visible keys, query head h reading
-  // key-value head h / (H / Hkv).
-  std::vector<double> o(B * T * qw, 0.0);
+  for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = k2c::uniform_at(seed + 3, i, -1.0f, 1.0f);
+  // The reference, in double: P = softmax(q·kᵀ/sqrt(hd)) over the visible keys, query head h
+  // reading key-value head h / (H / Hkv); o = P·v. Backward: dP = dout·vᵀ, dS = P ∘ (dP − rowsum(dout ∘ o)),
+  // dq = dS·k/sqrt(hd), dk = dSᵀ·q/sqrt(hd), dv = Pᵀ·dout.
+  std::vector<double> o(B * T * qw, 0.0), dq(B * T * qw, 0.0), dk(B * T * kw, 0.0), dv(B * T * kw, 0.0);
+  const double scale = 1.0 / std::sqrt(double(hd));
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
       for (std::int64_t i = 0; i < T; ++i) {
         const int g = h / (heads / kv_heads);
         const std::int64_t last = causal ? i : T - 1;
+        const auto qi = [&](int d) { return double(q[(b * T + i) * qw + h * hd + d]); };
+        const auto doi = [&](int d) { return double(dout[(b * T + i) * qw + h * hd + d]); };
+        const auto kv = [&](const std::vector<float>& m, std::int64_t j, int d) { return double(m[(b * T + j) * kw + g * hd + d]); };
         std::vector<double> p(last + 1);
         double top = -1e300, sum = 0;
         for (std::int64_t j = 0; j <= last; ++j) {
           double dot = 0;
-          for (int d = 0; d < hd; ++d) dot += double(q[(b * T + i) * qw + h * hd + d]) * k[(b * T + j) * kw + g * hd + d];
-          p[j] = dot / std::sqrt(double(hd));
+          for (int d = 0; d < hd; ++d) dot += qi(d) * kv(k, j, d);
+          p[j] = dot * scale;
           top = std::max(top, p[j]);
         }
         for (double& x : p) sum += (x = std::exp(x - top));
+        for (double& x : p) x /= sum;
+        double* oi = &o[(b * T + i) * qw + h * hd];
         for (std::int64_t j = 0; j <= last; ++j)
-          for (int d = 0; d < hd; ++d) o[(b * T + i) * qw + h * hd + d] += p[j] / sum * v[(b * T + j) * kw + g * hd + d];
+          for (int d = 0; d < hd; ++d) oi[d] += p[j] * kv(v, j, d);
+        double row = 0;  // rowsum(dout ∘ o)
+        for (int d = 0; d < hd; ++d) row += doi(d) * oi[d];
+        for (std::int64_t j = 0; j <= last; ++j) {
+          double dp = 0;
+          for (int d = 0; d < hd; ++d) dp += doi(d) * kv(v, j, d);
+          const double ds = p[j] * (dp - row);
+          for (int d = 0; d < hd; ++d) {
+            dq[(b * T + i) * qw + h * hd + d] += ds * kv(k, j, d) * scale;
+            dk[(b * T + j) * kw + g * hd + d] += ds * qi(d) * scale;
+            dv[(b * T + j) * kw + g * hd + d] += p[j] * doi(d);
+          }
+        }
       }
-  std::vector<std::vector<std::int64_t>> rows(n);  // each rank's rows of the whole, in local order
+  // Each rank's rows of the whole, in local order, and its answer's references.
+  std::vector<std::vector<std::pair<std::string, std::vector<double>>>> want(n);
+  std::vector<std::vector<std::int64_t>> rows(n);
   for (int r = 0; r < n; ++r) {
     for (const std::int64_t chunk : {std::int64_t{r}, std::int64_t{2 * n - 1 - r}})
       for (int b = 0; b < B; ++b)
         for (std::int64_t t = 0; t < C; ++t) rows[r].push_back(b * T + chunk * C + t);
     std::vector<float> mine;
-    for (const auto& [data, width] : {std::pair{&q, qw}, std::pair{&k, kw}, std::pair{&v, kw}})
+    for (const auto& [data, width] : {std::pair{&q, qw}, std::pair{&k, kw}, std::pair{&v, kw}, std::pair{&dout, qw}})
       for (const std::int64_t row : rows[r]) mine.insert(mine.end(), data->begin() + row * width, data->begin() + (row + 1) * width);
     c.in.push_back(floats(mine));
-    c.out_bytes.push_back(rows[r].size() * qw * sizeof(float));
+    for (const auto& [name, data, width] :
+         {std::tuple{"o", &o, qw}, std::tuple{"dq", &dq, qw}, std::tuple{"dk", &dk, kw}, std::tuple{"dv", &dv, kw}}) {
+      std::vector<double> part;
+      for (const std::int64_t row : rows[r]) part.insert(part.end(), data->begin() + row * width, data->begin() + (row + 1) * width);
+      want[r].emplace_back(name, std::move(part));
+    }
+    c.out_bytes.push_back(rows[r].size() * 2 * (qw + kw) * sizeof(float));
   }
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
-    for (int r = 0; r < n; ++r)
-      for (std::size_t i = 0; i < rows[r].size(); ++i)
-        for (std::int64_t e = 0; e < qw; ++e) {
-          float g;
-          std::memcpy(&g, got[r].data() + (i * qw + e) * sizeof(float), sizeof g);
-          const double want = o[rows[r][i] * qw + e];
-          if (!(std::abs(g - want) <= 1e-4))  // outputs are averages of values in [-1, 1]
-            return "rank " + std::to_string(r) + ", o of token " + std::to_string(rows[r][i] % T) + " of sequence " +
-                   std::to_string(rows[r][i] / T) + ", element " + std::to_string(e) + ": got " + std::to_string(g) +
-                   ", want " + std::to_string(want);
+    for (int r = 0; r < n; ++r) {
+      std::size_t at = 0;
+      for (const auto& [name, ref] : want[r]) {
+        if (const std::int64_t i = first_miss(got[r], at, ref); i >= 0) {
+          const std::int64_t width = static_cast<std::int64_t>(ref.size() / rows[r].size()), row = rows[r][i / width];
+          return "rank " + std::to_string(r) + ", " + name + " of token " + std::to_string(row % T) + " of sequence " +
+                 std::to_string(row / T) + ", element " + std::to_string(i % width) + ": " + got_want(got[r], at, ref, i);
         }
+        at += ref.size();
+      }
+    }
     return "";
   };
   return c;
