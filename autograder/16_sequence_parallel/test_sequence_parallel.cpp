@@ -858,7 +858,7 @@ TEST_F(SequenceParallelRingAttentionPerf, VsOneGpu) {
 
 // The grader's own check of ring attention, forward and backward (k2c/dist/rank_witness.h): this
 // rank's rows of q, k, v and dout in local order, as the checker laid them out; the answer is o,
-// dq, dk and dv for the same rows. args: batch, seq_len, q_heads, kv_heads, head_dim.
+// dq, dk and dv for the same rows, then lse. args: batch, seq_len, q_heads, kv_heads, head_dim.
 namespace {
 void ring_case(k2c::dist::testing::RankCase& c, bool causal) {
   const int B = static_cast<int>(c.args[0]), H = static_cast<int>(c.args[2]), Hkv = static_cast<int>(c.args[3]),
@@ -879,7 +879,7 @@ void ring_case(k2c::dist::testing::RankCase& c, bool causal) {
   ring.forward(par.ctx, q, k, v, o, lse);
   ring.backward(par.ctx, q, k, v, o, lse, dout, dq, dk, dv);
   Host answer;
-  for (const km::Tensor* t : {&o, &dq, &dk, &dv}) {
+  for (const km::Tensor* t : {&o, &dq, &dk, &dv, &lse}) {
     const Host h = par.download(*t);
     answer.insert(answer.end(), h.begin(), h.end());
   }

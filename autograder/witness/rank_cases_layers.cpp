@@ -232,14 +232,18 @@ Case draw_rows(const std::string& kind, int n, int index, std::mt19937_64& rng) 
 // Module 16's ring attention, forward and backward. args: batch B, seq_len T (2·n·C), q_heads H,
 // kv_heads Hkv, head_dim hd. Rank r gets its rows of q, k, v and dout in the contract's local order
 // (its chunks r and 2n − 1 − r, chunk-major, then sequence, then token) and answers o, dq, dk and
-// dv for the same rows. The reference in double: o within 1e-4 (averages of values in [-1, 1]),
-// the gradients within 1e-4 of the larger of 1 and the tensor's largest |value| (fp32 sums over at
-// most a few dozen keys or queries, and dk, dv summed over the group's query heads and the ring).
+// dv for the same rows, then lse [2·B, H, C] (its chunk j of sequence b at [j·B + b]). The
+// reference in double: o and lse within 1e-4 of the larger of 1 and their largest |value| (o
+// averages values in [-1, 1]), the gradients likewise (fp32 sums over at most a few dozen keys or
+// queries, and dk, dv summed over the group's query heads and the ring).
 
 Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   const bool causal = kind == "ring_attention_causal";
-  const int B = 1 + static_cast<int>(rng() % 2), kv_heads = 1 + static_cast<int>(rng() % 2);
-  const int heads = kv_heads * (1 + static_cast<int>(rng() % 3)), hd = 4 * (1 + static_cast<int>(rng() % 4));
+  // The large case always has two sequences and two groups of query heads sharing a kv head.
+  const bool large = index % 3 == 2;
+  const int B = large ? 2 : 1 + static_cast<int>(rng() % 2), kv_heads = large ? 2 : 1 + static_cast<int>(rng() % 2);
+  const int heads = kv_heads * (large ? 2 + static_cast<int>(rng() % 2) : 1 + static_cast<int>(rng() % 3));
+  const int hd = 4 * (1 + static_cast<int>(rng() % 4));
   // In turn: chunks of one token, a few, more.
   const std::int64_t C = index % 3 == 0 ? 1 : index % 3 == 1 ? 2 + rng() % 3 : 5 + rng() % 4, T = 2 * n * C;
   Case c;
@@ -261,6 +265,7 @@ Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) 
   // reading key-value head h / (H / Hkv); o = P·v. Backward: dP = dout·vᵀ, dS = P ∘ (dP − rowsum(dout ∘ o)),
   // dq = dS·k/sqrt(hd), dk = dSᵀ·q/sqrt(hd), dv = Pᵀ·dout.
   std::vector<double> o(B * T * qw, 0.0), dq(B * T * qw, 0.0), dk(B * T * kw, 0.0), dv(B * T * kw, 0.0);
+  std::vector<double> lse(static_cast<std::size_t>(B) * heads * T);  // [b][h][i], natural log
   const double scale = 1.0 / std::sqrt(double(hd));
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < heads; ++h)
@@ -280,6 +285,7 @@ Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) 
         }
         for (double& x : p) sum += (x = std::exp(x - top));
         for (double& x : p) x /= sum;
+        lse[(static_cast<std::size_t>(b) * heads + h) * T + i] = top + std::log(sum);
         double* oi = &o[(b * T + i) * qw + h * hd];
         for (std::int64_t j = 0; j <= last; ++j)
           for (int d = 0; d < hd; ++d) oi[d] += p[j] * kv(v, j, d);
@@ -313,13 +319,25 @@ Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) 
       for (const std::int64_t row : rows[r]) part.insert(part.end(), data->begin() + row * width, data->begin() + (row + 1) * width);
       want[r].emplace_back(name, std::move(part));
     }
-    c.out_bytes.push_back(rows[r].size() * 2 * (qw + kw) * sizeof(float));
+    std::vector<double> mine_lse;  // [j·B + b][h][t] of the rank's chunks j
+    for (const std::int64_t chunk : {std::int64_t{r}, std::int64_t{2 * n - 1 - r}})
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < heads; ++h)
+          for (std::int64_t t = 0; t < C; ++t) mine_lse.push_back(lse[(static_cast<std::size_t>(b) * heads + h) * T + chunk * C + t]);
+    want[r].emplace_back("lse", std::move(mine_lse));
+    c.out_bytes.push_back((rows[r].size() * 2 * (qw + kw) + 2 * B * heads * C) * sizeof(float));
   }
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r) {
       std::size_t at = 0;
       for (const auto& [name, ref] : want[r]) {
         if (const std::int64_t i = first_miss(got[r], at, ref); i >= 0) {
+          if (name == "lse") {  // [j·B + b][h][t]
+            const std::int64_t t = i % C, h = i / C % heads, jb = i / (C * heads);
+            return "rank " + std::to_string(r) + ", lse of local chunk " + std::to_string(jb / B) + " of sequence " +
+                   std::to_string(jb % B) + ", head " + std::to_string(h) + ", token " + std::to_string(t) + " of the chunk: " +
+                   got_want(got[r], at, ref, i);
+          }
           const std::int64_t width = static_cast<std::int64_t>(ref.size() / rows[r].size()), row = rows[r][i / width];
           return "rank " + std::to_string(r) + ", " + name + " of token " + std::to_string(row % T) + " of sequence " +
                  std::to_string(row / T) + ", element " + std::to_string(i % width) + ": " + got_want(got[r], at, ref, i);
