@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "k2c/core/random.h"
+#include "k2c/reference/reference.h"
 #include "rank_cases.h"
 
 namespace k2c::rank_witness {
@@ -261,47 +262,31 @@ Case draw_ring(const std::string& kind, int n, int index, std::mt19937_64& rng) 
   for (std::size_t i = 0; i < k.size(); ++i) k[i] = k2c::uniform_at(seed + 1, i, -2.0f, 2.0f);
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = k2c::uniform_at(seed + 2, i, -1.0f, 1.0f);
   for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = k2c::uniform_at(seed + 3, i, -1.0f, 1.0f);
-  // The reference, in double: P = softmax(q·kᵀ/sqrt(hd)) over the visible keys, query head h
-  // reading key-value head h / (H / Hkv); o = P·v. Backward: dP = dout·vᵀ, dS = P ∘ (dP − rowsum(dout ∘ o)),
-  // dq = dS·k/sqrt(hd), dk = dSᵀ·q/sqrt(hd), dv = Pᵀ·dout.
-  std::vector<double> o(B * T * qw, 0.0), dq(B * T * qw, 0.0), dk(B * T * kw, 0.0), dv(B * T * kw, 0.0);
-  std::vector<double> lse(static_cast<std::size_t>(B) * heads * T);  // [b][h][i], natural log
-  const double scale = 1.0 / std::sqrt(double(hd));
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < heads; ++h)
-      for (std::int64_t i = 0; i < T; ++i) {
-        const int g = h / (heads / kv_heads);
-        const std::int64_t last = causal ? i : T - 1;
-        const auto qi = [&](int d) { return double(q[(b * T + i) * qw + h * hd + d]); };
-        const auto doi = [&](int d) { return double(dout[(b * T + i) * qw + h * hd + d]); };
-        const auto kv = [&](const std::vector<float>& m, std::int64_t j, int d) { return double(m[(b * T + j) * kw + g * hd + d]); };
-        std::vector<double> p(last + 1);
-        double top = -1e300, sum = 0;
-        for (std::int64_t j = 0; j <= last; ++j) {
-          double dot = 0;
-          for (int d = 0; d < hd; ++d) dot += qi(d) * kv(k, j, d);
-          p[j] = dot * scale;
-          top = std::max(top, p[j]);
-        }
-        for (double& x : p) sum += (x = std::exp(x - top));
-        for (double& x : p) x /= sum;
-        lse[(static_cast<std::size_t>(b) * heads + h) * T + i] = top + std::log(sum);
-        double* oi = &o[(b * T + i) * qw + h * hd];
-        for (std::int64_t j = 0; j <= last; ++j)
-          for (int d = 0; d < hd; ++d) oi[d] += p[j] * kv(v, j, d);
-        double row = 0;  // rowsum(dout ∘ o)
-        for (int d = 0; d < hd; ++d) row += doi(d) * oi[d];
-        for (std::int64_t j = 0; j <= last; ++j) {
-          double dp = 0;
-          for (int d = 0; d < hd; ++d) dp += doi(d) * kv(v, j, d);
-          const double ds = p[j] * (dp - row);
-          for (int d = 0; d < hd; ++d) {
-            dq[(b * T + i) * qw + h * hd + d] += ds * kv(k, j, d) * scale;
-            dk[(b * T + j) * kw + g * hd + d] += ds * qi(d) * scale;
-            dv[(b * T + j) * kw + g * hd + d] += p[j] * doi(d);
-          }
-        }
-      }
+  // The course's reference in double (k2c/reference/reference.h), in its layout [b][head][t][d].
+  auto heads_first = [&](const std::vector<float>& m, int hs) {
+    std::vector<float> out(m.size());
+    for (int b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (int h = 0; h < hs; ++h)
+          for (int d = 0; d < hd; ++d) out[((b * hs + h) * T + t) * hd + d] = m[(b * T + t) * hs * hd + h * hd + d];
+    return out;
+  };
+  auto tokens_first = [&](const std::vector<double>& m, int hs) {
+    std::vector<double> out(m.size());
+    for (int b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (int h = 0; h < hs; ++h)
+          for (int d = 0; d < hd; ++d) out[(b * T + t) * hs * hd + h * hd + d] = m[((b * hs + h) * T + t) * hd + d];
+    return out;
+  };
+  const k2c::ref::AttentionShape shape{B, heads, kv_heads, static_cast<int>(T), static_cast<int>(T), hd, causal,
+                                       1.0 / std::sqrt(double(hd))};
+  const std::vector<float> qh = heads_first(q, heads), kh = heads_first(k, kv_heads), vh = heads_first(v, kv_heads);
+  const k2c::ref::AttentionForward f = k2c::ref::attention_forward(qh, kh, vh, shape);
+  const k2c::ref::AttentionBackward g = k2c::ref::attention_backward(qh, kh, vh, heads_first(dout, heads), shape);
+  const std::vector<double> o = tokens_first(f.o, heads), dq = tokens_first(g.dq, heads), dk = tokens_first(g.dk, kv_heads),
+                            dv = tokens_first(g.dv, kv_heads);
+  const std::vector<double>& lse = f.lse;  // [b][h][t], natural log
   // Each rank's rows of the whole, in local order, and its answer's references.
   std::vector<std::vector<std::pair<std::string, std::vector<double>>>> want(n);
   std::vector<std::vector<std::int64_t>> rows(n);
