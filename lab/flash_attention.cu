@@ -23,6 +23,10 @@
 // against each other on edge shapes, then timed at the graded shapes and the capstone's;
 // "pairs_check" the checks alone (for compute-sanitizer). "defer": Part B's backward with each
 // step's dQ adds issued at once (shipped) and a step later, under the next step's first products.
+// "dq_first": Part B's backward with dV's and dK's products issued before the barrier and dQ's
+// after it, all waited for before the adds (shipped), against dQ's product issued first and its
+// adds under dV's and dK's, and dV, dQ, dK in that order with the adds under dK (kDqOrder),
+// each checked against the shipped kernel on edge shapes, then timed.
 // "once": one shipped
 // forward, backward and Part B backward for a profiler.
 #include <algorithm>
@@ -112,7 +116,7 @@ void backward_variant(const char* name, const fa::Shape& s, Bufs& b, double flop
 // What a run measures: the tile sweep, the unrolling / dQ / launch-order variants, the wgmma
 // backward beside the shipped one (kept apart: a fault there would end the other runs), or pairs
 // of close variants in alternating rounds.
-enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone, depth, pairs, defer };
+enum class Mode { tiles, unroll, hopper_backward, rounds, hopper_forward, hopper_forward64, capstone, depth, pairs, defer, dq_first };
 
 // Two variants timed in 4 rounds that alternate which runs first (rotating_rounds; medians of 10,
 // back to back); prints the rate per round and the ratio of the middle two rounds' mean times
@@ -273,6 +277,17 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
     // while the next step's first products run (kDefer).
     against_shipped<fa::HopperBackwardTile<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, true>>(
         "Part B, dQ added at once", "Part B, dQ added a step later", "backward: at once / a step later, TFLOP/s", s, b, flops);
+  } else if (mode == Mode::dq_first) {
+    // Part B's backward with dQ's adds after every product of the step (shipped) and under dV's
+    // and dK's (kDqFirst).
+    using Probe = fa::BackwardProbe;
+    using After = fa::HopperBackwardTile<D, Probe::none, 2, false, false, fa::DqOrder::after>;
+    using First = fa::HopperBackwardTile<D, Probe::none, 2, false, false, fa::DqOrder::first>;
+    using Between = fa::HopperBackwardTile<D, Probe::none, 2, false, false, fa::DqOrder::between>;
+    against_shipped<After, First>("Part B, dQ added after dV and dK", "Part B, dQ first, added under dV and dK",
+                                                      "backward: after / first, TFLOP/s", s, b, flops);
+    against_shipped<After, Between>("Part B, dQ added after dV and dK", "Part B, dV dQ dK, added under dK",
+                                                        "backward: after / between, TFLOP/s", s, b, flops);
   } else if (mode == Mode::pairs) {
     // Part B's backward with each block adding its dQ block into dq_accum (shipped) and with
     // pairs of blocks summing theirs first (kPair).
@@ -342,7 +357,8 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
 // (the same products summed in another order: within a bf16 step or two) and whether any is NaN.
 bool g_pairs_failed = false;  // a check_pairs difference past its bound
 
-template <int D, class Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>>
+template <int D, class Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>,
+          class One = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, false, fa::DqOrder::after>>
 void check_pairs(fa::Shape s, const char* what = "pairs") {
   s.head_dim = D;
   s.scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -359,7 +375,6 @@ void check_pairs(fa::Shape s, const char* what = "pairs") {
   k2c::fill_uniform_device(v, nk, 13, -1, 1);
   k2c::fill_uniform_device(dout, nq, 14, -1, 1);
   fa::forward(s, q, k, v, o, lse);
-  using One = fa::HopperBackwardTile<D>;
   for (int i = 0; i < 2; ++i) {
     for (bf16* x : {dq[i]}) cudaMemset(x, 0xff, nq * sizeof(bf16));
     for (bf16* x : {dk[i], dv[i]}) cudaMemset(x, 0xff, nk * sizeof(bf16));
@@ -415,6 +430,22 @@ void defer_checks() {
   check_pairs<64, D64>({3, 4, 4, 700, 700, 64, true, 0, tokens}, "defer");
 }
 
+// kDqFirst against the shipped kernel on the same edge shapes.
+void dq_first_checks() {
+  const fa::Layout heads = fa::Layout::heads_first, tokens = fa::Layout::tokens_first;
+  using Probe = fa::BackwardProbe;
+  using F128 = fa::HopperBackwardTile<128, Probe::none, 2, false, false, fa::DqOrder::first>;
+  using F64 = fa::HopperBackwardTile<64, Probe::none, 2, false, false, fa::DqOrder::first>;
+  using B128 = fa::HopperBackwardTile<128, Probe::none, 2, false, false, fa::DqOrder::between>;
+  using B64 = fa::HopperBackwardTile<64, Probe::none, 2, false, false, fa::DqOrder::between>;
+  check_pairs<128, F128>({2, 4, 2, 300, 700, 128, true, 0, heads}, "dq first");
+  check_pairs<128, F128>({1, 2, 2, 640, 384, 128, true, 0, tokens}, "dq first");
+  check_pairs<64, F64>({2, 6, 3, 129, 1100, 64, false, 0, heads}, "dq first");
+  check_pairs<64, F64>({3, 4, 4, 700, 700, 64, true, 0, tokens}, "dq first");
+  check_pairs<128, B128>({2, 4, 2, 300, 700, 128, true, 0, heads}, "dq between");
+  check_pairs<64, B64>({3, 4, 4, 700, 700, 64, true, 0, tokens}, "dq between");
+}
+
 // Waits for the GPU and reports its first error, or a pairs check past its bound: the status of
 // the run.
 int finish() {
@@ -442,7 +473,7 @@ void once() {
 
 // Arguments: "unroll" runs the unrolling, dQ and launch-order variants, "hopper_bwd" the wgmma
 // backward beside the shipped one, "rounds", "hopper_fwd", "hopper_fwd64", "capstone", "depth",
-// "pairs", "pairs_check" and "defer" as the header says, "once" one forward and the two backwards for a profiler; none runs the tile
+// "pairs", "pairs_check", "defer" and "dq_first" as the header says, "once" one forward and the two backwards for a profiler; none runs the tile
 // sweep.
 int main(int argc, char** argv) {
   const std::string arg = argc > 1 ? argv[1] : "";
@@ -458,9 +489,16 @@ int main(int argc, char** argv) {
                       : arg == "depth"        ? Mode::depth
                       : arg == "pairs" || arg == "pairs_check" ? Mode::pairs
                       : arg == "defer"        ? Mode::defer
+                      : arg == "dq_first"     ? Mode::dq_first
                                             : Mode::tiles;
     if (mode == Mode::capstone) {
       sweep<64>(true, mode, 16, 12, 1024);
+    } else if (mode == Mode::dq_first) {
+      dq_first_checks();
+      sweep<128>(true, mode);
+      sweep<128>(false, mode);
+      sweep<64>(true, mode);
+      sweep<64>(true, mode, 16, 12, 1024);  // the capstone's attention
     } else if (mode == Mode::defer) {
       defer_checks();
       sweep<128>(true, mode);

@@ -337,7 +337,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // Pᵀ and dSᵀ go from the accumulators straight into A fragments for dV += Pᵀ dO and dK += dSᵀ Q
 // (dO and Q read MN-major), and dSᵀ also goes to shared memory, where dQ = dS K reads it as an
 // MN-major A operand. There is no ldmatrix at all: waiting for ldmatrix results is where the
-// mma.sync backward's warps stall most (lecture sections 10.6 and 11). Tiles are laid out as the
+// mma.sync backward's warps stall most (lecture sections 10.6 and 11). Once dSᵀ is published, dQ's
+// product goes to the tensor cores before dV's and dK's, so that the step's dQ atomic adds run
+// while those two are still computing (kDqOrder, below). Tiles are laid out as the
 // Hopper forward lays them out (load_tile_sw128). Shared memory: K, V 2·128·D, Q and dO
 // double-buffered 4·64·D, dSᵀ 128·64 bf16, lse and D: 145 KiB at D = 128, 146 KiB with the 1 KiB
 // of alignment slack (at D = 64, 81 KiB and the 16 KiB the warpgroups swap dQ halves through),
@@ -352,15 +354,28 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // dq_accum: every element is added half as often (see the kernel).
 // kDefer: a step's dQ adds are issued in the next step, once its Sᵀ and dPᵀ products are on the
 // tensor cores, each thread's sums parked in shared memory in between.
+// kDqOrder: where a step's dQ product goes among dV's and dK's, and what its adds wait for.
+// after: dV and dK issued before the barrier that publishes dSᵀ, dQ after it, all three waited for
+// before the adds. first: dQ issued first once dSᵀ is published, then dV and dK, and the adds
+// wait for dQ alone, so they run while dV and dK are on the tensor cores. between: dV before the
+// barrier, then dQ, then dK, the adds under dK. On an H100, first ran 1.12 times as fast as after
+// at d = 128 (causal) and 1.02 times at d = 64; between 1.03 times at d = 64 and 1.07 at d = 128
+// (lab/flash_attention.cu dq_first). The shipped kernel issues dQ first; the probes, pairs and
+// deferred adds keep the order they were measured with.
 enum class BackwardProbe { none, no_dq_adds, no_dq, no_dq_no_barrier };
+enum class DqOrder { after, first, between };
 template <int D_, BackwardProbe kProbe_ = BackwardProbe::none, int kBuffers_ = 2, bool kPair_ = false,
-          bool kDefer_ = false>
+          bool kDefer_ = false,
+          DqOrder kDqOrder_ = kProbe_ == BackwardProbe::none && !kPair_ && !kDefer_ ? DqOrder::first : DqOrder::after>
 struct HopperBackwardTile {
   static constexpr int D = D_, kKeys = 128, kRows = 64, kThreads = 256, kBuffers = kBuffers_;
   static_assert(kBuffers >= 2, "a step's copies and the next step's at least");
   static constexpr BackwardProbe kProbe = kProbe_;
   static constexpr bool kPair = kPair_, kDefer = kDefer_;
+  static constexpr DqOrder kDqOrder = kDqOrder_;
   static_assert(!(kPair && kDefer), "one way of moving the adds at a time");
+  static_assert(kDqOrder == DqOrder::after || (kProbe == BackwardProbe::none && !kPair && !kDefer),
+                "dQ before dV or dK with the plain adds only");
   static_assert(!kDefer || kProbe == BackwardProbe::none, "a probe without adds would add parked garbage");
   static constexpr int kKvBytes = kKeys * D * 2, kRowBytes = kRows * D * 2, kDsBytes = kKeys * kRows * 2;
   // dQ's BM × D tile, split between the warpgroups as 64-column blocks: at D = 128 each takes its
@@ -669,16 +684,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
       }
 
     // dV += Pᵀ dO and dK += dSᵀ Q, k = the BM queries: dO and Q read MN-major.
-    hp::wgmma_fence();
-    {
+    // (which: 1 dV, 2 dK, 3 both, as one commit group.)
+    auto issue_dkv = [&](int which) {
+      hp::wgmma_fence();
       const std::uint64_t do_mn = hp::smem_desc_plus(opaque(do_mn0), buffer), q_mn = hp::smem_desc_plus(opaque(q_mn0), buffer);
 #pragma unroll
       for (int kq = 0; kq < BM / 16; ++kq) {
-        wgmma_rs_tb<D>(dv, ap[kq], hp::smem_desc_plus(do_mn, kq * 16 * 128));
-        wgmma_rs_tb<D>(dk, ads[kq], hp::smem_desc_plus(q_mn, kq * 16 * 128));
+        if (which & 1) wgmma_rs_tb<D>(dv, ap[kq], hp::smem_desc_plus(do_mn, kq * 16 * 128));
+        if (which & 2) wgmma_rs_tb<D>(dk, ads[kq], hp::smem_desc_plus(q_mn, kq * 16 * 128));
       }
-    }
-    hp::wgmma_commit();
+      hp::wgmma_commit();
+    };
+    if constexpr (T::kDqOrder == DqOrder::after) issue_dkv(3);
+    if constexpr (T::kDqOrder == DqOrder::between) issue_dkv(1);
 
     if constexpr (T::kProbe == BackwardProbe::no_dq || T::kProbe == BackwardProbe::no_dq_no_barrier) {
       if constexpr (T::kProbe == BackwardProbe::no_dq) {
@@ -704,7 +722,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
                                        kk > 0);
       }
       hp::wgmma_commit();
-      hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (whose A fragments are ap and ads)
+      if constexpr (T::kDqOrder == DqOrder::after) {
+        hp::wgmma_wait<0>();  // dQ, and the dV / dK group above (whose A fragments are ap and ads)
+      } else {
+        issue_dkv(T::kDqOrder == DqOrder::first ? 3 : 2);
+        hp::wgmma_wait<1>();  // dQ (and dV before it); what follows it, which reads ap or ads, may still run
+      }
       // dq's n8 tiles j0 .. j0 + tiles - 1 of both rows into dq_accum, an atomic add per float
       // pair. These adds cost the kernel a fifth of its time at D = 128 and two fifths at D = 64,
       // and bulk or TMA reductions of the same sums were no faster (lecture 09's appendix, 5.4).
@@ -761,6 +784,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
         if (wg == 0) swap_in(std::integral_constant<int, 0>{});
         else swap_in(std::integral_constant<int, 4>{});
       }
+      if constexpr (T::kDqOrder != DqOrder::after) hp::wgmma_wait<0>();  // before the next step reuses ap, ads and the buffers
     }
   }
   if constexpr (T::kPair) {
