@@ -24,9 +24,11 @@
 // "pairs_check" the checks alone (for compute-sanitizer). "defer": Part B's backward with each
 // step's dQ adds issued at once (shipped) and a step later, under the next step's first products.
 // "dq_first": Part B's backward with dV's and dK's products issued before the barrier and dQ's
-// after it, all waited for before the adds (shipped), against dQ's product issued first and its
-// adds under dV's and dK's, and dV, dQ, dK in that order with the adds under dK (kDqOrder),
-// each checked against the shipped kernel on edge shapes, then timed.
+// after it, all waited for before the adds (DqOrder::after, shipped until this mode's run),
+// against dQ's product issued first and its adds under dV's and dK's (first, shipped since), and
+// dV, dQ, dK in that order with the adds under dK (between), each checked against after on edge
+// shapes, then timed. The probes, pairs and deferred adds keep after's order, and the modes that
+// time them use it as their baseline.
 // "once": one shipped
 // forward, backward and Part B backward for a profiler.
 #include <algorithm>
@@ -41,6 +43,10 @@
 
 namespace fa = k2c::flash_attention;
 using bf16 = __nv_bfloat16;
+// Part B's backward with dQ's product after dV's and dK's, the order the probes, pairs and
+// deferred adds keep (the shipped kernel issues it first: kDqOrder).
+template <int D>
+using PartBAfter = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, false, fa::DqOrder::after>;
 
 namespace {
 
@@ -256,6 +262,7 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
       forward_variant("forward", "mma.sync forward (Part A)", s, b, flops, fa::launch_forward<ForwardTile<D>>);
       backward_variant<fa::HopperBackwardTile<D>, true>("Part B (shipped)", s, b, flops);
       backward_variant<BackwardTile<D>>("mma.sync (Part A)", s, b, flops);
+      backward_variant<PartBAfter<D>, true>("Part B, dQ after dV and dK (the probe's order)", s, b, flops);
       backward_variant<fa::HopperBackwardTile<D, fa::BackwardProbe::no_dq_adds>, true>("probe: no dQ adds", s, b, flops);
       const fa::Params p = backward_params(s, b);
       const std::size_t rows = static_cast<std::size_t>(s.batch) * s.heads * s.q_len, quads = rows * D / 4;
@@ -273,15 +280,15 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
         "Part B, copies 1 step ahead", "Part B, copies 2 steps ahead", "backward: 1 step ahead / 2 steps ahead, TFLOP/s", s,
         b, flops);
   } else if (mode == Mode::defer) {
-    // Part B's backward with a step's dQ adds where they are (shipped) and one step later, issued
-    // while the next step's first products run (kDefer).
-    against_shipped<fa::HopperBackwardTile<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, true>>(
+    // Part B's backward with a step's dQ adds where they are (after dV and dK) and one step later,
+    // issued while the next step's first products run (kDefer).
+    against_shipped<PartBAfter<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, true>>(
         "Part B, dQ added at once", "Part B, dQ added a step later", "backward: at once / a step later, TFLOP/s", s, b, flops);
   } else if (mode == Mode::dq_first) {
-    // Part B's backward with dQ's adds after every product of the step (shipped) and under dV's
-    // and dK's (kDqFirst).
+    // Part B's backward with dQ's adds after every product of the step and under dV's and dK's
+    // (kDqOrder).
     using Probe = fa::BackwardProbe;
-    using After = fa::HopperBackwardTile<D, Probe::none, 2, false, false, fa::DqOrder::after>;
+    using After = PartBAfter<D>;
     using First = fa::HopperBackwardTile<D, Probe::none, 2, false, false, fa::DqOrder::first>;
     using Between = fa::HopperBackwardTile<D, Probe::none, 2, false, false, fa::DqOrder::between>;
     against_shipped<After, First>("Part B, dQ added after dV and dK", "Part B, dQ first, added under dV and dK",
@@ -289,14 +296,15 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
     against_shipped<After, Between>("Part B, dQ added after dV and dK", "Part B, dV dQ dK, added under dK",
                                                         "backward: after / between, TFLOP/s", s, b, flops);
   } else if (mode == Mode::pairs) {
-    // Part B's backward with each block adding its dQ block into dq_accum (shipped) and with
-    // pairs of blocks summing theirs first (kPair).
-    against_shipped<fa::HopperBackwardTile<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>>(
+    // Part B's backward with each block adding its dQ block into dq_accum (dQ after dV and dK) and
+    // with pairs of blocks summing theirs first (kPair).
+    against_shipped<PartBAfter<D>, fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>>(
         "Part B, each block adds its dQ", "Part B, pairs sum their dQ first", "backward: each block / pairs, TFLOP/s", s, b,
         flops);
   } else if (mode == Mode::hopper_backward) {
     backward_variant<BackwardTile<D>>("shipped", s, b, flops);
     backward_variant<fa::HopperBackwardTile<D>, true>("wgmma (Part B), 2 warpgroups x 64 keys", s, b, flops);
+    backward_variant<PartBAfter<D>, true>("wgmma (Part B), dQ after dV and dK (the probes' order)", s, b, flops);
     // Probes (wrong results): what dQ's adds, dQ, and the barrier before it cost a step.
     using Probe = fa::BackwardProbe;
     backward_variant<fa::HopperBackwardTile<D, Probe::no_dq_adds>, true>("probe: no dQ adds", s, b, flops);
@@ -358,7 +366,7 @@ void sweep(bool causal, Mode mode, int B = 4, int H = 32, int N = 4096) {
 bool g_pairs_failed = false;  // a check_pairs difference past its bound
 
 template <int D, class Pair = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, true>,
-          class One = fa::HopperBackwardTile<D, fa::BackwardProbe::none, 2, false, false, fa::DqOrder::after>>
+          class One = PartBAfter<D>>
 void check_pairs(fa::Shape s, const char* what = "pairs") {
   s.head_dim = D;
   s.scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -430,7 +438,7 @@ void defer_checks() {
   check_pairs<64, D64>({3, 4, 4, 700, 700, 64, true, 0, tokens}, "defer");
 }
 
-// kDqFirst against the shipped kernel on the same edge shapes.
+// kDqOrder's first and between against after on the same edge shapes.
 void dq_first_checks() {
   const fa::Layout heads = fa::Layout::heads_first, tokens = fa::Layout::tokens_first;
   using Probe = fa::BackwardProbe;

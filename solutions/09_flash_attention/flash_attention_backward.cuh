@@ -358,8 +358,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(Params p) {
 // after: dV and dK issued before the barrier that publishes dSᵀ, dQ after it, all three waited for
 // before the adds. first: dQ issued first once dSᵀ is published, then dV and dK, and the adds
 // wait for dQ alone, so they run while dV and dK are on the tensor cores. between: dV before the
-// barrier, then dQ, then dK, the adds under dK. On an H100, first ran 1.12 times as fast as after
-// at d = 128 (causal) and 1.02 times at d = 64; between 1.03 times at d = 64 and 1.07 at d = 128
+// barrier, then dQ, then dK, the adds under dK. On an H100, first ran 1.118 times as fast as
+// after at d = 128 (causal) and 1.015 times at d = 64; between 1.065 and 1.034 times
 // (lab/flash_attention.cu dq_first). The shipped kernel issues dQ first; the probes, pairs and
 // deferred adds keep the order they were measured with.
 enum class BackwardProbe { none, no_dq_adds, no_dq, no_dq_no_barrier };
@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) hopper_backward_kernel(Params 
   // is a plain store that the same thread reads back; the others' come by st.async, which
   // completes their bytes on the receiving block's barrier and orders nothing else: no fence waits
   // for this thread's earlier atomic adds (with barrier.cluster's release, which did, the pairs ran
-  // at 0.73-0.79 of the shipped kernel's rate; this way at 0.83-0.89). Step t uses the inboxes and
+  // at 0.73-0.79 of the one-block kernel's rate, dQ after dV and dK; this way at 0.83-0.89). Step t uses the inboxes and
   // barriers of parity t % 2; a block's thread 0 announces step t's bytes at its top, and, from
   // step 2 on, tells the other block that step t − 2's inbox is read (every thread read it in step
   // t − 1, before this step's barrier), which that block waits for before it writes that parity
