@@ -227,10 +227,15 @@ void run_case(k2c::dist::testing::RankCase& c) {
   const auto op = static_cast<ReduceOp>(c.args[2]);
   const auto count = static_cast<std::size_t>(c.args[3]);
   const bool in_place = c.args[4] != 0;
-  // A 64-byte guard past each buffer: a case of 0 elements still allocates something.
+  // A 64-byte guard past each buffer: a case of 0 elements still allocates something, and a
+  // collective that writes past its output's end (a reduce-scatter that writes every block) changes
+  // the guard after the output, which fails the check below.
   kd::Buffer data(w, std::max(c.in.size(), c.out.size()) + 64), out(w, c.out.size() + 64);
   w.to_backend(data.get(), c.in.data(), c.in.size());
   w.to_backend(out.get(), c.out.data(), c.out.size());
+  unsigned char* result = static_cast<unsigned char*>(in_place ? data.get() : out.get());
+  const std::vector<unsigned char> guard(64, 0x5A);
+  w.to_backend(result + c.out.size(), guard.data(), guard.size());
   const std::uint64_t before = kd::library_collectives();
   if (c.args[0] == 2)
     col::ring_all_gather(p2p, data.get(), out.get(), count, t);
@@ -239,10 +244,13 @@ void run_case(k2c::dist::testing::RankCase& c) {
   else
     col::ring_all_reduce(p2p, data.get(), in_place ? data.get() : out.get(), count, t, op);
   w.synchronize();
-  w.to_host(c.out.data(), in_place ? data.get() : out.get(), c.out.size());
-  // A ring that started a library collective (by_hand above) answers with its output poisoned:
-  // the checker's comparison fails it.
-  if (kd::library_collectives() != before) std::fill(c.out.begin(), c.out.end(), static_cast<unsigned char>(0xA5));
+  w.to_host(c.out.data(), result, c.out.size());
+  std::vector<unsigned char> after(guard.size());
+  w.to_host(after.data(), result + c.out.size(), after.size());
+  // A ring that started a library collective (by_hand above), or wrote past its output, answers
+  // with its output poisoned: the checker's comparison fails it.
+  if (kd::library_collectives() != before || after != guard)
+    std::fill(c.out.begin(), c.out.end(), static_cast<unsigned char>(0xA5));
 }
 }  // namespace
 

@@ -909,11 +909,12 @@ K2C_RANK_WITNESS(sequence_parallel_block) { block_case(c); }
 K2C_RANK_WITNESS(tensor_parallel_block) { block_case(c); }
 
 // The grader's own check of the row collectives: this rank's shard [M, d] and partial [n·M, d]
-// from the checker; the answer is all_gather_rows' whole, then reduce_scatter_rows' shard.
-// args: M, d.
+// from the checker; the answer is all_gather_rows' whole, then reduce_scatter_rows' shard, then
+// the partial as the call left it (its input, unchanged). args: M, d.
 K2C_RANK_WITNESS(row_collectives) {
   const std::int64_t M = c.args[0], d = c.args[1], n = world().size();
-  if (c.in.size() != static_cast<std::size_t>((n + 1) * M * d) * sizeof(float) || c.out.size() != c.in.size())
+  if (c.in.size() != static_cast<std::size_t>((n + 1) * M * d) * sizeof(float) ||
+      c.out.size() != static_cast<std::size_t>((2 * n + 1) * M * d) * sizeof(float))
     throw std::runtime_error("the input has an unexpected size");
   std::vector<float> in(c.in.size() / sizeof(float));
   std::memcpy(in.data(), c.in.data(), c.in.size());
@@ -923,7 +924,8 @@ K2C_RANK_WITNESS(row_collectives) {
   sp::all_gather_rows(world(), shard, whole);
   sp::reduce_scatter_rows(world(), partial, mine);
   Host out = s.download(whole);
-  const Host reduced = s.download(mine);
+  const Host reduced = s.download(mine), left = s.download(partial);
   out.insert(out.end(), reduced.begin(), reduced.end());
+  out.insert(out.end(), left.begin(), left.end());
   std::memcpy(c.out.data(), out.data(), c.out.size());
 }

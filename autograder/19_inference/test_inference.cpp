@@ -645,6 +645,7 @@ void serving_case(k2c::dist::testing::RankCase& c, bool disaggregated) {
   std::vector<std::int32_t> out;
   for (const inf::RequestResult& r : report.results) {
     out.push_back(r.ok ? 1 : 0);
+    out.push_back(static_cast<std::int32_t>(std::min<std::size_t>(r.tokens.size(), INT32_MAX)));  // before the cut below
     std::vector<std::int32_t> t = r.tokens;
     t.resize(static_cast<std::size_t>(trace[static_cast<std::size_t>(&r - report.results.data())].output_len), -1);
     out.insert(out.end(), t.begin(), t.end());

@@ -55,8 +55,8 @@
 //   output length (int32), its arrival time (double; some together, some while others decode),
 //   then its prompt. The rank builds model::Transformer and an Engine as engine_decode does and
 //   serves the trace (ids 0 .. R−1) with serve, or serve_disaggregated over the world's two
-//   ranks, under the serving tests' cost model; the answer, per request: ok (int32 1/0) and its
-//   tokens (int32 [output length]). Reference: each request's greedy continuation alone, the whole
+//   ranks, under the serving tests' cost model; the answer, per request: ok (int32 1/0), how many
+//   tokens it made (int32: its output length, no more) and its tokens (int32 [output length]). Reference: each request's greedy continuation alone, the whole
 //   model over the sequence so far at every step, drawn again until no step has a near tie.
 #include <algorithm>
 #include <bit>
@@ -393,7 +393,7 @@ Case draw_serving(const std::string& kind, int n, int index, std::mt19937_64& rn
       append(in, head, 2);
       append(in, &arrival[r], 1);
       append(in, prompts[r].data(), prompts[r].size());
-      answer += (1 + static_cast<std::size_t>(output[r])) * sizeof(std::int32_t);
+      answer += (2 + static_cast<std::size_t>(output[r])) * sizeof(std::int32_t);
     }
     c.in.assign(n, in);
     c.out_bytes.assign(n, answer);
@@ -406,6 +406,11 @@ Case draw_serving(const std::string& kind, int n, int index, std::mt19937_64& rn
           at += sizeof ok;
           const std::string who = "rank " + std::to_string(q) + ", request " + std::to_string(r);
           if (ok != 1) return who + ": not served (every request fits the model and the cache)";
+          std::int32_t count;
+          std::memcpy(&count, got[q].data() + at, sizeof count);
+          at += sizeof count;
+          if (count != output[r])
+            return who + ": " + std::to_string(count) + " tokens, not the " + std::to_string(output[r]) + " it asked for";
           for (int j = 0; j < output[r]; ++j, at += sizeof(std::int32_t)) {
             std::int32_t tok;
             std::memcpy(&tok, got[q].data() + at, sizeof tok);

@@ -187,7 +187,8 @@ Case draw_embedding(const std::string& kind, int n, int index, std::mt19937_64& 
 
 // Module 16's row collectives. args: M rows per rank, d columns. Rank r gets its shard [M, d]
 // and its partial [n·M, d]; it answers all_gather_rows' whole [n·M, d] (rank q's shard at rows
-// q·M, to the bit) followed by reduce_scatter_rows' shard [M, d] (rows r·M of the sum).
+// q·M, to the bit) followed by reduce_scatter_rows' shard [M, d] (rows r·M of the sum), then its
+// partial as the reduce left it (its input: unchanged, to the bit).
 
 Case draw_rows(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   // In turn: one row of one column, a few, many.
@@ -210,10 +211,12 @@ Case draw_rows(const std::string& kind, int n, int index, std::mt19937_64& rng) 
     std::vector<float> in = shard[r];
     in.insert(in.end(), partial[r].begin(), partial[r].end());
     c.in.push_back(floats(in));
-    c.out_bytes.push_back((n + 1) * M * d * sizeof(float));
+    c.out_bytes.push_back((2 * n + 1) * M * d * sizeof(float));
   }
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r) {
+      if (std::memcmp(got[r].data() + (n + 1) * M * d * sizeof(float), partial[r].data(), n * M * d * sizeof(float)) != 0)
+        return "rank " + std::to_string(r) + ": reduce_scatter_rows changed its input (the partial sums)";
       for (int q = 0; q < n; ++q)
         if (std::memcmp(got[r].data() + q * M * d * sizeof(float), shard[q].data(), M * d * sizeof(float)) != 0)
           return "rank " + std::to_string(r) + ": all_gather_rows: rows " + std::to_string(q * M) + ".. are not rank " +
