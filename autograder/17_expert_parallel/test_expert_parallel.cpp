@@ -349,7 +349,7 @@ K2C_RANK_WITNESS(expert_dispatch_combine) { expert_case(c, 2); }
 
 // The grader's own check of the whole layer (the layout in autograder/witness/rank_cases_experts.cpp):
 // the checker's config, router, x and dy; the answer is the balance term, the dropped assignments,
-// y, dx and the gradients it names after reduce_gradients.
+// ctx.aux_loss after forward, y, dx and the gradients it names after reduce_gradients.
 namespace {
 void layer_case(k2c::dist::testing::RankCase& c) {
   km::MoeConfig cfg;
@@ -381,10 +381,11 @@ void layer_case(k2c::dist::testing::RankCase& c) {
   s.params.end_backward();
   xp::reduce_gradients(g.dense(), g.expert_dp(), s.ctx, moe);
   const km::testing::WitnessNames names = km::testing::witness_names(c, router_at + router_bytes);
-  std::vector<unsigned char> head(sizeof(double) + 2 * sizeof(std::int64_t));
+  std::vector<unsigned char> head(2 * sizeof(double) + 2 * sizeof(std::int64_t));
   std::memcpy(head.data(), &saved.balance_loss, sizeof(double));
   std::memcpy(head.data() + 8, &saved.dropped, sizeof(std::int64_t));
   std::memcpy(head.data() + 16, &saved.group_dropped, sizeof(std::int64_t));
+  std::memcpy(head.data() + 24, &s.ctx.aux_loss, sizeof(double));  // what forward added to it
   km::testing::answer_layer(c, s, ym, dxm, names, std::move(head));
 }
 }  // namespace

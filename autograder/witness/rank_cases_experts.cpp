@@ -23,7 +23,7 @@
 //   router's weight [E, d] (the checker's: every token's top k + 1 logits at least 1e-3 apart, so
 //   fp32 and double pick the same experts), then the names of the parameters to answer, one per
 //   line. The answer: the balance term (double), the rank's and the group's dropped assignments
-//   (int64), y and dx [N, d], then the gradients named as the rank holds them after
+//   (int64), ctx.aux_loss after forward (double: the balance term, added to 0), y and dx [N, d], then the gradients named as the rank holds them after
 //   reduce_gradients: the router and the shared expert whole, its experts' slices of the rest.
 //   Skewed: tokens lie near one direction the router's rows point along or against, so expert 0
 //   takes most rows and the last rank's experts none (that rank receives no row at all).
@@ -398,7 +398,7 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
       const std::size_t slice = expert ? g.size() / n : g.size(), at = expert ? r * slice : 0;
       want[r].push_back({name + " gradient" + (expert ? " (this rank's experts)" : ""), {g.begin() + at, g.begin() + at + slice}});
     }
-    std::size_t bytes = sizeof(double) + 2 * sizeof(std::int64_t);
+    std::size_t bytes = 2 * sizeof(double) + 2 * sizeof(std::int64_t);
     for (const auto& t : want[r]) bytes += t.second.size() * sizeof(float);
     c.out_bytes.push_back(bytes);
     Bytes in;
@@ -415,17 +415,20 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
   const auto tensors = capacity ? judge_layer(want, 0, "the double oracle's", 1e-5, 1e-6)
                                 : judge_layer(want, 0, "one process's");
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
-    constexpr std::size_t kHead = sizeof(double) + 2 * sizeof(std::int64_t);
+    constexpr std::size_t kHead = 2 * sizeof(double) + 2 * sizeof(std::int64_t);
     std::vector<Bytes> rest;
     for (int r = 0; r < n; ++r) {
       const std::string rank = "rank " + std::to_string(r) + ": ";
-      double b;
+      double b, aux;
       std::int64_t mine, group;
       std::memcpy(&b, got[r].data(), sizeof b);
       std::memcpy(&mine, got[r].data() + 8, sizeof mine);
       std::memcpy(&group, got[r].data() + 16, sizeof group);
+      std::memcpy(&aux, got[r].data() + 24, sizeof aux);
       if (!(std::abs(b - balance) <= 1e-5 * std::abs(balance) + 1e-12))
         return rank + "the balance term is " + std::to_string(b) + ", one process's " + std::to_string(balance);
+      if (!(std::abs(aux - b) <= 1e-12))  // forward adds the term to a context whose aux_loss was 0
+        return rank + "forward left ctx.aux_loss at " + std::to_string(aux) + ", not the balance term " + std::to_string(b);
       if (std::memcmp(got[r].data(), got[0].data(), sizeof b) != 0) return rank + "the balance term differs from rank 0's";
       if (mine != dropped[r] || group != group_dropped)
         return rank + std::to_string(mine) + " dropped here and " + std::to_string(group) + " in the group, not " +
