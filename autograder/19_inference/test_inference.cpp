@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -569,15 +570,30 @@ K2C_RANK_WITNESS(engine_decode) {
     prompts.emplace_back(fed[r].begin(), fed[r].begin() + sizes[2 * r]);
     longest = std::max(longest, sizes[2 * r + 1]);
   }
-  Host out = s.download(engine.prefill(seqs, prompts).logits);
+  // Each step's greedy tokens must be a largest logit of their own rows (the checker judges the
+  // rows): a step whose tokens are not answers with its logits poisoned, which the checker fails.
+  bool greedy = true;
+  auto take_step = [&](const inf::Step& step, Host& into) {
+    const Host rows = s.download(step.logits);
+    const std::size_t n = step.tokens.size(), vocab = n ? rows.size() / n : 0;
+    greedy = greedy && n * vocab == rows.size() && n > 0;
+    for (std::size_t i = 0; greedy && i < n; ++i) {
+      const std::int32_t t = step.tokens[i];
+      const auto row = rows.begin() + static_cast<std::ptrdiff_t>(i * vocab);
+      greedy = t >= 0 && static_cast<std::size_t>(t) < vocab && row[t] == *std::max_element(row, row + static_cast<std::ptrdiff_t>(vocab));
+    }
+    into.insert(into.end(), rows.begin(), rows.end());
+  };
+  Host out;
+  take_step(engine.prefill(seqs, prompts), out);
   for (int j = 1; j < longest; ++j) {
     std::vector<int> running;
     Ids next;
     for (int r = 0; r < R; ++r)
       if (j < sizes[2 * r + 1]) running.push_back(seqs[r]), next.push_back(fed[r][static_cast<std::size_t>(sizes[2 * r] - 1 + j)]);
-    const Host rows = s.download(engine.decode(running, next).logits);
-    out.insert(out.end(), rows.begin(), rows.end());
+    take_step(engine.decode(running, next), out);
   }
+  if (!greedy) std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
   answer(c, out);
 }
 

@@ -24,7 +24,7 @@
 //   together, then decodes the requests still running one step at a time with the checker's next
 //   token (teacher forcing, so no greedy choice is involved). The answer: the logits rows in the
 //   order they came, [R] of the prefill, then per decode step those of the running requests in
-//   request order. Reference: model::Transformer::forward over each request's fed tokens in this
+//   request order, all NaN where a step's greedy tokens are not a largest logit of their rows. Reference: model::Transformer::forward over each request's fed tokens in this
 //   process; to the bit where split_tokens ≥ seq_len (the contract: the same operations in the
 //   same order), else each row within 1e-5 of its largest |logit| plus 1e-4 relative.
 //
