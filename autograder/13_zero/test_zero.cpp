@@ -242,7 +242,8 @@ TEST_F(Zero, UnevenShardsAndATiedHead) {
 }
 
 // The grader's own check of ZeRO's steps (k2c/dist/rank_witness.h; the cases and the layout in
-// autograder/witness/rank_cases_training.cpp): the checker's model, seed, configuration and rows.
+// autograder/witness/rank_cases_training.cpp): the checker's model, seed, configuration and rows;
+// the answer is each step's loss, with clipping each step's grad_norm(), then the values.
 namespace {
 void zero_case(k2c::dist::testing::RankCase& c) {
   const km::ModelConfig m = km::testing::witness_model(c.args);
@@ -257,7 +258,7 @@ void zero_case(k2c::dist::testing::RankCase& c) {
   const std::size_t per = static_cast<std::size_t>(rows) * m.seq_len;
   if (c.in.size() != static_cast<std::size_t>(steps) * 2 * per * sizeof(std::int32_t))
     throw std::runtime_error("the rows do not fit the model and the steps");
-  std::vector<double> losses;
+  std::vector<double> losses, norms;
   for (int s = 0; s < steps; ++s) {
     Batch b;
     b.ids = km::Tensor(ops.memory(), data, km::Category::activations, {static_cast<std::int64_t>(per)}, km::DType::i32);
@@ -267,7 +268,9 @@ void zero_case(k2c::dist::testing::RankCase& c) {
     b.rows = rows;
     b.scale = 1.0f / static_cast<float>(w.size() * per);
     losses.push_back(z.step(b, 1e-2f));
+    if (config.clip > 0) norms.push_back(z.zero->grad_norm());
   }
+  losses.insert(losses.end(), norms.begin(), norms.end());  // the answer: losses, norms (with clipping), values
   const std::vector<float> values = z.zero->gather_values();
   if (c.out.size() != losses.size() * sizeof(double) + values.size() * sizeof(float))
     throw std::runtime_error("gather_values() returned " + std::to_string(values.size()) + " values, not what the model has");

@@ -204,16 +204,18 @@ Case draw_zero(const std::string& kind, int n, int index, std::mt19937_64& rng) 
   params.materialize(ops, ledger, static_cast<std::uint64_t>(c.args[12]));
   km::AdamW adam(params, ops, ledger, {.eps = kEps});
   std::vector<std::vector<double>> loss(steps, std::vector<double>(n));
+  std::vector<double> norm(steps);  // with clipping: the whole gradient's norm before each step's clip
   const float scale = 1.0f / static_cast<float>(n * per);
   for (int s = 0; s < steps; ++s) {
     params.zero_grads(ops);
     for (int r = 0; r < n; ++r)
       loss[s][r] = model.train_step(ctx, upload(ops, activations, ids[s][r]), upload(ops, activations, targets[s][r]), rows, scale);
-    if (clipping) km::clip_grad_norm(params, ops, clip);
+    if (clipping) norm[s] = km::clip_grad_norm(params, ops, clip);
     adam.step(1e-2f);
   }
   const std::vector<float> values = host(ops, params.flat_values());
-  for (int r = 0; r < n; ++r) c.out_bytes.push_back(steps * sizeof(double) + values.size() * sizeof(float));
+  const int norms = clipping ? steps : 0;  // the answer: losses, then grad_norm() per step with clipping, then values
+  for (int r = 0; r < n; ++r) c.out_bytes.push_back((steps + norms) * sizeof(double) + values.size() * sizeof(float));
 
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r) {
@@ -223,7 +225,12 @@ Case draw_zero(const std::string& kind, int n, int index, std::mt19937_64& rng) 
         if (!(std::abs(g - w) <= 1e-5 * std::abs(w) + 1e-9))
           return rank + ": the loss of step " + std::to_string(s) + " is " + std::to_string(g) + ", one process's " + std::to_string(w);
       }
-      const std::size_t at = steps * sizeof(double);
+      for (int s = 0; s < norms; ++s) {  // summed in another order (shards, then ranks): the test's 1e-6
+        const double g = double_at(got[r], steps + s), w = norm[s];
+        if (!(std::abs(g - w) <= 1e-6 * w))
+          return rank + ": grad_norm() at step " + std::to_string(s) + " is " + std::to_string(g) + ", one process's " + std::to_string(w);
+      }
+      const std::size_t at = (steps + norms) * sizeof(double);
       for (std::size_t i = 0; i < values.size(); ++i) {
         float g;
         std::memcpy(&g, got[r].data() + at + i * sizeof(float), sizeof g);
