@@ -54,6 +54,19 @@ std::function<std::string(const std::vector<Bytes>&)> judge_layer(const std::vec
 // the rank materializes it from (non-negative: the rank reads it back as int64).
 void put_model(Case& c, const k2c::model::ModelConfig& m, std::uint64_t seed);
 
+// Rows [first, first + count) of a row-major [rows, cols] matrix, or its columns.
+template <class T>
+std::vector<T> row_slice(const std::vector<T>& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
+  return {m.begin() + first * cols, m.begin() + (first + count) * cols};
+}
+template <class T>
+std::vector<T> column_slice(const std::vector<T>& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
+  std::vector<T> out;
+  for (std::size_t row = 0; row < m.size() / static_cast<std::size_t>(cols); ++row)
+    out.insert(out.end(), m.begin() + row * cols + first, m.begin() + row * cols + first + count);
+  return out;
+}
+
 // fp32 values as bytes, and back.
 Bytes floats(const std::vector<float>& v);
 float float_at(const Bytes& b, std::size_t i);

@@ -44,15 +44,6 @@ std::string got_want(const Bytes& got, std::size_t at, const std::vector<double>
   return "got " + std::to_string(float_at(got, at + i)) + ", want " + std::to_string(want[i]);
 }
 
-// Rows [r0, r0 + rows) × columns [c0, c0 + cols) of a row-major matrix `width` wide.
-template <class T>
-std::vector<T> block(const std::vector<T>& m, std::int64_t width, std::int64_t r0, std::int64_t rows, std::int64_t c0,
-                     std::int64_t cols) {
-  std::vector<T> out;
-  for (std::int64_t i = r0; i < r0 + rows; ++i) out.insert(out.end(), m.begin() + i * width + c0, m.begin() + i * width + c0 + cols);
-  return out;
-}
-
 }  // namespace
 
 Case draw_linear(const std::string& kind, int n, int index, std::mt19937_64& rng) {
@@ -88,18 +79,18 @@ Case draw_linear(const std::string& kind, int n, int index, std::mt19937_64& rng
       mine = x;
       mine.insert(mine.end(), w.begin() + r * lo * in, w.begin() + (r + 1) * lo * in);
       if (backward) {
-        const std::vector<float> d = block(dy, out, 0, tokens, r * lo, lo);
+        const std::vector<float> d = column_slice(dy, out, r * lo, lo);
         mine.insert(mine.end(), d.begin(), d.end());
-        want[r] = {{"dx", dx}, {"dW (its rows)", block(dw, in, r * lo, lo, 0, in)}};
+        want[r] = {{"dx", dx}, {"dW (its rows)", row_slice(dw, in, r * lo, lo)}};
       } else {
-        want[r] = {{"y (its columns)", block(y, out, 0, tokens, r * lo, lo)}};
+        want[r] = {{"y (its columns)", column_slice(y, out, r * lo, lo)}};
       }
     } else {
-      mine = block(x, in, 0, tokens, r * li, li);
-      const std::vector<float> wr = block(w, in, 0, out, r * li, li);
+      mine = column_slice(x, in, r * li, li);
+      const std::vector<float> wr = column_slice(w, in, r * li, li);
       mine.insert(mine.end(), wr.begin(), wr.end());
       mine.insert(mine.end(), dy.begin(), dy.end());
-      want[r] = {{"y", y}, {"dx (its columns)", block(dx, in, 0, tokens, r * li, li)}, {"dW (its columns)", block(dw, in, 0, out, r * li, li)}};
+      want[r] = {{"y", y}, {"dx (its columns)", column_slice(dx, in, r * li, li)}, {"dW (its columns)", column_slice(dw, in, r * li, li)}};
     }
     std::size_t floats_out = 0;
     for (const auto& t : want[r]) floats_out += t.second.size();

@@ -148,17 +148,6 @@ std::pair<std::vector<float>, std::vector<float>> send_x_dy(Case& c, int n, std:
   return {x, dy};
 }
 
-// Rows [first, first + count) of a row-major [rows, cols] matrix, or its columns.
-std::vector<float> row_slice(const std::vector<float>& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
-  return {m.begin() + first * cols, m.begin() + (first + count) * cols};
-}
-std::vector<float> column_slice(const std::vector<float>& m, std::int64_t cols, std::int64_t first, std::int64_t count) {
-  std::vector<float> out;
-  for (std::size_t row = 0; row < m.size() / static_cast<std::size_t>(cols); ++row)
-    out.insert(out.end(), m.begin() + row * cols + first, m.begin() + row * cols + first + count);
-  return out;
-}
-
 }  // namespace
 
 Case draw_zero(const std::string& kind, int n, int index, std::mt19937_64& rng) {
