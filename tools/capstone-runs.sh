@@ -29,6 +29,9 @@ declare -A FLAGS=(
   ["dense-135m bf16"]="--config dense-135m --steps 10 --kernels trusted --activations bf16"
   ["dense-135m course f32 same day"]="--config dense-135m --steps 10 --kernels course --activations f32"
   ["dense-135m course bf16"]="--config dense-135m --steps 10 --kernels course --activations bf16"
+  # The residual stream in bf16 too (--residual bf16), trusted and course kernels.
+  ["dense-135m bf16 residual"]="--config dense-135m --steps 10 --kernels trusted --activations bf16 --residual bf16"
+  ["dense-135m course bf16 residual"]="--config dense-135m --steps 10 --kernels course --activations bf16 --residual bf16"
   ["moe-135m"]="--config moe-135m --steps 30 --kernels trusted --activations f32"
   ["moe-135m course"]="--config moe-135m --steps 30 --kernels course --activations f32"
   ["moe-135m bf16"]="--config moe-135m --steps 30 --kernels trusted --activations bf16"

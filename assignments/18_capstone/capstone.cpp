@@ -14,6 +14,8 @@
 //     axis is 1, module 14's or 17's where it is not. Call count_forward / count_backward.
 //   - config.train.activations goes into the Context (capstone.h, Activations); with bf16, make
 //     the tensors of the stage that model::Transformer makes with ctx.activation() the same way.
+//     config.train.residual likewise, for the ones made with ctx.residual_stream() (capstone.h,
+//     The residual stream).
 //   - Which group reduces which gradient is the heart of the module: write it down for dp, tp,
 //     pp and ep before you code it (lecture, section 4).
 //   - Checkpoints: one file per rank, with a header that refuses another grid or model.

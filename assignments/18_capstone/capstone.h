@@ -57,6 +57,14 @@
 // the stage's final norm output, the logits and their gradients are in it too, as in
 // model::Transformer, so that grid 1 stays bit for bit. Module 14's layers keep fp32.
 //
+// The residual stream. config.train.residual (f32 or bf16) becomes the Context's `residual`: the
+// library's blocks then keep the stream between them (and its gradient) in that dtype, and so
+// must the stage's tensors that model::Transformer makes with ctx.residual_stream(): the
+// embedding's output, and the gradients the stage passes down its blocks. The stages still send
+// fp32 to each other. bf16 runs where tp = ep = 1 and zero_stage is 0, with no dropout
+// (model::check_residual): the constructor refuses it elsewhere with std::invalid_argument, before
+// it makes any group.
+//
 // ZeRO. zero_stage 1, 2 or 3 hands each step to module 13's zero::Zero (k2c::zero, zero.h: the
 // AdamW state sharded over the dp group, then the gradients too, then the parameters too), run on
 // a model::Transformer of the rank's own over the dp group. Zero owns the whole step of one

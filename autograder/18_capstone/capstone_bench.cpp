@@ -40,7 +40,9 @@
 // --activations bf16 stores the activations between a layer's operations in bf16 (half the
 // bytes; k2c/model/ops.h says where each operation rounds); the residual stream, weights,
 // gradients and AdamW stay fp32. In course mode the modules then take those activations with no
-// conversion pass where their contracts' layout is the model's.
+// conversion pass where their contracts' layout is the model's. --residual bf16 keeps the residual
+// stream in bf16 as well (grids without tp or ep, no ZeRO, no dropout; capstone.h): every pass over
+// it moves half the bytes, and course mode's RMSNorm takes it with no conversion.
 //
 // --traffic counts every collective and message of each step, group by group, and prints rank 0's
 // last training step beside the plan's figures (the JSON has both as "traffic_sent" and
@@ -108,9 +110,9 @@ constexpr const char* kUsage = R"(usage:
           [--micro-batches M] [--gpipe] [--lr X] [--clip C] [--seed S] [--eval-every K]
           [--zero 1|2|3] [--log run.csv] [--json run.json] [--checkpoint ckpt.bin [--resume]]
           [--samples N] [--peak-tflops P] [--kernels course|trusted]
-          [--activations f32|bf16] [--time-ops] [--traffic] [--bucket-mib X]
+          [--activations f32|bf16] [--residual f32|bf16] [--time-ops] [--traffic] [--bucket-mib X]
   k2c_capstone --plan --grid dp2,tp2,pp2 [--config ...] [--data DIR] [--batch B] [--micro-batches M]
-               [--gpipe] [--activations f32|bf16] [--zero N] [--json plan.json]
+               [--gpipe] [--activations f32|bf16] [--residual f32|bf16] [--zero N] [--json plan.json]
   k2c_capstone --plan-ranks 8 [the same flags but --grid]
 One GPU: k2c run -np 1 --backend nccl build/<tree>/bin/k2c_capstone --config dense-135m ...
 (<tree>: solutions or assignments.) Without --grid the grid is 1; without --data the run trains
@@ -132,7 +134,8 @@ km::ModelConfig preset(const std::string& name) {
 }
 
 struct Options {
-  std::string grid = "1", data, config = "tiny", log, json, checkpoint, kernels = "course", activations = "f32";
+  std::string grid = "1", data, config = "tiny", log, json, checkpoint, kernels = "course", activations = "f32",
+              residual = "f32";
   int steps = 100, batch = 8, micro_batches = 1, eval_every = 25, samples = 3, zero = 0, plan_ranks = 0;
   double lr = 3e-3, clip = 1.0, peak_tflops = 0, bucket_mib = 1;
   std::uint64_t seed = 1;
@@ -165,6 +168,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--checkpoint") o.checkpoint = value();
     else if (a == "--kernels") o.kernels = value();
     else if (a == "--activations") o.activations = value();
+    else if (a == "--residual") o.residual = value();
     else if (a == "--steps") o.steps = static_cast<int>(number());
     else if (a == "--batch") o.batch = static_cast<int>(number());
     else if (a == "--micro-batches") o.micro_batches = static_cast<int>(number());
@@ -192,6 +196,7 @@ Options parse(int argc, char** argv) {
     throw UsageError("--kernels " + o.kernels + ": course or trusted");
   if (o.activations != "f32" && o.activations != "bf16")
     throw UsageError("--activations " + o.activations + ": f32 or bf16");
+  if (o.residual != "f32" && o.residual != "bf16") throw UsageError("--residual " + o.residual + ": f32 or bf16");
   if (o.resume && o.checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero " + std::to_string(o.zero) + ": 1, 2 or 3 (0: off)");
   if (o.zero > 0 && !o.checkpoint.empty())
@@ -223,6 +228,7 @@ kc::CapstoneConfig make_config(const Options& o, std::uint32_t data_vocab) {
   c.steps = o.steps, c.batch = o.batch, c.lr = static_cast<float>(o.lr), c.min_lr = c.lr / 10;
   c.clip = static_cast<float>(o.clip), c.seed = o.seed;
   c.activations = o.activations == "bf16" ? km::DType::bf16 : km::DType::f32;
+  c.residual = o.residual == "bf16" ? km::DType::bf16 : km::DType::f32;
   config.grid = kc::parse_grid(o.grid);
   config.micro_batches = o.micro_batches;
   config.one_f_one_b = !o.gpipe;
@@ -371,8 +377,9 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     if (o.clip > 0) std::printf("optimizer: %s, clipping at gradient norm %g\n", optimizer.c_str(), o.clip);
     else std::printf("optimizer: %s, no clipping\n", optimizer.c_str());
     std::printf("kernels: %s\n", kernels.c_str());
-    if (c.activations == km::DType::bf16)
-      std::printf("activations: bf16 between operations (residual stream, weights, gradients and AdamW in fp32)\n");
+    if (c.activations == km::DType::bf16 || c.residual == km::DType::bf16)
+      std::printf("activations: %s between operations, residual stream %s (weights, gradients and AdamW in fp32)\n",
+                  o.activations.c_str(), o.residual.c_str());
     if (o.resume) std::printf("resumed from %s at step %d\n", o.checkpoint.c_str(), trainer.steps_done());
   }
   std::ofstream log;
@@ -476,7 +483,7 @@ int run(k2c::dist::Communicator& world, const Options& o) {
     j << "{\n  \"grid\": \"" << kc::grid_name(config.grid) << "\", \"ranks\": " << world.size()
       << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches
       << ", \"zero_stage\": " << o.zero << ", \"bucket_bytes\": " << config.bucket_bytes
-      << ", \"activations\": \"" << o.activations
+      << ", \"activations\": \"" << o.activations << "\", \"residual\": \"" << o.residual
       << "\",\n  \"kernels\": {";  // course mode's table, by operation
     if (course) {
       const auto rows = course->table();

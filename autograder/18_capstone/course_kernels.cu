@@ -93,16 +93,13 @@ __global__ void to_bf16_x8(const float* src, bf16* dst, std::int64_t n) {
   FOR_EACH(v, n / 8) reinterpret_cast<Bf16x8*>(dst)[v] = bf16x8_of(src + 8 * v);
   FOR_EACH(i, n % 8) dst[n / 8 * 8 + i] = __float2bfloat16(src[n / 8 * 8 + i]);
 }
-// dst = float(src), plus `plus` where given (a residual gradient added in the same pass).
-__global__ void from_bf16_plain(const bf16* src, const float* plus, float* dst, std::int64_t n) {
-  FOR_EACH(i, n) dst[i] = plus ? plus[i] + __bfloat162float(src[i]) : __bfloat162float(src[i]);
+// dst = float(src).
+__global__ void from_bf16_plain(const bf16* src, float* dst, std::int64_t n) {
+  FOR_EACH(i, n) dst[i] = __bfloat162float(src[i]);
 }
-__global__ void from_bf16_x8(const bf16* src, const float* plus, float* dst, std::int64_t n) {
-  FOR_EACH(v, n / 8) store_f32x8(dst + 8 * v, reinterpret_cast<const Bf16x8*>(src)[v], plus ? plus + 8 * v : nullptr);
-  FOR_EACH(i, n % 8) {
-    const std::int64_t e = n / 8 * 8 + i;
-    dst[e] = plus ? plus[e] + __bfloat162float(src[e]) : __bfloat162float(src[e]);
-  }
+__global__ void from_bf16_x8(const bf16* src, float* dst, std::int64_t n) {
+  FOR_EACH(v, n / 8) store_f32x8(dst + 8 * v, reinterpret_cast<const Bf16x8*>(src)[v], nullptr);
+  FOR_EACH(i, n % 8) dst[n / 8 * 8 + i] = __bfloat162float(src[n / 8 * 8 + i]);
 }
 __global__ void add_into_plain(const float* src, float* dst, std::int64_t n) { FOR_EACH(i, n) dst[i] += src[i]; }
 __global__ void add_into_x4(const float* src, float* dst, std::int64_t n) {
@@ -271,6 +268,26 @@ __device__ __forceinline__ void store8(bf16* p, const float* v) {
   for (int q = 0; q < 4; ++q) x.h[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
   *reinterpret_cast<Bf16x8*>(p) = x;
 }
+// out = a + b elementwise, each fp32 or bf16, rounded once where out holds bf16 (a module's bf16
+// result plus the model's residual gradient); the x8 form wants all three on 16 bytes.
+template <class A, class B, class M>
+__global__ void sum_plain(const A* a, const B* b, M* out, std::int64_t n) {
+  FOR_EACH(i, n) put(out + i, to_f(a[i]) + to_f(b[i]));
+}
+template <class A, class B, class M>
+__global__ void sum_x8(const A* a, const B* b, M* out, std::int64_t n) {
+  FOR_EACH(v, n / 8) {
+    float x[8], y[8];
+    load8(a + 8 * v, x);
+    load8(b + 8 * v, y);
+    for (int q = 0; q < 8; ++q) x[q] += y[q];
+    store8(out + 8 * v, x);
+  }
+  FOR_EACH(i, n % 8) {
+    const std::int64_t e = n / 8 * 8 + i;
+    put(out + e, to_f(a[e]) + to_f(b[e]));
+  }
+}
 template <class M>
 __global__ void gemm_epilogue_x8(const bf16* src, int parts, std::int64_t stride, M* c, std::int64_t n, float alpha,
                                  float beta) {
@@ -421,10 +438,9 @@ void convert(const float* src, bf16* dst, std::int64_t n) {
   if (aligned16(src) && aligned16(dst)) launch(to_bf16_x8, (n + 7) / 8, src, dst, n);
   else launch(to_bf16_plain, n, src, dst, n);
 }
-// dst = float(src), + plus where given.
-void convert(const bf16* src, float* dst, std::int64_t n, const float* plus = nullptr) {
-  if (aligned16(src) && aligned16(dst) && (!plus || aligned16(plus))) launch(from_bf16_x8, (n + 7) / 8, src, plus, dst, n);
-  else launch(from_bf16_plain, n, src, plus, dst, n);
+void convert(const bf16* src, float* dst, std::int64_t n) {
+  if (aligned16(src) && aligned16(dst)) launch(from_bf16_x8, (n + 7) / 8, src, dst, n);
+  else launch(from_bf16_plain, n, src, dst, n);
 }
 void add_into(const float* src, float* dst, std::int64_t n) {  // dst += src
   if (aligned16(src) && aligned16(dst)) launch(add_into_x4, (n + 3) / 4, src, dst, n);
@@ -480,6 +496,18 @@ void land(const bf16* result, Tensor& t) {
   if (result == t.raw()) return;
   if (is_bf16(t)) K2C_CUDA_CHECK(cudaMemcpyAsync(t.raw(), result, t.bytes(), cudaMemcpyDeviceToDevice, stream()));
   else convert(result, t.f32(), t.numel());
+}
+// dst = a + b, b and dst the model's tensors (fp32 or bf16 each), a a module's bf16 result.
+void add_rows(const bf16* a, const Tensor& b, Tensor& dst) {
+  with_data(b, [&](auto* pb) {
+    with_data(dst, [&](auto* out) {
+      using B = std::remove_pointer_t<decltype(pb)>;
+      using M = std::remove_pointer_t<decltype(out)>;
+      const std::int64_t n = dst.numel();
+      if (aligned16(a) && aligned16(pb) && aligned16(out)) launch(sum_x8<bf16, B, M>, (n + 7) / 8, a, pb, out, n);
+      else launch(sum_plain<bf16, B, M>, n, a, pb, out, n);
+    });
+  });
 }
 // The model's [batch·T, H·d] tensor in 09's heads-first layout, in bf16.
 const bf16* heads_first(Scratch& s, const std::string& name, const Tensor& t, int T, int H, int d) {
@@ -1016,14 +1044,16 @@ model::CourseKernels course_kernels(const CourseOptions& options) {
                                  const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
     const auto [rows, cols] = matrix(x);
     if (!fits_int(rows) || !fits_int(cols) || rows > rmsnorm::kMaxExtent || cols > rmsnorm::kMaxExtent) return false;
-    if (is_bf16(dx) || (residual_dy && is_bf16(*residual_dy))) return false;  // the residual stream is fp32
-    bf16* dx16 = scratch->get<bf16>("norm dx", x.numel());
+    // 07 writes bf16: straight into a bf16 dx where there is nothing to add, else into scratch,
+    // which one pass adds to the residual's gradient in dx's dtype (fp32 or bf16, as the stream).
+    bf16* dx16 = residual_dy ? scratch->get<bf16>("norm dx", x.numel()) : out_bf16(*scratch, "norm dx", dx);
     float* dg = scratch->get<float>("norm dgamma", cols);
     void* ws = scratch->get<unsigned char>("norm workspace",
                                            static_cast<std::int64_t>(rmsnorm::backward_workspace_bytes(int(rows), int(cols))));
     rmsnorm::backward(to_bf16(*scratch, "norm x", x), to_bf16(*scratch, "norm gamma", gamma),
                       to_bf16(*scratch, "norm dy", dy), rstd.f32(), dx16, dg, ws, int(rows), int(cols), stream());
-    convert(dx16, dx.f32(), dx.numel(), residual_dy ? residual_dy->f32() : nullptr);  // + the residual's gradient
+    if (residual_dy) add_rows(dx16, *residual_dy, dx);
+    else land(dx16, dx);
     add_into(dg, dgamma.f32(), cols);  // dgamma +=
     return true;
   };

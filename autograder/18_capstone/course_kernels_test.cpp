@@ -448,6 +448,26 @@ TEST_F(CourseKernels, Bf16Activations) {
   expect_row("attention backward", 4);
 }
 
+// RMSNorm on a bf16 residual stream (--residual bf16): x and dx in bf16, dx written straight by 07
+// where nothing is added (the final norm), else 07's result plus a residual gradient in bf16 or, as
+// a pipeline stage receives it, fp32. Odd sizes take the passes' one-element forms.
+TEST_F(CourseKernels, Bf16ResidualStream) {
+  for (const auto& [rows, cols] : {std::pair{37, 100}, std::pair{1000, 768}}) {
+    Tensor x = random16({rows, cols}), g = random({cols}), dy = random16({rows, cols});
+    Tensor res16 = random16({rows, cols}), res32 = random({rows, cols});
+    Tensor y = poisoned16({rows, cols}), rstd = side_->poisoned({rows}), dg = random({cols});
+    course_->rmsnorm_forward(x, g, 1e-5f, y, rstd);
+    Tensor dx = poisoned16({rows, cols});
+    course_->rmsnorm_backward(x, g, rstd, dy, dx, dg);
+    dx = poisoned16({rows, cols});
+    course_->rmsnorm_backward_add(x, g, rstd, dy, res16, dx, dg);
+    dx = poisoned16({rows, cols});
+    course_->rmsnorm_backward_add(x, g, rstd, dy, res32, dx, dg);
+  }
+  expect_row("rmsnorm", 2);
+  expect_row("rmsnorm backward", 6);
+}
+
 // The Linear layers of Bf16Activations with their weight gradients on 05 alone: its transposes
 // read bf16.
 TEST_F(CourseKernels, Bf16LinearsOn05Alone) {

@@ -95,6 +95,10 @@ void check(const CapstoneConfig& c) {
              std::to_string(c.micro_batches) + " micro-batches");
   refuse(c.train.activations != km::DType::f32 && c.train.activations != km::DType::bf16,
          "activations are f32 or bf16, not " + km::to_string(c.train.activations));
+  refuse(c.train.residual != km::DType::f32 && c.train.residual != km::DType::bf16,
+         "the residual stream is f32 or bf16, not " + km::to_string(c.train.residual));
+  refuse(c.train.residual == km::DType::bf16 && (g.tp > 1 || g.ep > 1 || c.zero_stage > 0 || c.train.dropout > 0),
+         "a bf16 residual stream needs tp = ep = 1, zero_stage 0 and no dropout (grid " + grid + ")");
   refuse(g.ep > 1 && m.experts == 0, "ep " + std::to_string(g.ep) + " needs a mixture of experts");
   refuse(g.ep > 1 && m.experts % g.ep != 0,
          std::to_string(m.experts) + " experts do not split over ep " + std::to_string(g.ep));
@@ -157,7 +161,8 @@ void plan_zero(const CapstoneConfig& c, const km::ParamList& whole, const km::Tr
 // The activations' peak on one rank of a stage, in bytes: an estimate of what the ledger's
 // activations category reaches in a step (grid_plan_test.cpp holds it to 15 %). Each micro-batch
 // in flight keeps what its backward will read, as the reference's layers keep it (a = the bytes of
-// the run's activation dtype; module 14's layers and the residual stream are fp32; expert rows as
+// the run's activation dtype, r those of its residual stream, which module 14's and 17's layers
+// keep in fp32 as they keep their activations; expert rows as
 // if the router spread the tokens evenly); on top of that comes the largest transient: the
 // logits at the end of the last stage's forward, or the gradients a block's backward makes.
 std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::int64_t tokens) {
@@ -166,6 +171,7 @@ std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::
   const double N = static_cast<double>(tokens), d = m.d_model, t = g.tp, H = m.q_heads;
   const double kv = static_cast<double>(m.kv_heads) * (m.d_model / m.q_heads), F = static_cast<double>(m.d_ff);
   const double a = c.train.activations == km::DType::bf16 ? 2 : 4, V = m.vocab;
+  const double r = c.train.residual == km::DType::bf16 ? 2 : 4;  // refused under tp and ep
   const double E = m.experts, k = m.top_k, de = static_cast<double>(m.d_expert), dsh = de * m.shared_experts;
   const bool moe = m.experts > 0, tensor = g.tp > 1, expert_kind = g.ep > 1 || (tensor && moe);
   const bool first = s.stage == 0, last = s.stage == g.pp - 1;
@@ -202,21 +208,23 @@ std::uint64_t activation_peak(const CapstoneConfig& c, const StagePlan& s, std::
     block_grads = N * 8 * d + std::max(attn_grads, N * 3 * F / t * 4);
   } else {  // the library's block (k2c/model/block.h)
     // The MoE's input and output stay fp32, and with dropout both branches' outputs do; dropout's
-    // backward adds a mask's worth of gradient.
+    // backward adds a mask's worth of gradient. h and out, and dh, in the residual dtype (the MoE
+    // layer takes an fp32 copy of a bf16 output gradient).
     const bool dropout = c.train.dropout > 0;
     const double n2 = moe ? 4 : a, attn_out = dropout ? 4 : a, mlp_out = moe || dropout ? 4 : a;
-    block_saved = N * ((a + n2 + attn_out + mlp_out) * d + 8 * d + 8) + attn_saved + (moe ? moe_saved : N * 3 * F * a);
-    block_grads = N * (4 * d + n2 * d + (dropout ? 4 * d : 0)) +
-                  std::max(attn_grads, moe ? expert_grads : N * 3 * F * a);
+    block_saved =
+        N * ((a + n2 + attn_out + mlp_out) * d + 2 * r * d + 8) + attn_saved + (moe ? moe_saved : N * 3 * F * a);
+    block_grads = N * (r * d + n2 * d + (dropout ? 4 * d : 0)) +
+                  std::max(attn_grads, moe ? expert_grads + (r < 4 ? N * 4 * d : 0) : N * 3 * F * a);
   }
   const double head_b = tensor ? 4 : a, Vr = V / t;
   double saved = blocks * block_saved + 4.0 * m.seq_len;  // and the positions (i32)
-  if (first) saved += N * 4 * d + (tensor ? N * 8 : 0);  // the embedding's output (and 14's ids and mask)
+  if (first) saved += N * r * d + (tensor ? N * 8 : 0);  // the embedding's output (and 14's ids and mask)
   else saved += N * 4 * d;                               // the activation received
   if (last) saved += N * (head_b * d + 4 + head_b * Vr);  // the final norm's output and rstd, dlogits
   const double ids = static_cast<double>(m_b) * 2 * N * 4;  // every micro-batch's ids and targets
   const double logits = last ? N * head_b * Vr : 0;
-  const double grads = N * 8 * d + block_grads;  // the block's input and output gradients, and its own
+  const double grads = N * 2 * r * d + block_grads;  // the block's input and output gradients, and its own
   return static_cast<std::uint64_t>(ids + in_flight * saved + std::max(logits, grads));
 }
 
@@ -340,11 +348,12 @@ std::string describe(const GridPlan& plan) {
   char line[256];
   os << "plan: " << m.describe() << "\n";
   std::snprintf(line, sizeof line,
-                "grid %s on %d ranks, batch %d x %d tokens, %d micro-batch%s (%s), %s activations: %lld tokens a "
+                "grid %s on %d ranks, batch %d x %d tokens, %d micro-batch%s (%s), %s activations%s: %lld tokens a "
                 "micro-batch on each data rank%s\n",
                 grid_name(c.grid).c_str(), c.grid.total(), c.train.batch, m.seq_len, c.micro_batches,
                 c.micro_batches == 1 ? "" : "es", c.one_f_one_b ? "1F1B" : "GPipe",
                 c.train.activations == km::DType::bf16 ? "bf16" : "f32",
+                c.train.residual == km::DType::bf16 ? " (bf16 residual stream)" : "",
                 static_cast<long long>(plan.tokens_per_micro_batch),
                 c.zero_stage > 0 ? (", ZeRO stage " + std::to_string(c.zero_stage)).c_str() : "");
   os << line;
@@ -439,6 +448,7 @@ std::string plans_json(const std::vector<GridPlan>& plans) {
     out["batch"] = c.train.batch;
     out["seq_len"] = c.train.model.seq_len;
     out["activations"] = c.train.activations == km::DType::bf16 ? "bf16" : "f32";
+    out["residual"] = c.train.residual == km::DType::bf16 ? "bf16" : "f32";
   }
   return out.dump(2) + "\n";
 }
@@ -474,7 +484,8 @@ std::string describe_grids(const std::vector<GridPlan>& plans) {
   const CapstoneConfig& c = plans.front().config;
   os << "grids of " << c.grid.total() << " ranks for " << c.train.model.describe() << ", batch " << c.train.batch
      << " x " << c.train.model.seq_len << ", " << (c.train.activations == km::DType::bf16 ? "bf16" : "f32")
-     << " activations, " << (c.one_f_one_b ? "1F1B" : "GPipe") << "\n";
+     << " activations" << (c.train.residual == km::DType::bf16 ? " (bf16 residual stream)" : "") << ", "
+     << (c.one_f_one_b ? "1F1B" : "GPipe") << "\n";
   os << "m: micro-batches a step (as asked, fewer where a data rank's rows do not split into them); memory\n"
         "(state + activations~) and wire bytes a step by purpose, each figure its busiest stage's:\n";
   std::snprintf(line, sizeof line, "  %-16s %3s %11s %11s %11s %11s %11s %11s %7s\n", "grid", "m", "memory",

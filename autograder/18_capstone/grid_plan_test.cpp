@@ -128,6 +128,8 @@ using GridPlanTest = kd::testing::DistTest;
 TEST_F(GridPlanTest, OneRank) { expect_plan_holds({"1"}); }
 TEST_F(GridPlanTest, OneRankMoe) { expect_plan_holds({"1", Model::moe}); }
 TEST_F(GridPlanTest, OneRankZero2) { expect_plan_holds({.grid = "1", .zero_stage = 2}); }
+TEST_F(GridPlanTest, OneRankBf16Residual) { expect_plan_holds({"1", Model::dense_bf16_residual}); }
+TEST_F(GridPlanTest, Pp2Bf16ResidualMicroBatches) { expect_plan_holds({"pp2", Model::dense_bf16_residual, 2}); }
 TEST_F(GridPlanTest, Dp2) { expect_plan_holds({"dp2"}); }
 TEST_F(GridPlanTest, Dp2Dropout) { expect_plan_holds({.grid = "dp2", .dropout = 0.1f}); }
 TEST_F(GridPlanTest, Tp2) { expect_plan_holds({"tp2"}); }
@@ -171,6 +173,7 @@ TEST_F(GridPlanTest, MatchesTheReferencePeaks) {
       config.train.model = kc::capstone_preset(name.starts_with("moe") ? "moe-135m" : "dense-135m");
       config.train.batch = 16;
       config.train.activations = run.value("activations", "f32") == "bf16" ? km::DType::bf16 : km::DType::f32;
+      config.train.residual = run.value("residual", "f32") == "bf16" ? km::DType::bf16 : km::DType::f32;
       const kc::StagePlan s = kc::plan_grid(config).stages.at(0);
       const double peak = run.at("peak_memory_bytes_rank0").get<double>();
       EXPECT_NEAR(static_cast<double>(s.state_bytes() + s.activation_bytes) / peak, 1.0, kReferenceTolerance)

@@ -294,7 +294,7 @@ class GridStage final : public ps::Stage {
     std::iota(pos.begin(), pos.end(), 0);
     ctx.ops.upload(s.positions, pos.data());
     if (is_first()) {
-      s.x0 = ctx.tensor(shape);
+      s.x0 = ctx.residual_stream(shape);
       if (tensor_) vembed_.forward(ctx, mb.ids, s.x0, s.vembed);
       else embed_.forward(ctx, mb.ids, s.x0);
     } else {
@@ -346,7 +346,7 @@ class GridStage final : public ps::Stage {
       if (tensor_) head_tp_.backward(ctx, s.xf, s.dlogits, &dxf);
       else head_.backward(ctx, s.xf, s.dlogits, &dxf);
       s.dlogits = Tensor();
-      a = ctx.tensor(shape);
+      a = ctx.residual_stream(shape);
       final_norm_.backward(ctx, block_input(s, static_cast<int>(blocks_.size())), s.final_norm, dxf, a);
       grad = &a;
     } else {
@@ -354,7 +354,7 @@ class GridStage final : public ps::Stage {
     }
     for (int i = static_cast<int>(blocks_.size()); i-- > 0;) {
       Tensor& into = grad == &a ? b : a;
-      if (into.empty()) into = ctx.tensor(shape);
+      if (into.empty()) into = ctx.residual_stream(shape);
       blocks_[static_cast<std::size_t>(i)].backward(ctx, block_input(s, i), s.positions, mb.rows,
                                                     s.blocks[static_cast<std::size_t>(i)], *grad, into);
       grad = &into;
@@ -366,8 +366,11 @@ class GridStage final : public ps::Stage {
     } else if (grad == &dout) {
       dinput = ctx.tensor(shape);
       ctx.ops.copy(dinput, dout);
-    } else {
+    } else if (grad->dtype() == km::DType::f32) {
       dinput = std::move(grad == &a ? a : b);
+    } else {  // the stages send fp32, as the forward's output does
+      dinput = ctx.tensor(shape);
+      ctx.ops.copy(dinput, *grad);
     }
     pass.finish();
     states_.erase(it);
@@ -628,6 +631,13 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
     throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " with " +
                                 std::to_string(config.micro_batches) +
                                 " micro-batches: Zero steps one batch per call; use micro_batches 1");
+  // A bf16 residual stream: the library's blocks keep it (14's and 17's layers, and Zero's own
+  // Transformer, keep fp32), and the stages send fp32 between them.
+  km::check_residual(config.train.residual, config.train.dropout, "capstone");
+  if (config.train.residual != km::DType::f32 && (g.tp > 1 || g.ep > 1 || zs > 0))
+    throw std::invalid_argument("capstone: a " + km::to_string(config.train.residual) +
+                                " residual stream runs where tp = ep = 1 and zero_stage 0 (grid " + grid_name(g) +
+                                ", zero_stage " + std::to_string(zs) + ")");
 
   impl_ = std::make_unique<Impl>(world, ops, config);
   Impl& s = *impl_;
@@ -638,6 +648,7 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
   if (config.train.activations != km::DType::f32 && config.train.activations != km::DType::bf16)
     throw std::invalid_argument("capstone: activations are f32 or bf16, not " + km::to_string(config.train.activations));
   s.ctx.activations = config.train.activations;  // the library's layers (tp = 1); 14's keep their own
+  s.ctx.residual = config.train.residual;
 
   if (zs > 0) {
     // Zero materializes the parameters itself, with the flat buffers its stage keeps.

@@ -32,10 +32,10 @@ void Block::run_forward(Context& ctx, const Tensor& x, const Tensor& positions, 
   // fp32). So do the branches' outputs, which feed only the add into the residual stream: a bf16
   // GEMM's result lands in them with no conversion pass, and the add reads half the bytes. They
   // stay fp32 where dropout (fp32 only) runs on them, and for the MoE layer, which sums its
-  // experts' rows into its output. The residual stream itself (x, h, out) stays fp32.
+  // experts' rows into its output. The residual stream itself (x, h, out) is in ctx.residual.
   const bool narrow_branches = ctx.dropout == 0;
   in.n1 = ctx.activation(shape);
-  in.h = ctx.tensor(shape);
+  in.h = ctx.residual_stream(shape);
   in.n2 = is_moe_ ? ctx.tensor(shape) : ctx.activation(shape);
   in.attn_out = narrow_branches ? ctx.activation(shape) : ctx.tensor(shape);
   in.mlp_out = narrow_branches && !is_moe_ ? ctx.activation(shape) : ctx.tensor(shape);
@@ -54,7 +54,7 @@ void Block::run_forward(Context& ctx, const Tensor& x, const Tensor& positions, 
 
 void Block::forward(Context& ctx, const Tensor& x, const Tensor& positions, int batch, bool checkpoint,
                     Saved& saved) const {
-  saved.out = ctx.tensor(x.shape());
+  saved.out = ctx.residual_stream(x.shape());
   saved.internals = std::make_unique<Internals>();
   saved.dropout = {ctx.seed, ctx.step, 0, ctx.row_offset, 0, -1};
   run_forward(ctx, x, positions, batch, saved.dropout, *saved.internals, saved.out);
@@ -65,7 +65,7 @@ void Block::backward(Context& ctx, const Tensor& x, const Tensor& positions, int
                      const Tensor& dout, Tensor& dx) const {
   if (!saved.internals) {  // checkpointed: recompute this block's forward from its input
     saved.internals = std::make_unique<Internals>();
-    Tensor again = ctx.tensor(x.shape());
+    Tensor again = ctx.residual_stream(x.shape());
     const double aux = ctx.aux_loss;  // the recomputation must not count the balance term twice
     run_forward(ctx, x, positions, batch, saved.dropout, *saved.internals, again);
     ctx.aux_loss = aux;
@@ -74,14 +74,19 @@ void Block::backward(Context& ctx, const Tensor& x, const Tensor& positions, int
   const Shape shape = x.shape();
   // out = h + drop(mlp(norm2(h)))
   // Without dropout a branch's output gradient is the residual's own: used as it is, not copied.
-  Tensor dropped = ctx.dropout > 0 ? ctx.tensor(shape) : Tensor(), dh = ctx.tensor(shape);
+  Tensor dropped = ctx.dropout > 0 ? ctx.tensor(shape) : Tensor(), dh = ctx.residual_stream(shape);
   Tensor dn = ctx.tensor(shape, Category::activations, in.n2.dtype());  // the norms' output gradients
   if (ctx.dropout > 0) ctx.ops.dropout(dout, ctx.dropout, residual_key(saved.dropout, index_, 1), dropped);
   const Tensor& g_mlp = ctx.dropout > 0 ? dropped : dout;
-  if (is_moe_)
+  if (is_moe_ && g_mlp.dtype() != DType::f32) {  // the MoE layer takes its output's gradient in fp32
+    Tensor wide = ctx.tensor(shape);
+    ctx.ops.copy(wide, g_mlp);
+    moe_.backward(ctx, in.n2, in.moe, wide, dn);
+  } else if (is_moe_) {
     moe_.backward(ctx, in.n2, in.moe, g_mlp, dn);
-  else
+  } else {
     mlp_.backward(ctx, in.n2, in.mlp, g_mlp, dn);
+  }
   norm2_.backward(ctx, in.h, in.norm2, dn, dh, &dout);  // dh = through the norm + around it
   // h = x + drop(attn(norm1(x)))
   if (ctx.dropout > 0) ctx.ops.dropout(dh, ctx.dropout, residual_key(saved.dropout, index_, 0), dropped);

@@ -55,8 +55,10 @@ __global__ void narrow_kernel(const float* x, __nv_bfloat16* y, std::int64_t n) 
 
 template <class T>
 __global__ void fill_kernel(T* p, std::int64_t n, float v) { K2C_FOR_EACH(i, n) store1(p + i, v); }
-template <class B>  // b fp32 or bf16
-__global__ void add_kernel(const float* a, const B* b, float* o, std::int64_t n) { K2C_FOR_EACH(i, n) o[i] = a[i] + load1(b + i); }
+template <class A, class B, class O>  // each fp32 or bf16
+__global__ void add_kernel(const A* a, const B* b, O* o, std::int64_t n) {
+  K2C_FOR_EACH(i, n) store1(o + i, load1(a + i) + load1(b + i));
+}
 __global__ void axpy_kernel(float* acc, const float* x, float s, std::int64_t n) { K2C_FOR_EACH(i, n) acc[i] += s * x[i]; }
 __global__ void scale_kernel(float* p, float s, std::int64_t n) { K2C_FOR_EACH(i, n) p[i] *= s; }
 
@@ -72,11 +74,11 @@ bool vectorizable(std::int64_t n, std::initializer_list<const void*> pointers) {
 }
 template <class T>
 __global__ void fill4_kernel(T* p, std::int64_t n4, float v) { K2C_FOR_EACH(i, n4) store4(p + 4 * i, make_float4(v, v, v, v)); }
-template <class B>
-__global__ void add4_kernel(const float4* a, const B* b, float4* o, std::int64_t n4) {
+template <class A, class B, class O>
+__global__ void add4_kernel(const A* a, const B* b, O* o, std::int64_t n4) {
   K2C_FOR_EACH(i, n4) {
-    const float4 x = a[i], y = load4(b + 4 * i);
-    o[i] = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+    const float4 x = load4(a + 4 * i), y = load4(b + 4 * i);
+    store4(o + 4 * i, make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w));
   }
 }
 __global__ void axpy4_kernel(float4* acc, const float4* x, float s, std::int64_t n4) {
@@ -158,11 +160,12 @@ __global__ void embedding_backward_kernel(const int* ids, const float* dout, flo
   }
 }
 
-// One block a row. y (fp32 or bf16) from fp32 x: the residual stream in, a GEMM's operand out.
-// With kVec4 (rows of a multiple of 4 from aligned starts, which the caller checks) a thread
-// moves four neighbours per access: the row kernels are limited by how many bytes are in flight.
-template <bool kVec4, class Y>
-__global__ void rmsnorm_forward_kernel(const float* x, const float* g, float eps, Y* y, float* rstd, std::int64_t cols) {
+// One block a row. y (fp32 or bf16) from x (fp32 or bf16): the residual stream in, a GEMM's
+// operand out. With kVec4 (rows of a multiple of 4 from aligned starts, which the caller checks) a
+// thread moves four neighbours per access: the row kernels are limited by how many bytes are in
+// flight.
+template <bool kVec4, class X, class Y>
+__global__ void rmsnorm_forward_kernel(const X* x, const float* g, float eps, Y* y, float* rstd, std::int64_t cols) {
   __shared__ float scratch[kThreads];
   const std::int64_t o = blockIdx.x * cols;
   float ss = 0;
@@ -172,7 +175,7 @@ __global__ void rmsnorm_forward_kernel(const float* x, const float* g, float eps
       ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
   } else {
-    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) ss += x[o + j] * x[o + j];
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) ss += load1(x + o + j) * load1(x + o + j);
   }
   const float rs = rsqrtf(block_sum(ss, scratch) / cols + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
@@ -182,13 +185,14 @@ __global__ void rmsnorm_forward_kernel(const float* x, const float* g, float eps
       store4(y + o + j, make_float4(v.x * rs * w.x, v.y * rs * w.y, v.z * rs * w.z, v.w * rs * w.w));
     }
   } else {
-    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) store1(y + o + j, x[o + j] * rs * g[j]);
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) store1(y + o + j, load1(x + o + j) * rs * g[j]);
   }
 }
-// residual (may be null) is added to dx in the same pass. dy fp32 or bf16 (a GEMM's output).
-template <bool kVec4, class DY>
-__global__ void rmsnorm_backward_kernel(const float* x, const float* g, const float* rstd, const DY* dy,
-                                        const float* residual, float* dx, std::int64_t cols) {
+// residual (may be null) is added to dx in the same pass. dy fp32 or bf16 (a GEMM's output); x,
+// the residual's gradient and dx all in the residual stream's dtype, fp32 or bf16 (S).
+template <bool kVec4, class S, class DY>
+__global__ void rmsnorm_backward_kernel(const S* x, const float* g, const float* rstd, const DY* dy, const S* residual,
+                                        S* dx, std::int64_t cols) {
   __shared__ float scratch[kThreads];
   const std::int64_t o = blockIdx.x * cols;
   const float rs = rstd[blockIdx.x];
@@ -199,7 +203,7 @@ __global__ void rmsnorm_backward_kernel(const float* x, const float* g, const fl
       c += w.x * d.x * v.x + w.y * d.y * v.y + w.z * d.z * v.z + w.w * d.w * v.w;
     }
   } else {
-    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) c += g[j] * load1(dy + o + j) * x[o + j];
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) c += g[j] * load1(dy + o + j) * load1(x + o + j);
   }
   c = block_sum(c, scratch) / cols;
   const float k = rs * rs * c;
@@ -216,8 +220,8 @@ __global__ void rmsnorm_backward_kernel(const float* x, const float* g, const fl
     }
   } else {
     for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-      const float d = rs * (g[j] * load1(dy + o + j) - x[o + j] * k);
-      dx[o + j] = residual ? d + residual[o + j] : d;
+      const float d = rs * (g[j] * load1(dy + o + j) - load1(x + o + j) * k);
+      store1(dx + o + j, residual ? d + load1(residual + o + j) : d);
     }
   }
 }
@@ -226,14 +230,14 @@ __global__ void rmsnorm_backward_kernel(const float* x, const float* g, const fl
 // 64 rows make 768 blocks at 16,384 × 768, enough loads in flight; runs of 256 made 192 and left
 // this pass waiting on memory (lab/results/h200.json, capstone_rmsnorm_dgamma).
 constexpr int kRowRun = 64;
-template <class DY>
-__global__ void rmsnorm_dgamma_kernel(const float* x, const float* rstd, const DY* dy, float* dg, std::int64_t rows,
+template <class S, class DY>
+__global__ void rmsnorm_dgamma_kernel(const S* x, const float* rstd, const DY* dy, float* dg, std::int64_t rows,
                                       std::int64_t cols) {
   const std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   if (j >= cols) return;
   const std::int64_t r0 = blockIdx.y * static_cast<std::int64_t>(kRowRun), r1 = min(rows, r0 + kRowRun);
   float acc = 0;
-  for (std::int64_t r = r0; r < r1; ++r) acc += load1(dy + r * cols + j) * x[r * cols + j] * rstd[r];
+  for (std::int64_t r = r0; r < r1; ++r) acc += load1(dy + r * cols + j) * load1(x + r * cols + j) * rstd[r];
   atomicAdd(&dg[j], acc);
 }
 

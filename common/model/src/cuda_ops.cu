@@ -262,16 +262,11 @@ class CudaOps final : public Ops {
   void add(const Tensor& a, const Tensor& b, Tensor& out) override {
     same_shape(a, b, "add");
     same_shape(a, out, "add");
-    // A bf16 branch output added into the fp32 residual stream (model::Block) reads its two bytes
-    // an element as they are; other mixes go through fp32 copies.
-    if (a.dtype() == DType::f32 && b.dtype() == DType::bf16 && out.dtype() == DType::f32)
-      return add_into_f32<__nv_bfloat16>(a, b, out);
-    if (any_bf16({&a, &b, &out})) {
-      Wide wa(*this, a), wb(*this, b), wo(*this, out, Use::out);
-      add(wa, wb, wo);
-      return wo.store();
-    }
-    add_into_f32<float>(a, b, out);
+    // Each operand read and the sum stored in its own dtype (a bf16 branch output added into the
+    // residual stream, fp32 or bf16, model::Block), rounded once where out holds bf16.
+    with_dtype(a, [&](auto* pa) {
+      with_dtype(b, [&](auto* pb) { with_dtype(out, [&](auto* po) { add_as(pa, pb, po, a.numel()); }); });
+    });
   }
   void accumulate(Tensor& acc, const Tensor& x, float s) override {
     same_shape(acc, x, "accumulate");
@@ -439,24 +434,26 @@ class CudaOps final : public Ops {
            index_flag(kIds));
   }
 
+  // x is the residual stream, fp32 or bf16; y a GEMM's operand, fp32 or bf16.
   void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) override {
     const Matrix m = checks::rmsnorm_args(x, gamma, y, rstd);
-    if (x.dtype() == DType::bf16) {  // the kernel reads the residual stream, which is fp32
-      Wide wx(*this, x);
-      return rmsnorm_forward(wx, gamma, eps, y, rstd);
-    }
     if (m.rows == 0) return;
-    if (y.dtype() == DType::bf16) return rmsnorm_forward_as<__nv_bfloat16>(m, x, gamma, eps, y, rstd);
-    rmsnorm_forward_as<float>(m, x, gamma, eps, y, rstd);
+    if (x.dtype() == DType::bf16) return rmsnorm_forward_x<__nv_bfloat16>(m, x, gamma, eps, y, rstd);
+    rmsnorm_forward_x<float>(m, x, gamma, eps, y, rstd);
   }
-  template <class Y>
+  template <class X>
+  void rmsnorm_forward_x(Matrix m, const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) {
+    if (y.dtype() == DType::bf16) return rmsnorm_forward_as<X, __nv_bfloat16>(m, x, gamma, eps, y, rstd);
+    rmsnorm_forward_as<X, float>(m, x, gamma, eps, y, rstd);
+  }
+  template <class X, class Y>
   void rmsnorm_forward_as(Matrix m, const Tensor& x, const Tensor& gamma, float eps, Tensor& y, Tensor& rstd) {
     if (vectorizable(m.cols, {x.raw(), gamma.raw(), y.raw()}))
-      rmsnorm_forward_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), eps, ptr<Y>(y),
+      rmsnorm_forward_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<X>(x), gamma.f32(), eps, ptr<Y>(y),
                                                                                 rstd.f32(), m.cols);
     else
-      rmsnorm_forward_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), eps, ptr<Y>(y),
-                                                                                 rstd.f32(), m.cols);
+      rmsnorm_forward_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<X>(x), gamma.f32(), eps,
+                                                                                 ptr<Y>(y), rstd.f32(), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
   void rmsnorm_backward(const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy, Tensor& dx,
@@ -472,30 +469,41 @@ class CudaOps final : public Ops {
                              const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
     const Matrix m = checks::rmsnorm_backward_args(x, gamma, rstd, dy, dx, dgamma);
     if (m.rows == 0) return;
-    if (any_bf16({&x, &dx, residual_dy})) {  // the kernels take bf16 for dy only (a GEMM's output)
+    // The kernels take x, the residual's gradient and dx in one dtype, the stream's (dy either):
+    // a call that mixes them (a pipeline stage's fp32 gradient into a bf16 stream) runs on fp32
+    // copies.
+    const DType stream = x.dtype();
+    if (dx.dtype() != stream || (residual_dy && residual_dy->dtype() != stream)) {
       Wide wx(*this, x), wdx(*this, dx, Use::out);
       std::optional<Wide> wr;
       if (residual_dy) wr.emplace(*this, *residual_dy);
       rmsnorm_backward_into(wx, gamma, rstd, dy, residual_dy ? &static_cast<Tensor&>(*wr) : nullptr, wdx, dgamma);
       return wdx.store();
     }
-    if (dy.dtype() == DType::bf16) rmsnorm_backward_as<__nv_bfloat16>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
-    else rmsnorm_backward_as<float>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
+    if (stream == DType::bf16) rmsnorm_backward_s<__nv_bfloat16>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
+    else rmsnorm_backward_s<float>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
   }
-  template <class DY>
+  template <class S>
+  void rmsnorm_backward_s(Matrix m, const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
+                          const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
+    if (dy.dtype() == DType::bf16) rmsnorm_backward_as<S, __nv_bfloat16>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
+    else rmsnorm_backward_as<S, float>(m, x, gamma, rstd, dy, residual_dy, dx, dgamma);
+  }
+  template <class S, class DY>
   void rmsnorm_backward_as(Matrix m, const Tensor& x, const Tensor& gamma, const Tensor& rstd, const Tensor& dy,
                            const Tensor* residual_dy, Tensor& dx, Tensor& dgamma) {
-    const float* residual = residual_dy ? residual_dy->f32() : nullptr;
+    const S* residual = residual_dy ? ptr<S>(*residual_dy) : nullptr;
     if (vectorizable(m.cols, {x.raw(), gamma.raw(), dy.raw(), dx.raw(), residual}))
-      rmsnorm_backward_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), rstd.f32(),
-                                                                                 ptr<DY>(dy), residual, dx.f32(), m.cols);
+      rmsnorm_backward_kernel<true><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(ptr<S>(x), gamma.f32(), rstd.f32(),
+                                                                                 ptr<DY>(dy), residual, ptr<S>(dx), m.cols);
     else
-      rmsnorm_backward_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(x.f32(), gamma.f32(), rstd.f32(),
-                                                                                  ptr<DY>(dy), residual, dx.f32(), m.cols);
+      rmsnorm_backward_kernel<false><<<rows_grid(m.rows), kThreads, 0, g_stream>>>(
+          ptr<S>(x), gamma.f32(), rstd.f32(), ptr<DY>(dy), residual, ptr<S>(dx), m.cols);
     K2C_CUDA_CHECK_LAUNCH();
     const dim3 grid(static_cast<unsigned>((m.cols + kThreads - 1) / kThreads),
                     static_cast<unsigned>((m.rows + kRowRun - 1) / kRowRun));
-    rmsnorm_dgamma_kernel<<<grid, kThreads, 0, g_stream>>>(x.f32(), rstd.f32(), ptr<DY>(dy), dgamma.f32(), m.rows, m.cols);
+    rmsnorm_dgamma_kernel<<<grid, kThreads, 0, g_stream>>>(ptr<S>(x), rstd.f32(), ptr<DY>(dy), dgamma.f32(), m.rows,
+                                                           m.cols);
     K2C_CUDA_CHECK_LAUNCH();
   }
 
@@ -917,13 +925,17 @@ class CudaOps final : public Ops {
                                   c.dtype() == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F,
                                   static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
-  // out = a + b with a and out fp32 and b of type B: four elements a thread where the pointers allow.
-  template <class B>
-  void add_into_f32(const Tensor& a, const Tensor& b, Tensor& out) {
-    if (vectorizable(a.numel(), {a.raw(), b.raw(), out.raw()}))
-      launch(add4_kernel<B>, a.numel() / 4, f4(a), ptr<B>(b), f4(out), a.numel() / 4);
-    else
-      launch(add_kernel<B>, a.numel(), a.f32(), ptr<B>(b), out.f32(), a.numel());
+  // f with t's elements as float* or __nv_bfloat16*, whichever t holds.
+  template <class F>
+  static void with_dtype(const Tensor& t, F&& f) {
+    if (t.dtype() == DType::bf16) f(ptr<__nv_bfloat16>(t));
+    else f(ptr<float>(t));
+  }
+  // o = a + b over n elements: four a thread where the pointers allow.
+  template <class A, class B, class O>
+  void add_as(const A* a, const B* b, O* o, std::int64_t n) {
+    if (vectorizable(n, {a, b, o})) launch(add4_kernel<A, B, O>, n / 4, a, b, o, n / 4);
+    else launch(add_kernel<A, B, O>, n, a, b, o, n);
   }
   static float4* f4(const Tensor& t) { return reinterpret_cast<float4*>(const_cast<float*>(t.f32())); }
   static bool any_bf16(std::initializer_list<const Tensor*> ts) {

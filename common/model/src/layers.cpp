@@ -21,6 +21,14 @@ Linear Linear::tied(ParamList& params, ParamId weight) {
   return l;
 }
 
+void check_residual(DType residual, float dropout, const std::string& who) {
+  if (residual != DType::f32 && residual != DType::bf16)
+    throw std::invalid_argument(who + ": the residual stream is f32 or bf16, not " + to_string(residual));
+  if (residual == DType::bf16 && dropout > 0)
+    throw std::invalid_argument(who + ": a bf16 residual stream needs dropout 0 (dropout runs on fp32 only), got " +
+                                std::to_string(dropout));
+}
+
 void Linear::forward(Context& ctx, const Tensor& x, Tensor& y) const {
   ctx.ops.matmul(x, false, ctx.params.value(w_), true, y, 1.0f, 0.0f);
 }
@@ -55,12 +63,25 @@ void Linear::backward_shared(Context& ctx, const Tensor& x, std::initializer_lis
 Embedding::Embedding(ParamList& params, const std::string& name, std::int64_t vocab, std::int64_t dim, Init init)
     : w_(params.add(name + ".weight", {vocab, dim}, init)), vocab_(vocab), dim_(dim) {}
 
+// The lookup and its gradient take fp32 rows (ops.h); a bf16 residual stream passes them through
+// one copy that rounds (forward) or widens (backward), once a step.
 void Embedding::forward(Context& ctx, const Tensor& ids, Tensor& out) const {
-  ctx.ops.embedding_forward(ids, ctx.params.value(w_), out);
+  if (out.dtype() == DType::f32) return ctx.ops.embedding_forward(ids, ctx.params.value(w_), out);
+  Tensor rows = ctx.tensor(out.shape());
+  ctx.ops.embedding_forward(ids, ctx.params.value(w_), rows);
+  ctx.ops.copy(out, rows);
 }
 
 void Embedding::backward(Context& ctx, const Tensor& ids, const Tensor& dout) const {
-  if (ctx.trains(w_)) ctx.ops.embedding_backward(ids, dout, ctx.params.grad(w_));
+  if (ctx.trains(w_)) {
+    if (dout.dtype() == DType::f32) {
+      ctx.ops.embedding_backward(ids, dout, ctx.params.grad(w_));
+    } else {
+      Tensor wide = ctx.tensor(dout.shape());
+      ctx.ops.copy(wide, dout);
+      ctx.ops.embedding_backward(ids, wide, ctx.params.grad(w_));
+    }
+  }
   ctx.params.grad_done(w_);
 }
 

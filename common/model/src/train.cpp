@@ -20,6 +20,8 @@ Context make_context(Ops& ops, MemoryLedger& ledger, ParamList& params, const Tr
   if (c.activations != DType::f32 && c.activations != DType::bf16)
     throw std::invalid_argument("train: activations are f32 or bf16, not " + to_string(c.activations));
   ctx.activations = c.activations;
+  check_residual(c.residual, c.dropout, "train");
+  ctx.residual = c.residual;
   return ctx;
 }
 

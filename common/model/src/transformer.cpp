@@ -104,7 +104,7 @@ void Transformer::forward(Context& ctx, const Tensor& ids, int batch, bool check
   std::iota(pos.begin(), pos.end(), 0);
   ctx.ops.upload(s.positions, pos.data());
   const int L = static_cast<int>(blocks_.size());
-  s.x0 = ctx.tensor({N, config_.d_model});
+  s.x0 = ctx.residual_stream({N, config_.d_model});
   event(ctx, 0, LayerEvent::before_forward);
   embed_.forward(ctx, ids, s.x0);
   event(ctx, 0, LayerEvent::after_forward);
@@ -139,7 +139,7 @@ double Transformer::train_step(Context& ctx, const Tensor& ids, const Tensor& ta
   s.logits = Tensor();  // the logits are the largest activation: gone as soon as possible
   BackwardPass pass(ctx.params);
   const int L = static_cast<int>(blocks_.size());
-  Tensor dx = ctx.tensor({N, d}), dprev = ctx.tensor({N, d});
+  Tensor dx = ctx.residual_stream({N, d}), dprev = ctx.residual_stream({N, d});
   {
     Tensor dxf = ctx.activation({N, d});
     event(ctx, L + 2, LayerEvent::before_backward);

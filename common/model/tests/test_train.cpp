@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -43,12 +44,15 @@ double floor_on(const TokenLoader& val, const MarkovSource& source, int batches)
   return total / n;
 }
 
-// Also with the activations stored in bf16: rounding them must not keep the model off the floor.
+// Also with the activations stored in bf16, and then the residual stream too: rounding them must
+// not keep the model off the floor.
 TEST(Train, TinyModelReachesTheMarkovEntropyFloor) {
-  for (const DType activations : {DType::f32, DType::bf16}) {
-    SCOPED_TRACE("activations " + to_string(activations));
+  for (const auto& [activations, residual] : {std::pair{DType::f32, DType::f32}, std::pair{DType::bf16, DType::f32},
+                                              std::pair{DType::bf16, DType::bf16}}) {
+    SCOPED_TRACE("activations " + to_string(activations) + ", residual stream " + to_string(residual));
     TrainConfig c = markov_config();
     c.activations = activations;
+    c.residual = residual;
     MarkovSource source(11, c.model.vocab, 4);
     TokenLoader train = loader_over(source, 200000, c, 1), val = loader_over(source, 50000, c, 2);
     const double floor = floor_on(val, source, c.eval_batches);
@@ -122,6 +126,20 @@ TEST(Train, DataThatDoesNotFitTheModelIsRefused) {
   EXPECT_THROW(Trainer(c, cpu_ops(), TokenLoader(tokens, 64, {c.model.seq_len + 1, c.batch, 0, 1, 1}),
                        TokenLoader(tokens, 64, {c.model.seq_len, c.batch, 0, 1, 2})),
                std::invalid_argument);
+}
+
+// A residual stream the run cannot keep: not a float type, or bf16 under dropout (fp32 only).
+TEST(Train, AResidualStreamItCannotKeepIsRefused) {
+  MarkovSource source(3, 32, 4);
+  const std::vector<std::uint16_t> tokens = source.sample(5000);
+  for (const auto& [residual, dropout] : {std::pair{DType::i32, 0.0f}, std::pair{DType::bf16, 0.1f}}) {
+    TrainConfig c = markov_config();
+    c.residual = residual, c.dropout = dropout;
+    EXPECT_THROW(Trainer(c, cpu_ops(), TokenLoader(tokens, 32, {c.model.seq_len, c.batch, 0, 1, 1}),
+                         TokenLoader(tokens, 32, {c.model.seq_len, c.batch, 0, 1, 2})),
+                 std::invalid_argument)
+        << to_string(residual) << " with dropout " << dropout;
+  }
 }
 
 TEST(Train, SamplingIsDeterministicAndStaysInTheVocab) {

@@ -47,15 +47,26 @@ struct Context {
   // activations and their gradients). The residual stream, the MoE layer's routing and the
   // experts' summed outputs, parameters and their gradients stay fp32.
   DType activations = DType::f32;
+  // The dtype of the residual stream: the blocks' inputs and outputs, the sums between a block's
+  // two branches, and their gradients. fp32, or bf16 (half the bytes of every pass over the
+  // stream, as Megatron-LM keeps it unless told otherwise) where no dropout runs: dropout takes
+  // fp32 only.
+  DType residual = DType::f32;
 
   Tensor tensor(Shape shape, Category c = Category::activations, DType t = DType::f32) {
     return Tensor(ops.memory(), ledger, c, shape, t);
   }
   // An activation between operations, in the run's activation dtype.
   Tensor activation(Shape shape) { return tensor(shape, Category::activations, activations); }
+  // A tensor of the residual stream (or its gradient), in the run's residual dtype.
+  Tensor residual_stream(Shape shape) { return tensor(shape, Category::activations, residual); }
   // Adds into a parameter's gradient unless it is frozen, then reports the use done.
   bool trains(ParamId id) const { return !params.info(id).frozen; }
 };
+
+// Throws std::invalid_argument, naming `who`, unless `residual` is a residual dtype a run can have
+// with this dropout: f32, or bf16 with no dropout.
+void check_residual(DType residual, float dropout, const std::string& who);
 
 // y = x·Wᵀ with W [out, in] (no bias: the models of this course have none).
 class Linear {

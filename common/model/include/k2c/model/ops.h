@@ -13,8 +13,8 @@
 // output, so gradients from several uses (tied weights, micro-batches) sum without a copy.
 //
 // Activations may be stored in bf16 (DType::bf16), half the bytes of fp32, as mixed-precision
-// training stores them; parameters, their gradients, optimizer state and the residual stream
-// stay fp32. The operations marked [bf16] take fp32 or bf16 for each of their activation
+// training stores them, and so may the residual stream (Context::residual); parameters, their
+// gradients and optimizer state stay fp32. The operations marked [bf16] take fp32 or bf16 for each of their activation
 // arguments (the weights, rstd, lse, ids and targets stay as documented): they compute in fp32
 // and round to nearest even where they store a bf16 value, once per value (shared_linear_backward
 // sums one product at a time into a bf16 dx: once per product there). The others take fp32 only.

@@ -32,6 +32,7 @@ struct TrainConfig {
   float dropout = 0.0f;
   bool checkpoint_activations = false;
   DType activations = DType::f32;         // between a layer's operations (Context::activations)
+  DType residual = DType::f32;            // the residual stream (Context::residual); bf16 needs dropout 0
   std::uint64_t seed = 1;
   int eval_every = 50, eval_batches = 8;  // eval_every 0: only at the end
   int checkpoint_every = 0;               // 0: only at the end (when a path is set)
