@@ -43,6 +43,7 @@ declare -A FLAGS=(
   ["moe-135m course bf16 dp2"]="--grid dp2 --batch 32 --config moe-135m --steps 30 --kernels course --activations bf16 --traffic"
 )
 ORDER=("dense-135m f32 same day" "dense-135m bf16" "dense-135m course f32 same day" "dense-135m course bf16"
+       "dense-135m bf16 residual" "dense-135m course bf16 residual"
        "moe-135m" "moe-135m course" "moe-135m bf16" "moe-135m course bf16")
 # The GPUs this process can use: CUDA_VISIBLE_DEVICES's list where it is set, else nvidia-smi's.
 if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then

@@ -28,11 +28,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 # What a capstone entry keeps of a run's summary: the run itself, its rate, and where its time went
-# (`kernels`, `activations`, `ops_host_ms`, `ops_in_step_ms`, `bucket_bytes` and `--traffic`'s last
-# step beside its plan where the run has them).
+# (`kernels`, `activations`, `residual`, `ops_host_ms`, `ops_in_step_ms`, `bucket_bytes` and
+# `--traffic`'s last step beside its plan where the run has them).
 CAPSTONE_KEYS = ("grid", "ranks", "model", "median_tokens_per_s", "model_tflops_per_rank", "cublas_bf16_tflops",
                  "ratio", "peak_memory_bytes_rank0", "kernels", "ops_ms", "ops_host_ms", "ops_in_step_ms", "activations",
-                 "bucket_bytes", "traffic_sent", "traffic_planned")
+                 "residual", "bucket_bytes", "traffic_sent", "traffic_planned")
 CAPSTONE_REQUIRED = ("grid", "model", "median_tokens_per_s", "ratio", "ops_ms")
 
 

@@ -61,9 +61,9 @@
 // library's blocks then keep the stream between them (and its gradient) in that dtype, and so
 // must the stage's tensors that model::Transformer makes with ctx.residual_stream(): the
 // embedding's output, and the gradients the stage passes down its blocks. The stages still send
-// fp32 to each other. bf16 runs where tp = ep = 1 and zero_stage is 0, with no dropout
-// (model::check_residual): the constructor refuses it elsewhere with std::invalid_argument, before
-// it makes any group.
+// fp32 to each other, and under ZeRO the model::Transformer keeps it as the library does. bf16
+// runs where tp = ep = 1, with no dropout (model::check_residual): the constructor refuses it
+// elsewhere with std::invalid_argument, before it makes any group.
 //
 // ZeRO. zero_stage 1, 2 or 3 hands each step to module 13's zero::Zero (k2c::zero, zero.h: the
 // AdamW state sharded over the dp group, then the gradients too, then the parameters too), run on

@@ -38,10 +38,10 @@
 // own: the course's kernels are GPU kernels.
 //
 // --activations bf16 stores the activations between a layer's operations in bf16 (half the
-// bytes; k2c/model/ops.h says where each operation rounds); the residual stream, weights,
-// gradients and AdamW stay fp32. In course mode the modules then take those activations with no
+// bytes; k2c/model/ops.h says where each operation rounds); weights, gradients and AdamW stay
+// fp32, and so does the residual stream unless --residual says otherwise. In course mode the modules then take those activations with no
 // conversion pass where their contracts' layout is the model's. --residual bf16 keeps the residual
-// stream in bf16 as well (grids without tp or ep, no ZeRO, no dropout; capstone.h): every pass over
+// stream in bf16 as well (grids without tp or ep, no dropout; capstone.h): every pass over
 // it moves half the bytes, and course mode's RMSNorm takes it with no conversion.
 //
 // --traffic counts every collective and message of each step, group by group, and prints rank 0's

@@ -28,18 +28,19 @@ constexpr int kSteps = 20;
 constexpr double kLossTol = 5e-7, kNormTol = 5e-6, kParamAtol = 5e-5, kParamRtol = 1e-4, kParamL2 = 5e-6;
 
 // The models: dense, a mixture of experts, the same without the balance term (see dp 2 × ep 2),
-// dense and MoE with their activations stored in bf16, and dense with its residual stream in bf16 too.
-enum class Model { dense, moe, moe_unbalanced, dense_bf16, moe_bf16, dense_bf16_residual };
+// dense and MoE with their activations stored in bf16, and both with their residual stream in bf16
+// too.
+enum class Model { dense, moe, moe_unbalanced, dense_bf16, moe_bf16, dense_bf16_residual, moe_bf16_residual };
 
 inline km::TrainConfig tiny_config(Model model) {
   km::TrainConfig c;
   c.model = km::ModelConfig::tiny();
-  if (model == Model::moe || model == Model::moe_unbalanced || model == Model::moe_bf16)
+  const bool residual = model == Model::dense_bf16_residual || model == Model::moe_bf16_residual;
+  if (model == Model::moe || model == Model::moe_unbalanced || model == Model::moe_bf16 || model == Model::moe_bf16_residual)
     c.model.experts = 4, c.model.top_k = 2, c.model.shared_experts = 1, c.model.d_expert = 32;
   if (model == Model::moe_unbalanced) c.model.balance_coef = 0.0f;
-  if (model == Model::dense_bf16 || model == Model::moe_bf16 || model == Model::dense_bf16_residual)
-    c.activations = km::DType::bf16;
-  if (model == Model::dense_bf16_residual) c.residual = km::DType::bf16;
+  if (model == Model::dense_bf16 || model == Model::moe_bf16 || residual) c.activations = km::DType::bf16;
+  if (residual) c.residual = km::DType::bf16;
   c.steps = kSteps, c.batch = 8, c.lr = 3e-3f, c.min_lr = 3e-4f, c.warmup = 5, c.clip = 0.5f;
   c.eval_every = 0;
   return c;

@@ -97,8 +97,8 @@ void check(const CapstoneConfig& c) {
          "activations are f32 or bf16, not " + km::to_string(c.train.activations));
   refuse(c.train.residual != km::DType::f32 && c.train.residual != km::DType::bf16,
          "the residual stream is f32 or bf16, not " + km::to_string(c.train.residual));
-  refuse(c.train.residual == km::DType::bf16 && (g.tp > 1 || g.ep > 1 || c.zero_stage > 0 || c.train.dropout > 0),
-         "a bf16 residual stream needs tp = ep = 1, zero_stage 0 and no dropout (grid " + grid + ")");
+  refuse(c.train.residual == km::DType::bf16 && (g.tp > 1 || g.ep > 1 || c.train.dropout > 0),
+         "a bf16 residual stream needs tp = ep = 1 and no dropout (grid " + grid + ")");
   refuse(g.ep > 1 && m.experts == 0, "ep " + std::to_string(g.ep) + " needs a mixture of experts");
   refuse(g.ep > 1 && m.experts % g.ep != 0,
          std::to_string(m.experts) + " experts do not split over ep " + std::to_string(g.ep));

@@ -2,8 +2,8 @@
 // the reference solution's GridTrainer on the tiny models, over a CountingCommunicator whose
 // groups are named by their axes. After one step the counts are reset; the second step's
 // traffic, and the training state the ledger holds then, must be what the plan says for this
-// rank's pipeline stage (28 cases: every axis alone, every pair that fits four ranks, micro-batches,
-// GPipe, dropout, ZeRO's stages with a tied head among them):
+// rank's pipeline stage (31 cases: every axis alone, every pair that fits four ranks, micro-batches,
+// GPipe, dropout, ZeRO's stages with a tied head among them, a bf16 residual stream):
 //   - parameters, gradients and AdamW state, byte for byte (under ZeRO on dp rank 0, whose shard
 //     the plan describes);
 //   - every group's bytes of every operation exactly ("send" is what the rank sent point to point,
@@ -129,6 +129,7 @@ TEST_F(GridPlanTest, OneRank) { expect_plan_holds({"1"}); }
 TEST_F(GridPlanTest, OneRankMoe) { expect_plan_holds({"1", Model::moe}); }
 TEST_F(GridPlanTest, OneRankZero2) { expect_plan_holds({.grid = "1", .zero_stage = 2}); }
 TEST_F(GridPlanTest, OneRankBf16Residual) { expect_plan_holds({"1", Model::dense_bf16_residual}); }
+TEST_F(GridPlanTest, OneRankMoeBf16Residual) { expect_plan_holds({"1", Model::moe_bf16_residual}); }
 TEST_F(GridPlanTest, Pp2Bf16ResidualMicroBatches) { expect_plan_holds({"pp2", Model::dense_bf16_residual, 2}); }
 TEST_F(GridPlanTest, Dp2) { expect_plan_holds({"dp2"}); }
 TEST_F(GridPlanTest, Dp2Dropout) { expect_plan_holds({.grid = "dp2", .dropout = 0.1f}); }

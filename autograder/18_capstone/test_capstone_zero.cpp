@@ -49,11 +49,13 @@ namespace {
 
 constexpr int kEvalBatches = 4;
 
-kc::CapstoneConfig zero_config(int stage, float clip = 0.0f) {
+// residual: the dense model with its activations and residual stream in bf16 instead, and no
+// dropout (a bf16 stream takes none).
+kc::CapstoneConfig zero_config(int stage, float clip = 0.0f, bool residual = false) {
   kc::CapstoneConfig c;
-  c.train = tiny_config(Model::dense);
+  c.train = tiny_config(residual ? Model::dense_bf16_residual : Model::dense);
   c.train.clip = clip;
-  c.train.dropout = 0.1f;
+  c.train.dropout = residual ? 0.0f : 0.1f;
   c.grid = {.dp = world().size()};
   c.zero_stage = stage;
   return c;
@@ -68,8 +70,8 @@ struct Curve {
   std::size_t optimizer_bytes = 0;
 };
 
-Curve train(int stage, float clip = 0.0f) {
-  const kc::CapstoneConfig config = zero_config(stage, clip);
+Curve train(int stage, float clip = 0.0f, bool residual = false) {
+  const kc::CapstoneConfig config = zero_config(stage, clip, residual);
   kc::GridTrainer trainer(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
   Curve c;
   for (int s = 0; s < kSteps; ++s) c.steps.push_back(trainer.step());
@@ -85,18 +87,23 @@ long long world_sum(long long v) {
   return v;
 }
 
-// zero_stage 0 on this world's grid, trained once per test program.
-const Curve& optimizer_path() {
+// zero_stage 0 on this world's grid, trained once per test program (and once with the residual
+// stream in bf16).
+const Curve& optimizer_path(bool residual) {
+  if (residual) {
+    static const Curve r = train(0, 0.0f, true);
+    return r;
+  }
   static const Curve c = train(0);
   return c;
 }
 
-void expect_stage_matches(int stage) {
+void expect_stage_matches(int stage, bool residual = false) {
   const int n = world().size();
   if (n > 4) K2C_SKIP("runs at 1, 2 and 4 ranks; this run has " + std::to_string(n));
   const bool bits = n <= 2;
-  const Curve& want = optimizer_path();
-  const Curve got = train(stage);
+  const Curve& want = optimizer_path(residual);
+  const Curve got = train(stage, 0.0f, residual);
   for (int s = 0; s < kSteps; ++s) {
     const km::StepRecord& r = got.steps[static_cast<std::size_t>(s)];
     const km::StepRecord& w = want.steps[static_cast<std::size_t>(s)];
@@ -149,6 +156,9 @@ TEST_F(CapstoneZero, Stages1And2MatchTheOptimizerPath) {
 }
 
 TEST_F(CapstoneZero, Stage3MatchesTheOptimizerPath) { expect_stage_matches(3); }
+// Zero steps the library's Transformer with the trainer's Context, so a bf16 residual stream
+// (config.train.residual, no dropout) runs under it as on the optimizer path, the same bits.
+TEST_F(CapstoneZero, Stage2WithABf16ResidualStreamMatchesTheOptimizerPath) { expect_stage_matches(2, true); }
 
 // Clipping inside Zero's step: the same norms, curve and weights as the optimizer path's
 // clip_grad_norm, within the tolerances, and the clip must act on most steps for the test to mean

@@ -631,13 +631,12 @@ GridTrainer::GridTrainer(dist::Communicator& world, km::Ops& ops, const Capstone
     throw std::invalid_argument("capstone: zero_stage " + std::to_string(zs) + " with " +
                                 std::to_string(config.micro_batches) +
                                 " micro-batches: Zero steps one batch per call; use micro_batches 1");
-  // A bf16 residual stream: the library's blocks keep it (14's and 17's layers, and Zero's own
-  // Transformer, keep fp32), and the stages send fp32 between them.
+  // A bf16 residual stream: the library's blocks keep it (Zero's Transformer too, which runs with
+  // this Context), 14's and 17's layers keep fp32, and the stages send fp32 between them.
   km::check_residual(config.train.residual, config.train.dropout, "capstone");
-  if (config.train.residual != km::DType::f32 && (g.tp > 1 || g.ep > 1 || zs > 0))
+  if (config.train.residual != km::DType::f32 && (g.tp > 1 || g.ep > 1))
     throw std::invalid_argument("capstone: a " + km::to_string(config.train.residual) +
-                                " residual stream runs where tp = ep = 1 and zero_stage 0 (grid " + grid_name(g) +
-                                ", zero_stage " + std::to_string(zs) + ")");
+                                " residual stream runs where tp = ep = 1 (grid " + grid_name(g) + ")");
 
   impl_ = std::make_unique<Impl>(world, ops, config);
   Impl& s = *impl_;

@@ -1,6 +1,6 @@
 // cuda_ops.cu — the GPU backend of k2c/model/ops.h: every operation on the device, tensors in
-// fp32 (master weights, gradients, optimizer state, the residual stream; activations too unless
-// stored in bf16, below), in one of two kinds of math:
+// fp32 (master weights, gradients, optimizer state; the residual stream and the activations too
+// unless stored in bf16, below), in one of two kinds of math:
 //
 //   GpuMath::fp32  GEMMs in plain fp32 (cuBLAS SGEMM) and a straightforward kernel for every
 //                  other operation, attention included: the reference the tests hold tightly
@@ -472,7 +472,9 @@ class CudaOps final : public Ops {
     // The kernels take x, the residual's gradient and dx in one dtype, the stream's (dy either):
     // a call that mixes them (a pipeline stage's fp32 gradient into a bf16 stream) runs on fp32
     // copies.
-    const DType stream = x.dtype();
+    const DType stream = float_dtype(x, "rmsnorm backward input");
+    float_dtype(dx, "rmsnorm backward output");
+    if (residual_dy) float_dtype(*residual_dy, "rmsnorm backward residual gradient");
     if (dx.dtype() != stream || (residual_dy && residual_dy->dtype() != stream)) {
       Wide wx(*this, x), wdx(*this, dx, Use::out);
       std::optional<Wide> wr;

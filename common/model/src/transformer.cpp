@@ -99,6 +99,7 @@ void Transformer::forward(Context& ctx, const Tensor& ids, int batch, bool check
     throw std::invalid_argument("transformer: ids hold " + std::to_string(ids.numel()) +
                                 " tokens, expected batch " + std::to_string(batch) + " x T " +
                                 std::to_string(T));
+  check_residual(ctx.residual, ctx.dropout, "transformer");  // a Context made by hand, too
   s.positions = ctx.tensor({T}, Category::activations, DType::i32);
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
   std::iota(pos.begin(), pos.end(), 0);

@@ -871,21 +871,33 @@ void check_bf16_ops(Ops& gpu_ops) {
     expect_close_bf16(dz, what.c_str(), 1e-2, 1e-2);
   }
   // Mixed dtypes and the widened paths: SwiGLU with an fp32 gate, the loss into an fp32 gradient,
-  // RMSNorm of a bf16 input into an fp32 gradient.
+  // RMSNorm of a bf16 input into an fp32 gradient and into a bf16 one (the final norm of a bf16
+  // stream), and of an fp32 input with a bf16 residual gradient into bf16 (a pipeline stage's
+  // first block, whose input arrived in fp32).
   Pair mg = t.random({5, 7}), mu = t.random({5, 7}, 1.0f, b), mh = t.nans({5, 7}, b);
   Pair mz = t.random({4, 40}, 3.0f, b), mdz = t.nans({4, 40}, DType::f32), mt = t.ints({4}, {1, 0, 39, 7});
   Pair nx = t.random({6, 40}, 1.0f, b), ng = t.random({40}), ny = t.nans({6, 40}, b), nr = t.zeros({6});
   Pair ndy = t.random({6, 40}, 1.0f, b), ndx = t.nans({6, 40}, DType::f32), ndg = t.zeros({40});
+  Pair ndx16 = t.nans({6, 40}, b), ndg16 = t.zeros({40});
+  Pair fx = t.random({6, 40}), fr = t.zeros({6}), fy = t.nans({6, 40}, b), fres = t.random({6, 40}, 1.0f, b);
+  Pair fdx = t.nans({6, 40}, b), fdg = t.zeros({40});
   both([&](Ops& o, bool g) {
     o.swiglu_forward(pick(mg, g), pick(mu, g), pick(mh, g));
     o.cross_entropy(pick(mz, g), pick(mt, g), 0.5f, pick(mdz, g));
     o.rmsnorm_forward(pick(nx, g), pick(ng, g), 1e-5f, pick(ny, g), pick(nr, g));
     o.rmsnorm_backward(pick(nx, g), pick(ng, g), pick(nr, g), pick(ndy, g), pick(ndx, g), pick(ndg, g));
+    o.rmsnorm_backward(pick(nx, g), pick(ng, g), pick(nr, g), pick(ndy, g), pick(ndx16, g), pick(ndg16, g));
+    o.rmsnorm_forward(pick(fx, g), pick(ng, g), 1e-5f, pick(fy, g), pick(fr, g));
+    o.rmsnorm_backward_add(pick(fx, g), pick(ng, g), pick(fr, g), pick(ndy, g), pick(fres, g), pick(fdx, g),
+                           pick(fdg, g));
   });
   expect_close_bf16(mh, "swiglu (fp32 gate, bf16 up and h)", 1e-2, 1e-2);
   expect_close_bf16(mdz, "cross-entropy (bf16 logits, fp32 gradient)", 1e-2, 1e-2);
   expect_close_bf16(ny, "rmsnorm (bf16 in and out)", 1e-2, 1e-2);
   expect_close_bf16(ndx, "rmsnorm backward (bf16 x and dy, fp32 dx)", 1e-2, 1e-2);
+  expect_close_bf16(ndx16, "rmsnorm backward (bf16 x, dy and dx)", 1e-2, 1e-2);
+  expect_close_bf16(ndg16, "rmsnorm dgamma (bf16 x and dy)", 1e-2, 1e-2);
+  expect_close_bf16(fdx, "rmsnorm backward (fp32 x, bf16 residual gradient and dx)", 1e-2, 1e-2);
   // A bf16 branch output added into the residual stream: whole vectors (9 x 40) and not (5 x 7);
   // the fp32 sum of widened values, rounded once where the output is bf16, is the same bits on
   // both backends. Into an fp32 stream, into a bf16 one from an fp32 value, and (a bf16 stream)

@@ -44,8 +44,8 @@ struct Context {
   std::function<void(int layer, LayerEvent event)> on_layer;
   // The dtype of the activations that pass between a layer's operations (ops.h's [bf16]): fp32,
   // or bf16 for half the bytes; the MoE layer's experts follow it too (their input rows, gated
-  // activations and their gradients). The residual stream, the MoE layer's routing and the
-  // experts' summed outputs, parameters and their gradients stay fp32.
+  // activations and their gradients). The MoE layer's routing and the experts' summed outputs,
+  // parameters and their gradients stay fp32; the residual stream has its own dtype, below.
   DType activations = DType::f32;
   // The dtype of the residual stream: the blocks' inputs and outputs, the sums between a block's
   // two branches, and their gradients. fp32, or bf16 (half the bytes of every pass over the
