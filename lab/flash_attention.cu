@@ -501,14 +501,9 @@ int main(int argc, char** argv) {
                                             : Mode::tiles;
     if (mode == Mode::capstone) {
       sweep<64>(true, mode, 16, 12, 1024);
-    } else if (mode == Mode::dq_first) {
-      dq_first_checks();
-      sweep<128>(true, mode);
-      sweep<128>(false, mode);
-      sweep<64>(true, mode);
-      sweep<64>(true, mode, 16, 12, 1024);  // the capstone's attention
-    } else if (mode == Mode::defer) {
-      defer_checks();
+    } else if (mode == Mode::dq_first || mode == Mode::defer) {
+      if (mode == Mode::dq_first) dq_first_checks();
+      else defer_checks();
       sweep<128>(true, mode);
       sweep<128>(false, mode);
       sweep<64>(true, mode);

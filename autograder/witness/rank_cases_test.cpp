@@ -4,6 +4,7 @@
 // the layers, the course's attention reference for the ring) pass the judge; the same answers with
 // one gradient element, one lse, or one rank's copy of a whole tensor changed fail it. So a check
 // that stopped looking at a part of the answer would fail here, not only against a forged report.
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -59,14 +60,19 @@ std::vector<float> product(const std::vector<float>& a, bool ta, const std::vect
 std::vector<rw::Bytes> linear_answers(const std::string& kind, const rw::Case& c) {
   const int in = static_cast<int>(c.args[0]), out = static_cast<int>(c.args[1]), tokens = static_cast<int>(c.args[2]);
   std::vector<rw::Bytes> got(kRanks);
+  // A rank's input as its three matrices, x, W and dy, of n_x and n_w elements and the rest.
+  auto split = [&](int r, int n_x, int n_w) {
+    const std::vector<float> v = floats_of(c.in[r]);
+    return std::array<std::vector<float>, 3>{std::vector<float>(v.begin(), v.begin() + n_x),
+                                             std::vector<float>(v.begin() + n_x, v.begin() + n_x + n_w),
+                                             std::vector<float>(v.begin() + n_x + n_w, v.end())};
+  };
   if (kind == "column_parallel_backward") {
     const int lo = out / kRanks;
     std::vector<float> dx(static_cast<std::size_t>(tokens) * in, 0.0f);
     std::vector<std::vector<float>> dw(kRanks);
     for (int r = 0; r < kRanks; ++r) {  // x [tokens][in], W_r [lo][in], dy_r [tokens][lo]
-      const std::vector<float> v = floats_of(c.in[r]);
-      const std::vector<float> x(v.begin(), v.begin() + tokens * in), w(v.begin() + tokens * in, v.begin() + tokens * in + lo * in),
-          dy(v.begin() + tokens * in + lo * in, v.end());
+      const auto [x, w, dy] = split(r, tokens * in, lo * in);
       const std::vector<float> part = product(dy, false, w, false, tokens, in, lo);
       for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += part[i];
       dw[r] = product(dy, true, x, false, lo, in, tokens);
@@ -78,9 +84,7 @@ std::vector<rw::Bytes> linear_answers(const std::string& kind, const rw::Case& c
   std::vector<float> y(static_cast<std::size_t>(tokens) * out, 0.0f);
   std::vector<std::vector<float>> dx(kRanks), dw(kRanks);
   for (int r = 0; r < kRanks; ++r) {  // x_r [tokens][li], W_r [out][li], dy [tokens][out]
-    const std::vector<float> v = floats_of(c.in[r]);
-    const std::vector<float> x(v.begin(), v.begin() + tokens * li), w(v.begin() + tokens * li, v.begin() + tokens * li + out * li),
-        dy(v.begin() + tokens * li + out * li, v.end());
+    const auto [x, w, dy] = split(r, tokens * li, out * li);
     const std::vector<float> part = product(x, false, w, true, tokens, out, li);
     for (std::size_t i = 0; i < y.size(); ++i) y[i] += part[i];
     dx[r] = product(dy, false, w, false, tokens, li, out);
