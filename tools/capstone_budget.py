@@ -15,15 +15,19 @@ Reads the measurements it adds up, all from one GPU's files:
   autograder/reference/h200.json
                                capstone/dense-135m course bf16 (its model: layers and sequence
                                length; AdamW's time, the model FLOPs a token, the run's tokens/s,
-                               ratio and cuBLAS bf16 rate)
+                               ratio and cuBLAS bf16 rate) and ceilings/cudaMemcpy D2D (the copy
+                               rate the memory-bound operations' floor is taken at)
 and prints the budget: the sum, the tokens/s and ratio to cuBLAS it would give, and what the rest
-of the measured step costs; where the run has ops_in_step_ms, that rest by part (the memory-bound
-operations by group, and what the products, attention and AdamW took in the step beyond their times
+of the measured step costs; the least the memory-bound operations (norms, RoPE, SwiGLU, adds,
+cross-entropy, embedding) can take as passes of their own at the reference's copy rate, with the
+ratio the kernels plus those passes would give (the ceiling of any design that leaves them
+unfused), for an fp32 and a bf16 residual stream; where the run has ops_in_step_ms, that rest by
+part (the memory-bound operations by group, and what the products, attention and AdamW took in the step beyond their times
 alone); where it has ops_host_ms, also the CPU's time to issue the step's work and its share of the
 measured step. --write records it as capstone_budget in the lab file, where the docs
 read it from (tools/figures.py); --check exits 1 where the recorded budget is not the one its
-measurements give now (a reference run or lab result replaced without --write after it). --lab and --reference point at another GPU's files (default: the
-H200's), --attention-run at the run of capstone_shape to take (default: the shipped build's).
+measurements give now (a reference run or lab result replaced without --write after it). --lab
+and --reference point at another GPU's files (default: the H200's), --attention-run at the run of capstone_shape to take (default: the shipped build's).
 """
 import argparse
 import json
@@ -42,6 +46,7 @@ SHIPPED = "run3"  # capstone_shape's run of the shipped build of module 09 on th
 # Operations that hand a result back to the host, so wait for the GPU inside the call: their host
 # time is their whole time, not the cost of issuing them (k2c/model/timed_ops.h).
 READ_BACK = {"cross-entropy", "sum_squares", "upload", "download", "column_sums", "route_rows"}
+COPY = "cudaMemcpy D2D"  # the reference's copy ceiling: bytes read + written a second, device to device
 GOAL = 0.62  # the module's goal: model FLOP rate over cuBLAS bf16 (README's course map, lecture 18 section 3)
 # The rest of the step by part, on the run's in-step clock (ops_in_step_ms): the memory-bound
 # operations in these groups, every other such operation as "other operations", and what the
@@ -65,7 +70,35 @@ def gemm_step(gemms, layers):
     return ms, tflop
 
 
-def budget_of(lab, run, attention_run):
+def memory_floor(run, tokens, stream_bytes):
+    """The step's memory-bound operations, each one pass over its operands at the copy rate: bytes
+    by part (GB), for a residual stream of stream_bytes a value. Activations are bf16 (the run's
+    --activations bf16); what the products, attention and AdamW move is in their own times."""
+    m = re.search(r"d (\d+), (\d+) layers, (\d+) heads \((\d+) kv\), ff (\d+), vocab (\d+), T (\d+)", run["model"])
+    if not m:
+        raise SystemExit(f"capstone_budget: cannot read the dense model's shape from {run['model']!r}")
+    d, layers, heads, kv, ff, vocab, _ = (int(g) for g in m.groups())
+    A, R = 2, stream_bytes  # bytes of an activation and of a value of the residual stream
+    nd, nkv, nff = tokens * d, tokens * d // heads * kv, tokens * ff
+    per_layer = {
+        # two norms: forward reads the stream and writes bf16; backward reads x, dy and the residual's
+        # gradient and writes the stream's gradient (one pass with the add).
+        "rmsnorm": 2 * ((R + A) * nd + (3 * R + A) * nd),
+        # q and k rotated in place, forward and backward.
+        "rope": 2 * 2 * A * (nd + nkv),
+        # forward reads gate and up, writes h; backward reads gate, up, dh, writes dgate and dup.
+        "swiglu": 3 * A * nff + 5 * A * nff,
+        # x + branch: the stream and a bf16 branch read, the stream written; twice a layer.
+        "add": 2 * (2 * R + A) * nd,
+    }
+    parts = {k: v * layers for k, v in per_layer.items()}
+    parts["rmsnorm"] += (R + A) * nd + (2 * R + A) * nd  # the final norm (no residual gradient to add)
+    parts["cross-entropy"] = 2 * A * tokens * vocab         # logits read, their gradient written
+    parts["embedding"] = (4 + R) * nd + (R + 2 * 4) * nd  # rows gathered; their gradients added into fp32
+    return {k: v / 1e9 for k, v in parts.items()}
+
+
+def budget_of(lab, reference, run, attention_run):
     """The budget (a dict for lab results) from the measurements; KeyError where one is missing."""
     # The step's shape: layers and sequence length from the run's model, tokens from the products.
     shape = re.search(r"(\d+) layers.*\bT (\d+)", run["model"])
@@ -102,6 +135,27 @@ def budget_of(lab, run, attention_run):
     }
     ratio = tokens_per_s * flops_per_token / (run["cublas_bf16_tflops"] * 1e12)
     budget["goal_rest_ms"] = round(kernels_ms * (ratio / GOAL - 1.0), 3)
+    # The least the memory-bound operations can cost while each stays a pass of its own, as the
+    # course's modules make them: their bytes at the reference's copy rate, for the run's fp32
+    # residual stream and for a bf16 one (--residual bf16). The kernels plus that floor are the
+    # ceiling of this division of the work; only fusing the operations moves it.
+    copy_gbs = reference["ceilings"][COPY]["value"]
+    budget["$comment"] += (" memory_floor_f32_stream / memory_floor_bf16_stream: the step's memory-bound operations "
+                           "(norms, RoPE, SwiGLU, the residual adds, cross-entropy, the embedding), each one pass "
+                           "reading and writing its operands once (bf16 activations, the residual stream in fp32 or "
+                           "bf16), their bytes at copy_gbs (the reference's cudaMemcpy D2D ceiling, bytes read + "
+                           "written) by part, and unfused_ceiling_ratio, the ratio with those passes added to the "
+                           "kernels alone.")
+    budget["copy_gbs"] = round(copy_gbs, 1)
+    for stream, nbytes in (("f32", 4), ("bf16", 2)):
+        parts = memory_floor(run, tokens, nbytes)
+        floor_ms = sum(parts.values()) / copy_gbs * 1e3
+        budget[f"memory_floor_{stream}_stream"] = {
+            "gb": round(sum(parts.values()), 3),
+            "ms_by_part": {k: round(v / copy_gbs * 1e3, 3) for k, v in parts.items()},
+            "ms": round(floor_ms, 3),
+            "unfused_ceiling_ratio": round(ratio * kernels_ms / (kernels_ms + floor_ms), 4),
+        }
     # Where the run has the in-step clock: the rest of the step by part. The parts are in-step
     # times, the budget's are times alone, and the in-step clock is a step of its own, so what
     # the parts leave of rest_ms is the two clocks' difference ("unattributed").
@@ -159,7 +213,7 @@ def main():
     except (KeyError, TypeError):
         raise SystemExit(f"capstone_budget: {args.reference} has no capstone/{RUN} entry")
     try:
-        budget = budget_of(lab, run, args.attention_run)
+        budget = budget_of(lab, reference, run, args.attention_run)
     except (KeyError, TypeError) as e:
         raise SystemExit(f"capstone_budget: a measurement is missing ({e}) in {args.lab} or {args.reference}; "
                          "see this tool's docstring for what it reads")
@@ -171,12 +225,15 @@ def main():
         stale = [k for k in sorted(set(budget) | set(recorded)) if recorded.get(k) != budget.get(k)]
         raise SystemExit(f"capstone_budget: {args.lab}'s capstone_budget is stale or missing ({', '.join(stale)}): "
                          "run tools/capstone_budget.py --write, then tools/figures.py --write")
-    for key, value in budget.items():
+    def show(key, value):
         if isinstance(value, dict):
-            for part, ms in value.items():
-                print(f"{key}: {part:38s} {ms}")
+            for part, inner in value.items():
+                show(f"{key}: {part}", inner)
         elif not key.startswith("$"):
-            print(f"{key:22s} {value}")
+            print(f"{key:60s} {value}")
+
+    for key, value in budget.items():
+        show(key, value)
     if "host_issue_ms" not in budget:
         print(f"(the reference's {RUN} run has no ops_host_ms: a k2c_capstone --time-ops run of this build adds "
               "the host's part)")
