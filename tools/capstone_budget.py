@@ -16,18 +16,21 @@ Reads the measurements it adds up, all from one GPU's files:
                                capstone/dense-135m course bf16 (its model: layers and sequence
                                length; AdamW's time, the model FLOPs a token, the run's tokens/s,
                                ratio and cuBLAS bf16 rate) and ceilings/cudaMemcpy D2D (the copy
-                               rate the memory-bound operations' floor is taken at)
+                               rate, for comparison), with inference/decode_pages/read_only_gbs
+                               from the lab file (a read-only pass: the memory-bound operations'
+                               floor is taken at that rate)
 and prints the budget: the sum, the tokens/s and ratio to cuBLAS it would give, and what the rest
 of the measured step costs; the least the memory-bound operations (norms, RoPE, SwiGLU, adds,
-cross-entropy, embedding) can take as passes of their own at the reference's copy rate, with the
+cross-entropy, embedding) can take as passes of their own at the fastest stream measured, with the
 ratio the kernels plus those passes would give (the ceiling of any design that leaves them
 unfused), for an fp32 and a bf16 residual stream; where the run has ops_in_step_ms, that rest by
-part (the memory-bound operations by group, and what the products, attention and AdamW took in the step beyond their times
-alone); where it has ops_host_ms, also the CPU's time to issue the step's work and its share of the
-measured step. --write records it as capstone_budget in the lab file, where the docs
-read it from (tools/figures.py); --check exits 1 where the recorded budget is not the one its
+part (the memory-bound operations by group, and what the products, attention and AdamW took in
+the step beyond their times alone); where it has ops_host_ms, also the CPU's time to issue the
+step's work and its share of the measured step. --write records it as capstone_budget in the lab
+file, where the docs read it from (tools/figures.py); --check exits 1 where the recorded budget is not the one its
 measurements give now (a reference run or lab result replaced without --write after it). --lab
-and --reference point at another GPU's files (default: the H200's), --attention-run at the run of capstone_shape to take (default: the shipped build's).
+and --reference point at another GPU's files (default: the H200's), --attention-run at the run of
+capstone_shape to take (default: the shipped build's).
 """
 import argparse
 import json
@@ -94,7 +97,7 @@ def memory_floor(run, tokens, stream_bytes):
     parts = {k: v * layers for k, v in per_layer.items()}
     parts["rmsnorm"] += (R + A) * nd + (2 * R + A) * nd  # the final norm (no residual gradient to add)
     parts["cross-entropy"] = 2 * A * tokens * vocab         # logits read, their gradient written
-    parts["embedding"] = (4 + R) * nd + (R + 2 * 4) * nd  # rows gathered; their gradients added into fp32
+    parts["embedding"] = 2 * R * nd  # its output written, its gradient read (table rows repeat: L2 may hold them)
     return {k: v / 1e9 for k, v in parts.items()}
 
 
@@ -136,23 +139,26 @@ def budget_of(lab, reference, run, attention_run):
     ratio = tokens_per_s * flops_per_token / (run["cublas_bf16_tflops"] * 1e12)
     budget["goal_rest_ms"] = round(kernels_ms * (ratio / GOAL - 1.0), 3)
     # The least the memory-bound operations can cost while each stays a pass of its own, as the
-    # course's modules make them: their bytes at the reference's copy rate, for the run's fp32
-    # residual stream and for a bf16 one (--residual bf16). The kernels plus that floor are the
-    # ceiling of this division of the work; only fusing the operations moves it.
-    copy_gbs = reference["ceilings"][COPY]["value"]
+    # course's modules make them: their bytes at the fastest stream through memory measured on
+    # this GPU (a read-only pass, faster than a copy), for the run's fp32 residual stream and for
+    # a bf16 one (--residual bf16). The kernels plus that floor are the ceiling of this division
+    # of the work; only fusing the operations moves it.
+    stream_gbs = lab["inference"]["decode_pages"]["read_only_gbs"]["pages_in_order"]
     budget["$comment"] += (" memory_floor_f32_stream / memory_floor_bf16_stream: the step's memory-bound operations "
                            "(norms, RoPE, SwiGLU, the residual adds, cross-entropy, the embedding), each one pass "
                            "reading and writing its operands once (bf16 activations, the residual stream in fp32 or "
-                           "bf16), their bytes at copy_gbs (the reference's cudaMemcpy D2D ceiling, bytes read + "
-                           "written) by part, and unfused_ceiling_ratio, the ratio with those passes added to the "
+                           "bf16), their bytes at stream_gbs (the fastest stream through memory measured on this GPU: "
+                           "inference/decode_pages/read_only_gbs/pages_in_order in the lab file, a read-only pass, "
+                           "against the copy rate copy_gbs of the reference's ceilings) by part, and unfused_ceiling_ratio, the ratio with those passes added to the "
                            "kernels alone.")
-    budget["copy_gbs"] = round(copy_gbs, 1)
+    budget["stream_gbs"] = round(stream_gbs, 1)
+    budget["copy_gbs"] = round(reference["ceilings"][COPY]["value"], 1)
     for stream, nbytes in (("f32", 4), ("bf16", 2)):
         parts = memory_floor(run, tokens, nbytes)
-        floor_ms = sum(parts.values()) / copy_gbs * 1e3
+        floor_ms = sum(parts.values()) / stream_gbs * 1e3
         budget[f"memory_floor_{stream}_stream"] = {
             "gb": round(sum(parts.values()), 3),
-            "ms_by_part": {k: round(v / copy_gbs * 1e3, 3) for k, v in parts.items()},
+            "ms_by_part": {k: round(v / stream_gbs * 1e3, 3) for k, v in parts.items()},
             "ms": round(floor_ms, 3),
             "unfused_ceiling_ratio": round(ratio * kernels_ms / (kernels_ms + floor_ms), 4),
         }
