@@ -16,7 +16,9 @@
 # Logs and JSON land in $OUT: log.txt (everything, in order), grade.json, reference.json,
 # tuned_config.h, sgemm_ladder.png, bandwidth.png, attention.png (with torch_attention.json where
 # PyTorch is installed), bench.tar.gz (Google Benchmark JSON per module), decode_sweep.json and
-# decode.png (module 19's decode step time against batch size), and on machines with 2+ GPUs
+# decode.png (module 19's decode step time against batch size), capstone.tar.gz (module 18's
+# reference runs, tools/capstone-runs.sh: K2C_CAPSTONE=0 leaves them out, K2C_CAPSTONE_RUNS="a;b"
+# picks entries), and on machines with 2+ GPUs
 # collectives.json (module 11's sweep on NCCL; collectives4.json and collectives8.json with 4 and
 # 8 GPUs) and part2.tar.gz (modules 12-17's benchmarks on 2 GPUs, plotted). The script prints a short
 # summary last.
@@ -129,6 +131,17 @@ if [ "${K2C_DECODE_SWEEP:-1}" = 1 ] && [ -x "$BUILD/bin/k2c_inference" ]; then
   step "decode sweep (module 19, NCCL, 1 GPU)"
   "$BUILD/bin/k2c" run -np 1 --backend nccl "$BUILD/bin/k2c_inference" --sweep 1,2,4,8,16,32,64,128,256 \
     --context 1024 -j "$OUT/decode_sweep.json" 2>&1 | tee -a "$LOG" | tail -11
+fi
+
+# Module 18: the capstone's reference runs (K2C_CAPSTONE=0: not), by tools/capstone-runs.sh, their
+# summaries packed into capstone.tar.gz for tools/merge_reference.py --capstone. K2C_CAPSTONE_RUNS
+# names the entries to run, separated by ';' (default: every entry this machine's GPUs can hold).
+if [ "${K2C_CAPSTONE:-1}" = 1 ] && [ -x "$BUILD/bin/k2c_capstone" ]; then
+  step "capstone reference runs (module 18)"
+  entries=()
+  [ -n "${K2C_CAPSTONE_RUNS:-}" ] && IFS=';' read -r -a entries <<< "$K2C_CAPSTONE_RUNS"
+  OUT=/tmp/k2c-capstone bash tools/capstone-runs.sh "$BUILD" "${entries[@]}" 2>&1 | tee -a "$LOG" | grep -E "^===|median|failed"
+  tar -czf "$OUT/capstone.tar.gz" -C /tmp/k2c-capstone .
 fi
 
 gpus=$(nvidia-smi -L | wc -l)
