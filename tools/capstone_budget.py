@@ -27,8 +27,8 @@ unfused), for an fp32 and a bf16 residual stream; where the run has ops_in_step_
 part (the memory-bound operations by group, and what the products, attention and AdamW took in
 the step beyond their times alone); where it has ops_host_ms, also the CPU's time to issue the
 step's work and its share of the measured step. --write records it as capstone_budget in the lab
-file, where the docs read it from (tools/figures.py); --check exits 1 where the recorded budget is not the one its
-measurements give now (a reference run or lab result replaced without --write after it). --lab
+file, where the docs read it from (tools/figures.py); --check exits 1 where the recorded budget is
+not the one its measurements give now (a reference run or lab result replaced without --write after it). --lab
 and --reference point at another GPU's files (default: the H200's), --attention-run at the run of
 capstone_shape to take (default: the shipped build's).
 """
@@ -73,14 +73,20 @@ def gemm_step(gemms, layers):
     return ms, tflop
 
 
-def memory_floor(run, tokens, stream_bytes):
-    """The step's memory-bound operations, each one pass over its operands at the copy rate: bytes
-    by part (GB), for a residual stream of stream_bytes a value. Activations are bf16 (the run's
-    --activations bf16); what the products, attention and AdamW move is in their own times."""
+def dense_shape(run):
+    """(d, layers, heads, kv heads, ff, vocab, T) from a dense run's model line."""
     m = re.search(r"d (\d+), (\d+) layers, (\d+) heads \((\d+) kv\), ff (\d+), vocab (\d+), T (\d+)", run["model"])
     if not m:
         raise SystemExit(f"capstone_budget: cannot read the dense model's shape from {run['model']!r}")
-    d, layers, heads, kv, ff, vocab, _ = (int(g) for g in m.groups())
+    return tuple(int(g) for g in m.groups())
+
+
+def memory_floor(run, tokens, stream_bytes):
+    """The bytes (GB) by part that the step's memory-bound operations move, each one pass reading
+    and writing its operands once, for a residual stream of stream_bytes a value. Activations are
+    bf16 (the run's --activations bf16); what the products, attention and AdamW move is in their
+    own times."""
+    d, layers, heads, kv, ff, vocab, _ = dense_shape(run)
     A, R = 2, stream_bytes  # bytes of an activation and of a value of the residual stream
     nd, nkv, nff = tokens * d, tokens * d // heads * kv, tokens * ff
     per_layer = {
@@ -104,10 +110,7 @@ def memory_floor(run, tokens, stream_bytes):
 def budget_of(lab, reference, run, attention_run):
     """The budget (a dict for lab results) from the measurements; KeyError where one is missing."""
     # The step's shape: layers and sequence length from the run's model, tokens from the products.
-    shape = re.search(r"(\d+) layers.*\bT (\d+)", run["model"])
-    if not shape:
-        raise SystemExit(f"capstone_budget: the run's model ({run['model']!r}) names no layers and T")
-    layers, seq = int(shape.group(1)), int(shape.group(2))
+    _, layers, _, _, _, _, seq = dense_shape(run)
     tokens = lab["capstone_gemms"]["q, k, v, o forward"]["M"]
     if tokens % seq:
         raise SystemExit(f"capstone_budget: {tokens} tokens are not whole sequences of {seq}")
@@ -149,15 +152,16 @@ def budget_of(lab, reference, run, attention_run):
                            "reading and writing its operands once (bf16 activations, the residual stream in fp32 or "
                            "bf16), their bytes at stream_gbs (the fastest stream through memory measured on this GPU: "
                            "inference/decode_pages/read_only_gbs/pages_in_order in the lab file, a read-only pass, "
-                           "against the copy rate copy_gbs of the reference's ceilings) by part, and unfused_ceiling_ratio, the ratio with those passes added to the "
-                           "kernels alone.")
+                           "against the copy rate copy_gbs of the reference's ceilings) by part, and "
+                           "unfused_ceiling_ratio, the ratio with those passes added to the kernels alone.")
     budget["stream_gbs"] = round(stream_gbs, 1)
     budget["copy_gbs"] = round(reference["ceilings"][COPY]["value"], 1)
     for stream, nbytes in (("f32", 4), ("bf16", 2)):
         parts = memory_floor(run, tokens, nbytes)
-        floor_ms = sum(parts.values()) / stream_gbs * 1e3
+        gb = sum(parts.values())
+        floor_ms = gb / stream_gbs * 1e3
         budget[f"memory_floor_{stream}_stream"] = {
-            "gb": round(sum(parts.values()), 3),
+            "gb": round(gb, 3),
             "ms_by_part": {k: round(v / stream_gbs * 1e3, 3) for k, v in parts.items()},
             "ms": round(floor_ms, 3),
             "unfused_ceiling_ratio": round(ratio * kernels_ms / (kernels_ms + floor_ms), 4),
