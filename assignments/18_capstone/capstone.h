@@ -157,7 +157,9 @@ class GridTrainer {
  public:
   // Builds the grid over `world` (its size must be config.grid.total()), this rank's stage and
   // its parameters, initialised from config.train.seed so that each rank starts from exactly its
-  // part of the weights one process would make, and the optimizer over them. `ops` computes.
+  // part of the weights one process would make, and the optimizer over them. `ops` computes:
+  // every product and optimizer step of this rank goes through it, and the tests count them there
+  // to see that the grid splits the work (k2c/model/work_counter.h).
   GridTrainer(dist::Communicator& world, model::Ops& ops, const CapstoneConfig& config, const LoaderFactory& data);
   ~GridTrainer();
   GridTrainer(const GridTrainer&) = delete;

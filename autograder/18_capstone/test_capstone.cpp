@@ -31,7 +31,12 @@
 //     tensor in fp32 that the other rounds (measured on attention's output);
 //   - the residual stream in bf16 too: grid 1 bit for bit, as above; dp 2 and pp 2 their first
 //     step, for the same reason as ep 2's;
-//   - on every grid, every rank reports the same bits for the loss and the norm.
+//   - on every grid, every rank reports the same bits for the loss and the norm;
+//   - on every grid, the work each rank hands the backend it was given, counted on the way through
+//     (k2c/model/work_counter.h): the products add up to one process's, every parameter is
+//     stepped, no rank does much more than its share of the batch's products, and where tp, pp or
+//     ep cut the model no rank steps every parameter. A grid that trains the whole model on every
+//     rank, or runs tp, pp or ep as data parallelism, matches the curves but not this.
 // The tolerances are 20 to 40 times the largest differences the reference showed over these
 // grids (loss 1.3e-8 relative, norm 1.5e-7, parameters 2.4e-6 absolute and 2.2e-7 in relative
 // L2, the last at tp 2 × ep 2: rounding differences of fp32 sums that AdamW carries on for 20
@@ -46,6 +51,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -62,6 +68,7 @@
 #include "capstone_testing.h"
 #include "k2c/dist/rank_witness.h"
 #include "k2c/model/dist_testing.h"
+#include "k2c/model/work_counter.h"
 #include "k2c/testing/compare.h"
 #include "k2c/testing/testing.h"
 
@@ -69,10 +76,13 @@ using namespace k2c::capstone_testing;  // the shared configurations, data and t
 
 namespace {
 
-// The single-process run of a configuration: every step's record and the final parameters.
+// The single-process run of a configuration: every step's record, the final parameters, and the
+// work it handed its backend (WorkCounter) in one step.
 struct Reference {
   std::vector<km::StepRecord> steps;
   std::vector<float> values;
+  double flops_per_step = 0;
+  std::int64_t stepped_per_step = 0;
 };
 
 const Reference& reference(Model model) {
@@ -81,15 +91,35 @@ const Reference& reference(Model model) {
   if (it != cache.end()) return it->second;
   const km::TrainConfig c = tiny_config(model);
   const Data& d = tiny_data();
-  km::Trainer trainer(c, km::cpu_ops(), d.loader(c, false, 0, 1), d.loader(c, true, 0, 1));
+  km::WorkCounter counter(km::cpu_ops());
+  km::Trainer trainer(c, counter, d.loader(c, false, 0, 1), d.loader(c, true, 0, 1));
   Reference r;
   for (int s = 0; s < kSteps; ++s) r.steps.push_back(trainer.step());
   r.values.resize(static_cast<std::size_t>(trainer.params().numel()));
   km::cpu_ops().download(r.values.data(), trainer.params().flat_values());
+  r.flops_per_step = counter.flops / kSteps;
+  r.stepped_per_step = counter.stepped / kSteps;
   return cache.emplace(model, std::move(r)).first->second;
 }
 
 enum class Match { bits, loss_bits, tolerance, first_step };
+
+// Every rank's value of a count, in world rank order.
+std::vector<double> on_every_rank(double v) {
+  std::vector<double> all(static_cast<std::size_t>(world().size()));
+  MPI_Allgather(&v, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, MPI_COMM_WORLD);
+  return all;
+}
+
+// The grid split the work of `steps` steps between its ranks as it must (k2c/model/work_counter.h's
+// rule), each rank's work counted by its WorkCounter, against one process's.
+void expect_work_split(const kd::GridShape& shape, const km::WorkCounter& counter, const Reference& ref, int steps) {
+  const std::string problem = km::work_split_problem(
+      shape.dp, shape.tp, shape.pp, shape.ep, on_every_rank(counter.flops),
+      on_every_rank(static_cast<double>(counter.stepped)), ref.flops_per_step * steps,
+      static_cast<double>(ref.stepped_per_step) * steps);
+  EXPECT_EQ(problem, "") << "grid " << kc::grid_name(shape);
+}
 
 // Trains `grid` for kSteps (first_step: one step) and holds it against the single-process
 // reference.
@@ -103,7 +133,8 @@ void expect_grid_matches(const std::string& grid, Model model, int micro_batches
   config.train = tiny_config(model);
   config.grid = shape;
   config.micro_batches = micro_batches;
-  kc::GridTrainer trainer(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+  km::WorkCounter counter(km::cpu_ops());
+  kc::GridTrainer trainer(world(), counter, config, tiny_data().factory(config.train));
   const int steps = match == Match::first_step ? 1 : kSteps;
   for (int s = 0; s < steps; ++s) {
     const km::StepRecord r = trainer.step();
@@ -121,6 +152,7 @@ void expect_grid_matches(const std::string& grid, Model model, int micro_batches
       ASSERT_NEAR(r.grad_norm, w.grad_norm, kNormTol * w.grad_norm) << "step " << s;
     }
   }
+  expect_work_split(shape, counter, ref, steps);
   if (match == Match::first_step) return;
   const std::vector<float> got = trainer.gather_values();
   ASSERT_EQ(got.size(), ref.values.size());
@@ -266,17 +298,21 @@ void grid_case(k2c::dist::testing::RankCase& c) {
     return km::TokenLoader(tokens, static_cast<std::uint32_t>(t.model.vocab),
                            {t.model.seq_len, t.batch, rank, ranks, validation ? 102u : 101u});
   };
-  kc::GridTrainer trainer(world(), km::cpu_ops(), config, data);
+  km::WorkCounter counter(km::cpu_ops());
+  kc::GridTrainer trainer(world(), counter, config, data);
   std::vector<double> head;
   for (int s = 0; s < t.steps; ++s) {
     const km::StepRecord r = trainer.step();
     head.insert(head.end(), {r.loss, r.grad_norm, r.lr});
   }
+  // The steps' work, counted before gather_values() (which may compute, under ZeRO stage 3).
+  const double work[] = {counter.flops, static_cast<double>(counter.stepped)};
   const std::vector<float> values = trainer.gather_values();
-  if (c.out.size() != head.size() * sizeof(double) + values.size() * sizeof(float))
+  if (c.out.size() != head.size() * sizeof(double) + values.size() * sizeof(float) + sizeof work)
     throw std::runtime_error("gather_values() returned " + std::to_string(values.size()) + " values, not what the model has");
   std::memcpy(c.out.data(), head.data(), head.size() * sizeof(double));
   if (!values.empty()) std::memcpy(c.out.data() + head.size() * sizeof(double), values.data(), values.size() * sizeof(float));
+  std::memcpy(c.out.data() + c.out.size() - sizeof work, work, sizeof work);
 }
 }  // namespace
 

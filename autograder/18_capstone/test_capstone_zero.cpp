@@ -22,7 +22,9 @@
 //     nothing promises.
 //   - every stage: the optimizer state is sharded, 8 bytes per parameter over all ranks together,
 //     less than that on each rank when there are several: a capstone that ignored the flag would
-//     match the curve but not this.
+//     match the curve but not this. The ledger that says so is the trainer's own, so the test also
+//     counts what each rank's optimizer steps on its way to the backend (k2c/model/work_counter.h): every
+//     parameter on some rank, and on each rank no more than its shard.
 //   - with clipping at 0.5 (acting on most steps), stage 2 against zero_stage 0, both clipping:
 //     the norms, losses and parameters within the tolerances of the other grids (kNormTol,
 //     kLossTol, kParam*), since Zero adds the shards' sums of squares in its own order.
@@ -40,6 +42,7 @@
 #include <gtest/gtest.h>
 
 #include "capstone_testing.h"
+#include "k2c/model/work_counter.h"
 #include "k2c/testing/compare.h"
 #include "k2c/testing/testing.h"
 
@@ -48,6 +51,9 @@ using namespace k2c::capstone_testing;  // the shared configurations, data and t
 namespace {
 
 constexpr int kEvalBatches = 4;
+// How far over its 1/n of the parameters a rank's shard may be (Zero pads each unit to a multiple
+// of the ranks; the tiny model's units divide evenly, so the reference's shards are exact).
+constexpr double kShardSlack = 1.05;
 
 // residual: the dense model with its activations and residual stream in bf16 instead, and no
 // dropout (a bf16 stream takes none).
@@ -68,13 +74,16 @@ struct Curve {
   double val = 0;
   std::vector<float> values;
   std::size_t optimizer_bytes = 0;
+  std::int64_t stepped = 0;  // parameter elements this rank's optimizer stepped, over all steps
 };
 
 Curve train(int stage, float clip = 0.0f, bool residual = false) {
   const kc::CapstoneConfig config = zero_config(stage, clip, residual);
-  kc::GridTrainer trainer(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+  km::WorkCounter counter(km::cpu_ops());
+  kc::GridTrainer trainer(world(), counter, config, tiny_data().factory(config.train));
   Curve c;
   for (int s = 0; s < kSteps; ++s) c.steps.push_back(trainer.step());
+  c.stepped = counter.stepped;
   c.val = trainer.evaluate(kEvalBatches);
   c.values = trainer.gather_values();
   c.optimizer_bytes = trainer.ledger().current(km::Category::optimizer);
@@ -133,6 +142,16 @@ void expect_stage_matches(int stage, bool residual = false) {
       << "optimizer state over all ranks under zero_stage " << stage;
   if (n > 1)
     EXPECT_LT(got.optimizer_bytes, want.optimizer_bytes) << "zero_stage " << stage << " keeps a whole AdamW state";
+  // The same, as counted on the way to the backend rather than reported by the trainer's ledger:
+  // every parameter stepped on some rank each step, and each rank stepping its shard only (its
+  // 1/n of the model, padded units leaving it a little more).
+  EXPECT_GE(world_sum(got.stepped), want.stepped)
+      << "zero_stage " << stage << ": some parameters were not stepped with the Ops the trainer was given";
+  if (n > 1)
+    EXPECT_LE(static_cast<double>(got.stepped), kShardSlack * static_cast<double>(want.stepped) / n)
+        << "zero_stage " << stage << ": this rank stepped " << got.stepped << " parameter elements in " << kSteps
+        << " steps; its shard, 1/" << n << " of the model's " << want.stepped << ", is at most "
+        << kShardSlack * static_cast<double>(want.stepped) / n;
 }
 
 // What the constructor threw for `c`, or "" if it built a trainer.

@@ -117,9 +117,10 @@ Problem make_problem(int batch, int q_heads, int kv_heads, int head_dim, int pag
   return p;
 }
 
-// Sequence b's output by the double-precision reference, over its keys and values gathered from
-// the pages into [kv_heads][length][head_dim].
-std::vector<double> reference_row(const Problem& p, int b) {
+// Sequence b's output by the double-precision reference, for the query vectors q
+// ([batch][q_heads][head_dim], widened bf16), over its keys and values gathered from the pages
+// into [kv_heads][length][head_dim].
+std::vector<double> reference_row(const Problem& p, const std::vector<float>& q, int b) {
   const inf::DecodeShape& s = p.shape;
   const int L = p.lengths[b], hd = s.head_dim;
   std::vector<float> k(std::size_t(s.kv_heads) * L * hd), v(k.size());
@@ -133,27 +134,33 @@ std::vector<double> reference_row(const Problem& p, int b) {
         v[to + d] = p.v_at(from + d);
       }
     }
-  const std::vector<float> q(p.q.begin() + std::size_t(b) * s.q_heads * hd, p.q.begin() + std::size_t(b + 1) * s.q_heads * hd);
+  const std::vector<float> qb(q.begin() + std::ptrdiff_t(b) * s.q_heads * hd, q.begin() + std::ptrdiff_t(b + 1) * s.q_heads * hd);
   const k2c::ref::AttentionShape shape{1, s.q_heads, s.kv_heads, 1, L, hd, false, 1.0 / std::sqrt(double(hd))};
-  return k2c::ref::attention_forward(q, k, v, shape).o;
+  return k2c::ref::attention_forward(qb, k, v, shape).o;
+}
+
+// Sequence b of `got` (an output, [batch][q_heads][head_dim]) against the reference for the
+// queries q; returns the first disagreement, or "".
+std::string check_sequence(const Problem& p, const std::vector<float>& q, const std::vector<float>& got, int b) {
+  const std::vector<double> want = reference_row(p, q, b);
+  const std::size_t width = std::size_t(p.shape.q_heads) * p.shape.head_dim;
+  double top = 0;
+  for (double w : want) top = std::max(top, std::abs(w));
+  for (std::size_t i = 0; i < width; ++i) {
+    const double g = got[b * width + i];
+    if (!(std::abs(g - want[i]) <= 1e-2 * top + 1e-2 * std::abs(want[i])))
+      return "sequence " + std::to_string(b) + " (length " + std::to_string(p.lengths[b]) + "), query head " +
+             std::to_string(i / p.shape.head_dim) + ", value " + std::to_string(i % p.shape.head_dim) + ": got " +
+             std::to_string(g) + ", want " + std::to_string(want[i]);
+  }
+  return "";
 }
 
 // Outputs of the sequences `rows` against the reference; returns the first disagreement, or "".
 std::string check_rows(const Problem& p, const std::vector<int>& rows) {
   const std::vector<float> got = k2c::to_host(p.o_d);
-  const std::size_t width = std::size_t(p.shape.q_heads) * p.shape.head_dim;
-  for (int b : rows) {
-    const std::vector<double> want = reference_row(p, b);
-    double top = 0;
-    for (double w : want) top = std::max(top, std::abs(w));
-    for (std::size_t i = 0; i < width; ++i) {
-      const double g = got[b * width + i];
-      if (!(std::abs(g - want[i]) <= 1e-2 * top + 1e-2 * std::abs(want[i])))
-        return "sequence " + std::to_string(b) + " (length " + std::to_string(p.lengths[b]) + "), query head " +
-               std::to_string(i / p.shape.head_dim) + ", value " + std::to_string(i % p.shape.head_dim) + ": got " +
-               std::to_string(g) + ", want " + std::to_string(want[i]);
-    }
-  }
+  for (int b : rows)
+    if (std::string wrong = check_sequence(p, p.q, got, b); !wrong.empty()) return wrong;
   return "";
 }
 
@@ -241,20 +248,45 @@ void time_decode(int batch, int length) {
   const std::size_t copy_bytes = std::size_t{1} << 30;
   k2c::DeviceBuffer<char> src(copy_bytes), dst(copy_bytes);
   K2C_CUDA_CHECK(cudaMemset(src.data(), 0x5A, copy_bytes));
-  p.o_d.poison();
+  // Every call, warm-up and timed, gets queries of its own and an output of its own, poisoned, and
+  // every output is checked afterwards: a kernel that computed once and skipped the repeats (the
+  // cache and the page table stay the same from call to call) leaves poison behind.
+  const k2c::TimingOptions options;
+  const int calls = options.warmup + options.repeats;
+  const std::size_t nq = p.q.size();
+  std::vector<std::vector<float>> queries(calls);
+  k2c::DeviceBuffer<bf16> q_all(nq * calls), o_all(nq * calls);
+  for (int c = 0; c < calls; ++c) {
+    queries[c] = random_bf16(nq, "perf" + std::to_string(batch) + "/q" + std::to_string(c), 3.0f);
+    const k2c::DeviceBuffer<bf16> qc = k2c::to_device<bf16>(queries[c]);
+    K2C_CUDA_CHECK(cudaMemcpy(q_all.data() + nq * c, qc.data(), nq * sizeof(bf16), cudaMemcpyDeviceToDevice));
+  }
+  o_all.poison();
+  int call = 0;
   const std::vector<k2c::Timing> t = k2c::time_gpu_interleaved(
-      {[&] { inf::decode_attention_paged(p.shape, p.args(), p.workspace.data()); },
-       [&] { K2C_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice)); }});
+      {[&] {
+         inf::DecodeArgs args = p.args();
+         args.q = q_all.data() + nq * (call % calls);
+         args.o = o_all.data() + nq * (call % calls);
+         ++call;
+         inf::decode_attention_paged(p.shape, args, p.workspace.data());
+       },
+       [&] { K2C_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice)); }},
+      options);
   const double ceiling = 2.0 * static_cast<double>(copy_bytes) / (t[1].median_ms * 1e-3);
   K2C_CUDA_CHECK(cudaDeviceSynchronize());
-  // The timed output, at sequences drawn after timing.
+  ASSERT_EQ(call, calls) << "the timing made another number of calls than its options say";
+  // Each call's output, at a sequence drawn after timing.
   std::mt19937_64 pick(std::random_device{}());
-  std::vector<int> rows;
-  for (int k = 0; k < std::min(batch, 2); ++k) rows.push_back(static_cast<int>(pick() % batch));
-  ASSERT_EQ(check_rows(p, rows), "") << "the timed decode attention is wrong";
+  const std::vector<float> got = k2c::to_host(o_all);
+  for (int c = 0; c < calls; ++c) {
+    const std::vector<float> out(got.begin() + std::ptrdiff_t(nq) * c, got.begin() + std::ptrdiff_t(nq) * (c + 1));
+    ASSERT_EQ(check_sequence(p, queries[c], out, static_cast<int>(pick() % batch)), "")
+        << "call " << c << " of the timed decode attention is wrong";
+  }
   const std::string detail = std::to_string(batch) + " × " + std::to_string(length) +
                              " tokens, 32/8 heads of 128, bf16, pages of 16; median of " + std::to_string(t[0].repeats) +
-                             " runs, each beside a run of the copy";
+                             " runs, each beside a run of the copy, each with queries of its own";
   K2C_EXPECT_PERF(p.cache_bytes() / (t[0].median_ms * 1e-3) / 1e9, ceiling / 1e9, detail);
 }
 

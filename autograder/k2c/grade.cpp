@@ -1119,6 +1119,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
                                  "against the rewritten files. Restore them (git checkout, or a fresh copy) " +
                                  "before grading again.");
       }
+      if (o.after_module) o.after_module(report);
     };
 
     if (intake && !intake->problem_for(spec).empty()) {

@@ -29,6 +29,8 @@
 
 namespace k2c::grader {
 
+struct GradeReport;
+
 struct GradeOptions {
   std::string root;           // course sources
   std::string build_dir;      // default: <root>/build/<impl>
@@ -46,6 +48,10 @@ struct GradeOptions {
   // the default, nobody; "self" to keep root. Ignored when the grader is not root.
   std::string run_as;
   int jobs = 0;
+  // Called with the report so far after each module is graded (not after one that rewrote the
+  // course tree): k2c grade writes its result files there, so that a grader stopped later (a
+  // platform's time limit) leaves the modules it finished.
+  std::function<void(const GradeReport&)> after_module;
 };
 
 struct PerfOutcome {

@@ -61,14 +61,22 @@ bool on_path(const std::string& program) {
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
+// Written beside the destination and renamed over it, so that a grader stopped mid-write (grading
+// writes its results after every module) leaves the previous whole file, never a cut one.
 void write_json(const std::string& path, const json& j) {
   if (path.empty()) return;
   if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path());
-  std::ofstream out(path);
-  // Text from outside the grader reaches a report through valid_utf8 (process.h) or the JSON
-  // parser; the replacing handler is the backstop, so that a byte missed cannot cost the report.
-  out << j.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
-  if (!out) throw std::runtime_error("cannot write " + path);
+  const std::string part = path + ".part";
+  {
+    std::ofstream out(part);
+    // Text from outside the grader reaches a report through valid_utf8 (process.h) or the JSON
+    // parser; the replacing handler is the backstop, so that a byte missed cannot cost the report.
+    out << j.dump(2, ' ', false, json::error_handler_t::replace) << "\n";
+    if (!out.flush()) throw std::runtime_error("cannot write " + part);
+  }
+  std::error_code ec;
+  fs::rename(part, path, ec);
+  if (ec) throw std::runtime_error("cannot write " + path + ": " + ec.message());
 }
 
 // The probe is a small CUDA program built wherever the build has a CUDA toolkit (make build, make
@@ -242,6 +250,17 @@ int main(int argc, char** argv) {
       for (std::string m; std::getline(csv, m, ',');)
         if (!m.empty()) g.modules.push_back(m);
       g.seed = *seed_opt ? seed : std::random_device{}() % 1000000;
+      // The results so far after each module, marked unfinished; the last write is the whole run.
+      g.after_module = [&](const GradeReport& so_far) {
+        const std::string note = "Grading was still running when this was written: it holds the modules up to " +
+                                 so_far.modules.back().id + ".\n\n";
+        json j = to_json(so_far);
+        j["unfinished"] = true;
+        write_json(json_out, j);
+        json gs = to_gradescope(so_far);
+        gs["output"] = note + gs["output"].get<std::string>();
+        write_json(gradescope_out, gs);
+      };
       const GradeReport report = grade(g, std::cerr);
       print_table(report, std::cout);
       write_json(json_out, to_json(report));

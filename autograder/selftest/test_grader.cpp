@@ -923,6 +923,16 @@ TEST(FakeCourse, EachMisbehaviourCostsOnlyItsModule) {
   EXPECT_NE(run.output.find("80_ok"), std::string::npos);
   EXPECT_NE(run.output.find("total"), std::string::npos);
   EXPECT_EQ(report["modules"].size(), 10u);
+  // The results are rewritten after every module (a grader stopped later leaves the modules it
+  // finished, marked unfinished); the last write is the whole run, and no partial file is left.
+  EXPECT_FALSE(report.contains("unfinished"));
+  EXPECT_FALSE(fs::exists(kTmp / "fake_report.json.part"));
+  EXPECT_FALSE(fs::exists(kTmp / "fake_results.json.part"));
+  {
+    std::ifstream gs(kTmp / "fake_results.json");
+    const json results = json::parse(gs);
+    EXPECT_EQ(results["output"].get<std::string>().find("still running"), std::string::npos);
+  }
 
   const std::map<std::string, std::pair<std::string, double>> expected = {
       {"80_ok", {"ok", 10}},           {"81_crash", {"crashed", 0}},

@@ -60,6 +60,7 @@
 #include "k2c/model/train.h"
 #include "k2c/testing/compare.h"
 #include "k2c/model/transformer.h"
+#include "k2c/model/work_counter.h"
 #include "pipeline_harness.h"  // the contract's split of blocks over stages
 #include "rank_cases.h"
 #include "stage.h"             // the layers a stage holds (course code)
@@ -412,7 +413,8 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
     return km::TokenLoader(tokens, static_cast<std::uint32_t>(m.vocab),
                            {m.seq_len, t.batch, 0, 1, validation ? 102u : 101u});
   };
-  km::Trainer trainer(t, km::cpu_ops(), loader(false), loader(true));
+  km::WorkCounter counter(km::cpu_ops());
+  km::Trainer trainer(t, counter, loader(false), loader(true));
   std::vector<km::StepRecord> records;
   for (int s = 0; s < t.steps; ++s) records.push_back(trainer.step());
   std::vector<double> values(static_cast<std::size_t>(trainer.params().numel()));
@@ -420,8 +422,12 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
     const std::vector<float> v = host(km::cpu_ops(), trainer.params().flat_values());
     values.assign(v.begin(), v.end());
   }
-  const std::size_t head = 3 * sizeof(double) * t.steps;
-  c.out_bytes.assign(n, head + values.size() * sizeof(float));
+  // After the steps' records and the parameters, each rank's count of its steps' work (products'
+  // FLOPs and parameter elements stepped, k2c/model/work_counter.h), held to the grid's split of
+  // one process's.
+  const std::size_t head = 3 * sizeof(double) * t.steps, work = head + values.size() * sizeof(float);
+  c.out_bytes.assign(n, work + 2 * sizeof(double));
+  const double one_flops = counter.flops, one_stepped = static_cast<double>(counter.stepped);
 
   const Match match = g->match;
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
@@ -453,7 +459,12 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
       const k2c::CompareReport rep = k2c::compare(v, values, {5e-5, 1e-4, 5e-6});
       if (!rep.ok) return rank + ": the parameters after " + count(static_cast<int>(records.size()), "step") + ": " + rep.summary();
     }
-    return "";
+    std::vector<double> flops(n), stepped(n);
+    for (int r = 0; r < n; ++r) {
+      std::memcpy(&flops[r], got[r].data() + work, sizeof(double));
+      std::memcpy(&stepped[r], got[r].data() + work + sizeof(double), sizeof(double));
+    }
+    return km::work_split_problem(g->dp, g->tp, g->pp, g->ep, flops, stepped, one_flops, one_stepped);
   };
   return c;
 }
