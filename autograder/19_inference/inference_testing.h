@@ -20,6 +20,7 @@
 #include "k2c/dist/testing.h"
 #include "k2c/model/testing.h"
 #include "k2c/model/transformer.h"
+#include "k2c/model/work_counter.h"
 #include "k2c/reference/reference.h"
 #include "k2c/testing/compare.h"
 #include "k2c/testing/testing.h"
@@ -177,9 +178,18 @@ struct Generated {
   std::vector<std::vector<Host>> logits;
 };
 
+// One decode call's products, as the WorkCounter under the engine's backend counted them, and its
+// sequences' lengths after it.
+struct DecodeCall {
+  double flops = 0;
+  std::vector<std::int64_t> lengths;
+};
+
 // Prompts prefilled together, then decode steps of every request not yet done, until request i
-// has outputs[i] tokens.
-inline Generated generate(inf::Engine& engine, Side& s, const std::vector<Ids>& prompts, const std::vector<int>& outputs) {
+// has outputs[i] tokens. With `counter` (the engine's backend, counting) each decode call's work
+// goes to `calls`.
+inline Generated generate(inf::Engine& engine, Side& s, const std::vector<Ids>& prompts, const std::vector<int>& outputs,
+                          const km::WorkCounter* counter = nullptr, std::vector<DecodeCall>* calls = nullptr) {
   const std::size_t n = prompts.size();
   const std::int64_t V = engine.model().vocab;
   Generated g;
@@ -206,7 +216,13 @@ inline Generated generate(inf::Engine& engine, Side& s, const std::vector<Ids>& 
         who.push_back(i);
       }
     if (active.empty()) break;
+    const double before = counter ? counter->flops : 0.0;
     step = engine.decode(active, last);
+    if (counter && calls) {
+      DecodeCall c{counter->flops - before, {}};
+      for (int seq : active) c.lengths.push_back(engine.cache().length(seq));
+      calls->push_back(std::move(c));
+    }
   }
   for (int seq : seqs) engine.cache().release(seq);
   return g;

@@ -347,9 +347,30 @@ TEST_F(Inference, PagedEqualsContiguous) {
 // Part C: the engine
 
 
+namespace {
+
+// The reference engine's decode calls do exactly the allowance below without it (0.8 of it with).
+constexpr double kDecodeSlack = 1.25;
+
+// The products one decode call may do: for each of its sequences, the model's matrices once (one
+// new token through every block and the head: 2 FLOPs a weight) and attention of one query over
+// its cached positions (4·d a position and layer), with kDecodeSlack of room. Recomputing the
+// sequence instead, as a decode without its cache would, does the matrices once per position.
+double decode_allowance(const km::ModelConfig& m, const std::vector<std::int64_t>& lengths) {
+  const double hd = static_cast<double>(m.d_model) / m.q_heads, kv = m.kv_heads * hd;
+  const double block = 2.0 * m.d_model * m.d_model + 2.0 * kv * m.d_model + 3.0 * m.d_ff * m.d_model;
+  const double per_token = 2.0 * (m.n_layers * block + static_cast<double>(m.vocab) * m.d_model);
+  double allowed = 0;
+  for (std::int64_t length : lengths) allowed += per_token + 4.0 * m.n_layers * m.d_model * static_cast<double>(length);
+  return kDecodeSlack * allowed;
+}
+
+}  // namespace
+
 TEST_F(Inference, DecodeMatchesRecompute) {
   const km::ModelConfig m = serving_model();
-  Served s(m);
+  km::WorkCounter counter(km::cpu_ops());
+  Served s(m, counter);
   const std::vector<Ids> prompts = {random_prompt(1, m.vocab, "p0"), random_prompt(7, m.vocab, "p1"),
                                     random_prompt(12, m.vocab, "p2")};
   const std::vector<int> outputs = {9, 4, 14};
@@ -357,7 +378,16 @@ TEST_F(Inference, DecodeMatchesRecompute) {
   for (int split : {m.seq_len, 5, 1}) {
     SCOPED_TRACE("split_tokens " + std::to_string(split));
     inf::Engine engine(s.ctx, m, 32, 4, split);
-    const Generated g = generate(engine, s, prompts, outputs);
+    std::vector<DecodeCall> calls;
+    const Generated g = generate(engine, s, prompts, outputs, &counter, &calls);
+    // Each decode call reads its cache instead of recomputing the sequence (k2c/model/work_counter.h
+    // counts the products that reach the backend the engine was given).
+    for (std::size_t c = 0; c < calls.size(); ++c) {
+      const double allowed = decode_allowance(m, calls[c].lengths);
+      EXPECT_LE(calls[c].flops, allowed) << "decode call " << c << " did " << calls[c].flops
+                                         << " FLOPs of products, over the " << allowed
+                                         << " a step through the cache takes: is the sequence recomputed?";
+    }
     for (std::size_t i = 0; i < prompts.size(); ++i) {
       ASSERT_EQ(static_cast<int>(g.tokens[i].size()), outputs[i]);
       Ids fed = prompts[i];
@@ -558,7 +588,8 @@ K2C_RANK_WITNESS(engine_decode) {
   const std::vector<std::int32_t> sizes = take<std::int32_t>(c, at, 2 * std::int64_t{R});
   std::vector<Ids> fed;
   for (int r = 0; r < R; ++r) fed.push_back(take<std::int32_t>(c, at, std::int64_t{sizes[2 * r]} + sizes[2 * r + 1] - 1));
-  Side s;
+  km::WorkCounter counter(km::cpu_ops());
+  Side s(counter);
   const km::Transformer transformer(s.params, m);
   s.materialize(static_cast<std::uint64_t>(c.args[12]));
   inf::Engine engine(s.ctx, m, static_cast<int>(c.args[0]), static_cast<int>(c.args[1]), static_cast<int>(c.args[2]));
@@ -572,6 +603,7 @@ K2C_RANK_WITNESS(engine_decode) {
   }
   // Each step's greedy tokens must be a largest logit of their own rows (the checker judges the
   // rows): a step whose tokens are not answers with its logits poisoned, which the checker fails.
+  // So does a decode call that did more products than a step through the cache takes.
   bool greedy = true;
   auto take_step = [&](const inf::Step& step, Host& into) {
     const Host rows = s.download(step.logits);
@@ -591,7 +623,13 @@ K2C_RANK_WITNESS(engine_decode) {
     Ids next;
     for (int r = 0; r < R; ++r)
       if (j < sizes[2 * r + 1]) running.push_back(seqs[r]), next.push_back(fed[r][static_cast<std::size_t>(sizes[2 * r] - 1 + j)]);
+    const double before = counter.flops;
     take_step(engine.decode(running, next), out);
+    // A decode call must step through the cache, not recompute (DecodeMatchesRecompute's bound):
+    // one that did more answers with its logits poisoned too.
+    std::vector<std::int64_t> lengths;
+    for (int seq : running) lengths.push_back(engine.cache().length(seq));
+    greedy = greedy && counter.flops - before <= decode_allowance(m, lengths);
   }
   if (!greedy) std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
   answer(c, out);
@@ -650,7 +688,8 @@ void serving_case(k2c::dist::testing::RankCase& c, bool disaggregated) {
     q.output_len = sizes[1];
     trace.push_back(std::move(q));
   }
-  Side s;
+  km::WorkCounter counter(km::cpu_ops());
+  Side s(counter);
   const km::Transformer transformer(s.params, m);
   s.materialize(static_cast<std::uint64_t>(c.args[12]));
   inf::Engine engine(s.ctx, m, static_cast<int>(c.args[0]), static_cast<int>(c.args[1]), static_cast<int>(c.args[2]));
