@@ -141,10 +141,16 @@ def grade(k2c, args, student, out):
     if status == 1 and "changed while grading" in text:
         return None, "the course tree changed while grading: " + text.strip().splitlines()[-1], True
     try:
-        return json.loads(report_path.read_text()), "", False
+        report = json.loads(report_path.read_text())
     except (OSError, json.JSONDecodeError):
+        report = None
+    if report is None or report.get("unfinished"):
+        # k2c rewrites the report after each module; one marked unfinished is from a run that
+        # stopped before the end, and is no grade.
+        report_path.unlink(missing_ok=True)
         last = text.strip().splitlines()[-1] if text.strip() else "no output"
-        return None, f"k2c exited with status {status} and wrote no report ({last})", False
+        return None, f"k2c exited with status {status} and wrote no whole report ({last})", False
+    return report, "", False
 
 
 def main():
@@ -176,10 +182,12 @@ def grade_all(k2c, args, found, copies, passed_over, out):
         kept = out / "reports" / f"{student.name}.json"
         if kept.is_file() and not args.regrade:
             try:
-                reports[student.name] = json.loads(kept.read_text())
-                print(f"{tag}: kept from an earlier run ({reports[student.name]['points']:g} points)", flush=True)
-                continue
-            except (json.JSONDecodeError, KeyError):
+                report = json.loads(kept.read_text())
+                if not report.get("unfinished"):  # a run that stopped early is graded again
+                    reports[student.name] = report
+                    print(f"{tag}: kept from an earlier run ({report['points']:g} points)", flush=True)
+                    continue
+            except (json.JSONDecodeError, KeyError, AttributeError):
                 pass  # unreadable: graded again
         if isinstance(copy, str):  # the upload could not be copied
             problems[student.name] = copy

@@ -34,8 +34,8 @@
 //   - on every grid, every rank reports the same bits for the loss and the norm;
 //   - on every grid, the work each rank hands the backend it was given, counted on the way through
 //     (k2c/model/work_counter.h): the products add up to one process's, every parameter is
-//     stepped, no rank does much more than its share of the batch's products, and where tp, pp or
-//     ep cut the model no rank steps every parameter. A grid that trains the whole model on every
+//     stepped, no rank does much more than its dp share of the products, and where tp, pp or ep
+//     cut the model no rank steps every parameter. A grid that trains the whole model on every
 //     rank, or runs tp, pp or ep as data parallelism, matches the curves but not this.
 // The tolerances are 20 to 40 times the largest differences the reference showed over these
 // grids (loss 1.3e-8 relative, norm 1.5e-7, parameters 2.4e-6 absolute and 2.2e-7 in relative
@@ -97,8 +97,8 @@ const Reference& reference(Model model) {
   for (int s = 0; s < kSteps; ++s) r.steps.push_back(trainer.step());
   r.values.resize(static_cast<std::size_t>(trainer.params().numel()));
   km::cpu_ops().download(r.values.data(), trainer.params().flat_values());
-  r.flops_per_step = counter.flops / kSteps;
-  r.stepped_per_step = counter.stepped / kSteps;
+  r.flops_per_step = counter.flops() / kSteps;
+  r.stepped_per_step = counter.stepped() / kSteps;
   return cache.emplace(model, std::move(r)).first->second;
 }
 
@@ -115,8 +115,8 @@ std::vector<double> on_every_rank(double v) {
 // rule), each rank's work counted by its WorkCounter, against one process's.
 void expect_work_split(const kd::GridShape& shape, const km::WorkCounter& counter, const Reference& ref, int steps) {
   const std::string problem = km::work_split_problem(
-      shape.dp, shape.tp, shape.pp, shape.ep, on_every_rank(counter.flops),
-      on_every_rank(static_cast<double>(counter.stepped)), ref.flops_per_step * steps,
+      shape.dp, shape.tp, shape.pp, shape.ep, on_every_rank(counter.flops()),
+      on_every_rank(static_cast<double>(counter.stepped())), ref.flops_per_step * steps,
       static_cast<double>(ref.stepped_per_step) * steps);
   EXPECT_EQ(problem, "") << "grid " << kc::grid_name(shape);
 }
@@ -306,7 +306,7 @@ void grid_case(k2c::dist::testing::RankCase& c) {
     head.insert(head.end(), {r.loss, r.grad_norm, r.lr});
   }
   // The steps' work, counted before gather_values() (which may compute, under ZeRO stage 3).
-  const double work[] = {counter.flops, static_cast<double>(counter.stepped)};
+  const double work[] = {counter.flops(), static_cast<double>(counter.stepped())};
   const std::vector<float> values = trainer.gather_values();
   if (c.out.size() != head.size() * sizeof(double) + values.size() * sizeof(float) + sizeof work)
     throw std::runtime_error("gather_values() returned " + std::to_string(values.size()) + " values, not what the model has");

@@ -216,10 +216,10 @@ inline Generated generate(inf::Engine& engine, Side& s, const std::vector<Ids>& 
         who.push_back(i);
       }
     if (active.empty()) break;
-    const double before = counter ? counter->flops : 0.0;
+    const double before = counter ? counter->flops() : 0.0;
     step = engine.decode(active, last);
     if (counter && calls) {
-      DecodeCall c{counter->flops - before, {}};
+      DecodeCall c{counter->flops() - before, {}};
       for (int seq : active) c.lengths.push_back(engine.cache().length(seq));
       calls->push_back(std::move(c));
     }

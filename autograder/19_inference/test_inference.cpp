@@ -623,13 +623,13 @@ K2C_RANK_WITNESS(engine_decode) {
     Ids next;
     for (int r = 0; r < R; ++r)
       if (j < sizes[2 * r + 1]) running.push_back(seqs[r]), next.push_back(fed[r][static_cast<std::size_t>(sizes[2 * r] - 1 + j)]);
-    const double before = counter.flops;
+    const double before = counter.flops();
     take_step(engine.decode(running, next), out);
     // A decode call must step through the cache, not recompute (DecodeMatchesRecompute's bound):
     // one that did more answers with its logits poisoned too.
     std::vector<std::int64_t> lengths;
     for (int seq : running) lengths.push_back(engine.cache().length(seq));
-    greedy = greedy && counter.flops - before <= decode_allowance(m, lengths);
+    greedy = greedy && counter.flops() - before <= decode_allowance(m, lengths);
   }
   if (!greedy) std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
   answer(c, out);

@@ -963,6 +963,7 @@ json find_reference(const std::string& dir, const std::string& gpu, std::string*
 }
 
 GradeReport grade(const GradeOptions& o, std::ostream& progress) {
+  const auto grading_began = std::chrono::steady_clock::now();
   // What a run leaves behind in a session of its own becomes the grader's child, so it is found
   // and killed after the run even when it wiped its environment (and with it the run's mark).
   adopt_orphans();
@@ -1122,6 +1123,14 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       if (o.after_module) o.after_module(report);
     };
 
+    if (o.deadline_s > 0 &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - grading_began).count() >= o.deadline_s) {
+      m.status = "not graded";
+      m.detail = "grading's time (--deadline " + std::to_string(static_cast<long long>(o.deadline_s)) +
+                 " s) ran out before this module began";
+      finish(m);
+      continue;
+    }
     if (intake && !intake->problem_for(spec).empty()) {
       m.status = "refused";
       m.detail = "submission " + intake->problem_for(spec);

@@ -48,6 +48,10 @@ struct GradeOptions {
   // the default, nobody; "self" to keep root. Ignored when the grader is not root.
   std::string run_as;
   int jobs = 0;
+  // > 0: seconds from the start of grading after which no further module begins; the modules
+  // left are reported "not graded" (0 points) and the results written, before a platform's own
+  // time limit stops the grader with nothing reported.
+  double deadline_s = 0;
   // Called with the report so far after each module is graded (not after one that rewrote the
   // course tree): k2c grade writes its result files there, so that a grader stopped later (a
   // platform's time limit) leaves the modules it finished.

@@ -1,7 +1,7 @@
 // main.cpp — the k2c command line: grade, info, ceilings, bench, handout.
 //
 //   k2c grade [--impl assignments|solutions] [--modules 00,01] [--submission DIR] [--seed N]
-//             [--timeout S] [--sanitize] [--json FILE] [--gradescope FILE] [--write-reference FILE]
+//             [--timeout S] [--sanitize] [--json FILE] [--gradescope FILE] [--deadline S] [--write-reference FILE]
 //   k2c info                 devices, toolkit, and what can be graded here
 //   k2c ceilings [--json F]  the ceilings every threshold is measured against, on this GPU
 //   k2c bench [--filter RE]  every module's Google Benchmark sweep, JSON under build/bench/
@@ -197,6 +197,10 @@ int main(int argc, char** argv) {
                       "the same --build-dir recompiles only what changed)");
   grade_cmd->add_option("--json", json_out, "write the full report as JSON");
   grade_cmd->add_option("--gradescope", gradescope_out, "write Gradescope's results.json");
+  grade_cmd->add_option("--deadline", g.deadline_s,
+                        "seconds after which no further module begins (the rest: not graded); set it below "
+                        "the grading platform's own time limit by the longest module's time")
+      ->check(CLI::NonNegativeNumber);
   grade_cmd->add_option("--write-reference", reference_out, "write this run's figures as reference timings");
   grade_cmd->add_option("--build-dir", g.build_dir, "build tree (default: <root>/build/<impl>)");
   grade_cmd->add_option("--rubric", g.rubric_path, "rubric (default: <root>/autograder/rubric.json)");
@@ -251,17 +255,32 @@ int main(int argc, char** argv) {
         if (!m.empty()) g.modules.push_back(m);
       g.seed = *seed_opt ? seed : std::random_device{}() % 1000000;
       // The results so far after each module, marked unfinished; the last write is the whole run.
+      // Best effort: a file that cannot be written now stops nothing (the final write still must).
       g.after_module = [&](const GradeReport& so_far) {
-        const std::string note = "Grading was still running when this was written: it holds the modules up to " +
-                                 so_far.modules.back().id + ".\n\n";
-        json j = to_json(so_far);
-        j["unfinished"] = true;
-        write_json(json_out, j);
-        json gs = to_gradescope(so_far);
-        gs["output"] = note + gs["output"].get<std::string>();
-        write_json(gradescope_out, gs);
+        try {
+          const std::string note = "Grading was still running when this was written: it holds the modules up to " +
+                                   so_far.modules.back().id + ".\n\n";
+          json j = to_json(so_far);
+          j["unfinished"] = true;
+          write_json(json_out, j);
+          json gs = to_gradescope(so_far);
+          gs["output"] = note + gs["output"].get<std::string>();
+          write_json(gradescope_out, gs);
+        } catch (const std::exception& e) {
+          std::cerr << "k2c: the results so far were not written: " << e.what() << "\n";
+        }
       };
-      const GradeReport report = grade(g, std::cerr);
+      GradeReport report;
+      try {
+        report = grade(g, std::cerr);
+      } catch (...) {
+        // A run that ends on an error (the course rewritten under it, a bad submission folder)
+        // leaves no results: what was written so far must not stand as a grade.
+        std::error_code ignored;
+        for (const std::string& path : {json_out, gradescope_out})
+          if (!path.empty()) fs::remove(path, ignored);
+        throw;
+      }
       print_table(report, std::cout);
       write_json(json_out, to_json(report));
       write_json(gradescope_out, to_gradescope(report));

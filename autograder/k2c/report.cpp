@@ -17,7 +17,7 @@ namespace k2c::grader {
 
 // Verdicts that void a whole module, shown instead of per-test results.
 static const std::set<std::string> kModuleLevel = {"crashed", "timed out",    "no report", "incomplete",
-                                                   "invalid", "build failed", "refused"};
+                                                   "invalid", "build failed", "refused",   "not graded"};
 
 static std::string fmt(double v, int precision = 3) {
   std::ostringstream os;

@@ -901,6 +901,27 @@ TEST(Process, CompilesAsAnotherUserWhoCannotReadRootsFiles) {
 
 // One test, because CTest runs every test in its own process and grading the fake course means
 // building it: the checks below share that one grading run.
+// --deadline: once grading has run that long no further module begins; the rest are reported
+// "not graded" with 0 points, and grading ends normally with its results written.
+TEST(FakeCourse, ModulesPastTheDeadlineAreNotGraded) {
+  const fs::path build = kTmp / "fake_build_deadline";
+  fs::remove_all(build);
+  const ProcessResult run = k2c::grader::run_process(
+      {K2C_BIN, "--root", kFake.string(), "grade", "--rubric", (kFake / "rubric.json").string(), "--build-dir",
+       build.string(), "--seed", "1", "--modules", "80", "--deadline", "0.001", "--json",
+       (kTmp / "deadline_report.json").string()},
+      {.timeout_s = 600});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  std::ifstream in(kTmp / "deadline_report.json");
+  ASSERT_TRUE(in) << run.output;
+  const json report = json::parse(in);
+  ASSERT_EQ(report["modules"].size(), 1u);
+  EXPECT_EQ(report["modules"][0]["status"], "not graded");
+  EXPECT_EQ(report["modules"][0]["points"], 0);
+  EXPECT_NE(report["modules"][0]["detail"].get<std::string>().find("--deadline"), std::string::npos);
+  EXPECT_FALSE(report.contains("unfinished"));
+}
+
 TEST(FakeCourse, EachMisbehaviourCostsOnlyItsModule) {
   const fs::path build = kTmp / "fake_build";
   fs::remove_all(build);

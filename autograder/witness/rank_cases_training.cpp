@@ -427,7 +427,7 @@ Case draw_capstone(const std::string& kind, int n, int index, std::mt19937_64& r
   // one process's.
   const std::size_t head = 3 * sizeof(double) * t.steps, work = head + values.size() * sizeof(float);
   c.out_bytes.assign(n, work + 2 * sizeof(double));
-  const double one_flops = counter.flops, one_stepped = static_cast<double>(counter.stepped);
+  const double one_flops = counter.flops(), one_stepped = static_cast<double>(counter.stepped());
 
   const Match match = g->match;
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
