@@ -688,8 +688,7 @@ void serving_case(k2c::dist::testing::RankCase& c, bool disaggregated) {
     q.output_len = sizes[1];
     trace.push_back(std::move(q));
   }
-  km::WorkCounter counter(km::cpu_ops());
-  Side s(counter);
+  Side s;
   const km::Transformer transformer(s.params, m);
   s.materialize(static_cast<std::uint64_t>(c.args[12]));
   inf::Engine engine(s.ctx, m, static_cast<int>(c.args[0]), static_cast<int>(c.args[1]), static_cast<int>(c.args[2]));
