@@ -10,6 +10,7 @@
 // launch per expert for every step, an unfused router, scatter-adds).
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -148,78 +149,111 @@ TEST(MoeGroupedPerf, PortableUpProjection) {
   expect_grouped_rate(true, false, 40, false);
 }
 
-// The layer's forward + backward at the module's shape against the naive layer in the same
-// run; both outputs are compared at sampled tokens. Rate: the layer's FLOPs per second.
+// One call of the layer's speed test: inputs, outputs and routing of its own.
+struct LayerCall {
+  k2c::DeviceBuffer<bf16> x, dy, y, dx;
+  k2c::DeviceBuffer<float> logits, scores, weight;
+  k2c::DeviceBuffer<int> expert, counts;
+};
+
+// The layer's forward + backward at the module's shape against the naive layer in the same run.
+// Every call, warm-up and timed, gets inputs of its own and outputs of its own, poisoned, and each
+// call's outputs are compared with the naive layer's on the same inputs at sampled tokens: a layer
+// that computed once and skipped the repeats leaves poison behind. Rate: the layer's FLOPs per
+// second.
 TEST(MoeLayerPerf, ForwardBackward) {
   K2C_REQUIRE_TIMING();
   const moe::RouterConfig c{kExperts, kTopK, moe::Score::softmax, 1, 1, false, 1.0f};
   const int T = kTokens, d = kHidden, f = kFfn, sf = kSharedFfn, E = kExperts;
+  const std::size_t Td = static_cast<std::size_t>(T) * d;
   // Device-side random data: the host reference is far too slow at this size.
-  k2c::DeviceBuffer<bf16> x(static_cast<std::size_t>(T) * d), dy(x.size()), w_router(static_cast<std::size_t>(E) * d),
-      w13(static_cast<std::size_t>(E) * 2 * f * d), w2(static_cast<std::size_t>(E) * d * f),
-      sw13(static_cast<std::size_t>(2) * sf * d), sw2(static_cast<std::size_t>(d) * sf), y(x.size()), dx(x.size());
-  k2c::fill_uniform_device(x.data(), x.size(), seed_for("layer x"));
-  k2c::fill_uniform_device(dy.data(), dy.size(), seed_for("layer dy"));
+  k2c::DeviceBuffer<bf16> w_router(static_cast<std::size_t>(E) * d), w13(static_cast<std::size_t>(E) * 2 * f * d),
+      w2(static_cast<std::size_t>(E) * d * f), sw13(static_cast<std::size_t>(2) * sf * d), sw2(static_cast<std::size_t>(d) * sf);
   k2c::fill_uniform_device(w_router.data(), w_router.size(), seed_for("layer wr"), -0.1f, 0.1f);
   k2c::fill_uniform_device(w13.data(), w13.size(), seed_for("layer w13"), -0.066f, 0.066f);
   k2c::fill_uniform_device(w2.data(), w2.size(), seed_for("layer w2"), -0.08f, 0.08f);
   k2c::fill_uniform_device(sw13.data(), sw13.size(), seed_for("layer sw13"), -0.066f, 0.066f);
   k2c::fill_uniform_device(sw2.data(), sw2.size(), seed_for("layer sw2"), -0.056f, 0.056f);
-  k2c::DeviceBuffer<float> logits(static_cast<std::size_t>(T) * E), scores(logits.size()), weight(static_cast<std::size_t>(T) * kTopK),
-      g_router(w_router.size()), g13(w13.size()), g2(w2.size()), gs13(sw13.size()), gs2(sw2.size());
-  k2c::DeviceBuffer<int> expert(static_cast<std::size_t>(T) * kTopK), counts(E);
+  k2c::DeviceBuffer<float> g_router(w_router.size()), g13(w13.size()), g2(w2.size()), gs13(sw13.size()), gs2(sw2.size());
   const moe::Layer layer{c, d, f, sf, -1, w_router.data(), nullptr, w13.data(), w2.data(), sw13.data(), sw2.data()};
   k2c::DeviceBuffer<char> saved(moe::forward_workspace_bytes(layer, T)), work(moe::backward_workspace_bytes(layer, T));
-  const moe::Routing r{logits.data(), scores.data(), expert.data(), weight.data(), counts.data()};
   const moe::Grads g{g_router.data(), g13.data(), g2.data(), gs13.data(), gs2.data()};
+  const k2c::TimingOptions options{.warmup = 1, .repeats = 5};
+  const int calls = options.warmup + options.repeats;
+  std::vector<LayerCall> set;
+  for (int i = 0; i < calls; ++i) {
+    const std::size_t Te = static_cast<std::size_t>(T) * E, Tk = static_cast<std::size_t>(T) * kTopK;
+    LayerCall& k = set.emplace_back(LayerCall{k2c::DeviceBuffer<bf16>(Td), k2c::DeviceBuffer<bf16>(Td),
+                                              k2c::DeviceBuffer<bf16>(Td), k2c::DeviceBuffer<bf16>(Td),
+                                              k2c::DeviceBuffer<float>(Te), k2c::DeviceBuffer<float>(Te),
+                                              k2c::DeviceBuffer<float>(Tk), k2c::DeviceBuffer<int>(Tk),
+                                              k2c::DeviceBuffer<int>(E)});
+    k2c::fill_uniform_device(k.x.data(), Td, seed_for("layer x " + std::to_string(i)));
+    k2c::fill_uniform_device(k.dy.data(), Td, seed_for("layer dy " + std::to_string(i)));
+    k.y.poison();
+    k.dx.poison();
+  }
+  int call = 0;
   auto step = [&] {
-    moe::forward(layer, T, x.data(), y.data(), r, saved.data());
-    moe::backward(layer, T, x.data(), dy.data(), r, saved.data(), nullptr, dx.data(), g, work.data());
+    LayerCall& k = set[call++ % calls];
+    const moe::Routing r{k.logits.data(), k.scores.data(), k.expert.data(), k.weight.data(), k.counts.data()};
+    moe::forward(layer, T, k.x.data(), k.y.data(), r, saved.data());
+    moe::backward(layer, T, k.x.data(), k.dy.data(), r, saved.data(), nullptr, k.dx.data(), g, work.data());
   };
-  k2c::baseline::NaiveMoe naive({T, d, f, sf, E, kTopK, x.data(), dy.data(), w_router.data(), w13.data(), w2.data(),
-                                 sw13.data(), sw2.data()});
-  y.poison();
-  dx.poison();
-  step();
-  naive.step();
+  const k2c::Timing ours = k2c::time_gpu(step, options);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  record_loads(counts.download());
-  // Both layers' y and dx at sampled tokens: two bf16 pipelines of the same sums. The two compute
-  // the logits in different orders, so a token at a near tie may choose differently; such tokens
-  // (their y and dx depend on their own choice only) are left out, and must be rare.
-  const std::vector<int> ours_e = expert.download(), theirs_e = naive.expert();
-  std::vector<bool> same(T, true);
-  int differ = 0;
-  for (int t = 0; t < T; ++t) {
-    std::vector<int> a(ours_e.begin() + t * kTopK, ours_e.begin() + (t + 1) * kTopK);
-    std::vector<int> b(theirs_e.begin() + t * kTopK, theirs_e.begin() + (t + 1) * kTopK);
-    std::sort(a.begin(), a.end());
-    std::sort(b.begin(), b.end());
-    if (a != b) same[t] = false, ++differ;
-  }
-  EXPECT_LE(differ, T / 1000) << "tokens routed differently from the naive layer";
-  for (auto [what, ours, theirs] : {std::tuple{"y", k2c::to_host(y), naive.y()}, {"dx", k2c::to_host(dx), naive.dx()}}) {
-    double sq = 0;
-    for (float v : theirs) sq += static_cast<double>(v) * v;
-    const double rms = std::sqrt(sq / theirs.size());
-    std::mt19937_64 rng(seed_for("layer samples"));
-    std::size_t bad = 0;
-    for (int i = 0; i < 4096; ++i) {
-      const std::size_t at = rng() % ours.size();
-      if (!same[at / d]) continue;
-      if (!(std::abs(ours[at] - theirs[at]) <= 0x1p-6 * std::abs(theirs[at]) + 0x1p-4 * rms)) ++bad;
+  ASSERT_EQ(call, calls) << "the timing made another number of calls than its options say";
+  record_loads(set.back().counts.download());
+  auto naive_for = [&](const LayerCall& k) {
+    return std::make_unique<k2c::baseline::NaiveMoe>(k2c::baseline::MoeProblem{
+        T, d, f, sf, E, kTopK, k.x.data(), k.dy.data(), w_router.data(), w13.data(), w2.data(), sw13.data(), sw2.data()});
+  };
+  const auto timed_naive = naive_for(set[0]);
+  const k2c::Timing base = k2c::time_gpu([&] { timed_naive->step(); }, {.warmup = 1, .repeats = 3});
+  // Each call's y and dx against the naive layer's at sampled tokens: two bf16 pipelines of the
+  // same sums. The two compute the logits in different orders, so a token at a near tie may choose
+  // differently; such tokens (their y and dx depend on their own choice only) are left out, and
+  // must be rare.
+  for (int i = 0; i < calls; ++i) {
+    std::unique_ptr<k2c::baseline::NaiveMoe> naive;
+    if (i > 0) (naive = naive_for(set[i]))->step();
+    const k2c::baseline::NaiveMoe& theirs_layer = i == 0 ? *timed_naive : *naive;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int> ours_e = set[i].expert.download(), theirs_e = theirs_layer.expert();
+    std::vector<bool> same(T, true);
+    int differ = 0;
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> a(ours_e.begin() + t * kTopK, ours_e.begin() + (t + 1) * kTopK);
+      std::vector<int> b(theirs_e.begin() + t * kTopK, theirs_e.begin() + (t + 1) * kTopK);
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      if (a != b) same[t] = false, ++differ;
     }
-    EXPECT_EQ(bad, 0u) << what << " differs from the naive layer's at sampled elements";
+    EXPECT_LE(differ, T / 1000) << "call " << i << ": tokens routed differently from the naive layer";
+    for (auto [what, got, want] :
+         {std::tuple{"y", k2c::to_host(set[i].y), theirs_layer.y()}, {"dx", k2c::to_host(set[i].dx), theirs_layer.dx()}}) {
+      double sq = 0;
+      for (float v : want) sq += static_cast<double>(v) * v;
+      const double rms = std::sqrt(sq / want.size());
+      std::mt19937_64 rng(seed_for("layer samples " + std::to_string(i)));
+      std::size_t bad = 0;
+      for (int s = 0; s < 4096; ++s) {
+        const std::size_t at = rng() % got.size();
+        if (!same[at / d]) continue;
+        if (!(std::abs(got[at] - want[at]) <= 0x1p-6 * std::abs(want[at]) + 0x1p-4 * rms)) ++bad;
+      }
+      EXPECT_EQ(bad, 0u) << "call " << i << " of the timed layer: " << what
+                         << " differs from the naive layer's at sampled elements";
+    }
   }
-  const k2c::Timing ours = k2c::time_gpu(step, {.warmup = 1, .repeats = 5});
-  const k2c::Timing base = k2c::time_gpu([&] { naive.step(); }, {.warmup = 1, .repeats = 3});
   // Routed experts 6·(T·k)·d·f forward plus the shared experts' 6·T·d·sf, three times that with
   // the backward pass; the router's GEMMs are negligible.
   const double flops = 3.0 * (6.0 * T * kTopK * static_cast<double>(d) * f + 6.0 * T * static_cast<double>(d) * sf);
   ::testing::Test::RecordProperty("layer_ms", std::to_string(ours.median_ms));
   ::testing::Test::RecordProperty("naive_ms", std::to_string(base.median_ms));
   K2C_EXPECT_PERF(flops / ours.median_ms * 1e-9, flops / base.median_ms * 1e-9,
-                  "forward + backward at T 16384, d 2048, 64 experts of 1408, top-6, shared 2816, vs the naive layer");
+                  "forward + backward at T 16384, d 2048, 64 experts of 1408, top-6, shared 2816, vs the naive layer; "
+                  "every call with inputs and outputs of its own, each checked");
 }
 
 // ---- Part B (bonus): wgmma, skipped with the reason where it cannot run ----------------------
