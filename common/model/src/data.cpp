@@ -195,6 +195,8 @@ void TokenLoader::validate() const {
 
 TokenBatch TokenLoader::batch_at(std::int64_t step) const {
   K2C_CHECK(step >= 0, "TokenLoader: step must be >= 0, got " << step);
+  K2C_CHECK(!last_ || step <= *last_, "TokenLoader: batch " << step << " asked for while step " << *last_
+                                                               << " runs: batches are read one step at a time");
   const int rows = local_batch();
   const auto T = static_cast<std::size_t>(config_.seq_len);
   // Starts s with s + T < size: the target of the last input is still inside the data.
@@ -224,7 +226,11 @@ TokenBatch TokenLoader::batch_at(std::int64_t step) const {
   return batch;
 }
 
-TokenBatch TokenLoader::next() { return batch_at(step_++); }
+TokenBatch TokenLoader::next() {
+  TokenBatch b = batch_at(step_);  // a refused step leaves the cursor where it was
+  ++step_;
+  return b;
+}
 
 void TokenLoader::seek(std::int64_t step) {
   K2C_CHECK(step >= 0, "TokenLoader::seek: step must be >= 0, got " << step);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <numeric>
 #include <set>
 #include <stdexcept>
@@ -285,6 +286,25 @@ TEST(Loader, SeekResumesTheSameBatches) {
   EXPECT_EQ(first.batch_at(2).inputs, run[2].inputs);  // batch_at leaves the cursor alone
   EXPECT_EQ(first.step(), 8);
   EXPECT_THROW(resumed.seek(-1), std::invalid_argument);
+}
+
+TEST(Loader, LimitStepsRefusesBatchesAhead) {
+  const std::vector<std::uint16_t> tokens = markov_tokens(2000);
+  const LoaderConfig config{.seq_len = 16, .global_batch = 4, .seed = 5};
+  TokenLoader free(tokens, 64, config), limited(tokens, 64, config);
+  auto last = std::make_shared<std::int64_t>(-1);
+  limited.limit_steps(last);
+  EXPECT_TRUE(contains(error_of<std::invalid_argument>([&] { limited.batch_at(0); }), "one step at a time"));
+  const TokenLoader copy = limited;  // a copy keeps the limit
+  for (std::int64_t s = 0; s < 3; ++s) {
+    *last = s;
+    EXPECT_EQ(limited.next().inputs, free.batch_at(s).inputs);
+    EXPECT_EQ(limited.batch_at(s / 2).inputs, free.batch_at(s / 2).inputs);  // steps before stay readable
+    EXPECT_THROW(limited.batch_at(s + 1), std::invalid_argument);
+    EXPECT_THROW(copy.batch_at(s + 1), std::invalid_argument);
+  }
+  EXPECT_THROW(limited.next(), std::invalid_argument);  // step 3 while step 2 runs
+  EXPECT_EQ(limited.step(), 3);                          // and the cursor stays
 }
 
 TEST(Loader, ReadsShardsInOrder) {

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -96,6 +97,11 @@ class TokenLoader {
   std::int64_t step() const { return step_; }    // the step next() returns
   void seek(std::int64_t step);                  // next() returns this step (>= 0)
 
+  // For timed tests: from now on, and in every copy made after, batch_at (and next) throw
+  // std::invalid_argument for a step past *last, which the caller moves as it runs each step, so
+  // code timed one step at a time cannot read batches ahead and train them off the clock.
+  void limit_steps(std::shared_ptr<const std::int64_t> last) { last_ = std::move(last); }
+
   const LoaderConfig& config() const { return config_; }
   int local_batch() const { return config_.global_batch / config_.dp_size; }
   std::uint32_t vocab() const { return vocab_; }
@@ -108,6 +114,7 @@ class TokenLoader {
   std::uint32_t vocab_ = 0;
   LoaderConfig config_;
   std::int64_t step_ = 0;
+  std::shared_ptr<const std::int64_t> last_;  // limit_steps; empty: no limit
 };
 
 // ---------------------------------------------------------------------------------------------
