@@ -232,6 +232,12 @@ TokenBatch TokenLoader::next() {
   return b;
 }
 
+void TokenLoader::limit_steps(std::shared_ptr<const std::int64_t> last) {
+  K2C_CHECK(last != nullptr, "TokenLoader::limit_steps: no step to limit to");
+  K2C_CHECK(last_ == nullptr, "TokenLoader::limit_steps: this loader's step limit is set already and stays");
+  last_ = std::move(last);
+}
+
 void TokenLoader::seek(std::int64_t step) {
   K2C_CHECK(step >= 0, "TokenLoader::seek: step must be >= 0, got " << step);
   step_ = step;

@@ -305,6 +305,12 @@ TEST(Loader, LimitStepsRefusesBatchesAhead) {
   }
   EXPECT_THROW(limited.next(), std::invalid_argument);  // step 3 while step 2 runs
   EXPECT_EQ(limited.step(), 3);                          // and the cursor stays
+  // The limit cannot be lifted or moved by the code it limits.
+  TokenLoader lifted = limited;
+  EXPECT_THROW(lifted.limit_steps(std::make_shared<std::int64_t>(100)), std::invalid_argument);
+  EXPECT_THROW(lifted.limit_steps(nullptr), std::invalid_argument);
+  EXPECT_THROW(free.limit_steps(nullptr), std::invalid_argument);
+  EXPECT_THROW(lifted.batch_at(3), std::invalid_argument);
 }
 
 TEST(Loader, ReadsShardsInOrder) {

@@ -99,8 +99,9 @@ class TokenLoader {
 
   // For timed tests: from now on, and in every copy made after, batch_at (and next) throw
   // std::invalid_argument for a step past *last, which the caller moves as it runs each step, so
-  // code timed one step at a time cannot read batches ahead and train them off the clock.
-  void limit_steps(std::shared_ptr<const std::int64_t> last) { last_ = std::move(last); }
+  // code timed one step at a time cannot read batches ahead and train them off the clock. Once
+  // set, the limit stays: a second call (or a null `last`) throws std::invalid_argument.
+  void limit_steps(std::shared_ptr<const std::int64_t> last);
 
   const LoaderConfig& config() const { return config_; }
   int local_batch() const { return config_.global_batch / config_.dp_size; }
