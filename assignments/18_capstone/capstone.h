@@ -150,6 +150,8 @@ struct CapstoneConfig {
 
 // Makes the data rank's loader: `validation` false for training batches, true for held-out
 // ones; the loader's config must be {seq_len, global batch, data_rank, data_ranks, any seed}.
+// Read a step's training batch in step(): the speed test's training loaders refuse a batch
+// before its step runs (TokenLoader::limit_steps).
 using LoaderFactory = std::function<model::TokenLoader(bool validation, int data_rank, int data_ranks)>;
 
 // The trainer of one rank. Every call is collective over the world: every rank makes it.

@@ -158,9 +158,10 @@ struct LayerCall {
 
 // The layer's forward + backward at the module's shape against the naive layer in the same run.
 // Every call, warm-up and timed, gets inputs of its own and outputs of its own, poisoned, and each
-// call's outputs are compared with the naive layer's on the same inputs at sampled tokens: a layer
-// that computed once and skipped the repeats leaves poison behind. Rate: the layer's FLOPs per
-// second.
+// call's outputs are compared with the naive layer's on the same inputs at sampled elements: a layer
+// that computed once and skipped the repeats leaves poison behind. The weight gradients, one set
+// shared by the calls, are not compared here (MoeLayer.Backward checks them at its shapes). Rate:
+// the layer's FLOPs per second.
 TEST(MoeLayerPerf, ForwardBackward) {
   K2C_REQUIRE_TIMING();
   const moe::RouterConfig c{kExperts, kTopK, moe::Score::softmax, 1, 1, false, 1.0f};
@@ -210,7 +211,7 @@ TEST(MoeLayerPerf, ForwardBackward) {
   };
   const auto timed_naive = naive_for(set[0]);
   const k2c::Timing base = k2c::time_gpu([&] { timed_naive->step(); }, {.warmup = 1, .repeats = 3});
-  // Each call's y and dx against the naive layer's at sampled tokens: two bf16 pipelines of the
+  // Each call's y and dx against the naive layer's at sampled elements: two bf16 pipelines of the
   // same sums. The two compute the logits in different orders, so a token at a near tie may choose
   // differently; such tokens (their y and dx depend on their own choice only) are left out, and
   // must be rare.

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 #include <unordered_map>
 #include <utility>
 
@@ -195,8 +196,11 @@ void TokenLoader::validate() const {
 
 TokenBatch TokenLoader::batch_at(std::int64_t step) const {
   K2C_CHECK(step >= 0, "TokenLoader: step must be >= 0, got " << step);
-  K2C_CHECK(!last_ || step <= *last_, "TokenLoader: batch " << step << " asked for while step " << *last_
-                                                               << " runs: batches are read one step at a time");
+  K2C_CHECK(!last_ || step <= *last_,
+            "TokenLoader: batch " << step << " asked for "
+                                  << (*last_ < 0 ? std::string("before any step runs")
+                                                 : "while step " + std::to_string(*last_) + " runs")
+                                  << ": batches are read one step at a time, each in its step");
   const int rows = local_batch();
   const auto T = static_cast<std::size_t>(config_.seq_len);
   // Starts s with s + T < size: the target of the last input is still inside the data.
