@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         hp::wgmma_commit();
         if constexpr (kBoxes > 0) epilogue.after_k_block(kb);
         // Waiting for this block's group before taking the next measured slightly faster than
-        // keeping one group in flight (lecture section 10): the other consumer warpgroup keeps
+        // keeping one group in flight (lecture appendix, section 5.2): the other consumer warpgroup keeps
         // the tensor cores busy meanwhile.
         hp::wgmma_wait<0>();
         if (lane == 0) {
