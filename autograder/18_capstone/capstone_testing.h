@@ -30,7 +30,7 @@ constexpr double kLossTol = 5e-7, kNormTol = 5e-6, kParamAtol = 5e-5, kParamRtol
 // The models: dense, a mixture of experts, the same without the balance term (see dp 2 × ep 2),
 // dense and MoE with their activations stored in bf16, and both with their residual stream in bf16
 // too.
-enum class Model { dense, moe, moe_unbalanced, dense_bf16, moe_bf16, dense_bf16_residual, moe_bf16_residual };
+enum class Model { dense, moe, moe_unbalanced, dense_bf16, moe_bf16, dense_bf16_residual, moe_bf16_residual, dense_dropout };
 
 inline km::TrainConfig tiny_config(Model model) {
   km::TrainConfig c;
@@ -41,6 +41,7 @@ inline km::TrainConfig tiny_config(Model model) {
   if (model == Model::moe_unbalanced) c.model.balance_coef = 0.0f;
   if (model == Model::dense_bf16 || model == Model::moe_bf16 || residual) c.activations = km::DType::bf16;
   if (residual) c.residual = km::DType::bf16;
+  if (model == Model::dense_dropout) c.dropout = 0.1f;
   c.steps = kSteps, c.batch = 8, c.lr = 3e-3f, c.min_lr = 3e-4f, c.warmup = 5, c.clip = 0.5f;
   c.eval_every = 0;
   return c;

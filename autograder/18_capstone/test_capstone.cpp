@@ -215,6 +215,13 @@ TEST_F(Capstone, OneRankBf16ResidualMatchesLibraryTrainer) {
 TEST_F(Capstone, OneRankMoeBf16ResidualMatchesLibraryTrainer) {
   expect_grid_matches("1", Model::moe_bf16_residual, 1, Match::bits);
 }
+// Dropout at 0.1: the stage draws its masks as model::Transformer does (the same seeds, the same
+// order), or the curve leaves the library's at the first step.
+TEST_F(Capstone, OneRankDropoutMatchesLibraryTrainer) {
+  if (world().size() == 1)  // a curve that dropout leaves alone could not tell a stage that ignores it
+    ASSERT_NE(reference(Model::dense_dropout).steps[0].loss, reference(Model::dense).steps[0].loss);
+  expect_grid_matches("1", Model::dense_dropout, 1, Match::bits);
+}
 TEST_F(Capstone, GridDp2Bf16ResidualMatchesOneRank) {
   expect_grid_matches("dp2", Model::dense_bf16_residual, 1, Match::first_step);
 }
@@ -442,9 +449,30 @@ TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
     while (t.steps_done() < 6) resumed.push_back(t.step().loss);
     t.save(ckpt);
   }
+  // The resumed trainer must read the files: a later checkpoint of another trainer is saved in
+  // between, and the files move to a new name (the contract's: path, or path + ".rank<r>"), so
+  // neither a trainer that restores the state it saved last nor one that keeps states by path in
+  // memory resumes from step 6.
   {
     kc::GridTrainer t(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
-    t.load(ckpt);
+    while (t.steps_done() < 3) t.step();
+    t.save(dir / "decoy.bin");
+  }
+  const std::filesystem::path moved = dir / "moved.bin";
+  world().barrier();
+  int missing = -1;  // the first rank whose file is not where the contract puts it
+  if (world().rank() == 0)
+    for (int r = 0; r < n && missing < 0; ++r) {
+      const std::string suffix = n == 1 ? "" : ".rank" + std::to_string(r);
+      std::error_code ec;
+      std::filesystem::rename(ckpt.string() + suffix, moved.string() + suffix, ec);
+      if (ec) missing = r;
+    }
+  MPI_Bcast(&missing, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  ASSERT_EQ(missing, -1) << "save() left no file " << ckpt.string() << (n == 1 ? "" : ".rank" + std::to_string(missing));
+  {
+    kc::GridTrainer t(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
+    t.load(moved);
     EXPECT_EQ(t.steps_done(), 6);
     while (t.steps_done() < 12) resumed.push_back(t.step().loss);
   }
@@ -454,7 +482,7 @@ TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
     kc::CapstoneConfig other = config;
     other.grid = {.dp = n};
     kc::GridTrainer t(world(), km::cpu_ops(), other, tiny_data().factory(other.train));
-    EXPECT_THROW(t.load(ckpt), std::runtime_error);
+    EXPECT_THROW(t.load(moved), std::runtime_error);
   }
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);

@@ -178,6 +178,37 @@ struct Generated {
   std::vector<std::vector<Host>> logits;
 };
 
+// The reference engine's decode calls do exactly decode_allowance's work without the slack (0.8
+// of it with); its prefills stay under prefill_allowance's.
+inline constexpr double kWorkSlack = 1.25;
+
+// The products a model does for one token (one row through every block and the head: 2 FLOPs a
+// weight), without attention.
+inline double token_flops(const km::ModelConfig& m) {
+  const double hd = static_cast<double>(m.d_model) / m.q_heads, kv = m.kv_heads * hd;
+  const double block = 2.0 * m.d_model * m.d_model + 2.0 * kv * m.d_model + 3.0 * m.d_ff * m.d_model;
+  return 2.0 * (m.n_layers * block + static_cast<double>(m.vocab) * m.d_model);
+}
+
+// The products one decode call may do: for each of its sequences, the matrices once and attention
+// of one query over its cached positions (4·d a position and layer), with kWorkSlack of room.
+// Recomputing the sequence instead, as a decode without its cache would, does the matrices once
+// per position.
+inline double decode_allowance(const km::ModelConfig& m, const std::vector<std::int64_t>& lengths) {
+  double allowed = 0;
+  for (std::int64_t length : lengths)
+    allowed += token_flops(m) + 4.0 * m.n_layers * m.d_model * static_cast<double>(length);
+  return kWorkSlack * allowed;
+}
+
+// The products a prefill of `length` tokens may do, in parts of any size: the matrices once a
+// token, attention of each query over at most every position (4·d a pair and layer), kWorkSlack of
+// room.
+inline double prefill_allowance(const km::ModelConfig& m, std::int64_t length) {
+  const double n = static_cast<double>(length);
+  return kWorkSlack * (n * token_flops(m) + 4.0 * m.n_layers * m.d_model * n * n);
+}
+
 // One decode call's products, as the WorkCounter under the engine's backend counted them, and its
 // sequences' lengths after it.
 struct DecodeCall {

@@ -347,25 +347,6 @@ TEST_F(Inference, PagedEqualsContiguous) {
 // Part C: the engine
 
 
-namespace {
-
-// The reference engine's decode calls do exactly the allowance below without it (0.8 of it with).
-constexpr double kDecodeSlack = 1.25;
-
-// The products one decode call may do: for each of its sequences, the model's matrices once (one
-// new token through every block and the head: 2 FLOPs a weight) and attention of one query over
-// its cached positions (4·d a position and layer), with kDecodeSlack of room. Recomputing the
-// sequence instead, as a decode without its cache would, does the matrices once per position.
-double decode_allowance(const km::ModelConfig& m, const std::vector<std::int64_t>& lengths) {
-  const double hd = static_cast<double>(m.d_model) / m.q_heads, kv = m.kv_heads * hd;
-  const double block = 2.0 * m.d_model * m.d_model + 2.0 * kv * m.d_model + 3.0 * m.d_ff * m.d_model;
-  const double per_token = 2.0 * (m.n_layers * block + static_cast<double>(m.vocab) * m.d_model);
-  double allowed = 0;
-  for (std::int64_t length : lengths) allowed += per_token + 4.0 * m.n_layers * m.d_model * static_cast<double>(length);
-  return kDecodeSlack * allowed;
-}
-
-}  // namespace
 
 TEST_F(Inference, DecodeMatchesRecompute) {
   const km::ModelConfig m = serving_model();
@@ -431,7 +412,8 @@ std::vector<double> mla_host(const inf::MlaConfig& c, std::map<std::string, Host
 TEST_F(Inference, MlaAbsorbedMatchesUnabsorbed) {
   // Odd sizes: 3 heads, a latent of 10, values of 6 next to keys of 8 + 4.
   const inf::MlaConfig c{24, 3, 8, 4, 10, 6, 10000.0f};
-  Side s;
+  km::WorkCounter counter(km::cpu_ops());
+  Side s(counter);
   inf::Mla mla(s.params, "attn", c);
   s.materialize(kWeightSeed);
   // Weights of std 0.5 instead of 0.02, so that scores are a few units and the softmax is far
@@ -480,7 +462,21 @@ TEST_F(Inference, MlaAbsorbedMatchesUnabsorbed) {
     }
     const std::int64_t n = static_cast<std::int64_t>(seqs.size());
     km::Tensor yd = s.poisoned({n, d});
-    mla.decode(s.ctx, cache, seqs, s.upload(rows, {n, d}), yd, 4);
+    const km::Tensor xd = s.upload(rows, {n, d});
+    // The absorbed step's products, with kWorkSlack of room: per sequence the new entry
+    // (x·W_dkv, x·W_kr), the folded query, the folded output (2·d·(dc + dr) each, the last two for
+    // every head) and attention over the cached entries (4·heads·(dc + dr) a position). Expanding
+    // the latent cache into keys and values instead does 2·dc·heads·(dn + dv) a position more.
+    double allowed = 0;
+    for (int q : seqs) {
+      const double entry = c.latent_dim + c.rope_dim, length = static_cast<double>(cache.length(q) + 1);
+      allowed += 2.0 * d * entry * (1 + 2.0 * c.heads) + 4.0 * c.heads * entry * length;
+    }
+    const double before = counter.flops();
+    mla.decode(s.ctx, cache, seqs, xd, yd, 4);
+    EXPECT_LE(counter.flops() - before, kWorkSlack * allowed)
+        << "position " << t << ": the decode did " << counter.flops() - before << " FLOPs of products, past the "
+        << kWorkSlack * allowed << " an absorbed step takes: are the keys and values expanded from the latents?";
     const Host got = s.download(yd);
     const std::vector<double> want = widen(row_of(full, d, t));
     expect_near(row_of(got, d, 0), want, 1e-4 * largest(want), 1e-4, "absorbed decode, position " + std::to_string(t));

@@ -243,26 +243,37 @@ namespace {
 // several percent from one process to the next while the kernel's own duration under Nsight
 // Compute did not; alternated, it is the same in every process.
 void time_decode(int batch, int length) {
+  // The pool repeats a block of 2^24 + 1 values: an odd length, so that no two pages hold the same
+  // values (a kernel that read fewer distinct pages than the table names gets wrong answers).
   Problem p = make_problem(batch, 32, 8, 128, 16, std::vector<int>(batch, length), "perf" + std::to_string(batch),
-                           std::size_t{1} << 24);
+                           (std::size_t{1} << 24) + 1);
   const std::size_t copy_bytes = std::size_t{1} << 30;
   k2c::DeviceBuffer<char> src(copy_bytes), dst(copy_bytes);
   K2C_CUDA_CHECK(cudaMemset(src.data(), 0x5A, copy_bytes));
-  // Every call, warm-up and timed, gets queries of its own and an output of its own, poisoned, and
-  // every output is checked afterwards: a kernel that computed once and skipped the repeats (the
-  // cache and the page table stay the same from call to call) leaves poison behind.
-  const k2c::TimingOptions options;
+  // Every call, warm-up and timed, gets queries of its own, drawn (from a seed nobody knows in
+  // advance) and uploaded just before it, off the clock, and an output of its own, poisoned then;
+  // every output is checked afterwards. A kernel that computed once and skipped the repeats (the
+  // cache and the page table stay the same from call to call) leaves poison behind, and one that
+  // answered later calls early finds no queries for them. The repeats are timed until the whole
+  // device is idle, so work left on a stream of the kernel's own is on the clock too.
+  k2c::TimingOptions options;
+  options.whole_device = true;
   const int calls = options.warmup + options.repeats;
   const std::size_t nq = p.q.size();
   std::vector<std::vector<float>> queries(calls);
   k2c::DeviceBuffer<bf16> q_all(nq * calls), o_all(nq * calls);
-  for (int c = 0; c < calls; ++c) {
-    queries[c] = random_bf16(nq, "perf" + std::to_string(batch) + "/q" + std::to_string(c), 3.0f);
+  q_all.poison();
+  o_all.poison();
+  std::random_device fresh;
+  int call = 0;
+  options.before = [&](std::size_t work, int c) {
+    if (work != 0) return;  // the copy
+    const std::uint64_t seed = (std::uint64_t{fresh()} << 32) ^ fresh();
+    queries[c] = k2c::random_values<bf16>(nq, seed, -3.0f, 3.0f);
     const k2c::DeviceBuffer<bf16> qc = k2c::to_device<bf16>(queries[c]);
     K2C_CUDA_CHECK(cudaMemcpy(q_all.data() + nq * c, qc.data(), nq * sizeof(bf16), cudaMemcpyDeviceToDevice));
-  }
-  o_all.poison();
-  int call = 0;
+    K2C_CUDA_CHECK(cudaMemset(o_all.data() + nq * c, 0xFF, nq * sizeof(bf16)));
+  };
   const std::vector<k2c::Timing> t = k2c::time_gpu_interleaved(
       {[&] {
          inf::DecodeArgs args = p.args();

@@ -319,13 +319,38 @@ bool same_on_both(const inf::ServeReport& r) {
 TEST_F(Inference, DisaggregatedMatchesColocated) {
   if (world().size() != 2) K2C_SKIP("disaggregation runs on exactly 2 ranks (this run has " + std::to_string(world().size()) + ")");
   const km::ModelConfig m = serving_model();
-  Served s(m);
+  km::WorkCounter counter(km::cpu_ops());
+  Served s(m, counter);
   inf::Engine engine(s.ctx, m, 24, 4, 6);
   const std::vector<inf::Request> trace = trace_of(12, 30.0, 8, m, k2c::testing::seed_for("trace"));
   const inf::ServeReport together = inf::serve(engine, trace, cost_config(4));
   expect_greedy(s, trace, together, "co-located");
+  const double before = counter.flops();
   const inf::ServeReport apart = inf::serve_disaggregated(world(), engine, trace, cost_config(4));
   expect_same_outputs(apart, together, false, "disaggregated against co-located");
+  // Each rank's share of the work (k2c/model/work_counter.h counts the products that reach the
+  // engine's backend): rank 0 prefills every prompt and decodes nothing, rank 1 decodes from the
+  // caches it receives and prefills nothing. Both ranks serving everything would match the tokens.
+  {
+    double prefills = 0, decodes = 0, decoded_tokens = 0, prompt_tokens = 0;
+    for (const inf::Request& r : trace) {
+      const std::int64_t prompt = static_cast<std::int64_t>(r.prompt.size());
+      prefills += prefill_allowance(m, prompt);
+      prompt_tokens += static_cast<double>(prompt);
+      for (int j = 1; j < r.output_len; ++j) decodes += decode_allowance(m, {prompt + j});
+      decoded_tokens += std::max(r.output_len - 1, 0);
+    }
+    const double did = counter.flops() - before;
+    if (world().rank() == 0) {
+      EXPECT_LE(did, prefills) << "rank 0 did " << did << " FLOPs of products, past what prefilling every prompt takes: "
+                               << "does it decode too?";
+      EXPECT_GE(did, 0.5 * prompt_tokens * token_flops(m)) << "rank 0 did " << did << " FLOPs: too few to prefill the prompts";
+    } else {
+      EXPECT_LE(did, decodes) << "rank 1 did " << did << " FLOPs of products, past what decoding from the received "
+                              << "caches takes: does it prefill too?";
+      EXPECT_GE(did, 0.5 * decoded_tokens * token_flops(m)) << "rank 1 did " << did << " FLOPs: too few to decode";
+    }
+  }
   EXPECT_TRUE(same_on_both(apart)) << "the two ranks' reports differ";
   std::int64_t kv = 0;
   const std::int64_t per_token = engine.cache().bytes_per_token();

@@ -5,7 +5,7 @@
 //   k2c info                 devices, toolkit, and what can be graded here
 //   k2c ceilings [--json F]  the ceilings every threshold is measured against, on this GPU
 //   k2c bench [--filter RE]  every module's Google Benchmark sweep, JSON under build/bench/
-//   k2c collectives [-np N] [-b -e -f -n -w -c -o]   module 11's nccl-tests-style sweep
+//   k2c collectives [-np N] [--backend B] [-b -e -f -n -w -c -o]   module 11's nccl-tests-style sweep
 //   k2c run -np N [--backend mpi|nccl] [--timeout S] PROGRAM [ARGS...]
 //                            start ranks: prints the plain mpirun command, then runs it
 //   k2c train --data DIR ... the single-process trainer (k2c_train; `k2c train --help`)
@@ -218,10 +218,12 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--filter", bench_filter, "Google Benchmark filter regex");
   bench_cmd->add_option("--out", bench_dir, "directory for the JSON results (default: <build>/bench)");
   bench_cmd->add_option("--build-dir", g.build_dir, "build tree holding the benchmarks");
-  int coll_ranks = 2;
+  LaunchOptions coll_launch{.ranks = 2};
   auto* coll_cmd = app.add_subcommand("collectives",
-      "module 11's nccl-tests-style sweep: k2c collectives [-np N] [-b 1M -e 1G -f 2 -n 20 -w 5 -c 1 -o out.json]");
-  coll_cmd->add_option("--np", coll_ranks, "number of ranks (one GPU each for NCCL); -np also works");
+      "module 11's nccl-tests-style sweep: k2c collectives [-np N] [--backend mpi|nccl] [-b 1M -e 1G -f 2 -n 20 -w 5 -c 1 -o out.json]");
+  coll_cmd->add_option("--np", coll_launch.ranks, "number of ranks (one GPU each for NCCL); -np also works");
+  coll_cmd->add_option("--backend", coll_launch.backend, "mpi (CPU ranks) or nccl (one GPU a rank); default: the machine's")
+      ->check(CLI::IsMember({"mpi", "nccl"}));
   coll_cmd->add_option("--build-dir", g.build_dir, "build tree holding k2c_collectives");
   coll_cmd->allow_extras();
   LaunchOptions launch;
@@ -383,7 +385,7 @@ int main(int argc, char** argv) {
       if (!fs::exists(bin)) throw std::runtime_error("k2c_collectives is not built (it needs MPI)");
       std::vector<std::string> args = {bin.string()};
       for (const std::string& e : coll_cmd->remaining()) args.push_back(e);
-      exec_launch(mpirun_command({.ranks = coll_ranks}, args));
+      exec_launch(mpirun_command(coll_launch, args));
     }
     if (*run_cmd) {
       exec_launch(mpirun_command(launch, run_cmd->remaining()));

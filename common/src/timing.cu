@@ -1,5 +1,6 @@
 // timing.cu — see k2c/device/timing.h.
 #include <algorithm>
+#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -65,7 +66,28 @@ void check_options(const char* who, const TimingOptions& o) {
             who << " needs repeats >= 1 and warmup >= 0, got " << o.repeats << ", " << o.warmup);
 }
 
-// One timed repeat: the L2 flush, then `work` between events.
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// What a device-wide synchronize costs on an idle device: the median of a few, once per process.
+double idle_sync_ms() {
+  static const double ms = [] {
+    K2C_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<double> t;
+    for (int i = 0; i < 9; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      K2C_CUDA_CHECK(cudaDeviceSynchronize());
+      t.push_back(ms_since(t0));
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }();
+  return ms;
+}
+
+// One timed repeat: the L2 flush, then `work` between events; with whole_device, plus the time
+// the device still ran after the stop event.
 double time_once(const std::function<void()>& work, const TimingOptions& o, const EventPair& ev) {
   if (o.flush_l2) flush_l2(o.stream);
   K2C_CUDA_CHECK(cudaEventRecord(ev.start, o.stream));
@@ -74,7 +96,23 @@ double time_once(const std::function<void()>& work, const TimingOptions& o, cons
   K2C_CUDA_CHECK(cudaEventSynchronize(ev.stop));
   float t = 0;
   K2C_CUDA_CHECK(cudaEventElapsedTime(&t, ev.start, ev.stop));
-  return t;
+  if (!o.whole_device) return t;
+  const double idle = idle_sync_ms();
+  const auto t0 = std::chrono::steady_clock::now();
+  K2C_CUDA_CHECK(cudaDeviceSynchronize());
+  return t + std::max(0.0, ms_since(t0) - idle);
+}
+
+// The warm-up calls, each after its `before`, and the device left idle (with whole_device, on
+// every stream).
+void warm_up(const std::vector<const std::function<void()>*>& works, const TimingOptions& o, std::vector<int>& calls) {
+  for (int i = 0; i < o.warmup; ++i)
+    for (std::size_t w = 0; w < works.size(); ++w) {
+      if (o.before) o.before(w, calls[w]++);
+      (*works[w])();
+    }
+  K2C_CUDA_CHECK(cudaStreamSynchronize(o.stream));
+  if (o.whole_device) K2C_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 Timing summarize(std::vector<double> ms) {
@@ -93,12 +131,15 @@ Timing summarize(std::vector<double> ms) {
 Timing time_gpu(const std::function<void()>& work, const TimingOptions& o) {
   check_options("time_gpu", o);
   K2C_NVTX_RANGE("k2c::time_gpu");
-  for (int i = 0; i < o.warmup; ++i) work();
-  K2C_CUDA_CHECK(cudaStreamSynchronize(o.stream));
+  std::vector<int> calls(1, 0);
+  warm_up({&work}, o, calls);
   std::vector<double> ms(o.repeats);
   {
     const EventPair ev;
-    for (int i = 0; i < o.repeats; ++i) ms[i] = time_once(work, o, ev);
+    for (int i = 0; i < o.repeats; ++i) {
+      if (o.before) o.before(0, calls[0]++);
+      ms[i] = time_once(work, o, ev);
+    }
   }
   K2C_CUDA_CHECK(cudaGetLastError());  // an asynchronous fault in `work` must not pass unseen
   return summarize(std::move(ms));
@@ -109,14 +150,18 @@ std::vector<Timing> time_gpu_interleaved(const std::vector<std::function<void()>
   check_options("time_gpu_interleaved", o);
   K2C_CHECK(!works.empty(), "time_gpu_interleaved needs at least one piece of work, got none");
   K2C_NVTX_RANGE("k2c::time_gpu_interleaved");
-  for (int i = 0; i < o.warmup; ++i)
-    for (const auto& work : works) work();
-  K2C_CUDA_CHECK(cudaStreamSynchronize(o.stream));
+  std::vector<const std::function<void()>*> pointers;
+  for (const auto& work : works) pointers.push_back(&work);
+  std::vector<int> calls(works.size(), 0);
+  warm_up(pointers, o, calls);
   std::vector<std::vector<double>> ms(works.size(), std::vector<double>(o.repeats));
   {
     const EventPair ev;
     for (int i = 0; i < o.repeats; ++i)
-      for (std::size_t w = 0; w < works.size(); ++w) ms[w][i] = time_once(works[w], o, ev);
+      for (std::size_t w = 0; w < works.size(); ++w) {
+        if (o.before) o.before(w, calls[w]++);
+        ms[w][i] = time_once(works[w], o, ev);
+      }
   }
   K2C_CUDA_CHECK(cudaGetLastError());
   std::vector<Timing> out;

@@ -25,6 +25,16 @@ struct TimingOptions {
   int repeats = 20;
   bool flush_l2 = true;
   cudaStream_t stream = nullptr;
+  // Called before every call of a piece of work, warm-up and timed, off the clock (before the L2
+  // flush): `work` is its index in time_gpu_interleaved's list (0 for time_gpu), `call` how many
+  // calls of it came before. A test that gives each call inputs of its own makes them here, so
+  // that no call's inputs exist before the call that reads them.
+  std::function<void(std::size_t work, int call)> before;
+  // Time each repeat until the whole device is idle, not only `stream`: after the stop event, a
+  // device-wide synchronize, and the time it took beyond an idle device's (measured once) is
+  // added to the repeat. Work that code under test left running on a stream of its own, which
+  // the events on `stream` do not see, is then on the clock.
+  bool whole_device = false;
 };
 
 struct Timing {
