@@ -179,7 +179,7 @@ TEST(MoeLayerPerf, ForwardBackward) {
   const moe::Layer layer{c, d, f, sf, -1, w_router.data(), nullptr, w13.data(), w2.data(), sw13.data(), sw2.data()};
   k2c::DeviceBuffer<char> saved(moe::forward_workspace_bytes(layer, T)), work(moe::backward_workspace_bytes(layer, T));
   const moe::Grads g{g_router.data(), g13.data(), g2.data(), gs13.data(), gs2.data()};
-  const k2c::TimingOptions options{.warmup = 1, .repeats = 5};
+  k2c::TimingOptions options{.warmup = 1, .repeats = 5};
   const int calls = options.warmup + options.repeats;
   std::vector<LayerCall> set;
   for (int i = 0; i < calls; ++i) {
@@ -189,11 +189,19 @@ TEST(MoeLayerPerf, ForwardBackward) {
                                               k2c::DeviceBuffer<float>(Te), k2c::DeviceBuffer<float>(Te),
                                               k2c::DeviceBuffer<float>(Tk), k2c::DeviceBuffer<int>(Tk),
                                               k2c::DeviceBuffer<int>(E)});
-    k2c::fill_uniform_device(k.x.data(), Td, seed_for("layer x " + std::to_string(i)));
-    k2c::fill_uniform_device(k.dy.data(), Td, seed_for("layer dy " + std::to_string(i)));
+  }
+  // Each call's x and dy are drawn (from a seed nobody knows in advance) and its y and dx poisoned
+  // just before it, off the clock, so no call can be answered in an earlier one; each repeat is
+  // timed until the whole device is idle, so work left on a stream of the layer's own counts.
+  std::random_device fresh;
+  options.before = [&](std::size_t, int i) {
+    LayerCall& k = set[static_cast<std::size_t>(i)];
+    k2c::fill_uniform_device(k.x.data(), Td, (std::uint64_t{fresh()} << 32) ^ fresh());
+    k2c::fill_uniform_device(k.dy.data(), Td, (std::uint64_t{fresh()} << 32) ^ fresh());
     k.y.poison();
     k.dx.poison();
-  }
+  };
+  options.whole_device = true;
   int call = 0;
   auto step = [&] {
     LayerCall& k = set[call++ % calls];

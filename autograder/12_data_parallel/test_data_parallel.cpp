@@ -678,18 +678,27 @@ TEST_F(DataParallelPerf, StepVsNoSync) {
   dp::broadcast_parameters(w, ddp_replica.params);
   km::AdamW ddp_opt(ddp_replica.params, ops, ddp_replica.ledger), solo_opt(solo.params, ops, solo.ledger);
   constexpr std::size_t kBucketBytes = std::size_t{25} << 20;
-  dp::DataParallel ddp(w, ddp_replica.params, kBucketBytes);
+  // DDP's traffic is counted (k2c/dist/counting.h): every timed step must all-reduce each
+  // trainable gradient once, as BytesPerStepMatchFormula counts it, so that a step that skips the
+  // exchange (say, by zeroing the gradients, which also agree on every rank) cannot pass for a
+  // fast one.
+  kd::CountingCommunicator counting(w, "world");
+  dp::DataParallel ddp(counting, ddp_replica.params, kBucketBytes);
+  const std::uint64_t grad_bytes = 4 * static_cast<std::uint64_t>(ddp_replica.params.trainable_numel());
+  int wrong_traffic = 0;
   const int n = w.size(), rows = k2c::ddp_harness::perf_rows();
   const std::vector<std::uint16_t> data = km::MarkovSource(data_seed(), config.vocab, 8).sample(1 << 20);
   const km::TokenBatch mine = k2c::ddp_harness::slice_of(data, config, rows * n, w.rank(), n, 0, 1, 0, data_seed());
   const float scale = 1.0f / static_cast<float>(rows * config.seq_len);
 
   auto ddp_step = [&] {
+    const std::uint64_t before = counting.total("all_reduce").bytes;
     ddp_replica.params.zero_grads(ops);
     ddp.before_backward(true);
     ddp_replica.backward(mine, scale);
     ddp.finish_gradients();
     ddp_opt.step(1e-4f);
+    if (counting.total("all_reduce").bytes - before != grad_bytes) ++wrong_traffic;
   };
   auto solo_step = [&] {
     solo.params.zero_grads(ops);
@@ -704,6 +713,8 @@ TEST_F(DataParallelPerf, StepVsNoSync) {
   // averaged gradients agree (and then the parameters).
   EXPECT_TRUE(same_on_all_ranks(ddp_replica.grads())) << "the timed DDP step left the ranks' gradients different";
   EXPECT_TRUE(same_on_all_ranks(ddp_replica.values())) << "the timed DDP step left the replicas different";
+  EXPECT_EQ(wrong_traffic, 0) << "timed DDP steps that did not all-reduce every trainable gradient once (" << grad_bytes
+                              << " bytes)\n" << counting.report();
   const double tokens = static_cast<double>(rows) * config.seq_len;  // per rank per step
   if (w.rank() == 0)
     K2C_EXPECT_PERF(tokens / (ddp_ms * 1e-3), tokens / (solo_ms * 1e-3),

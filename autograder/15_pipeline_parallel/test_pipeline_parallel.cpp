@@ -646,7 +646,10 @@ TEST_F(PipelineParallelPerf, StepVsIdeal) {
   if (!gpu) K2C_SKIP("built without the model library's GPU backend (k2c_model_cuda)");
   if (k2c::testing::sanitizing()) K2C_SKIP("timing is skipped under compute-sanitizer");
   km::Ops& ops = *gpu;
-  kd::PointToPointView p2p(w);
+  // The stages' traffic is counted (k2c/dist/counting.h), so that a timed step that skips its
+  // sends and receives, and with them the bubble, cannot pass for a fast one.
+  kd::CountingCommunicator counting(w, "stages");
+  kd::PointToPointView p2p(counting);
   const int s = w.rank(), p = w.size(), m = 4 * p;
   const km::ModelConfig c = k2c::pipeline_harness::gpu_model();
   const int rows = k2c::pipeline_harness::kGpuRows;
@@ -666,17 +669,26 @@ TEST_F(PipelineParallelPerf, StepVsIdeal) {
   // Every timed step must run the schedule's passes, all of them: the stage's own log is checked
   // after each call (host work outside the GPU's timeline), so that a step that skips passes on
   // the timed calls cannot pass for a fast one.
+  // Each step must also send what TrafficMatchesTheFormula counts: m activations, fp32
+  // [rows·T, d] each, to each neighbour.
   const std::vector<std::pair<Pass, int>> want = prescribed(pp::Schedule::one_f_one_b, s, p, m);
-  int wrong_steps = 0;
+  const std::uint64_t tensor = static_cast<std::uint64_t>(rows) * c.seq_len * c.d_model * sizeof(float);
+  const std::uint64_t want_bytes = m * tensor * ((s < p - 1 ? 1 : 0) + (s > 0 ? 1 : 0));
+  auto sent = [&] { return counting.total("send").bytes + counting.total("send_recv").bytes; };
+  int wrong_steps = 0, wrong_traffic = 0;
   const double step_ms = kd::time_step(w, [&] {
     stage.reset_counts();
+    const std::uint64_t before = sent();
     pp::train_step(p2p, stage, ctx, mbs, {pp::Schedule::one_f_one_b, false}, nullptr);
+    if (sent() - before != want_bytes) ++wrong_traffic;
     std::vector<std::pair<Pass, int>> ran;
     for (const ps::Stage::Ran& x : stage.log()) ran.emplace_back(x.pass, x.micro_batch);
     if (ran != want || stage.live() != 0) ++wrong_steps;
   }, opt).median_ms;
   EXPECT_EQ(wrong_steps, 0) << "timed 1F1B steps whose passes on stage " << s << " were not the schedule's "
                             << describe(want);
+  EXPECT_EQ(wrong_traffic, 0) << "timed 1F1B steps in which stage " << s << " did not send " << m << " tensors of "
+                              << tensor << " bytes to each neighbour\n" << counting.report();
   const double ideal_ms = (m + p - 1) * one_ms;
   if (s == 0)
     K2C_EXPECT_PERF(1e3 / step_ms, 1e3 / ideal_ms,

@@ -292,19 +292,30 @@ TEST_F(ExpertParallelPerf, DispatchCombineBusBandwidth) {
   }
   km::Tensor lib_in = s.tensor({p.expert_rows(), d});
 
-  // Correctness of the timed work first: with identity experts and weights 1/k, combine(dispatch(x))
-  // is x again (halves of an fp32 number add back exactly).
+  // Correctness of the timed work first: each expert multiplies its rows by a factor of its own,
+  // 1 + its global index, between dispatch and combine, so that with weights 1/k combine(dispatch(x))
+  // is x times the mean of the chosen experts' factors only if every row reached its expert and
+  // came back from it (a combine that added rows kept at home would give x).
   ops.fill(y, 0.0f);
   xp::dispatch(w, s.ctx, p, xt, in);
+  for (int l = 0; l < p.local_experts; ++l)
+    if (p.offsets[l + 1] > p.offsets[l]) {
+      km::Tensor rows = in.rows(p.offsets[l], p.offsets[l + 1] - p.offsets[l]);
+      ops.scale(rows, 1.0f + static_cast<float>(w.rank() * p.local_experts + l));
+    }
   xp::combine(w, s.ctx, p, in, returned, y);
   const Host back = s.download(y);
   std::mt19937_64 fresh(std::random_device{}());
   std::size_t wrong = 0;
   for (int i = 0; i < 4096; ++i) {
     const std::size_t e = fresh() % back.size();
-    wrong += back[e] != x[e];
+    const std::size_t t = e / dd;
+    double factor = 0;
+    for (int j = 0; j < k; ++j) factor += (1.0 + choice[t * k + j]) / k;
+    const double want = factor * x[e];
+    wrong += !(std::abs(back[e] - want) <= 1e-6 * std::abs(want));
   }
-  EXPECT_EQ(wrong, 0u) << "combine(dispatch(x)) with identity experts is not x";
+  EXPECT_EQ(wrong, 0u) << "combine(dispatch(x)) with experts that scale their rows is not x times the mean factor";
 
   const kd::TimeStepOptions opt{.warmup = 3, .repeats = 10};
   const double t_ep = kd::time_step(w, [&] {

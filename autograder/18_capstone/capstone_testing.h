@@ -8,6 +8,8 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <string>
 #include <vector>
 
 #include "capstone.h"
@@ -45,6 +47,11 @@ inline km::TrainConfig tiny_config(Model model) {
   c.steps = kSteps, c.batch = 8, c.lr = 3e-3f, c.min_lr = 3e-4f, c.warmup = 5, c.clip = 0.5f;
   c.eval_every = 0;
   return c;
+}
+
+// Rank r's checkpoint file of save(path) on n ranks, as the contract (capstone.h) names it.
+inline std::filesystem::path checkpoint_file(const std::filesystem::path& path, int r, int n) {
+  return n == 1 ? path : std::filesystem::path(path.string() + ".rank" + std::to_string(r));
 }
 
 // The tokens every run reads, and loaders over them for any data rank.

@@ -463,13 +463,13 @@ TEST_F(Capstone, ResumeMatchesUninterruptedRun) {
   int missing = -1;  // the first rank whose file is not where the contract puts it
   if (world().rank() == 0)
     for (int r = 0; r < n && missing < 0; ++r) {
-      const std::string suffix = n == 1 ? "" : ".rank" + std::to_string(r);
       std::error_code ec;
-      std::filesystem::rename(ckpt.string() + suffix, moved.string() + suffix, ec);
+      std::filesystem::rename(checkpoint_file(ckpt, r, n), checkpoint_file(moved, r, n), ec);
       if (ec) missing = r;
     }
   MPI_Bcast(&missing, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  ASSERT_EQ(missing, -1) << "save() left no file " << ckpt.string() << (n == 1 ? "" : ".rank" + std::to_string(missing));
+  if (missing >= 0 && world().rank() == 0) std::filesystem::remove_all(dir);
+  ASSERT_EQ(missing, -1) << "save() left no file " << checkpoint_file(ckpt, missing, n);
   {
     kc::GridTrainer t(world(), km::cpu_ops(), config, tiny_data().factory(config.train));
     t.load(moved);

@@ -242,8 +242,7 @@ TEST_F(CapstoneZero, RefusesWhatItDoesNotSupport) {
   (void)t.step();
   EXPECT_THROW(t.save(ckpt), std::runtime_error);
   EXPECT_THROW(t.load(ckpt), std::runtime_error);
-  const std::filesystem::path mine =
-      n == 1 ? ckpt : std::filesystem::path(ckpt.string() + ".rank" + std::to_string(world().rank()));
+  const std::filesystem::path mine = checkpoint_file(ckpt, world().rank(), n);
   EXPECT_FALSE(std::filesystem::exists(mine)) << "a refused checkpoint wrote " << mine;
   EXPECT_FALSE(std::filesystem::exists(mine.string() + ".tmp")) << "a refused checkpoint wrote " << mine << ".tmp";
 }

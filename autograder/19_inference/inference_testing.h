@@ -178,8 +178,9 @@ struct Generated {
   std::vector<std::vector<Host>> logits;
 };
 
-// The reference engine's decode calls do exactly decode_allowance's work without the slack (0.8
-// of it with); its prefills stay under prefill_allowance's.
+// Room the work checks leave: the reference engine's decode calls, and MLA's absorbed decode
+// (test_inference.cpp), do exactly their allowance's work without it (0.8 of it with); its
+// prefills stay under prefill_allowance's.
 inline constexpr double kWorkSlack = 1.25;
 
 // The products a model does for one token (one row through every block and the head: 2 FLOPs a

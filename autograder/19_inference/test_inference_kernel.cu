@@ -28,6 +28,7 @@
 
 #include "decode_kernel.h"
 #include "k2c/core/check.h"
+#include "k2c/core/random.h"
 #include "k2c/device/buffer.h"
 #include "k2c/device/timing.h"
 #include "k2c/dist/testing.h"
@@ -49,20 +50,22 @@ using k2c::testing::seed_for;
                std::to_string(::k2c::dist::testing::world().size()) + " ranks)");                      \
   } while (0)
 
-// A decode problem on the host and the device: pools filled with `block` (bf16 values, widened),
-// repeated, so that a large pool needs only a small random block.
+// A decode problem on the host and the device: pools whose every element is drawn on its own on
+// the device (k2c/core/random.h), so that nothing repeats and the host recomputes any element
+// from its index.
 struct Problem {
   inf::DecodeShape shape;
   std::vector<int> lengths, table;  // table [batch, max_pages]
   int pool_pages = 0;
-  std::vector<float> q, k_block, v_block;  // widened bf16
+  std::vector<float> q;  // widened bf16
+  std::uint64_t k_seed = 0, v_seed = 0;
   k2c::DeviceBuffer<bf16> q_d, k_d, v_d, o_d;
   k2c::DeviceBuffer<int> table_d, lengths_d;
   k2c::DeviceBuffer<unsigned char> workspace;
 
   std::size_t page_elems() const { return std::size_t(shape.kv_heads) * shape.page_size * shape.head_dim; }
-  float k_at(std::size_t e) const { return k_block[e % k_block.size()]; }
-  float v_at(std::size_t e) const { return v_block[e % v_block.size()]; }
+  float k_at(std::size_t e) const { return static_cast<float>(bf16(k2c::uniform_at(k_seed, e, -1.0f, 1.0f))); }
+  float v_at(std::size_t e) const { return static_cast<float>(bf16(k2c::uniform_at(v_seed, e, -1.0f, 1.0f))); }
   inf::DecodeArgs args() {
     return {q_d.data(), k_d.data(), v_d.data(), table_d.data(), lengths_d.data(), o_d.data()};
   }
@@ -80,7 +83,7 @@ std::vector<float> random_bf16(std::size_t n, const std::string& purpose, float 
 // Pages of all sequences drawn from one pool in a random order (a cache after some traffic), the
 // table's unused entries an out-of-range page.
 Problem make_problem(int batch, int q_heads, int kv_heads, int head_dim, int page_size, std::vector<int> lengths,
-                     const std::string& tag, std::size_t block_elems = 0) {
+                     const std::string& tag) {
   Problem p;
   p.lengths = std::move(lengths);
   const int longest = *std::max_element(p.lengths.begin(), p.lengths.end());
@@ -97,19 +100,15 @@ Problem make_problem(int batch, int q_heads, int kv_heads, int head_dim, int pag
     for (int j = 0; j < pages_of[b]; ++j) p.table[std::size_t(b) * p.shape.max_pages + j] = order[next++];
 
   const std::size_t pool_elems = std::size_t(p.pool_pages) * p.page_elems();
-  if (block_elems == 0 || block_elems > pool_elems) block_elems = pool_elems;
   p.q = random_bf16(std::size_t(batch) * q_heads * head_dim, tag + "/q", 3.0f);  // peaked softmaxes too
-  p.k_block = random_bf16(block_elems, tag + "/k");
-  p.v_block = random_bf16(block_elems, tag + "/v");
+  p.k_seed = seed_for(tag + "/k");
+  p.v_seed = seed_for(tag + "/v");
   p.q_d = k2c::to_device<bf16>(p.q);
-  const k2c::DeviceBuffer<bf16> kb = k2c::to_device<bf16>(p.k_block), vb = k2c::to_device<bf16>(p.v_block);
   p.k_d = k2c::DeviceBuffer<bf16>(pool_elems);
   p.v_d = k2c::DeviceBuffer<bf16>(pool_elems);
-  for (std::size_t at = 0; at < pool_elems; at += block_elems) {
-    const std::size_t n = std::min(block_elems, pool_elems - at) * sizeof(bf16);
-    K2C_CUDA_CHECK(cudaMemcpy(p.k_d.data() + at, kb.data(), n, cudaMemcpyDeviceToDevice));
-    K2C_CUDA_CHECK(cudaMemcpy(p.v_d.data() + at, vb.data(), n, cudaMemcpyDeviceToDevice));
-  }
+  k2c::fill_uniform_device(p.k_d.data(), pool_elems, p.k_seed);
+  k2c::fill_uniform_device(p.v_d.data(), pool_elems, p.v_seed);
+  K2C_CUDA_CHECK(cudaDeviceSynchronize());
   p.table_d = k2c::DeviceBuffer<int>(std::span<const int>(p.table));
   p.lengths_d = k2c::DeviceBuffer<int>(std::span<const int>(p.lengths));
   p.o_d = k2c::DeviceBuffer<bf16>(std::size_t(batch) * q_heads * head_dim);
@@ -243,10 +242,7 @@ namespace {
 // several percent from one process to the next while the kernel's own duration under Nsight
 // Compute did not; alternated, it is the same in every process.
 void time_decode(int batch, int length) {
-  // The pool repeats a block of 2^24 + 1 values: an odd length, so that no two pages hold the same
-  // values (a kernel that read fewer distinct pages than the table names gets wrong answers).
-  Problem p = make_problem(batch, 32, 8, 128, 16, std::vector<int>(batch, length), "perf" + std::to_string(batch),
-                           (std::size_t{1} << 24) + 1);
+  Problem p = make_problem(batch, 32, 8, 128, 16, std::vector<int>(batch, length), "perf" + std::to_string(batch));
   const std::size_t copy_bytes = std::size_t{1} << 30;
   k2c::DeviceBuffer<char> src(copy_bytes), dst(copy_bytes);
   K2C_CUDA_CHECK(cudaMemset(src.data(), 0x5A, copy_bytes));
@@ -255,12 +251,14 @@ void time_decode(int batch, int length) {
   // every output is checked afterwards. A kernel that computed once and skipped the repeats (the
   // cache and the page table stay the same from call to call) leaves poison behind, and one that
   // answered later calls early finds no queries for them. The repeats are timed until the whole
-  // device is idle, so work left on a stream of the kernel's own is on the clock too.
+  // device is idle, so work left running on a stream of the kernel's own is on the clock too.
+  // Every element of the cache is drawn on its own: no smaller pool reproduces it.
   k2c::TimingOptions options;
   options.whole_device = true;
   const int calls = options.warmup + options.repeats;
   const std::size_t nq = p.q.size();
   std::vector<std::vector<float>> queries(calls);
+  std::vector<std::uint64_t> seeds(calls);  // each call's, to replay a failing one
   k2c::DeviceBuffer<bf16> q_all(nq * calls), o_all(nq * calls);
   q_all.poison();
   o_all.poison();
@@ -268,8 +266,9 @@ void time_decode(int batch, int length) {
   int call = 0;
   options.before = [&](std::size_t work, int c) {
     if (work != 0) return;  // the copy
-    const std::uint64_t seed = (std::uint64_t{fresh()} << 32) ^ fresh();
-    queries[c] = k2c::random_values<bf16>(nq, seed, -3.0f, 3.0f);
+    K2C_CHECK(c < calls, "the timing made more calls than its options say");
+    seeds[c] = (std::uint64_t{fresh()} << 32) ^ fresh();
+    queries[c] = k2c::random_values<bf16>(nq, seeds[c], -3.0f, 3.0f);
     const k2c::DeviceBuffer<bf16> qc = k2c::to_device<bf16>(queries[c]);
     K2C_CUDA_CHECK(cudaMemcpy(q_all.data() + nq * c, qc.data(), nq * sizeof(bf16), cudaMemcpyDeviceToDevice));
     K2C_CUDA_CHECK(cudaMemset(o_all.data() + nq * c, 0xFF, nq * sizeof(bf16)));
@@ -293,7 +292,8 @@ void time_decode(int batch, int length) {
   for (int c = 0; c < calls; ++c) {
     const std::vector<float> out(got.begin() + std::ptrdiff_t(nq) * c, got.begin() + std::ptrdiff_t(nq) * (c + 1));
     ASSERT_EQ(check_sequence(p, queries[c], out, static_cast<int>(pick() % batch)), "")
-        << "call " << c << " of the timed decode attention is wrong";
+        << "call " << c << " of the timed decode attention is wrong (its queries: random_values<bf16>(" << nq
+        << ", " << seeds[c] << ", -3, 3))";
   }
   const std::string detail = std::to_string(batch) + " × " + std::to_string(length) +
                              " tokens, 32/8 heads of 128, bf16, pages of 16; median of " + std::to_string(t[0].repeats) +

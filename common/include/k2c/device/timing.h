@@ -33,7 +33,9 @@ struct TimingOptions {
   // Time each repeat until the whole device is idle, not only `stream`: after the stop event, a
   // device-wide synchronize, and the time it took beyond an idle device's (measured once) is
   // added to the repeat. Work that code under test left running on a stream of its own, which
-  // the events on `stream` do not see, is then on the clock.
+  // the events on `stream` do not see, is then on the clock, all but what overlapped the L2
+  // flush before the start event or finished while the host woke from the stop event (tens of
+  // microseconds: a sync before the start would bill the work's own launch instead).
   bool whole_device = false;
 };
 
