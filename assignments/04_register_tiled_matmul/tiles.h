@@ -32,7 +32,7 @@ struct Tile {
   static_assert((BM / WM) * (BN / WN) == kWarps, "one warp tile per warp");
   static_assert(kWMIter >= 1 && (WM * WN) % (32 * TM * TN * WNITER) == 0,
                 "a warp tile splits into whole per-thread slices");
-  static_assert(WM % kWMIter == 0 && WN % WNITER == 0, "slices tile the warp tile");
+  static_assert(kWMIter >= 1 && WM % (kWMIter > 0 ? kWMIter : 1) == 0 && WN % WNITER == 0, "slices tile the warp tile");
   static_assert((kWSubM / TM) * (kWSubN / TN) == 32 && kWSubM % TM == 0 && kWSubN % TN == 0,
                 "the 32 threads of a warp cover one slice exactly");
   static_assert(TM % 4 == 0 && TN % 4 == 0, "fragments are read as float4");
