@@ -78,7 +78,7 @@ static void expect_rate_at(int n, int repeats) {
   const double ceiling = k2c::sgemm_rate(n);
   const double achieved = st::measure_rate(kMatmul, n, n, n, repeats);
   K2C_EXPECT_PERF(achieved / 1e12, ceiling / 1e12,
-                  std::to_string(n) + "^3, configuration " + rt::config(0).name() + " family, " +
+                  std::to_string(n) + "^3, matmul() with the configuration tuned_config.h names, " +
                       std::to_string(repeats) + " runs");
 }
 

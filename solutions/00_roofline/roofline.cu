@@ -25,9 +25,10 @@ namespace k2c::roofline {
 // What makes a copy kernel fast:
 //   1. 16-byte accesses (float4): one instruction moves 4 floats, so a warp's load is a single
 //      512-byte request and the load/store units issue a quarter of the instructions.
-//   2. Enough bytes in flight. By Little's law the bytes in flight must cover bandwidth ×
-//      latency: 4.3 TB/s × ~600 ns ≈ 2.6 MB across the chip, ~20 KB per SM. 2048 resident
-//      threads per SM with one 16-byte load each already hold 32 KB per SM in flight.
+//   2. Enough bytes in flight. By Little's law the loads in flight must cover their bandwidth ×
+//      latency (a copy's threads wait on loads only): half of 4.25 TB/s × ~600 ns ≈ 1.28 MB
+//      across the chip, ~9.7 KB per SM (lecture 00, section 2.3). 2048 resident threads per SM
+//      with one 16-byte load each already hold 32 KB per SM in flight.
 //   3. A grid that covers the array: one float4 per thread, as many blocks as that takes.
 //      The loop below is still a grid-stride loop, so any n is handled with a capped grid,
 //      but at the sizes that matter it runs exactly once per thread.
@@ -128,8 +129,9 @@ void fma_throughput(float* out, std::size_t n, int iters, cudaStream_t stream) {
 // A kernel that does F FLOPs while moving B bytes has arithmetic intensity I = F / B. It needs
 // at least F / peak seconds for the arithmetic and B / bandwidth for the bytes, so its rate is at
 // most min(peak, I × bandwidth). The two terms meet at the ridge point I* = peak / bandwidth:
-// below it a kernel is memory-bound, above it compute-bound. On an H200, fp32: 67e12 / 4.3e12
-// ≈ 16 FLOP/byte; bf16 tensor cores: ~990e12 / 4.3e12 ≈ 230 FLOP/byte.
+// below it a kernel is memory-bound, above it compute-bound. On an H200's datasheet, fp32:
+// 67e12 / 4.8e12 ≈ 14 FLOP/byte; bf16 tensor cores: ~990e12 / 4.8e12 ≈ 206 FLOP/byte. With the
+// rates measured in lecture 00 (copy 4.25 TB/s, cuBLAS bf16 796 TFLOP/s) the bf16 ridge is 187.
 
 double ridge_point(double peak_flops, double bandwidth) {
   K2C_CHECK(peak_flops > 0 && bandwidth > 0,
@@ -145,7 +147,7 @@ double attainable_flops(double intensity, double peak_flops, double bandwidth) {
 }
 
 // 2MNK FLOPs over (MK + KN + 2MN) elements: for square n it is 2n³ / (4n² · b) = n / (2b), so
-// an fp32 SGEMM crosses the fp32 ridge (~16) already at n ≈ 128 — if, and only if, the kernel
+// an fp32 SGEMM crosses the measured fp32 ridge (~12) already at n ≈ 96 — if, and only if, the kernel
 // really reads each input once. Modules 01–04 are the story of getting there.
 double matmul_intensity(long M, long N, long K, int bytes_per_element) {
   K2C_CHECK(M >= 1 && N >= 1 && K >= 1 && bytes_per_element >= 1,
