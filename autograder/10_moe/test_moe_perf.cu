@@ -193,11 +193,10 @@ TEST(MoeLayerPerf, ForwardBackward) {
   // Each call's x and dy are drawn (from a seed nobody knows in advance) and its y and dx poisoned
   // just before it, off the clock, so no call can be answered in an earlier one; each repeat is
   // timed until the whole device is idle, so work left on a stream of the layer's own counts.
-  std::random_device fresh;
   options.before = [&](std::size_t, int i) {
     LayerCall& k = set[static_cast<std::size_t>(i)];
-    k2c::fill_uniform_device(k.x.data(), Td, (std::uint64_t{fresh()} << 32) ^ fresh());
-    k2c::fill_uniform_device(k.dy.data(), Td, (std::uint64_t{fresh()} << 32) ^ fresh());
+    k2c::fill_uniform_device(k.x.data(), Td, k2c::testing::unpredictable_seed());
+    k2c::fill_uniform_device(k.dy.data(), Td, k2c::testing::unpredictable_seed());
     k.y.poison();
     k.dx.poison();
   };

@@ -262,12 +262,11 @@ void time_decode(int batch, int length) {
   k2c::DeviceBuffer<bf16> q_all(nq * calls), o_all(nq * calls);
   q_all.poison();
   o_all.poison();
-  std::random_device fresh;
   int call = 0;
   options.before = [&](std::size_t work, int c) {
     if (work != 0) return;  // the copy
     K2C_CHECK(c < calls, "the timing made more calls than its options say");
-    seeds[c] = (std::uint64_t{fresh()} << 32) ^ fresh();
+    seeds[c] = k2c::testing::unpredictable_seed();
     queries[c] = k2c::random_values<bf16>(nq, seeds[c], -3.0f, 3.0f);
     const k2c::DeviceBuffer<bf16> qc = k2c::to_device<bf16>(queries[c]);
     K2C_CUDA_CHECK(cudaMemcpy(q_all.data() + nq * c, qc.data(), nq * sizeof(bf16), cudaMemcpyDeviceToDevice));

@@ -43,6 +43,11 @@ std::vector<RowShape> random_row_shapes(std::uint64_t seed, int count, int max_c
   return shapes;
 }
 
+std::uint64_t unpredictable_seed() {
+  static std::random_device device;
+  return (std::uint64_t{device()} << 32) ^ device();
+}
+
 std::uint64_t seed_for(const std::string& purpose) {
   std::uint64_t h = mix64(context().seed);
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

@@ -49,6 +49,11 @@ inline std::uint64_t seed() { return context().seed; }
 // A seed for one purpose inside one test, so tests and purposes draw independent data.
 std::uint64_t seed_for(const std::string& purpose);
 
+// A seed nobody can know before it is drawn (std::random_device, 64 bits), for inputs that code
+// under test must not be able to make in advance from the run's seed (a speed test's inputs drawn
+// just before each call); name it in a failure's message so the case can be replayed.
+std::uint64_t unpredictable_seed();
+
 // A rows × cols matrix shape, and `count` random ones with 1 to max_cols columns and at most about
 // max_elements elements, drawn from `seed` (tests of row-wise kernels, modules 06 and 07).
 struct RowShape {
