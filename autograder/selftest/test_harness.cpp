@@ -1,5 +1,8 @@
 // test_harness.cpp — the project's own tests of common/: comparison, references, random
-// numbers, the rubric parser and K2C_TODO. CPU only; they run everywhere, CI included.
+// numbers, descriptors over a socket, the rubric parser and K2C_TODO. CPU only; they run everywhere, CI included.
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -12,10 +15,12 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "k2c/core/fd_io.h"
 #include "k2c/core/gemm_args.h"
 #include "k2c/core/random.h"
 #include "k2c/core/rubric.h"
@@ -558,6 +563,39 @@ TEST(Random, DeterministicAndInRange) {
   k2c::fill_uniform(b, 43, -2.0f, 3.0f);
   EXPECT_NE(a, b);
   EXPECT_EQ(a[1234], k2c::uniform_at(42, 1234, -2.0f, 3.0f));  // element i needs no sequence
+}
+
+// ------------------------------------------------------------------ descriptors (fd_io.h) ---
+
+// The witness lends its buffers as a descriptor sent with its greeting: the receiver gets the
+// whole message and a descriptor of its own for the same open file, or -1 and nothing open.
+TEST(FdIo, ADescriptorTravelsWithItsMessage) {
+  int sock[2], pipe_fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sock), 0);
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  std::vector<char> message(100000);  // longer than one segment: the rest follows the descriptor
+  for (std::size_t i = 0; i < message.size(); ++i) message[i] = static_cast<char>(i * 7);
+  std::vector<char> got(message.size());
+  int fd = -1;
+  std::thread receiver([&] { fd = k2c::receive_with_fd(sock[1], got.data(), got.size()); });
+  EXPECT_TRUE(k2c::send_with_fd(sock[0], message.data(), message.size(), pipe_fds[1]));
+  receiver.join();
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(got, message);
+  EXPECT_NE(fd, pipe_fds[1]);
+  ASSERT_EQ(write(fd, "ok", 2), 2);  // the received descriptor writes into the same pipe
+  char back[2] = {};
+  ASSERT_EQ(read(pipe_fds[0], back, 2), 2);
+  EXPECT_EQ(std::string(back, 2), "ok");
+  close(fd);
+
+  // Bytes without a descriptor, and a message cut short by the sender's end: -1.
+  ASSERT_TRUE(k2c::send_fully(sock[0], message.data(), 16));
+  EXPECT_EQ(k2c::receive_with_fd(sock[1], got.data(), 16), -1);
+  ASSERT_TRUE(k2c::send_with_fd(sock[0], message.data(), 8, pipe_fds[1]));
+  close(sock[0]);
+  EXPECT_EQ(k2c::receive_with_fd(sock[1], got.data(), 16), -1);
+  for (int f : {sock[1], pipe_fds[0], pipe_fds[1]}) close(f);
 }
 
 // ---------------------------------------------------------------------------------- todo ---

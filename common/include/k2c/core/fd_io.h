@@ -1,6 +1,6 @@
 // k2c/core/fd_io.h — whole transfers on a file descriptor (a pipe or a socket), carried on across
-// short reads and writes and interrupted calls: how the grader's checkers and the test programs
-// they talk to move their messages.
+// short reads and writes and interrupted calls, and a descriptor sent with a message: how the
+// grader's checkers and the test programs they talk to move their messages.
 #pragma once
 
 #include <sys/socket.h>
@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstddef>
+#include <cstring>
 
 namespace k2c {
 
@@ -50,6 +51,54 @@ inline bool send_fully(int fd, const void* data, std::size_t n) {
     n -= static_cast<std::size_t>(put);
   }
   return true;
+}
+
+// Sends exactly n bytes on a Unix socket and, with them, the descriptor `fd` (SCM_RIGHTS: the
+// receiver gets a descriptor of its own for the same open file); false on an error, never SIGPIPE.
+inline bool send_with_fd(int sock, const void* data, std::size_t n, int fd) {
+  iovec iov{const_cast<void*>(data), n};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  ssize_t put;
+  do put = sendmsg(sock, &msg, MSG_NOSIGNAL);
+  while (put < 0 && errno == EINTR);
+  if (put <= 0) return false;
+  // The descriptor went with the first bytes; the rest, if any, goes as plain bytes.
+  return send_fully(sock, static_cast<const char*>(data) + put, n - static_cast<std::size_t>(put));
+}
+
+// The other end: reads exactly n bytes and returns the descriptor that came with them (close-on-
+// exec), or -1, with nothing left open, if the bytes ended early or came without exactly one.
+inline int receive_with_fd(int sock, void* data, std::size_t n) {
+  iovec iov{data, n};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t got;
+  do got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  while (got < 0 && errno == EINTR);
+  int fd = -1;
+  for (cmsghdr* c = got > 0 ? CMSG_FIRSTHDR(&msg) : nullptr; c != nullptr; c = CMSG_NXTHDR(&msg, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)) && fd < 0)
+      std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+  const bool whole = got > 0 && read_fully(sock, static_cast<char*>(data) + got, n - static_cast<std::size_t>(got));
+  if (!whole || fd < 0 || (msg.msg_flags & MSG_CTRUNC) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
 }
 
 }  // namespace k2c
