@@ -1,7 +1,8 @@
-// lab/ipc_pages.cu — why module 19's decode kernel reads the witness's buffers slowly. The witness
-// (autograder/witness) allocates a launch's buffers in its own process and the test program maps
-// them through CUDA IPC; there the reference decode kernel read its 2 GiB paged cache at about a
-// third of the rate it reaches on an allocation of its own. This program reads 2 GiB in 32 KiB
+// lab/ipc_pages.cu — whether memory another process lends reads more slowly than a process's own.
+// The witness (autograder/witness) allocates a launch's buffers in its own process and lends them
+// to the test program; lent as CUDA IPC handles, module 19's reference decode kernel read its 2 GiB
+// paged cache there at about a third of the rate it reached on an allocation of its own (lent
+// through the driver's virtual memory API, at its own rate). This program reads 2 GiB in 32 KiB
 // pages (in pool order and shuffled, a block per run of pages, as a decode step reads its cache)
 // from four kinds of memory, all timed in one process:
 //   own cudaMalloc         the test program's usual allocation
@@ -14,7 +15,7 @@
 // The parent allocates and fills the two exported pools, starts this program again as the child
 // (a CUDA process cannot fork and keep using the GPU), sends the handles and waits; the child
 // allocates its own two pools and prints GB/s (bytes read over the median time of 30 runs after an
-// L2 flush) for each kind and order.
+// L2 flush; the median of three rounds over all kinds) for each kind and order, then as JSON.
 //   nvcc -O3 -std=c++20 -arch=sm_90 -Icommon/include lab/ipc_pages.cu common/src/shared_memory.cpp \
 //     -o /tmp/ipc_pages && /tmp/ipc_pages
 #include <sys/socket.h>

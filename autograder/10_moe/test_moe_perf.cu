@@ -9,6 +9,7 @@
 // forward plus backward against a naive layer in the same run (k2c/reference/moe_baseline.h: a
 // launch per expert for every step, an unfused router, scatter-adds).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <memory>
 #include <numeric>
@@ -156,12 +157,37 @@ struct LayerCall {
   k2c::DeviceBuffer<int> expert, counts;
 };
 
+// Elements of fp32 device tensors at the given positions, on the host.
+__global__ void gather_floats(const float* from, const std::size_t* at, int n, float* into) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) into[i] = from[at[i]];
+}
+
+std::vector<float> sample_device(const float* from, const std::vector<std::size_t>& at) {
+  if (at.empty()) return {};
+  k2c::DeviceBuffer<std::size_t> d_at(at.size());
+  d_at.upload(at);
+  k2c::DeviceBuffer<float> into(at.size());
+  const int n = static_cast<int>(at.size());
+  gather_floats<<<(n + 255) / 256, 256>>>(from, d_at.data(), n, into.data());
+  K2C_CUDA_CHECK_LAUNCH();
+  return into.download();
+}
+
+// One call's weight gradients at sampled positions: for each of moe::Grads' five tensors, where
+// (drawn after the call, from a seed nobody knew before it) and what the layer had written there.
+struct GradSamples {
+  std::array<std::vector<std::size_t>, 5> at;
+  std::array<std::vector<float>, 5> got;
+};
+
 // The layer's forward + backward at the module's shape against the naive layer in the same run.
 // Every call, warm-up and timed, gets inputs of its own and outputs of its own, poisoned, and each
 // call's outputs are compared with the naive layer's on the same inputs at sampled elements: a layer
-// that computed once and skipped the repeats leaves poison behind. The weight gradients, one set
-// shared by the calls, are not compared here (MoeLayer.Backward checks them at its shapes). Rate:
-// the layer's FLOPs per second.
+// that computed once and skipped the repeats leaves poison behind. The weight gradients, one set of
+// buffers for all calls, are read at drawn positions once each call has ended, off the clock, and
+// poisoned before the next; each call's samples are compared with the naive layer's in the same
+// way. Rate: the layer's FLOPs per second.
 TEST(MoeLayerPerf, ForwardBackward) {
   K2C_REQUIRE_TIMING();
   const moe::RouterConfig c{kExperts, kTopK, moe::Score::softmax, 1, 1, false, 1.0f};
@@ -193,7 +219,24 @@ TEST(MoeLayerPerf, ForwardBackward) {
   // Each call's x and dy are drawn (from a seed nobody knows in advance) and its y and dx poisoned
   // just before it, off the clock, so no call can be answered in an earlier one; each repeat is
   // timed until the whole device is idle, so work left on a stream of the layer's own counts.
+  // The weight gradients of each call, read after it has ended, then poisoned for the next call.
+  const std::array<float*, 5> grad_buffers{g_router.data(), g13.data(), g2.data(), gs13.data(), gs2.data()};
+  const std::array<std::size_t, 5> grad_sizes{g_router.size(), g13.size(), g2.size(), gs13.size(), gs2.size()};
+  std::vector<GradSamples> grads_of(calls);
+  auto read_grads = [&](int i) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::mt19937_64 rng(k2c::testing::unpredictable_seed());
+    for (std::size_t b = 0; b < grad_buffers.size(); ++b) {
+      auto& at = grads_of[static_cast<std::size_t>(i)].at[b];
+      for (int s = 0; s < 4096; ++s) at.push_back(rng() % grad_sizes[b]);
+      grads_of[static_cast<std::size_t>(i)].got[b] = sample_device(grad_buffers[b], at);
+      K2C_CUDA_CHECK(cudaMemset(grad_buffers[b], 0xFF, grad_sizes[b] * sizeof(float)));
+    }
+  };
+  for (std::size_t b = 0; b < grad_buffers.size(); ++b)
+    K2C_CUDA_CHECK(cudaMemset(grad_buffers[b], 0xFF, grad_sizes[b] * sizeof(float)));
   options.before = [&](std::size_t, int i) {
+    if (i > 0) read_grads(i - 1);
     LayerCall& k = set[static_cast<std::size_t>(i)];
     k2c::fill_uniform_device(k.x.data(), Td, k2c::testing::unpredictable_seed());
     k2c::fill_uniform_device(k.dy.data(), Td, k2c::testing::unpredictable_seed());
@@ -211,6 +254,7 @@ TEST(MoeLayerPerf, ForwardBackward) {
   const k2c::Timing ours = k2c::time_gpu(step, options);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ASSERT_EQ(call, calls) << "the timing made another number of calls than its options say";
+  read_grads(calls - 1);
   record_loads(set.back().counts.download());
   auto naive_for = [&](const LayerCall& k) {
     return std::make_unique<k2c::baseline::NaiveMoe>(k2c::baseline::MoeProblem{
@@ -238,6 +282,12 @@ TEST(MoeLayerPerf, ForwardBackward) {
       if (a != b) same[t] = false, ++differ;
     }
     EXPECT_LE(differ, T / 1000) << "call " << i << ": tokens routed differently from the naive layer";
+    // The experts a token routed differently went to in either layer: their gradients hold a
+    // different set of rows, so their elements are left out of the comparison below.
+    std::vector<bool> expert_same(E, true);
+    for (int t = 0; t < T; ++t)
+      if (!same[t])
+        for (int j = 0; j < kTopK; ++j) expert_same[ours_e[t * kTopK + j]] = expert_same[theirs_e[t * kTopK + j]] = false;
     for (auto [what, got, want] :
          {std::tuple{"y", k2c::to_host(set[i].y), theirs_layer.y()}, {"dx", k2c::to_host(set[i].dx), theirs_layer.dx()}}) {
       double sq = 0;
@@ -252,6 +302,27 @@ TEST(MoeLayerPerf, ForwardBackward) {
       }
       EXPECT_EQ(bad, 0u) << "call " << i << " of the timed layer: " << what
                          << " differs from the naive layer's at sampled elements";
+    }
+    // Its weight gradients at the positions drawn after it: an element of a routed expert's w13
+    // or w2 belongs to expert position / (its size per expert).
+    const char* names[5] = {"the router's gradient", "w13's gradient", "w2's gradient", "the shared w13's gradient",
+                            "the shared w2's gradient"};
+    const std::array<const float*, 5> want_grads = theirs_layer.weight_grads();
+    for (std::size_t b = 0; b < want_grads.size(); ++b) {
+      const GradSamples& gs = grads_of[static_cast<std::size_t>(i)];
+      const std::vector<float> want = sample_device(want_grads[b], gs.at[b]);
+      double sq = 0;
+      for (float v : want) sq += static_cast<double>(v) * v;
+      const double rms = std::sqrt(sq / want.size());
+      const std::size_t per_expert = grad_sizes[b] / E;
+      std::size_t bad = 0;
+      for (std::size_t s = 0; s < want.size(); ++s) {
+        if ((b == 1 || b == 2) && !expert_same[gs.at[b][s] / per_expert]) continue;
+        const float got = gs.got[b][s];
+        if (!(std::abs(got - want[s]) <= 0x1p-6 * std::abs(want[s]) + 0x1p-4 * rms)) ++bad;
+      }
+      EXPECT_EQ(bad, 0u) << "call " << i << " of the timed layer: " << names[b]
+                         << " differs from the naive layer's at elements drawn after the call";
     }
   }
   // Routed experts 6·(T·k)·d·f forward plus the shared experts' 6·T·d·sf, three times that with

@@ -499,7 +499,7 @@ TEST(Verdict, TheWitnessJudgesTheReport) {
   EXPECT_EQ(m.points, 0);
   EXPECT_NE(m.detail.find("own run of the timed kernel failed: window 1, launch 3 of 16: row 7"), std::string::npos);
 
-  for (const std::string grader_side : {R"({"fault": "grader", "problem": "cudaIpcGetMemHandle: not supported"})",
+  for (const std::string grader_side : {R"({"fault": "grader", "problem": "cuMemCreate failed, CUDA driver error 801"})",
                                         R"({"fault": "", "unit": "TFLOP/s", "rate": 500})", "", "{not json"}) {
     m = reported();
     apply_witness(m, "APerf.Rate", read_witness_verdict(grader_side));

@@ -11,9 +11,9 @@
 // The protocol is in common/include/k2c/testing/witness.h; what each witness launches, on which
 // buffers, and how its output is checked is in specs.cu. The verdict (JSON) says what the
 // checker saw: the best rate over its windows in the rubric's unit, or the problem, and whose
-// fault it was: "grader" when the checker could not set the run up (no device, no CUDA IPC),
-// "submission" for anything that happened once the test program was started, including its
-// silence. The grader (k2c grade) compares the rate with the test program's own report.
+// fault it was: "grader" when the checker could not set the run up (no device, buffers it cannot
+// lend: its own server tries them first), "submission" for anything that happened once the test
+// program was started, including its silence. The grader (k2c grade) compares the rate with the test program's own report.
 // With --ceiling, a timed run also measures the ceiling the rubric names for the test (those this
 // program knows, see measure_ceiling), before the test program starts: the grader holds the
 // report's ceiling against it, as it holds the report's rate against the witnessed one.
@@ -48,6 +48,7 @@
 #include "k2c/core/fd_io.h"
 #include "k2c/core/random.h"
 #include "k2c/device/device.h"
+#include "k2c/device/shared_memory.h"
 #include "k2c/device/timing.h"
 #include "k2c/reference/ceilings.h"
 #include "k2c/testing/witness.h"
@@ -193,7 +194,8 @@ class Channel {
 struct Layout {
   const k2c::witness_specs::Spec* spec = nullptr;
   int sets = 0;
-  char* base = nullptr;
+  std::optional<k2c::SharedDeviceMemory> memory;  // lent to the test program (shared_memory.h)
+  char* base = nullptr;                           // memory's first byte
   wp::Hello hello;
   std::vector<char*> buffers(int set) const {
     std::vector<char*> p;
@@ -224,11 +226,12 @@ Layout lay_out(const k2c::witness_specs::Spec& spec, int max_sets) {
   l.sets = static_cast<int>(std::min<std::size_t>(std::min({wp::kMaxSets, spec.max_sets, max_sets}),
                                                   budget / std::max<std::size_t>(set_bytes, 1)));
   if (l.sets < 1) throw std::runtime_error("not enough device memory for one launch's buffers");
-  K2C_CUDA_CHECK(cudaMalloc(&l.base, std::max<std::size_t>(set_bytes * l.sets, 256)));
+  l.memory = k2c::SharedDeviceMemory::create(set_bytes * l.sets);
+  l.base = l.memory->data();
   l.hello.buffers = static_cast<std::uint32_t>(spec.buffers.size());
   l.hello.sets = static_cast<std::uint32_t>(l.sets);
+  l.hello.bytes = l.memory->bytes();
   std::snprintf(l.hello.name, sizeof l.hello.name, "%s", spec.name.c_str());
-  K2C_CUDA_CHECK(cudaIpcGetMemHandle(&l.hello.memory, l.base));
   for (std::size_t i = 0; i < spec.shape.size(); ++i) l.hello.shape[i] = spec.shape[i];
   for (int s = 0; s < l.sets; ++s)
     for (std::size_t b = 0; b < spec.buffers.size(); ++b) l.hello.offset[s][b] = s * set_bytes + buffer_offset[b];
@@ -302,7 +305,10 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
     return result;
   };
 
-  if (!channel.send(&l.hello, sizeof l.hello)) return finish("the test program did not take the checker's greeting");
+  const int memory_fd = l.memory->export_fd();
+  const bool greeted = k2c::send_with_fd(fds[0], &l.hello, sizeof l.hello, memory_fd);
+  close(memory_fd);
+  if (!greeted) return finish("the test program did not take the checker's greeting");
   wp::Reply reply;
   // Start-up: CUDA's initialisation, mapping the buffers, two warm-up rounds of every set.
   if (std::string why = channel.receive(reply, std::min(a.timeout_s, 180.0)); !why.empty())
@@ -424,6 +430,20 @@ int run_shapes(const Args& a, const k2c::witness_specs::Witness& witness, std::m
     K2C_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     write_verdict(a.out, verdict(a.name, "grader", std::string("cannot set up the correctness run: ") + e.what()));
+    return 0;
+  }
+  // Lending the buffers to another process, tried first with a server of the checker's own (an
+  // empty kernel, nothing judged): where this machine cannot lend them, that is the grader's
+  // fault, not the submission's.
+  std::string lending;
+  try {
+    lending = run_session(layouts[0], {self_path(), "--serve-calibration"}, a, -1, -1, {.windows = 1, .check = false}, rng)
+                  .problem;
+  } catch (const std::exception& e) {
+    lending = e.what();
+  }
+  if (!lending.empty()) {
+    write_verdict(a.out, verdict(a.name, "grader", "cannot lend the buffers to another process: " + lending));
     return 0;
   }
   // From here on the test program runs: what goes wrong is the submission's.

@@ -299,5 +299,8 @@ std::vector<float> widen_device(const DeviceBuffer<bf16>& b) {
 std::vector<float> NaiveMoe::y() const { return widen_device(s_->y); }
 std::vector<float> NaiveMoe::dx() const { return widen_device(s_->dx); }
 std::vector<int> NaiveMoe::expert() const { return s_->expert.download(); }
+std::array<const float*, 5> NaiveMoe::weight_grads() const {
+  return {s_->grad_router.data(), s_->grad13.data(), s_->grad2.data(), s_->grad_s13.data(), s_->grad_s2.data()};
+}
 
 }  // namespace k2c::baseline

@@ -1,13 +1,17 @@
 // witness_server.cpp — the test program's side of the grader's witness run (k2c/testing/witness.h).
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <map>
+#include <optional>
 #include <string>
 
 #include <cuda_runtime.h>
 
 #include "k2c/core/fd_io.h"
+#include "k2c/device/shared_memory.h"
 #include "k2c/testing/witness.h"
 
 namespace k2c::testing {
@@ -59,18 +63,21 @@ int serve_witness(const std::string& name) {
     return 2;
   }
   witness::Hello hello;
-  if (!k2c::read_fully(fd, &hello, sizeof hello) || hello.magic != witness::kMagic || hello.sets == 0 ||
-      hello.sets > witness::kMaxSets || hello.buffers == 0 || hello.buffers > witness::kMaxBuffers) {
+  const int memory_fd = k2c::receive_with_fd(fd, &hello, sizeof hello);
+  if (memory_fd < 0 || hello.magic != witness::kMagic || hello.sets == 0 || hello.sets > witness::kMaxSets ||
+      hello.buffers == 0 || hello.buffers > witness::kMaxBuffers || hello.bytes == 0) {
+    if (memory_fd >= 0) close(memory_fd);
     std::fprintf(stderr, "witness: no valid greeting on fd %d\n", fd);
     return 2;
   }
-  void* mapped = nullptr;
-  const cudaError_t opened = cudaIpcOpenMemHandle(&mapped, hello.memory, cudaIpcMemLazyEnablePeerAccess);
-  if (opened != cudaSuccess) {
-    reply(fd, witness::Status::failed, 0, std::string("cannot map the grader's buffers: ") + cudaGetErrorString(opened));
+  std::optional<SharedDeviceMemory> memory;
+  try {
+    memory = SharedDeviceMemory::import(memory_fd, hello.bytes);
+  } catch (const std::exception& e) {
+    reply(fd, witness::Status::failed, 0, std::string("cannot map the grader's buffers: ") + e.what());
     return 2;
   }
-  char* base = static_cast<char*>(mapped);
+  char* base = memory->data();
   // Warm-up, off the clock: module loading and first launches, as time_gpu's warm-up does.
   for (int i = 0; i < 2; ++i)
     if (const std::string problem = run_sets(it->second, hello, base); !problem.empty()) {
@@ -86,7 +93,6 @@ int serve_witness(const std::string& name) {
     if (!reply(fd, problem.empty() ? witness::Status::done : witness::Status::failed, order.window, problem))
       return 1;
   }
-  cudaIpcCloseMemHandle(mapped);
   return 0;
 }
 

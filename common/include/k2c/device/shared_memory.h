@@ -1,11 +1,12 @@
 // k2c/device/shared_memory.h — device memory that one process allocates and another maps.
 //
 // The witness (k2c/testing/witness.h) keeps a launch's buffers in its own process and lends them
-// to the test program. CUDA's IPC handles (cudaIpcGetMemHandle) were the first way: on an H100
-// module 19's decode kernel read a 2 GiB paged cache through such a mapping at about a third of
-// the rate it reached on an allocation of its own (lab/ipc_pages.cu measures why). This lends the
-// memory through the driver's virtual memory API instead: the owner creates the allocation
-// (cuMemCreate) and exports it as a file descriptor, the descriptor travels over a Unix socket
+// to the test program. It first lent them as CUDA IPC handles (cudaIpcGetMemHandle); on an H100
+// module 19's decode kernel then read its 2 GiB paged cache at about a third of the rate it
+// reached on an allocation of its own, and lent this way, at its own rate. (lab/ipc_pages.cu
+// reads memory lent either way, in a simpler pattern, at the rate of the process's own, so what
+// slowed the IPC form is not established.) Here the owner creates the allocation (cuMemCreate)
+// and exports it as a file descriptor, the descriptor travels over a Unix socket
 // (k2c::send_with_fd in k2c/core/fd_io.h), and both processes map the same allocation at 2 MiB
 // granularity (cuMemMap).
 //

@@ -12,6 +12,7 @@
 // out as in module 10's contract (moe.h). step() runs forward then backward on the stream 0.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -40,6 +41,9 @@ class NaiveMoe {
   std::vector<float> y() const;  // the last step's output and input gradient, on the host
   std::vector<float> dx() const;
   std::vector<int> expert() const;  // the last step's choices, [tokens][top_k]
+  // The last step's weight gradients (fp32, on the device, overwritten by each step), in the
+  // order of module 10's moe::Grads: router, w13, w2, shared w13, shared w2.
+  std::array<const float*, 5> weight_grads() const;
 
  private:
   struct State;

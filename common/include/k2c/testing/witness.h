@@ -7,8 +7,9 @@
 // judges itself, through `k2c_witness` (autograder/witness/), a program with no student code:
 //
 //   1. k2c_witness allocates the inputs and outputs of several independent launches ("sets") in
-//      its own process, shares the allocation with the test program (CUDA IPC), and starts the
-//      test program as `k2c_test_NN --k2c_witness=NAME` with one end of a socket on fd 3.
+//      its own process, starts the test program as `k2c_test_NN --k2c_witness=NAME` with one end
+//      of a socket on fd 3, and lends it the allocation (k2c/device/shared_memory.h: its file
+//      descriptor travels with the greeting).
 //   2. The test program maps the allocation and answers Ready; for each window the checker
 //      fills every set's inputs from a seed drawn then, poisons the outputs, and sends Go; the
 //      test program runs the kernel once per set (the function registered under NAME with
@@ -28,8 +29,6 @@
 #include <string>
 #include <vector>
 
-#include <cuda_runtime_api.h>
-
 namespace k2c::witness {
 
 inline constexpr std::uint32_t kMagic = 0x5743324Bu;  // "K2CW"
@@ -41,7 +40,7 @@ struct Hello {  // checker -> test program, once
   std::uint32_t magic = kMagic;
   std::uint32_t buffers = 0, sets = 0;
   char name[64] = {};
-  cudaIpcMemHandle_t memory{};
+  std::uint64_t bytes = 0;  // the lent allocation's size; its descriptor comes with this greeting
   std::int64_t shape[kMaxShape] = {};
   std::uint64_t offset[kMaxSets][kMaxBuffers] = {};  // bytes from the allocation's start
 };
