@@ -157,12 +157,12 @@ struct LayerCall {
   k2c::DeviceBuffer<int> expert, counts;
 };
 
-// Elements of fp32 device tensors at the given positions, on the host.
 __global__ void gather_floats(const float* from, const std::size_t* at, int n, float* into) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) into[i] = from[at[i]];
 }
 
+// The elements of an fp32 device tensor at the given positions, on the host.
 std::vector<float> sample_device(const float* from, const std::vector<std::size_t>& at) {
   if (at.empty()) return {};
   k2c::DeviceBuffer<std::size_t> d_at(at.size());
@@ -216,9 +216,6 @@ TEST(MoeLayerPerf, ForwardBackward) {
                                               k2c::DeviceBuffer<float>(Tk), k2c::DeviceBuffer<int>(Tk),
                                               k2c::DeviceBuffer<int>(E)});
   }
-  // Each call's x and dy are drawn (from a seed nobody knows in advance) and its y and dx poisoned
-  // just before it, off the clock, so no call can be answered in an earlier one; each repeat is
-  // timed until the whole device is idle, so work left on a stream of the layer's own counts.
   // The weight gradients of each call, read after it has ended, then poisoned for the next call.
   const std::array<float*, 5> grad_buffers{g_router.data(), g13.data(), g2.data(), gs13.data(), gs2.data()};
   const std::array<std::size_t, 5> grad_sizes{g_router.size(), g13.size(), g2.size(), gs13.size(), gs2.size()};
@@ -235,6 +232,9 @@ TEST(MoeLayerPerf, ForwardBackward) {
   };
   for (std::size_t b = 0; b < grad_buffers.size(); ++b)
     K2C_CUDA_CHECK(cudaMemset(grad_buffers[b], 0xFF, grad_sizes[b] * sizeof(float)));
+  // Each call's x and dy are drawn (from a seed nobody knows in advance) and its y and dx poisoned
+  // just before it, off the clock, so no call can be answered in an earlier one; each repeat is
+  // timed until the whole device is idle, so work left on a stream of the layer's own counts.
   options.before = [&](std::size_t, int i) {
     if (i > 0) read_grads(i - 1);
     LayerCall& k = set[static_cast<std::size_t>(i)];
