@@ -1,6 +1,6 @@
 // lab/ipc_pages.cu — whether memory another process lends reads more slowly than a process's own.
 // The witness (autograder/witness) allocates a launch's buffers in its own process and lends them
-// to the test program; lent as CUDA IPC handles, module 19's reference decode kernel read its 2 GiB
+// to the test program; lent as CUDA IPC handles, module 19's reference decode kernel read its 1 GiB
 // paged cache there at about a third of the rate it reached on an allocation of its own (lent
 // through the driver's virtual memory API, at its own rate). This program reads 2 GiB in 32 KiB
 // pages (in pool order and shuffled, a block per run of pages, as a decode step reads its cache)

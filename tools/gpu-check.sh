@@ -71,7 +71,7 @@ if [ -n "${K2C_EXPERIMENT:-}" ]; then
   step "experiment $K2C_EXPERIMENT"
   nvcc -O3 -std=c++20 -arch=sm_${ARCH}a -Icommon/include -Iassignments/05_tensor_core_matmul \
     -Iassignments/06_softmax -Iassignments/07_rmsnorm -Iassignments/08_rope -Iassignments/09_flash_attention -Iassignments/10_moe \
-    "lab/$K2C_EXPERIMENT.cu" common/src/device.cu -lcublas -lcuda -o /tmp/k2c-experiment >> "$LOG" 2>&1 &&
+    "lab/$K2C_EXPERIMENT.cu" common/src/device.cu common/src/shared_memory.cpp -lcublas -lcuda -o /tmp/k2c-experiment >> "$LOG" 2>&1 &&
     timeout -s KILL 300 /tmp/k2c-experiment ${K2C_EXPERIMENT_ARGS:-} 2>&1 | tee "$OUT/experiment.txt" >> "$LOG"
 fi
 modules=(); [ -n "${K2C_MODULES:-}" ] && modules=(--modules "$K2C_MODULES")

@@ -2,7 +2,7 @@
 //
 // The witness (k2c/testing/witness.h) keeps a launch's buffers in its own process and lends them
 // to the test program. It first lent them as CUDA IPC handles (cudaIpcGetMemHandle); on an H100
-// module 19's decode kernel then read its 2 GiB paged cache at about a third of the rate it
+// module 19's decode kernel then read its 1 GiB paged cache at about a third of the rate it
 // reached on an allocation of its own, and lent this way, at its own rate. (lab/ipc_pages.cu
 // reads memory lent either way, in a simpler pattern, at the rate of the process's own, so what
 // slowed the IPC form is not established.) Here the owner creates the allocation (cuMemCreate)
