@@ -314,10 +314,8 @@ WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const s
   cmd.insert(cmd.end(), options.begin(), options.end());
   cmd.push_back("--");
   cmd.insert(cmd.end(), program.begin(), program.end());
-  const SharedTempEntries temp_before(runner.uid);
   const ProcessResult w = run_process(cmd, {.timeout_s = limit});
   if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
-  temp_before.remove_new();
   WitnessVerdict v = read_witness_verdict(read_report(verdict));
   if (v.fault == "grader" && v.problem.rfind("no verdict", 0) == 0)
     v.problem += " (" + describe_exit(w, limit) + ": " + first_lines(w.output, 1) + ")";
@@ -1283,13 +1281,10 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       const std::string run_mark = folder.path().filename().string();
       all_env.emplace_back("K2C_RUN", run_mark);
       all_env.insert(all_env.end(), extra_env.begin(), extra_env.end());
-      const SharedTempEntries temp_before(runner.uid);
       const ProcessResult r = run_process(
           cmd, {.env = all_env, .cwd = folder.path().string(), .timeout_s = timeout, .uid = runner.uid, .gid = runner.gid});
-      // Whatever it left running, detached from its process group, dies before the next run, and
-      // then what it left in /tmp, /var/tmp and /dev/shm goes.
+      // Whatever it left running, detached from its process group, dies before the next run.
       if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
-      temp_before.remove_new();
       gtest_json = read_report(json_path);
       if (!gtest_json.empty()) std::ofstream(kept) << gtest_json;
       // The device files may appear only once a first program has started CUDA (nvidia-modprobe

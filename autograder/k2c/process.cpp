@@ -318,39 +318,6 @@ int kill_run_leftovers(int uid, const std::string& marker) {
 
 int kill_descendants() { return kill_below(-1, ""); }
 
-namespace {
-constexpr const char* kSharedTempFolders[] = {"/tmp", "/var/tmp", "/dev/shm"};
-
-// Calls f(path, inode) for each entry of user `uid` directly in the shared temporary folders.
-template <class F>
-void for_entries_of(int uid, F&& f) {
-  for (const char* folder : kSharedTempFolders) {
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(folder, ec)) {
-      struct stat st {};
-      if (lstat(e.path().c_str(), &st) == 0 && static_cast<int>(st.st_uid) == uid)
-        f(e.path().string(), static_cast<unsigned long long>(st.st_ino));
-    }
-  }
-}
-}  // namespace
-
-SharedTempEntries::SharedTempEntries(int uid) : uid_(uid) {
-  if (uid_ > 0) for_entries_of(uid_, [&](const std::string& path, unsigned long long ino) { before_.emplace(path, ino); });
-}
-
-int SharedTempEntries::remove_new() const {
-  if (uid_ <= 0) return 0;  // never root's files
-  int removed = 0;
-  for_entries_of(uid_, [&](const std::string& path, unsigned long long ino) {
-    if (before_.count({path, ino}) != 0) return;
-    std::error_code ec;
-    // remove_all removes a link itself, not what it points to, and descends into real folders only.
-    if (std::filesystem::remove_all(path, ec) > 0 && !ec) ++removed;
-  });
-  return removed;
-}
-
 std::string describe_exit(const ProcessResult& r, double timeout_s) {
   if (!r.started) return r.output;
   if (r.timed_out) return "timed out after " + std::to_string(static_cast<int>(timeout_s)) + " s";

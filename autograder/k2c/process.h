@@ -7,9 +7,8 @@
 #pragma once
 
 #include <cstddef>
-#include <filesystem>
 #include <functional>
-#include <set>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -54,23 +53,6 @@ void adopt_orphans();
 // second grader on the machine) are left alone. Reading other users' environments needs root.
 // Call it only when no run of this process is under way. Returns the number of processes killed.
 int kill_run_leftovers(int uid, const std::string& marker);
-// What a run leaves in the folders every account may write (/tmp, /var/tmp, /dev/shm): a run's own
-// temporary files go to its run folder (TMPDIR), but code under test may still fill those folders
-// or plant names there that stop later runs of the same account. SharedTempEntries notes what user
-// `uid` has directly in them now; after the run (and kill_run_leftovers), remove_new() removes
-// every entry of that user's that was not there before, whole (links removed, never followed),
-// and returns how many. Entries of other users, and the user's earlier ones, are left alone; a
-// second grader running as the same account at the same time would lose its new entries too.
-class SharedTempEntries {
- public:
-  explicit SharedTempEntries(int uid);
-  int remove_new() const;
-
- private:
-  int uid_;
-  std::set<std::pair<std::string, unsigned long long>> before_;  // (path, inode)
-};
-
 // Kills every process below this one, whatever its user, the same way: what a build left running
 // (under Ninja a compile-as runs below a shell of its own and outlives the build that a time limit
 // stopped). Call it only when nothing of this process should be running.
