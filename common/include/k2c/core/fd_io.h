@@ -53,16 +53,27 @@ inline bool send_fully(int fd, const void* data, std::size_t n) {
   return true;
 }
 
+// The message of send_with_fd and receive_with_fd: n bytes, and room beside them for one
+// descriptor. Not copyable: msg points into the object itself.
+struct FdMessage {
+  iovec iov;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  FdMessage(void* data, std::size_t n) : iov{data, n} {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+};
+
 // Sends exactly n bytes on a Unix socket and, with them, the descriptor `fd` (SCM_RIGHTS: the
 // receiver gets a descriptor of its own for the same open file); false on an error, never SIGPIPE.
 inline bool send_with_fd(int sock, const void* data, std::size_t n, int fd) {
-  iovec iov{const_cast<void*>(data), n};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  FdMessage m(const_cast<void*>(data), n);
+  msghdr& msg = m.msg;
   cmsghdr* c = CMSG_FIRSTHDR(&msg);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
@@ -79,13 +90,8 @@ inline bool send_with_fd(int sock, const void* data, std::size_t n, int fd) {
 // The other end: reads exactly n bytes and returns the descriptor that came with them (close-on-
 // exec), or -1, with nothing left open, if the bytes ended early or came without exactly one.
 inline int receive_with_fd(int sock, void* data, std::size_t n) {
-  iovec iov{data, n};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  FdMessage m(data, n);
+  msghdr& msg = m.msg;
   ssize_t got;
   do got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
   while (got < 0 && errno == EINTR);
