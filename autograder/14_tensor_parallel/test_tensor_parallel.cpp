@@ -870,7 +870,8 @@ K2C_RANK_WITNESS(vocab_parallel_cross_entropy) {
 
 // The grader's own check of the vocabulary-parallel embedding (the layout in
 // autograder/witness/rank_cases_layers.cpp): the checker's ids, this rank's rows of its table and
-// dout; the answer is the lookup, then this rank's gradient. args: V, D, N.
+// dout; the answer is the lookup, this rank's gradient, then the values the layer was materialized
+// with from the checker's seed. args: V, D, N, 12 the seed.
 K2C_RANK_WITNESS(vocab_parallel_embedding) {
   const std::int64_t V = c.args[0], D = c.args[1], N = c.args[2], rows = V / world().size();
   const std::size_t id_bytes = static_cast<std::size_t>(N) * sizeof(std::int32_t);
@@ -883,9 +884,10 @@ K2C_RANK_WITNESS(vocab_parallel_embedding) {
   std::memcpy(dout.data(), c.in.data() + id_bytes + shard.size() * sizeof(float), dout.size() * sizeof(float));
   Side par(witness_ops());
   const tp::VocabParallelEmbedding embedding(group().tp(), par.params, "tok", V, D);
-  par.materialize(kWeightSeed);
+  par.materialize(static_cast<std::uint64_t>(c.args[12]));
   km::Tensor& weight = par.params.value(embedding.weight());
   if (weight.numel() != static_cast<std::int64_t>(shard.size())) throw std::runtime_error("the shard has an unexpected shape");
+  const Host initial = par.download(weight);
   par.ops().upload(weight, shard.data());
   km::Tensor ip = par.upload_ids(ids), out = par.poisoned({N, D}), dp = par.upload(dout, {N, D});
   tp::VocabParallelEmbedding::Saved saved;
@@ -897,6 +899,7 @@ K2C_RANK_WITNESS(vocab_parallel_embedding) {
   Host answer = par.download(out);
   const Host grad = par.download(par.params.grad(embedding.weight()));
   answer.insert(answer.end(), grad.begin(), grad.end());
+  answer.insert(answer.end(), initial.begin(), initial.end());
   if (answer.size() * sizeof(float) != c.out.size()) throw std::runtime_error("the answer has an unexpected size");
   std::memcpy(c.out.data(), answer.data(), c.out.size());
 }

@@ -320,6 +320,7 @@ void expert_case(k2c::dist::testing::RankCase& c, int which) {
   };
   if (which == 0) {
     put(p.kept), put(p.begin), put(std::vector<std::int64_t>{p.dropped}), put(p.from), put(p.offsets);
+    put(std::vector<std::int64_t>{p.ranks, p.rank, p.experts, p.local_experts, p.top_k, p.tokens, p.capacity});
     put(s.download_ids(p.token)), put(s.download(p.weight));
   } else if (which == 1) {
     km::Tensor rows = s.upload(rest, {p.rows(), d}), there = s.poisoned({p.expert_rows(), d}),
@@ -349,7 +350,8 @@ K2C_RANK_WITNESS(expert_dispatch_combine) { expert_case(c, 2); }
 
 // The grader's own check of the whole layer (the layout in autograder/witness/rank_cases_experts.cpp):
 // the checker's config, router, x and dy; the answer is the balance term, the dropped assignments,
-// ctx.aux_loss after forward, y, dx and the gradients it names after reduce_gradients.
+// ctx.aux_loss after forward, Saved's group tokens, capacity and counts, y, dx and the gradients it
+// names after reduce_gradients.
 namespace {
 void layer_case(k2c::dist::testing::RankCase& c) {
   km::MoeConfig cfg;
@@ -381,11 +383,14 @@ void layer_case(k2c::dist::testing::RankCase& c) {
   s.params.end_backward();
   xp::reduce_gradients(g.dense(), g.expert_dp(), s.ctx, moe);
   const km::testing::WitnessNames names = km::testing::witness_names(c, router_at + router_bytes);
-  std::vector<unsigned char> head(2 * sizeof(double) + 2 * sizeof(std::int64_t));
+  std::vector<std::int64_t> counted = {saved.group_tokens, saved.plan.capacity};
+  counted.insert(counted.end(), saved.counts.begin(), saved.counts.end());
+  std::vector<unsigned char> head(2 * sizeof(double) + 2 * sizeof(std::int64_t) + counted.size() * sizeof(std::int64_t));
   std::memcpy(head.data(), &saved.balance_loss, sizeof(double));
   std::memcpy(head.data() + 8, &saved.dropped, sizeof(std::int64_t));
   std::memcpy(head.data() + 16, &saved.group_dropped, sizeof(std::int64_t));
   std::memcpy(head.data() + 24, &s.ctx.aux_loss, sizeof(double));  // what forward added to it
+  std::memcpy(head.data() + 32, counted.data(), counted.size() * sizeof(std::int64_t));
   km::testing::answer_layer(c, s, ym, dxm, names, std::move(head));
 }
 }  // namespace

@@ -543,25 +543,36 @@ void answer(k2c::dist::testing::RankCase& c, const Host& v) {
 
 }  // namespace
 
-// args: kv_heads, head_dim, q_heads, page_size, pages, split_tokens, S, B, filler tokens.
+// args: kv_heads, head_dim, q_heads, page_size, pages, split_tokens, S, B, filler tokens, layers,
+// the layer read, the cut (per mille).
 K2C_RANK_WITNESS(decode_attention) {
   const int kv = static_cast<int>(c.args[0]), hd = static_cast<int>(c.args[1]), hq = static_cast<int>(c.args[2]);
   const int S = static_cast<int>(c.args[6]), B = static_cast<int>(c.args[7]);
   const std::int64_t filler = c.args[8], row = std::int64_t{kv} * hd;
+  const int layers = static_cast<int>(c.args[9]), layer = static_cast<int>(c.args[10]);
   std::size_t at = 0;
   const std::vector<std::int64_t> length = take<std::int64_t>(c, at, S);
   const std::vector<std::int32_t> which = take<std::int32_t>(c, at, B);
   Side s;
-  inf::PagedKvCache cache(s.ctx, {1, kv, hd, static_cast<int>(c.args[3]), static_cast<int>(c.args[4]), false});
+  inf::PagedKvCache cache(s.ctx, {layers, kv, hd, static_cast<int>(c.args[3]), static_cast<int>(c.args[4]), false});
+  // Rows [from, to) of a sequence's keys or values as a tensor, negated for the decoys.
+  auto rows = [&](const Host& all, std::int64_t from, std::int64_t to, float sign) {
+    Host part(all.begin() + from * row, all.begin() + to * row);
+    for (float& x : part) x *= sign;
+    return s.upload(part, {to - from, row});
+  };
   std::vector<int> ids, fillers;
   for (int q = 0; q < S; ++q) {
     fillers.push_back(cache.create(std::max<std::int64_t>(filler, 1)));
     cache.extend(fillers.back(), filler);
     ids.push_back(cache.create(length[q]));
     cache.extend(ids.back(), length[q]);
-    const km::Tensor k = s.upload(take<float>(c, at, length[q] * row), {length[q], row});
-    const km::Tensor v = s.upload(take<float>(c, at, length[q] * row), {length[q], row});
-    cache.write(s.ctx, 0, ids.back(), 0, k, v);
+    const Host k = take<float>(c, at, length[q] * row), v = take<float>(c, at, length[q] * row);
+    const std::int64_t cut = length[q] * c.args[11] / 1000;
+    if (cut < length[q]) cache.write(s.ctx, layer, ids.back(), cut, rows(k, cut, length[q], 1), rows(v, cut, length[q], 1));
+    if (cut > 0) cache.write(s.ctx, layer, ids.back(), 0, rows(k, 0, cut, 1), rows(v, 0, cut, 1));
+    for (int l = 0; l < layers; ++l)
+      if (l != layer) cache.write(s.ctx, l, ids.back(), 0, rows(v, 0, length[q], -1), rows(k, 0, length[q], -1));
   }
   for (int f : fillers) cache.release(f);
   std::vector<int> seqs;
@@ -571,7 +582,7 @@ K2C_RANK_WITNESS(decode_attention) {
   }
   const km::Tensor q = s.upload(take<float>(c, at, std::int64_t{B} * hq * hd), {B, std::int64_t{hq} * hd});
   km::Tensor o = s.poisoned({B, std::int64_t{hq} * hd});
-  inf::decode_attention(s.ctx, cache, 0, seqs, q, o, static_cast<int>(c.args[5]));
+  inf::decode_attention(s.ctx, cache, layer, seqs, q, o, static_cast<int>(c.args[5]));
   answer(c, s.download(o));
 }
 
@@ -647,6 +658,8 @@ K2C_RANK_WITNESS(mla_decode) {
     s.ctx.ops.upload(t, v.data());
   }
   const Host x = take<float>(c, at, std::int64_t{T} * d);
+  const int T2 = static_cast<int>(c.args[13]), T02 = static_cast<int>(c.args[14]);
+  const Host x2 = take<float>(c, at, std::int64_t{T2} * d);
   km::Tensor y = s.poisoned({T, d});
   mla.forward(s.ctx, s.upload(x, {T, d}), y);
   Host out = s.download(y);
@@ -656,13 +669,32 @@ K2C_RANK_WITNESS(mla_decode) {
   mla.prefill(s.ctx, cache, seq, s.upload(Host(x.begin(), x.begin() + T0 * d), {T0, d}), y0);
   const Host prefilled = s.download(y0);
   out.insert(out.end(), prefilled.begin(), prefilled.end());
+  const int seq2 = cache.create(T2);
+  km::Tensor y02 = s.poisoned({T02, d});
+  mla.prefill(s.ctx, cache, seq2, s.upload(Host(x2.begin(), x2.begin() + T02 * d), {T02, d}), y02);
   mla.absorb(s.ctx);
-  for (int t = T0; t < T; ++t) {
-    km::Tensor row = s.poisoned({1, d});
-    mla.decode(s.ctx, cache, {seq}, s.upload(row_of(x, d, t), {1, d}), row, static_cast<int>(c.args[10]));
-    const Host r = s.download(row);
-    out.insert(out.end(), r.begin(), r.end());
+  // Step j decodes position T0 + j of x and T02 + j of x2, together while both have one left.
+  Host decoded, decoded2;
+  for (int j = 0; T0 + j < T || T02 + j < T2; ++j) {
+    std::vector<int> seqs;
+    Host rows;
+    std::vector<Host*> into;
+    auto add = [&](int id, const Host& from, int t, Host& to) {
+      const Host r = row_of(from, d, t);
+      seqs.push_back(id), rows.insert(rows.end(), r.begin(), r.end()), into.push_back(&to);
+    };
+    const bool second_first = c.args[15] == 1;
+    if (second_first && T02 + j < T2) add(seq2, x2, T02 + j, decoded2);
+    if (T0 + j < T) add(seq, x, T0 + j, decoded);
+    if (!second_first && T02 + j < T2) add(seq2, x2, T02 + j, decoded2);
+    const auto B = static_cast<std::int64_t>(seqs.size());
+    km::Tensor ys = s.poisoned({B, d});
+    mla.decode(s.ctx, cache, seqs, s.upload(rows, {B, d}), ys, static_cast<int>(c.args[10]));
+    const Host r = s.download(ys);
+    for (std::size_t b = 0; b < into.size(); ++b) into[b]->insert(into[b]->end(), r.begin() + b * d, r.begin() + (b + 1) * d);
   }
+  out.insert(out.end(), decoded.begin(), decoded.end());
+  out.insert(out.end(), decoded2.begin(), decoded2.end());
   answer(c, out);
 }
 

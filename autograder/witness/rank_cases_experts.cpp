@@ -5,6 +5,7 @@
 // routing: choices [N·k] (int32, distinct experts per token) and weights [N·k] (fp32), then
 //   expert_plan              nothing more; answers the plan's numbers as
 //                            int64 kept[E], begin[E + 1], dropped, from[n·L], offsets[L + 1],
+//                            ranks, rank, experts, local_experts, top_k, tokens, capacity,
 //                            then int32 token[K], fp32 weight[K]
 //   expert_exchange          its rows [K, d] in plan order; answers to_experts' expert rows
 //                            [R, d], then from_experts' rows back [K, d]
@@ -23,7 +24,9 @@
 //   router's weight [E, d] (the checker's: every token's top k + 1 logits at least 1e-3 apart, so
 //   fp32 and double pick the same experts), then the names of the parameters to answer, one per
 //   line. The answer: the balance term (double), the rank's and the group's dropped assignments
-//   (int64), ctx.aux_loss after forward (double: the balance term, added to 0), y and dx [N, d], then the gradients named as the rank holds them after
+//   (int64), ctx.aux_loss after forward (double: the balance term, added to 0), then from Saved the
+//   group's tokens, the plan's capacity and the group's assignments per expert before the capacity
+//   (int64, 2 + E), y and dx [N, d], then the gradients named as the rank holds them after
 //   reduce_gradients: the router and the shared expert whole, its experts' slices of the rest.
 //   Skewed: tokens lie near one direction the router's rows point along or against, so expert 0
 //   takes most rows and the last rank's experts none (that rank receives no row at all).
@@ -197,6 +200,8 @@ Case draw_experts(const std::string& kind, int n, int index, std::mt19937_64& rn
       append(w.plan, &m.dropped, 1);
       append(w.plan, from.data(), from.size());
       append(w.plan, offsets.data(), offsets.size());
+      const std::int64_t scalars[] = {n, r, E, L, k, N, C};
+      append(w.plan, scalars, std::size(scalars));
       append(w.plan, token.data(), token.size());
       append(w.plan, wt.data(), wt.size());
       c.out_bytes.push_back(w.plan.size());
@@ -232,10 +237,11 @@ Case draw_experts(const std::string& kind, int n, int index, std::mt19937_64& rn
       if (which == 0) {
         if (got[r] != w.plan) {
           // Say which field: the layout above, in bytes.
-          const std::size_t sizes[] = {8u * E, 8u * (E + 1), 8, 8u * n * L, 8u * (L + 1)};
-          const char* names[] = {"kept", "begin", "dropped", "from", "offsets", "token or weight"};
+          const std::size_t sizes[] = {8u * E, 8u * (E + 1), 8, 8u * n * L, 8u * (L + 1), 8 * 7};
+          const char* names[] = {"kept", "begin", "dropped", "from", "offsets",
+                                 "ranks, rank, experts, local_experts, top_k, tokens or capacity", "token or weight"};
           std::size_t at = 0, f = 0;
-          for (; f < 5; at += sizes[f++])
+          for (; f < std::size(sizes); at += sizes[f++])
             if (std::memcmp(got[r].data() + at, w.plan.data() + at, sizes[f]) != 0) break;
           return rank + ": the plan's " + names[f] + " differ from the contract's";
         }
@@ -287,7 +293,9 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
                                std::bit_cast<std::int32_t>(scale), std::bit_cast<std::int64_t>(factor)};
   std::copy(std::begin(args), std::end(args), c.args);
   c.args[12] = static_cast<std::int64_t>(weights);
-  const std::int64_t T = std::int64_t{n} * N, C = factor > 0 ? static_cast<std::int64_t>(std::ceil(factor * N * k / E)) : -1;
+  // The capacity as the contract computes it (capacity() in expert_parallel.h), per rank's N tokens.
+  const std::int64_t T = std::int64_t{n} * N,
+                     C = factor > 0 ? static_cast<std::int64_t>(std::ceil(factor * static_cast<double>(N * k) / E)) : -1;
   c.what = kind + ", " + std::to_string(N) + (N == 1 ? " token" : " tokens") + " of " + std::to_string(d) + " per rank, top " + std::to_string(k) +
            " of " + std::to_string(E) + " experts of " + std::to_string(cfg.d_expert) +
            (cfg.shared_experts ? " and a shared one" : "") + (capacity ? ", capacity " + std::to_string(C) : "") + " on " +
@@ -305,6 +313,7 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
                                               : k2c::uniform_at(data + 3, e * d + j, -1.0f, 1.0f);
   }
   std::vector<float> x(static_cast<std::size_t>(T) * d), dy(x.size());
+  std::vector<std::int64_t> counts(E, 0);  // the group's assignments per expert, before the capacity
   for (std::int64_t t = 0; t < T; ++t) {
     // Draw the token again until its top k + 1 logits are clear of each other.
     for (std::uint64_t attempt = 0;; ++attempt) {
@@ -313,13 +322,18 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
       const double s = 1.0 + 2.0 * k2c::uniform_at(key, 0, 0.0f, 1.0f);
       for (int j = 0; j < d; ++j)
         x[t * d + j] = skewed ? static_cast<float>(s * u[j]) + k2c::uniform_at(key, 1 + j, -0.3f, 0.3f) : k2c::uniform_at(key, 1 + j, -1.0f, 1.0f);
-      std::vector<double> logit(E);
-      for (int e = 0; e < E; ++e)
-        for (int j = 0; j < d; ++j) logit[e] += static_cast<double>(x[t * d + j]) * router[std::size_t(e) * d + j];
+      std::vector<std::pair<double, int>> logit(E);
+      for (int e = 0; e < E; ++e) {
+        logit[e] = {0.0, e};
+        for (int j = 0; j < d; ++j) logit[e].first += static_cast<double>(x[t * d + j]) * router[std::size_t(e) * d + j];
+      }
       std::sort(logit.begin(), logit.end(), std::greater<>());
       bool clear = true;
-      for (int j = 0; j + 1 < E && j < k; ++j) clear = clear && logit[j] - logit[j + 1] >= 1e-3;
-      if (clear) break;
+      for (int j = 0; j + 1 < E && j < k; ++j) clear = clear && logit[j].first - logit[j + 1].first >= 1e-3;
+      if (clear) {
+        for (int j = 0; j < k; ++j) ++counts[logit[j].second];
+        break;
+      }
     }
     for (int j = 0; j < d; ++j) dy[t * d + j] = k2c::uniform_at(data + 1, t * d + j, -1.0f, 1.0f);
   }
@@ -398,7 +412,7 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
       const std::size_t slice = expert ? g.size() / n : g.size(), at = expert ? r * slice : 0;
       want[r].push_back({name + " gradient" + (expert ? " (this rank's experts)" : ""), {g.begin() + at, g.begin() + at + slice}});
     }
-    std::size_t bytes = 2 * sizeof(double) + 2 * sizeof(std::int64_t);
+    std::size_t bytes = 2 * sizeof(double) + (4 + E) * sizeof(std::int64_t);
     for (const auto& t : want[r]) bytes += t.second.size() * sizeof(float);
     c.out_bytes.push_back(bytes);
     Bytes in;
@@ -415,7 +429,7 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
   const auto tensors = capacity ? judge_layer(want, 0, "the double oracle's", 1e-5, 1e-6)
                                 : judge_layer(want, 0, "one process's");
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
-    constexpr std::size_t kHead = 2 * sizeof(double) + 2 * sizeof(std::int64_t);
+    const std::size_t head = 2 * sizeof(double) + (4 + E) * sizeof(std::int64_t);
     std::vector<Bytes> rest;
     for (int r = 0; r < n; ++r) {
       const std::string rank = "rank " + std::to_string(r) + ": ";
@@ -433,7 +447,17 @@ Case draw_expert_layer(const std::string& kind, int n, int index, std::mt19937_6
       if (mine != dropped[r] || group != group_dropped)
         return rank + std::to_string(mine) + " dropped here and " + std::to_string(group) + " in the group, not " +
                std::to_string(dropped[r]) + " and " + std::to_string(group_dropped) + " (capacity " + std::to_string(C) + ")";
-      rest.emplace_back(got[r].begin() + kHead, got[r].end());
+      std::vector<std::int64_t> saved(2 + E);
+      std::memcpy(saved.data(), got[r].data() + 32, saved.size() * sizeof(std::int64_t));
+      if (saved[0] != T) return rank + "Saved's group_tokens is " + std::to_string(saved[0]) + ", not " + std::to_string(T);
+      if (saved[1] != C)
+        return rank + "the plan's capacity is " + std::to_string(saved[1]) + ", the contract's " + std::to_string(C) +
+               (C < 0 ? " (none)" : "");
+      for (int e = 0; e < E; ++e)
+        if (saved[2 + e] != counts[e])
+          return rank + "Saved's counts[" + std::to_string(e) + "] is " + std::to_string(saved[2 + e]) + ", the group's " +
+                 std::to_string(counts[e]) + " assignments to that expert (before the capacity)";
+      rest.emplace_back(got[r].begin() + head, got[r].end());
     }
     return tensors(rest);
   };

@@ -5,14 +5,19 @@
 //
 // decode_attention
 //   args: 0 kv_heads, 1 head_dim, 2 q_heads, 3 page_size, 4 pages, 5 split_tokens, 6 S sequences,
-//   7 B queries, 8 filler tokens F. Input: the lengths int64 [S], the queries' sequences int32 [B]
-//   (indices into the S, repeats allowed), then per sequence its keys and values [length,
+//   7 B queries, 8 filler tokens F, 9 layers L, 10 the layer read, 11 where the writes cut a
+//   sequence (per mille of its length). Input: the lengths int64 [S], the queries' sequences int32
+//   [B] (indices into the S, repeats allowed), then per sequence its keys and values [length,
 //   kv_heads·head_dim] one after the other, then q [B, q_heads·head_dim]. The rank makes a cache
-//   of one layer ({1, kv_heads, head_dim, page_size, pages}); before each sequence it creates and
-//   extends a filler of F tokens (created for at least one), released at the end, so that the sequences' pages are scattered
-//   over the pool; it writes each sequence's keys and values, runs decode_attention over the
-//   queries' sequences and answers o [B, q_heads·head_dim]. Reference: each query's attention
-//   over its sequence in double (query head h reads key-value head h / (q_heads/kv_heads)).
+//   of L layers ({L, kv_heads, head_dim, page_size, pages}); before each sequence it creates and
+//   extends a filler of F tokens (created for at least one), released at the end, so that the
+//   sequences' pages are scattered over the pool. It writes each sequence's keys and values into
+//   the layer read in two calls, the positions from the cut on first (at that offset), then those
+//   before it, and then decoys (keys −v, values −k) into every other layer: a write that ignores
+//   its offset or its layer, or a read of another layer, answers wrong. It runs decode_attention
+//   over the queries' sequences on the layer read and answers o [B, q_heads·head_dim]. Reference:
+//   each query's attention over its sequence in double (query head h reads key-value head
+//   h / (q_heads/kv_heads)).
 //
 // engine_decode
 //   args: 0 pages, 1 page_size, 2 split_tokens, 3 R requests, 4 .. 11 the model (as the training
@@ -31,13 +36,16 @@
 // mla_decode
 //   args: 0 d_model, 1 heads, 2 nope_dim, 3 rope_dim, 4 latent_dim, 5 value_dim, 6 T, 7 T0 (1 .. T−1),
 //   8 pages, 9 page_size, 10 split_tokens, 12 the seed the rank materializes from (its values are
-//   then replaced). Input: the weights wq_nope, wq_rope, w_dkv, w_kr, w_uk, w_uv, wo (as
-//   inference.h registers them, about 0.5 in size), then x [T, d]. The rank builds Mla "attn",
-//   replaces its weights, runs forward over x, prefills the first T0 tokens into a cache of
-//   cache_config(pages, page_size), absorbs, and decodes the rest one token at a time. The answer:
-//   forward's y [T, d], prefill's [T0, d] (forward's rows to the bit, as the contract says), then
-//   the decoded rows [T − T0, d]. Reference: k2c::ref::mla_forward, the equations in double;
-//   forward and decode within 1e-4 of the largest |y| plus 1e-4 relative (module 19's test's).
+//   then replaced), 13 T2, 14 T02 (1 .. T2−1), 15 1 when the second sequence's row comes first.
+//   Input: the weights wq_nope, wq_rope, w_dkv, w_kr, w_uk, w_uv, wo (as inference.h registers
+//   them, about 0.5 in size), then x [T, d], then a second sequence x2 [T2, d]. The rank builds Mla
+//   "attn", replaces its weights, runs forward over x, prefills the first T0 tokens of x and the
+//   first T02 of x2 into a cache of cache_config(pages, page_size), absorbs, and decodes the rest
+//   one token at a time, both sequences in one call while both have tokens left (in the order of
+//   arg 15), then the longer alone. The answer: forward's y [T, d], prefill's [T0, d] (forward's
+//   rows to the bit, as the contract says), then x's decoded rows [T − T0, d] and x2's
+//   [T2 − T02, d]. Reference: k2c::ref::mla_forward, the equations in double; forward and decode
+//   within 1e-4 of the largest |y| plus 1e-4 relative (module 19's test's).
 //
 // cache_pages
 //   args: 0 page_size, 1 pages, 2 operations. Input: the operations, int64 triples (0 create with
@@ -115,13 +123,20 @@ Case draw_decode_attention(const std::string& kind, int n, int index, std::mt199
   pages += static_cast<std::int64_t>(rng() % 3);
   const std::int64_t longest = *std::max_element(length.begin(), length.end());
   const int split = static_cast<int>(rng() % 2 ? longest : 1 + static_cast<std::int64_t>(rng() % longest));
+  // Mostly several layers, the last one read (so that decoys are written after the keys); a cut
+  // anywhere, the ends included (one call then writes the whole sequence).
+  const int layers = shape == 0 ? 1 : 2 + static_cast<int>(rng() % 2);
+  const int layer = rng() % 3 ? layers - 1 : static_cast<int>(rng() % layers);
+  const int cut = static_cast<int>(rng() % 1001);
   Case c;
-  const std::int64_t args[] = {kv, hd, hq, page_size, pages, split, S, B, F};
+  const std::int64_t args[] = {kv, hd, hq, page_size, pages, split, S, B, F, layers, layer, cut};
   std::copy(std::begin(args), std::end(args), c.args);
   c.what = kind + ", " + std::to_string(B) + (B == 1 ? " query" : " queries") + " over " + std::to_string(S) +
            (S == 1 ? " sequence" : " sequences") + " up to " +
            std::to_string(longest) + " tokens, " + std::to_string(hq) + "/" + std::to_string(kv) + " heads of " +
-           std::to_string(hd) + ", pages of " + std::to_string(page_size) + ", parts of " + std::to_string(split);
+           std::to_string(hd) + ", pages of " + std::to_string(page_size) + ", parts of " + std::to_string(split) +
+           ", layer " + std::to_string(layer) + " of " + std::to_string(layers) + ", written in two parts cut at " +
+           std::to_string(cut / 10) + "." + std::to_string(cut % 10) + "%";
 
   const std::uint64_t data = rng();
   const std::int64_t row = std::int64_t{kv} * hd;
@@ -266,17 +281,22 @@ Case draw_mla(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   m.value_dim = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(m.nope_dim + m.rope_dim));
   const int T = shape == 0 ? 2 : shape == 1 ? 3 + static_cast<int>(rng() % 8) : 16 + static_cast<int>(rng() % 25);
   const int T0 = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(T - 1));
+  // The second sequence decodes beside the first, batched in one call (the test's form).
+  const int T2 = 2 + static_cast<int>(rng() % static_cast<std::uint64_t>(T + 4));
+  const int T02 = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(T2 - 1));
   const int page_size = 1 + static_cast<int>(rng() % 5);
-  const std::int64_t pages = pages_for(T, page_size) + static_cast<std::int64_t>(rng() % 3);
-  const int split = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(T));
+  const std::int64_t pages = pages_for(T, page_size) + pages_for(T2, page_size) + static_cast<std::int64_t>(rng() % 3);
+  const int split = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(std::max(T, T2)));
   Case c;
   const std::int64_t args[] = {m.d_model, m.heads, m.nope_dim, m.rope_dim, m.latent_dim, m.value_dim, T, T0, pages, page_size, split};
   std::copy(std::begin(args), std::end(args), c.args);
   c.args[12] = static_cast<std::int64_t>(rng() >> 1);
+  c.args[13] = T2, c.args[14] = T02, c.args[15] = static_cast<std::int64_t>(rng() % 2);
   c.what = kind + ", d " + std::to_string(m.d_model) + ", " + std::to_string(m.heads) + " head(s) of " + std::to_string(m.nope_dim) +
            " + " + std::to_string(m.rope_dim) + ", latent " + std::to_string(m.latent_dim) + ", values " + std::to_string(m.value_dim) +
            ", " + std::to_string(T) + " tokens (" + std::to_string(T0) + " prefilled), pages of " + std::to_string(page_size) +
-           ", parts of " + std::to_string(split);
+           ", parts of " + std::to_string(split) + ", beside a sequence of " + std::to_string(T2) + " (" + std::to_string(T02) +
+           " prefilled)";
 
   // Weights of about 0.5 (not the init's 0.02): scores of a few units, a softmax far from uniform.
   const int H = m.heads, d = m.d_model;
@@ -290,17 +310,24 @@ Case draw_mla(const std::string& kind, int n, int index, std::mt19937_64& rng) {
     for (std::int64_t j = 0; j < sizes[i]; ++j) w[i].push_back(k2c::uniform_at(data + i, j, -0.8f, 0.8f));
     append(in, w[i].data(), w[i].size());
   }
-  std::vector<float> x(static_cast<std::size_t>(T) * d);
+  std::vector<float> x(static_cast<std::size_t>(T) * d), x2(static_cast<std::size_t>(T2) * d);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = k2c::uniform_at(data + 7, i, -1.0f, 1.0f);
+  for (std::size_t i = 0; i < x2.size(); ++i) x2[i] = k2c::uniform_at(data + 8, i, -1.0f, 1.0f);
   append(in, x.data(), x.size());
+  append(in, x2.data(), x2.size());
   c.in.assign(n, in);
 
   const std::vector<double> y = k2c::ref::mla_forward(x, T, m, {w[0], w[1], w[2], w[3], w[4], w[5], w[6]});
+  const std::vector<double> y2 = k2c::ref::mla_forward(x2, T2, m, {w[0], w[1], w[2], w[3], w[4], w[5], w[6]});
   const std::vector<float> yf(y.begin(), y.end());
   const std::size_t rows0 = std::size_t(T0) * d;
-  const Tensors want = {{"forward's y", yf}, {"decode's rows (positions " + std::to_string(T0) + " on)", {yf.begin() + rows0, yf.end()}}};
-  c.out_bytes.assign(n, (2 * yf.size()) * sizeof(float));
-  // The answer: forward's y [T, d], prefill's [T0, d] (forward's rows, to the bit), decode's [T − T0, d].
+  const Tensors want = {{"forward's y", yf},
+                        {"decode's rows (positions " + std::to_string(T0) + " on)", {yf.begin() + rows0, yf.end()}},
+                        {"the second sequence's decoded rows (positions " + std::to_string(T02) + " on)",
+                         {y2.begin() + std::ptrdiff_t(T02) * d, y2.end()}}};
+  c.out_bytes.assign(n, (2 * yf.size() + std::size_t(T2 - T02) * d) * sizeof(float));
+  // The answer: forward's y [T, d], prefill's [T0, d] (forward's rows, to the bit), decode's
+  // [T − T0, d], the second sequence's decode [T2 − T02, d].
   const auto close = judge_layer(std::vector<Tensors>(n, want), 0, "the equations'", 1e-4);
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     std::vector<Bytes> judged;

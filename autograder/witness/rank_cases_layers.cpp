@@ -9,6 +9,8 @@
 #include <tuple>
 
 #include "k2c/core/random.h"
+#include "k2c/model/layers.h"
+#include "k2c/model/testing.h"
 #include "k2c/reference/reference.h"
 #include "rank_cases.h"
 
@@ -115,11 +117,14 @@ Case draw_linear(const std::string& kind, int n, int index, std::mt19937_64& rng
   return c;
 }
 
-// Module 14's vocabulary-parallel embedding. args: V (divisible by the ranks), D, N ids. Rank r
-// gets the ids int32 [N] (both edges of every rank's shard, both ends of the vocabulary, repeats),
-// its rows r·V/n.. of the table [V/n, D], and dout [N, D]; it answers the lookup [N, D] (every row
-// the table's, to the bit, the same on every rank), then its shard's gradient [V/n, D] (the sum of
-// the dout rows of its ids, in fp32).
+// Module 14's vocabulary-parallel embedding. args: V (divisible by the ranks), D, N ids, 12 the
+// seed. Rank r gets the ids int32 [N] (both edges of every rank's shard, both ends of the
+// vocabulary, repeats), its rows r·V/n.. of the table [V/n, D], and dout [N, D]. It builds the layer
+// "tok", materializes it from the seed and keeps those values, then replaces them by its rows of the
+// table; it answers the lookup [N, D] (every row the table's, to the bit, the same on every rank),
+// its shard's gradient [V/n, D] (the sum of the dout rows of its ids, in fp32), then the values it
+// materialized [V/n, D]: rows r·V/n.. of a model::Embedding "tok" materialized from the same seed,
+// to the bit (the shard registered with Init::shard as the contract says).
 
 Case draw_embedding(const std::string& kind, int n, int index, std::mt19937_64& rng) {
   const int shape = index % 3;
@@ -134,9 +139,14 @@ Case draw_embedding(const std::string& kind, int n, int index, std::mt19937_64& 
   std::shuffle(ids.begin(), ids.end(), rng);
   const std::int64_t N = static_cast<std::int64_t>(ids.size()), rows = V / n;
   Case c;
-  c.args[0] = V, c.args[1] = D, c.args[2] = N;
+  c.args[0] = V, c.args[1] = D, c.args[2] = N, c.args[12] = static_cast<std::int64_t>(rng() >> 1);
   c.what = kind + ", " + std::to_string(N) + " ids of " + std::to_string(V) + ", D " + std::to_string(D) + " on " +
            std::to_string(n) + " ranks";
+  // The whole layer's values from the seed: each rank's registered shard must be its block of them.
+  k2c::model::testing::Side whole_side;
+  const k2c::model::Embedding whole(whole_side.params, "tok", V, D);
+  whole_side.materialize(static_cast<std::uint64_t>(c.args[12]));
+  const std::vector<float> initial = whole_side.download(whole_side.params.value(whole.weight()));
   std::vector<float> table(V * D), dout(N * D);
   for (std::size_t i = 0; i < table.size(); ++i) table[i] = k2c::uniform_at(seed, i, -1.0f, 1.0f);
   for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = k2c::uniform_at(seed + 1, i, -1.0f, 1.0f);
@@ -153,7 +163,7 @@ Case draw_embedding(const std::string& kind, int n, int index, std::mt19937_64& 
     in.insert(in.end(), shard.begin(), shard.end());
     in.insert(in.end(), d.begin(), d.end());
     c.in.push_back(std::move(in));
-    c.out_bytes.push_back((N + rows) * D * sizeof(float));
+    c.out_bytes.push_back((N + 2 * rows) * D * sizeof(float));
   }
   c.check = [=](const std::vector<Bytes>& got) -> std::string {
     for (int r = 0; r < n; ++r) {
@@ -170,6 +180,12 @@ Case draw_embedding(const std::string& kind, int n, int index, std::mt19937_64& 
           return rank + ": the gradient of id " + std::to_string(r * rows + i / D) + ", column " + std::to_string(i % D) +
                  ": got " + std::to_string(g) + ", the sum of its dout rows " + std::to_string(want);
       }
+      const std::size_t at = static_cast<std::size_t>((N + rows) * D) * sizeof(float);
+      for (std::int64_t i = 0; i < rows * D; ++i)
+        if (std::memcmp(got[r].data() + at + i * sizeof(float), &initial[r * rows * D + i], sizeof(float)) != 0)
+          return rank + ": the materialized value of row " + std::to_string(r * rows + i / D) + ", column " +
+                 std::to_string(i % D) + " is not the whole embedding's from the same seed (registered with " +
+                 "Init::shard as rows " + std::to_string(r * rows) + ".. of [" + std::to_string(V) + ", " + std::to_string(D) + "]?)";
     }
     return "";
   };
