@@ -185,6 +185,8 @@ std::string not_built_reason(const ModuleSpec& spec, const fs::path& source_root
 struct Runner {
   int uid = -1, gid = -1;  // -1: the grader's own user
   std::string name, note;
+  bool private_tmp = false;  // each run gets /tmp, /var/tmp and /dev/shm of its own (process.h)
+  std::string temp_folders = "shared with the machine (code under test runs as the grader)";
 };
 
 bool searchable_by_others(const fs::path& path, std::string& blocked) {
@@ -260,6 +262,12 @@ Runner choose_runner(const GradeOptions& o) {
   r.uid = static_cast<int>(pw->pw_uid);
   r.gid = static_cast<int>(pw->pw_gid);
   r.name = name;
+  // Temporary folders of each run's own: what a run leaves there, or fills them with, is gone with
+  // it, and no run sees another's files there. Where the machine allows no mount namespace (a
+  // container without CAP_SYS_ADMIN) the runs share them, and the report says so.
+  const std::string problem = private_tmp_problem();
+  r.private_tmp = problem.empty();
+  r.temp_folders = r.private_tmp ? "each run's own" : "shared with the machine (" + problem + ")";
   return r;
 }
 
@@ -311,6 +319,7 @@ WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const s
                                   "--cwd", folder.path().string(), "--env", "K2C_RUN=" + run_mark,
                                   "--env", "HOME=" + folder.path().string(), "--env", "TMPDIR=" + folder.path().string()};
   if (runner.uid >= 0) cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
+  if (runner.private_tmp) cmd.push_back("--private-tmp");
   cmd.insert(cmd.end(), options.begin(), options.end());
   cmd.push_back("--");
   cmd.insert(cmd.end(), program.begin(), program.end());
@@ -992,7 +1001,9 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   report.sanitize = o.sanitize;
   const Runner runner = choose_runner(o);
   report.runner = runner.name + (runner.note.empty() ? "" : ": " + runner.note);
+  report.temp_folders = runner.temp_folders;
   progress << "code under test runs as " << report.runner << "\n";
+  progress << "its /tmp, /var/tmp and /dev/shm: " << report.temp_folders << "\n";
 
   std::string source_root = o.root;
   std::optional<Intake> intake;
@@ -1282,7 +1293,12 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       all_env.emplace_back("K2C_RUN", run_mark);
       all_env.insert(all_env.end(), extra_env.begin(), extra_env.end());
       const ProcessResult r = run_process(
-          cmd, {.env = all_env, .cwd = folder.path().string(), .timeout_s = timeout, .uid = runner.uid, .gid = runner.gid});
+          cmd, {.env = all_env,
+                .cwd = folder.path().string(),
+                .timeout_s = timeout,
+                .uid = runner.uid,
+                .gid = runner.gid,
+                .private_tmp = runner.private_tmp});
       // Whatever it left running, detached from its process group, dies before the next run.
       if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
       gtest_json = read_report(json_path);

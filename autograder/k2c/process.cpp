@@ -6,10 +6,13 @@
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -62,7 +65,113 @@ bool continues(const std::string& s, std::size_t i) {
   return i < s.size() && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80;
 }
 
+// ---- private temporary folders (ProcessOptions::private_tmp)
+
+// A folder runs share with the machine, as it resolves here, the options of the tmpfs that
+// replaces it for one run, and the entries directly under it that the run needs bound back in.
+struct SharedFolder {
+  std::string path, options;
+  std::vector<std::string> keep;
+};
+
+// Absolute paths inside a command-line argument or an environment value: the whole value, or any
+// piece of it after ':', '=' or ',' (PATH-like lists, --flag=PATH, json:PATH).
+void absolute_paths_in(const std::string& s, std::vector<std::string>& out) {
+  for (std::size_t i = 0; i <= s.size();) {
+    const std::size_t end = std::min(s.find_first_of(":=,", i), s.size());
+    if (end > i && s[i] == '/') out.push_back(s.substr(i, end - i));
+    i = end + 1;
+  }
+}
+
+// Planned in the parent (the child only makes system calls): which folders become private and
+// what each keeps.
+std::vector<SharedFolder> plan_private_tmp(const std::vector<std::string>& argv, const ProcessOptions& o) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> named;
+  if (!o.cwd.empty()) named.push_back(fs::absolute(o.cwd).string());
+  for (const std::string& a : argv) absolute_paths_in(a, named);
+  for (const auto& [k, v] : o.env) absolute_paths_in(v, named);
+  for (char** e = environ; *e != nullptr; ++e) absolute_paths_in(*e, named);
+  // CUDA's MPS clients reach its daemon through pipes in /tmp/nvidia-mps unless told otherwise.
+  named.push_back("/tmp/nvidia-mps");
+  std::vector<fs::path> resolved;
+  for (const std::string& p : named) {
+    std::error_code ec;
+    const fs::path r = fs::weakly_canonical(p, ec);
+    if (!ec) resolved.push_back(r);
+  }
+  std::vector<SharedFolder> plan;
+  std::set<std::string> seen;
+  for (const char* name : {"/tmp", "/var/tmp", "/dev/shm"}) {
+    std::error_code ec;
+    const fs::path folder = fs::canonical(name, ec);
+    if (ec || !fs::is_directory(folder, ec) || !seen.insert(folder.string()).second) continue;
+    SharedFolder f{folder.string(), "mode=1777,size=1g", {}};
+    bool whole = false;
+    for (const fs::path& p : resolved) {
+      const fs::path rel = p.lexically_relative(folder);
+      if (rel.empty() || *rel.begin() == "..") continue;
+      if (rel == ".") whole = true;
+      else if (const std::string entry = rel.begin()->string();
+               fs::exists(folder / entry, ec) && std::find(f.keep.begin(), f.keep.end(), entry) == f.keep.end())
+        f.keep.push_back(entry);
+    }
+    if (whole) continue;
+    // Shared memory as large as the machine's (MPI's and NCCL's segments between ranks live there).
+    struct statvfs vfs {};
+    if (f.path == "/dev/shm" && statvfs(f.path.c_str(), &vfs) == 0 && vfs.f_blocks > 0)
+      f.options = "mode=1777,size=" + std::to_string(static_cast<unsigned long long>(vfs.f_blocks) * vfs.f_frsize);
+    plan.push_back(std::move(f));
+  }
+  return plan;
+}
+
+// In the child, as root, before it changes user: its own mount namespace, each planned folder a
+// fresh tmpfs with the entries it keeps bound back in from descriptors opened before the tmpfs
+// hid them. Returns the failing step's name, or nullptr.
+const char* make_private_tmp(const std::vector<SharedFolder>& plan) {
+  if (unshare(CLONE_NEWNS) != 0) return "unshare";
+  // Nothing mounted below may reach the machine's namespace (a systemd host shares / by default).
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return "mount --make-rprivate /";
+  for (const SharedFolder& f : plan) {
+    std::vector<int> fds;
+    for (const std::string& entry : f.keep) {
+      const int fd = open((f.path + "/" + entry).c_str(), O_PATH | O_CLOEXEC | O_NOFOLLOW);
+      if (fd < 0) return "open an entry to keep";
+      fds.push_back(fd);
+    }
+    if (mount("tmpfs", f.path.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, f.options.c_str()) != 0) return "mount tmpfs";
+    for (std::size_t i = 0; i < fds.size(); ++i) {
+      const std::string target = f.path + "/" + f.keep[i], source = "/proc/self/fd/" + std::to_string(fds[i]);
+      struct stat st {};
+      if (fstat(fds[i], &st) != 0) return "fstat an entry to keep";
+      if (S_ISDIR(st.st_mode) ? mkdir(target.c_str(), 0755) != 0 : close(open(target.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644)) != 0)
+        return "make a mount point";
+      if (mount(source.c_str(), target.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) return "bind an entry to keep";
+      close(fds[i]);
+    }
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+std::string private_tmp_problem() {
+  if (geteuid() != 0) return "the grader is not root";
+  const pid_t pid = fork();
+  if (pid < 0) return std::string("cannot fork: ") + std::strerror(errno);
+  if (pid == 0) {
+    const char* failed = make_private_tmp({{"/tmp", "mode=1777,size=1m", {}}});
+    _exit(failed == nullptr ? 0 : std::clamp(errno, 1, 255));
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  return std::string("no mount namespace of its own: ") +
+         (WIFEXITED(status) ? std::strerror(WEXITSTATUS(status)) : "the trial ended by a signal");
+}
 
 std::string valid_utf8(std::string_view s) {
   static constexpr std::uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};  // the shortest form's bound
@@ -112,6 +221,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     r.output = "cannot start: " + std::string(argv.empty() ? "empty command" : std::strerror(errno));
     return r;
   }
+  const std::vector<SharedFolder> private_plan = o.private_tmp && o.uid >= 0 ? plan_private_tmp(argv, o) : std::vector<SharedFolder>{};
   const pid_t pid = fork();
   if (pid < 0) {
     r.output = "cannot fork: " + std::string(std::strerror(errno));
@@ -140,6 +250,13 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
       first_closed = 4;
     }
     for (int fd = first_closed, last = static_cast<int>(std::min<long>(sysconf(_SC_OPEN_MAX), 65536)); fd < last; ++fd) close(fd);
+    if (o.private_tmp && o.uid >= 0) {
+      if (const char* failed = make_private_tmp(private_plan)) {
+        const std::string msg = std::string("cannot make private temporary folders (") + failed + "): " + std::strerror(errno) + "\n";
+        (void)!write(STDERR_FILENO, msg.data(), msg.size());
+        _exit(125);
+      }
+    }
     if (!o.cwd.empty() && chdir(o.cwd.c_str()) != 0) _exit(127);
     for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
     // Code under test as an unprivileged user: groups first, then the group, then the user (after

@@ -33,11 +33,23 @@ struct ProcessOptions {
   int uid = -1, gid = -1;  // >= 0: the child drops to this user and group before exec (the grader as root)
   std::function<void(int pid)> on_start;  // called once the child runs, with its pid (= its group)
   int channel_fd = -1;     // >= 0: the child gets it as its fd 3 (the witness's socket), beside 0-2
+  // With uid >= 0: /tmp, /var/tmp and /dev/shm of the child's own, fresh size-limited tmpfs in a
+  // mount namespace of its own that vanish with its last process, so that nothing a run writes there
+  // outlives it or meets another run's files. What the run needs from them is bound back in: the
+  // entry holding its cwd and each entry named by an absolute path in its command line or its
+  // environment (the run folder, a build or checkout under /tmp). A folder the run names itself is
+  // left shared. Ask private_tmp_problem() first: where it cannot be done the child fails to start.
+  bool private_tmp = false;
   std::size_t keep_head = 16 * 1024;
   std::size_t keep_tail = 48 * 1024;
 };
 
 ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& options);
+
+// Why this process cannot give its children private temporary folders (ProcessOptions::private_tmp:
+// not root, or a container without the right to make mount namespaces), or "" where it can. It
+// tries, once, in a child of its own.
+std::string private_tmp_problem();
 
 // Makes this process the adopter of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process
 // that a run leaves behind in a session of its own becomes this process's child instead of init's,

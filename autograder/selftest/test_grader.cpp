@@ -791,6 +791,55 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   EXPECT_EQ(halves(), others) << "a leftover that looks like a zombie survived";
 }
 
+// With private_tmp, a run as another user has /tmp, /var/tmp and /dev/shm of its own: what it
+// writes there is gone when it ends, another entry of the machine's /tmp is out of its sight, and
+// what its working directory and command line name there is where it was. The same run without
+// it leaves its files behind and sees the neighbour, so the check can fail.
+TEST(Process, PrivateTemporaryFoldersVanishWithTheRun) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  const passwd* nobody = getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody here";
+  if (const std::string problem = k2c::grader::private_tmp_problem(); !problem.empty())
+    GTEST_SKIP() << "this machine cannot: " << problem;
+  const int uid = static_cast<int>(nobody->pw_uid), gid = static_cast<int>(nobody->pw_gid);
+  const std::string tag = std::to_string(getpid());
+  const fs::path run = "/tmp/k2c-selftest-run-" + tag, named = "/tmp/k2c-selftest-named-" + tag,
+                 neighbour = "/tmp/k2c-selftest-neighbour-" + tag;
+  const std::vector<fs::path> left = {"/tmp/k2c-selftest-left-" + tag, "/var/tmp/k2c-selftest-left-" + tag,
+                                      "/dev/shm/k2c-selftest-left-" + tag};
+  fs::create_directories(run);
+  ASSERT_EQ(chown(run.c_str(), static_cast<uid_t>(uid), static_cast<gid_t>(gid)), 0);
+  write(run / "input", "from the run folder\n");
+  write(named, "named on the command line\n");
+  write(neighbour, "another run's\n");
+  std::string script = "cat input \"$1\"; [ -e " + neighbour.string() + " ] && echo saw the neighbour; df -k /tmp | tail -n 1";
+  for (const fs::path& p : left)
+    if (fs::exists(p.parent_path())) script += "; touch " + p.string() + " && echo wrote " + p.string();
+  auto attempt = [&](bool private_tmp) {
+    return k2c::grader::run_process({"sh", "-c", script, "sh", named.string()},
+                                    {.cwd = run.string(), .uid = uid, .gid = gid, .private_tmp = private_tmp});
+  };
+  const ProcessResult mine = attempt(true);
+  EXPECT_EQ(mine.exit_code, 0) << mine.output;
+  EXPECT_NE(mine.output.find("from the run folder"), std::string::npos) << mine.output;
+  EXPECT_NE(mine.output.find("named on the command line"), std::string::npos) << mine.output;
+  EXPECT_EQ(mine.output.find("saw the neighbour"), std::string::npos) << mine.output;
+  EXPECT_NE(mine.output.find(" 1048576 "), std::string::npos) << "the private /tmp is not 1 GiB:\n" << mine.output;
+  for (const fs::path& p : left)
+    if (fs::exists(p.parent_path())) {
+      EXPECT_NE(mine.output.find("wrote " + p.string()), std::string::npos) << mine.output;
+      EXPECT_FALSE(fs::exists(p)) << p << " outlived the run";
+    }
+  const ProcessResult shared = attempt(false);
+  EXPECT_EQ(shared.exit_code, 0) << shared.output;
+  EXPECT_NE(shared.output.find("saw the neighbour"), std::string::npos) << shared.output;
+  EXPECT_TRUE(fs::exists(left[0])) << shared.output;
+  for (const fs::path& p : left) fs::remove(p);
+  fs::remove_all(run);
+  fs::remove(named);
+  fs::remove(neighbour);
+}
+
 // A file only root may read, for the tests of what a submission's build reads.
 fs::path root_only_secret() {
   const fs::path secret = kTmp / "root_only_secret.txt";
@@ -1457,8 +1506,12 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
   // module's programs are built).
   std::string attack = tamperer(course / "submission_rubric.json");
   const fs::path dropped = build / "build" / "dropped-by-submission";
+  // And files left in /tmp and /dev/shm, which a run with folders of its own takes with it.
+  const std::string tag = std::to_string(getpid());
+  const fs::path left_tmp = "/tmp/k2c-selftest-left-by-submission-" + tag, left_shm = "/dev/shm/k2c-selftest-left-by-submission-" + tag;
   attack.replace(attack.find("  std::ofstream(path) << text;"), 29,
-                 "  std::ofstream(path) << text;\n  std::ofstream(\"" + dropped.string() + "\") << \"x\";");
+                 "  std::ofstream(path) << text;\n  std::ofstream(\"" + dropped.string() + "\") << \"x\";\n  std::ofstream(\"" +
+                     left_tmp.string() + "\") << \"x\";\n  std::ofstream(\"" + left_shm.string() + "\") << \"x\";");
   write(sub / "assignments/94_tamper/tamper.cpp", attack);
   write(sub / "assignments/90_honest/honest.cpp", kHonest);
   const ProcessResult run = k2c::grader::run_process(
@@ -1476,6 +1529,15 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
   EXPECT_FALSE(fs::exists(dropped)) << "code under test wrote into the build tree";
   const json report = json::parse(slurp(report_path));
   EXPECT_EQ(report["runner"], "nobody");
+  if (const std::string problem = k2c::grader::private_tmp_problem(); problem.empty()) {
+    EXPECT_EQ(report["temp_folders"], "each run's own");
+    EXPECT_FALSE(fs::exists(left_tmp)) << "a file the submission left in /tmp outlived its run";
+    EXPECT_FALSE(fs::exists(left_shm)) << "a file the submission left in /dev/shm outlived its run";
+  } else {
+    EXPECT_EQ(report["temp_folders"], "shared with the machine (" + problem + ")");
+  }
+  fs::remove(left_tmp);
+  fs::remove(left_shm);
   const json& honest = find_named(report["modules"], "id", "90_honest");
   EXPECT_EQ(honest["status"], "ok") << honest["detail"];
   EXPECT_EQ(honest["points"], 10);

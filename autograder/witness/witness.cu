@@ -1,7 +1,7 @@
 // k2c_witness — the grader's own run of one timed kernel, in a process with no student code.
 //
 //   k2c_witness NAME --out VERDICT.json [--shapes N] [--ceiling CEILING] [--timeout S]
-//               [--uid U --gid G] [--cwd DIR] [--env K=V]... -- TEST_PROGRAM [ARGS...]
+//               [--uid U --gid G [--private-tmp]] [--cwd DIR] [--env K=V]... -- TEST_PROGRAM [ARGS...]
 //
 // Two kinds of run. Timed (the default): the kernel at its performance test's shape, in windows
 // the checker clocks, a sample of each launch's output checked. Correctness (--shapes N): N shapes
@@ -74,6 +74,7 @@ struct Args {
   std::string ceiling;  // the rubric's name of the timed test's ceiling ("": none measured)
   double timeout_s = 300;
   int uid = -1, gid = -1;
+  bool private_tmp = false;  // the test program's runs with temporary folders of their own (process.h)
   std::string cwd;
   std::vector<std::pair<std::string, std::string>> env;
   std::vector<std::string> program;
@@ -99,6 +100,7 @@ Args parse(int argc, char** argv) {
     else if (arg == "--ceiling") a.ceiling = value();
     else if (arg == "--uid") a.uid = std::stoi(value());
     else if (arg == "--gid") a.gid = std::stoi(value());
+    else if (arg == "--private-tmp") a.private_tmp = true;
     else if (arg == "--cwd") a.cwd = value();
     else if (arg == "--env") {
       const std::string kv = value();
@@ -289,7 +291,8 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
                                                .uid = uid,
                                                .gid = gid,
                                                .on_start = [&](int pid) { child_pid = pid; },
-                                               .channel_fd = fds[1]});
+                                               .channel_fd = fds[1],
+                                               .private_tmp = a.private_tmp});
     child_done = true;
   });
   Channel channel(fds[0], child_done);
