@@ -67,11 +67,22 @@ bool continues(const std::string& s, std::size_t i) {
 
 // ---- private temporary folders (ProcessOptions::private_tmp)
 
-// A folder runs share with the machine, as it resolves here, the options of the tmpfs that
-// replaces it for one run, and the entries directly under it that the run needs bound back in.
+// What the child binds back into a private folder: an entry of the machine's folder, which the
+// child opens (O_PATH) in its new namespace before its tmpfs hides it, then binds from
+// /proc/self/fd/N onto a mount point of the same name. (A descriptor opened before unshare()
+// names a mount of the machine's namespace, which cannot be bound into the child's.)
+struct KeptEntry {
+  std::string path;      // the entry, and its mount point in the private folder
+  char source[32] = {};  // "/proc/self/fd/N", written by the child without allocating
+};
+
+// A folder runs share with the machine (as it resolves here), the tmpfs that replaces it for one
+// run, and its entries the run needs. A folder that resolves inside another one (a /var/tmp that
+// links into /tmp) is made as a directory in that one's tmpfs instead of mounted.
 struct SharedFolder {
   std::string path, options;
-  std::vector<std::string> keep;
+  bool nested = false;
+  std::vector<KeptEntry> keep;
 };
 
 // Absolute paths inside a command-line argument or an environment value: the whole value, or any
@@ -84,17 +95,28 @@ void absolute_paths_in(const std::string& s, std::vector<std::string>& out) {
   }
 }
 
-// Planned in the parent (the child only makes system calls): which folders become private and
-// what each keeps.
+// Planned in the parent, so that the child makes only system calls on what is built here: which
+// folders become private and what each keeps. The paths looked at are those the child will see:
+// its working directory, its command line and the environment it gets (the options' variables
+// over the inherited ones; PWD and OLDPWD, the grader's own shell history, left out). A path
+// naming a folder itself keeps nothing: the run gets the private folder.
 std::vector<SharedFolder> plan_private_tmp(const std::vector<std::string>& argv, const ProcessOptions& o) {
   namespace fs = std::filesystem;
   std::vector<std::string> named;
   if (!o.cwd.empty()) named.push_back(fs::absolute(o.cwd).string());
   for (const std::string& a : argv) absolute_paths_in(a, named);
-  for (const auto& [k, v] : o.env) absolute_paths_in(v, named);
-  for (char** e = environ; *e != nullptr; ++e) absolute_paths_in(*e, named);
-  // CUDA's MPS clients reach its daemon through pipes in /tmp/nvidia-mps unless told otherwise.
-  named.push_back("/tmp/nvidia-mps");
+  std::set<std::string> given;
+  for (const auto& [k, v] : o.env) given.insert(k), absolute_paths_in(v, named);
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e, key = entry.substr(0, entry.find('='));
+    if (!given.count(key) && key != "PWD" && key != "OLDPWD") absolute_paths_in(entry.substr(key.size()), named);
+  }
+  // CUDA's MPS clients reach their daemon through pipes in /tmp/nvidia-mps unless told otherwise:
+  // kept only as the daemon leaves it, a folder of root's (not one anybody could plant).
+  struct stat mps {};
+  if (std::getenv("CUDA_MPS_PIPE_DIRECTORY") == nullptr && lstat("/tmp/nvidia-mps", &mps) == 0 && S_ISDIR(mps.st_mode) &&
+      mps.st_uid == 0)
+    named.push_back("/tmp/nvidia-mps");
   std::vector<fs::path> resolved;
   for (const std::string& p : named) {
     std::error_code ec;
@@ -102,53 +124,77 @@ std::vector<SharedFolder> plan_private_tmp(const std::vector<std::string>& argv,
     if (!ec) resolved.push_back(r);
   }
   std::vector<SharedFolder> plan;
-  std::set<std::string> seen;
   for (const char* name : {"/tmp", "/var/tmp", "/dev/shm"}) {
     std::error_code ec;
     const fs::path folder = fs::canonical(name, ec);
-    if (ec || !fs::is_directory(folder, ec) || !seen.insert(folder.string()).second) continue;
-    SharedFolder f{folder.string(), "mode=1777,size=1g", {}};
-    bool whole = false;
+    if (ec || !fs::is_directory(folder, ec)) continue;
+    bool repeated = false, nested = false;
+    for (const SharedFolder& f : plan) {
+      const fs::path rel = folder.lexically_relative(f.path);
+      repeated = repeated || rel == ".";
+      nested = nested || (!rel.empty() && rel != "." && *rel.begin() != "..");
+    }
+    if (repeated) continue;
+    SharedFolder f{folder.string(), "mode=1777,size=1g", nested, {}};
+    // Shared memory as large as the machine's /dev/shm (MPI's and NCCL's segments live there).
+    struct statvfs vfs {};
+    if (name == std::string("/dev/shm") && statvfs(f.path.c_str(), &vfs) == 0 && vfs.f_blocks > 0)
+      f.options = "mode=1777,size=" + std::to_string(static_cast<unsigned long long>(vfs.f_blocks) * vfs.f_frsize);
+    std::set<std::string> entries;
     for (const fs::path& p : resolved) {
       const fs::path rel = p.lexically_relative(folder);
-      if (rel.empty() || *rel.begin() == "..") continue;
-      if (rel == ".") whole = true;
-      else if (const std::string entry = rel.begin()->string();
-               fs::exists(folder / entry, ec) && std::find(f.keep.begin(), f.keep.end(), entry) == f.keep.end())
-        f.keep.push_back(entry);
+      if (rel.empty() || rel == "." || *rel.begin() == "..") continue;
+      if (fs::exists(folder / *rel.begin(), ec)) entries.insert(rel.begin()->string());
     }
-    if (whole) continue;
-    // Shared memory as large as the machine's (MPI's and NCCL's segments between ranks live there).
-    struct statvfs vfs {};
-    if (f.path == "/dev/shm" && statvfs(f.path.c_str(), &vfs) == 0 && vfs.f_blocks > 0)
-      f.options = "mode=1777,size=" + std::to_string(static_cast<unsigned long long>(vfs.f_blocks) * vfs.f_frsize);
+    for (const std::string& entry : entries) f.keep.push_back({f.path + "/" + entry});
     plan.push_back(std::move(f));
   }
   return plan;
 }
 
 // In the child, as root, before it changes user: its own mount namespace, each planned folder a
-// fresh tmpfs with the entries it keeps bound back in from descriptors opened before the tmpfs
-// hid them. Returns the failing step's name, or nullptr.
-const char* make_private_tmp(const std::vector<SharedFolder>& plan) {
+// fresh tmpfs (or, nested, a fresh directory in one) with its entries bound back in from the
+// descriptors the parent opened. Only system calls. Returns the failing step's name, or nullptr.
+const char* make_private_tmp(std::vector<SharedFolder>& plan) {
   if (unshare(CLONE_NEWNS) != 0) return "unshare";
   // Nothing mounted below may reach the machine's namespace (a systemd host shares / by default).
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return "mount --make-rprivate /";
-  for (const SharedFolder& f : plan) {
-    std::vector<int> fds;
-    for (const std::string& entry : f.keep) {
-      const int fd = open((f.path + "/" + entry).c_str(), O_PATH | O_CLOEXEC | O_NOFOLLOW);
-      if (fd < 0) return "open an entry to keep";
-      fds.push_back(fd);
+  for (SharedFolder& f : plan) {
+    int fds[64];  // the entries to keep, opened before the tmpfs covers them (-1: left out)
+    if (f.keep.size() > std::size(fds)) return "count the entries to keep";
+    for (std::size_t i = 0; i < f.keep.size(); ++i) {
+      fds[i] = open(f.keep[i].path.c_str(), O_PATH | O_CLOEXEC | O_NOFOLLOW);
+      struct stat st {};
+      // The plan named each by its canonical path: a link there now was put there since, and is
+      // not followed.
+      if (fds[i] >= 0 && (fstat(fds[i], &st) != 0 || S_ISLNK(st.st_mode))) close(fds[i]), fds[i] = -1;
     }
-    if (mount("tmpfs", f.path.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, f.options.c_str()) != 0) return "mount tmpfs";
-    for (std::size_t i = 0; i < fds.size(); ++i) {
-      const std::string target = f.path + "/" + f.keep[i], source = "/proc/self/fd/" + std::to_string(fds[i]);
+    if (f.nested) {
+      if (mkdir(f.path.c_str(), 01777) != 0 || chmod(f.path.c_str(), 01777) != 0) return "make a nested folder";
+    } else if (mount("tmpfs", f.path.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, f.options.c_str()) != 0) {
+      return "mount tmpfs";
+    }
+    for (std::size_t i = 0; i < f.keep.size(); ++i) {
+      if (fds[i] < 0) continue;
       struct stat st {};
       if (fstat(fds[i], &st) != 0) return "fstat an entry to keep";
-      if (S_ISDIR(st.st_mode) ? mkdir(target.c_str(), 0755) != 0 : close(open(target.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644)) != 0)
-        return "make a mount point";
-      if (mount(source.c_str(), target.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) return "bind an entry to keep";
+      if (S_ISDIR(st.st_mode)) {
+        if (mkdir(f.keep[i].path.c_str(), 0755) != 0) return "make a mount point";
+      } else {
+        const int made = open(f.keep[i].path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+        if (made < 0) return "make a mount point";
+        close(made);
+      }
+      char* out = f.keep[i].source;  // "/proc/self/fd/" and the number, by hand
+      const char prefix[] = "/proc/self/fd/";
+      std::memcpy(out, prefix, sizeof prefix - 1);
+      char digits[12];
+      int n = 0;
+      for (int v = fds[i]; n == 0 || v > 0; v /= 10) digits[n++] = static_cast<char>('0' + v % 10);
+      char* at = out + sizeof prefix - 1;
+      while (n > 0) *at++ = digits[--n];
+      *at = '\0';
+      if (mount(out, f.keep[i].path.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) return "bind an entry to keep";
       close(fds[i]);
     }
   }
@@ -159,10 +205,12 @@ const char* make_private_tmp(const std::vector<SharedFolder>& plan) {
 
 std::string private_tmp_problem() {
   if (geteuid() != 0) return "the grader is not root";
+  // The trial makes the folders a run would get, with what the grader's environment names kept.
+  std::vector<SharedFolder> plan = plan_private_tmp({"true"}, {});
   const pid_t pid = fork();
   if (pid < 0) return std::string("cannot fork: ") + std::strerror(errno);
   if (pid == 0) {
-    const char* failed = make_private_tmp({{"/tmp", "mode=1777,size=1m", {}}});
+    const char* failed = make_private_tmp(plan);
     _exit(failed == nullptr ? 0 : std::clamp(errno, 1, 255));
   }
   int status = 0;
@@ -221,7 +269,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     r.output = "cannot start: " + std::string(argv.empty() ? "empty command" : std::strerror(errno));
     return r;
   }
-  const std::vector<SharedFolder> private_plan = o.private_tmp && o.uid >= 0 ? plan_private_tmp(argv, o) : std::vector<SharedFolder>{};
+  std::vector<SharedFolder> private_plan = o.private_tmp && o.uid >= 0 ? plan_private_tmp(argv, o) : std::vector<SharedFolder>{};
   const pid_t pid = fork();
   if (pid < 0) {
     r.output = "cannot fork: " + std::string(std::strerror(errno));
@@ -243,13 +291,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     close(fds[1]);
     const int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
-    // Nothing else of the grader's open files reaches the code under test (but the channel).
-    int first_closed = 3;
-    if (o.channel_fd >= 0) {
-      if (o.channel_fd != 3 && dup2(o.channel_fd, 3) < 0) _exit(127);
-      first_closed = 4;
-    }
-    for (int fd = first_closed, last = static_cast<int>(std::min<long>(sysconf(_SC_OPEN_MAX), 65536)); fd < last; ++fd) close(fd);
+    // Temporary folders of its own (before the loop below, which would close what they open).
     if (o.private_tmp && o.uid >= 0) {
       if (const char* failed = make_private_tmp(private_plan)) {
         const std::string msg = std::string("cannot make private temporary folders (") + failed + "): " + std::strerror(errno) + "\n";
@@ -257,6 +299,13 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
         _exit(125);
       }
     }
+    // Nothing else of the grader's open files reaches the code under test (but the channel).
+    int first_closed = 3;
+    if (o.channel_fd >= 0) {
+      if (o.channel_fd != 3 && dup2(o.channel_fd, 3) < 0) _exit(127);
+      first_closed = 4;
+    }
+    for (int fd = first_closed, last = static_cast<int>(std::min<long>(sysconf(_SC_OPEN_MAX), 65536)); fd < last; ++fd) close(fd);
     if (!o.cwd.empty() && chdir(o.cwd.c_str()) != 0) _exit(127);
     for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
     // Code under test as an unprivileged user: groups first, then the group, then the user (after

@@ -35,10 +35,11 @@ struct ProcessOptions {
   int channel_fd = -1;     // >= 0: the child gets it as its fd 3 (the witness's socket), beside 0-2
   // With uid >= 0: /tmp, /var/tmp and /dev/shm of the child's own, fresh size-limited tmpfs in a
   // mount namespace of its own that vanish with its last process, so that nothing a run writes there
-  // outlives it or meets another run's files. What the run needs from them is bound back in: the
-  // entry holding its cwd and each entry named by an absolute path in its command line or its
-  // environment (the run folder, a build or checkout under /tmp). A folder the run names itself is
-  // left shared. Ask private_tmp_problem() first: where it cannot be done the child fails to start.
+  // outlives it or meets what earlier runs left. What the run needs from them is bound back in: the
+  // entry holding its cwd and each entry named by an absolute path in its command line or in the
+  // environment it gets (the run folder, a build or checkout under /tmp). A path naming a folder
+  // itself keeps nothing. Ask private_tmp_problem() first: where it cannot be done the child fails
+  // to start.
   bool private_tmp = false;
   std::size_t keep_head = 16 * 1024;
   std::size_t keep_tail = 48 * 1024;

@@ -819,7 +819,14 @@ TEST(Process, PrivateTemporaryFoldersVanishWithTheRun) {
     return k2c::grader::run_process({"sh", "-c", script, "sh", named.string()},
                                     {.cwd = run.string(), .uid = uid, .gid = gid, .private_tmp = private_tmp});
   };
+  // Two ways the machine's /tmp could have been let in whole: a variable of the grader's naming the
+  // folder itself, and a planted /tmp/nvidia-mps (the one entry kept unnamed) that links elsewhere.
+  setenv("K2C_SELFTEST_NAMES_TMP", "/tmp", 1);
+  const bool planted = !fs::exists(fs::symlink_status("/tmp/nvidia-mps"));
+  if (planted) fs::create_directory_symlink(neighbour.parent_path(), "/tmp/nvidia-mps");
   const ProcessResult mine = attempt(true);
+  unsetenv("K2C_SELFTEST_NAMES_TMP");
+  if (planted) fs::remove("/tmp/nvidia-mps");
   EXPECT_EQ(mine.exit_code, 0) << mine.output;
   EXPECT_NE(mine.output.find("from the run folder"), std::string::npos) << mine.output;
   EXPECT_NE(mine.output.find("named on the command line"), std::string::npos) << mine.output;
