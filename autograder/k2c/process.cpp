@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
@@ -308,6 +309,17 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     for (int fd = first_closed, last = static_cast<int>(std::min<long>(sysconf(_SC_OPEN_MAX), 65536)); fd < last; ++fd) close(fd);
     if (!o.cwd.empty() && chdir(o.cwd.c_str()) != 0) _exit(127);
     for (const auto& [k, v] : o.env) setenv(k.c_str(), v.c_str(), 1);
+    // Code under test cannot take the machine down with it: the kernel's out-of-memory killer takes
+    // it before anything else (the grader included), and its account holds at most kMaxProcesses
+    // processes and threads (a fork bomb stops there). Set as root: after the switch below the
+    // limit cannot be raised, nor the standing lowered where root holds CAP_SYS_RESOURCE (without
+    // it the kernel lets a process go back down to 0, not below).
+    if (o.uid >= 0) {
+      const int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);  // raising it is always allowed
+      if (adj >= 0) (void)!write(adj, "1000", 4), close(adj);
+      const rlimit processes{kMaxProcesses, kMaxProcesses};
+      if (setrlimit(RLIMIT_NPROC, &processes) != 0) _exit(125);
+    }
     // Code under test as an unprivileged user: groups first, then the group, then the user (after
     // setuid nothing else could be changed). Any failure ends the child before it runs anything.
     if ((o.gid >= 0 && (setgroups(0, nullptr) != 0 || setgid(static_cast<gid_t>(o.gid)) != 0)) ||

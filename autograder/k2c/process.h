@@ -6,6 +6,8 @@
 // what was printed, so memory stays bounded whatever the child does.
 #pragma once
 
+#include <sys/resource.h>
+
 #include <cstddef>
 #include <functional>
 #include <filesystem>
@@ -25,6 +27,12 @@ struct ProcessResult {
   std::size_t output_bytes = 0;  // total printed
   double seconds = 0;
 };
+
+// The processes and threads the runner account may hold while code under test runs as it
+// (RLIMIT_NPROC, soft and hard): far above what the course's largest runs start (a few hundred
+// threads for eight MPI ranks with CUDA and NCCL, several graders at once), far below a machine's
+// process table.
+inline constexpr rlim_t kMaxProcesses = 4096;
 
 struct ProcessOptions {
   std::vector<std::pair<std::string, std::string>> env;  // added to the current environment

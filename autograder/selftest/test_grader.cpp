@@ -791,6 +791,35 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   EXPECT_EQ(halves(), others) << "a leftover that looks like a zombie survived";
 }
 
+// Code under test is the out-of-memory killer's first choice and its account holds at most
+// kMaxProcesses processes; it cannot raise the limit once it runs as another user, nor (where the
+// grader holds CAP_SYS_RESOURCE) lower its standing.
+TEST(Process, CodeUnderTestIsTheFirstToGoAndItsProcessesAreBounded) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  const passwd* nobody = getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody here";
+  const int uid = static_cast<int>(nobody->pw_uid), gid = static_cast<int>(nobody->pw_gid);
+  const ProcessResult r = k2c::grader::run_process(
+      {"bash", "-c", "cat /proc/self/oom_score_adj; ulimit -u; ulimit -H -u; (echo 0 > /proc/self/oom_score_adj) 2>/dev/null || echo kept; "
+                     "ulimit -u 100000 2>/dev/null || echo bounded"},
+      {.uid = uid, .gid = gid});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::string n = std::to_string(k2c::grader::kMaxProcesses);
+  EXPECT_NE(r.output.find("1000\n" + n + "\n" + n + "\n"), std::string::npos) << r.output;
+  // The floor a privileged write sets (oom_score_adj_min) needs CAP_SYS_RESOURCE; a root without it
+  // (some containers) leaves the run free to go back down to 0, never below.
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  unsigned long long caps = 0;
+  while (std::getline(status, line))
+    if (line.rfind("CapEff:", 0) == 0) caps = std::stoull(line.substr(7), nullptr, 16);
+  if (caps & (1ull << 24)) EXPECT_NE(r.output.find("kept"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("bounded"), std::string::npos) << r.output;
+  // The grader's own runs (builds, its tools) are left as they were.
+  const ProcessResult own = k2c::grader::run_process({"cat", "/proc/self/oom_score_adj"}, {});
+  EXPECT_EQ(own.output, "0\n") << "a run as the grader's own user changed its standing";
+}
+
 // With private_tmp, a run as another user has /tmp, /var/tmp and /dev/shm of its own: what it
 // writes there is gone when it ends, another entry of the machine's /tmp is out of its sight, and
 // what its working directory and command line name there is where it was. The same run without
