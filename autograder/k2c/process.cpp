@@ -154,15 +154,16 @@ std::vector<SharedFolder> plan_private_tmp(const std::vector<std::string>& argv,
 }
 
 // In the child, as root, before it changes user: its own mount namespace, each planned folder a
-// fresh tmpfs (or, nested, a fresh directory in one) with its entries bound back in from the
-// descriptors the parent opened. Only system calls. Returns the failing step's name, or nullptr.
+// fresh tmpfs (or, nested, a fresh directory in one) with its entries bound back in from
+// descriptors the child opens in its new namespace. Only system calls. Returns the failing step's
+// name (errno says why), or nullptr.
 const char* make_private_tmp(std::vector<SharedFolder>& plan) {
-  if (unshare(CLONE_NEWNS) != 0) return "unshare";
+  if (unshare(CLONE_NEWNS) != 0) return "make a mount namespace (unshare)";
   // Nothing mounted below may reach the machine's namespace (a systemd host shares / by default).
-  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return "mount --make-rprivate /";
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return "make / private (mount --make-rprivate)";
   for (SharedFolder& f : plan) {
     int fds[64];  // the entries to keep, opened before the tmpfs covers them (-1: left out)
-    if (f.keep.size() > std::size(fds)) return "count the entries to keep";
+    if (f.keep.size() > std::size(fds)) return "keep so many entries (at most 64 a folder)";
     for (std::size_t i = 0; i < f.keep.size(); ++i) {
       fds[i] = open(f.keep[i].path.c_str(), O_PATH | O_CLOEXEC | O_NOFOLLOW);
       struct stat st {};
@@ -173,7 +174,7 @@ const char* make_private_tmp(std::vector<SharedFolder>& plan) {
     if (f.nested) {
       if (mkdir(f.path.c_str(), 01777) != 0 || chmod(f.path.c_str(), 01777) != 0) return "make a nested folder";
     } else if (mount("tmpfs", f.path.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, f.options.c_str()) != 0) {
-      return "mount tmpfs";
+      return "mount a tmpfs";
     }
     for (std::size_t i = 0; i < f.keep.size(); ++i) {
       if (fds[i] < 0) continue;
@@ -208,18 +209,34 @@ std::string private_tmp_problem() {
   if (geteuid() != 0) return "the grader is not root";
   // The trial makes the folders a run would get, with what the grader's environment names kept.
   std::vector<SharedFolder> plan = plan_private_tmp({"true"}, {});
+  int said[2];  // the child's account of the step that failed
+  if (pipe(said) != 0) return std::string("cannot make a pipe: ") + std::strerror(errno);
   const pid_t pid = fork();
-  if (pid < 0) return std::string("cannot fork: ") + std::strerror(errno);
-  if (pid == 0) {
-    const char* failed = make_private_tmp(plan);
-    _exit(failed == nullptr ? 0 : std::clamp(errno, 1, 255));
+  if (pid < 0) {
+    close(said[0]), close(said[1]);
+    return std::string("cannot fork: ") + std::strerror(errno);
   }
+  if (pid == 0) {
+    close(said[0]);
+    const char* failed = make_private_tmp(plan);
+    if (failed == nullptr) _exit(0);
+    const char* why = std::strerror(errno);
+    (void)!write(said[1], failed, std::strlen(failed));
+    (void)!write(said[1], ": ", 2);
+    (void)!write(said[1], why, std::strlen(why));
+    _exit(1);
+  }
+  close(said[1]);
+  std::string account;
+  char buf[256];
+  for (ssize_t n; (n = read(said[0], buf, sizeof buf)) > 0 || (n < 0 && errno == EINTR);)
+    if (n > 0) account.append(buf, static_cast<std::size_t>(n));
+  close(said[0]);
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
-  return std::string("no mount namespace of its own: ") +
-         (WIFEXITED(status) ? std::strerror(WEXITSTATUS(status)) : "the trial ended by a signal");
+  return "the trial could not " + (account.empty() ? std::string("finish (it ended by a signal)") : account);
 }
 
 std::string valid_utf8(std::string_view s) {
@@ -295,7 +312,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     // Temporary folders of its own (before the loop below, which would close what they open).
     if (o.private_tmp && o.uid >= 0) {
       if (const char* failed = make_private_tmp(private_plan)) {
-        const std::string msg = std::string("cannot make private temporary folders (") + failed + "): " + std::strerror(errno) + "\n";
+        const std::string msg = std::string("cannot make private temporary folders: could not ") + failed + ": " + std::strerror(errno) + "\n";
         (void)!write(STDERR_FILENO, msg.data(), msg.size());
         _exit(125);
       }
@@ -313,7 +330,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     // it before anything else (the grader included), and its account holds at most kMaxProcesses
     // processes and threads (a fork bomb stops there). Set as root: after the switch below the
     // limit cannot be raised, nor the standing lowered where root holds CAP_SYS_RESOURCE (without
-    // it the kernel lets a process go back down to 0, not below).
+    // it the kernel lets a process go back down to the floor it inherited, the grader's).
     if (o.uid >= 0) {
       const int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);  // raising it is always allowed
       if (adj >= 0) (void)!write(adj, "1000", 4), close(adj);

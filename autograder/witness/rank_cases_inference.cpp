@@ -123,8 +123,8 @@ Case draw_decode_attention(const std::string& kind, int n, int index, std::mt199
   pages += static_cast<std::int64_t>(rng() % 3);
   const std::int64_t longest = *std::max_element(length.begin(), length.end());
   const int split = static_cast<int>(rng() % 2 ? longest : 1 + static_cast<std::int64_t>(rng() % longest));
-  // Mostly several layers, the last one read (so that decoys are written after the keys); a cut
-  // anywhere, the ends included (one call then writes the whole sequence).
+  // Past the tiniest shape, two or three layers, mostly the last one read (so that a read of layer
+  // 0 meets decoys); a cut anywhere, the ends included (one call then writes the whole sequence).
   const int layers = shape == 0 ? 1 : 2 + static_cast<int>(rng() % 2);
   const int layer = rng() % 3 ? layers - 1 : static_cast<int>(rng() % layers);
   const int cut = static_cast<int>(rng() % 1001);
