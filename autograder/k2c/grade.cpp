@@ -263,8 +263,8 @@ Runner choose_runner(const GradeOptions& o) {
   r.gid = static_cast<int>(pw->pw_gid);
   r.name = name;
   // Temporary folders of each run's own: what a run leaves there, or fills them with, is gone with
-  // it, and no run sees another's files there. Where the machine allows no mount namespace (a
-  // container without CAP_SYS_ADMIN) the runs share them, and the report says so.
+  // it, and no run meets what earlier runs left there. Where the machine allows no mount namespace
+  // (a container without CAP_SYS_ADMIN) the runs share them, and the report says so.
   const std::string problem = private_tmp_problem();
   r.private_tmp = problem.empty();
   r.temp_folders = r.private_tmp ? "each run's own" : "shared with the machine (" + problem + ")";
