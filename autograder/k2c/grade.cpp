@@ -186,7 +186,9 @@ struct Runner {
   int uid = -1, gid = -1;  // -1: the grader's own user
   std::string name, note;
   bool private_tmp = false;  // each run gets /tmp, /var/tmp and /dev/shm of its own (process.h)
+  bool private_pids = false;  // and processes of its own (process.h)
   std::string temp_folders = "shared with the machine (code under test runs as the grader)";
+  std::string processes = "shared with the machine (code under test runs as the grader)";
 };
 
 bool searchable_by_others(const fs::path& path, std::string& blocked) {
@@ -268,6 +270,11 @@ Runner choose_runner(const GradeOptions& o) {
   const std::string problem = private_tmp_problem();
   r.private_tmp = problem.empty();
   r.temp_folders = r.private_tmp ? "each run's own" : "shared with the machine (" + problem + ")";
+  // Processes of each run's own: no run sees, signals or traces another's (two graders of one
+  // account at once), and nothing a run starts outlives it. They need the folders' namespace.
+  const std::string pids_problem = r.private_tmp ? private_pids_problem() : "its temporary folders are shared";
+  r.private_pids = pids_problem.empty();
+  r.processes = r.private_pids ? "each run's own" : "shared with the machine (" + pids_problem + ")";
   return r;
 }
 
@@ -320,6 +327,7 @@ WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const s
                                   "--env", "HOME=" + folder.path().string(), "--env", "TMPDIR=" + folder.path().string()};
   if (runner.uid >= 0) cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
   if (runner.private_tmp) cmd.push_back("--private-tmp");
+  if (runner.private_pids) cmd.push_back("--private-pids");
   cmd.insert(cmd.end(), options.begin(), options.end());
   cmd.push_back("--");
   cmd.insert(cmd.end(), program.begin(), program.end());
@@ -1002,8 +1010,9 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   const Runner runner = choose_runner(o);
   report.runner = runner.name + (runner.note.empty() ? "" : ": " + runner.note);
   report.temp_folders = runner.temp_folders;
+  report.processes = runner.processes;
   progress << "code under test runs as " << report.runner << "\n";
-  progress << "its /tmp, /var/tmp and /dev/shm: " << report.temp_folders << "\n";
+  progress << "its /tmp, /var/tmp and /dev/shm: " << report.temp_folders << "; its processes: " << report.processes << "\n";
 
   std::string source_root = o.root;
   std::optional<Intake> intake;
@@ -1298,7 +1307,8 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
                 .timeout_s = timeout,
                 .uid = runner.uid,
                 .gid = runner.gid,
-                .private_tmp = runner.private_tmp});
+                .private_tmp = runner.private_tmp,
+                .private_pids = runner.private_pids});
       // Whatever it left running, detached from its process group, dies before the next run.
       if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
       gtest_json = read_report(json_path);

@@ -203,11 +203,102 @@ const char* make_private_tmp(std::vector<SharedFolder>& plan) {
   return nullptr;
 }
 
-}  // namespace
+// ---- processes of the run's own (ProcessOptions::private_pids)
 
-std::string private_tmp_problem() {
+// Closes every descriptor but `kept`: two calls where the kernel has close_range (5.9), else one
+// call a descriptor.
+void close_all_but(int kept) {
+#ifdef SYS_close_range
+  if ((kept == 0 || syscall(SYS_close_range, 0u, static_cast<unsigned>(kept) - 1, 0u) == 0) &&
+      syscall(SYS_close_range, static_cast<unsigned>(kept) + 1, ~0u, 0u) == 0)
+    return;
+#endif
+  for (int fd = 0, last = static_cast<int>(std::min<long>(sysconf(_SC_OPEN_MAX), 65536)); fd < last; ++fd)
+    if (fd != kept) close(fd);
+}
+
+// The child outside the namespace, once the namespace's first process runs: it waits for it and
+// ends as the run did, so that the grader's wait reads the run's own status (a namespace's first
+// process cannot end itself by a signal; this one can). It holds none of the run's descriptors,
+// dumps no core, and is killed with the run's process group on a timeout.
+[[noreturn]] void keep_until(pid_t init, int told) {
+  close_all_but(told);
+  prctl(PR_SET_DUMPABLE, 0);
+  const rlimit no_core{0, 0};
+  setrlimit(RLIMIT_CORE, &no_core);
+  int run_status = 0;
+  std::size_t got = 0;
+  for (ssize_t n; got < sizeof run_status &&
+                  ((n = read(told, reinterpret_cast<char*>(&run_status) + got, sizeof run_status - got)) > 0 ||
+                   (n < 0 && errno == EINTR));)
+    if (n > 0) got += static_cast<std::size_t>(n);
+  int init_status = 0;
+  while (waitpid(init, &init_status, 0) < 0 && errno == EINTR) {
+  }
+  // No word from it: it ended before the run did (a failed start, a kill), and its status stands.
+  const int status = got == sizeof run_status ? run_status : init_status;
+  if (WIFSIGNALED(status)) {
+    signal(WTERMSIG(status), SIG_DFL);
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_UNBLOCK, &all, nullptr);
+    kill(getpid(), WTERMSIG(status));
+  }
+  _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+}
+
+// The namespace's first process, once it has started the run: it holds nothing of the run's,
+// reaps what the run orphans, and when the run's first process ends, tells the keeper how and
+// ends itself, upon which the kernel kills every process left in the namespace.
+[[noreturn]] void init_until(pid_t run, int told) {
+  close_all_but(told);
+  int status = 0;
+  for (;;) {
+    int s = 0;
+    const pid_t ended = waitpid(-1, &s, 0);
+    if (ended == run) {
+      status = s;
+      break;
+    }
+    if (ended < 0 && errno != EINTR) {  // cannot happen while the run is its child
+      status = 125 << 8;
+      break;
+    }
+  }
+  (void)!write(told, &status, sizeof status);
+  _exit(0);
+}
+
+// In the child, as root, after make_private_tmp (whose mount namespace takes the new /proc): a PID
+// namespace whose first process mounts /proc afresh and starts the run. unshare() moves only the
+// caller's later children into it, so the caller stays outside as their keeper (keep_until).
+// Returns in the run's process, the namespace's second, or with the failing step's name (errno
+// says why), in whichever process failed. Only system calls.
+const char* enter_private_pids() {
+  if (unshare(CLONE_NEWPID) != 0) return "make a PID namespace (unshare)";
+  int told[2];  // the first process tells the keeper the run's wait status
+  if (pipe2(told, O_CLOEXEC) != 0) return "make a pipe";
+  const pid_t init = fork();
+  if (init < 0) return "start the namespace's first process (fork)";
+  if (init > 0) {
+    close(told[1]);
+    keep_until(init, told[0]);
+  }
+  close(told[0]);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);  // its keeper gone (a timeout's kill), the namespace goes too
+  if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) return "mount the namespace's /proc";
+  const pid_t run = fork();
+  if (run < 0) return "start the run in it (fork)";
+  if (run > 0) init_until(run, told[1]);
+  close(told[1]);
+  return nullptr;
+}
+
+// Tries, in a child of its own, what a run as the unprivileged account would get (the folders,
+// and with `pids` the processes), with what the grader's environment names kept. Returns "" or
+// why it could not.
+std::string trial(bool pids) {
   if (geteuid() != 0) return "the grader is not root";
-  // The trial makes the folders a run would get, with what the grader's environment names kept.
   std::vector<SharedFolder> plan = plan_private_tmp({"true"}, {});
   int said[2];  // the child's account of the step that failed
   if (pipe(said) != 0) return std::string("cannot make a pipe: ") + std::strerror(errno);
@@ -219,6 +310,10 @@ std::string private_tmp_problem() {
   if (pid == 0) {
     close(said[0]);
     const char* failed = make_private_tmp(plan);
+    if (failed == nullptr && pids) {
+      failed = enter_private_pids();
+      if (failed == nullptr && getpid() != 2) errno = ESRCH, failed = "start the run as the namespace's second process";
+    }
     if (failed == nullptr) _exit(0);
     const char* why = std::strerror(errno);
     (void)!write(said[1], failed, std::strlen(failed));
@@ -238,6 +333,11 @@ std::string private_tmp_problem() {
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
   return "the trial could not " + (account.empty() ? std::string("finish (it ended by a signal)") : account);
 }
+
+}  // namespace
+
+std::string private_tmp_problem() { return trial(false); }
+std::string private_pids_problem() { return trial(true); }
 
 std::string valid_utf8(std::string_view s) {
   static constexpr std::uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};  // the shortest form's bound
@@ -315,6 +415,14 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
         const std::string msg = std::string("cannot make private temporary folders: could not ") + failed + ": " + std::strerror(errno) + "\n";
         (void)!write(STDERR_FILENO, msg.data(), msg.size());
         _exit(125);
+      }
+      // Processes of its own: from here on this is the run's first process, inside the namespace.
+      if (o.private_pids) {
+        if (const char* failed = enter_private_pids()) {
+          const std::string msg = std::string("cannot give the run processes of its own: could not ") + failed + ": " + std::strerror(errno) + "\n";
+          (void)!write(STDERR_FILENO, msg.data(), msg.size());
+          _exit(125);
+        }
       }
     }
     // Nothing else of the grader's open files reaches the code under test (but the channel).

@@ -49,6 +49,13 @@ struct ProcessOptions {
   // itself keeps nothing. Ask private_tmp_problem() first: where it cannot be done the child fails
   // to start.
   bool private_tmp = false;
+  // With private_tmp: the run's processes in a PID namespace of their own, behind a /proc of its
+  // own, so that it can see, signal, trace or enter (/proc/<pid>/root) no process outside the run
+  // (a run of the same account at the same time included), and nothing it started outlives it:
+  // the namespace's first process, the grader's, starts the run and ends when the run's first
+  // process does, and the kernel then kills whatever is left in the namespace, however it left the
+  // process group. The exit code or signal is the run's own. Ask private_pids_problem() first.
+  bool private_pids = false;
   std::size_t keep_head = 16 * 1024;
   std::size_t keep_tail = 48 * 1024;
 };
@@ -59,6 +66,9 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
 // not root, or a container without the right to make mount namespaces), or "" where it can. It
 // tries, once, in a child of its own.
 std::string private_tmp_problem();
+// Why this process cannot give its children processes of their own (ProcessOptions::private_pids),
+// or "" where it can; tried once, as private_tmp_problem does, with the temporary folders.
+std::string private_pids_problem();
 
 // Makes this process the adopter of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process
 // that a run leaves behind in a session of its own becomes this process's child instead of init's,

@@ -15,8 +15,11 @@
 //             stop at the first fault, link errors and failing ranks named.
 // CLI:        a malformed rubric and an unknown module are clear errors (exit status 2).
 // docs/SECURITY.md maps each attack and fault to what stops it and to the test here that proves it.
+#include <grp.h>
 #include <pwd.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -879,6 +882,79 @@ TEST(Process, PrivateTemporaryFoldersVanishWithTheRun) {
   fs::remove(neighbour);
 }
 
+// With private_pids too, a run's processes are its own: the run is the second process of a PID
+// namespace (the first is the grader's), a process of the same account outside it is out of its
+// sight and reach, what it leaves running in a session of its own ends with it, and its exit code,
+// the signal that ended it and a timeout come through as without. The same run without it sees
+// and signals the neighbour and leaves its sleeper behind, so the checks can fail.
+TEST(Process, PrivateProcessesEndWithTheRun) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  const passwd* nobody = getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody here";
+  if (const std::string problem = k2c::grader::private_pids_problem(); !problem.empty())
+    GTEST_SKIP() << "this machine cannot: " << problem;
+  const int uid = static_cast<int>(nobody->pw_uid), gid = static_cast<int>(nobody->pw_gid);
+  const std::string tag = std::to_string(getpid());
+  k2c::grader::adopt_orphans();  // the shared run's sleeper stays below this process, to be killed
+  const pid_t neighbour = fork();  // another run's process of the same account
+  if (neighbour == 0) {
+    if (setgroups(0, nullptr) == 0 && setgid(static_cast<gid_t>(gid)) == 0 && setuid(static_cast<uid_t>(uid)) == 0)
+      execlp("sleep", "sleep", "60", nullptr);
+    _exit(127);
+  }
+  ASSERT_GT(neighbour, 0);
+  const std::string n = std::to_string(neighbour);
+  const std::string script = "echo pid $$; kill -0 " + n + " 2>/dev/null && echo reached the neighbour; [ -e /proc/" + n +
+                             " ] && echo saw the neighbour; setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo left one";
+  auto run = [&](const std::string& body, bool pids, double timeout_s = 60) {
+    return k2c::grader::run_process({"sh", "-c", body}, {.env = {{"K2C_SELFTEST_PIDS", tag}},
+                                                         .timeout_s = timeout_s, .uid = uid, .gid = gid,
+                                                         .private_tmp = true, .private_pids = pids});
+  };
+  auto sleepers = [&] {  // live processes of the account carrying this test's variable, from /proc
+    int count = 0;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc", ec)) {
+      std::ifstream status(e.path() / "status"), environ(e.path() / "environ", std::ios::binary);
+      std::string line, entry;
+      int owner = -1;
+      bool zombie = false, marked = false;
+      while (std::getline(status, line)) {
+        if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
+        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
+      }
+      while (!marked && std::getline(environ, entry, '\0')) marked = entry == "K2C_SELFTEST_PIDS=" + tag;
+      count += owner == uid && marked && !zombie;
+    }
+    return count;
+  };
+  const ProcessResult mine = run(script, true);
+  EXPECT_EQ(mine.exit_code, 0) << mine.output;
+  EXPECT_NE(mine.output.find("pid 2\n"), std::string::npos) << mine.output;
+  EXPECT_NE(mine.output.find("left one"), std::string::npos) << mine.output;
+  EXPECT_EQ(mine.output.find("reached the neighbour"), std::string::npos) << mine.output;
+  EXPECT_EQ(mine.output.find("saw the neighbour"), std::string::npos) << mine.output;
+  for (int i = 0; i < 100 && sleepers() > 0; ++i) usleep(20000);
+  EXPECT_EQ(sleepers(), 0) << "what the run left running outlived it";
+  EXPECT_EQ(kill(neighbour, 0), 0) << "the neighbour did not survive the run";
+  EXPECT_EQ(run("exit 3", true).exit_code, 3);
+  EXPECT_EQ(run("kill -SEGV $$", true).signal, SIGSEGV);
+  const ProcessResult late = run("setsid sleep 300 & sleep 300", true, 1);
+  EXPECT_TRUE(late.timed_out) << late.output;
+  for (int i = 0; i < 100 && sleepers() > 0; ++i) usleep(20000);
+  EXPECT_EQ(sleepers(), 0) << "a run stopped by its time limit left a process behind";
+
+  const int before = sleepers();
+  const ProcessResult shared = run(script, false);
+  EXPECT_EQ(shared.exit_code, 0) << shared.output;
+  EXPECT_NE(shared.output.find("reached the neighbour"), std::string::npos) << shared.output;
+  EXPECT_NE(shared.output.find("saw the neighbour"), std::string::npos) << shared.output;
+  EXPECT_EQ(sleepers(), before + 1) << shared.output;
+  k2c::grader::kill_run_leftovers(uid, "");  // the sleeper is below this process
+  kill(neighbour, SIGKILL);
+  waitpid(neighbour, nullptr, 0);
+}
+
 // A file only root may read, for the tests of what a submission's build reads.
 fs::path root_only_secret() {
   const fs::path secret = kTmp / "root_only_secret.txt";
@@ -1575,6 +1651,8 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
   } else {
     EXPECT_EQ(report["temp_folders"], "shared with the machine (" + problem + ")");
   }
+  if (const std::string problem = k2c::grader::private_pids_problem(); problem.empty())
+    EXPECT_EQ(report["processes"], "each run's own");
   fs::remove(left_tmp);
   fs::remove(left_shm);
   const json& honest = find_named(report["modules"], "id", "90_honest");

@@ -1,7 +1,7 @@
 // k2c_witness — the grader's own run of one timed kernel, in a process with no student code.
 //
 //   k2c_witness NAME --out VERDICT.json [--shapes N] [--ceiling CEILING] [--timeout S]
-//               [--uid U --gid G [--private-tmp]] [--cwd DIR] [--env K=V]... -- TEST_PROGRAM [ARGS...]
+//               [--uid U --gid G [--private-tmp [--private-pids]]] [--cwd DIR] [--env K=V]... -- TEST_PROGRAM [ARGS...]
 //
 // Two kinds of run. Timed (the default): the kernel at its performance test's shape, in windows
 // the checker clocks, a sample of each launch's output checked. Correctness (--shapes N): N shapes
@@ -75,6 +75,7 @@ struct Args {
   double timeout_s = 300;
   int uid = -1, gid = -1;
   bool private_tmp = false;  // the test program's runs with temporary folders of their own (process.h)
+  bool private_pids = false;  // and processes of their own (process.h)
   std::string cwd;
   std::vector<std::pair<std::string, std::string>> env;
   std::vector<std::string> program;
@@ -101,6 +102,7 @@ Args parse(int argc, char** argv) {
     else if (arg == "--uid") a.uid = std::stoi(value());
     else if (arg == "--gid") a.gid = std::stoi(value());
     else if (arg == "--private-tmp") a.private_tmp = true;
+    else if (arg == "--private-pids") a.private_pids = true;
     else if (arg == "--cwd") a.cwd = value();
     else if (arg == "--env") {
       const std::string kv = value();
@@ -292,7 +294,8 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
                                                .gid = gid,
                                                .on_start = [&](int pid) { child_pid = pid; },
                                                .channel_fd = fds[1],
-                                               .private_tmp = a.private_tmp});
+                                               .private_tmp = a.private_tmp,
+                                               .private_pids = a.private_pids});
     child_done = true;
   });
   Channel channel(fds[0], child_done);
