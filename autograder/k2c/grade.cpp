@@ -271,13 +271,8 @@ Runner choose_runner(const GradeOptions& o) {
   r.private_tmp = problem.empty();
   r.temp_folders = r.private_tmp ? "each run's own" : "shared with the machine (" + problem + ")";
   // Processes of each run's own: no run sees, signals or traces another's (two graders of one
-  // account at once), and nothing a run starts outlives it. They need the folders' namespace, and
-  // are left out where CUDA's MPS runs, whose daemon knows its clients by their process IDs.
-  std::error_code mps_ec;
-  const bool mps = std::getenv("CUDA_MPS_PIPE_DIRECTORY") != nullptr || fs::is_directory("/tmp/nvidia-mps", mps_ec);
-  const std::string pids_problem = !r.private_tmp ? "its temporary folders are shared"
-                                   : mps          ? "CUDA's MPS runs here (its pipe folder is set or in /tmp)"
-                                                  : private_pids_problem();
+  // account at once), and nothing a run starts outlives it. They need the folders' namespace.
+  const std::string pids_problem = r.private_tmp ? private_pids_problem() : "its temporary folders are shared";
   r.private_pids = pids_problem.empty();
   r.processes = r.private_pids ? "each run's own" : "shared with the machine (" + pids_problem + ")";
   return r;

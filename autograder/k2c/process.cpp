@@ -269,13 +269,14 @@ void close_all_but(int kept) {
   _exit(0);
 }
 
-// In the child, as root, after make_private_tmp (whose mount namespace takes the new /proc): a PID
-// namespace whose first process mounts /proc afresh and starts the run. unshare() moves only the
-// caller's later children into it, so the caller stays outside as their keeper (keep_until).
-// Returns in the run's process, the namespace's second, or with the failing step's name (errno
-// says why), in whichever process failed. Only system calls.
+// In the child, as root, after make_private_tmp (whose mount namespace takes the new mounts): a PID
+// namespace whose first process mounts /proc afresh and starts the run, and an IPC namespace (System
+// V shared memory, semaphores and message queues, POSIX message queues) that ends with it. unshare()
+// moves only the caller's later children into the PID namespace, so the caller stays outside as
+// their keeper (keep_until). Returns in the run's process, the namespace's second, or with the
+// failing step's name (errno says why), in whichever process failed. Only system calls.
 const char* enter_private_pids() {
-  if (unshare(CLONE_NEWPID) != 0) return "make a PID namespace (unshare)";
+  if (unshare(CLONE_NEWPID | CLONE_NEWIPC) != 0) return "make PID and IPC namespaces (unshare)";
   int told[2];  // the first process tells the keeper the run's wait status
   if (pipe2(told, O_CLOEXEC) != 0) return "make a pipe";
   const pid_t init = fork();
@@ -286,7 +287,16 @@ const char* enter_private_pids() {
   }
   close(told[0]);
   prctl(PR_SET_PDEATHSIG, SIGKILL);  // its keeper gone (a timeout's kill), the namespace goes too
-  if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) return "mount the namespace's /proc";
+  // Only the run's own processes in sight: those of other users (this one, root's) hidden too
+  // where the kernel knows hidepid.
+  constexpr unsigned long kFlags = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+  if (mount("proc", "/proc", "proc", kFlags, "hidepid=2") != 0 && mount("proc", "/proc", "proc", kFlags, nullptr) != 0)
+    return "mount the namespace's /proc";
+  // The message queues' folder, where there is one, shows the new namespace's (none): through the
+  // machine's, a queue of another run could be opened by its path.
+  struct stat mq {};
+  if (lstat("/dev/mqueue", &mq) == 0 && S_ISDIR(mq.st_mode) && mount("mqueue", "/dev/mqueue", "mqueue", kFlags, nullptr) != 0)
+    return "mount the namespace's /dev/mqueue";
   const pid_t run = fork();
   if (run < 0) return "start the run in it (fork)";
   if (run > 0) init_until(run, told[1]);
@@ -337,7 +347,15 @@ std::string trial(bool pids) {
 }  // namespace
 
 std::string private_tmp_problem() { return trial(false); }
-std::string private_pids_problem() { return trial(true); }
+std::string private_pids_problem() {
+  // CUDA's MPS daemon knows its clients by their process IDs: where it runs (its pipe folder named,
+  // or in /tmp as the daemon makes it, a folder of root's), the processes stay shared.
+  struct stat mps {};
+  if (std::getenv("CUDA_MPS_PIPE_DIRECTORY") != nullptr ||
+      (lstat("/tmp/nvidia-mps", &mps) == 0 && S_ISDIR(mps.st_mode) && mps.st_uid == 0))
+    return "CUDA's MPS runs here (its pipe folder is named or in /tmp)";
+  return trial(true);
+}
 
 std::string valid_utf8(std::string_view s) {
   static constexpr std::uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};  // the shortest form's bound
@@ -597,6 +615,9 @@ int kill_below(int uid, const std::string& marker) {
     bool alive = false;
     std::vector<pid_t> children;
     for (const auto& [pid, e] : procs) {
+      // A dead child of this process, whatever its user: the first process of a run's PID namespace
+      // (root's) that a time limit's kill left to this process with its keeper.
+      if (e.zombie && e.parent == self && !e.users) waitpid(pid, nullptr, WNOHANG);
       if (!e.users || !(e.marked || below_self(pid))) continue;
       kill(pid, SIGKILL);
       if (!e.zombie) alive = true, killed.insert(pid);

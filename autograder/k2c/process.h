@@ -54,7 +54,8 @@ struct ProcessOptions {
   // (a run of the same account at the same time included), and nothing it started outlives it:
   // the namespace's first process, the grader's, starts the run and ends when the run's first
   // process does, and the kernel then kills whatever is left in the namespace, however it left the
-  // process group. The exit code or signal is the run's own. Ask private_pids_problem() first.
+  // process group. Its System V and POSIX IPC objects are its own too (an IPC namespace), gone with
+  // it. The exit code or signal is the run's own. Ask private_pids_problem() first.
   bool private_pids = false;
   std::size_t keep_head = 16 * 1024;
   std::size_t keep_tail = 48 * 1024;
@@ -67,7 +68,8 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
 // tries, once, in a child of its own.
 std::string private_tmp_problem();
 // Why this process cannot give its children processes of their own (ProcessOptions::private_pids),
-// or "" where it can; tried once, as private_tmp_problem does, with the temporary folders.
+// or "" where it can; tried once, as private_tmp_problem does, with the temporary folders. Where
+// CUDA's MPS runs it never can: the daemon knows its clients by their process IDs.
 std::string private_pids_problem();
 
 // Makes this process the adopter of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process
@@ -79,7 +81,8 @@ void adopt_orphans();
 // process of user `uid` below this one in the process tree, however deep and whatever it did to
 // its environment (adopt_orphans keeps whatever loses its parent below this process there), and
 // every process of that user whose environment holds K2C_RUN=`marker` (the grader sets a fresh
-// marker for each run; descendants inherit it; "": none), reaping this process's children. It
+// marker for each run; descendants inherit it; "": none), reaping this process's children (and,
+// whatever its user, a dead child left by a run's PID namespace: its first process). It
 // passes over /proc until a pass finds nothing. Processes of other runs as the same user (a
 // second grader on the machine) are left alone. Reading other users' environments needs root.
 // Call it only when no run of this process is under way. Returns the number of processes killed.

@@ -18,6 +18,7 @@
 #include <grp.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/shm.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -884,9 +885,11 @@ TEST(Process, PrivateTemporaryFoldersVanishWithTheRun) {
 
 // With private_pids too, a run's processes are its own: the run is the second process of a PID
 // namespace (the first is the grader's), a process of the same account outside it is out of its
-// sight and reach, what it leaves running in a session of its own ends with it, and its exit code,
-// the signal that ended it and a timeout come through as without. The same run without it sees
-// and signals the neighbour and leaves its sleeper behind, so the checks can fail.
+// sight and reach, and so is a shared-memory segment of that account; what it leaves running in a
+// session of its own ends with it, and so does the segment it makes; its exit code, the signal
+// that ended it and a timeout come through as without, and nothing of a timed-out run is left to
+// reap. The same run without it sees and signals the neighbour and the segment and leaves its
+// sleeper and segment behind, so the checks can fail.
 TEST(Process, PrivateProcessesEndWithTheRun) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
   const passwd* nobody = getpwnam("nobody");
@@ -905,7 +908,8 @@ TEST(Process, PrivateProcessesEndWithTheRun) {
   ASSERT_GT(neighbour, 0);
   const std::string n = std::to_string(neighbour);
   const std::string script = "echo pid $$; kill -0 " + n + " 2>/dev/null && echo reached the neighbour; [ -e /proc/" + n +
-                             " ] && echo saw the neighbour; setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo left one";
+                             " ] && echo saw the neighbour; setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo left one; "
+                             "echo segments in sight: $(($(grep -c . /proc/sysvipc/shm) - 1)); ipcmk -M 4096 | sed 's/.*: /made segment /'";
   auto run = [&](const std::string& body, bool pids, double timeout_s = 60) {
     return k2c::grader::run_process({"sh", "-c", body}, {.env = {{"K2C_SELFTEST_PIDS", tag}},
                                                          .timeout_s = timeout_s, .uid = uid, .gid = gid,
@@ -928,8 +932,33 @@ TEST(Process, PrivateProcessesEndWithTheRun) {
     }
     return count;
   };
+  auto segments = [&] {  // the account's System V shared-memory segments on the machine
+    std::ifstream table("/proc/sysvipc/shm");
+    std::string line;
+    std::getline(table, line);  // the header
+    int count = 0;
+    while (std::getline(table, line)) {
+      std::istringstream fields(line);
+      std::string field;
+      for (int i = 0; i < 8; ++i) fields >> field;  // key shmid perms size cpid lpid nattch uid
+      count += field == std::to_string(uid);
+    }
+    return count;
+  };
+  std::vector<int> made;  // the segments the runs without the namespace leave, removed at the end
+  auto made_in = [&](const std::string& output) {
+    for (std::size_t at = output.find("made segment "); at != std::string::npos; at = output.find("made segment ", at + 1))
+      made.push_back(std::stoi(output.substr(at + 13)));
+  };
+  const ProcessResult theirs = run("ipcmk -M 4096 | sed 's/.*: /made segment /'", false);  // a neighbour's segment
+  made_in(theirs.output);
+  ASSERT_EQ(made.size(), 1u) << theirs.output;
+  const int segments_before = segments();
   const ProcessResult mine = run(script, true);
   EXPECT_EQ(mine.exit_code, 0) << mine.output;
+  EXPECT_NE(mine.output.find("segments in sight: 0\n"), std::string::npos) << mine.output;
+  EXPECT_NE(mine.output.find("made segment "), std::string::npos) << mine.output;
+  EXPECT_EQ(segments(), segments_before) << "the run's shared-memory segment outlived it";
   EXPECT_NE(mine.output.find("pid 2\n"), std::string::npos) << mine.output;
   EXPECT_NE(mine.output.find("left one"), std::string::npos) << mine.output;
   EXPECT_EQ(mine.output.find("reached the neighbour"), std::string::npos) << mine.output;
@@ -946,13 +975,33 @@ TEST(Process, PrivateProcessesEndWithTheRun) {
 
   const int before = sleepers();
   const ProcessResult shared = run(script, false);
+  made_in(shared.output);
   EXPECT_EQ(shared.exit_code, 0) << shared.output;
   EXPECT_NE(shared.output.find("reached the neighbour"), std::string::npos) << shared.output;
   EXPECT_NE(shared.output.find("saw the neighbour"), std::string::npos) << shared.output;
+  EXPECT_EQ(shared.output.find("segments in sight: 0\n"), std::string::npos) << shared.output;
   EXPECT_EQ(sleepers(), before + 1) << shared.output;
+  EXPECT_EQ(made.size(), 2u) << shared.output;
+  for (const int id : made) shmctl(id, IPC_RMID, nullptr);
   k2c::grader::kill_run_leftovers(uid, "");  // the sleeper is below this process
   kill(neighbour, SIGKILL);
   waitpid(neighbour, nullptr, 0);
+  // The timed-out run's keeper was this process's child; its namespace's first process, root's,
+  // came to this process (the orphans' adopter) when the keeper was killed, and was reaped above.
+  int dead_children = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    std::ifstream status(e.path() / "status");
+    std::string line;
+    bool zombie = false;
+    int parent = -1;
+    while (std::getline(status, line)) {
+      if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
+      if (line.rfind("PPid:", 0) == 0) parent = std::stoi(line.substr(5));
+    }
+    dead_children += zombie && parent == static_cast<int>(getpid());
+  }
+  EXPECT_EQ(dead_children, 0) << "a run's remains were left unreaped";
 }
 
 // A file only root may read, for the tests of what a submission's build reads.
