@@ -29,6 +29,10 @@ BUILD=${K2C_GPU_BUILD:-/tmp/k2c-gpu-build}
 SEED=${K2C_SEED:-$RANDOM}
 mkdir -p "$OUT" /tmp/k2c-bench
 export NCCL_NVLS_ENABLE=0
+# Debian's PMIx 4.2 crashes in its 'native' node-list encoder inside the gVisor sandbox that some
+# GPU machines run in (mpirun dies in pmix_preg_base_generate_ppn); for one node its other
+# encoders do the same job.
+export PMIX_MCA_preg=${PMIX_MCA_preg:-^native}
 LOG="$OUT/log.txt"
 : > "$LOG"
 step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }

@@ -397,6 +397,10 @@ std::string utf8_tail(const std::string& text, std::size_t max_bytes) {
   return text.substr(cut);
 }
 
+namespace {
+pid_t child_of(pid_t parent);  // below
+}  // namespace
+
 ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& o) {
   ProcessResult r;
   const auto t0 = std::chrono::steady_clock::now();
@@ -516,8 +520,13 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
     if (!exited && waitpid(pid, &status, WNOHANG) == pid) exited = true;
     if (exited && !eof && ready == 0) eof = true;  // exited and nothing more within the poll
   }
+  // A run with processes of its own that is still going: the child is its keeper, whose child is
+  // the namespace's first process (root's). Killed with the group, that one comes to this process
+  // where it adopts orphans, and is reaped here once the namespace is down.
+  const pid_t first = !exited && o.private_pids && o.private_tmp && o.uid >= 0 ? child_of(pid) : -1;
   kill(-pid, SIGKILL);  // the group: stray grandchildren included
   if (!exited) waitpid(pid, &status, 0);
+  for (int i = 0; first > 0 && i < 1000 && waitpid(first, nullptr, WNOHANG) == 0; ++i) usleep(10000);
   close(fds[0]);
 
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -548,6 +557,20 @@ ProcStat proc_stat(const std::string& dir) {
   std::istringstream rest(stat.substr(end + 1));
   rest >> s.state >> s.parent;
   return s;
+}
+
+// A child of `parent`, from /proc, or -1.
+pid_t child_of(pid_t parent) {
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return -1;
+  pid_t found = -1;
+  while (const dirent* e = readdir(proc))
+    if (e->d_name[0] >= '1' && e->d_name[0] <= '9' && proc_stat(std::string("/proc/") + e->d_name).parent == parent) {
+      found = static_cast<pid_t>(std::atoi(e->d_name));
+      break;
+    }
+  closedir(proc);
+  return found;
 }
 }  // namespace
 

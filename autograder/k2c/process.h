@@ -69,7 +69,8 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
 std::string private_tmp_problem();
 // Why this process cannot give its children processes of their own (ProcessOptions::private_pids),
 // or "" where it can; tried once, as private_tmp_problem does, with the temporary folders. Where
-// CUDA's MPS runs it never can: the daemon knows its clients by their process IDs.
+// it finds signs of CUDA's MPS (CUDA_MPS_PIPE_DIRECTORY set, a /tmp/nvidia-mps folder of root's) it
+// never can: the daemon knows its clients by their process IDs.
 std::string private_pids_problem();
 
 // Makes this process the adopter of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process
@@ -81,8 +82,9 @@ void adopt_orphans();
 // process of user `uid` below this one in the process tree, however deep and whatever it did to
 // its environment (adopt_orphans keeps whatever loses its parent below this process there), and
 // every process of that user whose environment holds K2C_RUN=`marker` (the grader sets a fresh
-// marker for each run; descendants inherit it; "": none), reaping this process's children (and,
-// whatever its user, a dead child left by a run's PID namespace: its first process). It
+// marker for each run; descendants inherit it; "": none), reaping this process's children (and
+// any dead child of another user, such as the first process of a run's PID namespace that a
+// checker's kill left to this process; one still dying is reaped at a later call). It
 // passes over /proc until a pass finds nothing. Processes of other runs as the same user (a
 // second grader on the machine) are left alone. Reading other users' environments needs root.
 // Call it only when no run of this process is under way. Returns the number of processes killed.

@@ -884,32 +884,23 @@ TEST(Process, PrivateTemporaryFoldersVanishWithTheRun) {
 }
 
 // With private_pids too, a run's processes are its own: the run is the second process of a PID
-// namespace (the first is the grader's), a process of the same account outside it is out of its
-// sight and reach, and so is a shared-memory segment of that account; what it leaves running in a
-// session of its own ends with it, and so does the segment it makes; its exit code, the signal
-// that ended it and a timeout come through as without, and nothing of a timed-out run is left to
-// reap. The same run without it sees and signals the neighbour and the segment and leaves its
-// sleeper and segment behind, so the checks can fail.
+// namespace (the first is the grader's); a process and a shared-memory segment of the same account
+// outside it are out of its sight, and its signal does not reach that process; what it leaves
+// running in a session of its own ends with it, and the segment it makes never lands in the
+// machine's table; its exit code and the signal that ended it come through as without; a run that
+// a time limit stops leaves nothing running and, once the grader has cleaned up, nothing to reap.
+// The same run without it sees the segment, kills the neighbour and leaves its sleeper and segment
+// behind, so the checks can fail.
 TEST(Process, PrivateProcessesEndWithTheRun) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
   const passwd* nobody = getpwnam("nobody");
   if (nobody == nullptr) GTEST_SKIP() << "no user nobody here";
   if (const std::string problem = k2c::grader::private_pids_problem(); !problem.empty())
     GTEST_SKIP() << "this machine cannot: " << problem;
+  if (k2c::grader::run_process({"sh", "-c", "command -v ipcmk"}, {}).exit_code != 0) GTEST_SKIP() << "no ipcmk here";
   const int uid = static_cast<int>(nobody->pw_uid), gid = static_cast<int>(nobody->pw_gid);
   const std::string tag = std::to_string(getpid());
   k2c::grader::adopt_orphans();  // the shared run's sleeper stays below this process, to be killed
-  const pid_t neighbour = fork();  // another run's process of the same account
-  if (neighbour == 0) {
-    if (setgroups(0, nullptr) == 0 && setgid(static_cast<gid_t>(gid)) == 0 && setuid(static_cast<uid_t>(uid)) == 0)
-      execlp("sleep", "sleep", "60", nullptr);
-    _exit(127);
-  }
-  ASSERT_GT(neighbour, 0);
-  const std::string n = std::to_string(neighbour);
-  const std::string script = "echo pid $$; kill -0 " + n + " 2>/dev/null && echo reached the neighbour; [ -e /proc/" + n +
-                             " ] && echo saw the neighbour; setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo left one; "
-                             "echo segments in sight: $(($(grep -c . /proc/sysvipc/shm) - 1)); ipcmk -M 4096 | sed 's/.*: /made segment /'";
   auto run = [&](const std::string& body, bool pids, double timeout_s = 60) {
     return k2c::grader::run_process({"sh", "-c", body}, {.env = {{"K2C_SELFTEST_PIDS", tag}},
                                                          .timeout_s = timeout_s, .uid = uid, .gid = gid,
@@ -932,53 +923,79 @@ TEST(Process, PrivateProcessesEndWithTheRun) {
     }
     return count;
   };
-  auto segments = [&] {  // the account's System V shared-memory segments on the machine
+  auto dead_children = [] {  // zombies whose parent is this process
+    int count = 0;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc", ec)) {
+      std::ifstream status(e.path() / "status");
+      std::string line;
+      bool zombie = false;
+      int parent = -1;
+      while (std::getline(status, line)) {
+        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
+        if (line.rfind("PPid:", 0) == 0) parent = std::stoi(line.substr(5));
+      }
+      count += zombie && parent == static_cast<int>(getpid());
+    }
+    return count;
+  };
+  // Segments of a size of this test's own, so that other users of the account do not count.
+  const std::string size = std::to_string(4096 * (1 + getpid() % 509));
+  auto segments = [&] {  // the account's segments of that size on the machine
     std::ifstream table("/proc/sysvipc/shm");
     std::string line;
     std::getline(table, line);  // the header
     int count = 0;
     while (std::getline(table, line)) {
       std::istringstream fields(line);
-      std::string field;
-      for (int i = 0; i < 8; ++i) fields >> field;  // key shmid perms size cpid lpid nattch uid
-      count += field == std::to_string(uid);
+      std::string key, id, perms, bytes, field;
+      fields >> key >> id >> perms >> bytes;
+      for (int i = 0; i < 4; ++i) fields >> field;  // cpid lpid nattch uid
+      count += bytes == size && field == std::to_string(uid);
     }
     return count;
   };
-  std::vector<int> made;  // the segments the runs without the namespace leave, removed at the end
+  std::vector<int> made;  // the segments that runs without the namespaces leave, removed at the end
   auto made_in = [&](const std::string& output) {
     for (std::size_t at = output.find("made segment "); at != std::string::npos; at = output.find("made segment ", at + 1))
       made.push_back(std::stoi(output.substr(at + 13)));
   };
-  const ProcessResult theirs = run("ipcmk -M 4096 | sed 's/.*: /made segment /'", false);  // a neighbour's segment
-  made_in(theirs.output);
-  ASSERT_EQ(made.size(), 1u) << theirs.output;
+  const std::string make_segment = "ipcmk -M " + size + " | sed 's/.*: /made segment /'";
+  made_in(run(make_segment, false).output);  // a neighbour's segment
+  EXPECT_EQ(made.size(), 1u);
+  const pid_t neighbour = fork();  // another run's process of the same account
+  if (neighbour == 0) {
+    if (setgroups(0, nullptr) == 0 && setgid(static_cast<gid_t>(gid)) == 0 && setuid(static_cast<uid_t>(uid)) == 0)
+      execlp("sleep", "sleep", "60", nullptr);
+    _exit(127);
+  }
+  ASSERT_GT(neighbour, 0);
+  const std::string n = std::to_string(neighbour);
+  const std::string script = "echo pid $$; [ -e /proc/" + n + " ] && echo saw the neighbour; kill -TERM " + n +
+                             " 2>/dev/null && echo signalled the neighbour; setsid sleep 300 > /dev/null 2>&1 & sleep 1; "
+                             "echo left one; echo segments in sight: $(($(grep -c . /proc/sysvipc/shm) - 1)); " + make_segment;
   const int segments_before = segments();
   const ProcessResult mine = run(script, true);
   EXPECT_EQ(mine.exit_code, 0) << mine.output;
-  EXPECT_NE(mine.output.find("segments in sight: 0\n"), std::string::npos) << mine.output;
-  EXPECT_NE(mine.output.find("made segment "), std::string::npos) << mine.output;
-  EXPECT_EQ(segments(), segments_before) << "the run's shared-memory segment outlived it";
   EXPECT_NE(mine.output.find("pid 2\n"), std::string::npos) << mine.output;
   EXPECT_NE(mine.output.find("left one"), std::string::npos) << mine.output;
-  EXPECT_EQ(mine.output.find("reached the neighbour"), std::string::npos) << mine.output;
   EXPECT_EQ(mine.output.find("saw the neighbour"), std::string::npos) << mine.output;
+  EXPECT_EQ(mine.output.find("signalled the neighbour"), std::string::npos) << mine.output;
+  EXPECT_NE(mine.output.find("segments in sight: 0\n"), std::string::npos) << mine.output;
+  EXPECT_NE(mine.output.find("made segment "), std::string::npos) << mine.output;
+  EXPECT_EQ(segments(), segments_before) << "the run's segment landed in the machine's table";
   for (int i = 0; i < 100 && sleepers() > 0; ++i) usleep(20000);
   EXPECT_EQ(sleepers(), 0) << "what the run left running outlived it";
-  EXPECT_EQ(kill(neighbour, 0), 0) << "the neighbour did not survive the run";
+  EXPECT_EQ(waitpid(neighbour, nullptr, WNOHANG), 0) << "the neighbour did not survive the run";
   EXPECT_EQ(run("exit 3", true).exit_code, 3);
   EXPECT_EQ(run("kill -SEGV $$", true).signal, SIGSEGV);
-  const ProcessResult late = run("setsid sleep 300 & sleep 300", true, 1);
-  EXPECT_TRUE(late.timed_out) << late.output;
-  for (int i = 0; i < 100 && sleepers() > 0; ++i) usleep(20000);
-  EXPECT_EQ(sleepers(), 0) << "a run stopped by its time limit left a process behind";
 
   const int before = sleepers();
   const ProcessResult shared = run(script, false);
   made_in(shared.output);
   EXPECT_EQ(shared.exit_code, 0) << shared.output;
-  EXPECT_NE(shared.output.find("reached the neighbour"), std::string::npos) << shared.output;
   EXPECT_NE(shared.output.find("saw the neighbour"), std::string::npos) << shared.output;
+  EXPECT_NE(shared.output.find("signalled the neighbour"), std::string::npos) << shared.output;
   EXPECT_EQ(shared.output.find("segments in sight: 0\n"), std::string::npos) << shared.output;
   EXPECT_EQ(sleepers(), before + 1) << shared.output;
   EXPECT_EQ(made.size(), 2u) << shared.output;
@@ -986,22 +1003,16 @@ TEST(Process, PrivateProcessesEndWithTheRun) {
   k2c::grader::kill_run_leftovers(uid, "");  // the sleeper is below this process
   kill(neighbour, SIGKILL);
   waitpid(neighbour, nullptr, 0);
-  // The timed-out run's keeper was this process's child; its namespace's first process, root's,
-  // came to this process (the orphans' adopter) when the keeper was killed, and was reaped above.
-  int dead_children = 0;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator("/proc", ec)) {
-    std::ifstream status(e.path() / "status");
-    std::string line;
-    bool zombie = false;
-    int parent = -1;
-    while (std::getline(status, line)) {
-      if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
-      if (line.rfind("PPid:", 0) == 0) parent = std::stoi(line.substr(5));
-    }
-    dead_children += zombie && parent == static_cast<int>(getpid());
-  }
-  EXPECT_EQ(dead_children, 0) << "a run's remains were left unreaped";
+
+  // Stopped by its time limit: the kill of the group takes the keeper, and its child (the
+  // namespace's first process, root's) comes to this process as the orphans' adopter; run_process
+  // reaps it once the namespace, sleeper included, is down.
+  const int dead_before = dead_children();
+  const ProcessResult late = run("setsid sleep 300 & echo started; sleep 300", true, 1);
+  EXPECT_TRUE(late.timed_out) << late.output;
+  EXPECT_NE(late.output.find("started"), std::string::npos) << late.output;
+  EXPECT_EQ(sleepers(), 0) << "a run stopped by its time limit left a process behind";
+  EXPECT_EQ(dead_children(), dead_before) << "a run's remains were left unreaped";
 }
 
 // A file only root may read, for the tests of what a submission's build reads.

@@ -101,6 +101,7 @@ Args parse(int argc, char** argv) {
   if (a.ranks < 1 || a.ranks > 64) throw std::invalid_argument("--ranks must be 1 to 64");
   if (a.cases < 1 || a.cases > 16) throw std::invalid_argument("--cases must be 1 to 16");
   if (!(a.timeout_s > 0)) throw std::invalid_argument("--timeout must be positive");
+  if (a.private_pids && !a.private_tmp) throw std::invalid_argument("--private-pids needs --private-tmp");
   return a;
 }
 

@@ -115,6 +115,7 @@ Args parse(int argc, char** argv) {
   }
   if (a.out.empty() || a.program.empty()) throw std::invalid_argument("--out and a program after -- are required");
   if (a.shapes < 0 || a.shapes > 64) throw std::invalid_argument("--shapes: expected 0 to 64");
+  if (a.private_pids && !a.private_tmp) throw std::invalid_argument("--private-pids needs --private-tmp");
   return a;
 }
 
