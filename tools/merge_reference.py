@@ -99,7 +99,7 @@ def main():
     named = {t.get("ceiling_name") for tests in ref["modules"].values() for t in tests.values()}
     for name in [c for c in ref["ceilings"] if c not in named]:
         del ref["ceilings"][name]
-    # A run that could not read them (a grading of modules that ask no device) keeps the file's.
+    # A run that left them empty keeps the file's.
     for key in ("toolkit", "cuda_runtime"):
         if run.get(key):
             ref[key] = run[key]

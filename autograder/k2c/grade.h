@@ -103,7 +103,7 @@ struct GradeReport {
   std::string reference_file;  // the reference timings shown, "" if none matches the GPU
   std::string runner;          // who ran the code under test, and why that user
   std::string temp_folders;    // whether its runs had /tmp, /var/tmp and /dev/shm of their own, or why not
-  std::string processes;       // whether its runs had processes of their own (a PID namespace), or why not
+  std::string processes;       // whether its runs had processes of their own (PID and IPC namespaces), or why not
   bool sanitize = false;
   std::vector<ModuleOutcome> modules;
   std::map<std::string, std::pair<double, std::string>> ceilings;  // name -> (value, unit)
