@@ -669,6 +669,31 @@ TEST(Process, ReportsExitCodeSignalAndMissingProgram) {
   EXPECT_NE(missing.output.find("cannot execute"), std::string::npos);
 }
 
+// Processes in /proc of user `uid` (-1: any) whose parent is `parent` (-1: any) and whose
+// environment holds `entry` (empty: any): the live ones, or with `dead` the zombies only (killed,
+// not yet reaped by whoever adopted them).
+int count_processes(int uid, int parent, const std::string& entry, bool dead = false) {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    std::ifstream status(e.path() / "status");
+    std::string line;
+    int owner = -1, up = -1;
+    bool zombie = false;
+    while (std::getline(status, line)) {
+      if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
+      if (line.rfind("PPid:", 0) == 0) up = std::stoi(line.substr(5));
+      if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
+    }
+    if (owner < 0 || (uid >= 0 && owner != uid) || (parent >= 0 && up != parent) || zombie != dead) continue;
+    bool marked = entry.empty();
+    std::ifstream environ(e.path() / "environ", std::ios::binary);
+    for (std::string var; !marked && std::getline(environ, var, '\0');) marked = var == entry;
+    n += marked;
+  }
+  return n;
+}
+
 // As root, a child can be handed to another user before it runs anything, and what a run leaves
 // behind detached from its group is killed afterwards, by its mark: another run's processes of
 // the same user are left alone.
@@ -695,40 +720,8 @@ TEST(Process, RunsAsAnotherUserAndLeavesNothingBehind) {
   k2c::grader::adopt_orphans();
   straggle(ours, "setsid sleep 300 > /dev/null 2>&1 & sleep 1; echo started");
   straggle(ours, "setsid env -i sleep 301 > /dev/null 2>&1 & sleep 1; echo started");
-  auto adopted = [&] {  // live processes of uid whose parent is this process, from /proc
-    int n = 0;
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator("/proc", ec)) {
-      std::ifstream status(e.path() / "status");
-      std::string line;
-      int owner = -1, parent = -1;
-      bool zombie = false;
-      while (std::getline(status, line)) {
-        if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
-        if (line.rfind("PPid:", 0) == 0) parent = std::stoi(line.substr(5));
-        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
-      }
-      n += owner == uid && parent == static_cast<int>(getpid()) && !zombie;
-    }
-    return n;
-  };
-  auto sleepers = [&](const std::string& mark) {  // live processes of uid carrying the mark, from /proc
-    int n = 0;
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator("/proc", ec)) {
-      std::ifstream status(e.path() / "status"), environ(e.path() / "environ", std::ios::binary);
-      std::string line, entry;
-      int owner = -1;
-      bool zombie = false, marked = false;  // a zombie: killed, not yet reaped by whoever adopted it
-      while (std::getline(status, line)) {
-        if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
-        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
-      }
-      while (!marked && std::getline(environ, entry, '\0')) marked = entry == "K2C_RUN=" + mark;
-      n += owner == uid && marked && !zombie;
-    }
-    return n;
-  };
+  auto adopted = [&] { return count_processes(uid, getpid(), ""); };  // the user's, below this process
+  auto sleepers = [&](const std::string& mark) { return count_processes(uid, -1, "K2C_RUN=" + mark); };
   for (int i = 0; i < 100 && (sleepers(ours) == 0 || sleepers(theirs) == 0 || adopted() < 2); ++i) usleep(20000);
   EXPECT_EQ(sleepers(ours), 1);
   EXPECT_EQ(adopted(), 2);  // the marked sleeper and the one without a mark
@@ -906,39 +899,8 @@ TEST(Process, PrivateProcessesEndWithTheRun) {
                                                          .timeout_s = timeout_s, .uid = uid, .gid = gid,
                                                          .private_tmp = true, .private_pids = pids});
   };
-  auto sleepers = [&] {  // live processes of the account carrying this test's variable, from /proc
-    int count = 0;
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator("/proc", ec)) {
-      std::ifstream status(e.path() / "status"), environ(e.path() / "environ", std::ios::binary);
-      std::string line, entry;
-      int owner = -1;
-      bool zombie = false, marked = false;
-      while (std::getline(status, line)) {
-        if (line.rfind("Uid:", 0) == 0) owner = std::stoi(line.substr(4));
-        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
-      }
-      while (!marked && std::getline(environ, entry, '\0')) marked = entry == "K2C_SELFTEST_PIDS=" + tag;
-      count += owner == uid && marked && !zombie;
-    }
-    return count;
-  };
-  auto dead_children = [] {  // zombies whose parent is this process
-    int count = 0;
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator("/proc", ec)) {
-      std::ifstream status(e.path() / "status");
-      std::string line;
-      bool zombie = false;
-      int parent = -1;
-      while (std::getline(status, line)) {
-        if (line.rfind("State:", 0) == 0) zombie = line.find('Z') != std::string::npos;
-        if (line.rfind("PPid:", 0) == 0) parent = std::stoi(line.substr(5));
-      }
-      count += zombie && parent == static_cast<int>(getpid());
-    }
-    return count;
-  };
+  auto sleepers = [&] { return count_processes(uid, -1, "K2C_SELFTEST_PIDS=" + tag); };  // what the runs left
+  auto dead_children = [] { return count_processes(-1, getpid(), "", true); };
   // Segments of a size of this test's own, so that other users of the account do not count.
   const std::string size = std::to_string(4096 * (1 + getpid() % 509));
   auto segments = [&] {  // the account's segments of that size on the machine
