@@ -122,8 +122,8 @@ grep -q '^K2C_CUDA:BOOL=OFF' "$ag/grading/build/CMakeCache.txt" ||
   { echo "FAIL: the grader's build tree lost setup.sh's K2C_CMAKE_ARGS"; exit 1; }
 # Objects are kept only where code under test ran as another user (as root: nobody); where it
 # ran as the grader's own user, everything is built again (docs/SECURITY.md, row 23).
-ran_as() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["runner"])' "$1"; }
-runner=$(ran_as "$ag/results/k2c_report.json")
+report_field() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
+runner=$(report_field "$ag/results/k2c_report.json" runner)
 if [ "$runner" = nobody ]; then
   [ "$(stat -c %y "$core")" = "$core_built" ] ||
     { echo "FAIL: run_autograder built the course's own libraries again ($core)"; exit 1; }
@@ -157,6 +157,15 @@ fi
 grep -q '^K2C_CUDA:BOOL=OFF' "$ag/grading/build/CMakeCache.txt" ||
   { echo "FAIL: k2c grade did not keep the CPU-only cache of $ag/grading/build"; exit 1; }
 lap "k2c grade graded the same files${plant:+ (with $plant planted)}"
+# Module 11's MPI runs (ranks and the grader's rank witness) had a network of their own, loopback
+# alone, wherever root here may make one and set its loopback up (CAP_NET_ADMIN, bit 12): a
+# grading that fell back to the machine's network would pass the same, so it is asked for here.
+net_admin=$(( 0x$(awk '/^CapEff/ {print $2}' /proc/self/status) >> 12 & 1 ))
+if [ "$(report_field "$work/direct.json" runner)" = nobody ] && [ "$net_admin" = 1 ] && unshare -n true 2> /dev/null; then
+  network=$(report_field "$work/direct.json" network)
+  [ "$network" = "each run's own (loopback alone)" ] || { echo "FAIL: the runs' network: $network"; exit 1; }
+  echo "module 11's runs had a network of their own"
+fi
 
 # ---- results.json: Gradescope's format, the direct grade's scores, GPU modules skipped
 python3 - "$ag/results/results.json" "$work/direct.json" "$repo/autograder/rubric.json" <<'PY'
@@ -267,7 +276,7 @@ points=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["point
 [ "$points" = 0 ] || [ "$points" = 0.0 ] || { echo "FAIL: the forgery earned $points points"; exit 1; }
 [ "$(stamp 'libk2c_impl_11_collectives.so')" != "$impl" ] ||
   { echo "FAIL: the forged submission's library was not built"; exit 1; }
-runner=$(ran_as "$work/forged.json")
+runner=$(report_field "$work/forged.json" runner)
 if [ "$runner" = nobody ]; then
   [ "$(stat -c %y "$core")" = "$core_built" ] && [ "$(stamp k2c_rank_witness)" = "$checker" ] ||
     { echo "FAIL: grading the forgery built the course's libraries or the checker again"; exit 1; }

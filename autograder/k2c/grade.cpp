@@ -187,8 +187,10 @@ struct Runner {
   std::string name, note;
   bool private_tmp = false;  // each run gets /tmp, /var/tmp and /dev/shm of its own (process.h)
   bool private_pids = false;  // and processes of its own (process.h)
+  bool private_net = false;   // and a network of its own (process.h)
   std::string temp_folders = "shared with the machine (code under test runs as the grader)";
   std::string processes = "shared with the machine (code under test runs as the grader)";
+  std::string network = "shared with the machine (code under test runs as the grader)";
 };
 
 bool searchable_by_others(const fs::path& path, std::string& blocked) {
@@ -275,6 +277,12 @@ Runner choose_runner(const GradeOptions& o) {
   const std::string pids_problem = r.private_tmp ? private_pids_problem() : "its temporary folders are shared";
   r.private_pids = pids_problem.empty();
   r.processes = r.private_pids ? "each run's own" : "shared with the machine (" + pids_problem + ")";
+  // A network of each run's own, loopback alone: no run reaches a port or abstract socket of
+  // another's (a listener planted where a neighbour's NCCL bootstrap will look), nor an interface
+  // of the machine's. Independent of the processes: CUDA's MPS does not care.
+  const std::string net_problem = r.private_tmp ? private_net_problem() : "its temporary folders are shared";
+  r.private_net = net_problem.empty();
+  r.network = r.private_net ? "each run's own (loopback alone)" : "shared with the machine (" + net_problem + ")";
   return r;
 }
 
@@ -328,6 +336,7 @@ WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const s
   if (runner.uid >= 0) cmd.insert(cmd.end(), {"--uid", std::to_string(runner.uid), "--gid", std::to_string(runner.gid)});
   if (runner.private_tmp) cmd.push_back("--private-tmp");
   if (runner.private_pids) cmd.push_back("--private-pids");
+  if (runner.private_net) cmd.push_back("--private-net");
   cmd.insert(cmd.end(), options.begin(), options.end());
   cmd.push_back("--");
   cmd.insert(cmd.end(), program.begin(), program.end());
@@ -1011,8 +1020,10 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   report.runner = runner.name + (runner.note.empty() ? "" : ": " + runner.note);
   report.temp_folders = runner.temp_folders;
   report.processes = runner.processes;
+  report.network = runner.network;
   progress << "code under test runs as " << report.runner << "\n";
-  progress << "its /tmp, /var/tmp and /dev/shm: " << report.temp_folders << "; its processes: " << report.processes << "\n";
+  progress << "its /tmp, /var/tmp and /dev/shm: " << report.temp_folders << "; its processes: " << report.processes
+           << "; its network: " << report.network << "\n";
 
   std::string source_root = o.root;
   std::optional<Intake> intake;
@@ -1308,7 +1319,8 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
                 .uid = runner.uid,
                 .gid = runner.gid,
                 .private_tmp = runner.private_tmp,
-                .private_pids = runner.private_pids});
+                .private_pids = runner.private_pids,
+                .private_net = runner.private_net});
       // Whatever it left running, detached from its process group, dies before the next run.
       if (runner.uid >= 0) kill_run_leftovers(runner.uid, run_mark);
       gtest_json = read_report(json_path);

@@ -104,6 +104,7 @@ struct GradeReport {
   std::string runner;          // who ran the code under test, and why that user
   std::string temp_folders;    // whether its runs had /tmp, /var/tmp and /dev/shm of their own, or why not
   std::string processes;       // whether its runs had processes of their own (PID and IPC namespaces), or why not
+  std::string network;         // whether its runs had a network of their own (loopback alone), or why not
   bool sanitize = false;
   std::vector<ModuleOutcome> modules;
   std::map<std::string, std::pair<double, std::string>> ceilings;  // name -> (value, unit)

@@ -4,11 +4,14 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <net/if.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
@@ -304,10 +307,31 @@ const char* enter_private_pids() {
   return nullptr;
 }
 
+// ---- a network of the run's own (ProcessOptions::private_net)
+
+// In the child, as root, before it changes user: a network namespace, whose loopback interface,
+// the only one a new namespace holds, starts down and is brought up: the run's ranks bootstrap over
+// it (mpirun's own listener does not start without it). Returns the failing step's name (errno
+// says why), or nullptr. Only system calls.
+const char* enter_private_net() {
+  if (unshare(CLONE_NEWNET) != 0) return "make a network namespace (unshare)";
+  const int probe = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (probe < 0) return "open a socket to set loopback up";
+  ifreq lo{};
+  std::memcpy(lo.ifr_name, "lo", 3);
+  bool up = ioctl(probe, SIOCGIFFLAGS, &lo) == 0;
+  if (up) {
+    lo.ifr_flags |= IFF_UP;
+    up = ioctl(probe, SIOCSIFFLAGS, &lo) == 0;
+  }
+  close(probe);
+  return up ? nullptr : "bring loopback up";
+}
+
 // Tries, in a child of its own, what a run as the unprivileged account would get (the folders,
-// and with `pids` the processes), with what the grader's environment names kept. Returns "" or
-// why it could not.
-std::string trial(bool pids) {
+// with `pids` the processes, with `net` the network), with what the grader's environment names
+// kept. Returns "" or why it could not.
+std::string trial(bool pids, bool net) {
   if (geteuid() != 0) return "the grader is not root";
   std::vector<SharedFolder> plan = plan_private_tmp({"true"}, {});
   int said[2];  // the child's account of the step that failed
@@ -320,6 +344,7 @@ std::string trial(bool pids) {
   if (pid == 0) {
     close(said[0]);
     const char* failed = make_private_tmp(plan);
+    if (failed == nullptr && net) failed = enter_private_net();
     if (failed == nullptr && pids) {
       failed = enter_private_pids();
       if (failed == nullptr && getpid() != 2) errno = ESRCH, failed = "start the run as the namespace's second process";
@@ -346,7 +371,7 @@ std::string trial(bool pids) {
 
 }  // namespace
 
-std::string private_tmp_problem() { return trial(false); }
+std::string private_tmp_problem() { return trial(false, false); }
 std::string private_pids_problem() {
   // CUDA's MPS daemon knows its clients by their process IDs: where it runs (its pipe folder named,
   // or in /tmp as the daemon makes it, a folder of root's), the processes stay shared.
@@ -354,8 +379,9 @@ std::string private_pids_problem() {
   if (std::getenv("CUDA_MPS_PIPE_DIRECTORY") != nullptr ||
       (lstat("/tmp/nvidia-mps", &mps) == 0 && S_ISDIR(mps.st_mode) && mps.st_uid == 0))
     return "CUDA's MPS runs here (its pipe folder is named or in /tmp)";
-  return trial(true);
+  return trial(true, false);
 }
+std::string private_net_problem() { return trial(false, true); }
 
 std::string valid_utf8(std::string_view s) {
   static constexpr std::uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};  // the shortest form's bound
@@ -437,6 +463,14 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
         const std::string msg = std::string("cannot make private temporary folders: could not ") + failed + ": " + std::strerror(errno) + "\n";
         (void)!write(STDERR_FILENO, msg.data(), msg.size());
         _exit(125);
+      }
+      // A network of its own (its keeper's too, which is harmless: the keeper opens no socket).
+      if (o.private_net) {
+        if (const char* failed = enter_private_net()) {
+          const std::string msg = std::string("cannot give the run a network of its own: could not ") + failed + ": " + std::strerror(errno) + "\n";
+          (void)!write(STDERR_FILENO, msg.data(), msg.size());
+          _exit(125);
+        }
       }
       // Processes of its own: from here on this is the run's first process, inside the namespace.
       if (o.private_pids) {

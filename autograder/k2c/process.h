@@ -57,6 +57,12 @@ struct ProcessOptions {
   // process group. Its System V and POSIX IPC objects are its own too (an IPC namespace), gone with
   // it. The exit code or signal is the run's own. Ask private_pids_problem() first.
   bool private_pids = false;
+  // With private_tmp: a network namespace of the run's own, holding loopback alone (up), so that its
+  // ports, abstract Unix sockets and connections meet no other run's (a listener planted where a
+  // neighbour's NCCL or Open MPI bootstrap will look, a port held to make it fail) and no network
+  // interface of the machine's. Its ranks, all below the run, still meet over loopback, and sockets
+  // with a path in the file system are reached as before. Ask private_net_problem() first.
+  bool private_net = false;
   std::size_t keep_head = 16 * 1024;
   std::size_t keep_tail = 48 * 1024;
 };
@@ -72,6 +78,10 @@ std::string private_tmp_problem();
 // it finds signs of CUDA's MPS (CUDA_MPS_PIPE_DIRECTORY set, a /tmp/nvidia-mps folder of root's) it
 // never can: the daemon knows its clients by their process IDs.
 std::string private_pids_problem();
+// Why this process cannot give its children a network of their own (ProcessOptions::private_net),
+// or "" where it can; tried once, with the temporary folders (in a container it needs
+// CAP_NET_ADMIN besides CAP_SYS_ADMIN, to bring loopback up).
+std::string private_net_problem();
 
 // Makes this process the adopter of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process
 // that a run leaves behind in a session of its own becomes this process's child instead of init's,

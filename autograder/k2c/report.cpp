@@ -107,7 +107,7 @@ void print_table(const GradeReport& r, std::ostream& out) {
 
 json to_json(const GradeReport& r) {
   json j = {{"impl", r.impl}, {"seed", r.seed}, {"gpu", r.gpu}, {"gpu_reason", r.gpu_reason}, {"runner", r.runner}, {"temp_folders", r.temp_folders},
-            {"processes", r.processes},
+            {"processes", r.processes}, {"network", r.network},
             {"cuda_runtime", r.cuda_runtime}, {"sanitize", r.sanitize},
             {"reference_file", r.reference_file}, {"points", r.points()},
             {"max_points", r.max_points()}, {"modules", json::array()}, {"ceilings", json::object()}};

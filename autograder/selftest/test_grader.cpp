@@ -15,15 +15,21 @@
 //             stop at the first fault, link errors and failing ranks named.
 // CLI:        a malformed rubric and an unknown module are clear errors (exit status 2).
 // docs/SECURITY.md maps each attack and fault to what stops it and to the test here that proves it.
+#include <arpa/inet.h>
 #include <grp.h>
 #include <pwd.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/shm.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstddef>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -977,6 +983,61 @@ TEST(Process, PrivateProcessesEndWithTheRun) {
   EXPECT_EQ(dead_children(), dead_before) << "a run's remains were left unreaped";
 }
 
+// With private_net, a run's network is its own, loopback alone and up: a port and an abstract Unix
+// socket that a neighbour on the machine listens on are out of its reach and sight, it has no other
+// interface, and its own loopback answers (a refused connection, not an unreachable network: its
+// ranks bootstrap over it). The same run without it reaches the port, sees the socket and the
+// machine's interfaces, so the checks can fail. Independent of private_pids (both off here).
+TEST(Process, PrivateNetworkHoldsLoopbackAlone) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  const passwd* nobody = getpwnam("nobody");
+  if (nobody == nullptr) GTEST_SKIP() << "no user nobody here";
+  if (const std::string problem = k2c::grader::private_net_problem(); !problem.empty())
+    GTEST_SKIP() << "this machine cannot: " << problem;
+  if (k2c::grader::run_process({"sh", "-c", "command -v bash"}, {}).exit_code != 0) GTEST_SKIP() << "no bash here";
+  // The neighbour: this process, listening on a loopback port and on an abstract socket.
+  struct Closed {
+    int fd;
+    ~Closed() { if (fd >= 0) close(fd); }
+  };
+  const Closed port_fd{socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t at_size = sizeof at;
+  ASSERT_TRUE(port_fd.fd >= 0 && bind(port_fd.fd, reinterpret_cast<const sockaddr*>(&at), sizeof at) == 0 &&
+              listen(port_fd.fd, 4) == 0 && getsockname(port_fd.fd, reinterpret_cast<sockaddr*>(&at), &at_size) == 0)
+      << std::strerror(errno);
+  const std::string port = std::to_string(ntohs(at.sin_port));
+  const std::string name = "k2c-selftest-net-" + std::to_string(getpid());
+  const Closed unix_fd{socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  sockaddr_un abstract{};
+  abstract.sun_family = AF_UNIX;
+  std::memcpy(abstract.sun_path + 1, name.data(), name.size());  // a leading NUL: the abstract namespace
+  ASSERT_TRUE(unix_fd.fd >= 0 &&
+              bind(unix_fd.fd, reinterpret_cast<const sockaddr*>(&abstract),
+                   static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())) == 0 &&
+              listen(unix_fd.fd, 4) == 0)
+      << std::strerror(errno);
+  const std::string script = "true 3<>/dev/tcp/127.0.0.1/" + port + " && echo reached the neighbour; grep -q '@" + name +
+                             "' /proc/net/unix && echo saw the socket; echo interfaces: $(grep -c : /proc/net/dev); exit 0";
+  auto run = [&](bool net) {
+    return k2c::grader::run_process({"bash", "-c", script},
+                                    {.timeout_s = 60, .uid = static_cast<int>(nobody->pw_uid), .gid = static_cast<int>(nobody->pw_gid),
+                                     .private_tmp = true, .private_net = net});
+  };
+  const ProcessResult mine = run(true);
+  EXPECT_EQ(mine.exit_code, 0) << mine.output;
+  EXPECT_EQ(mine.output.find("reached the neighbour"), std::string::npos) << mine.output;
+  EXPECT_EQ(mine.output.find("saw the socket"), std::string::npos) << mine.output;
+  EXPECT_NE(mine.output.find("Connection refused"), std::string::npos) << "its loopback is not up: " << mine.output;
+  EXPECT_NE(mine.output.find("interfaces: 1\n"), std::string::npos) << mine.output;
+  const ProcessResult shared = run(false);
+  EXPECT_EQ(shared.exit_code, 0) << shared.output;
+  EXPECT_NE(shared.output.find("reached the neighbour"), std::string::npos) << shared.output;
+  EXPECT_NE(shared.output.find("saw the socket"), std::string::npos) << shared.output;
+}
+
 // A file only root may read, for the tests of what a submission's build reads.
 fs::path root_only_secret() {
   const fs::path secret = kTmp / "root_only_secret.txt";
@@ -1675,6 +1736,8 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
   }
   if (const std::string problem = k2c::grader::private_pids_problem(); problem.empty())
     EXPECT_EQ(report["processes"], "each run's own");
+  if (const std::string problem = k2c::grader::private_net_problem(); problem.empty())
+    EXPECT_EQ(report["network"], "each run's own (loopback alone)");
   fs::remove(left_tmp);
   fs::remove(left_shm);
   const json& honest = find_named(report["modules"], "id", "90_honest");

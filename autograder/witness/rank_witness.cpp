@@ -2,7 +2,7 @@
 // process that holds no student code. The protocol is in common/include/k2c/dist/rank_witness.h.
 //
 //   k2c_rank_witness NAME --out VERDICT.json --ranks N [--cases C] [--seed S] [--timeout S] [--cwd DIR]
-//                    [--env K=V]... [--uid U --gid G [--private-tmp [--private-pids]]] -- mpirun ... PROGRAM --k2c_rank_witness=NAME
+//                    [--env K=V]... [--uid U --gid G [--private-tmp [--private-pids] [--private-net]]] -- mpirun ... PROGRAM --k2c_rank_witness=NAME
 //
 // It listens on DIR/rank_witness.sock, starts the command with the socket's path in
 // K2C_RANK_WITNESS (the command exports it to the ranks), draws C cases of the witness NAME, sends
@@ -60,6 +60,7 @@ struct Args {
   int ranks = 0, cases = 3, uid = -1, gid = -1;
   bool private_tmp = false;  // the ranks with temporary folders of their own (process.h)
   bool private_pids = false;  // and processes of their own (process.h)
+  bool private_net = false;   // and a network of their own (process.h)
   std::uint64_t seed = 0;  // 0: drawn afresh (the grader's way); else a verdict's seed, to replay its cases
   double timeout_s = 300;
   std::vector<std::pair<std::string, std::string>> env;
@@ -90,6 +91,7 @@ Args parse(int argc, char** argv) {
     else if (arg == "--gid") a.gid = std::stoi(value());
     else if (arg == "--private-tmp") a.private_tmp = true;
     else if (arg == "--private-pids") a.private_pids = true;
+    else if (arg == "--private-net") a.private_net = true;
     else if (arg == "--env") {
       const std::string kv = value();
       const auto eq = kv.find('=');
@@ -102,6 +104,7 @@ Args parse(int argc, char** argv) {
   if (a.cases < 1 || a.cases > 16) throw std::invalid_argument("--cases must be 1 to 16");
   if (!(a.timeout_s > 0)) throw std::invalid_argument("--timeout must be positive");
   if (a.private_pids && !a.private_tmp) throw std::invalid_argument("--private-pids needs --private-tmp");
+  if (a.private_net && !a.private_tmp) throw std::invalid_argument("--private-net needs --private-tmp");
   return a;
 }
 
@@ -206,7 +209,8 @@ int run(const Args& a) {
                                                  .gid = a.gid,
                                                  .on_start = [&](int pid) { child_pid = pid; },
                                                  .private_tmp = a.private_tmp,
-                                                 .private_pids = a.private_pids});
+                                                 .private_pids = a.private_pids,
+                                                 .private_net = a.private_net});
     child_done = true;
   });
   std::vector<int> rank_fd(a.ranks, -1);

@@ -1,7 +1,7 @@
 // k2c_witness — the grader's own run of one timed kernel, in a process with no student code.
 //
 //   k2c_witness NAME --out VERDICT.json [--shapes N] [--ceiling CEILING] [--timeout S]
-//               [--uid U --gid G [--private-tmp [--private-pids]]] [--cwd DIR] [--env K=V]... -- TEST_PROGRAM [ARGS...]
+//               [--uid U --gid G [--private-tmp [--private-pids] [--private-net]]] [--cwd DIR] [--env K=V]... -- TEST_PROGRAM [ARGS...]
 //
 // Two kinds of run. Timed (the default): the kernel at its performance test's shape, in windows
 // the checker clocks, a sample of each launch's output checked. Correctness (--shapes N): N shapes
@@ -76,6 +76,7 @@ struct Args {
   int uid = -1, gid = -1;
   bool private_tmp = false;  // the test program's runs with temporary folders of their own (process.h)
   bool private_pids = false;  // and processes of their own (process.h)
+  bool private_net = false;   // and a network of their own (process.h)
   std::string cwd;
   std::vector<std::pair<std::string, std::string>> env;
   std::vector<std::string> program;
@@ -103,6 +104,7 @@ Args parse(int argc, char** argv) {
     else if (arg == "--gid") a.gid = std::stoi(value());
     else if (arg == "--private-tmp") a.private_tmp = true;
     else if (arg == "--private-pids") a.private_pids = true;
+    else if (arg == "--private-net") a.private_net = true;
     else if (arg == "--cwd") a.cwd = value();
     else if (arg == "--env") {
       const std::string kv = value();
@@ -116,6 +118,7 @@ Args parse(int argc, char** argv) {
   if (a.out.empty() || a.program.empty()) throw std::invalid_argument("--out and a program after -- are required");
   if (a.shapes < 0 || a.shapes > 64) throw std::invalid_argument("--shapes: expected 0 to 64");
   if (a.private_pids && !a.private_tmp) throw std::invalid_argument("--private-pids needs --private-tmp");
+  if (a.private_net && !a.private_tmp) throw std::invalid_argument("--private-net needs --private-tmp");
   return a;
 }
 
@@ -296,7 +299,8 @@ Session run_session(const Layout& l, const std::vector<std::string>& program, co
                                                .on_start = [&](int pid) { child_pid = pid; },
                                                .channel_fd = fds[1],
                                                .private_tmp = a.private_tmp,
-                                               .private_pids = a.private_pids});
+                                               .private_pids = a.private_pids,
+                                               .private_net = a.private_net});
     child_done = true;
   });
   Channel channel(fds[0], child_done);
