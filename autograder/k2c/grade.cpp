@@ -35,10 +35,7 @@ namespace {
 // removed when this goes out of scope.
 class PrivateCopy {
  public:
-  PrivateCopy(const std::string& text, const std::string& pattern) {
-    std::error_code ec;
-    fs::path dir = fs::temp_directory_path(ec);
-    if (ec) dir = "/tmp";
+  PrivateCopy(const std::string& text, const fs::path& dir, const std::string& pattern) {
     std::string name = (dir / pattern).string();
     const int suffix = static_cast<int>(name.size() - name.rfind("XXXXXX") - 6);
     const int fd = mkstemps(name.data(), suffix);
@@ -188,6 +185,7 @@ struct Runner {
   bool private_tmp = false;  // each run gets /tmp, /var/tmp and /dev/shm of its own (process.h)
   bool private_pids = false;  // and processes of its own (process.h)
   bool private_net = false;   // and a network of its own (process.h)
+  fs::path runs;              // where its run folders and rubric copies are made (RunsFolder); "": TMPDIR
   std::string temp_folders = "shared with the machine (code under test runs as the grader)";
   std::string processes = "shared with the machine (code under test runs as the grader)";
   std::string network = "shared with the machine (code under test runs as the grader)";
@@ -286,14 +284,45 @@ Runner choose_runner(const GradeOptions& o) {
   return r;
 }
 
+fs::path temp_folder() {
+  std::error_code ec;
+  const fs::path dir = fs::temp_directory_path(ec);
+  return ec ? fs::path("/tmp") : dir;
+}
+
+// Where one grading makes its runs' folders and rubric copies: a folder of the grader's own that
+// others may pass through but not list (0711), removed at the end. A run knows its own folder's
+// name and no other: listing the temporary folder shows it only these folders, so a run of
+// another grading of the same account (a second grader on the machine) cannot find this one's run
+// folders and rubric copies, which that account owns and so could rewrite. It matters where a
+// run's /tmp is not its own (no mount namespace) or the temporary folder lies outside the three
+// private ones (TMPDIR elsewhere).
+class RunsFolder {
+ public:
+  RunsFolder() {
+    std::string name = (temp_folder() / "k2c-runs-XXXXXX").string();
+    if (mkdtemp(name.data()) == nullptr || chmod(name.c_str(), 0711) != 0)
+      throw std::runtime_error("cannot create a folder in " + temp_folder().string() + ": " + std::strerror(errno));
+    path_ = name;
+  }
+  ~RunsFolder() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  RunsFolder(const RunsFolder&) = delete;
+  RunsFolder& operator=(const RunsFolder&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
 // A folder for one run of a test program as `runner`: its working directory and HOME, where
-// its report is written; owned by the runner, 0700, removed afterwards.
+// its report is written; owned by the runner, 0700, in the runner's RunsFolder, removed afterwards.
 class RunFolder {
  public:
   explicit RunFolder(const Runner& runner) {
-    std::error_code ec;
-    fs::path dir = fs::temp_directory_path(ec);
-    if (ec) dir = "/tmp";
+    const fs::path dir = runner.runs.empty() ? temp_folder() : runner.runs;
     std::string name = (dir / "k2c-run-XXXXXX").string();
     if (mkdtemp(name.data()) == nullptr)
       throw std::runtime_error("cannot create a folder in " + dir.string() + ": " + std::strerror(errno));
@@ -1016,7 +1045,10 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   report.impl = o.impl;
   report.seed = o.seed;
   report.sanitize = o.sanitize;
-  const Runner runner = choose_runner(o);
+  Runner chosen = choose_runner(o);
+  const RunsFolder runs;
+  chosen.runs = runs.path();
+  const Runner& runner = chosen;
   report.runner = runner.name + (runner.note.empty() ? "" : ": " + runner.note);
   report.temp_folders = runner.temp_folders;
   report.processes = runner.processes;
@@ -1298,7 +1330,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       if (!filter.empty()) cmd.push_back("--gtest_filter=" + filter);
       // The rubric the test reads its thresholds from, as a copy for this run alone: whatever
       // the code under test writes to it reaches no later run, module or submission.
-      const PrivateCopy rubric_copy(rubric_text, "k2c-rubric-XXXXXX.json");
+      const PrivateCopy rubric_copy(rubric_text, runner.runs, "k2c-rubric-XXXXXX.json");
       rubric_copy.give_to(runner.uid, runner.gid);
       auto all_env = env;
       all_env.emplace_back("K2C_RUBRIC", rubric_copy.path());

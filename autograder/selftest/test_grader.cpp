@@ -27,6 +27,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -1743,6 +1744,77 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
   const json& honest = find_named(report["modules"], "id", "90_honest");
   EXPECT_EQ(honest["status"], "ok") << honest["detail"];
   EXPECT_EQ(honest["points"], 10);
+}
+
+// Two gradings at once as the same account, with the temporary folder outside the three private
+// ones (TMPDIR elsewhere, open to all): a run of one searches it, two folders deep, for a rubric
+// copy of the other's, which it could rewrite as their common owner, while the other's run waits
+// with its copy in place. It finds none: each grading keeps its runs' folders and copies in a
+// folder of its own that others cannot list. (With them made in TMPDIR itself, it finds the copy.)
+TEST(Hostile, RunsOfAnotherGradingAreOutOfSight) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  if (!fs::is_directory("/run")) GTEST_SKIP() << "no /run here (a folder outside /tmp, /var/tmp and /dev/shm)";
+  const fs::path shared = "/run/k2c-selftest-runs-" + std::to_string(getpid());
+  fs::remove_all(shared);
+  fs::create_directories(shared);
+  fs::permissions(shared, fs::perms::all | fs::perms::sticky_bit, fs::perm_options::replace);
+  const fs::path waiting = shared / "waiting", looked = shared / "looked", found = shared / "found";
+  // The other grading's run: it says it is waiting, then waits (at most 120 s) until the search is done.
+  const std::string waiter = "#include <unistd.h>\n#include <fstream>\n#include \"fake_gemm.h\"\n"
+                             "int k2c::gemm::answer() {\n  std::ofstream(\"" + waiting.string() + "\") << 1;\n"
+                             "  for (int i = 0; i < 1200 && access(\"" + looked.string() + "\", F_OK) != 0; ++i) usleep(100000);\n"
+                             "  return 42;\n}\n";
+  // The searching run: every rubric copy under TMPDIR but its own, wherever it may list.
+  const std::string seeker = R"(#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "fake_gemm.h"
+
+int k2c::gemm::answer() {
+  namespace fs = std::filesystem;
+  const char* mine = std::getenv("K2C_RUBRIC");
+  std::ofstream found(")" + found.string() + R"(");
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(")" + shared.string() + R"(", fs::directory_options::skip_permission_denied, ec), end;
+       !ec && it != end; it.increment(ec))
+    if (it->path().filename().string().rfind("k2c-rubric-", 0) == 0 && (mine == nullptr || it->path() != mine))
+      found << it->path().string() << "\n";
+  std::ofstream(")" + looked.string() + R"(") << 1;
+  return 42;
+}
+)";
+  auto grade = [&](const std::string& name, const std::string& code) {
+    const fs::path course = fake_course_copy(name + "_course"), sub = kTmp / (name + "_submission"), build = kTmp / (name + "_build");
+    fs::remove_all(sub);
+    fs::remove_all(build);
+    write(sub / "assignments/90_honest/honest.cpp", code);
+    return k2c::grader::run_process(
+        {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
+         "--build-dir", build.string(), "--submission", sub.string(), "--modules", "90", "--seed", "1"},
+        {.env = {{"TMPDIR", shared.string()}}, .timeout_s = 900});
+  };
+  ProcessResult other;
+  std::atomic<bool> other_ended = false;
+  std::thread other_grading([&] {
+    other = grade("runs_other", waiter);
+    other_ended = true;
+  });
+  for (int i = 0; i < 6000 && !other_ended && !fs::exists(waiting); ++i) usleep(100000);
+  const bool other_waits = fs::exists(waiting);
+  const ProcessResult seeking = other_waits ? grade("runs_seeker", seeker) : ProcessResult{};
+  std::ofstream(looked) << 1;  // whatever happened, the other run stops waiting
+  other_grading.join();
+  if (other.output.find("code under test runs as nobody\n") == std::string::npos)  // e.g. a checkout nobody can reach
+    GTEST_SKIP() << "code under test does not run as nobody here: " << other.output.substr(0, 400);
+  ASSERT_TRUE(other_waits) << other.output;
+  EXPECT_EQ(seeking.exit_code, 0) << seeking.output;
+  EXPECT_EQ(other.exit_code, 0) << other.output;
+  EXPECT_NE(seeking.output.find("total"), std::string::npos) << seeking.output;
+  ASSERT_TRUE(fs::exists(found)) << "the search did not run: " << seeking.output;
+  EXPECT_EQ(slurp(found), "") << "a run found another grading's rubric copy";
+  fs::remove_all(shared);
 }
 
 // --------------------------------------------------------------------------------- trust ---
