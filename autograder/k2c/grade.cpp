@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <pwd.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -31,14 +32,29 @@ using nlohmann::json;
 namespace k2c::grader {
 namespace {
 
-// A file of the system's temporary folder holding `text`, made for one child (mode 0600) and
-// removed when this goes out of scope.
+// `prefix`, 32 hex digits from the kernel's random source, then `suffix`: a name that no run can
+// guess in a folder it may pass through but not list (mkdtemp's six characters, about 36 bits, are
+// within reach of a run that asks for names for its whole time limit).
+std::string random_name(const std::string& prefix, const std::string& suffix = "") {
+  unsigned char bytes[16];
+  for (std::size_t got = 0; got < sizeof bytes;) {
+    const ssize_t n = getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno != EINTR) throw std::runtime_error(std::string("cannot draw a random name: ") + std::strerror(errno));
+    if (n > 0) got += static_cast<std::size_t>(n);
+  }
+  std::string name = prefix;
+  for (const unsigned char b : bytes) name += "0123456789abcdef"[b >> 4], name += "0123456789abcdef"[b & 15];
+  return name + suffix;
+}
+
+// A file holding `text` for one child to read, made in `dir` (a RunsFolder), read-only (0444) and
+// the grader's, so that the code under test running as another user cannot rewrite it; removed
+// when this goes out of scope.
 class PrivateCopy {
  public:
-  PrivateCopy(const std::string& text, const fs::path& dir, const std::string& pattern) {
-    std::string name = (dir / pattern).string();
-    const int suffix = static_cast<int>(name.size() - name.rfind("XXXXXX") - 6);
-    const int fd = mkstemps(name.data(), suffix);
+  PrivateCopy(const std::string& text, const fs::path& dir, const std::string& prefix, const std::string& suffix) {
+    const std::string name = (dir / random_name(prefix, suffix)).string();
+    const int fd = open(name.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_NOFOLLOW | O_CLOEXEC, 0444);
     if (fd < 0) throw std::runtime_error("cannot create a file in " + dir.string() + ": " + std::strerror(errno));
     std::size_t done = 0;
     while (done < text.size()) {
@@ -52,11 +68,6 @@ class PrivateCopy {
       throw std::runtime_error("cannot write " + name);
     }
     path_ = name;
-  }
-  // Hands the copy to the user the test runs as, who may rewrite it: only its own run reads it.
-  void give_to(int uid, int gid) const {
-    if (uid >= 0 && chown(path_.c_str(), static_cast<uid_t>(uid), static_cast<gid_t>(gid)) != 0)
-      throw std::runtime_error("cannot hand " + path_ + " to user " + std::to_string(uid));
   }
   ~PrivateCopy() { unlink(path_.c_str()); }
   PrivateCopy(const PrivateCopy&) = delete;
@@ -290,20 +301,30 @@ fs::path temp_folder() {
   return ec ? fs::path("/tmp") : dir;
 }
 
-// Where one grading makes its runs' folders and rubric copies: a folder of the grader's own that
-// others may pass through but not list (0711), removed at the end. A run knows its own folder's
-// name and no other: listing the temporary folder shows it only these folders, so a run of
-// another grading of the same account (a second grader on the machine) cannot find this one's run
-// folders and rubric copies, which that account owns and so could rewrite. It matters where a
-// run's /tmp is not its own (no mount namespace) or the temporary folder lies outside the three
-// private ones (TMPDIR elsewhere).
+// Where one grading makes its runs' folders and rubric copies: a folder of the grader's own in
+// the temporary folder that others may pass through but not list (0711), removed at the end. A
+// run knows its own folder and copy by name, and the others' names are random: a run of another
+// grading of the same account (a second grader on the machine) that lists the temporary folder
+// does not find this one's run folders, which that account owns and so could write. It matters
+// where the temporary folder lies outside the run's private /tmp (TMPDIR elsewhere). A temporary
+// folder the runner could rename entries in (its own, or others' to write without the sticky bit)
+// is refused: the runs folder could be moved away and a folder of the runner's put in its place.
 class RunsFolder {
  public:
-  RunsFolder() {
-    std::string name = (temp_folder() / "k2c-runs-XXXXXX").string();
-    if (mkdtemp(name.data()) == nullptr || chmod(name.c_str(), 0711) != 0)
-      throw std::runtime_error("cannot create a folder in " + temp_folder().string() + ": " + std::strerror(errno));
-    path_ = name;
+  explicit RunsFolder(const Runner& runner) {
+    const fs::path temp = temp_folder();
+    struct stat st {};
+    if (stat(temp.c_str(), &st) != 0) throw std::runtime_error("cannot use the temporary folder " + temp.string() + ": " + std::strerror(errno));
+    const bool runner_writes = runner.uid >= 0 && (st.st_uid == static_cast<uid_t>(runner.uid) || (st.st_mode & S_IWOTH) ||
+                                                   ((st.st_mode & S_IWGRP) && st.st_gid == static_cast<gid_t>(runner.gid)));
+    if (runner_writes && (st.st_uid == static_cast<uid_t>(runner.uid) || !(st.st_mode & S_ISVTX)))
+      throw std::runtime_error("the temporary folder " + temp.string() + " is " +
+                               (st.st_uid == static_cast<uid_t>(runner.uid) ? runner.name + "'s"
+                                                                            : "writable by " + runner.name + " without the sticky bit") +
+                               ": code under test could move what the grader makes there; set TMPDIR to another folder (/tmp)");
+    path_ = temp / random_name("k2c-runs-");
+    if (mkdir(path_.c_str(), 0711) != 0 || chmod(path_.c_str(), 0711) != 0)
+      throw std::runtime_error("cannot create a folder in " + temp.string() + ": " + std::strerror(errno));
   }
   ~RunsFolder() {
     std::error_code ec;
@@ -323,10 +344,9 @@ class RunFolder {
  public:
   explicit RunFolder(const Runner& runner) {
     const fs::path dir = runner.runs.empty() ? temp_folder() : runner.runs;
-    std::string name = (dir / "k2c-run-XXXXXX").string();
-    if (mkdtemp(name.data()) == nullptr)
+    path_ = dir / random_name("k2c-run-");
+    if (mkdir(path_.c_str(), 0700) != 0)
       throw std::runtime_error("cannot create a folder in " + dir.string() + ": " + std::strerror(errno));
-    path_ = name;
     if (runner.uid >= 0 && chown(path_.c_str(), static_cast<uid_t>(runner.uid), static_cast<gid_t>(runner.gid)) != 0)
       throw std::runtime_error("cannot hand " + path_.string() + " to " + runner.name + ": " + std::strerror(errno));
   }
@@ -356,7 +376,7 @@ const std::vector<std::string> kSanitizer = {"compute-sanitizer", "--tool", "mem
 WitnessVerdict run_checker(const fs::path& bin, const std::string& name, const std::vector<std::string>& options,
                            const std::vector<std::string>& program, const Runner& runner, double timeout, double limit) {
   const RunFolder folder(runner);
-  const RunFolder verdict_folder(Runner{});
+  const RunFolder verdict_folder(Runner{.runs = runner.runs});
   const fs::path verdict = verdict_folder.path() / "verdict.json";
   const std::string run_mark = folder.path().filename().string();
   std::vector<std::string> cmd = {bin.string(), name, "--out", verdict.string(), "--timeout", std::to_string(timeout),
@@ -1046,7 +1066,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   report.seed = o.seed;
   report.sanitize = o.sanitize;
   Runner chosen = choose_runner(o);
-  const RunsFolder runs;
+  const RunsFolder runs(chosen);
   chosen.runs = runs.path();
   const Runner& runner = chosen;
   report.runner = runner.name + (runner.note.empty() ? "" : ": " + runner.note);
@@ -1330,8 +1350,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       if (!filter.empty()) cmd.push_back("--gtest_filter=" + filter);
       // The rubric the test reads its thresholds from, as a copy for this run alone: whatever
       // the code under test writes to it reaches no later run, module or submission.
-      const PrivateCopy rubric_copy(rubric_text, runner.runs, "k2c-rubric-XXXXXX.json");
-      rubric_copy.give_to(runner.uid, runner.gid);
+      const PrivateCopy rubric_copy(rubric_text, runner.runs, "k2c-rubric-", ".json");
       auto all_env = env;
       all_env.emplace_back("K2C_RUBRIC", rubric_copy.path());
       all_env.emplace_back("HOME", folder.path().string());

@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -1519,13 +1520,18 @@ int k2c::gemm::answer() {
 )";
 
 // Rewrites the rubric it was handed, as code that wants lower bars for later modules would.
-const std::string kRubricWriter = R"(#include <cstdlib>
+const std::string kRubricWriter = R"(#include <sys/stat.h>
+
+#include <cstdlib>
 #include <fstream>
 
 #include "fake_gemm.h"
 
 int k2c::gemm::answer() {
-  if (const char* rubric = std::getenv("K2C_RUBRIC")) std::ofstream(rubric) << "{}";
+  if (const char* rubric = std::getenv("K2C_RUBRIC")) {
+    chmod(rubric, 0644);  // read-only, but a copy of its own user's would let it
+    std::ofstream(rubric) << "{}";
+  }
   return 42;
 }
 )";
@@ -1601,7 +1607,6 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
 
   const std::map<std::string, std::pair<std::string, double>> expected = {
       {"90_honest", {"ok", 10}},         // honest work: full marks
-      {"97_rubric", {"partial", 6}},     // its own rubric copy rewritten: its own perf test fails
       {"91_symlink", {"refused", 0}},    // a folder linked to the reference: the stub's 0
       {"92_include", {"refused", 0}},    // the reference #included: the stub's 0
       {"93_dlopen", {"refused", 0}},     // correct, but what it opens could have computed it
@@ -1612,6 +1617,13 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
     EXPECT_EQ(module(id)["status"], want.first) << id << ": " << detail(id);
     EXPECT_EQ(module(id)["points"], want.second) << id << ": " << detail(id);
   }
+  // 97's rubric copy is read-only and the grader's: run as another user (the grader as root), its
+  // rewrite fails and it earns full marks; run as the grader's own user, the copy is that user's,
+  // made writable again and rewritten, and its own perf test fails (and nothing else: 90's run
+  // read a copy of its own).
+  const bool runs_as_another = report["runner"] == "nobody";
+  EXPECT_EQ(module("97_rubric")["status"], runs_as_another ? "ok" : "partial") << detail("97_rubric");
+  EXPECT_EQ(module("97_rubric")["points"], runs_as_another ? 10 : 6) << detail("97_rubric");
   // 98 poses as a GPU module. Where this machine has no NVIDIA device its forged pass of a test
   // that needs one voids it, as its honest version would earn nothing here (its tests would skip); where there is one,
   // a plausible forged report is still believed (docs/SECURITY.md, row 21).
@@ -1620,7 +1632,8 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
     EXPECT_EQ(module("98_forged")["points"], 0);
     EXPECT_NE(detail("98_forged").find("Fake.Correct: reported passed on a machine with no NVIDIA device"),
               std::string::npos) << detail("98_forged");
-    EXPECT_EQ(report["points"], report["runner"] == "nobody" ? 16 : 26);  // 99 builds where the grader runs it
+    // As nobody: 90 and 97 earn 10 each, 99 does not build; as the grader: 90 and 99 10, 97 6.
+    EXPECT_EQ(report["points"], runs_as_another ? 20 : 26);
   }
   // Where code under test runs as another user, so does the compiler of its files: 99's embedded
   // file, which only root may read, stops its build instead of reaching its library.
@@ -1643,7 +1656,7 @@ TEST(Hostile, SubmissionsEarnNoMoreThanHonestWork) {
   EXPECT_EQ(detail("95_linkerr").substr(0, detail("95_linkerr").find('\n')), "link failed: undefined symbol cublasSgemm_v2");
   EXPECT_NE(detail("79_weak").find("build refused: the implementation refers weakly to MPI_Allreduce"), std::string::npos)
       << detail("79_weak");
-  EXPECT_EQ(test("97_rubric", "FakePerf.Rate")["status"], "failed");
+  EXPECT_EQ(test("97_rubric", "FakePerf.Rate")["status"], runs_as_another ? "passed" : "failed");
 
   // The hang cost one time limit (3 s), not two: the bonus run was not launched.
   EXPECT_LT(module("96_hang")["seconds"].get<double>(), 6.0);
@@ -1747,25 +1760,32 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
 }
 
 // Two gradings at once as the same account, with the temporary folder outside the three private
-// ones (TMPDIR elsewhere, open to all): a run of one searches it, two folders deep, for a rubric
-// copy of the other's, which it could rewrite as their common owner, while the other's run waits
-// with its copy in place. It finds none: each grading keeps its runs' folders and copies in a
-// folder of its own that others cannot list. (With them made in TMPDIR itself, it finds the copy.)
+// ones (TMPDIR elsewhere, open to all): a run of one searches it, as deep as it may list, for a run
+// folder or rubric copy of the other's, while the other's run waits with both in place. It finds
+// none: each grading keeps its runs' folders and copies in a folder of its own that others cannot
+// list. (With them made in TMPDIR itself, it finds the other's.) The other grading is untouched.
 TEST(Hostile, RunsOfAnotherGradingAreOutOfSight) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
-  if (!fs::is_directory("/run")) GTEST_SKIP() << "no /run here (a folder outside /tmp, /var/tmp and /dev/shm)";
   const fs::path shared = "/run/k2c-selftest-runs-" + std::to_string(getpid());
-  fs::remove_all(shared);
-  fs::create_directories(shared);
+  std::error_code ec;
+  fs::remove_all(shared, ec);
+  fs::create_directories(shared, ec);
+  if (ec) GTEST_SKIP() << "cannot make " << shared << " (a folder outside /tmp, /var/tmp and /dev/shm): " << ec.message();
   fs::permissions(shared, fs::perms::all | fs::perms::sticky_bit, fs::perm_options::replace);
-  const fs::path waiting = shared / "waiting", looked = shared / "looked", found = shared / "found";
-  // The other grading's run: it says it is waiting, then waits (at most 120 s) until the search is done.
+  const fs::path waiting = shared / "waiting", looked = shared / "looked", released = shared / "released",
+                 found = shared / "found";
+  // The other grading's run: it says it waits, waits (at most 500 s) until the search is done,
+  // and says it saw the search end while it waited.
   const std::string waiter = "#include <unistd.h>\n#include <fstream>\n#include \"fake_gemm.h\"\n"
                              "int k2c::gemm::answer() {\n  std::ofstream(\"" + waiting.string() + "\") << 1;\n"
-                             "  for (int i = 0; i < 1200 && access(\"" + looked.string() + "\", F_OK) != 0; ++i) usleep(100000);\n"
-                             "  return 42;\n}\n";
-  // The searching run: every rubric copy under TMPDIR but its own, wherever it may list.
-  const std::string seeker = R"(#include <cstdlib>
+                             "  for (int i = 0; i < 5000; ++i) {\n"
+                             "    if (access(\"" + looked.string() + "\", F_OK) == 0) { std::ofstream(\"" + released.string() + "\") << 1; break; }\n"
+                             "    usleep(100000);\n  }\n  return 42;\n}\n";
+  // The searching run: every run folder and rubric copy under TMPDIR but its own, wherever it may
+  // list (once: its test program calls it again).
+  const std::string seeker = R"(#include <unistd.h>
+
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -1774,47 +1794,88 @@ TEST(Hostile, RunsOfAnotherGradingAreOutOfSight) {
 
 int k2c::gemm::answer() {
   namespace fs = std::filesystem;
-  const char* mine = std::getenv("K2C_RUBRIC");
+  if (fs::exists(")" + looked.string() + R"(")) return 42;
+  const char* rubric = std::getenv("K2C_RUBRIC");
+  const fs::path mine = fs::current_path();
   std::ofstream found(")" + found.string() + R"(");
   std::error_code ec;
   for (fs::recursive_directory_iterator it(")" + shared.string() + R"(", fs::directory_options::skip_permission_denied, ec), end;
-       !ec && it != end; it.increment(ec))
-    if (it->path().filename().string().rfind("k2c-rubric-", 0) == 0 && (mine == nullptr || it->path() != mine))
+       !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if ((name.rfind("k2c-rubric-", 0) == 0 && (rubric == nullptr || it->path() != rubric)) ||
+        (name.rfind("k2c-run-", 0) == 0 && it->path() != mine))
       found << it->path().string() << "\n";
+  }
   std::ofstream(")" + looked.string() + R"(") << 1;
   return 42;
 }
 )";
-  auto grade = [&](const std::string& name, const std::string& code) {
-    const fs::path course = fake_course_copy(name + "_course"), sub = kTmp / (name + "_submission"), build = kTmp / (name + "_build");
-    fs::remove_all(sub);
-    fs::remove_all(build);
-    write(sub / "assignments/90_honest/honest.cpp", code);
-    return k2c::grader::run_process(
-        {K2C_BIN, "--root", course.string(), "grade", "--rubric", (course / "submission_rubric.json").string(),
-         "--build-dir", build.string(), "--submission", sub.string(), "--modules", "90", "--seed", "1"},
-        {.env = {{"TMPDIR", shared.string()}}, .timeout_s = 900});
+  auto grade = [&](const std::string& name, const std::string& code, bool build_only) {
+    const fs::path course = kTmp / (name + "_course"), sub = kTmp / (name + "_submission"), build = kTmp / (name + "_build");
+    if (build_only) {
+      fake_course_copy(name + "_course");
+      fs::remove_all(sub);
+      fs::remove_all(build);
+      write(sub / "assignments/90_honest/honest.cpp", code);
+    }
+    std::vector<std::string> cmd = {K2C_BIN, "--root", course.string(), "grade", "--rubric",
+                                    (course / "submission_rubric.json").string(), "--build-dir", build.string(),
+                                    "--submission", sub.string(), "--modules", "90", "--seed", "1", "--timeout", "600",
+                                    "--json", (kTmp / (name + "_report.json")).string()};
+    if (build_only) cmd.push_back("--build-only");
+    return k2c::grader::run_process(cmd, {.env = {{"TMPDIR", shared.string()}}, .timeout_s = 900});
   };
+  // Both built first, so that the search starts while the other run still waits.
+  for (const auto& [name, code] : {std::pair{"runs_other", waiter}, std::pair{"runs_seeker", seeker}}) {
+    const ProcessResult built = grade(name, code, true);
+    ASSERT_EQ(built.exit_code, 0) << built.output;
+    if (built.output.find("runs as root") != std::string::npos) GTEST_SKIP() << "code under test runs as root here";
+  }
+  // A temporary folder that the runner could move the grader's folders out of is refused.
+  const fs::path open_to_all = shared / "open";
+  fs::create_directories(open_to_all);
+  fs::permissions(open_to_all, fs::perms::all, fs::perm_options::replace);  // no sticky bit
+  const ProcessResult refused = k2c::grader::run_process(
+      {K2C_BIN, "--root", (kTmp / "runs_seeker_course").string(), "grade", "--rubric",
+       (kTmp / "runs_seeker_course/submission_rubric.json").string(), "--build-dir", (kTmp / "runs_seeker_build").string(),
+       "--submission", (kTmp / "runs_seeker_submission").string(), "--modules", "90"},
+      {.env = {{"TMPDIR", open_to_all.string()}}, .timeout_s = 300});
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_NE(refused.output.find("is writable by nobody without the sticky bit"), std::string::npos) << refused.output;
   ProcessResult other;
+  std::string other_error;
   std::atomic<bool> other_ended = false;
   std::thread other_grading([&] {
-    other = grade("runs_other", waiter);
+    try {
+      other = grade("runs_other", waiter, false);
+    } catch (const std::exception& e) {
+      other_error = e.what();
+    }
     other_ended = true;
   });
-  for (int i = 0; i < 6000 && !other_ended && !fs::exists(waiting); ++i) usleep(100000);
-  const bool other_waits = fs::exists(waiting);
-  const ProcessResult seeking = other_waits ? grade("runs_seeker", seeker) : ProcessResult{};
-  std::ofstream(looked) << 1;  // whatever happened, the other run stops waiting
-  other_grading.join();
-  if (other.output.find("code under test runs as nobody\n") == std::string::npos)  // e.g. a checkout nobody can reach
-    GTEST_SKIP() << "code under test does not run as nobody here: " << other.output.substr(0, 400);
-  ASSERT_TRUE(other_waits) << other.output;
+  struct Ending {  // whatever happens below: the other run stops waiting, its grading is joined
+    std::function<void()> end;
+    ~Ending() { end(); }
+  } ending{[&] {
+    std::ofstream(looked, std::ios::app) << "";
+    other_grading.join();
+    std::error_code ignored;
+    fs::remove_all(shared, ignored);
+  }};
+  for (int i = 0; i < 3000 && !other_ended && !fs::exists(waiting); ++i) usleep(100000);
+  ASSERT_TRUE(fs::exists(waiting)) << "the other grading's run never started";
+  const ProcessResult seeking = grade("runs_seeker", seeker, false);
+  for (int i = 0; i < 3000 && !other_ended; ++i) usleep(100000);
   EXPECT_EQ(seeking.exit_code, 0) << seeking.output;
-  EXPECT_EQ(other.exit_code, 0) << other.output;
-  EXPECT_NE(seeking.output.find("total"), std::string::npos) << seeking.output;
+  EXPECT_NE(seeking.output.find("code under test runs as nobody\n"), std::string::npos) << seeking.output;
   ASSERT_TRUE(fs::exists(found)) << "the search did not run: " << seeking.output;
-  EXPECT_EQ(slurp(found), "") << "a run found another grading's rubric copy";
-  fs::remove_all(shared);
+  EXPECT_EQ(slurp(found), "") << "a run found another grading's folder or rubric copy";
+  EXPECT_TRUE(fs::exists(released)) << "the other run was not waiting through the search: " << other.output;
+  ASSERT_TRUE(other_ended) << "the other grading did not end";
+  EXPECT_EQ(other_error, "");
+  EXPECT_EQ(other.exit_code, 0) << other.output;
+  const json other_report = json::parse(slurp(kTmp / "runs_other_report.json"));
+  EXPECT_EQ(find_named(other_report["modules"], "id", "90_honest")["points"], 10) << other.output;
 }
 
 // --------------------------------------------------------------------------------- trust ---
