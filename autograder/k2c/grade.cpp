@@ -306,25 +306,39 @@ fs::path temp_folder() {
 // run knows its own folder and copy by name, and the others' names are random: a run of another
 // grading of the same account (a second grader on the machine) that lists the temporary folder
 // does not find this one's run folders, which that account owns and so could write. It matters
-// where the temporary folder lies outside the run's private /tmp (TMPDIR elsewhere). A temporary
-// folder the runner could rename entries in (its own, or others' to write without the sticky bit)
-// is refused: the runs folder could be moved away and a folder of the runner's put in its place.
+// where the temporary folder lies outside the run's private /tmp (TMPDIR elsewhere). Where code
+// under test runs as another account, a temporary folder that it could rearrange is refused (the
+// folder itself or one on the way to it being that account's, or writable by it without the
+// sticky bit): the runs folder, or a folder above it, could be moved away and one of the
+// runner's put in its place. The folder is used by its canonical path (no link on the way).
 class RunsFolder {
  public:
   explicit RunsFolder(const Runner& runner) {
-    const fs::path temp = temp_folder();
-    struct stat st {};
-    if (stat(temp.c_str(), &st) != 0) throw std::runtime_error("cannot use the temporary folder " + temp.string() + ": " + std::strerror(errno));
-    const bool runner_writes = runner.uid >= 0 && (st.st_uid == static_cast<uid_t>(runner.uid) || (st.st_mode & S_IWOTH) ||
-                                                   ((st.st_mode & S_IWGRP) && st.st_gid == static_cast<gid_t>(runner.gid)));
-    if (runner_writes && (st.st_uid == static_cast<uid_t>(runner.uid) || !(st.st_mode & S_ISVTX)))
-      throw std::runtime_error("the temporary folder " + temp.string() + " is " +
-                               (st.st_uid == static_cast<uid_t>(runner.uid) ? runner.name + "'s"
-                                                                            : "writable by " + runner.name + " without the sticky bit") +
-                               ": code under test could move what the grader makes there; set TMPDIR to another folder (/tmp)");
+    std::error_code ec;
+    const fs::path temp = fs::canonical(temp_folder(), ec);
+    if (ec) throw std::runtime_error("cannot use the temporary folder " + temp_folder().string() + ": " + ec.message());
+    fs::path at;
+    for (const fs::path& part : runner.uid >= 0 ? temp : fs::path()) {
+      at /= part;
+      struct stat st {};
+      if (lstat(at.c_str(), &st) != 0) throw std::runtime_error("cannot use the temporary folder " + temp.string() + ": " + std::strerror(errno));
+      const bool its_own = st.st_uid == static_cast<uid_t>(runner.uid);
+      const bool it_writes = (st.st_mode & S_IWOTH) || ((st.st_mode & S_IWGRP) && st.st_gid == static_cast<gid_t>(runner.gid));
+      if (its_own || (it_writes && !(st.st_mode & S_ISVTX)))
+        throw std::runtime_error("the temporary folder " + temp.string() + " is not safe from code under test: " + at.string() + " is " +
+                                 (its_own ? runner.name + "'s" : "writable by " + runner.name + " without the sticky bit") +
+                                 ", so what the grader makes there could be moved; set TMPDIR to another folder (/tmp)");
+    }
     path_ = temp / random_name("k2c-runs-");
-    if (mkdir(path_.c_str(), 0711) != 0 || chmod(path_.c_str(), 0711) != 0)
-      throw std::runtime_error("cannot create a folder in " + temp.string() + ": " + std::strerror(errno));
+    if (mkdir(path_.c_str(), 0711) != 0) throw std::runtime_error("cannot create a folder in " + temp.string() + ": " + std::strerror(errno));
+    // The grader's own, as made (a file system that maps root to another user would not give it).
+    struct stat made {};
+    const bool ok = chmod(path_.c_str(), 0711) == 0 && lstat(path_.c_str(), &made) == 0;
+    if (!ok || !S_ISDIR(made.st_mode) || made.st_uid != geteuid()) {
+      const std::string why = ok ? "it is not the grader's" : std::strerror(errno);
+      rmdir(path_.c_str());
+      throw std::runtime_error("cannot make " + path_.string() + " a folder of the grader's own (0711): " + why);
+    }
   }
   ~RunsFolder() {
     std::error_code ec;
@@ -1348,8 +1362,9 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
       cmd.push_back(program.string());
       cmd.push_back("--gtest_output=json:" + json_path.string());
       if (!filter.empty()) cmd.push_back("--gtest_filter=" + filter);
-      // The rubric the test reads its thresholds from, as a copy for this run alone: whatever
-      // the code under test writes to it reaches no later run, module or submission.
+      // The rubric the test reads its thresholds from, as a read-only copy for this run alone:
+      // code under test as another user cannot rewrite it, and as the grader's own user (who
+      // can) it reaches no later run, module or submission.
       const PrivateCopy rubric_copy(rubric_text, runner.runs, "k2c-rubric-", ".json");
       auto all_env = env;
       all_env.emplace_back("K2C_RUBRIC", rubric_copy.path());

@@ -1766,11 +1766,18 @@ TEST(Hostile, CodeUnderTestCannotWriteTheCourse) {
 // list. (With them made in TMPDIR itself, it finds the other's.) The other grading is untouched.
 TEST(Hostile, RunsOfAnotherGradingAreOutOfSight) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root (the grader drops privileges only as root)";
+  if (!fs::is_directory("/run")) GTEST_SKIP() << "no /run here (a folder outside /tmp, /var/tmp and /dev/shm)";
   const fs::path shared = "/run/k2c-selftest-runs-" + std::to_string(getpid());
   std::error_code ec;
   fs::remove_all(shared, ec);
-  fs::create_directories(shared, ec);
-  if (ec) GTEST_SKIP() << "cannot make " << shared << " (a folder outside /tmp, /var/tmp and /dev/shm): " << ec.message();
+  if (!fs::create_directory(shared, ec) || ec) GTEST_SKIP() << "cannot make " << shared << ": " << ec.message();
+  struct Removed {  // whatever happens below, after the other grading is joined
+    fs::path folder;
+    ~Removed() {
+      std::error_code ignored;
+      fs::remove_all(folder, ignored);
+    }
+  } removed{shared};
   fs::permissions(shared, fs::perms::all | fs::perms::sticky_bit, fs::perm_options::replace);
   const fs::path waiting = shared / "waiting", looked = shared / "looked", released = shared / "released",
                  found = shared / "found";
@@ -1798,15 +1805,18 @@ int k2c::gemm::answer() {
   const char* rubric = std::getenv("K2C_RUBRIC");
   const fs::path mine = fs::current_path();
   std::ofstream found(")" + found.string() + R"(");
+  bool saw_waiting = false;  // the other run's sign, always there: the search did list
   std::error_code ec;
   for (fs::recursive_directory_iterator it(")" + shared.string() + R"(", fs::directory_options::skip_permission_denied, ec), end;
        !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
+    saw_waiting = saw_waiting || name == "waiting";
     if ((name.rfind("k2c-rubric-", 0) == 0 && (rubric == nullptr || it->path() != rubric)) ||
         (name.rfind("k2c-run-", 0) == 0 && it->path() != mine))
       found << it->path().string() << "\n";
   }
-  std::ofstream(")" + looked.string() + R"(") << 1;
+  if (ec) found << "the search failed: " << ec.message() << "\n";
+  std::ofstream(")" + looked.string() + R"(") << (saw_waiting ? "saw the other run's sign" : "saw nothing");
   return 42;
 }
 )";
@@ -1831,17 +1841,6 @@ int k2c::gemm::answer() {
     ASSERT_EQ(built.exit_code, 0) << built.output;
     if (built.output.find("runs as root") != std::string::npos) GTEST_SKIP() << "code under test runs as root here";
   }
-  // A temporary folder that the runner could move the grader's folders out of is refused.
-  const fs::path open_to_all = shared / "open";
-  fs::create_directories(open_to_all);
-  fs::permissions(open_to_all, fs::perms::all, fs::perm_options::replace);  // no sticky bit
-  const ProcessResult refused = k2c::grader::run_process(
-      {K2C_BIN, "--root", (kTmp / "runs_seeker_course").string(), "grade", "--rubric",
-       (kTmp / "runs_seeker_course/submission_rubric.json").string(), "--build-dir", (kTmp / "runs_seeker_build").string(),
-       "--submission", (kTmp / "runs_seeker_submission").string(), "--modules", "90"},
-      {.env = {{"TMPDIR", open_to_all.string()}}, .timeout_s = 300});
-  EXPECT_NE(refused.exit_code, 0) << refused.output;
-  EXPECT_NE(refused.output.find("is writable by nobody without the sticky bit"), std::string::npos) << refused.output;
   ProcessResult other;
   std::string other_error;
   std::atomic<bool> other_ended = false;
@@ -1859,8 +1858,6 @@ int k2c::gemm::answer() {
   } ending{[&] {
     std::ofstream(looked, std::ios::app) << "";
     other_grading.join();
-    std::error_code ignored;
-    fs::remove_all(shared, ignored);
   }};
   for (int i = 0; i < 3000 && !other_ended && !fs::exists(waiting); ++i) usleep(100000);
   ASSERT_TRUE(fs::exists(waiting)) << "the other grading's run never started";
@@ -1870,12 +1867,29 @@ int k2c::gemm::answer() {
   EXPECT_NE(seeking.output.find("code under test runs as nobody\n"), std::string::npos) << seeking.output;
   ASSERT_TRUE(fs::exists(found)) << "the search did not run: " << seeking.output;
   EXPECT_EQ(slurp(found), "") << "a run found another grading's folder or rubric copy";
-  EXPECT_TRUE(fs::exists(released)) << "the other run was not waiting through the search: " << other.output;
+  EXPECT_EQ(slurp(looked), "saw the other run's sign");
   ASSERT_TRUE(other_ended) << "the other grading did not end";
+  EXPECT_TRUE(fs::exists(released)) << "the other run was not waiting through the search: " << other.output;
   EXPECT_EQ(other_error, "");
   EXPECT_EQ(other.exit_code, 0) << other.output;
   const json other_report = json::parse(slurp(kTmp / "runs_other_report.json"));
   EXPECT_EQ(find_named(other_report["modules"], "id", "90_honest")["points"], 10) << other.output;
+
+  // A temporary folder that the runner could move the grader's folders out of is refused, and so
+  // is one below such a folder.
+  const fs::path open_to_all = shared / "open", below = open_to_all / "below";
+  fs::create_directories(below);
+  fs::permissions(open_to_all, fs::perms::all, fs::perm_options::replace);  // no sticky bit
+  for (const fs::path& temp : {open_to_all, below}) {
+    const ProcessResult refused = k2c::grader::run_process(
+        {K2C_BIN, "--root", (kTmp / "runs_seeker_course").string(), "grade", "--rubric",
+         (kTmp / "runs_seeker_course/submission_rubric.json").string(), "--build-dir", (kTmp / "runs_seeker_build").string(),
+         "--submission", (kTmp / "runs_seeker_submission").string(), "--modules", "90"},
+        {.env = {{"TMPDIR", temp.string()}}, .timeout_s = 300});
+    EXPECT_NE(refused.exit_code, 0) << refused.output;
+    EXPECT_NE(refused.output.find(open_to_all.string() + " is writable by nobody without the sticky bit"), std::string::npos)
+        << refused.output;
+  }
 }
 
 // --------------------------------------------------------------------------------- trust ---
