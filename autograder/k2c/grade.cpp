@@ -321,16 +321,19 @@ class RunsFolder {
     for (const fs::path& part : runner.uid >= 0 ? temp : fs::path()) {
       at /= part;
       struct stat st {};
-      if (lstat(at.c_str(), &st) != 0) throw std::runtime_error("cannot use the temporary folder " + temp.string() + ": " + std::strerror(errno));
+      if (lstat(at.c_str(), &st) != 0)
+        throw std::runtime_error("cannot use the temporary folder " + temp.string() + ": " + std::strerror(errno));
       const bool its_own = st.st_uid == static_cast<uid_t>(runner.uid);
       const bool it_writes = (st.st_mode & S_IWOTH) || ((st.st_mode & S_IWGRP) && st.st_gid == static_cast<gid_t>(runner.gid));
       if (its_own || (it_writes && !(st.st_mode & S_ISVTX)))
-        throw std::runtime_error("the temporary folder " + temp.string() + " is not safe from code under test: " + at.string() + " is " +
+        throw std::runtime_error("the temporary folder " + temp.string() + " is not safe from code under test: " +
+                                 at.string() + " is " +
                                  (its_own ? runner.name + "'s" : "writable by " + runner.name + " without the sticky bit") +
                                  ", so what the grader makes there could be moved; set TMPDIR to another folder (/tmp)");
     }
     path_ = temp / random_name("k2c-runs-");
-    if (mkdir(path_.c_str(), 0711) != 0) throw std::runtime_error("cannot create a folder in " + temp.string() + ": " + std::strerror(errno));
+    if (mkdir(path_.c_str(), 0711) != 0)
+      throw std::runtime_error("cannot create a folder in " + temp.string() + ": " + std::strerror(errno));
     // The grader's own, as made (a file system that maps root to another user would not give it).
     struct stat made {};
     const bool ok = chmod(path_.c_str(), 0711) == 0 && lstat(path_.c_str(), &made) == 0;

@@ -1786,7 +1786,8 @@ TEST(Hostile, RunsOfAnotherGradingAreOutOfSight) {
   const std::string waiter = "#include <unistd.h>\n#include <fstream>\n#include \"fake_gemm.h\"\n"
                              "int k2c::gemm::answer() {\n  std::ofstream(\"" + waiting.string() + "\") << 1;\n"
                              "  for (int i = 0; i < 5000; ++i) {\n"
-                             "    if (access(\"" + looked.string() + "\", F_OK) == 0) { std::ofstream(\"" + released.string() + "\") << 1; break; }\n"
+                             "    if (access(\"" + looked.string() + "\", F_OK) == 0) {\n"
+                             "      std::ofstream(\"" + released.string() + "\") << 1;\n      break;\n    }\n"
                              "    usleep(100000);\n  }\n  return 42;\n}\n";
   // The searching run: every run folder and rubric copy under TMPDIR but its own, wherever it may
   // list (once: its test program calls it again).
