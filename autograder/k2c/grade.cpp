@@ -301,6 +301,31 @@ fs::path temp_folder() {
   return ec ? fs::path("/tmp") : dir;
 }
 
+// A folder this process made, removed with all it holds when this goes out of scope (also when a
+// constructor below throws after making it).
+class MadeFolder {
+ public:
+  MadeFolder() = default;
+  ~MadeFolder() {
+    std::error_code ec;
+    if (!path_.empty()) fs::remove_all(path_, ec);
+  }
+  MadeFolder(const MadeFolder&) = delete;
+  MadeFolder& operator=(const MadeFolder&) = delete;
+  const fs::path& path() const { return path_; }
+
+ protected:
+  // Makes `folder` (mode `mode`, under the umask) and takes it in charge; throws if it cannot.
+  void make(const fs::path& folder, mode_t mode) {
+    if (mkdir(folder.c_str(), mode) != 0)
+      throw std::runtime_error("cannot create a folder in " + folder.parent_path().string() + ": " + std::strerror(errno));
+    path_ = folder;
+  }
+
+ private:
+  fs::path path_;
+};
+
 // Where one grading makes its runs' folders and rubric copies: a folder of the grader's own in
 // the temporary folder that others may pass through but not list (0711), removed at the end. A
 // run knows its own folder and copy by name, and the others' names are random: a run of another
@@ -311,7 +336,7 @@ fs::path temp_folder() {
 // folder itself or one on the way to it being that account's, or writable by it without the
 // sticky bit): the runs folder, or a folder above it, could be moved away and one of the
 // runner's put in its place. The folder is used by its canonical path (no link on the way).
-class RunsFolder {
+class RunsFolder : public MadeFolder {
  public:
   explicit RunsFolder(const Runner& runner) {
     std::error_code ec;
@@ -331,52 +356,26 @@ class RunsFolder {
                                  (its_own ? runner.name + "'s" : "writable by " + runner.name + " without the sticky bit") +
                                  ", so what the grader makes there could be moved; set TMPDIR to another folder (/tmp)");
     }
-    path_ = temp / random_name("k2c-runs-");
-    if (mkdir(path_.c_str(), 0711) != 0)
-      throw std::runtime_error("cannot create a folder in " + temp.string() + ": " + std::strerror(errno));
+    make(temp / random_name("k2c-runs-"), 0711);
     // The grader's own, as made (a file system that maps root to another user would not give it).
     struct stat made {};
-    const bool ok = chmod(path_.c_str(), 0711) == 0 && lstat(path_.c_str(), &made) == 0;
+    const bool ok = chmod(path().c_str(), 0711) == 0 && lstat(path().c_str(), &made) == 0;
     if (!ok || !S_ISDIR(made.st_mode) || made.st_uid != geteuid()) {
       const std::string why = ok ? "it is not the grader's" : std::strerror(errno);
-      rmdir(path_.c_str());
-      throw std::runtime_error("cannot make " + path_.string() + " a folder of the grader's own (0711): " + why);
+      throw std::runtime_error("cannot make " + path().string() + " a folder of the grader's own (0711): " + why);
     }
   }
-  ~RunsFolder() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  RunsFolder(const RunsFolder&) = delete;
-  RunsFolder& operator=(const RunsFolder&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
 };
 
 // A folder for one run of a test program as `runner`: its working directory and HOME, where
 // its report is written; owned by the runner, 0700, in the runner's RunsFolder, removed afterwards.
-class RunFolder {
+class RunFolder : public MadeFolder {
  public:
   explicit RunFolder(const Runner& runner) {
-    const fs::path dir = runner.runs.empty() ? temp_folder() : runner.runs;
-    path_ = dir / random_name("k2c-run-");
-    if (mkdir(path_.c_str(), 0700) != 0)
-      throw std::runtime_error("cannot create a folder in " + dir.string() + ": " + std::strerror(errno));
-    if (runner.uid >= 0 && chown(path_.c_str(), static_cast<uid_t>(runner.uid), static_cast<gid_t>(runner.gid)) != 0)
-      throw std::runtime_error("cannot hand " + path_.string() + " to " + runner.name + ": " + std::strerror(errno));
+    make((runner.runs.empty() ? temp_folder() : runner.runs) / random_name("k2c-run-"), 0700);
+    if (runner.uid >= 0 && chown(path().c_str(), static_cast<uid_t>(runner.uid), static_cast<gid_t>(runner.gid)) != 0)
+      throw std::runtime_error("cannot hand " + path().string() + " to " + runner.name + ": " + std::strerror(errno));
   }
-  ~RunFolder() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  RunFolder(const RunFolder&) = delete;
-  RunFolder& operator=(const RunFolder&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
 };
 
 // The command-line form of a sanitized run (--sanitize): exit code 86 when memcheck finds errors.
