@@ -46,6 +46,14 @@ inline km::ModelConfig deep_model() {
   return c;
 }
 
+// The deep model twice as wide (1.2 M parameters): what an engine keeps off its ledgers shows
+// as megabytes of heap, well above the allocator's and Open MPI's own bookkeeping.
+inline km::ModelConfig wide_model() {
+  km::ModelConfig c = deep_model();
+  c.d_model = 64, c.d_ff = 171;
+  return c;
+}
+
 // d 768, 48 layers, vocab 8192, T 512: 0.35 G parameters, 5.6 GB of training state in fp32 on
 // one rank; 51 units, so the two that ZeRO-3 holds beyond its shard are a small part of it.
 inline km::ModelConfig gpu_model() {

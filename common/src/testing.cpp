@@ -1,6 +1,8 @@
 // testing.cpp — see k2c/testing/testing.h.
 #include "k2c/testing/testing.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -55,6 +57,11 @@ std::uint64_t seed_for(const std::string& purpose) {
   key += "/" + purpose;
   for (unsigned char c : key) h = mix64(h ^ c);
   return h;
+}
+
+std::size_t heap_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return m.uordblks + m.hblkhd;
 }
 
 bool gpu_available() {

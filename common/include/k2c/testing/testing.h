@@ -11,6 +11,7 @@
 // tested and the rubric path, and aborts the process on a sticky CUDA error.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -53,6 +54,12 @@ std::uint64_t seed_for(const std::string& purpose);
 // under test must not be able to make in advance from the run's seed (a speed test's inputs drawn
 // just before each call); name it in a failure's message so the case can be replayed.
 std::uint64_t unpredictable_seed();
+
+// Bytes the process's heap holds now: glibc's count of what malloc, new and the aligned
+// allocations have handed out and not taken back, over every arena and large mapped blocks. A
+// test holds a ledger's figures against the heap's growth (module 13), since code under test
+// can keep a tensor off the ledger it was given but not off the process's heap.
+std::size_t heap_in_use();
 
 // A rows × cols matrix shape, and `count` random ones with 1 to max_cols columns and at most about
 // max_elements elements, drawn from `seed` (tests of row-wise kernels, modules 06 and 07).
