@@ -379,6 +379,17 @@ def process(path, refs, rubric, write, shown):
     return count, unchecked, problems
 
 
+def read_object(path, option):
+    """The JSON object in a file given by `option`, or the end of the run with a message saying what is wrong."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        sys.exit(f"figures.py: {option} {path}: {e}")
+    if not isinstance(data, dict):
+        sys.exit(f"figures.py: {option} {path}: a JSON object expected, found {type(data).__name__}")
+    return data
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
@@ -397,9 +408,12 @@ def main(argv=None):
         reference_name = str(reference.relative_to(ROOT))
     except ValueError:
         reference_name = str(reference)
-    refs = References(json.loads(reference.read_text(encoding="utf-8")), args.without, reference_name)
-    rubric = json.loads(pathlib.Path(args.rubric).read_text(encoding="utf-8"))
+    refs = References(read_object(reference, "--reference"), args.without, reference_name)
+    rubric = read_object(pathlib.Path(args.rubric), "--rubric")
     files = [pathlib.Path(f) for f in args.files] or list(markdown_files(ROOT))
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        sys.exit(f"figures.py: no such Markdown file: {', '.join(missing)}")
     total, unchecked, problems, touched = 0, 0, [], 0
     for path in files:
         try:

@@ -65,6 +65,8 @@ def parse_args():
 
 def find_k2c(args):
     if args.k2c:
+        if not args.k2c.is_file() or not os.access(args.k2c, os.X_OK):
+            sys.exit(f"grade_class: --k2c {args.k2c}: no such program")
         return args.k2c
     for impl in ("solutions", "assignments"):
         k2c = args.root / "build" / impl / "bin" / "k2c"
@@ -127,6 +129,16 @@ def snapshot(found):
     return root, copies
 
 
+def whole(report):
+    """A report of a grading that ran to its end, with what scores.csv reads."""
+    return (isinstance(report, dict) and not report.get("unfinished")
+            and all(isinstance(report.get(k), (int, float)) for k in ("points", "max_points"))
+            and isinstance(report.get("modules"), list)
+            and all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                    and all(isinstance(m.get(k), (int, float)) for k in ("points", "max_points"))
+                    for m in report["modules"]))
+
+
 def grade(k2c, args, student, out):
     """Runs k2c for one student; returns (report or None, why there is none, stop the class)."""
     report_path, log_path = out / "reports" / f"{student.name}.json", out / "logs" / f"{student.name}.log"
@@ -140,15 +152,19 @@ def grade(k2c, args, student, out):
     text = log_path.read_text(errors="replace")
     if status == 1 and "changed while grading" in text:
         return None, "the course tree changed while grading: " + text.strip().splitlines()[-1], True
+    last = text.strip().splitlines()[-1] if text.strip() else "no output"
+    # Status 2 that is not about the submission, or CLI11's own (100 and up), is k2c refusing the
+    # arguments this script passes every student: no student would fare better.
+    if (status == 2 and not last.startswith("k2c: submission")) or status >= 100:
+        return None, f"k2c refused its arguments (status {status}): {last}", True
     try:
         report = json.loads(report_path.read_text())
     except (OSError, json.JSONDecodeError):
         report = None
-    if report is None or report.get("unfinished"):
+    if not whole(report):
         # k2c rewrites the report after each module; one marked unfinished is from a run that
         # stopped before the end, and is no grade.
         report_path.unlink(missing_ok=True)
-        last = text.strip().splitlines()[-1] if text.strip() else "no output"
         return None, f"k2c exited with status {status} and wrote no whole report ({last})", False
     return report, "", False
 
@@ -183,12 +199,12 @@ def grade_all(k2c, args, found, copies, passed_over, out):
         if kept.is_file() and not args.regrade:
             try:
                 report = json.loads(kept.read_text())
-                if not report.get("unfinished"):  # a run that stopped early is graded again
-                    reports[student.name] = report
-                    print(f"{tag}: kept from an earlier run ({report['points']:g} points)", flush=True)
-                    continue
-            except (json.JSONDecodeError, KeyError, AttributeError):
-                pass  # unreadable: graded again
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                report = None
+            if whole(report):  # else unreadable, or from a run that stopped early: graded again
+                reports[student.name] = report
+                print(f"{tag}: kept from an earlier run ({report['points']:g} points)", flush=True)
+                continue
         if isinstance(copy, str):  # the upload could not be copied
             problems[student.name] = copy
             print(f"{tag}: not graded: {copy}", flush=True)
@@ -197,7 +213,7 @@ def grade_all(k2c, args, found, copies, passed_over, out):
         report, why, stop = grade(k2c, args, copy, out)
         seconds = time.monotonic() - start
         if stop:
-            sys.exit(f"{tag}: {why}\ngrade_class: stopped; restore the course tree and run again "
+            sys.exit(f"{tag}: {why}\ngrade_class: stopped; fix that and run again "
                      f"(students already graded keep their reports)")
         if report is None:
             problems[student.name] = why

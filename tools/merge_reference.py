@@ -36,29 +36,56 @@ CAPSTONE_KEYS = ("grid", "ranks", "model", "median_tokens_per_s", "model_tflops_
 CAPSTONE_REQUIRED = ("grid", "model", "median_tokens_per_s", "ratio", "ops_ms")
 
 
-def merge_capstone(pairs, into):
+def load(path, what):
+    """The JSON object in `path`, or the end of the run with a message naming the file and `what` it should be."""
     try:
-        ref = json.loads(pathlib.Path(into).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        sys.exit(f"merge_reference: {e}")
+        data = json.loads(pathlib.Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        sys.exit(f"merge_reference: {path} ({what}): {e}")
+    if not isinstance(data, dict):
+        sys.exit(f"merge_reference: {path} ({what}): a JSON object expected, found {type(data).__name__}")
+    return data
+
+
+def is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def expect_objects(path, data, *keys):
+    """Each of `keys` that `data` has must be a JSON object."""
+    for key in keys:
+        if key in data and not isinstance(data[key], dict):
+            sys.exit(f"merge_reference: {path}: '{key}' must be an object, found {type(data[key]).__name__}")
+
+
+def write(path, ref):
+    """The whole file at once: a partly written reference file is never left behind."""
+    part = pathlib.Path(str(path) + ".part")
+    part.write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+    part.replace(path)
+
+
+def merge_capstone(pairs, into):
+    ref = load(into, "the reference file")
+    expect_objects(into, ref, "capstone")
     entries = {}
     for pair in pairs:
         name, sep, path = pair.partition("=")
         if not sep or not name or not path or name.startswith("$"):
             sys.exit(f"merge_reference: --capstone takes NAME=FILE, got {pair!r}")
-        try:
-            run = json.loads(pathlib.Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            sys.exit(f"merge_reference: {path}: {e}")
+        run = load(path, "a k2c_capstone summary")
         missing = [k for k in CAPSTONE_REQUIRED if k not in run]
         if missing:
             sys.exit(f"merge_reference: {path} has no {', '.join(missing)}: not a `k2c_capstone --json --time-ops` summary "
                      "of a GPU run")
+        bad = [k for k in ("median_tokens_per_s", "ratio") if not is_number(run[k])]
+        if bad:
+            sys.exit(f"merge_reference: {path}: {', '.join(bad)} must be numbers")
+        expect_objects(path, run, "ops_ms", "ops_host_ms", "ops_in_step_ms", "kernels")
         entries[name] = {k: run[k] for k in CAPSTONE_KEYS if k in run}
         entries[name]["date"] = datetime.date.today().isoformat()
-    section = ref.setdefault("capstone", {})
-    section.update(entries)
-    pathlib.Path(into).write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+    ref.setdefault("capstone", {}).update(entries)
+    write(into, ref)
     for name, e in entries.items():
         print(f"merge_reference: capstone '{name}': {e['median_tokens_per_s']:,} tokens/s, {e['ratio']:.3f} of cuBLAS")
     print("merge_reference: check the capstone section's $comment names these runs' session")
@@ -76,14 +103,17 @@ def main():
         return merge_capstone(a.capstone, a.into)
     if not a.run:
         ap.error("give the file `k2c grade --write-reference` wrote, or --capstone NAME=FILE")
-    try:
-        run = json.loads(pathlib.Path(a.run).read_text())
-        ref = json.loads(pathlib.Path(a.into).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        sys.exit(f"merge_reference: {e}")
+    run = load(a.run, "a graded run's reference timings")
+    ref = load(a.into, "the reference file")
     for key in ("gpu", "date", "seed", "modules"):
         if key not in run:
             sys.exit(f"merge_reference: {a.run} has no '{key}': not a file `k2c grade --write-reference` wrote")
+    expect_objects(a.run, run, "modules", "ceilings")
+    expect_objects(a.into, ref, "modules", "module_dates", "module_seeds", "ceilings")
+    for path, data in ((a.run, run), (a.into, ref)):
+        for module, tests in data.get("modules", {}).items():
+            if not isinstance(tests, dict) or not all(isinstance(t, dict) for t in tests.values()):
+                sys.exit(f"merge_reference: {path}: module {module}'s figures must be an object of objects, one a test")
     if run["gpu"] != ref.get("gpu"):
         sys.exit(f"merge_reference: {a.run} was measured on {run['gpu']!r}, {a.into} holds {ref.get('gpu')!r}")
 
@@ -103,7 +133,7 @@ def main():
     for key in ("toolkit", "cuda_runtime"):
         if run.get(key):
             ref[key] = run[key]
-    pathlib.Path(a.into).write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+    write(a.into, ref)
     print(f"merge_reference: {', '.join(sorted(measured))} from {a.run} ({run['date']}, seed {run['seed']}) into {a.into}")
 
 

@@ -49,7 +49,7 @@
 // computation on tensors; never read or write tensor elements yourself. Host code may handle the
 // routing's integers and per-token numbers (N·k or N·E of them) through ops.upload and ops.download.
 //
-// Tests: autograder/17_expert_parallel/test_expert_parallel.cpp. Lecture: lectures/17_expert_parallel.md.
+// Tests: autograder/17_expert_parallel/test_expert_parallel.cpp and test_expert_parallel_grid.cpp. Lecture: lectures/17_expert_parallel.md.
 #pragma once
 
 #include <cmath>

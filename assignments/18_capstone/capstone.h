@@ -101,31 +101,31 @@ namespace k2c::capstone {
 // ---- given: the grid flag
 
 // "dp2,tp2,pp2,ep2", in any order, any axis left out meaning 1; "1" (or "") is one rank. Also
-// accepts "x" between axes ("dp2xtp2"). Throws std::invalid_argument naming what it could not read.
+// accepts "x" between axes ("dp2xtp2"). Throws std::invalid_argument naming what it could not
+// read: an unknown axis, one given twice, a size that is not a whole number from 1 to 99999, or a
+// separator with no axis after it.
 inline dist::GridShape parse_grid(const std::string& text) {
   dist::GridShape g;
   if (text.empty() || text == "1") return g;
-  std::size_t i = 0;
-  while (i < text.size()) {
+  const auto bad = [&](const std::string& why) { return std::invalid_argument("grid '" + text + "': " + why); };
+  std::string seen;
+  for (std::size_t i = 0;;) {
     const std::string axis = text.substr(i, 2);
+    int* size = axis == "dp" ? &g.dp : axis == "tp" ? &g.tp : axis == "pp" ? &g.pp : axis == "ep" ? &g.ep : nullptr;
+    if (!size) throw bad("'" + axis + "' is not an axis (dp, tp, pp or ep; ',' or 'x' between them)");
+    if (seen.find(axis) != std::string::npos) throw bad("'" + axis + "' is given twice");
+    seen += axis;
     i += 2;
-    std::size_t used = 0;
-    int n = 0;
-    try {
-      n = std::stoi(text.substr(i), &used);
-    } catch (...) {
-      used = 0;
-    }
-    if (used == 0 || n < 1) throw std::invalid_argument("grid '" + text + "': '" + axis + "' needs a size >= 1");
-    i += used;
-    if (axis == "dp") g.dp = n;
-    else if (axis == "tp") g.tp = n;
-    else if (axis == "pp") g.pp = n;
-    else if (axis == "ep") g.ep = n;
-    else throw std::invalid_argument("grid '" + text + "': unknown axis '" + axis + "' (dp, tp, pp or ep)");
-    if (i < text.size() && (text[i] == ',' || text[i] == 'x')) ++i;
+    std::size_t end = i;
+    while (end < text.size() && text[end] >= '0' && text[end] <= '9') ++end;
+    if (end == i || end - i > 5 || std::stoi(text.substr(i, end - i)) < 1)
+      throw bad("'" + axis + "' needs a size from 1 to 99999");
+    *size = std::stoi(text.substr(i, end - i));
+    i = end;
+    if (i == text.size()) return g;
+    if (text[i] != ',' && text[i] != 'x') throw bad("'" + text.substr(i, 1) + "' after " + axis + ": ',' or 'x' separates axes");
+    if (++i == text.size()) throw bad("it ends with a separator");
   }
-  return g;
 }
 
 inline std::string grid_name(const dist::GridShape& g) {

@@ -6,7 +6,7 @@
 // a merge on the device), the engine (model::Block's forward with attention swapped), then MLA.
 // common/model/src/layers.cpp and block.cpp are the forward pass you reproduce step for step;
 // ops.h lists every operation you may call. Run one test at a time first:
-//   build/assignments/bin/k2c run -np 1 build/assignments/bin/k2c_test_19_inference \
+//   build/assignments/bin/k2c run -np 1 --backend mpi build/assignments/bin/k2c_test_19_inference \
 //     --gtest_filter='Inference.Cache*'
 #include "inference.h"
 #include "k2c/core/todo.h"

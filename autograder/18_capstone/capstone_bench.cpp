@@ -160,6 +160,21 @@ Options parse(int argc, char** argv) {
       }
       throw UsageError(a + ": '" + v + "' is not a number");
     };
+    // A count or a seed: a whole number in [lo, hi] (a cast would wrap 1e10 or truncate 2.7).
+    auto whole = [&](double lo, double hi) {
+      const double d = number();
+      if (d != std::floor(d) || d < lo || d > hi) {
+        char range[64];
+        std::snprintf(range, sizeof range, "a whole number from %.0f to %.0f", lo, hi);
+        throw UsageError(a + ": " + range);
+      }
+      return d;
+    };
+    auto positive = [&]() {
+      const double d = number();
+      if (!(d > 0)) throw UsageError(a + ": a number above 0");
+      return d;
+    };
     if (a == "--grid") o.grid = value();
     else if (a == "--data") o.data = value();
     else if (a == "--config") o.config = value();
@@ -169,17 +184,17 @@ Options parse(int argc, char** argv) {
     else if (a == "--kernels") o.kernels = value();
     else if (a == "--activations") o.activations = value();
     else if (a == "--residual") o.residual = value();
-    else if (a == "--steps") o.steps = static_cast<int>(number());
-    else if (a == "--batch") o.batch = static_cast<int>(number());
-    else if (a == "--micro-batches") o.micro_batches = static_cast<int>(number());
-    else if (a == "--eval-every") o.eval_every = static_cast<int>(number());
-    else if (a == "--samples") o.samples = static_cast<int>(number());
-    else if (a == "--lr") o.lr = number();
+    else if (a == "--steps") o.steps = static_cast<int>(whole(1, 1e9));
+    else if (a == "--batch") o.batch = static_cast<int>(whole(1, 1e6));
+    else if (a == "--micro-batches") o.micro_batches = static_cast<int>(whole(1, 1e6));
+    else if (a == "--eval-every") o.eval_every = static_cast<int>(whole(0, 1e9));
+    else if (a == "--samples") o.samples = static_cast<int>(whole(0, 1000));
+    else if (a == "--lr") o.lr = positive();
     else if (a == "--clip") o.clip = number();
-    else if (a == "--zero") o.zero = static_cast<int>(number());
-    else if (a == "--peak-tflops") o.peak_tflops = number();
+    else if (a == "--zero") o.zero = static_cast<int>(whole(0, 3));
+    else if (a == "--peak-tflops") o.peak_tflops = positive();
     else if (a == "--bucket-mib") o.bucket_mib = number();
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(number());
+    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(whole(0, 9007199254740992.0));
     else if (a == "--resume") o.resume = true;
     else if (a == "--gpipe") o.gpipe = true;
     else if (a == "--time-ops") o.time_ops = true;
@@ -199,6 +214,17 @@ Options parse(int argc, char** argv) {
   if (o.residual != "f32" && o.residual != "bf16") throw UsageError("--residual " + o.residual + ": f32 or bf16");
   if (o.resume && o.checkpoint.empty()) throw UsageError("--resume needs --checkpoint FILE");
   if (o.zero < 0 || o.zero > 3) throw UsageError("--zero " + std::to_string(o.zero) + ": 1, 2 or 3 (0: off)");
+  // One rank's checkpoint is the file itself, several ranks' are FILE.rank<r> (capstone.h).
+  if (o.resume && !std::ifstream(o.checkpoint) && !std::ifstream(o.checkpoint + ".rank0"))
+    throw UsageError("--resume: cannot read the checkpoint " + o.checkpoint + " (nor " + o.checkpoint + ".rank0)");
+  if (!o.json.empty() && !o.plan) {
+    // The summary is written after the last step: a path that cannot take it is said now.
+    std::error_code ec;
+    const bool existed = fs::exists(o.json, ec);
+    if (fs::is_directory(o.json, ec) || !std::ofstream(o.json, std::ios::app))
+      throw UsageError("--json " + o.json + ": cannot write there");
+    if (!existed) fs::remove(o.json, ec);
+  }
   if (o.zero > 0 && !o.checkpoint.empty())
     throw UsageError("--checkpoint with --zero " + std::to_string(o.zero) +
                      ": module 13's Zero does not expose its optimizer shards; drop one of the two");
@@ -479,7 +505,8 @@ int run(k2c::dist::Communicator& world, const Options& o) {
   if (course) std::cout << "kernels of rank 0 (calls over the run):\n" << course->report();
   if (!o.log.empty()) std::printf("log: %s  (plot: python3 tools/plot_loss.py %s)\n", o.log.c_str(), o.log.c_str());
   if (!o.json.empty()) {
-    std::ofstream j(o.json);
+    const std::string part = o.json + ".part";  // renamed into place once whole
+    std::ofstream j(part);
     j << "{\n  \"grid\": \"" << kc::grid_name(config.grid) << "\", \"ranks\": " << world.size()
       << ", \"model\": \"" << c.model.describe() << "\", \"micro_batches\": " << o.micro_batches
       << ", \"zero_stage\": " << o.zero << ", \"bucket_bytes\": " << config.bucket_bytes
@@ -523,6 +550,11 @@ int run(k2c::dist::Communicator& world, const Options& o) {
       << median_tps * flops_per_token / world.size() / 1e12 << ", \"cublas_bf16_tflops\": " << cublas / 1e12
       << ", \"ratio\": " << (cublas > 0 ? median_tps * flops_per_token / world.size() / cublas : 0)
       << ",\n  \"peak_memory_bytes_rank0\": " << trainer.ledger().peak_total() << "\n}\n";
+    j.close();
+    std::error_code ec;
+    if (!j) throw std::runtime_error("cannot write " + part);
+    fs::rename(part, o.json, ec);
+    if (ec) throw std::runtime_error("cannot write " + o.json + ": " + ec.message());
   }
   // Samples: the gathered weights in a one-process trainer on this rank.
   if (o.samples > 0) {

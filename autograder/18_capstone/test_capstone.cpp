@@ -195,6 +195,8 @@ TEST_F(Capstone, ParsesGrids) {
   EXPECT_EQ(kc::grid_name(kc::parse_grid("tp2,dp2")), "dp2,tp2");
   EXPECT_THROW(kc::parse_grid("dp0"), std::invalid_argument);
   EXPECT_THROW(kc::parse_grid("xy2"), std::invalid_argument);
+  for (const char* bad : {"dp2,", "tp2x", "dp2,dp4", "dp2 tp2", "dp99999999999", "dp", "dp2;tp2", "dp-1"})
+    EXPECT_THROW(kc::parse_grid(bad), std::invalid_argument) << bad;
 }
 
 TEST_F(Capstone, OneRankMatchesLibraryTrainer) { expect_grid_matches("1", Model::dense, 1, Match::bits); }

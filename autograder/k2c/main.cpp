@@ -61,6 +61,25 @@ bool on_path(const std::string& program) {
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
+// A flag's value that cannot be used, found before any work starts: status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// That an output file given by `option` can be made, before hours of grading go into it: its
+// folder made, a file beside it created and removed.
+void check_can_write(const std::string& path, const std::string& option) {
+  if (path.empty()) return;
+  const fs::path p(path);
+  std::error_code ec;
+  if (p.has_parent_path()) fs::create_directories(p.parent_path(), ec);
+  if (ec) throw UsageError(option + " " + path + ": cannot make its folder: " + ec.message());
+  if (fs::is_directory(p, ec)) throw UsageError(option + " " + path + ": a folder, not a file");
+  const std::string probe = path + ".part";
+  if (!std::ofstream(probe)) throw UsageError(option + " " + path + ": cannot write there");
+  fs::remove(probe, ec);
+}
+
 // Written beside the destination and renamed over it, so that a grader stopped mid-write (grading
 // writes its results after every module) leaves the previous whole file, never a cut one.
 void write_json(const std::string& path, const json& j) {
@@ -199,8 +218,7 @@ int main(int argc, char** argv) {
   grade_cmd->add_option("--gradescope", gradescope_out, "write Gradescope's results.json");
   grade_cmd->add_option("--deadline", g.deadline_s,
                         "seconds after which no further module begins (the rest: not graded); set it below "
-                        "the grading platform's own time limit by the longest module's time")
-      ->check(CLI::NonNegativeNumber);
+                        "the grading platform's own time limit by the longest module's time");
   grade_cmd->add_option("--write-reference", reference_out, "write this run's figures as reference timings");
   grade_cmd->add_option("--build-dir", g.build_dir, "build tree (default: <root>/build/<impl>)");
   grade_cmd->add_option("--rubric", g.rubric_path, "rubric (default: <root>/autograder/rubric.json)");
@@ -238,6 +256,7 @@ int main(int argc, char** argv) {
   auto* train_cmd = app.add_subcommand("train",
       "train the course's transformer in one process: k2c train --data datasets/markov [...] (k2c_train --help)");
   train_cmd->prefix_command();
+  train_cmd->set_help_flag();  // --help is k2c_train's own
   std::string handout_dir;
   auto* handout_cmd = app.add_subcommand("handout", "write a student tree without solutions/");
   handout_cmd->add_option("out", handout_dir, "destination directory")->required();
@@ -253,8 +272,18 @@ int main(int argc, char** argv) {
       if (g.rubric_path.empty()) g.rubric_path = (fs::path(root) / "autograder" / "rubric.json").string();
       g.reference_dir = (fs::path(root) / "autograder" / "reference").string();
       std::stringstream csv(modules_csv);
-      for (std::string m; std::getline(csv, m, ',');)
+      for (std::string m; std::getline(csv, m, ',');) {
+        m.erase(0, m.find_first_not_of(" \t"));
+        m.erase(m.find_last_not_of(" \t") + 1);
         if (!m.empty()) g.modules.push_back(m);
+      }
+      if (!modules_csv.empty() && g.modules.empty())
+        throw UsageError("--modules '" + modules_csv + "' names no module (leave it out to grade them all)");
+      if (g.timeout_s < 0) throw UsageError("--timeout: seconds above 0 (0 or none: the rubric's limits)");
+      if (g.deadline_s < 0) throw UsageError("--deadline: seconds, 0 or more");
+      check_can_write(json_out, "--json");
+      check_can_write(gradescope_out, "--gradescope");
+      check_can_write(reference_out, "--write-reference");
       g.seed = *seed_opt ? seed : std::random_device{}() % 1000000;
       // The results so far after each module, marked unfinished; the last write is the whole run.
       // Best effort: a file that cannot be written now stops nothing (the final write still must).
@@ -356,13 +385,14 @@ int main(int argc, char** argv) {
     if (*bench_cmd) {
       const fs::path bin = fs::path(g.build_dir) / "bin";
       const fs::path out = bench_dir.empty() ? fs::path(g.build_dir) / "bench" : fs::path(bench_dir);
-      fs::create_directories(out);
-      int ran = 0;
       std::vector<fs::path> programs;
       if (fs::is_directory(bin))
         for (const auto& e : fs::directory_iterator(bin))
           if (e.path().filename().string().rfind("k2c_bench_", 0) == 0) programs.push_back(e.path());
       std::sort(programs.begin(), programs.end());
+      if (programs.empty())
+        throw std::runtime_error("no benchmark programs in " + bin.string() + " (build first; Google Benchmark and CUDA are needed)");
+      fs::create_directories(out);
       for (const fs::path& p : programs) {
         const std::string name = p.filename().string().substr(10);
         std::cerr << "bench " << name << " ...\n";
@@ -372,9 +402,7 @@ int main(int argc, char** argv) {
             {.timeout_s = 1800});
         std::cout << r.output;
         if (r.exit_code != 0) std::cerr << "bench " << name << ": " << describe_exit(r, 1800) << "\n";
-        ++ran;
       }
-      if (ran == 0) throw std::runtime_error("no benchmark programs in " + bin.string() + " (build first; Google Benchmark and CUDA are needed)");
       std::cerr << "results: " << out.string() << "\n";
       return 0;
     }
@@ -388,6 +416,7 @@ int main(int argc, char** argv) {
       exec_launch(mpirun_command(coll_launch, args));
     }
     if (*run_cmd) {
+      if (launch.dist_timeout_s < 0) throw UsageError("--timeout: seconds above 0");
       exec_launch(mpirun_command(launch, run_cmd->remaining()));
     }
     if (*train_cmd) {
@@ -408,6 +437,9 @@ int main(int argc, char** argv) {
       return 0;
     }
   } catch (const k2c::RubricError& e) {
+    std::cerr << "k2c: " << e.what() << "\n";
+    return 2;
+  } catch (const UsageError& e) {
     std::cerr << "k2c: " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {

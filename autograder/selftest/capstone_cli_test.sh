@@ -30,9 +30,18 @@ refused "--kernels fast: course or trusted" --kernels fast
 refused "--resume needs --checkpoint FILE" --resume
 refused "--steps: 'many' is not a number" --steps many
 refused "--config huge: one of tiny, tiny-moe, dense-135m, moe-135m" --config huge
-refused "unknown axis 'xy'" --grid xy2
+refused "'xy' is not an axis" --grid xy2
+refused "'dp' is given twice" --grid dp2,dp4
+refused "it ends with a separator" --grid tp2x
+refused "'dp' needs a size from 1 to 99999" --grid dp99999999999
 refused "--data $work/none: not a folder" --data "$work/none"
-refused "--steps, --batch and --micro-batches must be at least 1" --steps 0
+refused "--steps: a whole number from 1 to 1000000000" --steps 0
+refused "--steps: a whole number from 1 to 1000000000" --steps 1e10
+refused "--steps: a whole number from 1 to 1000000000" --steps 2.7
+refused "--lr: a number above 0" --lr -1
+refused "--seed: a whole number from 0" --seed -1
+refused "--resume: cannot read the checkpoint $work/none.bin" --resume --checkpoint "$work/none.bin"
+refused "--json $work/none/run.json: cannot write there" --json "$work/none/run.json"
 refused "--bucket-mib: from 1/1024 (1 KiB) to 4096" --bucket-mib 0
 refused "plan: tp 3 must divide the heads" --plan --grid tp3
 # --plan: one process, any grid, no training; the tables of grid_plan.h.

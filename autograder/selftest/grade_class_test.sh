@@ -91,4 +91,17 @@ grep -q "dave: not graded: could not copy the upload: folders nested more than 6
   [ "$(grep -c 'kept from an earlier run' "$work/third.log")" = 3 ] &&
   grep -q "^dave,,,.*could not copy the upload" "$work/out/scores.csv" ||
   { cat "$work/third.log" "$work/out/scores.csv"; echo "FAIL: the deep upload stopped the class, or was not reported"; exit 1; }
-echo "PASS: three students graded into one build folder, the others passed over, the reports kept, a deep upload refused"
+# A kept report that lacks what scores.csv reads is graded again, not read.
+rm -rf "$subs/dave"
+echo '{"points": 5}' > "$work/out/reports/bob.json"
+run > "$work/fourth.log" 2>&1 || { cat "$work/fourth.log"; echo "FAIL: grade_class.py, fourth run"; exit 1; }
+[ "$(grep -c 'kept from an earlier run' "$work/fourth.log")" = 2 ] && grep -q "bob: .* points (" "$work/fourth.log" ||
+  { cat "$work/fourth.log"; echo "FAIL: a report without modules was kept"; exit 1; }
+# Arguments k2c refuses stop the class at the first student; a --k2c that is not there, at once.
+if python3 "$root/tools/grade_class.py" "$subs" "$work/out2" --k2c "$k2c" --root "$work/course" -- --modules 77 \
+     > "$work/fifth.log" 2>&1; then cat "$work/fifth.log"; echo "FAIL: k2c refused its arguments, yet status 0"; exit 1; fi
+grep -q "k2c refused its arguments" "$work/fifth.log" && [ "$(grep -c 'not graded' "$work/fifth.log")" = 0 ] ||
+  { cat "$work/fifth.log"; echo "FAIL: a usage error went on to the next student"; exit 1; }
+if python3 "$root/tools/grade_class.py" "$subs" "$work/out3" --k2c "$work/no-k2c" > "$work/sixth.log" 2>&1 ||
+   ! grep -q "no such program" "$work/sixth.log"; then cat "$work/sixth.log"; echo "FAIL: a missing --k2c"; exit 1; fi
+echo "PASS: three students graded into one build folder, the others passed over, the reports kept, a deep upload refused, a report without modules graded again, a usage error and a missing k2c stopping the class"

@@ -2,8 +2,8 @@
 # merge_reference_test.sh PYTHON MERGE REFERENCE WORKDIR — tools/merge_reference.py on a copy of
 # the reference file: a graded run replaces the modules it measured and leaves the rest; --capstone
 # puts a k2c_capstone summary into the capstone section under its name, dated, and leaves the other
-# entries; a bad NAME=FILE pair, a file that is not a summary and a run of another GPU are refused
-# with a message, the file untouched.
+# entries; a bad NAME=FILE pair, a file that is not a summary (or not a JSON object, or with
+# figures of the wrong types) and a run of another GPU are refused with a message, the file untouched.
 set -euo pipefail
 py=$1
 merge=$2
@@ -36,8 +36,12 @@ PY
 cp "$ref" "$work/before.json"
 echo "not json" > "$work/bad.json"
 echo '{"grid": "1"}' > "$work/partial.json"
+echo '5' > "$work/number.json"
+echo '{"grid": "1", "model": "m", "median_tokens_per_s": "fast", "ratio": null, "ops_ms": {}}' > "$work/typed.json"
+echo '{"gpu": "x", "date": "d", "seed": 1, "modules": []}' > "$work/listed.json"
 for args in "--capstone noequals" "--capstone =$work/run.json" "--capstone x=$work/bad.json" \
-            "--capstone x=$work/partial.json" "--capstone x=$work/missing.json"; do
+            "--capstone x=$work/partial.json" "--capstone x=$work/missing.json" "--capstone x=$work/number.json" \
+            "--capstone x=$work/typed.json" "$work/number.json" "$work/listed.json"; do
   # shellcheck disable=SC2086  # the arguments are words
   if "$py" "$merge" $args --into "$ref" > "$work/out.txt" 2>&1; then fail "merge took $args"; fi
   grep -q "merge_reference:" "$work/out.txt" || fail "no message for $args: $(cat "$work/out.txt")"

@@ -2144,3 +2144,27 @@ TEST(Cli, UnknownModuleIsAClearError) {
   EXPECT_NE(r.output.find("unknown module '42'"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("80_ok"), std::string::npos) << r.output;
 }
+
+// What a grading would only trip over at its end, or never (an output that cannot be written, a
+// module list with no ids, a negative limit), ends it before the first module with status 2.
+TEST(Cli, BadFlagsEndTheGradingBeforeItStarts) {
+  const fs::path file = kTmp / "a_file";
+  std::ofstream(file) << "x";
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--modules", ","}, "--modules ',' names no module"},
+      {{"--modules", "80", "--json", (file / "r.json").string()}, "--json " + (file / "r.json").string() + ": cannot make its folder"},
+      {{"--modules", "80", "--gradescope", kTmp.string()}, "a folder, not a file"},
+      {{"--modules", "80", "--timeout", "-5"}, "--timeout: seconds above 0"},
+      {{"--modules", "80", "--deadline", "-1"}, "--deadline: seconds, 0 or more"},
+      {{"--rubric", kTmp.string()}, "a folder, not a rubric file"},
+  };
+  for (const auto& [flags, expected] : cases) {
+    std::vector<std::string> argv = {K2C_BIN, "--root", kFake.string(), "grade", "--build-dir", (kTmp / "unused").string()};
+    if (flags.front() != "--rubric") argv.insert(argv.end(), {"--rubric", (kFake / "rubric.json").string()});
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const auto r = k2c::grader::run_process(argv, {.timeout_s = 60});
+    EXPECT_EQ(r.exit_code, 2) << flags.front() << ": " << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << "expected '" << expected << "' in: " << r.output;
+    EXPECT_EQ(r.output.find("[1/"), std::string::npos) << "a module was graded: " << r.output;
+  }
+}

@@ -3,6 +3,7 @@
 #include "k2c/core/rubric.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -228,7 +229,7 @@ Rubric parse_rubric(const std::string& text, const std::string& origin) {
   if (version != 1) rd.error("version", "unsupported version (this grader reads version 1)");
   r.version = 1;
   const double max_bytes = rd.number(j, "(top level)", "max_file_bytes");
-  if (!(max_bytes >= 1)) rd.error("max_file_bytes", "expected a number >= 1");
+  if (!(max_bytes >= 1 && max_bytes <= 1073741824)) rd.error("max_file_bytes", "expected 1..1073741824 (1 GiB)");
   r.max_file_bytes = static_cast<std::size_t>(max_bytes);
 
   const json& modules = rd.field(j, "(top level)", "modules");
@@ -237,6 +238,12 @@ Rubric parse_rubric(const std::string& text, const std::string& origin) {
   for (std::size_t i = 0; i < modules.size(); ++i) {
     const std::string mp = "modules[" + std::to_string(i) + "]";
     r.modules.push_back(read_module(rd, modules[i], mp));
+    // A module builds with the implementations of modules graded before it: one not listed
+    // above would be left out of its build without a word.
+    const std::vector<std::string>& uses = r.modules.back().uses;
+    for (std::size_t u = 0; u < uses.size(); ++u)
+      if (!ids.count(uses[u]))
+        rd.error(mp + ".build.uses[" + std::to_string(u) + "]", "'" + uses[u] + "' is not a module listed before this one");
     if (!ids.insert(r.modules.back().id).second) rd.error(mp + ".id", "duplicate module");
     if (!numbers.insert(r.modules.back().number()).second)
       rd.error(mp + ".id", "duplicate module number");
@@ -245,6 +252,8 @@ Rubric parse_rubric(const std::string& text, const std::string& origin) {
 }
 
 Rubric load_rubric(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw RubricError(path + ": a folder, not a rubric file");
   std::ifstream in(path);
   if (!in) throw RubricError(path + ": cannot open the rubric file");
   std::ostringstream text;
