@@ -57,6 +57,8 @@
 //
 // Exit status: 0 after training, 2 for bad arguments (a grid that does not fit the ranks or the
 // model included), 1 otherwise.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -192,7 +194,10 @@ Options parse(int argc, char** argv) {
     else if (a == "--lr") o.lr = positive();
     else if (a == "--clip") o.clip = number();
     else if (a == "--zero") o.zero = static_cast<int>(whole(0, 3));
-    else if (a == "--peak-tflops") o.peak_tflops = positive();
+    else if (a == "--peak-tflops") {
+      o.peak_tflops = number();  // 0: no MFU printed
+      if (o.peak_tflops < 0) throw UsageError("--peak-tflops: 0 or more");
+    }
     else if (a == "--bucket-mib") o.bucket_mib = number();
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(whole(0, 9007199254740992.0));
     else if (a == "--resume") o.resume = true;
@@ -218,12 +223,12 @@ Options parse(int argc, char** argv) {
   if (o.resume && !std::ifstream(o.checkpoint) && !std::ifstream(o.checkpoint + ".rank0"))
     throw UsageError("--resume: cannot read the checkpoint " + o.checkpoint + " (nor " + o.checkpoint + ".rank0)");
   if (!o.json.empty() && !o.plan) {
-    // The summary is written after the last step: a path that cannot take it is said now.
+    // The summary is written after the last step, to FILE.part renamed into place: a folder that
+    // cannot take it is said now. Each rank tries a name of its own (they all parse the flags).
     std::error_code ec;
-    const bool existed = fs::exists(o.json, ec);
-    if (fs::is_directory(o.json, ec) || !std::ofstream(o.json, std::ios::app))
-      throw UsageError("--json " + o.json + ": cannot write there");
-    if (!existed) fs::remove(o.json, ec);
+    const std::string probe = o.json + ".probe" + std::to_string(getpid());
+    if (fs::is_directory(o.json, ec) || !std::ofstream(probe)) throw UsageError("--json " + o.json + ": cannot write there");
+    fs::remove(probe, ec);
   }
   if (o.zero > 0 && !o.checkpoint.empty())
     throw UsageError("--checkpoint with --zero " + std::to_string(o.zero) +

@@ -416,7 +416,7 @@ int main(int argc, char** argv) {
       exec_launch(mpirun_command(coll_launch, args));
     }
     if (*run_cmd) {
-      if (launch.dist_timeout_s < 0) throw UsageError("--timeout: seconds above 0");
+      if (launch.dist_timeout_s < 0) throw UsageError("--timeout: seconds, 0 or more (0: the runtime's default)");
       exec_launch(mpirun_command(launch, run_cmd->remaining()));
     }
     if (*train_cmd) {

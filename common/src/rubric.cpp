@@ -238,8 +238,8 @@ Rubric parse_rubric(const std::string& text, const std::string& origin) {
   for (std::size_t i = 0; i < modules.size(); ++i) {
     const std::string mp = "modules[" + std::to_string(i) + "]";
     r.modules.push_back(read_module(rd, modules[i], mp));
-    // A module builds with the implementations of modules graded before it: one not listed
-    // above would be left out of its build without a word.
+    // A module builds with the implementations of modules listed before it: a typo or a later
+    // module is said here, with the field, rather than by CMake in the middle of a grading.
     const std::vector<std::string>& uses = r.modules.back().uses;
     for (std::size_t u = 0; u < uses.size(); ++u)
       if (!ids.count(uses[u]))

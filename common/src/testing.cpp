@@ -60,8 +60,12 @@ std::uint64_t seed_for(const std::string& purpose) {
 }
 
 std::size_t heap_in_use() {
+#if defined(__GLIBC__) && __GLIBC_PREREQ(2, 33)
   const struct mallinfo2 m = mallinfo2();
-  return m.uordblks + m.hblkhd;
+#else  // mallinfo's fields are int: right below 2 GiB, which the tests that read it stay under
+  const struct mallinfo m = mallinfo();
+#endif
+  return static_cast<std::size_t>(m.uordblks) + static_cast<std::size_t>(m.hblkhd);
 }
 
 bool gpu_available() {
