@@ -30,7 +30,7 @@
 //   - the ledger holds what the engine holds: after two steps of a wider model, the process's
 //     heap has grown by at most what the engine's ledger holds now, plus 1 MiB of bookkeeping,
 //     the context's ledger is empty, and once the engine is destroyed the heap is back within
-//     256 KiB of where it was (judged over Open MPI's shared-memory transport).
+//     512 KiB of where it was (judged over Open MPI's shared-memory transport).
 // Speed is measured on NCCL with 2 GPUs or more: memory efficiency on a 48-layer model, and the
 // ZeRO step's time against the data-parallel step's, in the same run.
 #include <mpi.h>
@@ -382,14 +382,14 @@ std::vector<Efficiency> memory_efficiency(const km::ModelConfig& c, km::Ops& ops
 // The ledger is the engine's own account of its memory, and code could keep tensors off it (a
 // ledger of its own, remove(), plain vectors, the context's activations ledger). The process's
 // heap it cannot leave. While the engine lives, what the heap gained beyond its ledger (the stage's
-// state; activations are gone after a step) is bookkeeping: about 0.2 MiB for the reference engine
+// state; activations are gone after a step) is bookkeeping: 0.1 to 0.3 MiB for the reference engine
 // here (the model's names and shapes, the engine's tables, Open MPI's), against 1.2 MiB or more
 // for a stage that keeps one more copy of its shard. Once it is destroyed, the heap must be back
-// within 256 KiB of where it was before the engine was made (the reference leaves at most 0.03
+// within 512 KiB of where it was before the engine was made (the reference leaves at most 0.2
 // MiB): memory kept past the engine (a static buffer for the next one to reuse) counts as the
 // engine's. Memory taken before the first engine is measured (in a static constructor, or by an
 // engine of an earlier test and kept since) is not seen.
-constexpr std::size_t kBookkeeping = std::size_t{1} << 20, kLeftBehind = std::size_t{256} << 10;
+constexpr std::size_t kBookkeeping = std::size_t{1} << 20, kLeftBehind = std::size_t{512} << 10;
 
 struct Held {
   std::size_t heap = 0, ledger = 0, activations = 0, left = 0;
