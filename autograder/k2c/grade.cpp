@@ -1161,16 +1161,21 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     conf = run_process(configure, {.env = build_env(build), .timeout_s = 900});
     compile_as_blocked = runner.name + " cannot run " + far;
   }
+  // Configuring reads the course alone (a submission's files are only compiled, later): where it
+  // fails, the machine or the course is at fault, and a "build failed" for every module would
+  // read as the student's zero.
+  if (conf.exit_code != 0)
+    throw std::runtime_error("CMake could not configure the course in " + build.string() +
+                             " (the machine or the course, not a submission, is at fault):\n" +
+                             compiler_errors(conf.output));
   if (!compile_as_blocked.empty()) {
     report.runner += "; the submission's files compile as the grader: " + compile_as_blocked;
     progress << "the submission's files compile as the grader: " << compile_as_blocked << "\n";
   }
   json build_info = json::object();
-  if (conf.exit_code == 0) {
-    try {
-      build_info = json::parse(read_file(build / "k2c_build_info.json"));
-    } catch (...) {
-    }
+  try {
+    build_info = json::parse(read_file(build / "k2c_build_info.json"));
+  } catch (...) {
   }
 
   // The grader's own runs of timed kernels (k2c_witness, k2c/testing/witness.h), built once before
@@ -1178,7 +1183,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   // build tree is not part of the course's fingerprint.
   // Under --sanitize too: a report's passes are no more to be trusted there (the sanitizer is
   // another check, not a replacement for these).
-  const bool witnessing = conf.exit_code == 0 && gpu_here &&
+  const bool witnessing = gpu_here &&
                           std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
                             return s->kind != "cpu" && std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) {
                                      return !t.witness.empty() || (t.perf && !t.perf->witness.empty());
@@ -1189,7 +1194,7 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
   // The grader's own check of distributed correctness tests (k2c_rank_witness), likewise: it needs
   // no GPU, and holds no student code either.
   const bool rank_witnessing =
-      conf.exit_code == 0 && std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
+      std::any_of(selected.begin(), selected.end(), [](const ModuleSpec* s) {
         return std::any_of(s->tests.begin(), s->tests.end(), [](const TestSpec& t) { return !t.rank_witness.empty(); });
       });
   const Checker rank_witness =
@@ -1233,13 +1238,6 @@ GradeReport grade(const GradeOptions& o, std::ostream& progress) {
     if (intake && !intake->problem_for(spec).empty()) {
       m.status = "refused";
       m.detail = "submission " + intake->problem_for(spec);
-      finish(m);
-      continue;
-    }
-    if (conf.exit_code != 0) {
-      m.status = "build failed";
-      m.detail = "CMake configure failed:\n" + compiler_errors(conf.output);
-      m.log = conf.output;
       finish(m);
       continue;
     }

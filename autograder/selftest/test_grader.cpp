@@ -2168,3 +2168,21 @@ TEST(Cli, BadFlagsEndTheGradingBeforeItStarts) {
     EXPECT_EQ(r.output.find("[1/"), std::string::npos) << "a module was graded: " << r.output;
   }
 }
+
+// CMake configures the course alone, before any submission's file is compiled: where it fails,
+// the grading ends with the reason (status 1, no results), instead of a "build failed" zero for
+// every module that would read as the student's.
+TEST(Cli, AConfigureFailureEndsTheGrading) {
+  const fs::path bin = kTmp / "failing_cmake", results = kTmp / "configure_failure.json";
+  fs::create_directories(bin);
+  std::ofstream(bin / "cmake") << "#!/bin/sh\necho 'CMake Error: a machine without what the course needs' >&2\nexit 1\n";
+  fs::permissions(bin / "cmake", fs::perms::owner_all);
+  const auto r = k2c::grader::run_process(
+      {K2C_BIN, "--root", kFake.string(), "grade", "--rubric", (kFake / "rubric.json").string(), "--modules", "80",
+       "--build-dir", (kTmp / "configure_failure").string(), "--json", results.string()},
+      {.env = {{"PATH", bin.string() + ":" + std::getenv("PATH")}}, .timeout_s = 60});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("CMake could not configure the course"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("a machine without what the course needs"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(results)) << "results were written for a grading that could not build anything";
+}
