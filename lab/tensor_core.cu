@@ -23,7 +23,7 @@ namespace tcm = k2c::tensor_core_matmul;
 
 template <class T>
 static void part_a(int n, const bf16* A, const bf16* B, bf16* C) {
-  tcm::launch<T, true>(n, n, n, A, B, C, true, nullptr);
+  tcm::launch_tile<T, true>(n, n, n, A, B, C, true, nullptr);
 }
 
 int main(int argc, char** argv) {
